@@ -1,0 +1,104 @@
+//! Trainable parameters, their gradients, and deterministic initialisation.
+
+use foldmoe_kernels::{Backend, DType, Device, HostData, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::Result;
+
+/// A trainable tensor and the gradient accumulated into it.
+pub struct Param<B: Device> {
+    /// Stable dotted name (`blocks.3.attn.wq`), used for init seeds and checkpoints.
+    pub name: String,
+    /// The current value.
+    pub value: Tensor<B>,
+    /// Gradient accumulated by backward passes since the last `zero_grad`.
+    pub grad: Tensor<B>,
+}
+
+impl<B: Backend> Param<B> {
+    /// Wraps `value` with a zero gradient of the same shape and dtype.
+    pub fn new(b: &B, name: impl Into<String>, value: Tensor<B>) -> Result<Self> {
+        let grad = b.zeros(value.shape(), value.dtype())?;
+        Ok(Param {
+            name: name.into(),
+            value,
+            grad,
+        })
+    }
+
+    /// Adds `g` into the gradient.
+    pub fn accumulate(&mut self, b: &B, g: &Tensor<B>) -> Result<()> {
+        b.axpy(&mut self.grad, 1.0, g)?;
+        Ok(())
+    }
+
+    /// Resets the gradient to zero.
+    pub fn zero_grad(&mut self, b: &B) -> Result<()> {
+        self.grad = b.zeros(self.value.shape(), self.value.dtype())?;
+        Ok(())
+    }
+}
+
+/// Anything holding parameters: visited in a fixed order (the declaration order).
+pub trait Module<B: Device> {
+    /// Calls `f` on every parameter.
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>));
+    /// Calls `f` on every parameter, mutably.
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>));
+}
+
+/// A normal(0, std) tensor whose values depend only on `(seed, name)`, so a
+/// parameter's initial value does not change when other parameters are added
+/// or when it is built on another device.
+pub fn init_normal<B: Backend>(
+    b: &B,
+    shape: &[usize],
+    std: f64,
+    seed: u64,
+    name: &str,
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
+    let n: usize = shape.iter().product();
+    let vals: Vec<f64> = (0..n).map(|_| std * standard_normal(&mut rng)).collect();
+    let data = match dtype {
+        DType::F64 => HostData::F64(vals),
+        _ => HostData::F32(vals.iter().map(|&x| x as f32).collect()),
+    };
+    let t = b.upload(data, shape)?;
+    if dtype == DType::F32 || dtype == DType::F64 {
+        Ok(t)
+    } else {
+        Ok(b.cast(&t, dtype)?)
+    }
+}
+
+/// A constant tensor (norm weights start at 1).
+pub fn init_const<B: Backend>(
+    b: &B,
+    shape: &[usize],
+    value: f64,
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    let n: usize = shape.iter().product();
+    let data = match dtype {
+        DType::F64 => HostData::F64(vec![value; n]),
+        _ => HostData::F32(vec![value as f32; n]),
+    };
+    Ok(b.upload(data, shape)?)
+}
+
+/// Box–Muller standard normal sample.
+fn standard_normal(rng: &mut ChaCha8Rng) -> f64 {
+    let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+    let u2: f64 = rng.gen();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+/// FNV-1a hash: a stable (across builds and platforms) hash of a name.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}

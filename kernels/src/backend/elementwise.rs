@@ -1,0 +1,63 @@
+use super::Device;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Elementwise maps, activations, row/column broadcasts and reductions.
+///
+/// Binary ops need equal shapes and dtypes. "Rows" are all leading dims
+/// flattened; "columns" the last dim.
+pub trait ElementwiseOps: Device {
+    /// `a + b`.
+    fn add(&self, a: &Tensor<Self>, b: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `a - b`.
+    fn sub(&self, a: &Tensor<Self>, b: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `a * b`.
+    fn mul(&self, a: &Tensor<Self>, b: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `s * a`.
+    fn scale(&self, a: &Tensor<Self>, s: f64) -> Result<Tensor<Self>>;
+    /// `y += alpha * x` in place (gradient accumulation).
+    fn axpy(&self, y: &mut Tensor<Self>, alpha: f64, x: &Tensor<Self>) -> Result<()>;
+
+    /// `silu(x) = x * sigmoid(x)`.
+    fn silu(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Gradient of `silu` at `x` times `dy`.
+    fn silu_backward(&self, x: &Tensor<Self>, dy: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `silu(gate) * up`.
+    fn swiglu(&self, gate: &Tensor<Self>, up: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Gradients `(d gate, d up)` of `swiglu` given `dy`.
+    fn swiglu_backward(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        dy: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
+    /// `1 / (1 + exp(-x))`.
+    fn sigmoid(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Gradient of `sigmoid` from its output `y` and `dy`: `dy * y * (1 - y)`.
+    fn sigmoid_backward(&self, y: &Tensor<Self>, dy: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Softmax over the last dim (max-subtracted).
+    fn softmax(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Gradient of `softmax` from its output `y` and `dy`: `y * (dy - sum(dy * y))`.
+    fn softmax_backward(&self, y: &Tensor<Self>, dy: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `log(sum(exp(x)))` over the last dim: shape drops the last dim.
+    fn logsumexp(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Rounds every value to the nearest bf16 (ties to even), kept in the input dtype.
+    fn round_bf16(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+
+    /// `x[r, c] * s[r]` for `x: [R, C]`, `s: [R]`.
+    fn mul_rows(&self, x: &Tensor<Self>, s: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `x[r, c] * s[c]` for `x: [R, C]`, `s: [C]`.
+    fn mul_cols(&self, x: &Tensor<Self>, s: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `x[r, c] + b[c]` for `x: [R, C]`, `b: [C]`.
+    fn add_cols(&self, x: &Tensor<Self>, b: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Sum over the last dim: `[R, C] -> [R]`.
+    fn sum_rows(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Sum over the first dim: `[R, C] -> [C]`.
+    fn sum_cols(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Row-wise dot product: `[R, C] x [R, C] -> [R]`.
+    fn dot_rows(&self, a: &Tensor<Self>, b: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Sum of all elements as a `[1]` tensor (f64 accumulation).
+    fn sum(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Sum of squares of all elements as a `[1]` tensor (f64 accumulation).
+    fn sum_squares(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+}

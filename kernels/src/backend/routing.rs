@@ -1,0 +1,109 @@
+use super::Device;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Which token copies an over-full expert drops in capacity mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropPolicy {
+    /// Keep the copies with the highest routing probability.
+    Probs,
+    /// Keep the earliest tokens in sequence order.
+    Position,
+}
+
+/// Where each token copy goes in expert-major order, all on the device.
+pub struct RoutingPlan<B: Device> {
+    /// `[N]` i32: source token of each permuted row, `-1` for a padding row.
+    pub row_src: Tensor<B>,
+    /// `[T, K]` i32: permuted row of each (token, choice), `-1` if dropped.
+    pub slot: Tensor<B>,
+    /// `[E]` i32: rows given to each expert (the grouped GEMM's group sizes).
+    pub counts: Tensor<B>,
+}
+
+impl<B: Device> Clone for RoutingPlan<B> {
+    fn clone(&self) -> Self {
+        RoutingPlan {
+            row_src: self.row_src.clone(),
+            slot: self.slot.clone(),
+            counts: self.counts.clone(),
+        }
+    }
+}
+
+/// Top-k selection, gathers and the permutations of the MoE dispatcher.
+pub trait RoutingOps: Device {
+    /// Indices `[T, K]` (i32) of the `k` largest values of each row of `x: [T, E]`,
+    /// in descending order, ties broken toward the lower index. With
+    /// `n_groups > 1` the E columns form `n_groups` equal groups; a group scores
+    /// the sum of its best `k / group_top_k` values; only the best `group_top_k`
+    /// groups (ties to the lower group) are eligible.
+    fn topk(
+        &self,
+        x: &Tensor<Self>,
+        k: usize,
+        n_groups: usize,
+        group_top_k: usize,
+    ) -> Result<Tensor<Self>>;
+    /// `out[t, j] = x[t, idx[t, j]]` for `x: [T, E]`, `idx: [T, K]`.
+    fn gather_cols(&self, x: &Tensor<Self>, idx: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Backward of `gather_cols`: `out: [T, E]` zeros with `v[t, j]` added at `idx[t, j]`.
+    fn scatter_cols(
+        &self,
+        v: &Tensor<Self>,
+        idx: &Tensor<Self>,
+        cols: usize,
+    ) -> Result<Tensor<Self>>;
+    /// Rows of `table: [V, D]` picked by `ids: [T]` (i32, checked against V).
+    fn embedding(&self, table: &Tensor<Self>, ids: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Backward of `embedding`: `[V, D]` with `dy[t]` added into row `ids[t]`.
+    fn embedding_backward(
+        &self,
+        dy: &Tensor<Self>,
+        ids: &Tensor<Self>,
+        vocab: usize,
+    ) -> Result<Tensor<Self>>;
+    /// Dropless plan: the `T·K` copies of `idx: [T, K]` sorted by expert, stable
+    /// in (token, choice) order; `N = T·K`.
+    fn routing_plan(&self, idx: &Tensor<Self>, n_experts: usize) -> Result<RoutingPlan<Self>>;
+    /// Capacity plan: each expert keeps at most `capacity` copies, chosen by
+    /// `policy` (using `probs: [T, K]` for [`DropPolicy::Probs`]); dropped copies
+    /// get slot `-1`. With `pad`, every expert has exactly `capacity` rows
+    /// (`N = E·capacity`, padding rows have source `-1`); without, `N = min(T·K, E·capacity)`
+    /// and rows past the kept total are unused (source `-1`).
+    fn capacity_plan(
+        &self,
+        idx: &Tensor<Self>,
+        probs: &Tensor<Self>,
+        n_experts: usize,
+        capacity: usize,
+        policy: DropPolicy,
+        pad: bool,
+    ) -> Result<RoutingPlan<Self>>;
+    /// Gathers token rows into permuted order: `out[n] = x[row_src[n]]`
+    /// (zeros where `row_src[n] = -1`), `x: [T, D]` → `[N, D]`.
+    fn permute(&self, x: &Tensor<Self>, row_src: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Backward of `permute`: `[T, D]` with `dy[n]` added into row `row_src[n]`.
+    fn permute_backward(
+        &self,
+        dy: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        tokens: usize,
+    ) -> Result<Tensor<Self>>;
+    /// Combines expert outputs: `out[t] = Σ_k w[t, k] · y[slot[t, k]]` over kept
+    /// copies, `y: [N, D]`, `slot, w: [T, K]` → `[T, D]`.
+    fn unpermute(
+        &self,
+        y: &Tensor<Self>,
+        slot: &Tensor<Self>,
+        w: &Tensor<Self>,
+    ) -> Result<Tensor<Self>>;
+    /// Gradients `(dy: [N, D], dw: [T, K])` of `unpermute` given `dout: [T, D]`.
+    fn unpermute_backward(
+        &self,
+        dout: &Tensor<Self>,
+        y: &Tensor<Self>,
+        slot: &Tensor<Self>,
+        w: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
+}

@@ -1,0 +1,18 @@
+//! foldmoe's kernel layer: the [`Backend`] trait and its devices.
+//!
+//! - [`cpu::Cpu`]: the reference backend and the default device (f32, f64 for
+//!   gradient checks), multi-threaded with rayon.
+//! - [`cuda::Cuda`]: the GPU backend (for now it reports itself unavailable).
+
+pub mod backend;
+pub mod cpu;
+pub mod cuda;
+pub mod error;
+pub mod tensor;
+
+pub use backend::{
+    AdamWConfig, AttentionOps, Backend, Device, DropPolicy, ElementwiseOps, LinalgOps, LossOps,
+    NormOps, OptimOps, RoutingOps, RoutingPlan,
+};
+pub use error::{KernelError, Result};
+pub use tensor::{DType, HostData, StorageInfo, Tensor};

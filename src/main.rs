@@ -1,0 +1,6 @@
+//! The `foldmoe` command.
+
+fn main() {
+    let spec = foldmoe::models::tiny();
+    println!("foldmoe: default model `{}`", spec.name);
+}
