@@ -8,6 +8,7 @@ pub mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+pub mod gradcheck;
 pub mod tensor;
 
 pub use backend::{

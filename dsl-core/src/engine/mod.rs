@@ -6,7 +6,7 @@
 //! `backward(&mut self, b, dy, saved) -> dx`, next to each other in the same
 //! file; `backward` accumulates into the layer's parameter gradients.
 
-pub mod gradcheck;
+pub mod mlp;
 pub mod param;
 
 pub use param::{init_normal, Module, Param};

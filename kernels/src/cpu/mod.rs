@@ -4,6 +4,14 @@
 //! [`Float`] (f32 and f64), and dispatched on the dtype here. Large loops run
 //! on rayon's pool.
 
+mod attention;
+mod elementwise;
+mod linalg;
+mod loss;
+mod norm;
+mod optim;
+mod routing;
+
 use crate::backend::Device;
 use crate::error::{KernelError, Result};
 use crate::tensor::{DType, HostData, StorageInfo, Tensor};

@@ -1,5 +1,5 @@
-//! Central finite-difference gradient checks in f64, used by every layer's
-//! `*_grad` test.
+//! Central finite-difference gradient checks in f64, used by every op's and
+//! layer's `*_grad` test (kernels and engine alike).
 
 /// Central differences `(f(x + h·e_i) - f(x - h·e_i)) / 2h` for every `i`.
 pub fn numeric_grad(x: &[f64], h: f64, mut f: impl FnMut(&[f64]) -> f64) -> Vec<f64> {

@@ -1,0 +1,104 @@
+//! The dense SwiGLU MLP: `y = (silu(x·W1) ⊙ (x·W3))·W2`. Used as the dense
+//! feed-forward of a block and as the shared experts of an MoE layer.
+//!
+//! Shapes: T tokens, D hidden, F intermediate.
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use super::param::{init_normal, Module, Param};
+use super::Result;
+
+/// A SwiGLU MLP with weights `w1, w3: [D, F]`, `w2: [F, D]`.
+pub struct SwiGluMlp<B: Backend> {
+    /// Gate projection `[D, F]`.
+    pub w1: Param<B>,
+    /// Up projection `[D, F]`.
+    pub w3: Param<B>,
+    /// Down projection `[F, D]`.
+    pub w2: Param<B>,
+}
+
+/// What the MLP's backward needs from its forward.
+pub struct MlpSaved<B: Backend> {
+    x_td: Tensor<B>,
+    gate_tf: Tensor<B>,
+    up_tf: Tensor<B>,
+    act_tf: Tensor<B>,
+}
+
+impl<B: Backend> SwiGluMlp<B> {
+    /// A new MLP with normal(0, std) weights seeded by `(seed, name)`.
+    pub fn new(
+        b: &B,
+        prefix: &str,
+        hidden: usize,
+        ffn: usize,
+        std: f64,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let mk = |name: &str, shape: &[usize]| -> Result<Param<B>> {
+            let full = format!("{prefix}.{name}");
+            let value = init_normal(b, shape, std, seed, &full, dtype)?;
+            Param::new(b, full, value)
+        };
+        Ok(SwiGluMlp {
+            w1: mk("w1", &[hidden, ffn])?,
+            w3: mk("w3", &[hidden, ffn])?,
+            w2: mk("w2", &[ffn, hidden])?,
+        })
+    }
+
+    /// `x: [T, D] -> [T, D]`.
+    pub fn forward(&self, b: &B, x_td: &Tensor<B>) -> Result<(Tensor<B>, MlpSaved<B>)> {
+        let gate_tf = b.matmul(x_td, &self.w1.value, false, false)?;
+        let up_tf = b.matmul(x_td, &self.w3.value, false, false)?;
+        let act_tf = b.swiglu(&gate_tf, &up_tf)?;
+        let y_td = b.matmul(&act_tf, &self.w2.value, false, false)?;
+        let saved = MlpSaved {
+            x_td: x_td.clone(),
+            gate_tf,
+            up_tf,
+            act_tf,
+        };
+        Ok((y_td, saved))
+    }
+
+    /// Accumulates weight gradients and returns `dx: [T, D]`.
+    pub fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: MlpSaved<B>) -> Result<Tensor<B>> {
+        let MlpSaved {
+            x_td,
+            gate_tf,
+            up_tf,
+            act_tf,
+        } = saved;
+        self.w2
+            .accumulate(b, &b.matmul(&act_tf, dy_td, true, false)?)?;
+        let dact_tf = b.matmul(dy_td, &self.w2.value, false, true)?;
+        let (dgate_tf, dup_tf) = b.swiglu_backward(&gate_tf, &up_tf, &dact_tf)?;
+        self.w1
+            .accumulate(b, &b.matmul(&x_td, &dgate_tf, true, false)?)?;
+        self.w3
+            .accumulate(b, &b.matmul(&x_td, &dup_tf, true, false)?)?;
+        let mut dx_td = b.matmul(&dgate_tf, &self.w1.value, false, true)?;
+        b.axpy(
+            &mut dx_td,
+            1.0,
+            &b.matmul(&dup_tf, &self.w3.value, false, true)?,
+        )?;
+        Ok(dx_td)
+    }
+}
+
+impl<B: Backend> Module<B> for SwiGluMlp<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        f(&self.w1);
+        f(&self.w3);
+        f(&self.w2);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        f(&mut self.w1);
+        f(&mut self.w3);
+        f(&mut self.w2);
+    }
+}

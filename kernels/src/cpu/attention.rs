@@ -1,0 +1,1 @@
+//! CPU implementation of `attention` ops (to be written).

@@ -1,0 +1,1 @@
+//! CPU implementation of `elementwise` ops (to be written).

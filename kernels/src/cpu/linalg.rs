@@ -1,0 +1,1 @@
+//! CPU implementation of `linalg` ops (to be written).

@@ -1,0 +1,1 @@
+//! CPU implementation of `loss` ops (to be written).

@@ -1,0 +1,1 @@
+//! CPU implementation of `norm` ops (to be written).

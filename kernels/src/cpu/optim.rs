@@ -1,0 +1,1 @@
+//! CPU implementation of `optim` ops (to be written).

@@ -1,0 +1,1 @@
+//! CPU implementation of `routing` ops (to be written).
