@@ -6,8 +6,19 @@
 //! `backward(&mut self, b, dy, saved) -> dx`, next to each other in the same
 //! file; `backward` accumulates into the layer's parameter gradients.
 
+pub mod attention;
+pub mod block;
+pub mod checkpoint;
+pub mod data;
+pub mod embedding;
 pub mod mlp;
+pub mod model;
+pub mod moe;
+pub mod norm;
+pub mod optim;
 pub mod param;
+pub mod schedule;
+pub mod trainer;
 
 pub use param::{init_normal, Module, Param};
 

@@ -1,0 +1,1 @@
+//! The MoE layer: route → dispatch → compute → combine (to be written).
