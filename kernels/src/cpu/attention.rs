@@ -1,1 +1,432 @@
-//! CPU implementation of `attention` ops (to be written).
+//! CPU causal attention with grouped-query heads, flash-attention style.
+//!
+//! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads,
+//! Hd head dim, G = Hq / Hkv query heads per kv head.
+//!
+//! The forward walks key blocks with an online softmax (running max `m`,
+//! running sum `l`, rescaled accumulator), so it never holds more than one
+//! block of scores per query row; it keeps `lse = m + ln l` for the backward.
+//! The backward recomputes probabilities from `lse` block by block in two
+//! passes: one owns a query block and produces its `dq`, the other owns a key
+//! block and produces its `dk`, `dv` (summed over the G query heads that read
+//! it). Each output element is thus written by exactly one task, in a fixed
+//! order, so results are deterministic without atomics; the price is that
+//! probabilities are recomputed twice.
+//!
+//! Inputs are first copied to head-major `[B, H, S, Hd]` so every task reads
+//! contiguous rows.
+
+use rayon::prelude::*;
+
+use super::elementwise::dot;
+use super::{Cpu, Float, FloatStorage};
+use crate::backend::AttentionOps;
+use crate::cpu_float_dispatch;
+use crate::error::{arg_err, shape_err, Result};
+use crate::tensor::Tensor;
+
+/// Query and key rows per block: a block of K and V rows (2·64·Hd values)
+/// stays in L1/L2 while every query row of the block reads it.
+pub(crate) const ATTN_BLOCK: usize = 64;
+
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    b: usize,
+    s: usize,
+    hq: usize,
+    hkv: usize,
+    hd: usize,
+}
+
+impl Dims {
+    /// Query heads per kv head.
+    fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+}
+
+fn check_qkv(op: &'static str, q: &Tensor<Cpu>, k: &Tensor<Cpu>, v: &Tensor<Cpu>) -> Result<Dims> {
+    let (b, s, hq, hd) = q.dims4(op)?;
+    let (kb, ks, hkv, khd) = k.dims4(op)?;
+    if (kb, ks, khd) != (b, s, hd) {
+        return Err(shape_err(
+            op,
+            format!(
+                "q has shape {:?} [B, S, Hq, Hd] but k has shape {:?}; k must be [{b}, {s}, Hkv, {hd}]",
+                q.shape(),
+                k.shape()
+            ),
+        ));
+    }
+    v.expect_shape(op, "v", k.shape())?;
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(shape_err(
+            op,
+            format!(
+                "Hq = {hq} query heads must be a positive multiple of Hkv = {hkv} kv heads \
+                 (grouped-query attention shares each kv head among Hq / Hkv query heads)"
+            ),
+        ));
+    }
+    if hd == 0 {
+        return Err(arg_err(
+            op,
+            "head dim Hd = 0: scores would be scaled by 1/sqrt(0)",
+        ));
+    }
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        return Err(crate::error::KernelError::DTypeMismatch {
+            op,
+            expected: q.dtype(),
+            got: if k.dtype() != q.dtype() {
+                k.dtype()
+            } else {
+                v.dtype()
+            },
+        });
+    }
+    Ok(Dims { b, s, hq, hkv, hd })
+}
+
+/// `[B, S, H, Hd]` → `[B, H, S, Hd]`.
+fn to_head_major<T: Float>(x: &[T], b: usize, s: usize, h: usize, hd: usize) -> Vec<T> {
+    let mut out = vec![T::ZERO; x.len()];
+    if x.is_empty() {
+        return out;
+    }
+    debug_assert_eq!(x.len(), b * s * h * hd);
+    out.par_chunks_mut(s * hd)
+        .enumerate()
+        .for_each(|(bh, dst)| {
+            let (bi, hi) = (bh / h, bh % h);
+            for (si, d) in dst.chunks_mut(hd).enumerate() {
+                let src = ((bi * s + si) * h + hi) * hd;
+                d.copy_from_slice(&x[src..src + hd]);
+            }
+        });
+    out
+}
+
+/// `[B, H, S, Hd]` → `[B, S, H, Hd]`.
+fn from_head_major<T: Float>(x: &[T], s: usize, h: usize, hd: usize) -> Vec<T> {
+    let mut out = vec![T::ZERO; x.len()];
+    if x.is_empty() {
+        return out;
+    }
+    out.par_chunks_mut(h * hd)
+        .enumerate()
+        .for_each(|(bs, dst)| {
+            let (bi, si) = (bs / s, bs % s);
+            for (hi, d) in dst.chunks_mut(hd).enumerate() {
+                let src = ((bi * h + hi) * s + si) * hd;
+                d.copy_from_slice(&x[src..src + hd]);
+            }
+        });
+    out
+}
+
+/// `acc += a · x`.
+fn axpy_row<T: Float>(acc: &mut [T], a: T, x: &[T]) {
+    acc.iter_mut().zip(x).for_each(|(o, &v)| *o += a * v);
+}
+
+/// Forward for one head's query block starting at row `i0`: `o` holds the
+/// block's rows, `lse` its log-sum-exps; `q`, `k`, `v` are the head's `[S, Hd]`.
+#[allow(clippy::too_many_arguments)]
+fn forward_block<T: Float>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    i0: usize,
+    o: &mut [T],
+    lse: &mut [T],
+    hd: usize,
+    block: usize,
+    scale: T,
+) {
+    let rows = lse.len();
+    let mut m = vec![T::NEG_INF; rows];
+    let mut l = vec![T::ZERO; rows];
+    let mut scores = vec![T::ZERO; block];
+    let kv_end = i0 + rows;
+    for j0 in (0..kv_end).step_by(block) {
+        let j1 = (j0 + block).min(kv_end);
+        for r in 0..rows {
+            let qi = i0 + r;
+            // Causal: query `qi` sees keys `0..=qi`.
+            let last = j1.min(qi + 1);
+            if last <= j0 {
+                continue;
+            }
+            let qr = &q[qi * hd..][..hd];
+            let sc = &mut scores[..last - j0];
+            let mut mx = m[r];
+            for (c, s) in sc.iter_mut().enumerate() {
+                *s = dot(qr, &k[(j0 + c) * hd..][..hd]) * scale;
+                mx = mx.max(*s);
+            }
+            // The first block seen by a row has m = −inf: alpha = 0 clears
+            // the (still zero) accumulator instead of producing NaN.
+            let alpha = (m[r] - mx).exp();
+            let orow = &mut o[r * hd..][..hd];
+            orow.iter_mut().for_each(|x| *x *= alpha);
+            let mut psum = T::ZERO;
+            for (c, &s) in sc.iter().enumerate() {
+                let p = (s - mx).exp();
+                psum += p;
+                axpy_row(orow, p, &v[(j0 + c) * hd..][..hd]);
+            }
+            l[r] = l[r] * alpha + psum;
+            m[r] = mx;
+        }
+    }
+    for r in 0..rows {
+        let inv = T::ONE / l[r];
+        o[r * hd..][..hd].iter_mut().for_each(|x| *x *= inv);
+        lse[r] = m[r] + l[r].ln();
+    }
+}
+
+fn attention_t<T: FloatStorage>(
+    q: &Tensor<Cpu>,
+    k: &Tensor<Cpu>,
+    v: &Tensor<Cpu>,
+    block: usize,
+) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
+    const OP: &str = "attention";
+    let d = check_qkv(OP, q, k, v)?;
+    let Dims { b, s, hq, hkv, hd } = d;
+    let block = block.max(1);
+    let qh = to_head_major(T::slice(q, OP)?, b, s, hq, hd);
+    let kh = to_head_major(T::slice(k, OP)?, b, s, hkv, hd);
+    let vh = to_head_major(T::slice(v, OP)?, b, s, hkv, hd);
+    let mut oh = vec![T::ZERO; qh.len()];
+    let mut lse = vec![T::ZERO; b * hq * s];
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    if !qh.is_empty() {
+        let g = d.group();
+        oh.par_chunks_mut(s * hd)
+            .zip(lse.par_chunks_mut(s))
+            .enumerate()
+            .for_each(|(bh, (o_head, lse_head))| {
+                let (bi, h) = (bh / hq, bh % hq);
+                let kvo = (bi * hkv + h / g) * s * hd;
+                let (qs, ks, vs) = (
+                    &qh[bh * s * hd..][..s * hd],
+                    &kh[kvo..][..s * hd],
+                    &vh[kvo..][..s * hd],
+                );
+                o_head
+                    .par_chunks_mut(block * hd)
+                    .zip(lse_head.par_chunks_mut(block))
+                    .enumerate()
+                    .for_each(|(ib, (ob, lb))| {
+                        forward_block(qs, ks, vs, ib * block, ob, lb, hd, block, scale)
+                    });
+            });
+    }
+    let o = from_head_major(&oh, s, hq, hd);
+    Ok((T::tensor(o, q.shape())?, T::tensor(lse, &[b, hq, s])?))
+}
+
+/// Read-only head-major operands of the backward.
+struct BwdInputs<'a, T> {
+    d: Dims,
+    block: usize,
+    scale: T,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    d_o: &'a [T],
+    /// `[B, Hq, S]` log-sum-exps from the forward.
+    lse: &'a [T],
+    /// `[B, Hq, S]` row sums of `dO ⊙ O`.
+    delta: &'a [T],
+}
+
+impl<T: Float> BwdInputs<'_, T> {
+    fn row<'s>(&self, x: &'s [T], head: usize, i: usize) -> &'s [T] {
+        let hd = self.d.hd;
+        &x[(head * self.d.s + i) * hd..][..hd]
+    }
+
+    /// `(p, ds)` for query `i` of global query head `qh` (index `bi*Hq + h`)
+    /// against key `j` of global kv head `kvh`: the probability recomputed from
+    /// `lse`, and the score gradient `p (dO·v − D)` before the scale factor.
+    fn p_ds(&self, qh: usize, kvh: usize, i: usize, j: usize) -> (T, T) {
+        let s = dot(self.row(self.q, qh, i), self.row(self.k, kvh, j)) * self.scale;
+        let ri = qh * self.d.s + i;
+        let p = (s - self.lse[ri]).exp();
+        let dp = dot(self.row(self.d_o, qh, i), self.row(self.v, kvh, j));
+        (p, p * (dp - self.delta[ri]))
+    }
+
+    /// `dq` rows `i0..i0+rows` of global query head `qh`, walking key blocks
+    /// in order.
+    fn dq_block(&self, qh: usize, i0: usize, dq: &mut [T]) {
+        let (hd, hq) = (self.d.hd, self.d.hq);
+        let kvh = (qh / hq) * self.d.hkv + (qh % hq) / self.d.group();
+        let rows = dq.len() / hd;
+        for j0 in (0..i0 + rows).step_by(self.block) {
+            let j1 = (j0 + self.block).min(i0 + rows);
+            for r in 0..rows {
+                let i = i0 + r;
+                let dqr = &mut dq[r * hd..][..hd];
+                for j in j0..j1.min(i + 1) {
+                    let (_, ds) = self.p_ds(qh, kvh, i, j);
+                    axpy_row(dqr, ds * self.scale, self.row(self.k, kvh, j));
+                }
+            }
+        }
+    }
+
+    /// `dk`, `dv` rows `j0..j0+rows` of global kv head `kvh`, summing over its
+    /// query heads and then query blocks in order.
+    fn dkv_block(&self, kvh: usize, j0: usize, dk: &mut [T], dv: &mut [T]) {
+        let (s, hd, hkv, g) = (self.d.s, self.d.hd, self.d.hkv, self.d.group());
+        let rows = dk.len() / hd;
+        let j1 = j0 + rows;
+        let (bi, hk) = (kvh / hkv, kvh % hkv);
+        for qh in (0..g).map(|x| bi * self.d.hq + hk * g + x) {
+            // Causal: only queries at or after the block's first key see it.
+            let first_block = (j0 / self.block) * self.block;
+            for i0 in (first_block..s).step_by(self.block) {
+                let i1 = (i0 + self.block).min(s);
+                for j in j0..j1 {
+                    let dkr = &mut dk[(j - j0) * hd..][..hd];
+                    let dvr = &mut dv[(j - j0) * hd..][..hd];
+                    for i in i0.max(j)..i1 {
+                        let (p, ds) = self.p_ds(qh, kvh, i, j);
+                        axpy_row(dvr, p, self.row(self.d_o, qh, i));
+                        axpy_row(dkr, ds * self.scale, self.row(self.q, qh, i));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_backward_t<T: FloatStorage>(
+    d_o: &Tensor<Cpu>,
+    q: &Tensor<Cpu>,
+    k: &Tensor<Cpu>,
+    v: &Tensor<Cpu>,
+    o: &Tensor<Cpu>,
+    lse: &Tensor<Cpu>,
+    block: usize,
+) -> Result<(Tensor<Cpu>, Tensor<Cpu>, Tensor<Cpu>)> {
+    const OP: &str = "attention_backward";
+    let d = check_qkv(OP, q, k, v)?;
+    let Dims { b, s, hq, hkv, hd } = d;
+    let block = block.max(1);
+    d_o.expect_shape(OP, "d_o", q.shape())?;
+    o.expect_shape(OP, "o", q.shape())?;
+    lse.expect_shape(OP, "lse", &[b, hq, s])?;
+    let (dos, os, lses) = (T::slice(d_o, OP)?, T::slice(o, OP)?, T::slice(lse, OP)?);
+
+    // D_i = dO_i · O_i, the softmax-backward row term, stored like lse.
+    let mut delta = vec![T::ZERO; b * hq * s];
+    if !delta.is_empty() {
+        delta.par_chunks_mut(s).enumerate().for_each(|(bh, dh)| {
+            let (bi, h) = (bh / hq, bh % hq);
+            for (si, x) in dh.iter_mut().enumerate() {
+                let at = ((bi * s + si) * hq + h) * hd;
+                *x = dot(&dos[at..at + hd], &os[at..at + hd]);
+            }
+        });
+    }
+    let qh = to_head_major(T::slice(q, OP)?, b, s, hq, hd);
+    let kh = to_head_major(T::slice(k, OP)?, b, s, hkv, hd);
+    let vh = to_head_major(T::slice(v, OP)?, b, s, hkv, hd);
+    let doh = to_head_major(dos, b, s, hq, hd);
+    let inp = BwdInputs {
+        d,
+        block,
+        scale: T::from_f64(1.0 / (hd as f64).sqrt()),
+        q: &qh,
+        k: &kh,
+        v: &vh,
+        d_o: &doh,
+        lse: lses,
+        delta: &delta,
+    };
+    let mut dq = vec![T::ZERO; qh.len()];
+    let mut dk = vec![T::ZERO; kh.len()];
+    let mut dv = vec![T::ZERO; vh.len()];
+    if !qh.is_empty() {
+        dq.par_chunks_mut(s * hd)
+            .enumerate()
+            .for_each(|(qhead, dqh)| {
+                dqh.par_chunks_mut(block * hd)
+                    .enumerate()
+                    .for_each(|(ib, dqb)| inp.dq_block(qhead, ib * block, dqb));
+            });
+        dk.par_chunks_mut(s * hd)
+            .zip(dv.par_chunks_mut(s * hd))
+            .enumerate()
+            .for_each(|(kvh, (dkh, dvh))| {
+                dkh.par_chunks_mut(block * hd)
+                    .zip(dvh.par_chunks_mut(block * hd))
+                    .enumerate()
+                    .for_each(|(jb, (dkb, dvb))| inp.dkv_block(kvh, jb * block, dkb, dvb));
+            });
+    }
+    Ok((
+        T::tensor(from_head_major(&dq, s, hq, hd), q.shape())?,
+        T::tensor(from_head_major(&dk, s, hkv, hd), k.shape())?,
+        T::tensor(from_head_major(&dv, s, hkv, hd), v.shape())?,
+    ))
+}
+
+/// [`AttentionOps::attention`] with an explicit block size (tests use small
+/// blocks so that several blocks, and a ragged last one, are exercised).
+pub(crate) fn attention_blocked(
+    q: &Tensor<Cpu>,
+    k: &Tensor<Cpu>,
+    v: &Tensor<Cpu>,
+    block: usize,
+) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
+    cpu_float_dispatch!("attention", q, attention_t(q, k, v, block))
+}
+
+/// [`AttentionOps::attention_backward`] with an explicit block size.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward_blocked(
+    d_o: &Tensor<Cpu>,
+    q: &Tensor<Cpu>,
+    k: &Tensor<Cpu>,
+    v: &Tensor<Cpu>,
+    o: &Tensor<Cpu>,
+    lse: &Tensor<Cpu>,
+    block: usize,
+) -> Result<(Tensor<Cpu>, Tensor<Cpu>, Tensor<Cpu>)> {
+    cpu_float_dispatch!(
+        "attention_backward",
+        q,
+        attention_backward_t(d_o, q, k, v, o, lse, block)
+    )
+}
+
+impl AttentionOps for Cpu {
+    fn attention(
+        &self,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        attention_blocked(q, k, v, ATTN_BLOCK)
+    }
+
+    fn attention_backward(
+        &self,
+        d_o: &Tensor<Self>,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        o: &Tensor<Self>,
+        lse: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        attention_backward_blocked(d_o, q, k, v, o, lse, ATTN_BLOCK)
+    }
+}
