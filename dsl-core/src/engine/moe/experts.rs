@@ -1,0 +1,124 @@
+//! Compute: the routed experts, each a SwiGLU FFN `(silu(x·W1) ⊙ (x·W3))·W2`,
+//! all run at once as grouped GEMMs over the expert-major rows (DESIGN §4;
+//! Megatron-Core `moe/experts.py`, `GroupedMLP`).
+//!
+//! Shapes: E experts, D hidden, F expert ffn, N permuted rows; group `e` is
+//! the next `counts_e[e]` rows (empty groups allowed; rows past the total
+//! are padding and come out zero).
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use crate::engine::{init_normal, Module, Param, Result};
+use crate::spec::MoeSpec;
+
+/// The routed experts' weights, stacked over experts.
+pub struct Experts<B: Backend> {
+    /// Gate projections `[E, D, F]`, named `{prefix}.w1`.
+    pub w1: Param<B>,
+    /// Up projections `[E, D, F]`, named `{prefix}.w3`.
+    pub w3: Param<B>,
+    /// Down projections `[E, F, D]`, named `{prefix}.w2`.
+    pub w2: Param<B>,
+}
+
+/// What the experts' backward needs from their forward.
+pub struct ExpertsSaved<B: Backend> {
+    x_nd: Tensor<B>,
+    counts_e: Tensor<B>,
+    gate_nf: Tensor<B>,
+    up_nf: Tensor<B>,
+    act_nf: Tensor<B>,
+}
+
+impl<B: Backend> Experts<B> {
+    /// The `moe.experts` SwiGLU experts of size `hidden → moe.expert_ffn →
+    /// hidden`, normal(0, std) weights seeded by `(seed, name)`.
+    pub fn new(
+        b: &B,
+        prefix: &str,
+        hidden: usize,
+        moe: &MoeSpec,
+        std: f64,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let (experts, ffn) = (moe.experts, moe.expert_ffn);
+        let mk = |name: &str, shape: &[usize]| -> Result<Param<B>> {
+            let full = format!("{prefix}.{name}");
+            let value = init_normal(b, shape, std, seed, &full, dtype)?;
+            Param::new(b, full, value)
+        };
+        Ok(Experts {
+            w1: mk("w1", &[experts, hidden, ffn])?,
+            w3: mk("w3", &[experts, hidden, ffn])?,
+            w2: mk("w2", &[experts, ffn, hidden])?,
+        })
+    }
+
+    /// `x: [N, D]` grouped by `counts: [E]` (i32) → `[N, D]`.
+    pub fn forward(
+        &self,
+        b: &B,
+        x_nd: &Tensor<B>,
+        counts_e: &Tensor<B>,
+    ) -> Result<(Tensor<B>, ExpertsSaved<B>)> {
+        let gate_nf = b.grouped_matmul(x_nd, &self.w1.value, counts_e, false)?;
+        let up_nf = b.grouped_matmul(x_nd, &self.w3.value, counts_e, false)?;
+        let act_nf = b.swiglu(&gate_nf, &up_nf)?;
+        let y_nd = b.grouped_matmul(&act_nf, &self.w2.value, counts_e, false)?;
+        let saved = ExpertsSaved {
+            x_nd: x_nd.clone(),
+            counts_e: counts_e.clone(),
+            gate_nf,
+            up_nf,
+            act_nf,
+        };
+        Ok((y_nd, saved))
+    }
+
+    /// Accumulates the weight gradients and returns `dx: [N, D]`.
+    pub fn backward(
+        &mut self,
+        b: &B,
+        dy_nd: &Tensor<B>,
+        saved: ExpertsSaved<B>,
+    ) -> Result<Tensor<B>> {
+        let ExpertsSaved {
+            x_nd,
+            counts_e,
+            gate_nf,
+            up_nf,
+            act_nf,
+        } = saved;
+        self.w2
+            .accumulate(b, &b.grouped_matmul_weight_grad(&act_nf, dy_nd, &counts_e)?)?;
+        let dact_nf = b.grouped_matmul(dy_nd, &self.w2.value, &counts_e, true)?;
+        let (dgate_nf, dup_nf) = b.swiglu_backward(&gate_nf, &up_nf, &dact_nf)?;
+        self.w1.accumulate(
+            b,
+            &b.grouped_matmul_weight_grad(&x_nd, &dgate_nf, &counts_e)?,
+        )?;
+        self.w3
+            .accumulate(b, &b.grouped_matmul_weight_grad(&x_nd, &dup_nf, &counts_e)?)?;
+        let mut dx_nd = b.grouped_matmul(&dgate_nf, &self.w1.value, &counts_e, true)?;
+        b.axpy(
+            &mut dx_nd,
+            1.0,
+            &b.grouped_matmul(&dup_nf, &self.w3.value, &counts_e, true)?,
+        )?;
+        Ok(dx_nd)
+    }
+}
+
+impl<B: Backend> Module<B> for Experts<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        f(&self.w1);
+        f(&self.w3);
+        f(&self.w2);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        f(&mut self.w1);
+        f(&mut self.w3);
+        f(&mut self.w2);
+    }
+}

@@ -1,0 +1,120 @@
+//! Shared experts: a dense SwiGLU MLP every token passes through, its output
+//! optionally scaled by a per-token gate `sigmoid(x·w_gate)` (DESIGN §4;
+//! Megatron-Core `moe/shared_experts.py`).
+//!
+//! Shapes: T tokens, D hidden.
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use crate::engine::mlp::{MlpSaved, SwiGluMlp};
+use crate::engine::{init_normal, Module, Param, Result};
+use crate::spec::MoeSpec;
+
+/// The shared experts of an MoE layer.
+pub struct SharedExperts<B: Backend> {
+    /// The MLP, its weights named `{prefix}.w1`, `.w3`, `.w2`.
+    pub mlp: SwiGluMlp<B>,
+    /// Gate weight `[D, 1]`, named `{prefix}.gate`, when the output is gated.
+    pub gate: Option<Param<B>>,
+}
+
+/// The gate's forward values, kept for its backward.
+struct GateSaved<B: Backend> {
+    x_td: Tensor<B>,
+    /// `sigmoid(x·w_gate)`: `[T]`.
+    g_t: Tensor<B>,
+    /// The MLP output before gating.
+    mlp_td: Tensor<B>,
+}
+
+/// What the shared experts' backward needs from their forward.
+pub struct SharedSaved<B: Backend> {
+    mlp: MlpSaved<B>,
+    gate: Option<GateSaved<B>>,
+}
+
+impl<B: Backend> SharedExperts<B> {
+    /// Shared experts of intermediate size `moe.shared_ffn`, gated when
+    /// `moe.shared_gate`.
+    pub fn new(
+        b: &B,
+        prefix: &str,
+        hidden: usize,
+        moe: &MoeSpec,
+        std: f64,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let (ffn, gated) = (moe.shared_ffn, moe.shared_gate);
+        let mlp = SwiGluMlp::new(b, prefix, hidden, ffn, std, seed, dtype)?;
+        let gate = if gated {
+            let name = format!("{prefix}.gate");
+            let value = init_normal(b, &[hidden, 1], std, seed, &name, dtype)?;
+            Some(Param::new(b, name, value)?)
+        } else {
+            None
+        };
+        Ok(SharedExperts { mlp, gate })
+    }
+
+    /// `x: [T, D] → [T, D]`.
+    pub fn forward(&self, b: &B, x_td: &Tensor<B>) -> Result<(Tensor<B>, SharedSaved<B>)> {
+        let (mlp_td, mlp) = self.mlp.forward(b, x_td)?;
+        let Some(w_gate) = &self.gate else {
+            return Ok((mlp_td, SharedSaved { mlp, gate: None }));
+        };
+        let (t, _) = x_td.dims2("SharedExperts::forward")?;
+        let z_t = b.matmul(x_td, &w_gate.value, false, false)?.reshape(&[t])?;
+        let g_t = b.sigmoid(&z_t)?;
+        let y_td = b.mul_rows(&mlp_td, &g_t)?;
+        let gate = GateSaved {
+            x_td: x_td.clone(),
+            g_t,
+            mlp_td,
+        };
+        Ok((
+            y_td,
+            SharedSaved {
+                mlp,
+                gate: Some(gate),
+            },
+        ))
+    }
+
+    /// Accumulates the weight gradients and returns `dx: [T, D]`.
+    pub fn backward(
+        &mut self,
+        b: &B,
+        dy_td: &Tensor<B>,
+        saved: SharedSaved<B>,
+    ) -> Result<Tensor<B>> {
+        let SharedSaved { mlp, gate } = saved;
+        let (Some(gs), Some(w_gate)) = (gate, self.gate.as_mut()) else {
+            return self.mlp.backward(b, dy_td, mlp);
+        };
+        let (t, _) = dy_td.dims2("SharedExperts::backward")?;
+        let dg_t = b.dot_rows(dy_td, &gs.mlp_td)?;
+        let dz_t1 = b.sigmoid_backward(&gs.g_t, &dg_t)?.reshape(&[t, 1])?;
+        w_gate.accumulate(b, &b.matmul(&gs.x_td, &dz_t1, true, false)?)?;
+        let dx_gate_td = b.matmul(&dz_t1, &w_gate.value, false, true)?;
+        let dmlp_td = b.mul_rows(dy_td, &gs.g_t)?;
+        let mut dx_td = self.mlp.backward(b, &dmlp_td, mlp)?;
+        b.axpy(&mut dx_td, 1.0, &dx_gate_td)?;
+        Ok(dx_td)
+    }
+}
+
+impl<B: Backend> Module<B> for SharedExperts<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        self.mlp.visit_params(f);
+        if let Some(g) = &self.gate {
+            f(g);
+        }
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        self.mlp.visit_params_mut(f);
+        if let Some(g) = &mut self.gate {
+            f(g);
+        }
+    }
+}
