@@ -1,1 +1,180 @@
-//! (to be written)
+//! Causal self-attention with grouped-query heads and rotary positions
+//! (Megatron-Core's `SelfAttention` with `num_query_groups`, no biases):
+//! `q, k, v = x·Wq, x·Wk, x·Wv; q, k = rope(q), rope(k); o = attn(q, k, v); y = o·Wo`.
+//!
+//! Shapes: B batch, S sequence, T = B·S tokens, D hidden, Hq query heads,
+//! Hkv key/value heads, Hd head dim.
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use super::param::{init_normal, Module, Param};
+use super::{EngineError, Result};
+use crate::spec::{AttentionSpec, ModelSpec};
+
+/// The attention projections `wq: [D, Hq·Hd]`, `wk, wv: [D, Hkv·Hd]`,
+/// `wo: [Hq·Hd, D]` and the head layout.
+pub struct Attention<B: Backend> {
+    /// Query projection `[D, Hq·Hd]`.
+    pub wq: Param<B>,
+    /// Key projection `[D, Hkv·Hd]`.
+    pub wk: Param<B>,
+    /// Value projection `[D, Hkv·Hd]`.
+    pub wv: Param<B>,
+    /// Output projection `[Hq·Hd, D]`.
+    pub wo: Param<B>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rope_theta: f64,
+}
+
+/// What the attention's backward needs: the input, the rotated q and k, v, the
+/// attention output and its log-sum-exp.
+pub struct AttentionSaved<B: Backend> {
+    x_td: Tensor<B>,
+    q_bshd: Tensor<B>,
+    k_bshd: Tensor<B>,
+    v_bshd: Tensor<B>,
+    o_bshd: Tensor<B>,
+    lse_bhs: Tensor<B>,
+}
+
+impl<B: Backend> Attention<B> {
+    /// Projections named `{prefix}.wq` … `{prefix}.wo`, normal(0, `model.init_std`),
+    /// over the model's hidden size and RoPE base.
+    pub fn new(
+        b: &B,
+        prefix: &str,
+        model: &ModelSpec,
+        spec: &AttentionSpec,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let (hidden, std) = (model.hidden, model.init_std);
+        let q_dim = spec.heads * spec.head_dim;
+        let kv_dim = spec.kv_heads * spec.head_dim;
+        let mk = |name: &str, shape: &[usize]| -> Result<Param<B>> {
+            let full = format!("{prefix}.{name}");
+            let value = init_normal(b, shape, std, seed, &full, dtype)?;
+            Param::new(b, full, value)
+        };
+        Ok(Attention {
+            wq: mk("wq", &[hidden, q_dim])?,
+            wk: mk("wk", &[hidden, kv_dim])?,
+            wv: mk("wv", &[hidden, kv_dim])?,
+            wo: mk("wo", &[q_dim, hidden])?,
+            heads: spec.heads,
+            kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+            rope_theta: model.rope_theta,
+        })
+    }
+
+    /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of `seq_len`.
+    pub fn forward(
+        &self,
+        b: &B,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+    ) -> Result<(Tensor<B>, AttentionSaved<B>)> {
+        let (tokens, _) = x_td.dims2("attention")?;
+        if seq_len == 0 || tokens % seq_len != 0 {
+            return Err(EngineError::Invalid(format!(
+                "attention: {tokens} tokens do not split into sequences of length {seq_len}"
+            )));
+        }
+        let batch = tokens / seq_len;
+        let (hq, hkv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let project = |w: &Param<B>, heads: usize| -> Result<Tensor<B>> {
+            Ok(b.matmul(x_td, &w.value, false, false)?
+                .reshape(&[batch, seq_len, heads, hd])?)
+        };
+        let q_bshd = b.rope(&project(&self.wq, hq)?, self.rope_theta, false)?;
+        let k_bshd = b.rope(&project(&self.wk, hkv)?, self.rope_theta, false)?;
+        let v_bshd = project(&self.wv, hkv)?;
+        let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd)?;
+        let o_td = o_bshd.clone().reshape(&[tokens, hq * hd])?;
+        let y_td = b.matmul(&o_td, &self.wo.value, false, false)?;
+        let saved = AttentionSaved {
+            x_td: x_td.clone(),
+            q_bshd,
+            k_bshd,
+            v_bshd,
+            o_bshd,
+            lse_bhs,
+        };
+        Ok((y_td, saved))
+    }
+
+    /// Accumulates the projections' gradients and returns `dx: [T, D]`.
+    pub fn backward(
+        &mut self,
+        b: &B,
+        dy_td: &Tensor<B>,
+        saved: AttentionSaved<B>,
+    ) -> Result<Tensor<B>> {
+        let AttentionSaved {
+            x_td,
+            q_bshd,
+            k_bshd,
+            v_bshd,
+            o_bshd,
+            lse_bhs,
+        } = saved;
+        let (batch, seq_len, hq, hd) = q_bshd.dims4("attention backward")?;
+        let tokens = batch * seq_len;
+        let o_td = o_bshd.clone().reshape(&[tokens, hq * hd])?;
+        self.wo
+            .accumulate(b, &b.matmul(&o_td, dy_td, true, false)?)?;
+        let do_bshd = b
+            .matmul(dy_td, &self.wo.value, false, true)?
+            .reshape(&[batch, seq_len, hq, hd])?;
+        let (dq_bshd, dk_bshd, dv_bshd) =
+            b.attention_backward(&do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs)?;
+        // The rotation is orthogonal: its backward rotates back.
+        let dq_bshd = b.rope(&dq_bshd, self.rope_theta, true)?;
+        let dk_bshd = b.rope(&dk_bshd, self.rope_theta, true)?;
+        let mut dx_td = project_backward(b, &mut self.wq, &x_td, dq_bshd)?;
+        b.axpy(
+            &mut dx_td,
+            1.0,
+            &project_backward(b, &mut self.wk, &x_td, dk_bshd)?,
+        )?;
+        b.axpy(
+            &mut dx_td,
+            1.0,
+            &project_backward(b, &mut self.wv, &x_td, dv_bshd)?,
+        )?;
+        Ok(dx_td)
+    }
+}
+
+/// Backward of `d = x·w` seen as heads: accumulates `xᵀ·d` into `w` and
+/// returns this projection's share of `dx`.
+fn project_backward<B: Backend>(
+    b: &B,
+    w: &mut Param<B>,
+    x_td: &Tensor<B>,
+    d_bshd: Tensor<B>,
+) -> Result<Tensor<B>> {
+    let (tokens, _) = x_td.dims2("attention backward")?;
+    let width = d_bshd.numel() / tokens;
+    let d_td = d_bshd.reshape(&[tokens, width])?;
+    w.accumulate(b, &b.matmul(x_td, &d_td, true, false)?)?;
+    Ok(b.matmul(&d_td, &w.value, false, true)?)
+}
+
+impl<B: Backend> Module<B> for Attention<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        f(&self.wq);
+        f(&self.wk);
+        f(&self.wv);
+        f(&self.wo);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        f(&mut self.wq);
+        f(&mut self.wk);
+        f(&mut self.wv);
+        f(&mut self.wo);
+    }
+}

@@ -1,1 +1,241 @@
-//! (to be written)
+//! One transformer block (Megatron-Core's `TransformerLayer`, pre-norm):
+//! `x = x + attn(norm1(x)); x = x + ffn(norm2(x))`, the feed-forward being the
+//! dense SwiGLU MLP or the MoE layer.
+//!
+//! Shapes: T tokens, D hidden, E experts.
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use super::attention::{Attention, AttentionSaved};
+use super::mlp::{MlpSaved, SwiGluMlp};
+use super::norm::{NormSaved, RmsNorm};
+use super::param::{Module, Param};
+use super::{EngineError, Result};
+use crate::spec::{BlockGroup, FfnSpec, ModelSpec};
+use moe_stub::{MoeLayer, MoeSaved, MoeStats}; // TEMP until engine::moe lands
+
+/// A block's output, saved state, and its MoE layer's losses and loads (if any).
+pub type BlockOut<B> = (Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>);
+
+/// The feed-forward part of a block.
+pub enum Ffn<B: Backend> {
+    /// A dense SwiGLU MLP.
+    Dense(SwiGluMlp<B>),
+    /// A Mixture-of-Experts layer.
+    Moe(Box<MoeLayer<B>>),
+}
+
+/// What the feed-forward's backward needs.
+enum FfnSaved<B: Backend> {
+    Dense(MlpSaved<B>),
+    Moe(MoeSaved<B>),
+}
+
+/// A pre-norm transformer block.
+pub struct Block<B: Backend> {
+    /// Norm before attention.
+    pub attn_norm: RmsNorm<B>,
+    /// Self-attention.
+    pub attn: Attention<B>,
+    /// Norm before the feed-forward.
+    pub ffn_norm: RmsNorm<B>,
+    /// Dense MLP or MoE layer.
+    pub ffn: Ffn<B>,
+}
+
+/// What the block's backward needs from its forward.
+pub struct BlockSaved<B: Backend> {
+    attn_norm: NormSaved<B>,
+    attn: AttentionSaved<B>,
+    ffn_norm: NormSaved<B>,
+    ffn: FfnSaved<B>,
+}
+
+impl<B: Backend> Block<B> {
+    /// A block of `group` with parameters under `prefix` (`blocks.3`).
+    pub fn new(
+        b: &B,
+        prefix: &str,
+        model: &ModelSpec,
+        group: &BlockGroup,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let d = model.hidden;
+        let ffn = match &group.ffn {
+            FfnSpec::Dense { ffn } => Ffn::Dense(SwiGluMlp::new(
+                b,
+                &format!("{prefix}.mlp"),
+                d,
+                *ffn,
+                model.init_std,
+                seed,
+                dtype,
+            )?),
+            FfnSpec::Moe(moe) => Ffn::Moe(Box::new(MoeLayer::new(
+                b,
+                &format!("{prefix}.moe"),
+                d,
+                moe,
+                model.init_std,
+                seed,
+                dtype,
+            )?)),
+        };
+        Ok(Block {
+            attn_norm: RmsNorm::new(b, &format!("{prefix}.attn_norm"), d, model.norm_eps, dtype)?,
+            attn: Attention::new(
+                b,
+                &format!("{prefix}.attn"),
+                model,
+                &group.attention,
+                seed,
+                dtype,
+            )?,
+            ffn_norm: RmsNorm::new(b, &format!("{prefix}.ffn_norm"), d, model.norm_eps, dtype)?,
+            ffn,
+        })
+    }
+
+    /// The MoE layer, if the feed-forward is one.
+    pub fn moe_mut(&mut self) -> Option<&mut MoeLayer<B>> {
+        match &mut self.ffn {
+            Ffn::Moe(m) => Some(&mut **m),
+            Ffn::Dense(_) => None,
+        }
+    }
+
+    /// `x: [T, D] -> [T, D]` over sequences of `seq_len`; also the MoE layer's
+    /// losses and loads when the feed-forward is one.
+    pub fn forward(&self, b: &B, x_td: &Tensor<B>, seq_len: usize) -> Result<BlockOut<B>> {
+        let (h_td, attn_norm) = self.attn_norm.forward(b, x_td)?;
+        let (a_td, attn) = self.attn.forward(b, &h_td, seq_len)?;
+        let x_td = b.add(x_td, &a_td)?;
+        let (h_td, ffn_norm) = self.ffn_norm.forward(b, &x_td)?;
+        let (f_td, ffn, stats) = match &self.ffn {
+            Ffn::Dense(mlp) => {
+                let (f_td, saved) = mlp.forward(b, &h_td)?;
+                (f_td, FfnSaved::Dense(saved), None)
+            }
+            Ffn::Moe(moe) => {
+                let (f_td, saved, stats) = moe.forward(b, &h_td, seq_len)?;
+                (f_td, FfnSaved::Moe(saved), Some(stats))
+            }
+        };
+        let y_td = b.add(&x_td, &f_td)?;
+        let saved = BlockSaved {
+            attn_norm,
+            attn,
+            ffn_norm,
+            ffn,
+        };
+        Ok((y_td, saved, stats))
+    }
+
+    /// Accumulates every parameter's gradient and returns `dx: [T, D]`;
+    /// `loss_scale` weights the MoE layer's own losses.
+    pub fn backward(
+        &mut self,
+        b: &B,
+        dy_td: &Tensor<B>,
+        saved: BlockSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Tensor<B>> {
+        // The residual passes dy through unchanged; each branch adds its share.
+        let dh_td = match (&mut self.ffn, saved.ffn) {
+            (Ffn::Dense(mlp), FfnSaved::Dense(s)) => mlp.backward(b, dy_td, s)?,
+            (Ffn::Moe(moe), FfnSaved::Moe(s)) => moe.backward(b, dy_td, s, loss_scale)?,
+            _ => {
+                return Err(EngineError::Invalid(
+                    "block backward: saved state comes from a block of another kind".into(),
+                ))
+            }
+        };
+        let mut dx_td = self.ffn_norm.backward(b, &dh_td, saved.ffn_norm)?;
+        b.axpy(&mut dx_td, 1.0, dy_td)?;
+        let da_td = self.attn.backward(b, &dx_td, saved.attn)?;
+        let dh_td = self.attn_norm.backward(b, &da_td, saved.attn_norm)?;
+        b.axpy(&mut dx_td, 1.0, &dh_td)?;
+        Ok(dx_td)
+    }
+}
+
+impl<B: Backend> Module<B> for Block<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        self.attn_norm.visit_params(f);
+        self.attn.visit_params(f);
+        self.ffn_norm.visit_params(f);
+        match &self.ffn {
+            Ffn::Dense(m) => m.visit_params(f),
+            Ffn::Moe(m) => m.visit_params(f),
+        }
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        self.attn_norm.visit_params_mut(f);
+        self.attn.visit_params_mut(f);
+        self.ffn_norm.visit_params_mut(f);
+        match &mut self.ffn {
+            Ffn::Dense(m) => m.visit_params_mut(f),
+            Ffn::Moe(m) => m.visit_params_mut(f),
+        }
+    }
+}
+
+/// TEMPORARY stand-in for `engine::moe` (written concurrently), with its contract.
+#[allow(missing_docs, dead_code, unused_variables)]
+pub mod moe_stub {
+    use super::super::{EngineError, Module, Param, Result};
+    use crate::spec::MoeSpec;
+    use foldmoe_kernels::{Backend, DType, Tensor};
+    pub struct MoeLayer<B: Backend> {
+        _p: std::marker::PhantomData<B>,
+    }
+    pub struct MoeSaved<B: Backend> {
+        _p: std::marker::PhantomData<B>,
+    }
+    pub struct MoeStats<B: Backend> {
+        pub aux_loss: Tensor<B>,
+        pub z_loss: Tensor<B>,
+        pub load: Tensor<B>,
+    }
+    fn nope<T>() -> Result<T> {
+        Err(EngineError::Invalid("moe stub".into()))
+    }
+    impl<B: Backend> MoeLayer<B> {
+        pub fn new(
+            b: &B,
+            prefix: &str,
+            hidden: usize,
+            spec: &MoeSpec,
+            init_std: f64,
+            seed: u64,
+            dtype: DType,
+        ) -> Result<Self> {
+            nope()
+        }
+        pub fn forward(
+            &self,
+            b: &B,
+            x_td: &Tensor<B>,
+            seq_len: usize,
+        ) -> Result<(Tensor<B>, MoeSaved<B>, MoeStats<B>)> {
+            nope()
+        }
+        pub fn backward(
+            &mut self,
+            b: &B,
+            dy_td: &Tensor<B>,
+            saved: MoeSaved<B>,
+            loss_scale: f64,
+        ) -> Result<Tensor<B>> {
+            nope()
+        }
+        pub fn update_expert_bias(&mut self, b: &B, load_e: &Tensor<B>) -> Result<()> {
+            nope()
+        }
+    }
+    impl<B: Backend> Module<B> for MoeLayer<B> {
+        fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {}
+        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {}
+    }
+}

@@ -1,1 +1,151 @@
-//! (to be written)
+//! Token embedding and the language-model head, tied or untied (Megatron-Core's
+//! `LanguageModelEmbedding` and `output_layer` with
+//! `share_embeddings_and_output_weights`).
+//!
+//! Both hold a `[V, D]` table (Hugging Face's `embed_tokens` / `lm_head` layout):
+//! the embedding picks rows, the head multiplies by its transpose. A tied head
+//! owns no weight and uses the embedding's table, so both gradients land in one
+//! parameter.
+//!
+//! Shapes: T tokens, D hidden, V vocabulary.
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use super::param::{init_normal, Module, Param};
+use super::Result;
+
+/// The token embedding table `[V, D]`.
+pub struct Embedding<B: Backend> {
+    /// The table `[V, D]`, normal(0, init_std).
+    pub table: Param<B>,
+}
+
+/// What the embedding's backward needs: the token ids.
+pub struct EmbeddingSaved<B: Backend> {
+    ids_t: Tensor<B>,
+}
+
+impl<B: Backend> Embedding<B> {
+    /// A table named `{prefix}.weight`.
+    pub fn new(
+        b: &B,
+        prefix: &str,
+        vocab: usize,
+        hidden: usize,
+        std: f64,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let name = format!("{prefix}.weight");
+        let value = init_normal(b, &[vocab, hidden], std, seed, &name, dtype)?;
+        Ok(Embedding {
+            table: Param::new(b, name, value)?,
+        })
+    }
+
+    /// Vocabulary size V.
+    pub fn vocab(&self) -> usize {
+        self.table.value.shape()[0]
+    }
+
+    /// `ids: [T]` (i32, each below V) `-> [T, D]`.
+    pub fn forward(&self, b: &B, ids_t: &Tensor<B>) -> Result<(Tensor<B>, EmbeddingSaved<B>)> {
+        let x_td = b.embedding(&self.table.value, ids_t)?;
+        Ok((
+            x_td,
+            EmbeddingSaved {
+                ids_t: ids_t.clone(),
+            },
+        ))
+    }
+
+    /// Accumulates the table's gradient; token ids have no gradient.
+    pub fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: EmbeddingSaved<B>) -> Result<()> {
+        let dtable_vd = b.embedding_backward(dy_td, &saved.ids_t, self.vocab())?;
+        self.table.accumulate(b, &dtable_vd)
+    }
+}
+
+impl<B: Backend> Module<B> for Embedding<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        f(&self.table);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        f(&mut self.table);
+    }
+}
+
+/// The output layer `logits = x · Wᵀ`, with `W: [V, D]` its own (untied) or
+/// the embedding's table (tied).
+pub struct LmHead<B: Backend> {
+    /// The untied weight `[V, D]`; `None` when tied to the embedding.
+    pub weight: Option<Param<B>>,
+}
+
+/// What the head's backward needs: its input.
+pub struct HeadSaved<B: Backend> {
+    x_td: Tensor<B>,
+}
+
+impl<B: Backend> LmHead<B> {
+    /// A head tied to the embedding table: it owns no parameter.
+    pub fn tied() -> Self {
+        LmHead { weight: None }
+    }
+
+    /// An untied head named `{prefix}.weight`.
+    pub fn untied(
+        b: &B,
+        prefix: &str,
+        vocab: usize,
+        hidden: usize,
+        std: f64,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let name = format!("{prefix}.weight");
+        let value = init_normal(b, &[vocab, hidden], std, seed, &name, dtype)?;
+        Ok(LmHead {
+            weight: Some(Param::new(b, name, value)?),
+        })
+    }
+
+    /// `x: [T, D] -> logits: [T, V]`; `embedding` supplies the weight when tied.
+    pub fn forward(
+        &self,
+        b: &B,
+        embedding: &Embedding<B>,
+        x_td: &Tensor<B>,
+    ) -> Result<(Tensor<B>, HeadSaved<B>)> {
+        let w_vd = self.weight.as_ref().unwrap_or(&embedding.table);
+        let logits_tv = b.matmul(x_td, &w_vd.value, false, true)?;
+        Ok((logits_tv, HeadSaved { x_td: x_td.clone() }))
+    }
+
+    /// Accumulates the weight's gradient (into the embedding's table when tied)
+    /// and returns `dx: [T, D]`.
+    pub fn backward(
+        &mut self,
+        b: &B,
+        embedding: &mut Embedding<B>,
+        dlogits_tv: &Tensor<B>,
+        saved: HeadSaved<B>,
+    ) -> Result<Tensor<B>> {
+        let w_vd = self.weight.as_mut().unwrap_or(&mut embedding.table);
+        w_vd.accumulate(b, &b.matmul(dlogits_tv, &saved.x_td, true, false)?)?;
+        Ok(b.matmul(dlogits_tv, &w_vd.value, false, false)?)
+    }
+}
+
+impl<B: Backend> Module<B> for LmHead<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        if let Some(w) = &self.weight {
+            f(w);
+        }
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        if let Some(w) = &mut self.weight {
+            f(w);
+        }
+    }
+}

@@ -38,3 +38,90 @@ pub enum EngineError {
 
 /// Result of an engine call.
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// Helpers shared by the engine's gradient checks: f64 tensors on the CPU and a
+/// finite-difference check of every parameter of a module.
+#[cfg(test)]
+pub(crate) mod testutil {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::gradcheck::assert_grad;
+    use foldmoe_kernels::{Device, HostData, Tensor};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::{Module, Param};
+
+    /// `n` values uniform in `[-scale, scale]`, fixed by `seed`.
+    pub fn uniform(seed: u64, n: usize, scale: f64) -> Vec<f64> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| rng.gen_range(-scale..scale)).collect()
+    }
+
+    /// An f64 tensor on the CPU.
+    pub fn f64_tensor(vals: Vec<f64>, shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::F64(vals), shape).unwrap()
+    }
+
+    /// An i32 tensor on the CPU.
+    pub fn i32_tensor(vals: Vec<i32>, shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::I32(vals), shape).unwrap()
+    }
+
+    /// The values of a tensor as f64.
+    pub fn values(t: &Tensor<Cpu>) -> Vec<f64> {
+        Cpu.download(t).unwrap().to_f64()
+    }
+
+    /// `Σ t ⊙ r`: a scalar loss whose gradient with respect to `t` is `r`.
+    pub fn dot(t: &Tensor<Cpu>, r: &[f64]) -> f64 {
+        values(t).iter().zip(r).map(|(a, b)| a * b).sum()
+    }
+
+    fn with_param<M: Module<Cpu>>(m: &mut M, index: usize, f: &mut dyn FnMut(&mut Param<Cpu>)) {
+        let mut i = 0;
+        m.visit_params_mut(&mut |p| {
+            if i == index {
+                f(p);
+            }
+            i += 1;
+        });
+    }
+
+    /// Checks the accumulated gradient of every parameter of `m` (at most
+    /// `per_param` evenly spaced entries of each) against central differences
+    /// of `loss`, within relative error `tol`.
+    pub fn check_param_grads<M: Module<Cpu>>(
+        what: &str,
+        m: &mut M,
+        per_param: usize,
+        tol: f64,
+        mut loss: impl FnMut(&M) -> f64,
+    ) {
+        let mut params = Vec::new();
+        m.visit_params(&mut |p| params.push((p.name.clone(), values(&p.value), values(&p.grad))));
+        assert!(!params.is_empty(), "{what}: no parameters to check");
+        for (index, (name, value, grad)) in params.into_iter().enumerate() {
+            let stride = value.len().div_ceil(per_param).max(1);
+            let picks: Vec<usize> = (0..value.len()).step_by(stride).collect();
+            let x: Vec<f64> = picks.iter().map(|&i| value[i]).collect();
+            let analytic: Vec<f64> = picks.iter().map(|&i| grad[i]).collect();
+            let m = &mut *m;
+            assert_grad(&format!("{what}: {name}"), &x, &analytic, tol, |xs| {
+                let mut v = value.clone();
+                for (&i, &xi) in picks.iter().zip(xs) {
+                    v[i] = xi;
+                }
+                with_param(m, index, &mut |p| {
+                    let shape = p.value.shape().to_vec();
+                    p.value = f64_tensor(v.clone(), &shape);
+                });
+                let l = loss(m);
+                with_param(m, index, &mut |p| {
+                    let shape = p.value.shape().to_vec();
+                    p.value = f64_tensor(value.clone(), &shape);
+                });
+                l
+            });
+        }
+    }
+}

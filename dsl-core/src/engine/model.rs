@@ -1,1 +1,296 @@
-//! (to be written)
+//! The whole language model built from a [`ModelSpec`]: embedding, blocks,
+//! final norm, LM head and the cross-entropy loss (Megatron-Core's `GPTModel`;
+//! the MoE blocks follow DESIGN §4).
+//!
+//! ```text
+//! x = embed(tokens)
+//! for block in blocks: x = block(x)        // x + attn(norm(x)); x + ffn(norm(x))
+//! loss = mean_{t: target_t ≥ 0} CE(head(norm(x))_t, target_t)
+//! ```
+//!
+//! Parameters are visited in the order `embed.weight`, `blocks.0.*` …
+//! `blocks.{L-1}.*`, `final_norm.weight`, `head.weight` (absent when tied);
+//! these dotted names are what checkpoints store.
+//!
+//! Shapes: B batch, S sequence, T = B·S tokens, D hidden, V vocabulary, E experts.
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use super::block::{Block, BlockSaved};
+use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
+use super::norm::{NormSaved, RmsNorm};
+use super::param::{init_const, Module, Param};
+use super::{EngineError, Result};
+use crate::spec::{FfnSpec, ModelSpec};
+
+/// Added to `count²` when taking the reciprocal of a token count through
+/// `rms_norm` (see [`Model::forward`]): negligible for any count ≥ 1, and keeps
+/// a batch whose targets are all ignored finite (loss 0, no gradient).
+const COUNT_EPS: f64 = 1e-12;
+
+/// A decoder-only language model, one rank, all layers.
+pub struct Model<B: Backend> {
+    /// The spec the model was built from.
+    pub spec: ModelSpec,
+    /// Token embedding `[V, D]`.
+    pub embed: Embedding<B>,
+    /// Transformer blocks, first to last.
+    pub blocks: Vec<Block<B>>,
+    /// Norm before the head.
+    pub final_norm: RmsNorm<B>,
+    /// Output layer, tied to `embed` or not.
+    pub head: LmHead<B>,
+    /// Ones `[V, 1]`: permuting it by the targets marks the non-ignored tokens.
+    ones_v1: Tensor<B>,
+    /// One `[1]`: the scale of the `rms_norm` that takes a reciprocal.
+    one_1: Tensor<B>,
+}
+
+/// What the model's backward needs from its forward.
+pub struct ModelSaved<B: Backend> {
+    embed: EmbeddingSaved<B>,
+    blocks: Vec<BlockSaved<B>>,
+    final_norm: NormSaved<B>,
+    head: HeadSaved<B>,
+    logits_tv: Tensor<B>,
+    targets_t: Tensor<B>,
+    lse_t: Tensor<B>,
+    valid_t1: Tensor<B>,
+    inv_count_1: Tensor<B>,
+}
+
+/// The losses and routing statistics of one forward pass, and its saved state.
+pub struct ForwardOut<B: Backend> {
+    /// Mean cross-entropy over the non-ignored tokens, `[1]`.
+    pub loss: Tensor<B>,
+    /// Sum of the MoE layers' load-balancing and z-losses (coefficients applied), `[1]`.
+    pub aux_loss: Tensor<B>,
+    /// Token copies routed to each expert, `[E]` per MoE layer in block order.
+    pub moe_load: Vec<Tensor<B>>,
+    /// Input of [`Model::backward`].
+    pub saved: ModelSaved<B>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Builds the model after checking the spec (every violated rule is
+    /// returned as [`EngineError::Spec`]); weights depend only on `(seed, name)`.
+    pub fn new(b: &B, spec: &ModelSpec, seed: u64, dtype: DType) -> Result<Self> {
+        spec.check().map_err(EngineError::Spec)?;
+        if !dtype.is_float() {
+            return Err(EngineError::Invalid(format!(
+                "model dtype {dtype:?} is not a float type; use F32 (or F64 for gradient checks)"
+            )));
+        }
+        let (v, d) = (spec.vocab, spec.hidden);
+        let embed = Embedding::new(b, "embed", v, d, spec.init_std, seed, dtype)?;
+        let mut blocks = Vec::with_capacity(spec.layers());
+        for group in &spec.groups {
+            for _ in 0..group.count {
+                let prefix = format!("blocks.{}", blocks.len());
+                blocks.push(Block::new(b, &prefix, spec, group, seed, dtype)?);
+            }
+        }
+        let final_norm = RmsNorm::new(b, "final_norm", d, spec.norm_eps, dtype)?;
+        let head = if spec.tied_embeddings {
+            LmHead::tied()
+        } else {
+            LmHead::untied(b, "head", v, d, spec.init_std, seed, dtype)?
+        };
+        Ok(Model {
+            spec: spec.clone(),
+            embed,
+            blocks,
+            final_norm,
+            head,
+            ones_v1: init_const(b, &[v, 1], 1.0, dtype)?,
+            one_1: init_const(b, &[1], 1.0, dtype)?,
+        })
+    }
+
+    /// Number of MoE layers (the length of [`ForwardOut::moe_load`]).
+    pub fn moe_layers(&self) -> usize {
+        self.blocks
+            .iter()
+            .filter(|blk| matches!(blk.ffn, super::block::Ffn::Moe(_)))
+            .count()
+    }
+
+    /// Loss of a batch: `tokens, targets: [B, S]` (i32; a target of `-1` is
+    /// ignored). Nothing is read back to the host.
+    pub fn forward(
+        &self,
+        b: &B,
+        tokens_bs: &Tensor<B>,
+        targets_bs: &Tensor<B>,
+    ) -> Result<ForwardOut<B>> {
+        let (batch, seq) = check_batch(tokens_bs, "tokens")?;
+        if targets_bs.shape() != tokens_bs.shape() {
+            return Err(EngineError::Invalid(format!(
+                "targets have shape {:?} but tokens have shape {:?}; they must match",
+                targets_bs.shape(),
+                tokens_bs.shape()
+            )));
+        }
+        check_batch(targets_bs, "targets")?;
+        let t = batch * seq;
+        let ids_t = tokens_bs.clone().reshape(&[t])?;
+        let targets_t = targets_bs.clone().reshape(&[t])?;
+
+        let (mut x_td, embed) = self.embed.forward(b, &ids_t)?;
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        let mut aux_loss = b.zeros(&[1], self.one_1.dtype())?;
+        let mut moe_load = Vec::new();
+        for block in &self.blocks {
+            let (y_td, saved, stats) = block.forward(b, &x_td, seq)?;
+            if let Some(stats) = stats {
+                aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
+                moe_load.push(stats.load);
+            }
+            blocks.push(saved);
+            x_td = y_td;
+        }
+        let (h_td, final_norm) = self.final_norm.forward(b, &x_td)?;
+        let (logits_tv, head) = self.head.forward(b, &self.embed, &h_td)?;
+
+        let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
+        // Mean over non-ignored tokens without a host read: `permute` gives 0
+        // for a source of -1 and 1 otherwise, and the backend has no division,
+        // so 1/count is the rstd of the one-element row [count].
+        let valid_t1 = b.permute(&self.ones_v1, &targets_t)?;
+        let count_11 = b.sum(&valid_t1)?.reshape(&[1, 1])?;
+        let (_, inv_count_1) = b.rms_norm(&count_11, &self.one_1, COUNT_EPS)?;
+        let loss = b.mul(&b.sum(&loss_t)?, &inv_count_1)?;
+
+        let saved = ModelSaved {
+            embed,
+            blocks,
+            final_norm,
+            head,
+            logits_tv,
+            targets_t,
+            lse_t,
+            valid_t1,
+            inv_count_1,
+        };
+        Ok(ForwardOut {
+            loss,
+            aux_loss,
+            moe_load,
+            saved,
+        })
+    }
+
+    /// Accumulates the gradients of `loss_scale · (loss + aux_loss)` of the
+    /// forward that produced `saved` into every parameter.
+    pub fn backward(&mut self, b: &B, saved: ModelSaved<B>, loss_scale: f64) -> Result<()> {
+        let ModelSaved {
+            embed,
+            blocks,
+            final_norm,
+            head,
+            logits_tv,
+            targets_t,
+            lse_t,
+            valid_t1,
+            inv_count_1,
+        } = saved;
+        let t = targets_t.numel();
+        let dloss_t = b
+            .scale(&b.mul_cols(&valid_t1, &inv_count_1)?, loss_scale)?
+            .reshape(&[t])?;
+        let dlogits_tv = b.cross_entropy_backward(&logits_tv, &targets_t, &lse_t, &dloss_t)?;
+        let dh_td = self.head.backward(b, &mut self.embed, &dlogits_tv, head)?;
+        let mut dx_td = self.final_norm.backward(b, &dh_td, final_norm)?;
+        for (block, saved) in self.blocks.iter_mut().zip(blocks).rev() {
+            dx_td = block.backward(b, &dx_td, saved, loss_scale)?;
+        }
+        self.embed.backward(b, &dx_td, embed)
+    }
+
+    /// Logits `[B·S, V]` of `tokens: [B, S]` for inference (nothing is kept for
+    /// a backward).
+    pub fn logits(&self, b: &B, tokens_bs: &Tensor<B>) -> Result<Tensor<B>> {
+        let (batch, seq) = check_batch(tokens_bs, "tokens")?;
+        let ids_t = tokens_bs.clone().reshape(&[batch * seq])?;
+        let (mut x_td, _) = self.embed.forward(b, &ids_t)?;
+        for block in &self.blocks {
+            x_td = block.forward(b, &x_td, seq)?.0;
+        }
+        let (h_td, _) = self.final_norm.forward(b, &x_td)?;
+        Ok(self.head.forward(b, &self.embed, &h_td)?.0)
+    }
+
+    /// Aux-loss-free balancing: updates each MoE layer's expert bias from its
+    /// load `[E]` (summed over the global batch), in block order.
+    pub fn update_expert_biases(&mut self, b: &B, loads: &[Tensor<B>]) -> Result<()> {
+        let n = self.moe_layers();
+        if loads.len() != n {
+            return Err(EngineError::Invalid(format!(
+                "update_expert_biases: got {} loads for {n} MoE layers",
+                loads.len()
+            )));
+        }
+        let moes = self.blocks.iter_mut().filter_map(|blk| blk.moe_mut());
+        for (moe, load_e) in moes.zip(loads) {
+            moe.update_expert_bias(b, load_e)?;
+        }
+        Ok(())
+    }
+
+    /// `(total, active per token)` parameter counts; a token passes through
+    /// `top_k` of the `E` routed experts of each MoE layer, so only that share
+    /// of their weights is active.
+    pub fn param_counts(&self) -> (usize, usize) {
+        let mut total = 0;
+        self.visit_params(&mut |p| total += p.value.numel());
+        let d = self.spec.hidden;
+        let inactive: usize = self
+            .spec
+            .groups
+            .iter()
+            .map(|g| match &g.ffn {
+                FfnSpec::Moe(m) => g.count * (m.experts - m.top_k) * 3 * d * m.expert_ffn,
+                FfnSpec::Dense { .. } => 0,
+            })
+            .sum();
+        (total, total - inactive)
+    }
+}
+
+/// Checks a `[B, S]` i32 batch with `B, S ≥ 1` and returns `(B, S)`.
+fn check_batch<B: Backend>(t: &Tensor<B>, what: &str) -> Result<(usize, usize)> {
+    if t.dtype() != DType::I32 {
+        return Err(EngineError::Invalid(format!(
+            "{what} have dtype {:?}; token ids must be I32",
+            t.dtype()
+        )));
+    }
+    match t.shape() {
+        &[batch, seq] if batch > 0 && seq > 0 => Ok((batch, seq)),
+        &[batch, seq] => Err(EngineError::Invalid(format!(
+            "{what} have shape [{batch}, {seq}]; the batch is empty"
+        ))),
+        other => Err(EngineError::Invalid(format!(
+            "{what} have shape {other:?}; expected [batch, seq]"
+        ))),
+    }
+}
+
+impl<B: Backend> Module<B> for Model<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        self.embed.visit_params(f);
+        for block in &self.blocks {
+            block.visit_params(f);
+        }
+        self.final_norm.visit_params(f);
+        self.head.visit_params(f);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        self.embed.visit_params_mut(f);
+        for block in &mut self.blocks {
+            block.visit_params_mut(f);
+        }
+        self.final_norm.visit_params_mut(f);
+        self.head.visit_params_mut(f);
+    }
+}

@@ -1,1 +1,61 @@
-//! (to be written)
+//! RMSNorm (Zhang & Sennrich 2019), as in Megatron-Core's `TENorm`/`FusedRMSNorm`:
+//! `y = x / sqrt(mean(x²) + eps) · w`, with `w` starting at 1.
+//!
+//! Shapes: T tokens, D hidden.
+
+use foldmoe_kernels::{Backend, DType, Tensor};
+
+use super::param::{init_const, Module, Param};
+use super::Result;
+
+/// An RMSNorm over the last dim with a learned scale `w: [D]`.
+pub struct RmsNorm<B: Backend> {
+    /// Scale `[D]`; 1-d, so the optimizer does not decay it.
+    pub weight: Param<B>,
+    /// Added to the mean square before the square root.
+    pub eps: f64,
+}
+
+/// What the norm's backward needs: its input and the reciprocal rms per row.
+pub struct NormSaved<B: Backend> {
+    x_td: Tensor<B>,
+    rstd_t: Tensor<B>,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    /// A norm named `{prefix}.weight` with its scale at 1.
+    pub fn new(b: &B, prefix: &str, hidden: usize, eps: f64, dtype: DType) -> Result<Self> {
+        let value = init_const(b, &[hidden], 1.0, dtype)?;
+        Ok(RmsNorm {
+            weight: Param::new(b, format!("{prefix}.weight"), value)?,
+            eps,
+        })
+    }
+
+    /// `x: [T, D] -> [T, D]`.
+    pub fn forward(&self, b: &B, x_td: &Tensor<B>) -> Result<(Tensor<B>, NormSaved<B>)> {
+        let (y_td, rstd_t) = b.rms_norm(x_td, &self.weight.value, self.eps)?;
+        let saved = NormSaved {
+            x_td: x_td.clone(),
+            rstd_t,
+        };
+        Ok((y_td, saved))
+    }
+
+    /// Accumulates the scale's gradient and returns `dx: [T, D]`.
+    pub fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: NormSaved<B>) -> Result<Tensor<B>> {
+        let (dx_td, dw_d) =
+            b.rms_norm_backward(dy_td, &saved.x_td, &self.weight.value, &saved.rstd_t)?;
+        self.weight.accumulate(b, &dw_d)?;
+        Ok(dx_td)
+    }
+}
+
+impl<B: Backend> Module<B> for RmsNorm<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        f(&self.weight);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        f(&mut self.weight);
+    }
+}
