@@ -1,1 +1,294 @@
-//! (to be written)
+//! Checkpoints on disk: tensors in safetensors, everything else in a JSON
+//! config that carries the SHA-256 of the tensor file.
+//!
+//! A checkpoint is a directory holding `model.safetensors` and `config.json`.
+//! Writes are atomic at the directory level: the new checkpoint is written
+//! and fsynced under `<dir>.tmp`, the old one moved to `<dir>.old`, the new
+//! one renamed into place, the old one removed. A crash at any point leaves
+//! either the old or the new checkpoint loadable ([`load`] falls back to
+//! `<dir>.old` when `<dir>` is missing). Loading verifies the checksum, so a
+//! truncated or altered tensor file is an error, never silent corruption.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use foldmoe_kernels::HostData;
+use safetensors::tensor::{Dtype, TensorView};
+use serde::{de::DeserializeOwned, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{EngineError, Result};
+
+/// File name of the tensors inside a checkpoint directory.
+pub const TENSOR_FILE: &str = "model.safetensors";
+/// File name of the JSON config inside a checkpoint directory.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// One named tensor as stored: shape and host values (f32, f64 or i32).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NamedTensor {
+    /// Stable dotted name.
+    pub name: String,
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Values.
+    pub data: HostData,
+}
+
+#[derive(Serialize, serde::Deserialize)]
+struct Envelope<M> {
+    format: String,
+    tensors_sha256: String,
+    meta: M,
+}
+
+const FORMAT: &str = "foldmoe-checkpoint-1";
+
+fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Invalid(format!("{what} {}: {e}", path.display()))
+}
+
+fn hex_sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = fs::File::create(path).map_err(|e| io_err("cannot create", path, e))?;
+    f.write_all(bytes)
+        .map_err(|e| io_err("cannot write", path, e))?;
+    f.sync_all().map_err(|e| io_err("cannot sync", path, e))
+}
+
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut name = dir
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(suffix);
+    dir.with_file_name(name)
+}
+
+/// Serialises the tensors to safetensors bytes.
+fn tensor_bytes(tensors: &[NamedTensor]) -> Result<Vec<u8>> {
+    let raw: Vec<(Dtype, Vec<u8>)> = tensors
+        .iter()
+        .map(|t| match &t.data {
+            HostData::F32(v) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            HostData::F64(v) => (Dtype::F64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            HostData::I32(v) => (Dtype::I32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        })
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&raw)
+        .map(|(t, (dtype, bytes))| {
+            TensorView::new(*dtype, t.shape.clone(), bytes)
+                .map(|v| (t.name.clone(), v))
+                .map_err(|e| {
+                    EngineError::Invalid(format!("tensor {} cannot be stored: {e}", t.name))
+                })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize(views, None)
+        .map_err(|e| EngineError::Invalid(format!("cannot serialise checkpoint tensors: {e}")))
+}
+
+/// Writes `tensors` and `meta` as the checkpoint directory `dir`, atomically.
+pub fn save<M: Serialize>(dir: &Path, tensors: &[NamedTensor], meta: &M) -> Result<()> {
+    let bytes = tensor_bytes(tensors)?;
+    let envelope = Envelope {
+        format: FORMAT.to_string(),
+        tensors_sha256: hex_sha256(&bytes),
+        meta,
+    };
+    let json = serde_json::to_vec_pretty(&envelope)
+        .map_err(|e| EngineError::Invalid(format!("cannot serialise checkpoint config: {e}")))?;
+    let tmp = sibling(dir, ".tmp");
+    let old = sibling(dir, ".old");
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io_err("cannot clear", &tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| io_err("cannot create checkpoint directory", &tmp, e))?;
+    write_synced(&tmp.join(TENSOR_FILE), &bytes)?;
+    write_synced(&tmp.join(CONFIG_FILE), &json)?;
+    if dir.exists() {
+        if old.exists() {
+            fs::remove_dir_all(&old).map_err(|e| io_err("cannot clear", &old, e))?;
+        }
+        fs::rename(dir, &old).map_err(|e| io_err("cannot move aside", dir, e))?;
+    }
+    fs::rename(&tmp, dir).map_err(|e| io_err("cannot move into place", dir, e))?;
+    if old.exists() {
+        fs::remove_dir_all(&old).map_err(|e| io_err("cannot remove", &old, e))?;
+    }
+    Ok(())
+}
+
+/// Reads and verifies the checkpoint `dir`: its tensors (in stored order) and meta.
+pub fn load<M: DeserializeOwned>(dir: &Path) -> Result<(Vec<NamedTensor>, M)> {
+    let dir = if !dir.exists() && sibling(dir, ".old").exists() {
+        sibling(dir, ".old")
+    } else {
+        dir.to_path_buf()
+    };
+    if !dir.is_dir() {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint {} not found (expected a directory with {TENSOR_FILE} and {CONFIG_FILE})",
+            dir.display()
+        )));
+    }
+    let cfg_path = dir.join(CONFIG_FILE);
+    let json =
+        fs::read(&cfg_path).map_err(|e| io_err("cannot read checkpoint config", &cfg_path, e))?;
+    let envelope: Envelope<M> = serde_json::from_slice(&json)
+        .map_err(|e| io_err("malformed checkpoint config", &cfg_path, e))?;
+    if envelope.format != FORMAT {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint {} has format `{}`, expected `{FORMAT}`",
+            cfg_path.display(),
+            envelope.format
+        )));
+    }
+    let tpath = dir.join(TENSOR_FILE);
+    let bytes =
+        fs::read(&tpath).map_err(|e| io_err("cannot read checkpoint tensors", &tpath, e))?;
+    let sum = hex_sha256(&bytes);
+    if sum != envelope.tensors_sha256 {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint {} is corrupt or truncated: SHA-256 {sum} ({} bytes) does not match {} recorded in {CONFIG_FILE}",
+            tpath.display(),
+            bytes.len(),
+            envelope.tensors_sha256
+        )));
+    }
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| io_err("malformed checkpoint tensors", &tpath, e))?;
+    // safetensors sorts by name; keep that order, callers look tensors up by name.
+    let mut tensors = Vec::new();
+    for (name, view) in st.tensors() {
+        let b = view.data();
+        let data = match view.dtype() {
+            Dtype::F32 => HostData::F32(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            Dtype::I32 => HostData::I32(
+                b.chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            Dtype::F64 => HostData::F64(
+                b.chunks_exact(8)
+                    .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                    .collect(),
+            ),
+            other => {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint tensor {name} has unsupported dtype {other:?}"
+                )))
+            }
+        };
+        tensors.push(NamedTensor {
+            name,
+            shape: view.shape().to_vec(),
+            data,
+        });
+    }
+    Ok((tensors, envelope.meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("foldmoe-ckpt-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn sample() -> Vec<NamedTensor> {
+        vec![
+            NamedTensor {
+                name: "a.w".into(),
+                shape: vec![2, 3],
+                data: HostData::F32(vec![1.0, -2.0, 3.5, 0.0, 1e-8, 7.0]),
+            },
+            NamedTensor {
+                name: "b.bias".into(),
+                shape: vec![2],
+                data: HostData::F64(vec![0.25, -1.0]),
+            },
+            NamedTensor {
+                name: "c.ids".into(),
+                shape: vec![1],
+                data: HostData::I32(vec![-7]),
+            },
+        ]
+    }
+
+    #[test]
+    fn checkpoint_round_trips_and_replaces_atomically() {
+        let dir = tmpdir("rt").join("ckpt");
+        save(&dir, &sample(), &serde_json::json!({"step": 3})).unwrap();
+        save(&dir, &sample(), &serde_json::json!({"step": 4})).unwrap();
+        let (t, meta): (_, serde_json::Value) = load(&dir).unwrap();
+        assert_eq!(t, sample());
+        assert_eq!(meta["step"], 4);
+        assert!(!sibling(&dir, ".tmp").exists() && !sibling(&dir, ".old").exists());
+    }
+
+    #[test]
+    fn truncated_checkpoint_is_detected() {
+        let dir = tmpdir("trunc").join("ckpt");
+        save(&dir, &sample(), &1u32).unwrap();
+        let p = dir.join(TENSOR_FILE);
+        let bytes = fs::read(&p).unwrap();
+        fs::write(&p, &bytes[..bytes.len() - 5]).unwrap();
+        let err = load::<u32>(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("corrupt or truncated") && err.contains(TENSOR_FILE),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn altered_checkpoint_is_detected() {
+        let dir = tmpdir("flip").join("ckpt");
+        save(&dir, &sample(), &1u32).unwrap();
+        let p = dir.join(TENSOR_FILE);
+        let mut bytes = fs::read(&p).unwrap();
+        let n = bytes.len();
+        bytes[n - 2] ^= 0x10;
+        fs::write(&p, &bytes).unwrap();
+        assert!(load::<u32>(&dir)
+            .unwrap_err()
+            .to_string()
+            .contains("does not match"));
+    }
+
+    #[test]
+    fn missing_checkpoint_names_the_path() {
+        let dir = tmpdir("missing").join("nothing-here");
+        let err = load::<u32>(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("nothing-here") && err.contains("not found"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn interrupted_swap_falls_back_to_old() {
+        let dir = tmpdir("swap").join("ckpt");
+        save(&dir, &sample(), &9u32).unwrap();
+        fs::rename(&dir, sibling(&dir, ".old")).unwrap();
+        let (_, meta): (_, u32) = load(&dir).unwrap();
+        assert_eq!(meta, 9);
+    }
+}
