@@ -430,3 +430,246 @@ impl AttentionOps for Cpu {
         attention_backward_blocked(d_o, q, k, v, o, lse, ATTN_BLOCK)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::elementwise::test_util::*;
+    use super::{attention_backward_blocked, attention_blocked};
+    use crate::backend::AttentionOps;
+    use crate::cpu::Cpu;
+    use crate::error::KernelError;
+    use crate::tensor::Tensor;
+
+    /// Plain causal GQA attention with the full score matrix, in f64:
+    /// returns `(o [B,S,Hq,Hd], lse [B,Hq,S])`.
+    fn naive(
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        (b, s, hq, hkv, hd): (usize, usize, usize, usize, usize),
+    ) -> (Vec<f64>, Vec<f64>) {
+        let mut o = vec![0.0; q.len()];
+        let mut lse = vec![0.0; b * hq * s];
+        let scale = 1.0 / (hd as f64).sqrt();
+        let qa = |bi: usize, i: usize, h: usize| ((bi * s + i) * hq + h) * hd;
+        let ka = |bi: usize, j: usize, h: usize| ((bi * s + j) * hkv + h) * hd;
+        for bi in 0..b {
+            for h in 0..hq {
+                let kh = h / (hq / hkv);
+                for i in 0..s {
+                    let sc: Vec<f64> = (0..=i)
+                        .map(|j| {
+                            (0..hd)
+                                .map(|d| q[qa(bi, i, h) + d] * k[ka(bi, j, kh) + d])
+                                .sum::<f64>()
+                                * scale
+                        })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
+                    lse[(bi * hq + h) * s + i] = mx + z.ln();
+                    for (j, x) in sc.iter().enumerate() {
+                        let p = (x - mx).exp() / z;
+                        for d in 0..hd {
+                            o[qa(bi, i, h) + d] += p * v[ka(bi, j, kh) + d];
+                        }
+                    }
+                }
+            }
+        }
+        (o, lse)
+    }
+
+    struct Case {
+        dims: (usize, usize, usize, usize, usize),
+        q: Vec<f64>,
+        k: Vec<f64>,
+        v: Vec<f64>,
+    }
+
+    impl Case {
+        fn new(seed: u64, dims: (usize, usize, usize, usize, usize)) -> Self {
+            let (b, s, hq, hkv, hd) = dims;
+            let mut g = rng(seed);
+            // Scaled up so the softmax is far from uniform.
+            let mut draw = |n| -> Vec<f64> { uniform(&mut g, n).iter().map(|x| 2.0 * x).collect() };
+            let q = draw(b * s * hq * hd);
+            let k = draw(b * s * hkv * hd);
+            let v = draw(b * s * hkv * hd);
+            Case { dims, q, k, v }
+        }
+        fn qs(&self) -> [usize; 4] {
+            let (b, s, hq, _, hd) = self.dims;
+            [b, s, hq, hd]
+        }
+        fn ks(&self) -> [usize; 4] {
+            let (b, s, _, hkv, hd) = self.dims;
+            [b, s, hkv, hd]
+        }
+        fn tensors(&self, q: &[f64], k: &[f64], v: &[f64]) -> [Tensor<Cpu>; 3] {
+            [t64(q, &self.qs()), t64(k, &self.ks()), t64(v, &self.ks())]
+        }
+    }
+
+    #[test]
+    fn attention_forward_matches_naive() {
+        for (dims, block) in [
+            ((2, 10, 4, 2, 4), 4),  // GQA, ragged last block
+            ((1, 9, 3, 3, 6), 3),   // MHA, S a multiple of the block
+            ((1, 5, 2, 1, 2), 64),  // MQA, one block
+            ((1, 70, 2, 1, 8), 64), // the default block, two blocks
+        ] {
+            let c = Case::new(41, dims);
+            let [q, k, v] = c.tensors(&c.q, &c.k, &c.v);
+            let (o, lse) = attention_blocked(&q, &k, &v, block).unwrap();
+            let (o_ref, lse_ref) = naive(&c.q, &c.k, &c.v, dims);
+            assert_eq!(lse.shape(), &[dims.0, dims.2, dims.1]);
+            assert!(max_diff(&h64(&o), &o_ref) < 1e-12, "{dims:?} block {block}");
+            assert!(
+                max_diff(&h64(&lse), &lse_ref) < 1e-12,
+                "{dims:?} block {block}"
+            );
+        }
+    }
+
+    #[test]
+    fn attention_f32_matches_f64_reference() {
+        let dims = (2, 20, 4, 2, 8);
+        let c = Case::new(42, dims);
+        let f = |x: &[f64], shape: &[usize]| {
+            t32(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape)
+        };
+        let (o, lse) = Cpu
+            .attention(&f(&c.q, &c.qs()), &f(&c.k, &c.ks()), &f(&c.v, &c.ks()))
+            .unwrap();
+        let (o_ref, lse_ref) = naive(&c.q, &c.k, &c.v, dims);
+        assert!(max_diff(&h64(&o), &o_ref) < 1e-5);
+        assert!(max_diff(&h64(&lse), &lse_ref) < 1e-5);
+    }
+
+    /// Checks dq, dk, dv of `Σ o ⊙ w` against finite differences.
+    fn grad_case(seed: u64, dims: (usize, usize, usize, usize, usize), block: usize) {
+        let c = Case::new(seed, dims);
+        let w = uniform(&mut rng(seed + 100), c.q.len());
+        let [q, k, v] = c.tensors(&c.q, &c.k, &c.v);
+        let (o, lse) = attention_blocked(&q, &k, &v, block).unwrap();
+        let d_o = t64(&w, &c.qs());
+        let (dq, dk, dv) = attention_backward_blocked(&d_o, &q, &k, &v, &o, &lse, block).unwrap();
+        let f = |q: &[f64], k: &[f64], v: &[f64]| {
+            let [q, k, v] = c.tensors(q, k, v);
+            dotv(&h64(&attention_blocked(&q, &k, &v, block).unwrap().0), &w)
+        };
+        check("attention dq", &c.q, &h64(&dq), |x| f(x, &c.k, &c.v));
+        check("attention dk", &c.k, &h64(&dk), |x| f(&c.q, x, &c.v));
+        check("attention dv", &c.v, &h64(&dv), |x| f(&c.q, &c.k, x));
+    }
+
+    #[test]
+    fn attention_grad_gqa() {
+        // S = 7 with block 3: blocks of 3, 3, 1.
+        grad_case(43, (2, 7, 4, 2, 4), 3);
+    }
+
+    #[test]
+    fn attention_grad_mha() {
+        grad_case(44, (1, 8, 2, 2, 6), 3);
+    }
+
+    #[test]
+    fn attention_grad_independent_of_block_size() {
+        let dims = (1, 13, 4, 2, 4);
+        let c = Case::new(45, dims);
+        let [q, k, v] = c.tensors(&c.q, &c.k, &c.v);
+        let d_o = t64(&uniform(&mut rng(46), c.q.len()), &c.qs());
+        let run = |block| {
+            let (o, lse) = attention_blocked(&q, &k, &v, block).unwrap();
+            let (dq, dk, dv) =
+                attention_backward_blocked(&d_o, &q, &k, &v, &o, &lse, block).unwrap();
+            [h64(&dq), h64(&dk), h64(&dv)]
+        };
+        let (a, b) = (run(2), run(64));
+        for (x, y) in a.iter().zip(&b) {
+            assert!(max_diff(x, y) < 1e-12);
+        }
+    }
+
+    #[test]
+    fn attention_is_deterministic() {
+        let dims = (2, 150, 4, 2, 16);
+        let c = Case::new(47, dims);
+        let f = |x: &[f64], shape: &[usize]| {
+            t32(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape)
+        };
+        let (q, k, v) = (f(&c.q, &c.qs()), f(&c.k, &c.ks()), f(&c.v, &c.ks()));
+        let d_o = f(&uniform(&mut rng(48), c.q.len()), &c.qs());
+        let run = || {
+            let (o, lse) = Cpu.attention(&q, &k, &v).unwrap();
+            let (dq, dk, dv) = Cpu.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+            [o, lse, dq, dk, dv].map(|t| h64(&t))
+        };
+        let first = run();
+        assert_eq!(first, run());
+    }
+
+    #[test]
+    fn attention_bad_inputs() {
+        let q = t64(&[0.0; 2 * 3 * 4], &[1, 2, 3, 4]);
+        let kv = t64(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
+        match Cpu.attention(&q, &kv, &kv).unwrap_err() {
+            KernelError::ShapeMismatch {
+                op: "attention",
+                detail,
+            } => {
+                assert!(
+                    detail.contains("Hq = 3") && detail.contains("Hkv = 2"),
+                    "{detail}"
+                )
+            }
+            e => panic!("{e:?}"),
+        }
+        let q = t64(&[0.0; 2 * 4 * 4], &[1, 2, 4, 4]);
+        let k3 = t64(&[0.0; 3 * 2 * 4], &[1, 3, 2, 4]);
+        let err = Cpu.attention(&q, &k3, &k3).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KernelError::ShapeMismatch {
+                    op: "attention",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let k32 = t32(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
+        let err = Cpu.attention(&q, &k32, &k32).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KernelError::DTypeMismatch {
+                    op: "attention",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let qi = ti32(&[0; 2 * 4 * 4], &[1, 2, 4, 4]);
+        let err = Cpu.attention(&qi, &kv, &kv).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KernelError::DTypeMismatch { .. } | KernelError::UnsupportedDType { .. }
+            ),
+            "{err:?}"
+        );
+        let (o, lse) = Cpu.attention(&q, &kv, &kv).unwrap();
+        let bad_lse = t64(&[0.0; 8], &[1, 2, 4]);
+        let err = Cpu
+            .attention_backward(&o, &q, &kv, &kv, &o, &bad_lse)
+            .unwrap_err();
+        assert!(
+            matches!(&err, KernelError::ShapeMismatch { op: "attention_backward", detail } if detail.contains("lse")),
+            "{err:?}"
+        );
+        assert!(Cpu.attention_backward(&o, &q, &kv, &kv, &o, &lse).is_ok());
+    }
+}

@@ -553,3 +553,460 @@ impl ElementwiseOps for Cpu {
         cpu_float_dispatch!("sum_squares", x, total_f64("sum_squares", x, |v| v * v))
     }
 }
+
+/// Helpers shared by the CPU op tests of this and the sibling op files.
+#[cfg(test)]
+pub(crate) mod test_util {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use crate::backend::Device;
+    use crate::cpu::Cpu;
+    use crate::tensor::{HostData, Tensor};
+
+    /// Relative tolerance of every f64 finite-difference check.
+    pub(crate) const TOL: f64 = 1e-6;
+
+    /// A seeded generator, so failures reproduce.
+    pub(crate) fn rng(seed: u64) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(seed)
+    }
+
+    /// `n` values uniform in `[-1, 1)`.
+    pub(crate) fn uniform(rng: &mut ChaCha8Rng, n: usize) -> Vec<f64> {
+        (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
+    }
+
+    /// An f64 tensor.
+    pub(crate) fn t64(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::F64(v.to_vec()), shape).unwrap()
+    }
+
+    /// An f32 tensor.
+    pub(crate) fn t32(v: &[f32], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::F32(v.to_vec()), shape).unwrap()
+    }
+
+    /// An i32 tensor.
+    pub(crate) fn ti32(v: &[i32], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::I32(v.to_vec()), shape).unwrap()
+    }
+
+    /// A tensor's values as f64.
+    pub(crate) fn h64(t: &Tensor<Cpu>) -> Vec<f64> {
+        Cpu.download(t).unwrap().to_f64()
+    }
+
+    /// `Σ a ⊙ b`: the scalar objective of the gradient checks.
+    pub(crate) fn dotv(a: &[f64], b: &[f64]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    /// Largest absolute difference.
+    pub(crate) fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
+    }
+
+    /// Finite-difference check of `analytic` against `f` at `x`, tolerance [`TOL`].
+    pub(crate) fn check(what: &str, x: &[f64], analytic: &[f64], f: impl FnMut(&[f64]) -> f64) {
+        crate::gradcheck::assert_grad(what, x, analytic, TOL, f);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_util::*;
+    use super::RoundBf16;
+    use crate::backend::ElementwiseOps;
+    use crate::cpu::Cpu;
+    use crate::error::KernelError;
+    use crate::tensor::DType;
+
+    const R: usize = 5;
+    const C: usize = 7;
+
+    /// Checks the gradient of a unary op against finite differences of
+    /// `Σ f(x) ⊙ w` for a fixed random weight `w`.
+    fn unary_grad(
+        what: &str,
+        seed: u64,
+        fwd: impl Fn(&[f64]) -> Vec<f64>,
+        bwd: impl Fn(&[f64], &[f64]) -> Vec<f64>,
+    ) {
+        let mut g = rng(seed);
+        let x: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 3.0 * v).collect();
+        let w = uniform(&mut g, R * C);
+        check(what, &x, &bwd(&x, &w), |xs| dotv(&fwd(xs), &w));
+    }
+
+    #[test]
+    fn silu_grad() {
+        unary_grad(
+            "silu",
+            1,
+            |x| h64(&Cpu.silu(&t64(x, &[R, C])).unwrap()),
+            |x, w| {
+                h64(&Cpu
+                    .silu_backward(&t64(x, &[R, C]), &t64(w, &[R, C]))
+                    .unwrap())
+            },
+        );
+    }
+
+    #[test]
+    fn sigmoid_grad() {
+        unary_grad(
+            "sigmoid",
+            2,
+            |x| h64(&Cpu.sigmoid(&t64(x, &[R, C])).unwrap()),
+            |x, w| {
+                let y = Cpu.sigmoid(&t64(x, &[R, C])).unwrap();
+                h64(&Cpu.sigmoid_backward(&y, &t64(w, &[R, C])).unwrap())
+            },
+        );
+    }
+
+    #[test]
+    fn softmax_grad() {
+        unary_grad(
+            "softmax",
+            3,
+            |x| h64(&Cpu.softmax(&t64(x, &[R, C])).unwrap()),
+            |x, w| {
+                let y = Cpu.softmax(&t64(x, &[R, C])).unwrap();
+                h64(&Cpu.softmax_backward(&y, &t64(w, &[R, C])).unwrap())
+            },
+        );
+    }
+
+    /// The gradient of logsumexp is the softmax, weighted per row.
+    #[test]
+    fn logsumexp_grad() {
+        let mut g = rng(4);
+        let x: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 3.0 * v).collect();
+        let w = uniform(&mut g, R);
+        let y = Cpu.softmax(&t64(&x, &[R, C])).unwrap();
+        let an = h64(&Cpu.mul_rows(&y, &t64(&w, &[R])).unwrap());
+        check("logsumexp", &x, &an, |xs| {
+            dotv(&h64(&Cpu.logsumexp(&t64(xs, &[R, C])).unwrap()), &w)
+        });
+    }
+
+    #[test]
+    fn swiglu_grad() {
+        let mut g = rng(5);
+        let gate: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 3.0 * v).collect();
+        let up = uniform(&mut g, R * C);
+        let w = uniform(&mut g, R * C);
+        let (dg, du) = Cpu
+            .swiglu_backward(&t64(&gate, &[R, C]), &t64(&up, &[R, C]), &t64(&w, &[R, C]))
+            .unwrap();
+        let f = |g: &[f64], u: &[f64]| {
+            dotv(
+                &h64(&Cpu.swiglu(&t64(g, &[R, C]), &t64(u, &[R, C])).unwrap()),
+                &w,
+            )
+        };
+        check("swiglu d gate", &gate, &h64(&dg), |x| f(x, &up));
+        check("swiglu d up", &up, &h64(&du), |x| f(&gate, x));
+    }
+
+    #[test]
+    fn mul_rows_grad() {
+        let mut g = rng(6);
+        let (x, s, w) = (
+            uniform(&mut g, R * C),
+            uniform(&mut g, R),
+            uniform(&mut g, R * C),
+        );
+        let wt = t64(&w, &[R, C]);
+        let dx = h64(&Cpu.mul_rows(&wt, &t64(&s, &[R])).unwrap());
+        let ds = h64(&Cpu.dot_rows(&wt, &t64(&x, &[R, C])).unwrap());
+        let f = |x: &[f64], s: &[f64]| {
+            dotv(
+                &h64(&Cpu.mul_rows(&t64(x, &[R, C]), &t64(s, &[R])).unwrap()),
+                &w,
+            )
+        };
+        check("mul_rows dx", &x, &dx, |v| f(v, &s));
+        check("mul_rows ds", &s, &ds, |v| f(&x, v));
+    }
+
+    #[test]
+    fn mul_cols_grad() {
+        let mut g = rng(7);
+        let (x, s, w) = (
+            uniform(&mut g, R * C),
+            uniform(&mut g, C),
+            uniform(&mut g, R * C),
+        );
+        let wt = t64(&w, &[R, C]);
+        let dx = h64(&Cpu.mul_cols(&wt, &t64(&s, &[C])).unwrap());
+        let ds = h64(&Cpu
+            .sum_cols(&Cpu.mul(&wt, &t64(&x, &[R, C])).unwrap())
+            .unwrap());
+        let f = |x: &[f64], s: &[f64]| {
+            dotv(
+                &h64(&Cpu.mul_cols(&t64(x, &[R, C]), &t64(s, &[C])).unwrap()),
+                &w,
+            )
+        };
+        check("mul_cols dx", &x, &dx, |v| f(v, &s));
+        check("mul_cols ds", &s, &ds, |v| f(&x, v));
+    }
+
+    #[test]
+    fn add_cols_grad() {
+        let mut g = rng(8);
+        let (x, b, w) = (
+            uniform(&mut g, R * C),
+            uniform(&mut g, C),
+            uniform(&mut g, R * C),
+        );
+        let db = h64(&Cpu.sum_cols(&t64(&w, &[R, C])).unwrap());
+        let f = |x: &[f64], b: &[f64]| {
+            dotv(
+                &h64(&Cpu.add_cols(&t64(x, &[R, C]), &t64(b, &[C])).unwrap()),
+                &w,
+            )
+        };
+        check("add_cols dx", &x, &w, |v| f(v, &b));
+        check("add_cols db", &b, &db, |v| f(&x, v));
+    }
+
+    #[test]
+    fn dot_rows_grad() {
+        let mut g = rng(9);
+        let (a, b, w) = (
+            uniform(&mut g, R * C),
+            uniform(&mut g, R * C),
+            uniform(&mut g, R),
+        );
+        let wt = t64(&w, &[R]);
+        let da = h64(&Cpu.mul_rows(&t64(&b, &[R, C]), &wt).unwrap());
+        let db = h64(&Cpu.mul_rows(&t64(&a, &[R, C]), &wt).unwrap());
+        let f = |a: &[f64], b: &[f64]| {
+            dotv(
+                &h64(&Cpu.dot_rows(&t64(a, &[R, C]), &t64(b, &[R, C])).unwrap()),
+                &w,
+            )
+        };
+        check("dot_rows da", &a, &da, |v| f(v, &b));
+        check("dot_rows db", &b, &db, |v| f(&a, v));
+    }
+
+    /// `sum_rows` and `sum_cols` are each other's adjoint broadcasts: the
+    /// gradient of a row sum broadcasts over columns, and vice versa.
+    #[test]
+    fn sum_rows_and_sum_cols_grad() {
+        let mut g = rng(10);
+        let x = uniform(&mut g, R * C);
+        let (wr, wc) = (uniform(&mut g, R), uniform(&mut g, C));
+        let zeros = t64(&vec![0.0; R * C], &[R, C]);
+        let ones = t64(&vec![1.0; R * C], &[R, C]);
+        let dr = h64(&Cpu.mul_rows(&ones, &t64(&wr, &[R])).unwrap());
+        let dc = h64(&Cpu.add_cols(&zeros, &t64(&wc, &[C])).unwrap());
+        check("sum_rows", &x, &dr, |v| {
+            dotv(&h64(&Cpu.sum_rows(&t64(v, &[R, C])).unwrap()), &wr)
+        });
+        check("sum_cols", &x, &dc, |v| {
+            dotv(&h64(&Cpu.sum_cols(&t64(v, &[R, C])).unwrap()), &wc)
+        });
+    }
+
+    #[test]
+    fn softmax_rows_sum_to_one_and_resist_overflow() {
+        let mut g = rng(11);
+        let mut x: Vec<f32> = uniform(&mut g, R * C)
+            .iter()
+            .map(|v| (20.0 * v) as f32)
+            .collect();
+        x[0] = 1.0e4; // exp would overflow without the max shift
+        let y = h64(&Cpu.softmax(&t32(&x, &[R, C])).unwrap());
+        for row in y.chunks(C) {
+            assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-6, "{row:?}");
+        }
+        assert!((y[0] - 1.0).abs() < 1e-6);
+        let lse = h64(&Cpu.logsumexp(&t32(&x, &[R, C])).unwrap());
+        assert!((lse[0] - 1.0e4).abs() < 1e-2, "{}", lse[0]);
+    }
+
+    #[test]
+    fn row_ops_take_leading_dims_as_rows() {
+        let x: Vec<f64> = (0..24).map(f64::from).collect();
+        let t = t64(&x, &[2, 3, 4]);
+        let s = Cpu.sum_rows(&t).unwrap();
+        assert_eq!(s.shape(), &[2, 3]);
+        assert_eq!(h64(&s), vec![6.0, 22.0, 38.0, 54.0, 70.0, 86.0]);
+        let sc = Cpu.sum_cols(&t).unwrap();
+        assert_eq!(h64(&sc), vec![60.0, 66.0, 72.0, 78.0]);
+        assert_eq!(Cpu.logsumexp(&t).unwrap().shape(), &[2, 3]);
+    }
+
+    #[test]
+    fn sum_and_sum_squares_accumulate_in_f64() {
+        // 2^24 + 1 + 1 + ... is lost one by one in f32 but not in f64.
+        let mut x = vec![1.0f32; 70_001];
+        x[0] = 16_777_216.0;
+        let s = h64(&Cpu.sum(&t32(&x, &[x.len()])).unwrap());
+        assert_eq!(s, vec![(16_777_216.0f64 + 70_000.0) as f32 as f64]);
+        let q = h64(&Cpu.sum_squares(&t64(&[3.0, -4.0], &[2])).unwrap());
+        assert_eq!(q, vec![25.0]);
+    }
+
+    #[test]
+    fn large_reductions_are_deterministic() {
+        let mut g = rng(12);
+        let x: Vec<f32> = uniform(&mut g, 300 * 257)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        let t = t32(&x, &[300, 257]);
+        let a = (Cpu.sum_cols(&t).unwrap(), Cpu.sum(&t).unwrap());
+        for _ in 0..3 {
+            let b = (Cpu.sum_cols(&t).unwrap(), Cpu.sum(&t).unwrap());
+            assert_eq!(h64(&a.0), h64(&b.0));
+            assert_eq!(h64(&a.1), h64(&b.1));
+        }
+        let exact: f64 = x.iter().map(|&v| v as f64).sum();
+        assert!((h64(&a.1)[0] - exact).abs() < 1e-3);
+    }
+
+    #[test]
+    fn axpy_and_scale() {
+        let mut y = t64(&[1.0, 2.0], &[2]);
+        Cpu.axpy(&mut y, 0.5, &t64(&[4.0, -2.0], &[2])).unwrap();
+        assert_eq!(h64(&y), vec![3.0, 1.0]);
+        assert_eq!(h64(&Cpu.scale(&y, -2.0).unwrap()), vec![-6.0, -2.0]);
+        let err = Cpu.axpy(&mut y, 1.0, &t32(&[1.0, 1.0], &[2])).unwrap_err();
+        assert_eq!(
+            err,
+            KernelError::DTypeMismatch {
+                op: "axpy",
+                expected: DType::F64,
+                got: DType::F32
+            }
+        );
+    }
+
+    #[test]
+    fn round_bf16_ties_to_even_known_bits() {
+        let e = |k: i32| 2f32.powi(k);
+        let cases: [(f32, f32); 9] = [
+            (1.0 + e(-8), 1.0),                      // tie, even below
+            (1.0 + 3.0 * e(-8), 1.0 + e(-6)),        // tie, odd below: up
+            (1.0 + e(-8) + e(-20), 1.0 + e(-7)),     // just above the tie
+            (-(1.0 + e(-8)), -1.0),                  // sign is symmetric
+            (1.0 + e(-7), 1.0 + e(-7)),              // representable
+            ((2.0 - e(-8)) * e(127), f32::INFINITY), // overflows at the tie
+            (f32::MAX, f32::INFINITY),               // above the last tie
+            (f32::NEG_INFINITY, f32::NEG_INFINITY),
+            (f32::from_bits(0x0000_8000), 0.0), // smallest subnormal tie → 0
+        ];
+        for (x, want) in cases {
+            let got = h64(&Cpu.round_bf16(&t32(&[x], &[1])).unwrap())[0] as f32;
+            assert_eq!(got.to_bits(), want.to_bits(), "round_bf16({x:e})");
+        }
+        // A NaN whose payload lies only in the dropped bits must stay NaN.
+        let nan = f32::from_bits(0x7f80_0001);
+        assert!(nan.round_bf16().is_nan());
+    }
+
+    #[test]
+    fn round_bf16_matches_half_crate() {
+        let mut g = rng(13);
+        let mut xs: Vec<f32> = (0..20_000)
+            .map(|_| f32::from_bits(rand::Rng::gen::<u32>(&mut g)))
+            .collect();
+        // Exact ties and their neighbours, where the rounding rule shows.
+        for m in 0..64u32 {
+            let base = 0x3f80_0000 | (m << 16);
+            xs.extend([base | 0x8000, base | 0x7fff, base | 0x8001].map(f32::from_bits));
+        }
+        let got = h64(&Cpu.round_bf16(&t32(&xs, &[xs.len()])).unwrap());
+        for (&x, &y) in xs.iter().zip(&got) {
+            let want = half::bf16::from_f32(x).to_f32();
+            if want.is_nan() {
+                assert!(y.is_nan(), "{x:e}");
+            } else {
+                assert_eq!((y as f32).to_bits(), want.to_bits(), "round_bf16({x:e})");
+            }
+        }
+    }
+
+    /// f64 input is rounded once, not through a nearest-f32 step: a value a
+    /// hair above a bf16 tie would otherwise become the tie and round to even.
+    #[test]
+    fn round_bf16_f64_rounds_once() {
+        let e = |k: i32| 2f64.powi(k);
+        assert_eq!((1.0 + e(-8) + e(-30)).round_bf16(), 1.0 + e(-7));
+        assert_eq!((1.0 + e(-8) - e(-30)).round_bf16(), 1.0);
+        assert_eq!((1.0 + e(-8)).round_bf16(), 1.0);
+        assert!(f64::NAN.round_bf16().is_nan());
+        assert_eq!(1e300f64.round_bf16(), f64::INFINITY);
+        assert_eq!(1e-300f64.round_bf16(), 0.0);
+        // Reference for normal values: nearest-even directly on the f64 bits
+        // (bf16 keeps the top 7 of f64's 52 mantissa bits).
+        let mut g = rng(14);
+        for _ in 0..20_000 {
+            let x = rand::Rng::gen_range(&mut g, -1.0..1.0)
+                * e(rand::Rng::gen_range(&mut g, -100..100));
+            let b = x.to_bits();
+            let lsb = (b >> 45) & 1;
+            let want = f64::from_bits((b + (1 << 44) - 1 + lsb) & !((1u64 << 45) - 1));
+            assert_eq!(x.round_bf16(), want, "{x:e}");
+        }
+    }
+
+    #[test]
+    fn bad_inputs_name_the_values() {
+        let a = t64(&[1.0; 6], &[2, 3]);
+        let b = t64(&[1.0; 6], &[3, 2]);
+        match Cpu.add(&a, &b).unwrap_err() {
+            KernelError::ShapeMismatch { op: "add", detail } => {
+                assert!(
+                    detail.contains("[2, 3]") && detail.contains("[3, 2]"),
+                    "{detail}"
+                )
+            }
+            e => panic!("{e:?}"),
+        }
+        assert_eq!(
+            Cpu.mul(&a, &t32(&[1.0; 6], &[2, 3])).unwrap_err(),
+            KernelError::DTypeMismatch {
+                op: "mul",
+                expected: DType::F64,
+                got: DType::F32
+            }
+        );
+        assert_eq!(
+            Cpu.silu(&ti32(&[1, 2], &[2])).unwrap_err(),
+            KernelError::UnsupportedDType {
+                op: "silu",
+                dtype: DType::I32,
+                backend: "cpu"
+            }
+        );
+        let err = Cpu.mul_rows(&a, &t64(&[1.0; 3], &[3])).unwrap_err();
+        assert!(
+            matches!(err, KernelError::ShapeMismatch { op: "mul_rows", .. }),
+            "{err:?}"
+        );
+        let err = Cpu.add_cols(&a, &t64(&[1.0; 2], &[2])).unwrap_err();
+        assert!(err.to_string().contains("[3]"), "{err}");
+        assert_eq!(
+            Cpu.logsumexp(&t64(&[], &[2, 0])).unwrap_err(),
+            KernelError::Empty {
+                op: "logsumexp",
+                what: "last dimension"
+            }
+        );
+        let err = Cpu.softmax(&t64(&[1.0], &[])).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::ShapeMismatch { op: "softmax", .. }
+        ));
+    }
+}

@@ -141,3 +141,109 @@ impl LossOps for Cpu {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::elementwise::test_util::*;
+    use crate::backend::LossOps;
+    use crate::cpu::Cpu;
+    use crate::error::KernelError;
+    use crate::tensor::DType;
+
+    const T: usize = 5;
+    const V: usize = 7;
+
+    #[test]
+    fn cross_entropy_grad_with_ignored_token() {
+        let mut g = rng(31);
+        let x: Vec<f64> = uniform(&mut g, T * V).iter().map(|v| 3.0 * v).collect();
+        let targets = [3, -1, 0, 6, 2];
+        let w = uniform(&mut g, T);
+        let tg = ti32(&targets, &[T]);
+        let xt = t64(&x, &[T, V]);
+        let (loss, lse) = Cpu.cross_entropy(&xt, &tg).unwrap();
+        assert_eq!(h64(&loss)[1], 0.0);
+        let dx = h64(&Cpu
+            .cross_entropy_backward(&xt, &tg, &lse, &t64(&w, &[T]))
+            .unwrap());
+        assert!(dx[V..2 * V].iter().all(|&v| v == 0.0));
+        check("cross_entropy", &x, &dx, |v| {
+            let (l, _) = Cpu.cross_entropy(&t64(v, &[T, V]), &tg).unwrap();
+            dotv(&h64(&l), &w)
+        });
+    }
+
+    #[test]
+    fn cross_entropy_matches_naive_and_is_stable() {
+        let mut g = rng(32);
+        let x: Vec<f64> = uniform(&mut g, T * V);
+        let targets = [0, 1, 2, 3, 4];
+        let (loss, lse) = Cpu
+            .cross_entropy(&t64(&x, &[T, V]), &ti32(&targets, &[T]))
+            .unwrap();
+        for t in 0..T {
+            let row = &x[t * V..][..V];
+            let z = row.iter().map(|v| v.exp()).sum::<f64>().ln();
+            assert!((h64(&lse)[t] - z).abs() < 1e-12);
+            assert!((h64(&loss)[t] - (z - row[targets[t] as usize])).abs() < 1e-12);
+        }
+        // Shifting the logits by 1e4 must not change the f32 loss.
+        let shifted: Vec<f32> = x.iter().map(|&v| (v + 1e4) as f32).collect();
+        let base: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        let tg = ti32(&targets, &[T]);
+        let (ls, _) = Cpu.cross_entropy(&t32(&shifted, &[T, V]), &tg).unwrap();
+        let (lb, _) = Cpu.cross_entropy(&t32(&base, &[T, V]), &tg).unwrap();
+        assert!(max_diff(&h64(&ls), &h64(&lb)) < 5e-3);
+        assert!(h64(&ls).iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn cross_entropy_bad_inputs() {
+        let x = t64(&[0.0; T * V], &[T, V]);
+        for bad in [V as i32, -2] {
+            let tg = ti32(&[0, 1, bad, 2, 3], &[T]);
+            assert_eq!(
+                Cpu.cross_entropy(&x, &tg).unwrap_err(),
+                KernelError::IndexOutOfRange {
+                    op: "cross_entropy",
+                    index: bad as i64,
+                    lo: -1,
+                    hi: V as i64
+                }
+            );
+        }
+        let mut xv = vec![0.0; T * V];
+        xv[9] = f64::NAN;
+        let err = Cpu
+            .cross_entropy(&t64(&xv, &[T, V]), &ti32(&[0; T], &[T]))
+            .unwrap_err();
+        assert!(
+            matches!(err, KernelError::NonFinite { op: "cross_entropy", what: "logits", value } if value.is_nan()),
+            "{err:?}"
+        );
+        assert_eq!(
+            Cpu.cross_entropy(&x, &t64(&[0.0; T], &[T])).unwrap_err(),
+            KernelError::DTypeMismatch {
+                op: "cross_entropy",
+                expected: DType::I32,
+                got: DType::F64
+            }
+        );
+        let err = Cpu.cross_entropy(&x, &ti32(&[0; 4], &[4])).unwrap_err();
+        assert!(
+            matches!(&err, KernelError::ShapeMismatch { detail, .. } if detail.contains("[5]") && detail.contains("[4]")),
+            "{err:?}"
+        );
+        let (_, lse) = Cpu.cross_entropy(&x, &ti32(&[0; T], &[T])).unwrap();
+        let err = Cpu
+            .cross_entropy_backward(&x, &ti32(&[0; T], &[T]), &lse, &t64(&[1.0; 3], &[3]))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::ShapeMismatch {
+                op: "cross_entropy_backward",
+                ..
+            }
+        ));
+    }
+}

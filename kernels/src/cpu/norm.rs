@@ -215,3 +215,125 @@ impl NormOps for Cpu {
         cpu_float_dispatch!("rope", x, rope_t(x, theta, inverse))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::elementwise::test_util::*;
+    use crate::backend::NormOps;
+    use crate::cpu::Cpu;
+    use crate::error::KernelError;
+
+    #[test]
+    fn rms_norm_grad() {
+        let (r, d, eps) = (6, 9, 1e-5);
+        let mut g = rng(21);
+        let x = uniform(&mut g, r * d);
+        let w: Vec<f64> = uniform(&mut g, d).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let dy = uniform(&mut g, r * d);
+        let (xt, wt) = (t64(&x, &[r, d]), t64(&w, &[d]));
+        let (_, rstd) = Cpu.rms_norm(&xt, &wt, eps).unwrap();
+        let (dx, dw) = Cpu
+            .rms_norm_backward(&t64(&dy, &[r, d]), &xt, &wt, &rstd)
+            .unwrap();
+        let f = |x: &[f64], w: &[f64]| {
+            let (y, _) = Cpu.rms_norm(&t64(x, &[r, d]), &t64(w, &[d]), eps).unwrap();
+            dotv(&h64(&y), &dy)
+        };
+        check("rms_norm dx", &x, &h64(&dx), |v| f(v, &w));
+        check("rms_norm dw", &w, &h64(&dw), |v| f(&x, v));
+    }
+
+    #[test]
+    fn rms_norm_forward_matches_naive() {
+        let (r, d, eps) = (3, 5, 1e-6);
+        let mut g = rng(22);
+        let x = uniform(&mut g, r * d);
+        let w = uniform(&mut g, d);
+        let (y, rstd) = Cpu
+            .rms_norm(&t64(&x, &[r, d]), &t64(&w, &[d]), eps)
+            .unwrap();
+        assert_eq!(rstd.shape(), &[r]);
+        for (i, row) in x.chunks(d).enumerate() {
+            let k = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt();
+            assert!((h64(&rstd)[i] - k).abs() < 1e-12);
+            for j in 0..d {
+                assert!((h64(&y)[i * d + j] - row[j] * k * w[j]).abs() < 1e-12);
+            }
+        }
+    }
+
+    /// RoPE is linear and orthogonal, so the gradient of `Σ rope(x) ⊙ w` is
+    /// `rope⁻¹(w)`, the documented backward.
+    #[test]
+    fn rope_grad() {
+        let shape = [2, 5, 3, 8];
+        let n: usize = shape.iter().product();
+        let mut g = rng(23);
+        let (x, w) = (uniform(&mut g, n), uniform(&mut g, n));
+        let dx = h64(&Cpu.rope(&t64(&w, &shape), 10_000.0, true).unwrap());
+        check("rope", &x, &dx, |v| {
+            dotv(
+                &h64(&Cpu.rope(&t64(v, &shape), 10_000.0, false).unwrap()),
+                &w,
+            )
+        });
+    }
+
+    #[test]
+    fn rope_forward_matches_naive_and_inverts() {
+        let (b, s, h, hd, theta) = (1, 4, 2, 6, 100.0f64);
+        let n = b * s * h * hd;
+        let mut g = rng(24);
+        let x = uniform(&mut g, n);
+        let y = h64(&Cpu.rope(&t64(&x, &[b, s, h, hd]), theta, false).unwrap());
+        for pos in 0..s {
+            for hi in 0..h {
+                let at = (pos * h + hi) * hd;
+                for i in 0..hd / 2 {
+                    let a = pos as f64 / theta.powf(2.0 * i as f64 / hd as f64);
+                    let (x1, x2) = (x[at + i], x[at + i + hd / 2]);
+                    assert!((y[at + i] - (x1 * a.cos() - x2 * a.sin())).abs() < 1e-12);
+                    assert!((y[at + i + hd / 2] - (x2 * a.cos() + x1 * a.sin())).abs() < 1e-12);
+                }
+            }
+        }
+        let back = Cpu.rope(&t64(&y, &[b, s, h, hd]), theta, true).unwrap();
+        assert!(max_diff(&h64(&back), &x) < 1e-12);
+    }
+
+    #[test]
+    fn norm_bad_inputs() {
+        let x = t64(&[1.0; 6], &[2, 3]);
+        let err = Cpu.rms_norm(&x, &t64(&[1.0; 2], &[2]), 1e-5).unwrap_err();
+        assert!(
+            matches!(&err, KernelError::ShapeMismatch { op: "rms_norm", detail } if detail.contains("[3]") && detail.contains("[2]")),
+            "{err:?}"
+        );
+        let err = Cpu.rms_norm(&x, &t64(&[1.0; 3], &[3]), -1.0).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::InvalidArgument { op: "rms_norm", .. }
+        ));
+        let err = Cpu.rms_norm(&x, &t32(&[1.0; 3], &[3]), 1e-5).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::DTypeMismatch { op: "rms_norm", .. }
+        ));
+        let err = Cpu
+            .rope(&t64(&[0.0; 10], &[1, 2, 1, 5]), 1e4, false)
+            .unwrap_err();
+        assert!(
+            matches!(&err, KernelError::InvalidArgument { op: "rope", detail } if detail.contains("Hd = 5")),
+            "{err:?}"
+        );
+        let err = Cpu.rope(&x, 1e4, false).unwrap_err();
+        assert!(matches!(err, KernelError::ShapeMismatch { op: "rope", .. }));
+        let err = Cpu
+            .rope(&ti32(&[0; 4], &[1, 1, 1, 4]), 1e4, false)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::UnsupportedDType { op: "rope", .. }
+        ));
+    }
+}

@@ -104,3 +104,98 @@ impl OptimOps for Cpu {
         cpu_float_dispatch!("adamw_step", param, adamw_t(param, grad, m, v, cfg))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::elementwise::test_util::*;
+    use crate::backend::{AdamWConfig, OptimOps};
+    use crate::cpu::Cpu;
+    use crate::error::KernelError;
+    use crate::tensor::DType;
+
+    fn cfg(step: u64) -> AdamWConfig {
+        AdamWConfig {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            step,
+        }
+    }
+
+    /// Step 2 from non-zero moments, worked by hand for p = 1, g = 0.5,
+    /// m = 0.2, v = 0.04:
+    /// m' = 0.9·0.2 + 0.1·0.5 = 0.23, v' = 0.99·0.04 + 0.01·0.25 = 0.0421,
+    /// m̂ = 0.23 / 0.19, v̂ = 0.0421 / 0.0199,
+    /// p' = 1 − 0.1·0.01·1 − 0.1·m̂ / (sqrt(v̂) + 1e-8).
+    #[test]
+    fn adamw_one_step_matches_hand_computed() {
+        let mut p = t64(&[1.0], &[1]);
+        let mut m = t64(&[0.2], &[1]);
+        let mut v = t64(&[0.04], &[1]);
+        Cpu.adamw_step(&mut p, &t64(&[0.5], &[1]), &mut m, &mut v, &cfg(2))
+            .unwrap();
+        let want = 1.0 - 0.001 - 0.1 * (0.23 / 0.19) / ((0.0421f64 / 0.0199).sqrt() + 1e-8);
+        assert!((h64(&m)[0] - 0.23).abs() < 1e-15);
+        assert!((h64(&v)[0] - 0.0421).abs() < 1e-15);
+        assert!(
+            (h64(&p)[0] - want).abs() < 1e-14,
+            "{} vs {want}",
+            h64(&p)[0]
+        );
+        // The first step from zero moments moves each weight by about lr.
+        let mut p = t32(&[1.0, -1.0], &[2]);
+        let (mut m, mut v) = (t32(&[0.0; 2], &[2]), t32(&[0.0; 2], &[2]));
+        let c = AdamWConfig {
+            weight_decay: 0.0,
+            ..cfg(1)
+        };
+        Cpu.adamw_step(&mut p, &t32(&[3.0, -0.001], &[2]), &mut m, &mut v, &c)
+            .unwrap();
+        assert!(max_diff(&h64(&p), &[0.9, -0.9]) < 1e-5, "{:?}", h64(&p));
+    }
+
+    #[test]
+    fn adamw_bad_inputs() {
+        let mut p = t64(&[1.0; 4], &[4]);
+        let g = t64(&[1.0; 4], &[4]);
+        let mut m = t64(&[0.0; 4], &[4]);
+        let mut v = t64(&[0.0; 4], &[4]);
+        let err = Cpu
+            .adamw_step(&mut p, &g, &mut m, &mut v, &cfg(0))
+            .unwrap_err();
+        assert!(
+            matches!(&err, KernelError::InvalidArgument { op: "adamw_step", detail } if detail.contains("step = 0")),
+            "{err:?}"
+        );
+        let bad = AdamWConfig {
+            beta2: 1.0,
+            ..cfg(1)
+        };
+        let err = Cpu
+            .adamw_step(&mut p, &g, &mut m, &mut v, &bad)
+            .unwrap_err();
+        assert!(err.to_string().contains("beta2 = 1"), "{err}");
+        let mut v3 = t64(&[0.0; 3], &[3]);
+        let err = Cpu
+            .adamw_step(&mut p, &g, &mut m, &mut v3, &cfg(1))
+            .unwrap_err();
+        assert!(
+            matches!(&err, KernelError::ShapeMismatch { detail, .. } if detail.contains("v has shape [3]")),
+            "{err:?}"
+        );
+        let mut m32 = t32(&[0.0; 4], &[4]);
+        assert_eq!(
+            Cpu.adamw_step(&mut p, &g, &mut m32, &mut v, &cfg(1))
+                .unwrap_err(),
+            KernelError::DTypeMismatch {
+                op: "adamw_step",
+                expected: DType::F64,
+                got: DType::F32
+            }
+        );
+        // Nothing was written by the failed calls.
+        assert_eq!(h64(&p), vec![1.0; 4]);
+    }
+}
