@@ -13,11 +13,14 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use foldmoe_kernels::HostData;
+use foldmoe_kernels::{Backend, HostData, Tensor};
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{de::DeserializeOwned, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::block::Ffn;
+use super::param::Module;
+use super::trainer::Trainer;
 use super::{EngineError, Result};
 
 /// File name of the tensors inside a checkpoint directory.
@@ -200,6 +203,106 @@ pub fn load<M: DeserializeOwned>(dir: &Path) -> Result<(Vec<NamedTensor>, M)> {
         });
     }
     Ok((tensors, envelope.meta))
+}
+
+/// Prefix of model parameters in a checkpoint.
+const PARAM_PREFIX: &str = "param.";
+/// Prefix of optimizer state in a checkpoint.
+const OPT_PREFIX: &str = "optim.";
+/// Prefix of expert-bias buffers (one per block with a biased router).
+const BIAS_PREFIX: &str = "expert_bias.";
+
+/// Everything a trainer needs to continue exactly: parameters, AdamW moments
+/// and expert biases, read to the host.
+pub fn trainer_tensors<B: Backend>(b: &B, trainer: &Trainer<B>) -> Result<Vec<NamedTensor>> {
+    let mut out = Vec::new();
+    let mut first_err = None;
+    let mut push = |name: String, t: &Tensor<B>| match b.download(t) {
+        Ok(data) => out.push(NamedTensor {
+            name,
+            shape: t.shape().to_vec(),
+            data,
+        }),
+        Err(e) => {
+            first_err.get_or_insert(e);
+        }
+    };
+    trainer
+        .model
+        .visit_params(&mut |p| push(format!("{PARAM_PREFIX}{}", p.name), &p.value));
+    trainer
+        .opt
+        .visit_state(&mut |name, t| push(format!("{OPT_PREFIX}{name}"), t));
+    for (i, block) in trainer.model.blocks.iter().enumerate() {
+        if let Ffn::Moe(moe) = &block.ffn {
+            if let Some(bias) = moe.expert_bias() {
+                push(format!("{BIAS_PREFIX}{i}"), bias);
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e.into()),
+        None => Ok(out),
+    }
+}
+
+/// Loads tensors written by [`trainer_tensors`] into `trainer`; every tensor
+/// the trainer has must be present with the same shape, and none may be left over.
+pub fn restore_trainer<B: Backend>(
+    b: &B,
+    trainer: &mut Trainer<B>,
+    tensors: Vec<NamedTensor>,
+) -> Result<()> {
+    let mut by_name: std::collections::HashMap<String, NamedTensor> =
+        tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
+    let mut take = |name: String, into: &mut Tensor<B>| -> Result<()> {
+        let t = by_name
+            .remove(&name)
+            .ok_or_else(|| EngineError::Invalid(format!("checkpoint has no tensor {name}")))?;
+        if t.shape != into.shape() {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint tensor {name} has shape {:?}, the model expects {:?}",
+                t.shape,
+                into.shape()
+            )));
+        }
+        let dtype = into.dtype();
+        let loaded = b.upload(t.data, &t.shape)?;
+        *into = if loaded.dtype() == dtype {
+            loaded
+        } else {
+            b.cast(&loaded, dtype)?
+        };
+        Ok(())
+    };
+    let mut result = Ok(());
+    trainer.model.visit_params_mut(&mut |p| {
+        if result.is_ok() {
+            result = take(format!("{PARAM_PREFIX}{}", p.name), &mut p.value);
+        }
+    });
+    trainer.opt.visit_state_mut(&mut |name, t| {
+        if result.is_ok() {
+            result = take(format!("{OPT_PREFIX}{name}"), t);
+        }
+    });
+    result?;
+    for (i, block) in trainer.model.blocks.iter_mut().enumerate() {
+        if let Some(moe) = block.moe_mut() {
+            if let Some(bias) = moe.expert_bias() {
+                let mut bias = bias.clone();
+                take(format!("{BIAS_PREFIX}{i}"), &mut bias)?;
+                moe.set_expert_bias(bias)?;
+            }
+        }
+    }
+    if let Some(extra) = by_name.keys().next() {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint tensor {extra} does not belong to this model ({} unused tensors); was it written for another model?",
+            by_name.len()
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
