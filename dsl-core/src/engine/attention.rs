@@ -178,3 +178,80 @@ impl<B: Backend> Module<B> for Attention<B> {
         f(&mut self.wo);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::gradcheck::assert_grad;
+    use foldmoe_kernels::DType;
+
+    use super::Attention;
+    use crate::engine::testutil::{
+        check_param_grads, dot, f64_tensor, small_spec, uniform, values,
+    };
+    use crate::spec::FfnSpec;
+
+    #[test]
+    fn attention_block_grad() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
+        let attn_spec = &spec.groups[0].attention;
+        assert!(attn_spec.kv_heads < attn_spec.heads, "the check covers GQA");
+        let mut attn = Attention::new(&b, "attn", &spec, attn_spec, 7, DType::F64).unwrap();
+        let (batch, seq, d) = (2, 3, spec.hidden);
+        let t = batch * seq;
+        let x = uniform(1, t * d, 1.0);
+        let r = uniform(2, t * d, 1.0);
+        let x_td = f64_tensor(x.clone(), &[t, d]);
+        let (_, saved) = attn.forward(&b, &x_td, seq).unwrap();
+        let dx = attn
+            .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved)
+            .unwrap();
+        assert_grad("attention dx", &x, &values(&dx), 1e-6, |xs| {
+            let (y, _) = attn
+                .forward(&b, &f64_tensor(xs.to_vec(), &[t, d]), seq)
+                .unwrap();
+            dot(&y, &r)
+        });
+        check_param_grads("attention", &mut attn, 24, 1e-6, |a| {
+            dot(&a.forward(&b, &x_td, seq).unwrap().0, &r)
+        });
+    }
+
+    #[test]
+    fn attention_is_causal() {
+        // Changing the last token must not change any earlier output.
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
+        let attn =
+            Attention::new(&b, "attn", &spec, &spec.groups[0].attention, 7, DType::F64).unwrap();
+        let (seq, d) = (4, spec.hidden);
+        let mut x = uniform(1, seq * d, 1.0);
+        let y1 = values(
+            &attn
+                .forward(&b, &f64_tensor(x.clone(), &[seq, d]), seq)
+                .unwrap()
+                .0,
+        );
+        for v in &mut x[(seq - 1) * d..] {
+            *v += 0.5;
+        }
+        let y2 = values(&attn.forward(&b, &f64_tensor(x, &[seq, d]), seq).unwrap().0);
+        assert_eq!(y1[..(seq - 1) * d], y2[..(seq - 1) * d]);
+        assert_ne!(y1[(seq - 1) * d..], y2[(seq - 1) * d..]);
+    }
+
+    #[test]
+    fn attention_rejects_ragged_sequences() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
+        let attn =
+            Attention::new(&b, "attn", &spec, &spec.groups[0].attention, 7, DType::F64).unwrap();
+        let x = f64_tensor(vec![0.0; 5 * spec.hidden], &[5, spec.hidden]);
+        let err = attn
+            .forward(&b, &x, 2)
+            .err()
+            .expect("5 tokens in sequences of 2");
+        assert!(err.to_string().contains("5 tokens"), "{err}");
+    }
+}

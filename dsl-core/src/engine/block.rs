@@ -8,11 +8,11 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::attention::{Attention, AttentionSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
+use super::moe::{MoeLayer, MoeSaved, MoeStats};
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Module, Param};
 use super::{EngineError, Result};
 use crate::spec::{BlockGroup, FfnSpec, ModelSpec};
-use moe_stub::{MoeLayer, MoeSaved, MoeStats}; // TEMP until engine::moe lands
 
 /// A block's output, saved state, and its MoE layer's losses and loads (if any).
 pub type BlockOut<B> = (Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>);
@@ -181,61 +181,50 @@ impl<B: Backend> Module<B> for Block<B> {
     }
 }
 
-/// TEMPORARY stand-in for `engine::moe` (written concurrently), with its contract.
-#[allow(missing_docs, dead_code, unused_variables)]
-pub mod moe_stub {
-    use super::super::{EngineError, Module, Param, Result};
-    use crate::spec::MoeSpec;
-    use foldmoe_kernels::{Backend, DType, Tensor};
-    pub struct MoeLayer<B: Backend> {
-        _p: std::marker::PhantomData<B>,
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::gradcheck::assert_grad;
+    use foldmoe_kernels::{DType, Tensor};
+
+    use super::Block;
+    use crate::engine::testutil::{
+        check_param_grads, dot, f64_tensor, small_moe, small_spec, uniform, values,
+    };
+    use crate::spec::FfnSpec;
+
+    /// `Σ r ⊙ block(x)` plus the MoE losses, whose gradients backward adds.
+    fn check_block(ffn: FfnSpec, what: &str) {
+        let b = Cpu;
+        let spec = small_spec(&[ffn], false);
+        let mut block = Block::new(&b, "blocks.0", &spec, &spec.groups[0], 5, DType::F64).unwrap();
+        let (seq, d) = (3, spec.hidden);
+        let t = 2 * seq;
+        let x = uniform(1, t * d, 1.0);
+        let r = uniform(2, t * d, 1.0);
+        let loss = |blk: &Block<Cpu>, x_td: &Tensor<Cpu>| {
+            let (y, _, stats) = blk.forward(&b, x_td, seq).unwrap();
+            let aux = stats.map_or(0.0, |s| values(&s.aux_loss)[0] + values(&s.z_loss)[0]);
+            dot(&y, &r) + aux
+        };
+        let x_td = f64_tensor(x.clone(), &[t, d]);
+        let (_, saved, _) = block.forward(&b, &x_td, seq).unwrap();
+        let dx = block
+            .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved, 1.0)
+            .unwrap();
+        assert_grad(&format!("{what} dx"), &x, &values(&dx), 1e-6, |xs| {
+            loss(&block, &f64_tensor(xs.to_vec(), &[t, d]))
+        });
+        check_param_grads(what, &mut block, 12, 1e-6, |blk| loss(blk, &x_td));
     }
-    pub struct MoeSaved<B: Backend> {
-        _p: std::marker::PhantomData<B>,
+
+    #[test]
+    fn dense_block_grad() {
+        check_block(FfnSpec::Dense { ffn: 6 }, "dense block");
     }
-    pub struct MoeStats<B: Backend> {
-        pub aux_loss: Tensor<B>,
-        pub z_loss: Tensor<B>,
-        pub load: Tensor<B>,
-    }
-    fn nope<T>() -> Result<T> {
-        Err(EngineError::Invalid("moe stub".into()))
-    }
-    impl<B: Backend> MoeLayer<B> {
-        pub fn new(
-            b: &B,
-            prefix: &str,
-            hidden: usize,
-            spec: &MoeSpec,
-            init_std: f64,
-            seed: u64,
-            dtype: DType,
-        ) -> Result<Self> {
-            nope()
-        }
-        pub fn forward(
-            &self,
-            b: &B,
-            x_td: &Tensor<B>,
-            seq_len: usize,
-        ) -> Result<(Tensor<B>, MoeSaved<B>, MoeStats<B>)> {
-            nope()
-        }
-        pub fn backward(
-            &mut self,
-            b: &B,
-            dy_td: &Tensor<B>,
-            saved: MoeSaved<B>,
-            loss_scale: f64,
-        ) -> Result<Tensor<B>> {
-            nope()
-        }
-        pub fn update_expert_bias(&mut self, b: &B, load_e: &Tensor<B>) -> Result<()> {
-            nope()
-        }
-    }
-    impl<B: Backend> Module<B> for MoeLayer<B> {
-        fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {}
-        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {}
+
+    #[test]
+    fn moe_block_grad() {
+        check_block(small_moe(), "moe block");
     }
 }

@@ -149,3 +149,103 @@ impl<B: Backend> Module<B> for LmHead<B> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::gradcheck::assert_grad;
+    use foldmoe_kernels::DType;
+
+    use super::{Embedding, LmHead};
+    use crate::engine::param::{Module, Param};
+    use crate::engine::testutil::{
+        check_param_grads, dot, f64_tensor, i32_tensor, uniform, values,
+    };
+
+    const V: usize = 5;
+    const D: usize = 3;
+
+    #[test]
+    fn embedding_layer_grad() {
+        let b = Cpu;
+        let mut emb = Embedding::new(&b, "embed", V, D, 0.5, 1, DType::F64).unwrap();
+        // Repeated ids: their rows' gradients must add up.
+        let ids = i32_tensor(vec![0, 3, 1, 3, 4, 2, 0], &[7]);
+        let r = uniform(2, 7 * D, 1.0);
+        let (_, saved) = emb.forward(&b, &ids).unwrap();
+        emb.backward(&b, &f64_tensor(r.clone(), &[7, D]), saved)
+            .unwrap();
+        check_param_grads("embedding", &mut emb, 64, 1e-6, |e| {
+            dot(&e.forward(&b, &ids).unwrap().0, &r)
+        });
+    }
+
+    /// An embedding and a head as one module, so a tied head's two
+    /// contributions to the table are checked together.
+    struct Pair(Embedding<Cpu>, LmHead<Cpu>);
+
+    impl Module<Cpu> for Pair {
+        fn visit_params(&self, f: &mut dyn FnMut(&Param<Cpu>)) {
+            self.0.visit_params(f);
+            self.1.visit_params(f);
+        }
+        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<Cpu>)) {
+            self.0.visit_params_mut(f);
+            self.1.visit_params_mut(f);
+        }
+    }
+
+    /// `loss = Σ r1 ⊙ embed(ids) + Σ r2 ⊙ head(x)` and its gradients, for a
+    /// tied or untied head.
+    fn check_head(tied: bool) {
+        let b = Cpu;
+        let mut emb = Embedding::new(&b, "embed", V, D, 0.5, 1, DType::F64).unwrap();
+        let mut head = if tied {
+            LmHead::tied()
+        } else {
+            LmHead::untied(&b, "head", V, D, 0.5, 2, DType::F64).unwrap()
+        };
+        let t = 4;
+        let ids = i32_tensor(vec![1, 4, 0, 2], &[t]);
+        let x = uniform(3, t * D, 1.0);
+        let x_td = f64_tensor(x.clone(), &[t, D]);
+        let r1 = uniform(4, t * D, 1.0);
+        let r2 = uniform(5, t * V, 1.0);
+
+        let (_, emb_saved) = emb.forward(&b, &ids).unwrap();
+        let (_, head_saved) = head.forward(&b, &emb, &x_td).unwrap();
+        let dx = head
+            .backward(&b, &mut emb, &f64_tensor(r2.clone(), &[t, V]), head_saved)
+            .unwrap();
+        emb.backward(&b, &f64_tensor(r1.clone(), &[t, D]), emb_saved)
+            .unwrap();
+
+        let what = if tied {
+            "lm_head tied"
+        } else {
+            "lm_head untied"
+        };
+        assert_grad(&format!("{what} dx"), &x, &values(&dx), 1e-6, |xs| {
+            let x_td = f64_tensor(xs.to_vec(), &[t, D]);
+            dot(&head.forward(&b, &emb, &x_td).unwrap().0, &r2)
+        });
+        let mut pair = Pair(emb, head);
+        check_param_grads(what, &mut pair, 64, 1e-6, |p| {
+            dot(&p.0.forward(&b, &ids).unwrap().0, &r1)
+                + dot(&p.1.forward(&b, &p.0, &x_td).unwrap().0, &r2)
+        });
+        let mut n = 0;
+        pair.visit_params(&mut |_| n += 1);
+        assert_eq!(n, if tied { 1 } else { 2 });
+    }
+
+    #[test]
+    fn lm_head_tied_grad() {
+        check_head(true);
+    }
+
+    #[test]
+    fn lm_head_untied_grad() {
+        check_head(false);
+    }
+}

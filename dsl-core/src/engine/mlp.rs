@@ -102,3 +102,34 @@ impl<B: Backend> Module<B> for SwiGluMlp<B> {
         f(&mut self.w2);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::gradcheck::assert_grad;
+    use foldmoe_kernels::DType;
+
+    use super::SwiGluMlp;
+    use crate::engine::testutil::{check_param_grads, dot, f64_tensor, uniform, values};
+
+    #[test]
+    fn swiglu_mlp_grad() {
+        let b = Cpu;
+        let (t, d, f) = (4, 5, 6);
+        let mut mlp = SwiGluMlp::new(&b, "mlp", d, f, 0.5, 3, DType::F64).unwrap();
+        let x = uniform(1, t * d, 1.0);
+        let r = uniform(2, t * d, 1.0);
+        let x_td = f64_tensor(x.clone(), &[t, d]);
+        let (_, saved) = mlp.forward(&b, &x_td).unwrap();
+        let dx = mlp
+            .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved)
+            .unwrap();
+        assert_grad("swiglu_mlp dx", &x, &values(&dx), 1e-6, |xs| {
+            let (y, _) = mlp.forward(&b, &f64_tensor(xs.to_vec(), &[t, d])).unwrap();
+            dot(&y, &r)
+        });
+        check_param_grads("swiglu_mlp", &mut mlp, 64, 1e-6, |m| {
+            dot(&m.forward(&b, &x_td).unwrap().0, &r)
+        });
+    }
+}

@@ -50,6 +50,54 @@ pub(crate) mod testutil {
     use rand_chacha::ChaCha8Rng;
 
     use super::{Module, Param};
+    use crate::spec::{AttentionSpec, BlockGroup, FfnSpec, ModelSpec, MoeSpec, RouterSpec};
+
+    /// A small model spec: vocab 8, hidden 8, heads 4 / kv 2 of dim 4, one
+    /// group per `ffn`, init std 0.4 (large, so attention is far from uniform
+    /// and every gradient is well above rounding).
+    pub fn small_spec(ffns: &[FfnSpec], tied: bool) -> ModelSpec {
+        let attention = AttentionSpec {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 4,
+        };
+        ModelSpec {
+            name: "test".into(),
+            vocab: 8,
+            hidden: 8,
+            seq_len: 4,
+            norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            tied_embeddings: tied,
+            init_std: 0.4,
+            groups: ffns
+                .iter()
+                .map(|ffn| BlockGroup {
+                    count: 1,
+                    attention: attention.clone(),
+                    ffn: ffn.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// A small MoE feed-forward: 4 experts, top-2, a shared expert, softmax
+    /// routing with load-balancing and z-losses.
+    pub fn small_moe() -> FfnSpec {
+        FfnSpec::Moe(MoeSpec {
+            experts: 4,
+            top_k: 2,
+            expert_ffn: 6,
+            shared_ffn: 4,
+            shared_gate: false,
+            router: RouterSpec {
+                aux_coef: 1e-1,
+                z_loss_coef: 1e-2,
+                ..RouterSpec::default()
+            },
+            capacity: None,
+        })
+    }
 
     /// `n` values uniform in `[-scale, scale]`, fixed by `seed`.
     pub fn uniform(seed: u64, n: usize, scale: f64) -> Vec<f64> {

@@ -59,3 +59,37 @@ impl<B: Backend> Module<B> for RmsNorm<B> {
         f(&mut self.weight);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::gradcheck::assert_grad;
+    use foldmoe_kernels::DType;
+
+    use super::RmsNorm;
+    use crate::engine::testutil::{check_param_grads, dot, f64_tensor, uniform, values};
+
+    #[test]
+    fn rms_norm_layer_grad() {
+        let b = Cpu;
+        let (t, d) = (3, 5);
+        let mut norm = RmsNorm::new(&b, "norm", d, 1e-6, DType::F64).unwrap();
+        // A scale away from 1, so dx depends on it.
+        let w: Vec<f64> = uniform(1, d, 0.5).iter().map(|v| 1.0 + v).collect();
+        norm.weight.value = f64_tensor(w, &[d]);
+        let x = uniform(2, t * d, 2.0);
+        let r = uniform(3, t * d, 1.0);
+        let x_td = f64_tensor(x.clone(), &[t, d]);
+        let (_, saved) = norm.forward(&b, &x_td).unwrap();
+        let dx = norm
+            .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved)
+            .unwrap();
+        assert_grad("rms_norm dx", &x, &values(&dx), 1e-6, |xs| {
+            let (y, _) = norm.forward(&b, &f64_tensor(xs.to_vec(), &[t, d])).unwrap();
+            dot(&y, &r)
+        });
+        check_param_grads("rms_norm", &mut norm, 16, 1e-6, |n| {
+            dot(&n.forward(&b, &x_td).unwrap().0, &r)
+        });
+    }
+}
