@@ -22,6 +22,8 @@ pub mod loss;
 mod ops;
 pub mod router;
 pub mod shared;
+#[cfg(test)]
+mod testutil;
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 

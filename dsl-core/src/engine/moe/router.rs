@@ -19,7 +19,7 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::loss::{self, BalanceSaved, ZSaved};
 use super::ops::{filled, log_sigmoid, log_sigmoid_backward};
-use crate::engine::{init_normal, EngineError, Param, Result};
+use crate::engine::{init_normal, EngineError, Module, Param, Result};
 use crate::spec::{LoadBalance, MoeSpec, RouterSpec, ScoreFunction};
 
 /// The router: a linear map `Wr: [D, E]` to logits, plus the optional
@@ -337,5 +337,334 @@ impl<B: Backend> Router<B> {
         self.weight
             .accumulate(b, &b.matmul(&x_td, &dlogits_te, true, false)?)?;
         Ok(b.matmul(&dlogits_te, &self.weight.value, false, true)?)
+    }
+}
+
+impl<B: Backend> Module<B> for Router<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        f(&self.weight);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        f(&mut self.weight);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+
+    use super::*;
+    use crate::engine::moe::testutil::*;
+
+    const T: usize = 8;
+    const D: usize = 5;
+
+    fn router(moe: &MoeSpec, d: usize) -> Router<Cpu> {
+        Router::new(&Cpu, "r", d, moe, 0.8, 3, DType::F64).unwrap()
+    }
+
+    /// `Σ weights ⊙ R + aux + z`: the objective of every router gradient check.
+    fn objective(r: &Router<Cpu>, x: &Tensor<Cpu>, n_seq: usize, rw: &[f64]) -> f64 {
+        let (out, _) = r.forward(&Cpu, x, n_seq).unwrap();
+        dot(&out.weights_tk, rw) + host(&out.aux_loss)[0] + host(&out.z_loss)[0]
+    }
+
+    fn spec(experts: usize, top_k: usize, edit: impl FnOnce(&mut RouterSpec)) -> MoeSpec {
+        let mut moe = moe_spec(experts, top_k, 3, 0);
+        moe.router.aux_coef = 0.3;
+        moe.router.z_loss_coef = 0.05;
+        edit(&mut moe.router);
+        moe
+    }
+
+    fn check_router(what: &str, moe: MoeSpec, n_seq: usize, bias: Option<Vec<f64>>) {
+        let (e, k) = (moe.experts, moe.top_k);
+        let mut r = router(&moe, D);
+        if let Some(bias) = bias {
+            r.set_expert_bias(t64(bias, &[e])).unwrap();
+        }
+        let x = uniform(11, T * D, 1.0);
+        let rw = uniform(12, T * k, 1.0);
+        let (_, saved) = r.forward(&Cpu, &t64(x.clone(), &[T, D]), n_seq).unwrap();
+        let dx = r
+            .backward(&Cpu, &t64(rw.clone(), &[T, k]), saved, 1.0)
+            .unwrap();
+        check_grads(what, &mut r, &x, &[T, D], &host(&dx), |r, x| {
+            objective(r, x, n_seq, &rw)
+        });
+    }
+
+    #[test]
+    fn router_grad_softmax() {
+        check_router("softmax", spec(6, 2, |_| {}), 1, None);
+    }
+
+    #[test]
+    fn router_grad_pre_softmax() {
+        let moe = spec(6, 2, |r| r.pre_softmax = true);
+        check_router("pre_softmax", moe, 1, None);
+    }
+
+    #[test]
+    fn router_grad_pre_softmax_top1() {
+        let moe = spec(6, 1, |r| r.pre_softmax = true);
+        check_router("pre_softmax top1", moe, 1, None);
+    }
+
+    #[test]
+    fn router_grad_sigmoid() {
+        let moe = spec(6, 3, |r| r.score = ScoreFunction::Sigmoid);
+        check_router("sigmoid", moe, 1, None);
+    }
+
+    #[test]
+    fn router_grad_sigmoid_top1() {
+        let moe = spec(6, 1, |r| r.score = ScoreFunction::Sigmoid);
+        check_router("sigmoid top1", moe, 1, None);
+    }
+
+    #[test]
+    fn router_grad_sigmoid_with_bias() {
+        let moe = spec(6, 2, |r| {
+            r.score = ScoreFunction::Sigmoid;
+            r.expert_bias_rate = Some(1e-3);
+            r.scaling_factor = 2.5;
+        });
+        let bias = vec![0.3, -0.2, 0.1, 0.25, -0.35, 0.05];
+        check_router("sigmoid with bias", moe, 1, Some(bias));
+    }
+
+    #[test]
+    fn router_grad_group_limited() {
+        let moe = spec(8, 4, |r| {
+            r.groups = 4;
+            r.group_top_k = 2;
+        });
+        check_router("group-limited softmax", moe, 1, None);
+        let moe = spec(8, 4, |r| {
+            r.score = ScoreFunction::Sigmoid;
+            r.groups = 4;
+            r.group_top_k = 2;
+            r.expert_bias_rate = Some(1e-3);
+        });
+        let bias = vec![0.1, -0.1, 0.2, 0.0, -0.2, 0.15, 0.05, -0.05];
+        check_router("group-limited sigmoid with bias", moe, 1, Some(bias));
+    }
+
+    #[test]
+    fn router_grad_seq_aux() {
+        let moe = spec(6, 2, |r| r.load_balance = LoadBalance::SeqAux);
+        check_router("seq_aux softmax", moe, 4, None);
+        let moe = spec(6, 2, |r| {
+            r.load_balance = LoadBalance::SeqAux;
+            r.score = ScoreFunction::Sigmoid;
+        });
+        check_router("seq_aux sigmoid", moe, 2, None);
+    }
+
+    #[test]
+    fn router_grad_loss_scale_scales_only_the_losses() {
+        // With zero upstream gradient only the losses drive the router, so the
+        // gradient must scale exactly with loss_scale.
+        let moe = spec(6, 2, |_| {});
+        let grad = |scale: f64| {
+            let mut r = router(&moe, D);
+            let x = t64(uniform(11, T * D, 1.0), &[T, D]);
+            let (_, saved) = r.forward(&Cpu, &x, 1).unwrap();
+            let dw = t64(vec![0.0; T * 2], &[T, 2]);
+            host(&r.backward(&Cpu, &dw, saved, scale).unwrap())
+        };
+        let (g1, g3) = (grad(1.0), grad(3.0));
+        assert!(g1.iter().any(|v| v.abs() > 1e-6));
+        for (a, b) in g1.iter().zip(&g3) {
+            assert!((3.0 * a - b).abs() < 1e-12, "{a} {b}");
+        }
+    }
+
+    /// Top-k of `scores` by trying every set of `gk` groups (group score: sum
+    /// of its best `k / gk` scores) and ranking the experts they hold.
+    fn brute_force_topk(scores: &[f64], k: usize, groups: usize, gk: usize) -> Vec<i32> {
+        let per = scores.len() / groups;
+        let group_score = |g: usize| {
+            let mut v = scores[g * per..(g + 1) * per].to_vec();
+            v.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            v[..k / gk].iter().sum::<f64>()
+        };
+        let mut best: Option<(f64, Vec<usize>)> = None;
+        for mask in 0u32..(1 << groups) {
+            if mask.count_ones() as usize != gk {
+                continue;
+            }
+            let chosen: Vec<usize> = (0..groups).filter(|g| mask & (1 << g) != 0).collect();
+            let total: f64 = chosen.iter().map(|&g| group_score(g)).sum();
+            if best.as_ref().is_none_or(|(b, _)| total > *b) {
+                best = Some((total, chosen));
+            }
+        }
+        let chosen = best.unwrap().1;
+        let mut eligible: Vec<usize> = (0..scores.len())
+            .filter(|e| chosen.contains(&(e / per)))
+            .collect();
+        eligible.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap());
+        eligible[..k].iter().map(|&e| e as i32).collect()
+    }
+
+    #[test]
+    fn router_group_limited_matches_brute_force() {
+        let (t, d, e, k, groups, gk) = (32, 6, 8, 4, 4, 2);
+        for sigmoid in [false, true] {
+            let moe = spec(e, k, |r| {
+                r.groups = groups;
+                r.group_top_k = gk;
+                if sigmoid {
+                    r.score = ScoreFunction::Sigmoid;
+                    r.expert_bias_rate = Some(1e-3);
+                }
+            });
+            let mut r = router(&moe, d);
+            let bias = uniform(5, e, 0.2);
+            if sigmoid {
+                r.set_expert_bias(t64(bias.clone(), &[e])).unwrap();
+            }
+            let x = uniform(6, t * d, 1.0);
+            let (out, _) = r.forward(&Cpu, &t64(x.clone(), &[t, d]), 1).unwrap();
+            let idx = host_i32(&out.idx_tk);
+            let w = host(&r.weight.value);
+            for tok in 0..t {
+                let scores: Vec<f64> = (0..e)
+                    .map(|j| {
+                        let l: f64 = (0..d).map(|i| x[tok * d + i] * w[i * e + j]).sum();
+                        if sigmoid {
+                            1.0 / (1.0 + (-l).exp()) + bias[j]
+                        } else {
+                            l
+                        }
+                    })
+                    .collect();
+                let want = brute_force_topk(&scores, k, groups, gk);
+                assert_eq!(
+                    &idx[tok * k..(tok + 1) * k],
+                    &want[..],
+                    "token {tok}, sigmoid = {sigmoid}, scores {scores:?}"
+                );
+            }
+        }
+    }
+
+    const LN3: f64 = 1.0986122886681098;
+
+    /// A 2-expert router with `Wr = I`, so the logits are the inputs: tokens
+    /// with logits `[ln 3, 0], [0, ln 3], [ln 3, 0], [ln 3, 0]`.
+    fn hand_router(top_k: usize, edit: impl FnOnce(&mut RouterSpec)) -> (Router<Cpu>, Tensor<Cpu>) {
+        let mut moe = moe_spec(2, top_k, 3, 0);
+        moe.router.aux_coef = 0.1;
+        moe.router.z_loss_coef = 0.0;
+        edit(&mut moe.router);
+        let mut r = router(&moe, 2);
+        r.weight.value = t64(vec![1.0, 0.0, 0.0, 1.0], &[2, 2]);
+        let x = t64(vec![LN3, 0.0, 0.0, LN3, LN3, 0.0, LN3, 0.0], &[4, 2]);
+        (r, x)
+    }
+
+    fn close(got: f64, want: f64) {
+        assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+    }
+
+    #[test]
+    fn router_aux_loss_matches_hand_computed() {
+        // Softmax probabilities [.75, .25], [.25, .75], [.75, .25], [.75, .25];
+        // choices e0, e1, e0, e0: f = [3/4, 1/4], P = [2.5/4, 1.5/4] = [.625, .375];
+        // aux = 0.1 · 2 · (.75·.625 + .25·.375) = 0.1 · 2 · .5625 = 0.1125.
+        let (r, x) = hand_router(1, |r| r.pre_softmax = true);
+        let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
+        close(host(&out.aux_loss)[0], 0.1125);
+        assert_eq!(host(&out.load_e), vec![3.0, 1.0]);
+        assert_eq!(host_i32(&out.idx_tk), vec![0, 1, 0, 0]);
+        for w in host(&out.weights_tk) {
+            close(w, 0.75);
+        }
+    }
+
+    #[test]
+    fn router_seq_aux_matches_hand_computed() {
+        // Sequence 1 (tokens 0, 1): f = [.5, .5], P = [.5, .5] → Σ f·P = .5.
+        // Sequence 2 (tokens 2, 3): f = [1, 0], P = [.75, .25] → Σ f·P = .75.
+        // seq_aux = 0.1 · 2 · mean(.5, .75) = 0.125.
+        let (r, x) = hand_router(1, |r| {
+            r.pre_softmax = true;
+            r.load_balance = LoadBalance::SeqAux;
+        });
+        let (out, _) = r.forward(&Cpu, &x, 2).unwrap();
+        close(host(&out.aux_loss)[0], 0.125);
+    }
+
+    #[test]
+    fn router_global_aux_is_aux_on_one_rank() {
+        let (r, x) = hand_router(1, |r| {
+            r.pre_softmax = true;
+            r.load_balance = LoadBalance::GlobalAux;
+        });
+        let (out, _) = r.forward(&Cpu, &x, 2).unwrap();
+        close(host(&out.aux_loss)[0], 0.1125);
+    }
+
+    #[test]
+    fn router_aux_loss_sigmoid_matches_hand_computed() {
+        // sigmoid(ln 3) = .75, sigmoid(0) = .5; normalised over E: [.6, .4].
+        // Top-1 choices e0, e1, e0, e0: f = [3/4, 1/4];
+        // P = [(.6 + .4 + .6 + .6)/4, (.4 + .6 + .4 + .4)/4] = [.55, .45];
+        // aux = 0.1 · 2 · (.75·.55 + .25·.45) = 0.1 · 2 · .525 = 0.105.
+        // Top-1 sigmoid weights are the raw scores (.75).
+        let (r, x) = hand_router(1, |r| r.score = ScoreFunction::Sigmoid);
+        let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
+        close(host(&out.aux_loss)[0], 0.105);
+        for w in host(&out.weights_tk) {
+            close(w, 0.75);
+        }
+        // Top-2: the two chosen renormalised: [.6, .4] in descending order.
+        let (r, x) = hand_router(2, |r| r.score = ScoreFunction::Sigmoid);
+        let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
+        let w = host(&out.weights_tk);
+        for t in 0..4 {
+            close(w[2 * t], 0.6);
+            close(w[2 * t + 1], 0.4);
+        }
+    }
+
+    #[test]
+    fn router_z_loss_matches_hand_computed() {
+        // logsumexp([ln 3, 0]) = ln 4 for every token: z = 0.01 · (ln 4)².
+        let (r, x) = hand_router(2, |r| {
+            r.z_loss_coef = 0.01;
+            r.load_balance = LoadBalance::None;
+        });
+        let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
+        close(host(&out.z_loss)[0], 0.019218120556728054);
+        assert_eq!(host(&out.aux_loss), vec![0.0]);
+        // Post-softmax top-2 of two experts: the full softmax, [.75, .25].
+        let w = host(&out.weights_tk);
+        close(w[0], 0.75);
+        close(w[1], 0.25);
+    }
+
+    #[test]
+    fn router_expert_bias_checks_its_shape() {
+        let moe = spec(6, 2, |r| {
+            r.score = ScoreFunction::Sigmoid;
+            r.expert_bias_rate = Some(1e-3);
+        });
+        let mut r = router(&moe, D);
+        let err = r.set_expert_bias(t64(vec![0.0; 5], &[5])).unwrap_err();
+        assert!(err.to_string().contains("[5]"), "{err}");
+        let err = r
+            .update_expert_bias(&Cpu, &t64(vec![1.0; 4], &[4]))
+            .unwrap_err();
+        assert!(err.to_string().contains("expected [6]"), "{err}");
+        let mut plain = router(&spec(6, 2, |_| {}), D);
+        assert!(plain.set_expert_bias(t64(vec![0.0; 6], &[6])).is_err());
+        plain
+            .update_expert_bias(&Cpu, &t64(vec![1.0; 6], &[6]))
+            .unwrap();
+        assert!(plain.expert_bias().is_none());
     }
 }
