@@ -126,3 +126,118 @@ impl Dispatcher {
         Ok(b.unpermute_backward(dy_td, &saved.y_nd, &dispatch.plan.slot, &saved.weights_tk)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::gradcheck::assert_grad;
+    use foldmoe_kernels::ElementwiseOps;
+
+    use super::*;
+    use crate::engine::moe::testutil::*;
+
+    const T: usize = 6;
+    const D: usize = 3;
+    const E: usize = 4;
+    const K: usize = 2;
+
+    /// Experts 0 and 1 are popular (5 and 4 copies), expert 3 gets none.
+    fn idx_tk() -> Tensor<Cpu> {
+        ti32(vec![0, 1, 1, 0, 0, 2, 1, 0, 2, 0, 0, 1], &[T, K])
+    }
+
+    /// Dispatch, scale every row by a fixed `c_nd`, combine: `Σ y ⊙ R`, with
+    /// gradients for `x` and the routing weights; checks that drops happen
+    /// exactly when capacity mode is on.
+    fn check_dispatch(what: &str, capacity: Option<CapacitySpec>) {
+        let mut moe = moe_spec(E, K, 3, 0);
+        let drops = capacity.is_some();
+        moe.capacity = capacity;
+        let disp = Dispatcher::new(&moe);
+        let idx = idx_tk();
+        let x = uniform(41, T * D, 1.0);
+        // Distinct positive weights, far apart so the probs policy's ordering
+        // survives the finite-difference perturbation.
+        let w: Vec<f64> = (0..T * K)
+            .map(|i| 0.1 + 0.07 * ((i * 5) % 12) as f64)
+            .collect();
+        let r = uniform(42, T * D, 1.0);
+        let run = |x: &[f64], w: &[f64]| {
+            let w_tk = t64(w.to_vec(), &[T, K]);
+            let (x_nd, saved) = disp
+                .dispatch(&Cpu, &t64(x.to_vec(), &[T, D]), &idx, &w_tk)
+                .unwrap();
+            let n = x_nd.shape()[0];
+            let c_nd = t64(uniform(43, n * D, 1.0), &[n, D]);
+            let y_nd = Cpu.mul(&x_nd, &c_nd).unwrap();
+            let (y_td, comb) = disp.combine(&Cpu, y_nd, &saved, &w_tk).unwrap();
+            (y_td, saved, comb, c_nd)
+        };
+        let (_, saved, comb, c_nd) = run(&x, &w);
+        let dropped = host_i32(&saved.plan.slot)
+            .iter()
+            .filter(|&&s| s < 0)
+            .count();
+        assert_eq!(dropped > 0, drops, "{what}: {dropped} copies dropped");
+        let (dy_nd, dw_tk) = disp
+            .combine_backward(&Cpu, &t64(r.clone(), &[T, D]), comb, &saved)
+            .unwrap();
+        let dx_nd = Cpu.mul(&dy_nd, &c_nd).unwrap();
+        let dx = disp.dispatch_backward(&Cpu, &dx_nd, saved).unwrap();
+        assert_grad(&format!("{what}: x"), &x, &host(&dx), TOL, |xv| {
+            dot(&run(xv, &w).0, &r)
+        });
+        assert_grad(&format!("{what}: weights"), &w, &host(&dw_tk), TOL, |wv| {
+            dot(&run(&x, wv).0, &r)
+        });
+    }
+
+    fn capacity(policy: DropPolicySpec, pad: bool) -> Option<CapacitySpec> {
+        // capacity = ceil(6·2/4 · 0.75) = 3: experts 0 and 1 overflow.
+        Some(CapacitySpec {
+            factor: 0.75,
+            drop_policy: policy,
+            pad_to_capacity: pad,
+        })
+    }
+
+    #[test]
+    fn dispatcher_grad_dropless() {
+        check_dispatch("dropless", None);
+    }
+
+    #[test]
+    fn dispatcher_grad_capacity_probs() {
+        check_dispatch("capacity probs", capacity(DropPolicySpec::Probs, false));
+        check_dispatch(
+            "capacity probs padded",
+            capacity(DropPolicySpec::Probs, true),
+        );
+    }
+
+    #[test]
+    fn dispatcher_grad_capacity_position() {
+        check_dispatch(
+            "capacity position",
+            capacity(DropPolicySpec::Position, false),
+        );
+        check_dispatch(
+            "capacity position padded",
+            capacity(DropPolicySpec::Position, true),
+        );
+    }
+
+    #[test]
+    fn dispatcher_capacity_comes_from_the_spec() {
+        let mut moe = moe_spec(E, K, 3, 0);
+        assert_eq!(Dispatcher::new(&moe).capacity(T), None);
+        moe.capacity = capacity(DropPolicySpec::Probs, true);
+        assert_eq!(Dispatcher::new(&moe).capacity(T), Some(3));
+        let disp = Dispatcher::new(&moe);
+        let w = t64(vec![0.5; T * K], &[T, K]);
+        let x = t64(vec![1.0; T * D], &[T, D]);
+        let (x_nd, saved) = disp.dispatch(&Cpu, &x, &idx_tk(), &w).unwrap();
+        assert_eq!(x_nd.shape(), &[E * 3, D]);
+        assert_eq!(host_i32(saved.counts_e()), vec![3; E]);
+    }
+}

@@ -122,3 +122,51 @@ impl<B: Backend> Module<B> for Experts<B> {
         f(&mut self.w2);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+
+    use super::*;
+    use crate::engine::moe::testutil::*;
+
+    const D: usize = 3;
+
+    fn check_experts(what: &str, counts: Vec<i32>, rows: usize) {
+        let e = counts.len();
+        let mut m = Experts::new(&Cpu, "x", D, &moe_spec(e, 1, 5, 0), 0.6, 9, DType::F64).unwrap();
+        let counts_e = ti32(counts, &[e]);
+        let x = uniform(21, rows * D, 1.0);
+        let r = uniform(22, rows * D, 1.0);
+        let (y, saved) = m
+            .forward(&Cpu, &t64(x.clone(), &[rows, D]), &counts_e)
+            .unwrap();
+        let dx = m
+            .backward(&Cpu, &t64(r.clone(), &[rows, D]), saved)
+            .unwrap();
+        let total: i32 = counts_e_sum(&counts_e);
+        // Padding rows past the groups come out zero and pass no gradient.
+        let (yv, dxv) = (host(&y), host(&dx));
+        for i in total as usize * D..rows * D {
+            assert_eq!((yv[i], dxv[i]), (0.0, 0.0), "{what}: padding row value {i}");
+        }
+        check_grads(what, &mut m, &x, &[rows, D], &dxv, |m, x| {
+            dot(&m.forward(&Cpu, x, &counts_e).unwrap().0, &r)
+        });
+    }
+
+    fn counts_e_sum(c: &Tensor<Cpu>) -> i32 {
+        host_i32(c).iter().sum()
+    }
+
+    #[test]
+    fn experts_grad_ragged_with_empty_group_and_padding() {
+        check_experts("ragged [3, 0, 2, 1] + 1 padding row", vec![3, 0, 2, 1], 7);
+    }
+
+    #[test]
+    fn experts_grad_trailing_empty_groups() {
+        check_experts("ragged [2, 3, 0, 0]", vec![2, 3, 0, 0], 5);
+        check_experts("one group [0, 0, 4]", vec![0, 0, 4], 4);
+    }
+}

@@ -118,3 +118,38 @@ impl<B: Backend> Module<B> for SharedExperts<B> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+
+    use super::*;
+    use crate::engine::moe::testutil::*;
+
+    const T: usize = 6;
+    const D: usize = 4;
+
+    fn check_shared(what: &str, gated: bool) {
+        let mut moe = moe_spec(4, 2, 3, 5);
+        moe.shared_gate = gated;
+        let mut m = SharedExperts::new(&Cpu, "s", D, &moe, 0.6, 4, DType::F64).unwrap();
+        assert_eq!(m.gate.is_some(), gated);
+        let x = uniform(31, T * D, 1.0);
+        let r = uniform(32, T * D, 1.0);
+        let (_, saved) = m.forward(&Cpu, &t64(x.clone(), &[T, D])).unwrap();
+        let dx = m.backward(&Cpu, &t64(r.clone(), &[T, D]), saved).unwrap();
+        check_grads(what, &mut m, &x, &[T, D], &host(&dx), |m, x| {
+            dot(&m.forward(&Cpu, x).unwrap().0, &r)
+        });
+    }
+
+    #[test]
+    fn shared_grad_ungated() {
+        check_shared("shared experts", false);
+    }
+
+    #[test]
+    fn shared_grad_gated() {
+        check_shared("gated shared experts", true);
+    }
+}
