@@ -294,3 +294,211 @@ impl<B: Backend> Module<B> for Model<B> {
         self.head.visit_params_mut(f);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::{DType, Device, HostData};
+
+    use super::Model;
+    use crate::engine::param::Module;
+    use crate::engine::testutil::{check_param_grads, i32_tensor, small_moe, small_spec, values};
+    use crate::engine::EngineError;
+    use crate::spec::FfnSpec;
+
+    /// Tokens covering the whole vocabulary (so every embedding row has a
+    /// gradient) and targets with one ignored position.
+    fn batch() -> (Vec<i32>, Vec<i32>) {
+        let tokens = vec![3, 0, 6, 1, 7, 2, 5, 4];
+        let targets = vec![0, 6, 1, -1, 2, 5, 4, 3];
+        (tokens, targets)
+    }
+
+    fn check_model_grad(ffns: &[FfnSpec], tied: bool, what: &str) {
+        let b = Cpu;
+        let spec = small_spec(ffns, tied);
+        let mut model = Model::new(&b, &spec, 11, DType::F64).unwrap();
+        let (tokens, targets) = batch();
+        let tokens = i32_tensor(tokens, &[2, 4]);
+        let targets = i32_tensor(targets, &[2, 4]);
+        let out = model.forward(&b, &tokens, &targets).unwrap();
+        model.backward(&b, out.saved, 1.0).unwrap();
+        check_param_grads(what, &mut model, 6, 1e-6, |m| {
+            let out = m.forward(&b, &tokens, &targets).unwrap();
+            values(&out.loss)[0] + values(&out.aux_loss)[0]
+        });
+    }
+
+    #[test]
+    fn model_grad_dense_and_moe() {
+        check_model_grad(
+            &[FfnSpec::Dense { ffn: 6 }, small_moe()],
+            false,
+            "model (dense + moe)",
+        );
+    }
+
+    #[test]
+    fn model_grad_tied_dense() {
+        check_model_grad(&[FfnSpec::Dense { ffn: 6 }], true, "model (tied)");
+    }
+
+    #[test]
+    fn loss_is_mean_over_non_ignored_tokens_of_logits() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let model = Model::new(&b, &spec, 3, DType::F64).unwrap();
+        let (tokens, targets) = batch();
+        let tokens_bs = i32_tensor(tokens, &[2, 4]);
+        let out = model
+            .forward(&b, &tokens_bs, &i32_tensor(targets.clone(), &[2, 4]))
+            .unwrap();
+        let logits = values(&model.logits(&b, &tokens_bs).unwrap());
+        let v = spec.vocab;
+        let (mut sum, mut n) = (0.0, 0);
+        for (t, &target) in targets.iter().enumerate() {
+            if target < 0 {
+                continue;
+            }
+            let row = &logits[t * v..(t + 1) * v];
+            let max = row.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+            sum += lse - row[target as usize];
+            n += 1;
+        }
+        let loss = values(&out.loss)[0];
+        assert!(
+            (loss - sum / n as f64).abs() < 1e-12,
+            "{loss} vs {}",
+            sum / n as f64
+        );
+        assert_eq!(out.moe_load.len(), 1);
+        // Every token sends top_k copies.
+        assert_eq!(values(&out.moe_load[0]).iter().sum::<f64>(), 16.0);
+        assert!(values(&out.aux_loss)[0] > 0.0);
+    }
+
+    #[test]
+    fn all_ignored_targets_give_zero_loss_and_no_nan() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let mut model = Model::new(&b, &spec, 3, DType::F32).unwrap();
+        let tokens = i32_tensor(vec![1, 2, 3, 4], &[1, 4]);
+        let out = model
+            .forward(&b, &tokens, &i32_tensor(vec![-1; 4], &[1, 4]))
+            .unwrap();
+        assert_eq!(values(&out.loss), vec![0.0]);
+        model.backward(&b, out.saved, 1.0).unwrap();
+        model.visit_params(&mut |p| assert!(values(&p.grad).iter().all(|g| *g == 0.0)));
+    }
+
+    #[test]
+    fn model_params_have_stable_names_and_counts() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let model = Model::new(&b, &spec, 3, DType::F32).unwrap();
+        let mut names = Vec::new();
+        model.visit_params(&mut |p| names.push(p.name.clone()));
+        assert_eq!(names[0], "embed.weight");
+        assert_eq!(
+            names[1..8],
+            [
+                "blocks.0.attn_norm.weight",
+                "blocks.0.attn.wq",
+                "blocks.0.attn.wk",
+                "blocks.0.attn.wv",
+                "blocks.0.attn.wo",
+                "blocks.0.ffn_norm.weight",
+                "blocks.0.mlp.w1",
+            ]
+        );
+        assert!(names.iter().any(|n| n.starts_with("blocks.1.moe.")));
+        assert_eq!(
+            names[names.len() - 2..],
+            ["final_norm.weight", "head.weight"]
+        );
+
+        let (v, d) = (8, 8);
+        let attn = d * 16 + 2 * d * 8 + 16 * d;
+        let dense = attn + 3 * d * 6 + 2 * d;
+        // router, 4 experts of ffn 6, a shared expert of ffn 4.
+        let moe = attn + d * 4 + 4 * 3 * d * 6 + 3 * d * 4 + 2 * d;
+        let total = 2 * v * d + dense + moe + d;
+        let active = total - 2 * 3 * d * 6; // 2 of 4 experts idle per token
+        assert_eq!(model.param_counts(), (total, active));
+
+        let tied = Model::new(
+            &b,
+            &small_spec(&[FfnSpec::Dense { ffn: 6 }], true),
+            3,
+            DType::F32,
+        )
+        .unwrap();
+        let mut last = String::new();
+        tied.visit_params(&mut |p| last = p.name.clone());
+        assert_eq!(last, "final_norm.weight");
+    }
+
+    #[test]
+    fn bad_inputs_are_typed_errors() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let model = Model::new(&b, &spec, 3, DType::F32).unwrap();
+        let ok = i32_tensor(vec![1, 2, 3, 4], &[1, 4]);
+        let invalid = |r: Result<_, EngineError>, want: &str| match r {
+            Err(EngineError::Invalid(msg)) => assert!(msg.contains(want), "{msg}"),
+            Err(e) => panic!("expected Invalid containing {want:?}, got {e}"),
+            Ok(_) => panic!("expected an error containing {want:?}"),
+        };
+        let floats = b.upload(HostData::F32(vec![1.0; 4]), &[1, 4]).unwrap();
+        invalid(model.forward(&b, &floats, &ok).map(|_| ()), "I32");
+        invalid(model.forward(&b, &ok, &floats).map(|_| ()), "I32");
+        invalid(
+            model
+                .forward(&b, &i32_tensor(vec![1, 2, 3, 4], &[4]), &ok)
+                .map(|_| ()),
+            "expected [batch, seq]",
+        );
+        invalid(
+            model
+                .forward(&b, &ok, &i32_tensor(vec![1, 2, 3, 4], &[2, 2]))
+                .map(|_| ()),
+            "must match",
+        );
+        let empty = i32_tensor(vec![], &[0, 4]);
+        invalid(model.forward(&b, &empty, &empty).map(|_| ()), "empty");
+        invalid(model.logits(&b, &empty).map(|_| ()), "empty");
+        // Ids and targets past the vocabulary: the kernels' index errors.
+        let big = i32_tensor(vec![1, 2, 8, 4], &[1, 4]);
+        assert!(matches!(
+            model.forward(&b, &big, &ok),
+            Err(EngineError::Kernel(_))
+        ));
+        assert!(matches!(
+            model.forward(&b, &ok, &big),
+            Err(EngineError::Kernel(_))
+        ));
+        let neg = i32_tensor(vec![1, -1, 2, 3], &[1, 4]);
+        assert!(matches!(
+            model.forward(&b, &neg, &ok),
+            Err(EngineError::Kernel(_))
+        ));
+    }
+
+    #[test]
+    fn invalid_spec_is_a_spec_error() {
+        let mut spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        spec.groups[0].attention.kv_heads = 3;
+        spec.vocab = 0;
+        match Model::new(&Cpu, &spec, 0, DType::F32) {
+            Err(EngineError::Spec(errs)) => assert_eq!(errs.len(), 2, "{errs:?}"),
+            Err(e) => panic!("expected a spec error, got {e}"),
+            Ok(_) => panic!("expected a spec error"),
+        }
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        assert!(matches!(
+            Model::new(&Cpu, &spec, 0, DType::I32),
+            Err(EngineError::Invalid(_))
+        ));
+    }
+}
