@@ -188,3 +188,123 @@ pub fn clip_grad_norm<B: Backend>(
         None => Ok(coef),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::DType;
+
+    use super::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams};
+    use crate::engine::model::Model;
+    use crate::engine::param::Module;
+    use crate::engine::testutil::{f64_tensor, small_spec, uniform, values};
+    use crate::spec::FfnSpec;
+
+    /// A small f64 model whose gradients are set to known values.
+    fn model_with_grads() -> Model<Cpu> {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let mut model = Model::new(&Cpu, &spec, 1, DType::F64).unwrap();
+        let mut seed = 0;
+        model.visit_params_mut(&mut |p| {
+            seed += 1;
+            p.grad = f64_tensor(uniform(seed, p.grad.numel(), 1.0), p.grad.shape());
+        });
+        model
+    }
+
+    fn host_norm(model: &Model<Cpu>) -> f64 {
+        let mut s = 0.0;
+        model.visit_params(&mut |p| s += values(&p.grad).iter().map(|g| g * g).sum::<f64>());
+        s.sqrt()
+    }
+
+    #[test]
+    fn clip_scales_to_the_max_norm() {
+        let b = Cpu;
+        let mut model = model_with_grads();
+        let norm = global_grad_norm(&b, &model).unwrap();
+        assert!((norm - host_norm(&model)).abs() < 1e-9 * norm);
+        assert!(norm > 2.0);
+        let before: Vec<f64> = values(&model.embed.table.grad);
+        let coef = clip_grad_norm(&b, &mut model, norm, 1.0).unwrap();
+        assert!(
+            (host_norm(&model) - 1.0).abs() < 1e-5,
+            "{}",
+            host_norm(&model)
+        );
+        // Every gradient scaled by the same factor: the direction is kept.
+        let after = values(&model.embed.table.grad);
+        for (a, b) in after.iter().zip(&before) {
+            assert!((a - coef * b).abs() < 1e-12);
+        }
+        // Below the limit, or with clipping off, nothing changes.
+        assert_eq!(clip_grad_norm(&b, &mut model, 1.0, 2.0).unwrap(), 1.0);
+        assert_eq!(clip_grad_norm(&b, &mut model, 5.0, 0.0).unwrap(), 1.0);
+        assert_eq!(values(&model.embed.table.grad), after);
+    }
+
+    #[test]
+    fn adamw_first_step_and_no_decay_on_vectors() {
+        let b = Cpu;
+        let mut model = model_with_grads();
+        let hyper = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let mut opt = AdamW::new(&b, &model, hyper).unwrap();
+        let mut before = Vec::new();
+        model.visit_params(&mut |p| {
+            before.push((p.value.shape().len(), values(&p.value), values(&p.grad)))
+        });
+        let lr = 1e-2;
+        opt.step(&b, &mut model, lr).unwrap();
+        assert_eq!(opt.step_count(), 1);
+        let mut i = 0;
+        model.visit_params(&mut |p| {
+            let (rank, p0, g) = &before[i];
+            i += 1;
+            let wd = if *rank == 1 { 0.0 } else { 0.1 };
+            // Bias-corrected first step: m̂ = g, v̂ = g², so the step is lr·g/(|g| + eps).
+            for ((p1, p0), g) in values(&p.value).iter().zip(p0).zip(g) {
+                let want = p0 - lr * wd * p0 - lr * g / (g.abs() + 1e-8);
+                assert!((p1 - want).abs() < 1e-12, "{}: {p1} vs {want}", p.name);
+            }
+        });
+        let mut names = Vec::new();
+        opt.visit_state(&mut |n, _| names.push(n.to_string()));
+        assert_eq!(
+            names[..2],
+            ["embed.weight.exp_avg", "embed.weight.exp_avg_sq"]
+        );
+        assert_eq!(names.len(), 2 * i);
+        opt.set_step_count(7);
+        assert_eq!(opt.step_count(), 7);
+    }
+
+    #[test]
+    fn adamw_rejects_another_models_params() {
+        let b = Cpu;
+        let model = model_with_grads();
+        let mut opt = AdamW::new(
+            &b,
+            &model,
+            AdamWParams {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+        )
+        .unwrap();
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], true);
+        let mut other = Model::new(&b, &spec, 1, DType::F64).unwrap();
+        let err = opt.step(&b, &mut other, 1e-3).unwrap_err().to_string();
+        assert!(
+            err.contains("head.weight") || err.contains("parameters"),
+            "{err}"
+        );
+        assert_eq!(opt.step_count(), 0);
+    }
+}
