@@ -68,21 +68,14 @@ impl<B: Backend> AdamW<B> {
             weight_decay: self.hyper.weight_decay,
             step: self.step + 1,
         };
-        let (names, m, v) = (&self.names, &mut self.m, &mut self.v);
+        self.check_params(model)?;
+        let (m, v) = (&mut self.m, &mut self.v);
         let mut index = 0;
         let mut failure: Option<EngineError> = None;
         model.visit_params_mut(&mut |p: &mut Param<B>| {
-            if failure.is_some() {
-                return;
-            }
             let i = index;
             index += 1;
-            if names.get(i) != Some(&p.name) {
-                failure = Some(EngineError::Invalid(format!(
-                    "AdamW: parameter {i} is `{}`, but the optimizer state was built for `{}`",
-                    p.name,
-                    names.get(i).map_or("<none>", |s| s.as_str())
-                )));
+            if failure.is_some() {
                 return;
             }
             let cfg = AdamWConfig {
@@ -100,14 +93,47 @@ impl<B: Backend> AdamW<B> {
         if let Some(e) = failure {
             return Err(e);
         }
-        if index != names.len() {
-            return Err(EngineError::Invalid(format!(
-                "AdamW: the model has {index} parameters, the optimizer state {}",
-                names.len()
-            )));
-        }
         self.step += 1;
         Ok(())
+    }
+
+    /// Errors unless `model` has exactly the parameters (names, shapes, in
+    /// order) this state was built for; checked before any update so a
+    /// mismatch changes nothing.
+    fn check_params(&self, model: &impl Module<B>) -> Result<()> {
+        let mut index = 0;
+        let mut failure: Option<String> = None;
+        model.visit_params(&mut |p| {
+            let i = index;
+            index += 1;
+            if failure.is_some() {
+                return;
+            }
+            match (self.names.get(i), self.m.get(i)) {
+                (Some(name), Some(m)) if *name == p.name && m.shape() == p.value.shape() => {}
+                (Some(name), Some(m)) => {
+                    failure = Some(format!(
+                        "AdamW: parameter {i} is `{}` {:?}, but the optimizer state was built for `{name}` {:?}",
+                        p.name,
+                        p.value.shape(),
+                        m.shape()
+                    ))
+                }
+                _ => {
+                    failure = Some(format!(
+                        "AdamW: parameter {i} (`{}`) has no optimizer state",
+                        p.name
+                    ))
+                }
+            }
+        });
+        if failure.is_none() && index != self.names.len() {
+            failure = Some(format!(
+                "AdamW: the model has {index} parameters, the optimizer state {}",
+                self.names.len()
+            ));
+        }
+        failure.map_or(Ok(()), |msg| Err(EngineError::Invalid(msg)))
     }
 
     /// Updates applied so far (the bias-correction step of the last one).

@@ -193,3 +193,190 @@ fn accumulate<B: Backend>(b: &B, acc: Option<Tensor<B>>, x: &Tensor<B>) -> Resul
         Some(acc) => b.add(&acc, x)?,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::{DType, Device, HostData, Tensor};
+
+    use super::{TrainConfig, Trainer};
+    use crate::engine::model::Model;
+    use crate::engine::param::Module;
+    use crate::engine::testutil::{f64_tensor, i32_tensor, small_moe, small_spec, values};
+    use crate::engine::EngineError;
+    use crate::spec::{FfnSpec, LoadBalance};
+
+    fn all_values(model: &Model<Cpu>) -> Vec<Vec<f64>> {
+        let mut v = Vec::new();
+        model.visit_params(&mut |p| v.push(values(&p.value)));
+        v
+    }
+
+    fn all_grads(model: &Model<Cpu>) -> Vec<Vec<f64>> {
+        let mut v = Vec::new();
+        model.visit_params(&mut |p| v.push(values(&p.grad)));
+        v
+    }
+
+    /// `(tokens, targets)` rows `rows` of a fixed `[4, 4]` batch.
+    fn rows(rows: std::ops::Range<usize>) -> (Tensor<Cpu>, Tensor<Cpu>) {
+        let tokens = [3, 0, 6, 1, 7, 2, 5, 4, 1, 1, 0, 6, 2, 7, 7, 3];
+        let targets = [0, 6, 1, 5, 2, 5, 4, 3, 1, 0, 6, 6, 7, 7, 3, 2];
+        let n = rows.len();
+        let r = rows.start * 4..rows.end * 4;
+        (
+            i32_tensor(tokens[r.clone()].to_vec(), &[n, 4]),
+            i32_tensor(targets[r].to_vec(), &[n, 4]),
+        )
+    }
+
+    #[test]
+    fn grad_accumulation_matches_one_batch() {
+        let b = Cpu;
+        // A micro-batch load-balancing loss is not additive over micro-batches
+        // (Megatron's neither), so it is off here; the z-loss, a token mean, stays.
+        let mut moe = small_moe();
+        if let FfnSpec::Moe(m) = &mut moe {
+            m.router.load_balance = LoadBalance::None;
+        }
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, moe], false);
+
+        let mut big = Model::new(&b, &spec, 5, DType::F64).unwrap();
+        let (tokens, targets) = rows(0..4);
+        let out = big.forward(&b, &tokens, &targets).unwrap();
+        let big_loss = values(&out.loss)[0];
+        let big_aux = values(&out.aux_loss)[0];
+        big.backward(&b, out.saved, 1.0).unwrap();
+
+        let cfg = TrainConfig {
+            grad_clip: 0.0,
+            ..TrainConfig::default()
+        };
+        let model = Model::new(&b, &spec, 5, DType::F64).unwrap();
+        let mut trainer = Trainer::new(&b, model, cfg).unwrap();
+        let micro = [rows(0..1), rows(1..2), rows(2..3), rows(3..4)];
+        let stats = trainer.step(&b, &micro).unwrap();
+        assert!(
+            (stats.loss - big_loss).abs() < 1e-12,
+            "{} vs {big_loss}",
+            stats.loss
+        );
+        assert!((stats.aux_loss - big_aux).abs() < 1e-12);
+        assert!(big_aux > 0.0, "the z-loss takes part");
+        for (g_micro, g_big) in all_grads(&trainer.model).iter().zip(all_grads(&big)) {
+            for (a, b) in g_micro.iter().zip(&g_big) {
+                assert!((a - b).abs() <= 1e-10 * b.abs().max(1e-3), "{a} vs {b}");
+            }
+        }
+        assert_eq!(stats.lr, cfg.schedule().lr_at(1));
+        assert!(stats.load_imbalance >= 1.0);
+        assert_eq!(trainer.opt.step_count(), 1);
+    }
+
+    #[test]
+    fn nan_loss_stops_with_an_error_and_leaves_params_unchanged() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let model = Model::new(&b, &spec, 5, DType::F32).unwrap();
+        let mut trainer = Trainer::new(&b, model, TrainConfig::default()).unwrap();
+        let batch = [rows(0..2)];
+        trainer.step(&b, &batch).unwrap();
+        // Poison the head: every logit, and so the loss, becomes NaN.
+        let head = trainer.model.head.weight.as_mut().unwrap();
+        let n = head.value.numel();
+        head.value = b
+            .upload(HostData::F32(vec![f32::NAN; n]), head.value.shape())
+            .unwrap();
+        let before = all_values(&trainer.model);
+        let err = trainer.step(&b, &batch).unwrap_err();
+        match &err {
+            EngineError::Invalid(msg) => {
+                assert!(msg.contains("step 2") && msg.contains("NaN"), "{msg}")
+            }
+            other => panic!("expected Invalid, got {other}"),
+        }
+        let after = all_values(&trainer.model);
+        let same = |a: &f64, b: &f64| a.to_bits() == b.to_bits();
+        assert!(before
+            .iter()
+            .flatten()
+            .zip(after.iter().flatten())
+            .all(|(a, b)| same(a, b)));
+        assert_eq!(trainer.opt.step_count(), 1);
+    }
+
+    #[test]
+    fn empty_step_is_an_error() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let model = Model::new(&b, &spec, 5, DType::F32).unwrap();
+        let mut trainer = Trainer::new(&b, model, TrainConfig::default()).unwrap();
+        assert!(matches!(
+            trainer.step(&b, &[]),
+            Err(EngineError::Invalid(_))
+        ));
+        let bad = [(f64_tensor(vec![1.0; 4], &[1, 4]), rows(0..1).1)];
+        assert!(trainer.step(&b, &bad).is_err());
+        assert_eq!(trainer.opt.step_count(), 0);
+    }
+
+    #[test]
+    fn tiny_model_overfits_one_batch() {
+        let b = Cpu;
+        let mut spec = small_spec(&[FfnSpec::Dense { ffn: 64 }, small_moe()], false);
+        spec.vocab = 16;
+        spec.hidden = 32;
+        spec.seq_len = 12;
+        spec.init_std = 0.02;
+        if let FfnSpec::Moe(m) = &mut spec.groups[1].ffn {
+            m.expert_ffn = 32;
+            m.shared_ffn = 32;
+            m.router.aux_coef = 1e-2;
+            m.router.z_loss_coef = 1e-3;
+        }
+        for g in &mut spec.groups {
+            g.attention.head_dim = 8;
+        }
+        // Four sequences with distinct first tokens, so every context is unique.
+        let (batch, seq) = (4, spec.seq_len);
+        let mut rng = 12345u64;
+        let mut next = || {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((rng >> 33) % 16) as i32
+        };
+        let mut stream: Vec<i32> = Vec::new();
+        for s in 0..batch {
+            stream.push(s as i32 * 4);
+            stream.extend((0..seq).map(|_| next()));
+        }
+        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+        for s in 0..batch {
+            let w = &stream[s * (seq + 1)..(s + 1) * (seq + 1)];
+            tokens.extend_from_slice(&w[..seq]);
+            targets.extend_from_slice(&w[1..]);
+        }
+        let data = [(
+            i32_tensor(tokens, &[batch, seq]),
+            i32_tensor(targets, &[batch, seq]),
+        )];
+        let cfg = TrainConfig {
+            lr: 1e-2,
+            min_lr: 1e-3,
+            warmup_steps: 10,
+            total_steps: 200,
+            weight_decay: 0.0,
+            ..TrainConfig::default()
+        };
+        let model = Model::new(&b, &spec, 0, DType::F32).unwrap();
+        let mut trainer = Trainer::new(&b, model, cfg).unwrap();
+        let first = trainer.step(&b, &data).unwrap().loss;
+        let mut last = first;
+        for _ in 1..cfg.total_steps {
+            last = trainer.step(&b, &data).unwrap().loss;
+        }
+        assert!(first > 2.0, "starts near ln(16): {first}");
+        assert!(last < 0.05, "did not overfit: {first} -> {last}");
+    }
+}
