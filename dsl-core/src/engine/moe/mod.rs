@@ -15,6 +15,12 @@
 //! `shared_experts.{w1, w3} [D, Fs]`, `shared_experts.w2 [Fs, D]`,
 //! `shared_experts.gate [D, 1]`. The expert bias (`router.expert_bias [E]`)
 //! is a buffer, read and set through [`MoeLayer::expert_bias`].
+//!
+//! On one rank: `global_aux` equals `aux` over the micro-batch (the sum of
+//! loads over the data-parallel group and accumulation steps, and the
+//! all-to-all between dispatch and the experts, come with parallel runs);
+//! `MoeStats::load` counts the router's choices before any capacity drop,
+//! which is what both the balancing loss and the expert-bias update balance.
 
 pub mod dispatcher;
 pub mod experts;

@@ -182,6 +182,11 @@ impl<B: Backend> Router<B> {
         n_seq: usize,
     ) -> Result<(Routing<B>, RouterSaved<B>)> {
         let (t, _) = x_td.dims2("Router::forward")?;
+        if n_seq == 0 || !t.is_multiple_of(n_seq) {
+            return Err(EngineError::Invalid(format!(
+                "Router::forward: T = {t} tokens do not split into n_seq = {n_seq} equal sequences"
+            )));
+        }
         let (e, k) = (self.experts, self.top_k);
         let dtype = x_td.dtype();
         let logits_te = b.matmul(x_td, &self.weight.value, false, false)?;
@@ -645,6 +650,14 @@ mod tests {
         let w = host(&out.weights_tk);
         close(w[0], 0.75);
         close(w[1], 0.25);
+    }
+
+    #[test]
+    fn router_rejects_uneven_sequences() {
+        let r = router(&spec(6, 2, |_| {}), D);
+        let x = t64(uniform(11, T * D, 1.0), &[T, D]);
+        let err = r.forward(&Cpu, &x, 3).err().unwrap().to_string();
+        assert!(err.contains("T = 8") && err.contains("n_seq = 3"), "{err}");
     }
 
     #[test]
