@@ -265,9 +265,26 @@ fn round_bf16_t<T: RoundBf16>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
     unary::<T>("round_bf16", x, T::round_bf16)
 }
 
-/// Fixed-order dot product of two equal-length slices.
+/// Dot product in a fixed order: eight interleaved partial sums, combined
+/// pairwise, then the tail. A single running sum is one long dependency
+/// chain the compiler may not reorder; eight independent lanes vectorise.
 pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
-    a.iter().zip(b).fold(T::ZERO, |s, (&x, &y)| s + x * y)
+    const L: usize = 8;
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    let mut acc = [T::ZERO; L];
+    for (x, y) in ca.zip(cb) {
+        for l in 0..L {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (&x, &y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
 }
 
 /// The row scale vector of `mul_rows`: shape `[R]` or the leading dims of `x`.
