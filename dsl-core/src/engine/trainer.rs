@@ -5,7 +5,7 @@
 //! This is where scalars are read to the host: the losses, the gradient norm
 //! (to clip and to refuse a non-finite step) and the expert loads (for logging).
 
-use foldmoe_kernels::{Backend, Tensor};
+use foldmoe_kernels::{Backend, KernelError, Tensor};
 
 use super::model::Model;
 use super::optim::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams};
@@ -131,8 +131,16 @@ impl<B: Backend> Trainer<B> {
         let mut loss_sum: Option<Tensor<B>> = None;
         let mut aux_sum: Option<Tensor<B>> = None;
         let mut loads: Vec<Tensor<B>> = Vec::new();
+        // A kernel that meets a NaN or inf reports it; name the step as for a
+        // non-finite loss below.
+        let non_finite = |e: EngineError| match e {
+            EngineError::Kernel(k @ KernelError::NonFinite { .. }) => {
+                EngineError::Invalid(format!("step {step}: {k}; the update was not applied"))
+            }
+            other => other,
+        };
         for (tokens, targets) in micro_batches {
-            let out = self.model.forward(b, tokens, targets)?;
+            let out = self.model.forward(b, tokens, targets).map_err(non_finite)?;
             loss_sum = Some(accumulate(b, loss_sum, &out.loss)?);
             aux_sum = Some(accumulate(b, aux_sum, &out.aux_loss)?);
             if loads.is_empty() {
@@ -142,7 +150,9 @@ impl<B: Backend> Trainer<B> {
                     b.axpy(acc, 1.0, load)?;
                 }
             }
-            self.model.backward(b, out.saved, scale)?;
+            self.model
+                .backward(b, out.saved, scale)
+                .map_err(non_finite)?;
         }
         let read = |t: Option<Tensor<B>>| -> Result<f64> {
             let t = t.ok_or_else(|| EngineError::Invalid("no micro-batch ran".into()))?;
@@ -303,6 +313,33 @@ mod tests {
             .zip(after.iter().flatten())
             .all(|(a, b)| same(a, b)));
         assert_eq!(trainer.opt.step_count(), 1);
+    }
+
+    #[test]
+    fn inf_grad_norm_stops_with_an_error_and_leaves_params_unchanged() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let model = Model::new(&b, &spec, 5, DType::F32).unwrap();
+        let mut trainer = Trainer::new(&b, model, TrainConfig::default()).unwrap();
+        // A huge final-norm scale keeps the loss finite in f32 but makes the
+        // head's gradient overflow when squared.
+        let norm = &mut trainer.model.final_norm.weight;
+        norm.value = b
+            .upload(HostData::F32(vec![1e30; spec.hidden]), &[spec.hidden])
+            .unwrap();
+        let before = all_values(&trainer.model);
+        let err = trainer.step(&b, &[rows(0..2)]).unwrap_err();
+        match &err {
+            EngineError::Invalid(msg) => {
+                assert!(
+                    msg.contains("step 1") && msg.contains("gradient norm is inf"),
+                    "{msg}"
+                )
+            }
+            other => panic!("expected Invalid, got {other}"),
+        }
+        assert_eq!(all_values(&trainer.model), before);
+        assert_eq!(trainer.opt.step_count(), 0);
     }
 
     #[test]
