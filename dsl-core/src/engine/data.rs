@@ -130,7 +130,7 @@ impl TextDataset {
 }
 
 /// Draws batches of random windows; batch `n` depends only on `(seed, n)`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BatchSampler {
     /// Seed of the run.
     pub seed: u64,
