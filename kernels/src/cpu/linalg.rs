@@ -13,10 +13,11 @@ use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::Tensor;
 
 /// Below this many multiply-adds (`m·n·k`) a product runs on one thread: the
-/// cost of waking the pool outweighs the split. Measured with
-/// `examples/gemm_bench.rs` on a 2-core box, where threading starts paying
-/// off around 128³ and clearly wins from 256×128×512 up.
-const PARALLEL_MIN_MACS: usize = 1 << 21;
+/// fork-join and the split packing cost more than the second core gives.
+/// Measured with `examples/gemm_bench.rs` on a shared 2-core box: one thread
+/// wins up to 192³ (2^22.8), the two are even at 256³ (2^24), threads win
+/// from 384³ on.
+const PARALLEL_MIN_MACS: usize = 1 << 24;
 
 /// A grouped product whose total work is below this runs its groups one after
 /// another on one thread (a handful of tiny GEMMs cost less than a fork-join).
@@ -349,5 +350,487 @@ impl LinalgOps for Cpu {
             x,
             grouped_matmul_weight_grad_impl(x, dy, group_sizes)
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::error::KernelError;
+    use crate::gradcheck::assert_grad;
+    use crate::tensor::{DType, HostData};
+    use crate::Device;
+
+    fn rng(seed: u64) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(seed)
+    }
+
+    fn rand_vec(r: &mut ChaCha8Rng, n: usize) -> Vec<f64> {
+        (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
+    }
+
+    fn f64t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::F64(v.to_vec()), shape).unwrap()
+    }
+
+    fn f32t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::F32(v.iter().map(|&x| x as f32).collect()), shape)
+            .unwrap()
+    }
+
+    fn i32t(v: &[i32]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::I32(v.to_vec()), &[v.len()]).unwrap()
+    }
+
+    fn host(t: &Tensor<Cpu>) -> Vec<f64> {
+        Cpu.download(t).unwrap().to_f64()
+    }
+
+    fn dot(a: &[f64], b: &[f64]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    /// Row-major transpose of a `[r, c]` matrix.
+    fn transpose(v: &[f64], r: usize, c: usize) -> Vec<f64> {
+        let mut out = vec![0.0; v.len()];
+        for i in 0..r {
+            for j in 0..c {
+                out[j * r + i] = v[i * c + j];
+            }
+        }
+        out
+    }
+
+    /// Naive f64 `op(a) · op(b)`: the independent reference.
+    fn naive_matmul(
+        a: &[f64],
+        b: &[f64],
+        (m, k, n): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0;
+                for p in 0..k {
+                    let av = if ta { a[p * m + i] } else { a[i * k + p] };
+                    let bv = if tb { b[j * k + p] } else { b[p * n + j] };
+                    s += av * bv;
+                }
+                out[i * n + j] = s;
+            }
+        }
+        out
+    }
+
+    fn shape_of(rows: usize, cols: usize, trans: bool) -> [usize; 2] {
+        if trans {
+            [cols, rows]
+        } else {
+            [rows, cols]
+        }
+    }
+
+    #[test]
+    fn matmul_grad_all_transposes() {
+        let mut r = rng(1);
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let (m, k, n) = (r.gen_range(1..5), r.gen_range(1..5), r.gen_range(1..5));
+            let sa = shape_of(m, k, ta);
+            let sb = shape_of(k, n, tb);
+            let a = rand_vec(&mut r, m * k);
+            let b = rand_vec(&mut r, k * n);
+            let rr = rand_vec(&mut r, m * n);
+            let rt = f64t(&rr, &[m, n]);
+            let (at, bt) = (f64t(&a, &sa), f64t(&b, &sb));
+            // dop(a) = R · op(b)ᵀ and dop(b) = op(a)ᵀ · R, written back in the
+            // operands' own (possibly transposed) layouts.
+            let da = if ta {
+                Cpu.matmul(&bt, &rt, tb, true)
+            } else {
+                Cpu.matmul(&rt, &bt, false, !tb)
+            }
+            .unwrap();
+            let db = if tb {
+                Cpu.matmul(&rt, &at, true, ta)
+            } else {
+                Cpu.matmul(&at, &rt, !ta, false)
+            }
+            .unwrap();
+            assert_eq!(da.shape(), sa);
+            assert_eq!(db.shape(), sb);
+            let obj = |a: &[f64], b: &[f64]| {
+                let out = Cpu.matmul(&f64t(a, &sa), &f64t(b, &sb), ta, tb).unwrap();
+                dot(&host(&out), &rr)
+            };
+            let what = format!("matmul da (ta={ta}, tb={tb})");
+            assert_grad(&what, &a, &host(&da), 1e-6, |a| obj(a, &b));
+            let what = format!("matmul db (ta={ta}, tb={tb})");
+            assert_grad(&what, &b, &host(&db), 1e-6, |b| obj(&a, b));
+        }
+    }
+
+    #[test]
+    fn matmul_f32_and_f64_match_naive_reference() {
+        let mut r = rng(2);
+        for &(m, k, n) in &[(1, 1, 1), (7, 13, 5), (33, 70, 17), (160, 128, 129)] {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let a = rand_vec(&mut r, m * k);
+                let b = rand_vec(&mut r, k * n);
+                let want = naive_matmul(&a, &b, (m, k, n), ta, tb);
+                let (sa, sb) = (shape_of(m, k, ta), shape_of(k, n, tb));
+                let got64 = host(&Cpu.matmul(&f64t(&a, &sa), &f64t(&b, &sb), ta, tb).unwrap());
+                let got32 = Cpu.matmul(&f32t(&a, &sa), &f32t(&b, &sb), ta, tb).unwrap();
+                assert_eq!(got32.dtype(), DType::F32);
+                assert_eq!(got32.shape(), [m, n]);
+                let got32 = host(&got32);
+                for i in 0..m * n {
+                    assert!(
+                        (got64[i] - want[i]).abs() <= 1e-12 * k as f64,
+                        "f64 {m}x{k}x{n}"
+                    );
+                    // Inputs rounded to f32 plus f32 accumulation: ~k ulps.
+                    assert!(
+                        (got32[i] - want[i]).abs() <= 1e-6 * k as f64,
+                        "f32 {m}x{k}x{n} ta={ta} tb={tb}: {} vs {}",
+                        got32[i],
+                        want[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_threaded_gemm_matches_naive_reference() {
+        // Below PARALLEL_MIN_MACS the op itself stays single-threaded, so the
+        // threaded path is driven directly.
+        let mut r = rng(6);
+        let (m, k, n) = (70, 50, 90);
+        for (ta, tb) in [(false, false), (true, true)] {
+            let a = rand_vec(&mut r, m * k);
+            let b = rand_vec(&mut r, k * n);
+            let mut out = vec![0.0f64; m * n];
+            gemm_into(
+                &mut out,
+                (m, n, k),
+                MatRef::row_major(&a, if ta { m } else { k }, ta),
+                MatRef::row_major(&b, if tb { k } else { n }, tb),
+                Parallelism::Rayon(2),
+            );
+            let want = naive_matmul(&a, &b, (m, k, n), ta, tb);
+            for (x, y) in out.iter().zip(&want) {
+                assert!((x - y).abs() <= 1e-12 * k as f64);
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_empty_dimensions_give_zeros() {
+        for &(m, k, n) in &[(0, 3, 4), (3, 0, 4), (3, 4, 0), (0, 0, 0)] {
+            let a = f64t(&vec![1.0; m * k], &[m, k]);
+            let b = f64t(&vec![1.0; k * n], &[k, n]);
+            let out = Cpu.matmul(&a, &b, false, false).unwrap();
+            assert_eq!(out.shape(), [m, n]);
+            assert!(host(&out).iter().all(|&v| v == 0.0));
+        }
+    }
+
+    #[test]
+    fn matmul_rejects_bad_input() {
+        let a = f64t(&[0.0; 6], &[2, 3]);
+        let b = f64t(&[0.0; 8], &[4, 2]);
+        let err = Cpu.matmul(&a, &b, false, false).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::ShapeMismatch { op: "matmul", .. }
+        ));
+        let msg = err.to_string();
+        assert!(msg.contains("[2, 3]") && msg.contains("[4, 2]"), "{msg}");
+
+        let b32 = f32t(&[0.0; 6], &[3, 2]);
+        let err = Cpu.matmul(&a, &b32, false, false).unwrap_err();
+        assert_eq!(
+            err,
+            KernelError::DTypeMismatch {
+                op: "matmul",
+                expected: DType::F64,
+                got: DType::F32
+            }
+        );
+        let ai = Cpu.upload(HostData::I32(vec![0; 6]), &[2, 3]).unwrap();
+        let err = Cpu.matmul(&ai, &b32, false, false).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::UnsupportedDType {
+                dtype: DType::I32,
+                ..
+            }
+        ));
+        let a3 = f64t(&[0.0; 6], &[1, 2, 3]);
+        let err = Cpu.matmul(&a3, &a, false, false).unwrap_err();
+        assert!(err.to_string().contains("[1, 2, 3]"), "{err}");
+    }
+
+    /// Naive grouped product: per-group naive matmul, padding rows zero.
+    fn naive_grouped(
+        x: &[f64],
+        w: &[f64],
+        sizes: &[usize],
+        (m, k, n): (usize, usize, usize),
+        trans_w: bool,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        let mut off = 0;
+        for (g, &s) in sizes.iter().enumerate() {
+            let y = naive_matmul(
+                &x[off * k..(off + s) * k],
+                &w[g * k * n..(g + 1) * k * n],
+                (s, k, n),
+                false,
+                trans_w,
+            );
+            out[off * n..(off + s) * n].copy_from_slice(&y);
+            off += s;
+        }
+        out
+    }
+
+    fn naive_weight_grad(
+        x: &[f64],
+        dy: &[f64],
+        sizes: &[usize],
+        (k, n): (usize, usize),
+    ) -> Vec<f64> {
+        let mut out = Vec::new();
+        let mut off = 0;
+        for &s in sizes {
+            out.extend(naive_matmul(
+                &x[off * k..(off + s) * k],
+                &dy[off * n..(off + s) * n],
+                (k, s, n),
+                true,
+                false,
+            ));
+            off += s;
+        }
+        out
+    }
+
+    fn as_i32(sizes: &[usize]) -> Vec<i32> {
+        sizes.iter().map(|&s| s as i32).collect()
+    }
+
+    /// Ragged sizes with some empty groups, summing to at most `m`.
+    fn ragged_sizes(r: &mut ChaCha8Rng, g: usize, m: usize) -> Vec<usize> {
+        let mut left = m;
+        (0..g)
+            .map(|_| {
+                if r.gen_bool(0.3) || left == 0 {
+                    0
+                } else {
+                    let s = r.gen_range(0..=left);
+                    left -= s;
+                    s
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn grouped_matmul_matches_naive_per_group() {
+        let mut r = rng(3);
+        let mut cases: Vec<(Vec<usize>, usize, usize, usize)> = vec![
+            (vec![0, 0, 0], 4, 3, 5),        // all empty, every row padding
+            (vec![2, 0, 3, 0], 6, 4, 3),     // empty groups and a padding row
+            (vec![0], 0, 2, 2),              // no rows at all
+            (vec![90, 80, 70], 240, 64, 48), // groups in parallel
+            (vec![3, 230, 5], 240, 64, 48),  // one big group, one after another
+        ];
+        for _ in 0..6 {
+            let g = r.gen_range(1..6);
+            let m = r.gen_range(0..20);
+            cases.push((
+                ragged_sizes(&mut r, g, m),
+                m,
+                r.gen_range(1..7),
+                r.gen_range(1..7),
+            ));
+        }
+        for (sizes, m, k, n) in cases {
+            let g = sizes.len();
+            for trans_w in [false, true] {
+                let x = rand_vec(&mut r, m * k);
+                let w = rand_vec(&mut r, g * k * n);
+                let want = naive_grouped(&x, &w, &sizes, (m, k, n), trans_w);
+                let ws = if trans_w { [g, n, k] } else { [g, k, n] };
+                let gs = i32t(&as_i32(&sizes));
+                let got = Cpu.grouped_matmul(&f64t(&x, &[m, k]), &f64t(&w, &ws), &gs, trans_w);
+                let got = got.unwrap();
+                assert_eq!(got.shape(), [m, n]);
+                for (a, b) in host(&got).iter().zip(&want) {
+                    assert!((a - b).abs() <= 1e-12 * k as f64, "{sizes:?} {a} vs {b}");
+                }
+                let got32 = Cpu
+                    .grouped_matmul(&f32t(&x, &[m, k]), &f32t(&w, &ws), &gs, trans_w)
+                    .unwrap();
+                for (a, b) in host(&got32).iter().zip(&want) {
+                    assert!((a - b).abs() <= 1e-6 * k as f64, "f32 {sizes:?} {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_matmul_weight_grad_matches_naive_per_group() {
+        let mut r = rng(4);
+        let mut cases = vec![(vec![0, 0], 3, 2, 2), (vec![100, 90, 0, 60], 250, 64, 40)];
+        for _ in 0..6 {
+            let g = r.gen_range(1..6);
+            let m = r.gen_range(0..20);
+            cases.push((
+                ragged_sizes(&mut r, g, m),
+                m,
+                r.gen_range(1..7),
+                r.gen_range(1..7),
+            ));
+        }
+        for (sizes, m, k, n) in cases {
+            let g = sizes.len();
+            let x = rand_vec(&mut r, m * k);
+            let dy = rand_vec(&mut r, m * n);
+            let want = naive_weight_grad(&x, &dy, &sizes, (k, n));
+            let gs = i32t(&as_i32(&sizes));
+            let got = Cpu
+                .grouped_matmul_weight_grad(&f64t(&x, &[m, k]), &f64t(&dy, &[m, n]), &gs)
+                .unwrap();
+            assert_eq!(got.shape(), [g, k, n]);
+            for (a, b) in host(&got).iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-12 * m.max(1) as f64,
+                    "{sizes:?} {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_matmul_grad_ragged_and_empty_groups() {
+        let mut r = rng(5);
+        // Empty groups first, last and in the middle, plus padding rows.
+        let cases = [
+            (vec![0, 3, 0, 2, 0], 7, 3, 4),
+            (vec![4, 0, 1], 5, 2, 3),
+            (vec![1, 2, 3], 6, 4, 2),
+        ];
+        for (sizes, m, k, n) in cases {
+            let g = sizes.len();
+            let gs = i32t(&as_i32(&sizes));
+            for trans_w in [false, true] {
+                let ws = if trans_w { [g, n, k] } else { [g, k, n] };
+                let x = rand_vec(&mut r, m * k);
+                let w = rand_vec(&mut r, g * k * n);
+                let rr = rand_vec(&mut r, m * n);
+                let obj = |x: &[f64], w: &[f64]| {
+                    let y = Cpu
+                        .grouped_matmul(&f64t(x, &[m, k]), &f64t(w, &ws), &gs, trans_w)
+                        .unwrap();
+                    dot(&host(&y), &rr)
+                };
+                let rt = f64t(&rr, &[m, n]);
+                // dx = R · wᵀ per group (padding rows get zero), dw = xᵀ · R.
+                let dx = Cpu
+                    .grouped_matmul(&rt, &f64t(&w, &ws), &gs, !trans_w)
+                    .unwrap();
+                let mut dw = host(
+                    &Cpu.grouped_matmul_weight_grad(&f64t(&x, &[m, k]), &rt, &gs)
+                        .unwrap(),
+                );
+                if trans_w {
+                    dw = (0..g)
+                        .flat_map(|gi| transpose(&dw[gi * k * n..(gi + 1) * k * n], k, n))
+                        .collect();
+                }
+                let what = format!("grouped_matmul dx {sizes:?} trans_w={trans_w}");
+                assert_grad(&what, &x, &host(&dx), 1e-6, |x| obj(x, &w));
+                let what = format!("grouped_matmul dw {sizes:?} trans_w={trans_w}");
+                assert_grad(&what, &w, &dw, 1e-6, |w| obj(&x, w));
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_matmul_rejects_bad_group_sizes() {
+        let x = f64t(&[0.0; 12], &[4, 3]);
+        let w = f64t(&[0.0; 12], &[2, 3, 2]);
+        let err = Cpu
+            .grouped_matmul(&x, &w, &i32t(&[3, 2]), false)
+            .unwrap_err();
+        assert!(matches!(err, KernelError::InvalidArgument { .. }));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("[3, 2]") && msg.contains("sum to 5") && msg.contains('4'),
+            "{msg}"
+        );
+
+        let err = Cpu
+            .grouped_matmul(&x, &w, &i32t(&[-1, 2]), false)
+            .unwrap_err();
+        assert!(matches!(err, KernelError::InvalidArgument { .. }));
+        assert!(err.to_string().contains("-1"), "{err}");
+
+        let err = Cpu
+            .grouped_matmul(&x, &w, &i32t(&[1, 1, 1]), false)
+            .unwrap_err();
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(
+            err.to_string().contains("[3]") && err.to_string().contains("[2]"),
+            "{err}"
+        );
+
+        let fsizes = f64t(&[1.0, 1.0], &[2]);
+        let err = Cpu.grouped_matmul(&x, &w, &fsizes, false).unwrap_err();
+        assert_eq!(
+            err,
+            KernelError::DTypeMismatch {
+                op: "grouped_matmul",
+                expected: DType::I32,
+                got: DType::F64
+            }
+        );
+
+        let err = Cpu
+            .grouped_matmul(&x, &w, &i32t(&[1, 1]), true)
+            .unwrap_err();
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[2, 3, 2]"), "{err}");
+
+        let w32 = f32t(&[0.0; 12], &[2, 3, 2]);
+        let err = Cpu
+            .grouped_matmul(&x, &w32, &i32t(&[1, 1]), false)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::DTypeMismatch {
+                got: DType::F32,
+                ..
+            }
+        ));
+
+        let dy = f64t(&[0.0; 10], &[5, 2]);
+        let err = Cpu
+            .grouped_matmul_weight_grad(&x, &dy, &i32t(&[1, 1]))
+            .unwrap_err();
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[4, 3]") && err.to_string().contains("[5, 2]"));
+        let dy = f64t(&[0.0; 8], &[4, 2]);
+        let err = Cpu
+            .grouped_matmul_weight_grad(&x, &dy, &i32t(&[4, 1]))
+            .unwrap_err();
+        assert!(err.to_string().contains("sum to 5"), "{err}");
     }
 }

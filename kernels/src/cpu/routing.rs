@@ -759,3 +759,863 @@ impl RoutingOps for Cpu {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::backend::LinalgOps;
+    use crate::gradcheck::assert_grad;
+    use crate::tensor::{DType, HostData};
+    use crate::Device;
+
+    fn rng(seed: u64) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(seed)
+    }
+
+    fn rand_vec(r: &mut ChaCha8Rng, n: usize) -> Vec<f64> {
+        (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
+    }
+
+    fn f64t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::F64(v.to_vec()), shape).unwrap()
+    }
+
+    fn f32t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::F32(v.iter().map(|&x| x as f32).collect()), shape)
+            .unwrap()
+    }
+
+    fn i32t(v: &[i32], shape: &[usize]) -> Tensor<Cpu> {
+        Cpu.upload(HostData::I32(v.to_vec()), shape).unwrap()
+    }
+
+    fn host(t: &Tensor<Cpu>) -> Vec<f64> {
+        Cpu.download(t).unwrap().to_f64()
+    }
+
+    fn ints(t: &Tensor<Cpu>) -> Vec<i32> {
+        Cpu.download(t).unwrap().to_i32().unwrap()
+    }
+
+    fn dot(a: &[f64], b: &[f64]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    /// Indices of `cand` sorted by value, largest first; the sort is stable,
+    /// so equal values keep the lower index first.
+    fn sorted_desc(row: &[f64], mut cand: Vec<usize>) -> Vec<usize> {
+        cand.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap());
+        cand
+    }
+
+    /// Group-limited top-k by brute force: every subset of `gk` groups is
+    /// scored, the best total wins (ties to the lexicographically smallest
+    /// subset), then top-k among its experts.
+    fn brute_force_topk(row: &[f64], k: usize, groups: usize, gk: usize) -> Vec<usize> {
+        let per = row.len() / groups;
+        let score: Vec<f64> = (0..groups)
+            .map(|g| {
+                let best = sorted_desc(row, (g * per..(g + 1) * per).collect());
+                best[..k / gk].iter().map(|&i| row[i]).sum()
+            })
+            .collect();
+        let mut best: Option<(f64, Vec<usize>)> = None;
+        for mask in 0u32..(1 << groups) {
+            if mask.count_ones() as usize != gk {
+                continue;
+            }
+            let set: Vec<usize> = (0..groups).filter(|g| mask & (1 << g) != 0).collect();
+            let total: f64 = set.iter().map(|&g| score[g]).sum();
+            let better = match &best {
+                None => true,
+                Some((bt, bs)) => total > *bt || (total == *bt && set < *bs),
+            };
+            if better {
+                best = Some((total, set));
+            }
+        }
+        let (_, set) = best.unwrap();
+        let cand = set.iter().flat_map(|&g| g * per..(g + 1) * per).collect();
+        sorted_desc(row, cand)[..k].to_vec()
+    }
+
+    #[test]
+    fn topk_matches_stable_sort_reference_with_ties() {
+        let mut r = rng(10);
+        for _ in 0..30 {
+            let (t, e) = (r.gen_range(0..6), r.gen_range(1..12));
+            let k = r.gen_range(1..=e);
+            // Few distinct values, so ties are everywhere; -inf as a masked score.
+            let x: Vec<f64> = (0..t * e)
+                .map(|_| [-f64::INFINITY, -0.5, 0.0, 0.25, 1.0][r.gen_range(0..5)])
+                .collect();
+            for dt in [DType::F32, DType::F64] {
+                let xt = if dt == DType::F32 {
+                    f32t(&x, &[t, e])
+                } else {
+                    f64t(&x, &[t, e])
+                };
+                let got = Cpu.topk(&xt, k, 1, 1).unwrap();
+                assert_eq!(got.shape(), [t, k]);
+                let got = ints(&got);
+                for row in 0..t {
+                    let want = sorted_desc(&x[row * e..(row + 1) * e], (0..e).collect());
+                    let want: Vec<i32> = want[..k].iter().map(|&i| i as i32).collect();
+                    assert_eq!(
+                        got[row * k..(row + 1) * k],
+                        want[..],
+                        "row {:?}",
+                        &x[row * e..(row + 1) * e]
+                    );
+                }
+            }
+        }
+        // Large enough for the parallel path; distinct values.
+        let (t, e, k) = (300, 128, 8);
+        let x = rand_vec(&mut r, t * e);
+        let got = ints(&Cpu.topk(&f64t(&x, &[t, e]), k, 0, 0).unwrap());
+        for row in 0..t {
+            let want = sorted_desc(&x[row * e..(row + 1) * e], (0..e).collect());
+            let want: Vec<i32> = want[..k].iter().map(|&i| i as i32).collect();
+            assert_eq!(got[row * k..(row + 1) * k], want[..]);
+        }
+    }
+
+    #[test]
+    fn topk_group_limited_matches_brute_force_over_group_subsets() {
+        let mut r = rng(11);
+        for case in 0..200 {
+            let groups = r.gen_range(2..6);
+            let per = r.gen_range(1..5);
+            let e = groups * per;
+            let gk = r.gen_range(1..=groups);
+            let k = r.gen_range(gk..=gk * per);
+            let t = r.gen_range(1..4);
+            let x: Vec<f64> = if case % 2 == 0 {
+                (0..t * e)
+                    .map(|_| [0.0, 0.5, 1.0][r.gen_range(0..3)])
+                    .collect()
+            } else {
+                rand_vec(&mut r, t * e)
+            };
+            let got = ints(&Cpu.topk(&f64t(&x, &[t, e]), k, groups, gk).unwrap());
+            for row in 0..t {
+                let xr = &x[row * e..(row + 1) * e];
+                let want: Vec<i32> = brute_force_topk(xr, k, groups, gk)
+                    .iter()
+                    .map(|&i| i as i32)
+                    .collect();
+                assert_eq!(
+                    got[row * k..(row + 1) * k],
+                    want[..],
+                    "k={k} groups={groups} gk={gk} row {xr:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn topk_rejects_bad_input() {
+        let x = f64t(&[0.0; 8], &[2, 4]);
+        let err = Cpu.topk(&x, 5, 1, 1).err().expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::InvalidArgument { op: "topk", .. }
+        ));
+        assert!(
+            err.to_string().contains("k = 5") && err.to_string().contains("E = 4"),
+            "{err}"
+        );
+        let err = Cpu.topk(&x, 0, 1, 1).err().expect("expected an error");
+        assert!(err.to_string().contains("k = 0"), "{err}");
+        let err = Cpu.topk(&x, 2, 3, 1).err().expect("expected an error");
+        assert!(matches!(err, KernelError::InvalidArgument { .. }));
+        assert!(err.to_string().contains("n_groups = 3") && err.to_string().contains("E = 4"));
+        let err = Cpu.topk(&x, 2, 2, 3).err().expect("expected an error");
+        assert!(err.to_string().contains("group_top_k = 3"), "{err}");
+        let err = Cpu.topk(&x, 3, 2, 1).err().expect("expected an error");
+        assert!(
+            err.to_string().contains("k = 3") && err.to_string().contains("2 experts"),
+            "{err}"
+        );
+        let err = Cpu.topk(&x, 1, 2, 2).err().expect("expected an error");
+        assert!(err.to_string().contains("group_top_k = 2"), "{err}");
+
+        let nan = f32t(&[0.0, f64::NAN, 1.0, 2.0], &[1, 4]);
+        let err = Cpu.topk(&nan, 1, 1, 1).err().expect("expected an error");
+        assert!(matches!(err, KernelError::NonFinite { op: "topk", value, .. } if value.is_nan()));
+
+        let empty = f64t(&[], &[3, 0]);
+        let err = Cpu.topk(&empty, 1, 1, 1).err().expect("expected an error");
+        assert!(matches!(err, KernelError::Empty { op: "topk", .. }));
+        let xi = i32t(&[0; 4], &[1, 4]);
+        let err = Cpu.topk(&xi, 1, 1, 1).err().expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::UnsupportedDType {
+                dtype: DType::I32,
+                ..
+            }
+        ));
+        let x1 = f64t(&[0.0; 4], &[4]);
+        let err = Cpu.topk(&x1, 1, 1, 1).err().expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[4]"));
+    }
+
+    #[test]
+    fn gather_cols_grad_is_scatter_cols() {
+        let mut r = rng(12);
+        let (t, e, k) = (4, 5, 3);
+        let x = rand_vec(&mut r, t * e);
+        // Repeated columns in a row check that scatter accumulates.
+        let idx = [0, 4, 4, 1, 2, 3, 3, 3, 3, 0, 1, 2];
+        let it = i32t(&idx, &[t, k]);
+        let rr = rand_vec(&mut r, t * k);
+        let got = host(&Cpu.gather_cols(&f64t(&x, &[t, e]), &it).unwrap());
+        for p in 0..t * k {
+            assert_eq!(got[p], x[(p / k) * e + idx[p] as usize]);
+        }
+        let dx = host(&Cpu.scatter_cols(&f64t(&rr, &[t, k]), &it, e).unwrap());
+        assert_grad("gather_cols", &x, &dx, 1e-6, |x| {
+            dot(
+                &host(&Cpu.gather_cols(&f64t(x, &[t, e]), &it).unwrap()),
+                &rr,
+            )
+        });
+        // scatter_cols is linear in v, with gather_cols as its backward.
+        let v = rand_vec(&mut r, t * k);
+        let re = rand_vec(&mut r, t * e);
+        let dv = host(&Cpu.gather_cols(&f64t(&re, &[t, e]), &it).unwrap());
+        assert_grad("scatter_cols grad", &v, &dv, 1e-6, |v| {
+            dot(
+                &host(&Cpu.scatter_cols(&f64t(v, &[t, k]), &it, e).unwrap()),
+                &re,
+            )
+        });
+    }
+
+    #[test]
+    fn gather_and_scatter_cols_reject_bad_input() {
+        let x = f64t(&[0.0; 6], &[2, 3]);
+        let err = Cpu
+            .gather_cols(&x, &i32t(&[0, 3], &[2, 1]))
+            .err()
+            .expect("expected an error");
+        assert_eq!(
+            err,
+            KernelError::IndexOutOfRange {
+                op: "gather_cols",
+                index: 3,
+                lo: 0,
+                hi: 3
+            }
+        );
+        let err = Cpu
+            .gather_cols(&x, &i32t(&[0, 1, 2], &[3, 1]))
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[3, 1]"), "{err}");
+        let err = Cpu
+            .gather_cols(&x, &f64t(&[0.0, 1.0], &[2, 1]))
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::DTypeMismatch {
+                expected: DType::I32,
+                got: DType::F64,
+                ..
+            }
+        ));
+        let v = f64t(&[0.0; 2], &[2, 1]);
+        let err = Cpu
+            .scatter_cols(&v, &i32t(&[0, -1], &[2, 1]), 3)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::IndexOutOfRange { index: -1, .. }
+        ));
+        let err = Cpu
+            .scatter_cols(&v, &i32t(&[0, 1, 0, 1], &[2, 2]), 3)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+    }
+
+    #[test]
+    fn embedding_grad_with_repeated_ids() {
+        let mut r = rng(13);
+        let (v, d) = (6, 3);
+        let ids = [5, 0, 2, 5, 5, 1, 0];
+        let t = ids.len();
+        let table = rand_vec(&mut r, v * d);
+        let it = i32t(&ids, &[t]);
+        let out = host(&Cpu.embedding(&f64t(&table, &[v, d]), &it).unwrap());
+        for (i, &id) in ids.iter().enumerate() {
+            assert_eq!(
+                out[i * d..(i + 1) * d],
+                table[id as usize * d..(id as usize + 1) * d]
+            );
+        }
+        let rr = rand_vec(&mut r, t * d);
+        let dtable = Cpu.embedding_backward(&f64t(&rr, &[t, d]), &it, v).unwrap();
+        assert_eq!(dtable.shape(), [v, d]);
+        assert_grad("embedding", &table, &host(&dtable), 1e-6, |tb| {
+            dot(&host(&Cpu.embedding(&f64t(tb, &[v, d]), &it).unwrap()), &rr)
+        });
+        // Large enough for the parallel path: equal to a sequential sum.
+        let (v, d, t) = (50, 64, 1000);
+        let ids: Vec<i32> = (0..t).map(|_| r.gen_range(0..v as i32)).collect();
+        let dy = rand_vec(&mut r, t * d);
+        let got = host(
+            &Cpu.embedding_backward(&f64t(&dy, &[t, d]), &i32t(&ids, &[t]), v)
+                .unwrap(),
+        );
+        let mut want = vec![0.0; v * d];
+        for (i, &id) in ids.iter().enumerate() {
+            for j in 0..d {
+                want[id as usize * d + j] += dy[i * d + j];
+            }
+        }
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn embedding_rejects_bad_ids() {
+        let table = f32t(&[0.0; 10], &[5, 2]);
+        let err = Cpu
+            .embedding(&table, &i32t(&[1, 5], &[2]))
+            .err()
+            .expect("expected an error");
+        assert_eq!(
+            err,
+            KernelError::IndexOutOfRange {
+                op: "embedding",
+                index: 5,
+                lo: 0,
+                hi: 5
+            }
+        );
+        assert!(
+            err.to_string().contains("index 5 out of range [0, 5)"),
+            "{err}"
+        );
+        let err = Cpu
+            .embedding(&table, &i32t(&[-1], &[1]))
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::IndexOutOfRange { index: -1, .. }
+        ));
+        let err = Cpu
+            .embedding(&table, &f32t(&[1.0], &[1]))
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::DTypeMismatch {
+                expected: DType::I32,
+                got: DType::F32,
+                ..
+            }
+        ));
+        let err = Cpu
+            .embedding(&table, &i32t(&[1, 2], &[1, 2]))
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        let dy = f32t(&[0.0; 4], &[2, 2]);
+        let err = Cpu
+            .embedding_backward(&dy, &i32t(&[1, 2, 3], &[3]), 5)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[2, 2]") && err.to_string().contains("[3]"));
+        let err = Cpu
+            .embedding_backward(&dy, &i32t(&[1, 7], &[2]), 5)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::IndexOutOfRange {
+                index: 7,
+                hi: 5,
+                ..
+            }
+        ));
+    }
+
+    /// Copies of each expert in (token, choice) order: the dropless reference.
+    fn copies_by_expert(idx: &[i32], e: usize) -> Vec<Vec<usize>> {
+        let mut by = vec![Vec::new(); e];
+        for (copy, &x) in idx.iter().enumerate() {
+            by[x as usize].push(copy);
+        }
+        by
+    }
+
+    #[test]
+    fn routing_plan_is_expert_major_and_stable() {
+        let mut r = rng(14);
+        for _ in 0..20 {
+            let (t, e) = (r.gen_range(0..9), r.gen_range(1..6));
+            let k = r.gen_range(1..=e);
+            let idx: Vec<i32> = (0..t * k).map(|_| r.gen_range(0..e as i32)).collect();
+            let plan = Cpu.routing_plan(&i32t(&idx, &[t, k]), e).unwrap();
+            let by = copies_by_expert(&idx, e);
+            let order: Vec<usize> = by.iter().flatten().copied().collect();
+            let want_src: Vec<i32> = order.iter().map(|&c| (c / k) as i32).collect();
+            let mut want_slot = vec![0i32; t * k];
+            for (row, &c) in order.iter().enumerate() {
+                want_slot[c] = row as i32;
+            }
+            let want_counts: Vec<i32> = by.iter().map(|v| v.len() as i32).collect();
+            assert_eq!(ints(&plan.row_src), want_src);
+            assert_eq!(plan.row_src.shape(), [t * k]);
+            assert_eq!(ints(&plan.slot), want_slot);
+            assert_eq!(plan.slot.shape(), [t, k]);
+            assert_eq!(ints(&plan.counts), want_counts);
+        }
+        // A hand-checked case: expert 1 gets nothing.
+        let plan = Cpu
+            .routing_plan(&i32t(&[2, 0, 0, 2, 2, 0], &[3, 2]), 3)
+            .unwrap();
+        assert_eq!(ints(&plan.row_src), [0, 1, 2, 0, 1, 2]);
+        assert_eq!(ints(&plan.slot), [3, 0, 1, 4, 5, 2]);
+        assert_eq!(ints(&plan.counts), [3, 0, 3]);
+    }
+
+    #[test]
+    fn routing_plan_rejects_bad_input() {
+        let err = Cpu
+            .routing_plan(&i32t(&[0, 3], &[1, 2]), 3)
+            .err()
+            .expect("expected an error");
+        assert_eq!(
+            err,
+            KernelError::IndexOutOfRange {
+                op: "routing_plan",
+                index: 3,
+                lo: 0,
+                hi: 3
+            }
+        );
+        let err = Cpu
+            .routing_plan(&f32t(&[0.0, 1.0], &[1, 2]), 3)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::DTypeMismatch {
+                expected: DType::I32,
+                got: DType::F32,
+                ..
+            }
+        ));
+        let err = Cpu
+            .routing_plan(&i32t(&[0, 1], &[2]), 3)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        let err = Cpu
+            .routing_plan(&i32t(&[0, 1], &[1, 2]), 0)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::InvalidArgument { .. }));
+        assert!(err.to_string().contains("n_experts = 0"));
+    }
+
+    /// Capacity reference: per expert, the kept copies (by policy), in
+    /// (token, choice) order.
+    fn kept_reference(
+        idx: &[i32],
+        probs: &[f64],
+        e: usize,
+        cap: usize,
+        policy: DropPolicy,
+    ) -> Vec<Vec<usize>> {
+        copies_by_expert(idx, e)
+            .into_iter()
+            .map(|mut c| {
+                if policy == DropPolicy::Probs {
+                    // Stable: the earlier copy wins a tie.
+                    c.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap());
+                }
+                c.truncate(cap);
+                c.sort();
+                c
+            })
+            .collect()
+    }
+
+    fn check_capacity_plan(idx: &[i32], probs: &[f64], t: usize, k: usize, e: usize, cap: usize) {
+        for policy in [DropPolicy::Probs, DropPolicy::Position] {
+            for pad in [false, true] {
+                let plan = Cpu
+                    .capacity_plan(
+                        &i32t(idx, &[t, k]),
+                        &f32t(probs, &[t, k]),
+                        e,
+                        cap,
+                        policy,
+                        pad,
+                    )
+                    .unwrap();
+                let kept = kept_reference(idx, probs, e, cap, policy);
+                let n = if pad { e * cap } else { (t * k).min(e * cap) };
+                let mut want_src = vec![-1i32; n];
+                let mut want_slot = vec![-1i32; t * k];
+                let mut row = 0;
+                for (ex, c) in kept.iter().enumerate() {
+                    if pad {
+                        row = ex * cap;
+                    }
+                    for &copy in c {
+                        want_src[row] = (copy / k) as i32;
+                        want_slot[copy] = row as i32;
+                        row += 1;
+                    }
+                }
+                let want_counts: Vec<i32> = kept
+                    .iter()
+                    .map(|c| if pad { cap } else { c.len() } as i32)
+                    .collect();
+                let ctx = format!("{policy:?} pad={pad} idx={idx:?} probs={probs:?} cap={cap}");
+                assert_eq!(ints(&plan.row_src), want_src, "{ctx}");
+                assert_eq!(ints(&plan.slot), want_slot, "{ctx}");
+                assert_eq!(ints(&plan.counts), want_counts, "{ctx}");
+            }
+        }
+    }
+
+    #[test]
+    fn capacity_plan_drops_the_right_copies_for_both_policies() {
+        // Hand-checked: expert 0 is over-full (3 copies, capacity 2).
+        let idx = [0, 0, 0, 1];
+        let probs = [0.1, 0.9, 0.5, 0.3];
+        let by_probs = Cpu
+            .capacity_plan(
+                &i32t(&idx, &[4, 1]),
+                &f64t(&probs, &[4, 1]),
+                2,
+                2,
+                DropPolicy::Probs,
+                false,
+            )
+            .unwrap();
+        assert_eq!(ints(&by_probs.slot), [-1, 0, 1, 2]);
+        assert_eq!(ints(&by_probs.row_src), [1, 2, 3, -1]);
+        assert_eq!(ints(&by_probs.counts), [2, 1]);
+        let by_pos = Cpu
+            .capacity_plan(
+                &i32t(&idx, &[4, 1]),
+                &f64t(&probs, &[4, 1]),
+                2,
+                2,
+                DropPolicy::Position,
+                true,
+            )
+            .unwrap();
+        assert_eq!(ints(&by_pos.slot), [0, 1, -1, 2]);
+        assert_eq!(ints(&by_pos.row_src), [0, 1, 3, -1]);
+        assert_eq!(ints(&by_pos.counts), [2, 2]);
+
+        let mut r = rng(15);
+        for case in 0..40 {
+            let (t, e) = (r.gen_range(0..10), r.gen_range(1..5));
+            let k = r.gen_range(1..=e);
+            let cap = r.gen_range(1..6);
+            let idx: Vec<i32> = (0..t * k).map(|_| r.gen_range(0..e as i32)).collect();
+            // Every other case uses coarse probabilities, to exercise ties.
+            let probs: Vec<f64> = (0..t * k)
+                .map(|_| {
+                    if case % 2 == 0 {
+                        r.gen_range(0..3) as f64 * 0.25
+                    } else {
+                        r.gen_range(0.0..1.0)
+                    }
+                })
+                .collect();
+            check_capacity_plan(&idx, &probs, t, k, e, cap);
+        }
+    }
+
+    #[test]
+    fn capacity_plan_rejects_bad_input() {
+        let idx = i32t(&[0, 1], &[2, 1]);
+        let probs = f64t(&[0.5, f64::NAN], &[2, 1]);
+        let err = Cpu
+            .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Probs, false)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::NonFinite { what: "probs", .. }));
+        let probs = f64t(&[0.5, 0.5, 0.5], &[3, 1]);
+        let err = Cpu
+            .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Position, false)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[3, 1]") && err.to_string().contains("[2, 1]"));
+        let probs = f64t(&[0.5, 0.5], &[2, 1]);
+        let err = Cpu
+            .capacity_plan(&idx, &probs, 2, 0, DropPolicy::Position, true)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::InvalidArgument { .. }));
+        assert!(err.to_string().contains("capacity = 0"));
+        let err = Cpu
+            .capacity_plan(&idx, &probs, 1, 1, DropPolicy::Position, true)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::IndexOutOfRange {
+                index: 1,
+                hi: 1,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn permute_grad_with_padding_rows() {
+        let mut r = rng(16);
+        let (t, d, e, k) = (5, 3, 3, 2);
+        let idx: Vec<i32> = vec![0, 1, 0, 2, 0, 1, 0, 2, 0, 1];
+        let probs = rand_vec(&mut r, t * k);
+        // Capacity 3 with padding: expert 0 drops copies, padding rows appear.
+        let plan = Cpu
+            .capacity_plan(
+                &i32t(&idx, &[t, k]),
+                &f64t(&probs, &[t, k]),
+                e,
+                3,
+                DropPolicy::Probs,
+                true,
+            )
+            .unwrap();
+        let src = ints(&plan.row_src);
+        assert!(src.contains(&-1));
+        let n = src.len();
+        let x = rand_vec(&mut r, t * d);
+        let px = host(&Cpu.permute(&f64t(&x, &[t, d]), &plan.row_src).unwrap());
+        for (row, &s) in src.iter().enumerate() {
+            let want = if s < 0 {
+                vec![0.0; d]
+            } else {
+                x[s as usize * d..(s as usize + 1) * d].to_vec()
+            };
+            assert_eq!(px[row * d..(row + 1) * d], want[..]);
+        }
+        let rr = rand_vec(&mut r, n * d);
+        let dx = Cpu
+            .permute_backward(&f64t(&rr, &[n, d]), &plan.row_src, t)
+            .unwrap();
+        assert_eq!(dx.shape(), [t, d]);
+        assert_grad("permute", &x, &host(&dx), 1e-6, |x| {
+            dot(
+                &host(&Cpu.permute(&f64t(x, &[t, d]), &plan.row_src).unwrap()),
+                &rr,
+            )
+        });
+    }
+
+    #[test]
+    fn permute_rejects_bad_input() {
+        let x = f64t(&[0.0; 6], &[3, 2]);
+        let err = Cpu
+            .permute(&x, &i32t(&[0, -2], &[2]))
+            .err()
+            .expect("expected an error");
+        assert_eq!(
+            err,
+            KernelError::IndexOutOfRange {
+                op: "permute",
+                index: -2,
+                lo: -1,
+                hi: 3
+            }
+        );
+        let err = Cpu
+            .permute(&x, &i32t(&[3], &[1]))
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::IndexOutOfRange { index: 3, .. }));
+        let err = Cpu
+            .permute(&x, &f64t(&[0.0], &[1]))
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::DTypeMismatch { .. }));
+        let dy = f64t(&[0.0; 4], &[2, 2]);
+        let err = Cpu
+            .permute_backward(&dy, &i32t(&[0, 1, 2], &[3]), 3)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[2, 2]") && err.to_string().contains("[3]"));
+        let err = Cpu
+            .permute_backward(&dy, &i32t(&[0, 4], &[2]), 3)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::IndexOutOfRange {
+                index: 4,
+                hi: 3,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn unpermute_grad_dropless_and_dropped_copies() {
+        let mut r = rng(17);
+        let (t, d, e, k) = (6, 3, 4, 2);
+        let idx: Vec<i32> = vec![0, 1, 0, 2, 0, 1, 1, 0, 0, 2, 3, 0];
+        let it = i32t(&idx, &[t, k]);
+        let probs = rand_vec(&mut r, t * k);
+        let dropless = Cpu.routing_plan(&it, e).unwrap();
+        let capped = Cpu
+            .capacity_plan(
+                &it,
+                &f64t(&probs, &[t, k]),
+                e,
+                2,
+                DropPolicy::Position,
+                false,
+            )
+            .unwrap();
+        assert!(ints(&capped.slot).contains(&-1));
+        for plan in [dropless, capped] {
+            let n = plan.row_src.shape()[0];
+            let y = rand_vec(&mut r, n * d);
+            let w = rand_vec(&mut r, t * k);
+            let rr = rand_vec(&mut r, t * d);
+            let slot = ints(&plan.slot);
+            let out = host(
+                &Cpu.unpermute(&f64t(&y, &[n, d]), &plan.slot, &f64t(&w, &[t, k]))
+                    .unwrap(),
+            );
+            for tok in 0..t {
+                for j in 0..d {
+                    let want: f64 = (0..k)
+                        .filter(|&c| slot[tok * k + c] >= 0)
+                        .map(|c| w[tok * k + c] * y[slot[tok * k + c] as usize * d + j])
+                        .sum();
+                    assert!((out[tok * d + j] - want).abs() < 1e-12);
+                }
+            }
+            let (dy, dw) = Cpu
+                .unpermute_backward(
+                    &f64t(&rr, &[t, d]),
+                    &f64t(&y, &[n, d]),
+                    &plan.slot,
+                    &f64t(&w, &[t, k]),
+                )
+                .unwrap();
+            assert_eq!(dy.shape(), [n, d]);
+            assert_eq!(dw.shape(), [t, k]);
+            let obj = |y: &[f64], w: &[f64]| {
+                let out = Cpu
+                    .unpermute(&f64t(y, &[n, d]), &plan.slot, &f64t(w, &[t, k]))
+                    .unwrap();
+                dot(&host(&out), &rr)
+            };
+            assert_grad("unpermute dy", &y, &host(&dy), 1e-6, |y| obj(y, &w));
+            assert_grad("unpermute dw", &w, &host(&dw), 1e-6, |w| obj(&y, w));
+        }
+    }
+
+    #[test]
+    fn unpermute_rejects_bad_input() {
+        let y = f64t(&[0.0; 6], &[3, 2]);
+        let w = f64t(&[0.0; 2], &[1, 2]);
+        let err = Cpu
+            .unpermute(&y, &i32t(&[0, 3], &[1, 2]), &w)
+            .err()
+            .expect("expected an error");
+        assert_eq!(
+            err,
+            KernelError::IndexOutOfRange {
+                op: "unpermute",
+                index: 3,
+                lo: -1,
+                hi: 3
+            }
+        );
+        let err = Cpu
+            .unpermute(&y, &i32t(&[0, 1, 2], &[1, 3]), &w)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[1, 2]") && err.to_string().contains("[1, 3]"));
+        let w32 = f32t(&[0.0; 2], &[1, 2]);
+        let err = Cpu
+            .unpermute(&y, &i32t(&[0, 1], &[1, 2]), &w32)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(
+            err,
+            KernelError::DTypeMismatch {
+                expected: DType::F64,
+                got: DType::F32,
+                ..
+            }
+        ));
+        let dout = f64t(&[0.0; 3], &[1, 3]);
+        let err = Cpu
+            .unpermute_backward(&dout, &y, &i32t(&[0, 1], &[1, 2]), &w)
+            .err()
+            .expect("expected an error");
+        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
+        assert!(err.to_string().contains("[1, 3]") && err.to_string().contains("[1, 2]"));
+    }
+
+    /// The whole dropless expert path as the MoE layer runs it, with an
+    /// expert that receives no token: permute → grouped GEMM → unpermute.
+    #[test]
+    fn moe_dispatch_chain_grad_with_empty_expert() {
+        let mut r = rng(18);
+        let (t, d, f, e, k) = (5, 3, 2, 4, 2);
+        let idx: Vec<i32> = vec![0, 2, 2, 0, 3, 0, 0, 2, 3, 2];
+        let plan = Cpu.routing_plan(&i32t(&idx, &[t, k]), e).unwrap();
+        assert_eq!(ints(&plan.counts)[1], 0);
+        let x = rand_vec(&mut r, t * d);
+        let wexp = rand_vec(&mut r, e * d * f);
+        let wts = rand_vec(&mut r, t * k);
+        let rr = rand_vec(&mut r, t * f);
+        let fwd = |x: &[f64], we: &[f64], wts: &[f64]| {
+            let xp = Cpu.permute(&f64t(x, &[t, d]), &plan.row_src).unwrap();
+            let h = Cpu
+                .grouped_matmul(&xp, &f64t(we, &[e, d, f]), &plan.counts, false)
+                .unwrap();
+            let out = Cpu.unpermute(&h, &plan.slot, &f64t(wts, &[t, k])).unwrap();
+            (xp, h, dot(&host(&out), &rr))
+        };
+        let (xp, h, _) = fwd(&x, &wexp, &wts);
+        let (dh, dwts) = Cpu
+            .unpermute_backward(&f64t(&rr, &[t, f]), &h, &plan.slot, &f64t(&wts, &[t, k]))
+            .unwrap();
+        let dwexp = Cpu
+            .grouped_matmul_weight_grad(&xp, &dh, &plan.counts)
+            .unwrap();
+        let dxp = Cpu
+            .grouped_matmul(&dh, &f64t(&wexp, &[e, d, f]), &plan.counts, true)
+            .unwrap();
+        let dx = Cpu.permute_backward(&dxp, &plan.row_src, t).unwrap();
+        assert_grad("chain dx", &x, &host(&dx), 1e-6, |x| fwd(x, &wexp, &wts).2);
+        assert_grad("chain dw", &wexp, &host(&dwexp), 1e-6, |we| {
+            fwd(&x, we, &wts).2
+        });
+        assert_grad("chain dwts", &wts, &host(&dwts), 1e-6, |w| {
+            fwd(&x, &wexp, w).2
+        });
+    }
+}
