@@ -20,7 +20,7 @@ pub type BlockOut<B> = (Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>);
 /// The feed-forward part of a block.
 pub enum Ffn<B: Backend> {
     /// A dense SwiGLU MLP.
-    Dense(SwiGluMlp<B>),
+    Dense(Box<SwiGluMlp<B>>),
     /// A Mixture-of-Experts layer.
     Moe(Box<MoeLayer<B>>),
 }
@@ -28,7 +28,7 @@ pub enum Ffn<B: Backend> {
 /// What the feed-forward's backward needs.
 enum FfnSaved<B: Backend> {
     Dense(MlpSaved<B>),
-    Moe(MoeSaved<B>),
+    Moe(Box<MoeSaved<B>>),
 }
 
 /// A pre-norm transformer block.
@@ -63,7 +63,7 @@ impl<B: Backend> Block<B> {
     ) -> Result<Self> {
         let d = model.hidden;
         let ffn = match &group.ffn {
-            FfnSpec::Dense { ffn } => Ffn::Dense(SwiGluMlp::new(
+            FfnSpec::Dense { ffn } => Ffn::Dense(Box::new(SwiGluMlp::new(
                 b,
                 &format!("{prefix}.mlp"),
                 d,
@@ -71,7 +71,7 @@ impl<B: Backend> Block<B> {
                 model.init_std,
                 seed,
                 dtype,
-            )?),
+            )?)),
             FfnSpec::Moe(moe) => Ffn::Moe(Box::new(MoeLayer::new(
                 b,
                 &format!("{prefix}.moe"),
@@ -119,7 +119,7 @@ impl<B: Backend> Block<B> {
             }
             Ffn::Moe(moe) => {
                 let (f_td, saved, stats) = moe.forward(b, &h_td, seq_len)?;
-                (f_td, FfnSaved::Moe(saved), Some(stats))
+                (f_td, FfnSaved::Moe(Box::new(saved)), Some(stats))
             }
         };
         let y_td = b.add(&x_td, &f_td)?;
@@ -144,7 +144,7 @@ impl<B: Backend> Block<B> {
         // The residual passes dy through unchanged; each branch adds its share.
         let dh_td = match (&mut self.ffn, saved.ffn) {
             (Ffn::Dense(mlp), FfnSaved::Dense(s)) => mlp.backward(b, dy_td, s)?,
-            (Ffn::Moe(moe), FfnSaved::Moe(s)) => moe.backward(b, dy_td, s, loss_scale)?,
+            (Ffn::Moe(moe), FfnSaved::Moe(s)) => moe.backward(b, dy_td, *s, loss_scale)?,
             _ => {
                 return Err(EngineError::Invalid(
                     "block backward: saved state comes from a block of another kind".into(),
