@@ -1,6 +1,99 @@
-//! The `foldmoe` command.
+//! The `foldmoe` command: `train` (the default), `generate`.
+
+mod error;
+mod generate;
+mod plot;
+mod settings;
+mod train;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use foldmoe::kernels::cpu::Cpu;
+use foldmoe::kernels::cuda::Cuda;
+
+use crate::error::CliError;
+use crate::settings::TrainOptions;
+
+/// Train and run Mixture-of-Experts language models.
+#[derive(Parser)]
+#[command(name = "foldmoe", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model on the bundled text (the default command).
+    Train(TrainOptions),
+    /// Continue a prompt with a trained checkpoint.
+    Generate {
+        /// Run directory or checkpoint directory.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Text to continue.
+        #[arg(long, default_value = "")]
+        prompt: String,
+        /// Bytes to generate.
+        #[arg(long, default_value_t = 200)]
+        tokens: usize,
+        /// Sampling temperature (0: greedy).
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Sampling seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+/// Fails with a clear message unless the named device can be used.
+fn check_device(name: &str) -> Result<(), CliError> {
+    if name == "cuda" {
+        Cuda::new(0)?;
+    }
+    Ok(())
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli
+        .command
+        .unwrap_or(Command::Train(TrainOptions::default()))
+    {
+        Command::Train(opts) => {
+            if let Some(device) = &opts.device {
+                check_device(device)?;
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = stop.clone();
+            ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+                .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
+            train::run(&Cpu, opts, stop)
+        }
+        Command::Generate {
+            checkpoint,
+            prompt,
+            tokens,
+            temperature,
+            seed,
+        } => {
+            let text = generate::run(&Cpu, &checkpoint, &prompt, tokens, temperature, seed)?;
+            println!("{text}");
+            Ok(())
+        }
+    }
+}
 
 fn main() {
-    let spec = foldmoe::models::tiny();
-    println!("foldmoe: default model `{}`", spec.name);
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e}");
+        let code = if matches!(e, CliError::Interrupted { .. }) {
+            130
+        } else {
+            1
+        };
+        std::process::exit(code);
+    }
 }

@@ -1,0 +1,39 @@
+//! Errors of the `foldmoe` command: each prints as one line naming the
+//! problem and the value.
+
+use foldmoe::core::engine::EngineError;
+use foldmoe::kernels::KernelError;
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad flags, config files or paths given by the user.
+    #[error("{0}")]
+    Usage(String),
+    /// The engine failed (bad checkpoint, non-finite loss, ...).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// A kernel or device failed.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The run was interrupted (Ctrl-C) after saving its checkpoint.
+    #[error("interrupted at step {step}; checkpoint saved in {dir}")]
+    Interrupted {
+        /// Last completed step.
+        step: u64,
+        /// Where the checkpoint went.
+        dir: String,
+    },
+}
+
+impl CliError {
+    /// A usage error with `msg`.
+    pub fn usage(msg: impl Into<String>) -> Self {
+        CliError::Usage(msg.into())
+    }
+
+    /// An I/O failure on `path`.
+    pub fn io(what: &str, path: &std::path::Path, e: impl std::fmt::Display) -> Self {
+        CliError::Usage(format!("{what} {}: {e}", path.display()))
+    }
+}

@@ -1,0 +1,305 @@
+//! Training settings: defaults, a TOML config file, and command-line flags
+//! (a flag overrides the file, the file overrides the default).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::CliError;
+
+/// The options of `foldmoe train`, as flags or as keys of a `--config` file
+/// (same names, with `-` written `_` in TOML). Unset means "use the default".
+#[derive(clap::Args, Deserialize, Debug, Clone, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TrainOptions {
+    /// Model to train (see `foldmoe models`).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Optimizer steps to run in total.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Seed of initialisation and data sampling.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Tokens per optimizer step (a multiple of the model's sequence length).
+    #[arg(long)]
+    pub batch_tokens: Option<usize>,
+    /// Micro-batches per step (gradient accumulation).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Linear warmup steps.
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// Evaluate the validation loss every N steps.
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Write a checkpoint every N steps (and always at the end).
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Run directory (default `runs/<timestamp>`; with --resume, the resumed run's).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Device: `cpu` (default) or `cuda`.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Bytes of text generated at the end of training.
+    #[arg(long)]
+    pub sample_tokens: Option<usize>,
+    /// Continue the run whose directory (or checkpoint directory) is given.
+    #[arg(long)]
+    #[serde(skip)]
+    pub resume: Option<PathBuf>,
+    /// TOML file with any of the keys above.
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Stop after this many steps of this invocation, writing a checkpoint
+    /// (Megatron's exit interval; the schedule still spans --steps).
+    #[arg(long)]
+    #[serde(skip)]
+    pub exit_after: Option<u64>,
+}
+
+/// Fully resolved settings of a run (stored in its checkpoint).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct TrainSettings {
+    /// Model name.
+    pub model: String,
+    /// Total optimizer steps.
+    pub steps: u64,
+    /// Seed.
+    pub seed: u64,
+    /// Tokens per step.
+    pub batch_tokens: usize,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Warmup steps.
+    pub warmup_steps: u64,
+    /// Evaluation interval.
+    pub eval_every: u64,
+    /// Checkpoint interval.
+    pub checkpoint_every: u64,
+    /// Device name.
+    pub device: String,
+    /// Generated sample length.
+    pub sample_tokens: usize,
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        TrainSettings {
+            model: "tiny".into(),
+            steps: 300,
+            seed: 1234,
+            batch_tokens: 4096,
+            micro_batches: 1,
+            lr: 3e-3,
+            warmup_steps: 30,
+            eval_every: 25,
+            checkpoint_every: 100,
+            device: "cpu".into(),
+            sample_tokens: 240,
+        }
+    }
+}
+
+impl TrainOptions {
+    /// Reads a TOML config file; unknown keys and wrong types are errors
+    /// naming the file and the key.
+    pub fn from_file(path: &Path) -> Result<Self, CliError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            CliError::usage(format!("cannot read config file {}: {e}", path.display()))
+        })?;
+        toml::from_str(&text).map_err(|e| {
+            let msg = e.message().replace('\n', " ");
+            CliError::usage(format!("config file {}: {msg}", path.display()))
+        })
+    }
+
+    /// `self` where set, else `file`.
+    fn or(self, file: TrainOptions) -> TrainOptions {
+        TrainOptions {
+            model: self.model.or(file.model),
+            steps: self.steps.or(file.steps),
+            seed: self.seed.or(file.seed),
+            batch_tokens: self.batch_tokens.or(file.batch_tokens),
+            micro_batches: self.micro_batches.or(file.micro_batches),
+            lr: self.lr.or(file.lr),
+            warmup_steps: self.warmup_steps.or(file.warmup_steps),
+            eval_every: self.eval_every.or(file.eval_every),
+            checkpoint_every: self.checkpoint_every.or(file.checkpoint_every),
+            out: self.out.or(file.out),
+            device: self.device.or(file.device),
+            sample_tokens: self.sample_tokens.or(file.sample_tokens),
+            resume: self.resume,
+            config: self.config,
+            exit_after: self.exit_after,
+        }
+    }
+
+    /// Merges flags over the config file over `base` (the defaults, or a
+    /// resumed run's settings) and validates the result.
+    pub fn resolve(self, base: TrainSettings) -> Result<(TrainSettings, TrainOptions), CliError> {
+        let opts = match &self.config {
+            Some(path) => {
+                let file = TrainOptions::from_file(path)?;
+                self.or(file)
+            }
+            None => self,
+        };
+        let s = TrainSettings {
+            model: opts.model.clone().unwrap_or(base.model),
+            steps: opts.steps.unwrap_or(base.steps),
+            seed: opts.seed.unwrap_or(base.seed),
+            batch_tokens: opts.batch_tokens.unwrap_or(base.batch_tokens),
+            micro_batches: opts.micro_batches.unwrap_or(base.micro_batches),
+            lr: opts.lr.unwrap_or(base.lr),
+            warmup_steps: opts.warmup_steps.unwrap_or(base.warmup_steps),
+            eval_every: opts.eval_every.unwrap_or(base.eval_every),
+            checkpoint_every: opts.checkpoint_every.unwrap_or(base.checkpoint_every),
+            device: opts.device.clone().unwrap_or(base.device),
+            sample_tokens: opts.sample_tokens.unwrap_or(base.sample_tokens),
+        };
+        s.validate()?;
+        Ok((s, opts))
+    }
+}
+
+impl TrainSettings {
+    /// Checks values that no type can: each error names the flag and value.
+    pub fn validate(&self) -> Result<(), CliError> {
+        let bad = |flag: &str, v: &dyn std::fmt::Display, need: &str| {
+            Err(CliError::usage(format!("--{flag} {v}: {need}")))
+        };
+        if self.steps == 0 {
+            return bad("steps", &self.steps, "must be at least 1");
+        }
+        if self.batch_tokens == 0 {
+            return bad("batch-tokens", &self.batch_tokens, "must be at least 1");
+        }
+        if self.micro_batches == 0 {
+            return bad("micro-batches", &self.micro_batches, "must be at least 1");
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("lr", &self.lr, "must be a positive finite number");
+        }
+        if self.eval_every == 0 {
+            return bad("eval-every", &self.eval_every, "must be at least 1");
+        }
+        if self.checkpoint_every == 0 {
+            return bad(
+                "checkpoint-every",
+                &self.checkpoint_every,
+                "must be at least 1",
+            );
+        }
+        if self.device != "cpu" && self.device != "cuda" {
+            return bad("device", &self.device, "must be `cpu` or `cuda`");
+        }
+        Ok(())
+    }
+
+    /// Sequences per micro-batch for a model of sequence length `seq_len`.
+    pub fn sequences_per_micro_batch(&self, seq_len: usize) -> Result<usize, CliError> {
+        let per_step = self.batch_tokens / seq_len;
+        if self.batch_tokens % seq_len != 0 || per_step % self.micro_batches != 0 || per_step == 0 {
+            return Err(CliError::usage(format!(
+                "--batch-tokens {}: must be a positive multiple of seq_len ({seq_len}) × micro-batches ({})",
+                self.batch_tokens, self.micro_batches
+            )));
+        }
+        Ok(per_step / self.micro_batches)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let p =
+            std::env::temp_dir().join(format!("foldmoe-settings-{}-{name}", std::process::id()));
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn flag_overrides_file_overrides_default() {
+        let cfg = write("ok.toml", "steps = 7\nlr = 0.01\n");
+        let opts = TrainOptions {
+            lr: Some(0.5),
+            config: Some(cfg),
+            ..Default::default()
+        };
+        let (s, _) = opts.resolve(TrainSettings::default()).unwrap();
+        assert_eq!(
+            (s.steps, s.lr, s.seed),
+            (7, 0.5, TrainSettings::default().seed)
+        );
+    }
+
+    #[test]
+    fn unknown_key_and_wrong_type_name_the_key() {
+        let cfg = write("unknown.toml", "stepz = 7\n");
+        let err = TrainOptions {
+            config: Some(cfg),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("stepz") && err.contains("unknown.toml"),
+            "{err}"
+        );
+        let cfg = write("type.toml", "steps = \"many\"\n");
+        let err = TrainOptions {
+            config: Some(cfg),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("type.toml") && err.contains("invalid type"),
+            "{err}"
+        );
+        assert!(!err.contains('\n'));
+    }
+
+    #[test]
+    fn zero_steps_is_rejected() {
+        let err = TrainOptions {
+            steps: Some(0),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap_err()
+        .to_string();
+        assert_eq!(err, "--steps 0: must be at least 1");
+    }
+
+    #[test]
+    fn batch_tokens_must_fit_sequences() {
+        let s = TrainSettings {
+            batch_tokens: 100,
+            ..Default::default()
+        };
+        assert!(s
+            .sequences_per_micro_batch(64)
+            .unwrap_err()
+            .to_string()
+            .contains("--batch-tokens 100"));
+        let s = TrainSettings {
+            batch_tokens: 512,
+            micro_batches: 2,
+            ..Default::default()
+        };
+        assert_eq!(s.sequences_per_micro_batch(128).unwrap(), 2);
+    }
+}
