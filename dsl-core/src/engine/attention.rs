@@ -35,7 +35,7 @@ pub struct AttentionSaved<B: Backend> {
     q_bshd: Tensor<B>,
     k_bshd: Tensor<B>,
     v_bshd: Tensor<B>,
-    o_bshd: Tensor<B>,
+    o_td: Tensor<B>,
     lse_bhs: Tensor<B>,
 }
 
@@ -93,14 +93,15 @@ impl<B: Backend> Attention<B> {
         let k_bshd = b.rope(&project(&self.wk, hkv)?, self.rope_theta, false)?;
         let v_bshd = project(&self.wv, hkv)?;
         let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd)?;
-        let o_td = o_bshd.clone().reshape(&[tokens, hq * hd])?;
+        // Reshapes move the buffer: no copy of the attention output.
+        let o_td = o_bshd.reshape(&[tokens, hq * hd])?;
         let y_td = b.matmul(&o_td, &self.wo.value, false, false)?;
         let saved = AttentionSaved {
             x_td: x_td.clone(),
             q_bshd,
             k_bshd,
             v_bshd,
-            o_bshd,
+            o_td,
             lse_bhs,
         };
         Ok((y_td, saved))
@@ -118,14 +119,13 @@ impl<B: Backend> Attention<B> {
             q_bshd,
             k_bshd,
             v_bshd,
-            o_bshd,
+            o_td,
             lse_bhs,
         } = saved;
         let (batch, seq_len, hq, hd) = q_bshd.dims4("attention backward")?;
-        let tokens = batch * seq_len;
-        let o_td = o_bshd.clone().reshape(&[tokens, hq * hd])?;
         self.wo
             .accumulate(b, &b.matmul(&o_td, dy_td, true, false)?)?;
+        let o_bshd = o_td.reshape(&[batch, seq_len, hq, hd])?;
         let do_bshd = b
             .matmul(dy_td, &self.wo.value, false, true)?
             .reshape(&[batch, seq_len, hq, hd])?;

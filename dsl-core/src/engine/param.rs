@@ -102,3 +102,55 @@ fn fnv1a(bytes: &[u8]) -> u64 {
         (h ^ b as u64).wrapping_mul(0x100000001b3)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::{DType, Device};
+
+    use super::{init_const, init_normal, Param};
+
+    fn vals(t: &foldmoe_kernels::Tensor<Cpu>) -> Vec<f64> {
+        Cpu.download(t).unwrap().to_f64()
+    }
+
+    #[test]
+    fn init_depends_only_on_seed_and_name() {
+        let b = Cpu;
+        let a = vals(&init_normal(&b, &[64, 32], 0.02, 7, "blocks.0.attn.wq", DType::F64).unwrap());
+        let again =
+            vals(&init_normal(&b, &[64, 32], 0.02, 7, "blocks.0.attn.wq", DType::F64).unwrap());
+        let other_name =
+            vals(&init_normal(&b, &[64, 32], 0.02, 7, "blocks.0.attn.wk", DType::F64).unwrap());
+        let other_seed =
+            vals(&init_normal(&b, &[64, 32], 0.02, 8, "blocks.0.attn.wq", DType::F64).unwrap());
+        assert_eq!(a, again);
+        assert_ne!(a, other_name);
+        assert_ne!(a, other_seed);
+        // f32 is the f64 draw rounded.
+        let a32 =
+            vals(&init_normal(&b, &[64, 32], 0.02, 7, "blocks.0.attn.wq", DType::F32).unwrap());
+        assert!(a.iter().zip(&a32).all(|(x, y)| (*x as f32) as f64 == *y));
+        // Mean near 0 and std near 0.02 over 2048 draws.
+        let n = a.len() as f64;
+        let mean = a.iter().sum::<f64>() / n;
+        let std = (a.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+        assert!(mean.abs() < 0.002, "mean {mean}");
+        assert!((std - 0.02).abs() < 0.002, "std {std}");
+    }
+
+    #[test]
+    fn grad_accumulates_and_zeroes() {
+        let b = Cpu;
+        let mut p = Param::new(&b, "w", init_const(&b, &[3], 1.0, DType::F32).unwrap()).unwrap();
+        assert_eq!(vals(&p.grad), vec![0.0; 3]);
+        let g = init_const(&b, &[3], 0.5, DType::F32).unwrap();
+        p.accumulate(&b, &g).unwrap();
+        p.accumulate(&b, &g).unwrap();
+        assert_eq!(vals(&p.grad), vec![1.0; 3]);
+        p.zero_grad(&b).unwrap();
+        assert_eq!(vals(&p.grad), vec![0.0; 3]);
+        let wrong = init_const(&b, &[4], 0.5, DType::F32).unwrap();
+        assert!(p.accumulate(&b, &wrong).is_err());
+    }
+}
