@@ -141,7 +141,7 @@ fn check_topk_args(
     if n_groups <= 1 {
         return Ok(None);
     }
-    if e % n_groups != 0 {
+    if !e.is_multiple_of(n_groups) {
         return Err(arg_err(
             op,
             format!("n_groups = {n_groups} does not divide the E = {e} experts"),
@@ -920,7 +920,7 @@ mod tests {
     #[test]
     fn topk_rejects_bad_input() {
         let x = f64t(&[0.0; 8], &[2, 4]);
-        let err = Cpu.topk(&x, 5, 1, 1).err().expect("expected an error");
+        let err = Cpu.topk(&x, 5, 1, 1).unwrap_err();
         assert!(matches!(
             err,
             KernelError::InvalidArgument { op: "topk", .. }
@@ -929,30 +929,30 @@ mod tests {
             err.to_string().contains("k = 5") && err.to_string().contains("E = 4"),
             "{err}"
         );
-        let err = Cpu.topk(&x, 0, 1, 1).err().expect("expected an error");
+        let err = Cpu.topk(&x, 0, 1, 1).unwrap_err();
         assert!(err.to_string().contains("k = 0"), "{err}");
-        let err = Cpu.topk(&x, 2, 3, 1).err().expect("expected an error");
+        let err = Cpu.topk(&x, 2, 3, 1).unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("n_groups = 3") && err.to_string().contains("E = 4"));
-        let err = Cpu.topk(&x, 2, 2, 3).err().expect("expected an error");
+        let err = Cpu.topk(&x, 2, 2, 3).unwrap_err();
         assert!(err.to_string().contains("group_top_k = 3"), "{err}");
-        let err = Cpu.topk(&x, 3, 2, 1).err().expect("expected an error");
+        let err = Cpu.topk(&x, 3, 2, 1).unwrap_err();
         assert!(
             err.to_string().contains("k = 3") && err.to_string().contains("2 experts"),
             "{err}"
         );
-        let err = Cpu.topk(&x, 1, 2, 2).err().expect("expected an error");
+        let err = Cpu.topk(&x, 1, 2, 2).unwrap_err();
         assert!(err.to_string().contains("group_top_k = 2"), "{err}");
 
         let nan = f32t(&[0.0, f64::NAN, 1.0, 2.0], &[1, 4]);
-        let err = Cpu.topk(&nan, 1, 1, 1).err().expect("expected an error");
+        let err = Cpu.topk(&nan, 1, 1, 1).unwrap_err();
         assert!(matches!(err, KernelError::NonFinite { op: "topk", value, .. } if value.is_nan()));
 
         let empty = f64t(&[], &[3, 0]);
-        let err = Cpu.topk(&empty, 1, 1, 1).err().expect("expected an error");
+        let err = Cpu.topk(&empty, 1, 1, 1).unwrap_err();
         assert!(matches!(err, KernelError::Empty { op: "topk", .. }));
         let xi = i32t(&[0; 4], &[1, 4]);
-        let err = Cpu.topk(&xi, 1, 1, 1).err().expect("expected an error");
+        let err = Cpu.topk(&xi, 1, 1, 1).unwrap_err();
         assert!(matches!(
             err,
             KernelError::UnsupportedDType {
@@ -961,7 +961,7 @@ mod tests {
             }
         ));
         let x1 = f64t(&[0.0; 4], &[4]);
-        let err = Cpu.topk(&x1, 1, 1, 1).err().expect("expected an error");
+        let err = Cpu.topk(&x1, 1, 1, 1).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[4]"));
     }
@@ -1001,10 +1001,7 @@ mod tests {
     #[test]
     fn gather_and_scatter_cols_reject_bad_input() {
         let x = f64t(&[0.0; 6], &[2, 3]);
-        let err = Cpu
-            .gather_cols(&x, &i32t(&[0, 3], &[2, 1]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.gather_cols(&x, &i32t(&[0, 3], &[2, 1])).unwrap_err();
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1014,16 +1011,12 @@ mod tests {
                 hi: 3
             }
         );
-        let err = Cpu
-            .gather_cols(&x, &i32t(&[0, 1, 2], &[3, 1]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.gather_cols(&x, &i32t(&[0, 1, 2], &[3, 1])).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[3, 1]"), "{err}");
         let err = Cpu
             .gather_cols(&x, &f64t(&[0.0, 1.0], &[2, 1]))
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(
             err,
             KernelError::DTypeMismatch {
@@ -1035,16 +1028,14 @@ mod tests {
         let v = f64t(&[0.0; 2], &[2, 1]);
         let err = Cpu
             .scatter_cols(&v, &i32t(&[0, -1], &[2, 1]), 3)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange { index: -1, .. }
         ));
         let err = Cpu
             .scatter_cols(&v, &i32t(&[0, 1, 0, 1], &[2, 2]), 3)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
     }
 
@@ -1089,10 +1080,7 @@ mod tests {
     #[test]
     fn embedding_rejects_bad_ids() {
         let table = f32t(&[0.0; 10], &[5, 2]);
-        let err = Cpu
-            .embedding(&table, &i32t(&[1, 5], &[2]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.embedding(&table, &i32t(&[1, 5], &[2])).unwrap_err();
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1106,18 +1094,12 @@ mod tests {
             err.to_string().contains("index 5 out of range [0, 5)"),
             "{err}"
         );
-        let err = Cpu
-            .embedding(&table, &i32t(&[-1], &[1]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.embedding(&table, &i32t(&[-1], &[1])).unwrap_err();
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange { index: -1, .. }
         ));
-        let err = Cpu
-            .embedding(&table, &f32t(&[1.0], &[1]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.embedding(&table, &f32t(&[1.0], &[1])).unwrap_err();
         assert!(matches!(
             err,
             KernelError::DTypeMismatch {
@@ -1126,22 +1108,17 @@ mod tests {
                 ..
             }
         ));
-        let err = Cpu
-            .embedding(&table, &i32t(&[1, 2], &[1, 2]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.embedding(&table, &i32t(&[1, 2], &[1, 2])).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         let dy = f32t(&[0.0; 4], &[2, 2]);
         let err = Cpu
             .embedding_backward(&dy, &i32t(&[1, 2, 3], &[3]), 5)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[2, 2]") && err.to_string().contains("[3]"));
         let err = Cpu
             .embedding_backward(&dy, &i32t(&[1, 7], &[2]), 5)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange {
@@ -1196,8 +1173,8 @@ mod tests {
     fn routing_plan_rejects_bad_input() {
         let err = Cpu
             .routing_plan(&i32t(&[0, 3], &[1, 2]), 3)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1209,8 +1186,8 @@ mod tests {
         );
         let err = Cpu
             .routing_plan(&f32t(&[0.0, 1.0], &[1, 2]), 3)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert!(matches!(
             err,
             KernelError::DTypeMismatch {
@@ -1221,13 +1198,13 @@ mod tests {
         ));
         let err = Cpu
             .routing_plan(&i32t(&[0, 1], &[2]), 3)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         let err = Cpu
             .routing_plan(&i32t(&[0, 1], &[1, 2]), 0)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("n_experts = 0"));
     }
@@ -1353,27 +1330,27 @@ mod tests {
         let probs = f64t(&[0.5, f64::NAN], &[2, 1]);
         let err = Cpu
             .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Probs, false)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert!(matches!(err, KernelError::NonFinite { what: "probs", .. }));
         let probs = f64t(&[0.5, 0.5, 0.5], &[3, 1]);
         let err = Cpu
             .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Position, false)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[3, 1]") && err.to_string().contains("[2, 1]"));
         let probs = f64t(&[0.5, 0.5], &[2, 1]);
         let err = Cpu
             .capacity_plan(&idx, &probs, 2, 0, DropPolicy::Position, true)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("capacity = 0"));
         let err = Cpu
             .capacity_plan(&idx, &probs, 1, 1, DropPolicy::Position, true)
-            .err()
-            .expect("expected an error");
+            .map(drop)
+            .unwrap_err();
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange {
@@ -1430,10 +1407,7 @@ mod tests {
     #[test]
     fn permute_rejects_bad_input() {
         let x = f64t(&[0.0; 6], &[3, 2]);
-        let err = Cpu
-            .permute(&x, &i32t(&[0, -2], &[2]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.permute(&x, &i32t(&[0, -2], &[2])).unwrap_err();
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1443,27 +1417,19 @@ mod tests {
                 hi: 3
             }
         );
-        let err = Cpu
-            .permute(&x, &i32t(&[3], &[1]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.permute(&x, &i32t(&[3], &[1])).unwrap_err();
         assert!(matches!(err, KernelError::IndexOutOfRange { index: 3, .. }));
-        let err = Cpu
-            .permute(&x, &f64t(&[0.0], &[1]))
-            .err()
-            .expect("expected an error");
+        let err = Cpu.permute(&x, &f64t(&[0.0], &[1])).unwrap_err();
         assert!(matches!(err, KernelError::DTypeMismatch { .. }));
         let dy = f64t(&[0.0; 4], &[2, 2]);
         let err = Cpu
             .permute_backward(&dy, &i32t(&[0, 1, 2], &[3]), 3)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[2, 2]") && err.to_string().contains("[3]"));
         let err = Cpu
             .permute_backward(&dy, &i32t(&[0, 4], &[2]), 3)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange {
@@ -1537,10 +1503,7 @@ mod tests {
     fn unpermute_rejects_bad_input() {
         let y = f64t(&[0.0; 6], &[3, 2]);
         let w = f64t(&[0.0; 2], &[1, 2]);
-        let err = Cpu
-            .unpermute(&y, &i32t(&[0, 3], &[1, 2]), &w)
-            .err()
-            .expect("expected an error");
+        let err = Cpu.unpermute(&y, &i32t(&[0, 3], &[1, 2]), &w).unwrap_err();
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1552,15 +1515,13 @@ mod tests {
         );
         let err = Cpu
             .unpermute(&y, &i32t(&[0, 1, 2], &[1, 3]), &w)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[1, 2]") && err.to_string().contains("[1, 3]"));
         let w32 = f32t(&[0.0; 2], &[1, 2]);
         let err = Cpu
             .unpermute(&y, &i32t(&[0, 1], &[1, 2]), &w32)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(
             err,
             KernelError::DTypeMismatch {
@@ -1572,8 +1533,7 @@ mod tests {
         let dout = f64t(&[0.0; 3], &[1, 3]);
         let err = Cpu
             .unpermute_backward(&dout, &y, &i32t(&[0, 1], &[1, 2]), &w)
-            .err()
-            .expect("expected an error");
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[1, 3]") && err.to_string().contains("[1, 2]"));
     }
