@@ -78,7 +78,7 @@ impl<B: Backend> Attention<B> {
         seq_len: usize,
     ) -> Result<(Tensor<B>, AttentionSaved<B>)> {
         let (tokens, _) = x_td.dims2("attention")?;
-        if seq_len == 0 || tokens % seq_len != 0 {
+        if seq_len == 0 || !tokens.is_multiple_of(seq_len) {
             return Err(EngineError::Invalid(format!(
                 "attention: {tokens} tokens do not split into sequences of length {seq_len}"
             )));
