@@ -174,6 +174,8 @@ impl<B: Backend> Trainer<B> {
         }
         clip_grad_norm(b, &mut self.model, grad_norm, self.cfg.grad_clip)?;
         let lr = self.cfg.schedule().lr_at(step);
+        // cfg is public: pick up any change to the AdamW settings since the last step.
+        self.opt.hyper = self.cfg.adamw();
         self.opt.step(b, &mut self.model, lr)?;
         self.model.update_expert_biases(b, &loads)?;
 
