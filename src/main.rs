@@ -28,7 +28,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model on the bundled text (the default command).
-    Train(TrainOptions),
+    Train(Box<TrainOptions>),
     /// Continue a prompt with a trained checkpoint.
     Generate {
         /// Run directory or checkpoint directory.
@@ -49,6 +49,12 @@ enum Command {
     },
 }
 
+impl Default for Command {
+    fn default() -> Self {
+        Command::Train(Box::default())
+    }
+}
+
 /// Fails with a clear message unless the named device can be used.
 fn check_device(name: &str) -> Result<(), CliError> {
     if name == "cuda" {
@@ -58,10 +64,7 @@ fn check_device(name: &str) -> Result<(), CliError> {
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
-    match cli
-        .command
-        .unwrap_or(Command::Train(TrainOptions::default()))
-    {
+    match cli.command.unwrap_or_default() {
         Command::Train(opts) => {
             if let Some(device) = &opts.device {
                 check_device(device)?;
@@ -70,7 +73,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let flag = stop.clone();
             ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
                 .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
-            train::run(&Cpu, opts, stop)
+            train::run(&Cpu, *opts, stop)
         }
         Command::Generate {
             checkpoint,

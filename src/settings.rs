@@ -207,7 +207,10 @@ impl TrainSettings {
     /// Sequences per micro-batch for a model of sequence length `seq_len`.
     pub fn sequences_per_micro_batch(&self, seq_len: usize) -> Result<usize, CliError> {
         let per_step = self.batch_tokens / seq_len;
-        if self.batch_tokens % seq_len != 0 || per_step % self.micro_batches != 0 || per_step == 0 {
+        if !self.batch_tokens.is_multiple_of(seq_len)
+            || !per_step.is_multiple_of(self.micro_batches)
+            || per_step == 0
+        {
             return Err(CliError::usage(format!(
                 "--batch-tokens {}: must be a positive multiple of seq_len ({seq_len}) × micro-batches ({})",
                 self.batch_tokens, self.micro_batches

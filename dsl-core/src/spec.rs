@@ -200,7 +200,7 @@ impl ModelSpec {
                 err(name.into(), format!("{name} = 0; it must be at least 1"));
             }
         }
-        if !(self.norm_eps > 0.0) {
+        if self.norm_eps.is_nan() || self.norm_eps <= 0.0 {
             err(
                 "norm_eps".into(),
                 format!("norm_eps = {}; it must be > 0", self.norm_eps),
@@ -229,7 +229,7 @@ impl ModelSpec {
                         a.heads, a.kv_heads, a.head_dim
                     ),
                 );
-            } else if a.heads % a.kv_heads != 0 {
+            } else if !a.heads.is_multiple_of(a.kv_heads) {
                 err(
                     format!("{p}.attention.kv_heads"),
                     format!(
@@ -291,7 +291,7 @@ fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
             ),
         );
     }
-    if r.groups == 0 || m.experts % r.groups != 0 {
+    if r.groups == 0 || !m.experts.is_multiple_of(r.groups) {
         err(
             format!("{p}.router.groups"),
             format!(
@@ -321,7 +321,7 @@ fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
                     ),
                 );
             }
-            if m.top_k % r.group_top_k != 0 {
+            if !m.top_k.is_multiple_of(r.group_top_k) {
                 err(
                     format!("{p}.router.group_top_k"),
                     format!(
@@ -351,14 +351,14 @@ fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
         );
     }
     if let Some(c) = &m.capacity {
-        if !(c.factor > 0.0) {
+        if c.factor.is_nan() || c.factor <= 0.0 {
             err(
                 format!("{p}.capacity.factor"),
                 format!("capacity factor = {}; it must be > 0", c.factor),
             );
         }
     }
-    if !(r.scaling_factor > 0.0) {
+    if r.scaling_factor.is_nan() || r.scaling_factor <= 0.0 {
         err(
             format!("{p}.router.scaling_factor"),
             format!("scaling_factor = {}; it must be > 0", r.scaling_factor),
@@ -368,7 +368,7 @@ fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
 
 /// Divisors of `n` in increasing order (used in fix suggestions).
 pub fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
 }
 
 #[cfg(test)]

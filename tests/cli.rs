@@ -1,0 +1,297 @@
+//! The `foldmoe` command end to end: training runs, resume, generation, and
+//! every kind of bad input the train issue lists (one-line error, non-zero
+//! exit, nothing overwritten).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn foldmoe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_foldmoe"))
+        .args(args)
+        .output()
+        .expect("the foldmoe binary runs")
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("foldmoe-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Small, fast training flags (2 sequences of 128 bytes per step).
+const FAST: &[&str] = &[
+    "--batch-tokens",
+    "256",
+    "--sample-tokens",
+    "0",
+    "--eval-every",
+    "2",
+];
+
+fn train(out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(FAST);
+    args.extend_from_slice(extra);
+    foldmoe(&args)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a failed run with a one-line `error:` message containing `needle`.
+fn assert_fails_with(o: &Output, needle: &str) {
+    assert!(
+        !o.status.success(),
+        "expected failure, got success: {}",
+        stderr(o)
+    );
+    let err = stderr(o);
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got {err:?}");
+    assert!(
+        lines[0].contains(needle),
+        "error {:?} does not mention {needle:?}",
+        lines[0]
+    );
+}
+
+fn losses(run: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(run.join("summary.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn train_writes_run_files_and_loss_falls() {
+    let out = scratch("basic").join("run");
+    let o = train(&out, &["--steps", "6"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for f in [
+        "metrics.jsonl",
+        "summary.json",
+        "loss.png",
+        "checkpoint/model.safetensors",
+        "checkpoint/config.json",
+    ] {
+        assert!(out.join(f).exists(), "missing {f}");
+    }
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for key in [
+        "steps",
+        "losses",
+        "final_loss",
+        "val_loss",
+        "tokens_per_s",
+        "params_total",
+        "params_active",
+        "wall_s",
+    ] {
+        assert!(!s[key].is_null(), "summary.json lacks {key}");
+    }
+    let l = losses(&out);
+    assert_eq!(l.len(), 6);
+    assert!(l[5] < l[0] - 0.3, "loss did not fall: {l:?}");
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 6);
+    let png = std::fs::read(out.join("loss.png")).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
+}
+
+#[test]
+fn same_seed_same_losses_and_resume_is_exact() {
+    let dir = scratch("resume");
+    let (a, b, c) = (dir.join("a"), dir.join("b"), dir.join("c"));
+    assert!(train(&a, &["--steps", "6", "--seed", "5"]).status.success());
+    assert!(train(&b, &["--steps", "6", "--seed", "5"]).status.success());
+    assert_eq!(losses(&a), losses(&b), "two runs with one seed differ");
+    let first = train(&c, &["--steps", "6", "--seed", "5", "--exit-after", "3"]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert_eq!(losses(&c).len(), 3);
+    let resumed = foldmoe(&["train", "--resume", c.to_str().unwrap()]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert_eq!(
+        losses(&c),
+        losses(&a),
+        "resumed run differs from the uninterrupted one"
+    );
+}
+
+#[test]
+fn generate_continues_the_prompt() {
+    let out = scratch("gen").join("run");
+    assert!(train(&out, &["--steps", "2"]).status.success());
+    let o = foldmoe(&[
+        "generate",
+        "--checkpoint",
+        out.to_str().unwrap(),
+        "--prompt",
+        "In the",
+        "--tokens",
+        "20",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.starts_with("In the") && text.trim_end().len() > "In the".len(),
+        "{text:?}"
+    );
+}
+
+#[test]
+fn bad_flags_give_one_line_errors_and_create_nothing() {
+    let dir = scratch("flags");
+    let out = dir.join("never");
+    let o = train(&out, &["--model", "nope"]);
+    assert_fails_with(&o, "unknown model `nope`");
+    assert_fails_with(&train(&out, &["--steps", "0"]), "--steps 0");
+    assert_fails_with(
+        &train(&out, &["--device", "cuda"]),
+        "cuda backend not available",
+    );
+    assert!(!out.exists(), "a rejected run created its directory");
+}
+
+#[test]
+fn bad_config_files_are_rejected() {
+    let dir = scratch("config");
+    let unknown = dir.join("unknown.toml");
+    std::fs::write(&unknown, "stepz = 3\n").unwrap();
+    assert_fails_with(
+        &train(&dir.join("r1"), &["--config", unknown.to_str().unwrap()]),
+        "stepz",
+    );
+    let wrong = dir.join("wrong.toml");
+    std::fs::write(&wrong, "lr = \"fast\"\n").unwrap();
+    assert_fails_with(
+        &train(&dir.join("r2"), &["--config", wrong.to_str().unwrap()]),
+        "invalid type",
+    );
+    let good = dir.join("good.toml");
+    std::fs::write(&good, "steps = 2\nseed = 9\n").unwrap();
+    let o = train(&dir.join("r3"), &["--config", good.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(losses(&dir.join("r3")).len(), 2);
+}
+
+#[test]
+fn unwritable_out_and_existing_runs_are_refused() {
+    let dir = scratch("out");
+    let file = dir.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    assert_fails_with(&train(&file.join("run"), &["--steps", "1"]), "--out");
+    let run = dir.join("run");
+    assert!(train(&run, &["--steps", "1"]).status.success());
+    let before = std::fs::read(run.join("summary.json")).unwrap();
+    assert_fails_with(&train(&run, &["--steps", "1"]), "already holds a run");
+    assert_eq!(std::fs::read(run.join("summary.json")).unwrap(), before);
+}
+
+#[test]
+fn missing_truncated_and_altered_checkpoints_are_refused() {
+    let dir = scratch("ckpt");
+    let missing = dir.join("missing");
+    assert_fails_with(
+        &foldmoe(&["train", "--resume", missing.to_str().unwrap()]),
+        "not found",
+    );
+    assert_fails_with(
+        &foldmoe(&["generate", "--checkpoint", missing.to_str().unwrap()]),
+        "not found",
+    );
+    let run = dir.join("run");
+    assert!(train(&run, &["--steps", "1"]).status.success());
+    let tensors = run.join("checkpoint/model.safetensors");
+    let bytes = std::fs::read(&tensors).unwrap();
+    let mut altered = bytes.clone();
+    let n = altered.len();
+    altered[n - 3] ^= 1;
+    std::fs::write(&tensors, &altered).unwrap();
+    assert_fails_with(
+        &foldmoe(&["train", "--resume", run.to_str().unwrap()]),
+        "does not match",
+    );
+    std::fs::write(&tensors, &bytes[..bytes.len() / 2]).unwrap();
+    assert_fails_with(
+        &foldmoe(&["generate", "--checkpoint", run.to_str().unwrap()]),
+        "corrupt or truncated",
+    );
+}
+
+#[test]
+fn non_finite_loss_stops_and_keeps_last_good_checkpoint() {
+    let run = scratch("nan").join("run");
+    let o = train(
+        &run,
+        &["--steps", "8", "--lr", "1e30", "--checkpoint-every", "1"],
+    );
+    assert_fails_with(&o, "training stopped at step");
+    assert!(
+        stderr(&o).contains("NaN") || stderr(&o).contains("non-finite"),
+        "{}",
+        stderr(&o)
+    );
+    // The checkpoint left behind is the one of the last finite step, and it loads.
+    let config = std::fs::read_to_string(run.join("checkpoint/config.json")).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&config).unwrap();
+    let step = meta["meta"]["step"].as_u64().unwrap();
+    let failed_at = format!("training stopped at step {}", step + 1);
+    assert!(
+        stderr(&o).contains(&failed_at),
+        "checkpoint step {step}; {}",
+        stderr(&o)
+    );
+    let losses = meta["meta"]["losses"].as_array().unwrap();
+    assert!(losses
+        .iter()
+        .all(|l| l.as_f64().is_some_and(f64::is_finite)));
+    let steps = step.to_string();
+    let resumed = foldmoe(&[
+        "train",
+        "--resume",
+        run.to_str().unwrap(),
+        "--steps",
+        &steps,
+        "--sample-tokens",
+        "0",
+    ]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+}
+
+#[test]
+fn ctrl_c_writes_a_checkpoint_then_exits() {
+    let run = scratch("sigint").join("run");
+    let child = Command::new(env!("CARGO_BIN_EXE_foldmoe"))
+        .args(["train", "--out", run.to_str().unwrap(), "--steps", "100000"])
+        .args(FAST)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = run.join("metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "training never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(stderr(&o).contains("interrupted at step"), "{}", stderr(&o));
+    let resumed = foldmoe(&["train", "--resume", run.to_str().unwrap(), "--steps", "1"]);
+    // Resuming with fewer total steps than done finishes at once, proving the checkpoint loads.
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+}
