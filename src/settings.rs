@@ -94,7 +94,7 @@ impl Default for TrainSettings {
     fn default() -> Self {
         TrainSettings {
             model: "tiny".into(),
-            steps: 300,
+            steps: 250,
             seed: 1234,
             batch_tokens: 4096,
             micro_batches: 1,

@@ -167,6 +167,16 @@ fn save_checkpoint<B: Backend>(
     Ok(())
 }
 
+/// Prints a line above the progress bar, or plainly when the bar is hidden
+/// (output not a terminal), so logs still show progress.
+fn say(pb: &ProgressBar, line: impl AsRef<str>) {
+    if pb.is_hidden() {
+        println!("{}", line.as_ref());
+    } else {
+        pb.println(line);
+    }
+}
+
 /// Runs `foldmoe train` on backend `b`.
 pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Result<(), CliError> {
     // Everything that can be rejected is checked before the run directory is touched.
@@ -246,7 +256,7 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         .expect("static template"),
     );
     pb.set_position(meta.step);
-    pb.println(format!(
+    say(&pb, format!(
         "foldmoe: training `{}` ({:.2} M parameters, {:.2} M active per token) on {}, {} tokens/step, run directory {}",
         spec.name,
         params_total as f64 / 1e6,
@@ -316,7 +326,7 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         pb.set_message(line.clone());
         pb.inc(1);
         if eval_now {
-            pb.println(line);
+            say(&pb, line);
         }
         if meta.step % settings.checkpoint_every == 0 {
             let mut snapshot = meta.clone();
