@@ -27,6 +27,9 @@ pub struct ModelSpec {
     pub init_std: f64,
     /// Block groups, first to last.
     pub groups: Vec<BlockGroup>,
+    /// Multi-token-prediction modules after the last block (DeepSeek-V3: 1).
+    #[serde(default)]
+    pub mtp_layers: usize,
 }
 
 /// `count` identical transformer blocks.
@@ -38,6 +41,21 @@ pub struct BlockGroup {
     pub attention: AttentionSpec,
     /// The feed-forward part of every block.
     pub ffn: FfnSpec,
+    /// Recompute, offload and precision choices of the group (DESIGN §5–§6).
+    #[serde(default)]
+    pub policy: Policy,
+}
+
+impl BlockGroup {
+    /// `count` blocks with the default policy (keep everything, bf16 GEMMs).
+    pub fn new(count: usize, attention: AttentionSpec, ffn: FfnSpec) -> Self {
+        BlockGroup {
+            count,
+            attention,
+            ffn,
+            policy: Policy::default(),
+        }
+    }
 }
 
 /// Multi-head / grouped-query attention dims (MHA when `kv_heads == heads`).
@@ -47,8 +65,177 @@ pub struct AttentionSpec {
     pub heads: usize,
     /// Key/value heads (divides `heads`).
     pub kv_heads: usize,
-    /// Dimension of one head.
+    /// Dimension of one head (for MLA: the value head dim is in `mla`).
     pub head_dim: usize,
+    /// Multi-head latent attention (DeepSeek-V2/V3) instead of GQA.
+    #[serde(default)]
+    pub mla: Option<MlaSpec>,
+}
+
+impl AttentionSpec {
+    /// Grouped-query attention (multi-head when `kv_heads == heads`).
+    pub fn gqa(heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim,
+            mla: None,
+        }
+    }
+}
+
+/// Multi-head latent attention dims: queries and keys/values pass through
+/// low-rank latents; each head's query/key is a no-position part plus a
+/// rotary part shared by all heads on the key side.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MlaSpec {
+    /// Rank of the query latent (0: full-rank query projection).
+    pub q_lora_rank: usize,
+    /// Rank of the key/value latent.
+    pub kv_lora_rank: usize,
+    /// Per-head query/key dims without rotary embedding.
+    pub qk_nope_head_dim: usize,
+    /// Per-head query/key dims with rotary embedding.
+    pub qk_rope_head_dim: usize,
+    /// Per-head value dim.
+    pub v_head_dim: usize,
+}
+
+/// Saved-activation parts that may be dropped after forward and recomputed
+/// in backward (DESIGN §5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RecomputePart {
+    /// The RMSNorms.
+    Norm,
+    /// The attention core (softmax(QKᵀ)V).
+    CoreAttn,
+    /// The dense MLP's activation.
+    MlpAct,
+    /// The experts' activation.
+    MoeAct,
+    /// The router.
+    Router,
+    /// The shared experts.
+    SharedExperts,
+    /// MLA's up-projections.
+    MlaUpProj,
+    /// The whole block.
+    Block,
+}
+
+/// Saved activations that may be moved to host memory between forward and
+/// backward (DESIGN §5); also the parts that may be stored in fp8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OffloadPart {
+    /// Input of the attention norm.
+    AttnNorm,
+    /// Query/key/value projections.
+    Qkv,
+    /// Attention core output.
+    CoreAttn,
+    /// Attention output projection input.
+    AttnProj,
+    /// Input of the MLP norm.
+    MlpNorm,
+    /// The experts' first projection output.
+    ExpertFc1,
+    /// The experts' activation.
+    MoeAct,
+}
+
+/// Number format of the GEMMs of a group (DESIGN §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GemmPrecision {
+    /// fp32 GEMMs (the CPU reference).
+    F32,
+    /// bf16 inputs, fp32 accumulation.
+    Bf16,
+    /// fp8 (e4m3) with one scale per tensor.
+    Fp8Tensorwise,
+    /// fp8 with 1×128 activation and 128×128 weight block scales.
+    Fp8Blockwise,
+}
+
+/// Keyword spelling of every policy value, in one place: used by the macro,
+/// config files and error messages.
+pub mod keywords {
+    use super::{GemmPrecision, OffloadPart, RecomputePart};
+
+    /// `(keyword, part)` of every recompute part.
+    pub const RECOMPUTE: &[(&str, RecomputePart)] = &[
+        ("norm", RecomputePart::Norm),
+        ("core_attn", RecomputePart::CoreAttn),
+        ("mlp_act", RecomputePart::MlpAct),
+        ("moe_act", RecomputePart::MoeAct),
+        ("router", RecomputePart::Router),
+        ("shared_experts", RecomputePart::SharedExperts),
+        ("mla_up_proj", RecomputePart::MlaUpProj),
+        ("block", RecomputePart::Block),
+    ];
+    /// `(keyword, part)` of every offload (and fp8-storage) part.
+    pub const OFFLOAD: &[(&str, OffloadPart)] = &[
+        ("attn_norm", OffloadPart::AttnNorm),
+        ("qkv", OffloadPart::Qkv),
+        ("core_attn", OffloadPart::CoreAttn),
+        ("attn_proj", OffloadPart::AttnProj),
+        ("mlp_norm", OffloadPart::MlpNorm),
+        ("expert_fc1", OffloadPart::ExpertFc1),
+        ("moe_act", OffloadPart::MoeAct),
+    ];
+    /// `(keyword, precision)` of every GEMM precision.
+    pub const PRECISION: &[(&str, GemmPrecision)] = &[
+        ("fp32", GemmPrecision::F32),
+        ("bf16", GemmPrecision::Bf16),
+        ("fp8", GemmPrecision::Fp8Tensorwise),
+        ("fp8_blockwise", GemmPrecision::Fp8Blockwise),
+    ];
+
+    /// The keyword of `value` in `table`.
+    pub fn name_of<T: Copy + PartialEq>(table: &[(&'static str, T)], value: T) -> &'static str {
+        table
+            .iter()
+            .find(|(_, v)| *v == value)
+            .map_or("?", |(k, _)| k)
+    }
+
+    /// The value spelled `word` in `table`, or an error listing the choices.
+    pub fn lookup<T: Copy>(table: &[(&str, T)], what: &str, word: &str) -> Result<T, String> {
+        table
+            .iter()
+            .find(|(k, _)| *k == word)
+            .map(|&(_, v)| v)
+            .ok_or_else(|| {
+                let names: Vec<&str> = table.iter().map(|(k, _)| *k).collect();
+                format!(
+                    "unknown {what} `{word}`; choose one of {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// What a block group keeps, recomputes, offloads or compresses, and its GEMM precision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    /// Parts recomputed in backward.
+    pub recompute: Vec<RecomputePart>,
+    /// Parts offloaded to host memory.
+    pub offload: Vec<OffloadPart>,
+    /// Parts stored in fp8 between forward and backward.
+    pub store_fp8: Vec<OffloadPart>,
+    /// GEMM precision.
+    pub precision: GemmPrecision,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            recompute: Vec::new(),
+            offload: Vec::new(),
+            store_fp8: Vec::new(),
+            precision: GemmPrecision::Bf16,
+        }
+    }
 }
 
 /// The feed-forward part of a block.
@@ -240,7 +427,7 @@ impl ModelSpec {
                     ),
                 );
             }
-            if a.head_dim % 2 != 0 {
+            if a.mla.is_none() && a.head_dim % 2 != 0 {
                 err(
                     format!("{p}.attention.head_dim"),
                     format!(
@@ -249,6 +436,10 @@ impl ModelSpec {
                     ),
                 );
             }
+            if let Some(mla) = &a.mla {
+                check_mla(mla, &format!("{p}.attention.mla"), &mut err);
+            }
+            check_policy(g, self, &format!("{p}.policy"), &mut err);
             match &g.ffn {
                 FfnSpec::Dense { ffn } => {
                     if *ffn == 0 {
@@ -265,6 +456,92 @@ impl ModelSpec {
             Ok(())
         } else {
             Err(errs)
+        }
+    }
+}
+
+/// MLA dims must all be positive except the optional query latent, and the
+/// rotary part must be even.
+fn check_mla(m: &MlaSpec, p: &str, err: &mut impl FnMut(String, String)) {
+    for (name, v) in [
+        ("kv_lora_rank", m.kv_lora_rank),
+        ("qk_nope_head_dim", m.qk_nope_head_dim),
+        ("qk_rope_head_dim", m.qk_rope_head_dim),
+        ("v_head_dim", m.v_head_dim),
+    ] {
+        if v == 0 {
+            err(
+                format!("{p}.{name}"),
+                format!("{name} = 0; it must be at least 1"),
+            );
+        }
+    }
+    if m.qk_rope_head_dim % 2 != 0 {
+        err(
+            format!("{p}.qk_rope_head_dim"),
+            format!(
+                "qk_rope_head_dim = {} is odd; rotary embedding needs it even",
+                m.qk_rope_head_dim
+            ),
+        );
+    }
+}
+
+/// Policies name only parts the group has, and fp8 GEMMs need dims that are
+/// multiples of 16 (DESIGN §3, precision).
+fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(String, String)) {
+    let is_moe = matches!(g.ffn, FfnSpec::Moe(_));
+    let has_shared = matches!(&g.ffn, FfnSpec::Moe(m) if m.shared_ffn > 0);
+    for part in &g.policy.recompute {
+        let missing = match part {
+            RecomputePart::MoeAct | RecomputePart::Router if !is_moe => Some("an MoE layer"),
+            RecomputePart::SharedExperts if !has_shared => Some("shared experts"),
+            RecomputePart::MlpAct if is_moe => Some("a dense MLP"),
+            RecomputePart::MlaUpProj if g.attention.mla.is_none() => Some("MLA attention"),
+            _ => None,
+        };
+        if let Some(what) = missing {
+            err(
+                format!("{p}.recompute"),
+                format!(
+                    "recompute part `{}` needs {what}, which this group does not have; remove it",
+                    keywords::name_of(keywords::RECOMPUTE, *part)
+                ),
+            );
+        }
+    }
+    for (list, name) in [
+        (&g.policy.offload, "offload"),
+        (&g.policy.store_fp8, "store_fp8"),
+    ] {
+        for part in list {
+            if matches!(part, OffloadPart::ExpertFc1 | OffloadPart::MoeAct) && !is_moe {
+                err(
+                    format!("{p}.{name}"),
+                    format!(
+                        "{name} part `{}` needs an MoE layer, which this group does not have; remove it",
+                        keywords::name_of(keywords::OFFLOAD, *part)
+                    ),
+                );
+            }
+        }
+    }
+    if matches!(
+        g.policy.precision,
+        GemmPrecision::Fp8Tensorwise | GemmPrecision::Fp8Blockwise
+    ) {
+        let mut dims = vec![("hidden", spec.hidden), ("head_dim", g.attention.head_dim)];
+        match &g.ffn {
+            FfnSpec::Dense { ffn } => dims.push(("ffn", *ffn)),
+            FfnSpec::Moe(m) => dims.push(("expert_ffn", m.expert_ffn)),
+        }
+        for (name, v) in dims {
+            if v % 16 != 0 {
+                err(
+                    format!("{p}.precision"),
+                    format!("fp8 GEMMs need {name} = {v} to be a multiple of 16; pad it to {} or use bf16", v.div_ceil(16) * 16),
+                );
+            }
         }
     }
 }
@@ -376,14 +653,10 @@ mod tests {
     use super::*;
 
     fn moe_group() -> BlockGroup {
-        BlockGroup {
-            count: 1,
-            attention: AttentionSpec {
-                heads: 4,
-                kv_heads: 2,
-                head_dim: 8,
-            },
-            ffn: FfnSpec::Moe(MoeSpec {
+        BlockGroup::new(
+            1,
+            AttentionSpec::gqa(4, 2, 8),
+            FfnSpec::Moe(MoeSpec {
                 experts: 8,
                 top_k: 2,
                 expert_ffn: 16,
@@ -392,7 +665,7 @@ mod tests {
                 router: RouterSpec::default(),
                 capacity: None,
             }),
-        }
+        )
     }
 
     fn spec_with(group: BlockGroup) -> ModelSpec {
@@ -406,6 +679,7 @@ mod tests {
             tied_embeddings: false,
             init_std: 0.02,
             groups: vec![group],
+            mtp_layers: 0,
         }
     }
 
@@ -445,6 +719,58 @@ mod tests {
         assert!(
             errs[0].message.contains("exceeds the 2 experts"),
             "{errs:?}"
+        );
+    }
+
+    #[test]
+    fn policy_parts_must_exist_in_the_group() {
+        let mut g = BlockGroup::new(1, AttentionSpec::gqa(4, 2, 8), FfnSpec::Dense { ffn: 32 });
+        g.policy.recompute = vec![
+            RecomputePart::Router,
+            RecomputePart::MlaUpProj,
+            RecomputePart::Norm,
+        ];
+        g.policy.offload = vec![OffloadPart::ExpertFc1];
+        g.policy.precision = GemmPrecision::Fp8Blockwise;
+        let errs = spec_with(g).check().unwrap_err();
+        let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+        assert_eq!(errs.len(), 4, "{text:#?}");
+        assert!(text[0].contains("`router` needs an MoE layer"));
+        assert!(text[1].contains("`mla_up_proj` needs MLA attention"));
+        assert!(text[2].contains("`expert_fc1` needs an MoE layer"));
+        assert!(
+            text[3].contains("fp8 GEMMs need head_dim = 8 to be a multiple of 16; pad it to 16")
+        );
+    }
+
+    #[test]
+    fn mla_dims_are_checked() {
+        let mut g = moe_group();
+        g.attention.mla = Some(MlaSpec {
+            q_lora_rank: 0,
+            kv_lora_rank: 0,
+            qk_nope_head_dim: 8,
+            qk_rope_head_dim: 3,
+            v_head_dim: 8,
+        });
+        let errs = spec_with(g).check().unwrap_err();
+        assert!(errs[0].message.contains("kv_lora_rank = 0"), "{errs:?}");
+        assert!(
+            errs[1].message.contains("qk_rope_head_dim = 3 is odd"),
+            "{errs:?}"
+        );
+    }
+
+    #[test]
+    fn keywords_look_up_and_list_choices() {
+        assert_eq!(
+            keywords::lookup(keywords::RECOMPUTE, "recompute part", "moe_act"),
+            Ok(RecomputePart::MoeAct)
+        );
+        let err = keywords::lookup(keywords::OFFLOAD, "offload part", "qk").unwrap_err();
+        assert!(
+            err.contains("unknown offload part `qk`; choose one of attn_norm, qkv"),
+            "{err}"
         );
     }
 

@@ -9,11 +9,7 @@ use foldmoe_core::spec::*;
 /// first block, then three MoE blocks with 16 routed experts, top-2, and one
 /// shared expert).
 pub fn tiny() -> ModelSpec {
-    let attention = AttentionSpec {
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-    };
+    let attention = AttentionSpec::gqa(4, 2, 32);
     ModelSpec {
         name: "tiny".into(),
         vocab: 256,
@@ -24,15 +20,11 @@ pub fn tiny() -> ModelSpec {
         tied_embeddings: false,
         init_std: 0.02,
         groups: vec![
-            BlockGroup {
-                count: 1,
-                attention: attention.clone(),
-                ffn: FfnSpec::Dense { ffn: 384 },
-            },
-            BlockGroup {
-                count: 3,
+            BlockGroup::new(1, attention.clone(), FfnSpec::Dense { ffn: 384 }),
+            BlockGroup::new(
+                3,
                 attention,
-                ffn: FfnSpec::Moe(MoeSpec {
+                FfnSpec::Moe(MoeSpec {
                     experts: 16,
                     top_k: 2,
                     expert_ffn: 128,
@@ -45,8 +37,9 @@ pub fn tiny() -> ModelSpec {
                     },
                     capacity: None,
                 }),
-            },
+            ),
         ],
+        mtp_layers: 0,
     }
 }
 

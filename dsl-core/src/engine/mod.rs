@@ -56,11 +56,7 @@ pub(crate) mod testutil {
     /// group per `ffn`, init std 0.4 (large, so attention is far from uniform
     /// and every gradient is well above rounding).
     pub fn small_spec(ffns: &[FfnSpec], tied: bool) -> ModelSpec {
-        let attention = AttentionSpec {
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 4,
-        };
+        let attention = AttentionSpec::gqa(4, 2, 4);
         ModelSpec {
             name: "test".into(),
             vocab: 8,
@@ -72,12 +68,9 @@ pub(crate) mod testutil {
             init_std: 0.4,
             groups: ffns
                 .iter()
-                .map(|ffn| BlockGroup {
-                    count: 1,
-                    attention: attention.clone(),
-                    ffn: ffn.clone(),
-                })
+                .map(|ffn| BlockGroup::new(1, attention.clone(), ffn.clone()))
                 .collect(),
+            mtp_layers: 0,
         }
     }
 
