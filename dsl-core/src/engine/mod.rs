@@ -10,6 +10,7 @@ pub mod attention;
 pub mod block;
 pub mod checkpoint;
 pub mod data;
+pub mod declared;
 pub mod embedding;
 pub mod mlp;
 pub mod model;

@@ -1,0 +1,1 @@
+//! (to be written: the trait a #[moe_model] expansion implements)
