@@ -866,10 +866,10 @@ pub fn check(layout: &LayoutSpec, model: &ModelSpec) -> Result<Layout, Vec<Layou
             s.tp
         ));
     }
-    if s.ep * s.etp > dp && has_moe(model) {
+    if has_moe(model) && folds(&out) {
         r.note(format!(
-            "etp({}) × ep({}) > dp({dp}): expert-parallel groups span tensor/context-parallel ranks (folding)",
-            s.etp, s.ep
+            "ep = {} with dp = {dp}: expert-parallel groups span tensor- or context-parallel ranks (folding)",
+            s.ep
         ));
     }
     out.notes = r.notes;
@@ -879,6 +879,19 @@ pub fn check(layout: &LayoutSpec, model: &ModelSpec) -> Result<Layout, Vec<Layou
         "pipeline groups of the two meshes differ"
     );
     Ok(out)
+}
+
+/// Whether some expert-parallel group holds ranks of different tp or cp
+/// index, i.e. the expert mesh is folded over the attention mesh's model
+/// parallel axes rather than nested in its data-parallel axis.
+fn folds(l: &Layout) -> bool {
+    l.groups(GroupKind::Ep).iter().any(|g| {
+        let first = l.attention_coords(g[0]);
+        g.iter().any(|&r| {
+            let c = l.attention_coords(r);
+            (c.tp, c.cp) != (first.tp, first.cp)
+        })
+    })
 }
 
 /// Every size is at least 1: a 0 would make a mesh empty.
@@ -1011,7 +1024,7 @@ fn check_model_dims(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
             );
         }
         // MLA has no kv heads to split: its latent is replicated on every tp rank.
-        if a.mla.is_none() && kv > 0 {
+        if a.mla.is_none() && kv > 0 && heads.is_multiple_of(tp) {
             if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
                 r.err(
                     "tp",
@@ -1265,4 +1278,827 @@ pub fn valid_layouts(world: usize, model: &ModelSpec) -> Vec<Layout> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{
+        AttentionSpec, BlockGroup, LoadBalance, MlaSpec, MoeSpec, RouterSpec, ScoreFunction,
+    };
+
+    fn moe(experts: usize, top_k: usize, expert_ffn: usize, shared_ffn: usize) -> FfnSpec {
+        FfnSpec::Moe(MoeSpec {
+            experts,
+            top_k,
+            expert_ffn,
+            shared_ffn,
+            shared_gate: false,
+            router: RouterSpec::default(),
+            capacity: None,
+        })
+    }
+
+    fn model(vocab: usize, seq_len: usize, groups: Vec<BlockGroup>) -> ModelSpec {
+        ModelSpec {
+            name: "t".into(),
+            vocab,
+            hidden: 64,
+            seq_len,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            tied_embeddings: false,
+            init_std: 0.02,
+            groups,
+            mtp_layers: 0,
+        }
+    }
+
+    /// 8 layers, 8 heads (4 kv), 8 experts, vocab 64, seq 32.
+    fn small() -> ModelSpec {
+        model(
+            64,
+            32,
+            vec![BlockGroup::new(
+                8,
+                AttentionSpec::gqa(8, 4, 8),
+                moe(8, 2, 32, 0),
+            )],
+        )
+    }
+
+    fn spec(text: &str) -> LayoutSpec {
+        LayoutSpec::parse(text).unwrap()
+    }
+
+    fn ok(text: &str, m: &ModelSpec) -> Layout {
+        check(&spec(text), m).unwrap_or_else(|e| panic!("{text}: {e:#?}"))
+    }
+
+    fn messages(text: &str, m: &ModelSpec) -> Vec<(&'static str, String)> {
+        check(&spec(text), m)
+            .expect_err(text)
+            .into_iter()
+            .map(|e| (e.field, e.message))
+            .collect()
+    }
+
+    fn one(text: &str, m: &ModelSpec) -> (&'static str, String) {
+        let errs = messages(text, m);
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        errs.into_iter().next().unwrap()
+    }
+
+    fn singletons(w: usize) -> Vec<Vec<usize>> {
+        (0..w).map(|r| vec![r]).collect()
+    }
+
+    /// Every rank in exactly one group of each kind, groups of the right
+    /// size, coordinates inverting the rank maps, pp groups equal in both
+    /// meshes.
+    fn assert_consistent(l: &Layout) {
+        let sizes = [
+            (GroupKind::Tp, l.tp),
+            (GroupKind::Cp, l.cp),
+            (GroupKind::Dp, l.dp),
+            (GroupKind::DpCp, l.dp * l.cp),
+            (GroupKind::Pp, l.pp),
+            (GroupKind::Ep, l.ep),
+            (GroupKind::Etp, l.etp),
+            (GroupKind::Edp, l.edp),
+        ];
+        for (kind, size) in sizes {
+            let groups = l.groups(kind);
+            assert_eq!(groups.len() * size, l.world, "{l} {kind:?}");
+            let mut all: Vec<usize> = groups.iter().flatten().copied().collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..l.world).collect::<Vec<_>>(), "{l} {kind:?}");
+            for g in &groups {
+                assert_eq!(g.len(), size, "{l} {kind:?}");
+                assert!(g.windows(2).all(|p| p[0] < p[1]), "{l} {kind:?}");
+                for &r in g {
+                    assert_eq!(&l.group_of(kind, r), g, "{l} {kind:?}");
+                }
+            }
+        }
+        let emb = l.groups(GroupKind::Embedding);
+        assert_eq!(emb.len(), l.world / l.pp, "{l}");
+        for r in 0..l.world {
+            let (a, e) = (l.attention_coords(r), l.expert_coords(r));
+            assert_eq!(l.attention_rank(a), r);
+            assert_eq!(l.expert_rank(e), r);
+            assert_eq!(a.pp, e.pp, "{l} rank {r}");
+            assert_eq!(
+                l.attention_mesh().group(r, &[PP]),
+                l.expert_mesh().group(r, &[PP])
+            );
+        }
+    }
+
+    // --- rank maps and groups, checked by hand -------------------------------
+
+    #[test]
+    fn tp2_dp4_with_ep4_folds_experts_over_tp() {
+        let l = ok("world=8,tp=2,ep=4", &small());
+        assert_eq!((l.dp, l.edp), (4, 2));
+        assert_eq!(l.groups(GroupKind::Tp), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+        assert_eq!(l.groups(GroupKind::Dp), [[0, 2, 4, 6], [1, 3, 5, 7]]);
+        assert_eq!(l.groups(GroupKind::DpCp), l.groups(GroupKind::Dp));
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 1, 2, 3], [4, 5, 6, 7]]);
+        assert_eq!(l.groups(GroupKind::Edp), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+        assert_eq!(l.groups(GroupKind::Etp), singletons(8));
+        assert_eq!(l.groups(GroupKind::Cp), singletons(8));
+        assert_eq!(l.groups(GroupKind::Pp), singletons(8));
+        assert_eq!(l.groups(GroupKind::Embedding), singletons(8));
+        assert_eq!(
+            l.attention_coords(5),
+            AttentionCoords {
+                tp: 1,
+                cp: 0,
+                dp: 2,
+                pp: 0
+            }
+        );
+        assert_eq!(
+            l.expert_coords(5),
+            ExpertCoords {
+                etp: 0,
+                ep: 1,
+                edp: 1,
+                pp: 0
+            }
+        );
+        assert!(l.sequence_parallel);
+        assert!(
+            l.notes.iter().any(|n| n.contains("folding")),
+            "{:?}",
+            l.notes
+        );
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn tp2_dp2_with_ep4_puts_all_ranks_in_one_ep_group() {
+        let l = ok("world=4,tp=2,ep=4", &small());
+        assert_eq!((l.dp, l.edp), (2, 1));
+        assert_eq!(l.groups(GroupKind::Dp), [[0, 2], [1, 3]]);
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 1, 2, 3]]);
+        assert_eq!(l.groups(GroupKind::Edp), singletons(4));
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn tp4_with_ep4_makes_the_ep_group_the_tp_group() {
+        let l = ok(
+            "world=4,tp=4,ep=4",
+            &model(
+                64,
+                32,
+                vec![BlockGroup::new(
+                    2,
+                    AttentionSpec::gqa(8, 4, 8),
+                    moe(8, 2, 32, 0),
+                )],
+            ),
+        );
+        assert_eq!((l.dp, l.edp), (1, 1));
+        assert_eq!(l.groups(GroupKind::Tp), [[0, 1, 2, 3]]);
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 1, 2, 3]]);
+        assert_eq!(l.groups(GroupKind::Dp), singletons(4));
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn tp2_dp4_with_ep8_spans_the_world() {
+        let l = ok("world=8,tp=2,ep=8", &small());
+        assert_eq!((l.dp, l.edp), (4, 1));
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 1, 2, 3, 4, 5, 6, 7]]);
+        assert_eq!(l.groups(GroupKind::Edp), singletons(8));
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn tp2_with_etp2_matches_tp_and_dp_groups() {
+        let l = ok("world=4,tp=2,etp=2", &small());
+        assert_eq!((l.dp, l.ep, l.edp), (2, 1, 2));
+        assert_eq!(l.groups(GroupKind::Etp), [[0, 1], [2, 3]]);
+        assert_eq!(l.groups(GroupKind::Etp), l.groups(GroupKind::Tp));
+        assert_eq!(l.groups(GroupKind::Edp), [[0, 2], [1, 3]]);
+        assert_eq!(l.groups(GroupKind::Edp), l.groups(GroupKind::Dp));
+        assert_eq!(l.groups(GroupKind::Ep), singletons(4));
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn dp4_with_ep2_and_given_edp2() {
+        let l = ok("world=4,ep=2,edp=2", &small());
+        assert_eq!(l.dp, 4);
+        assert_eq!(l.groups(GroupKind::Dp), [[0, 1, 2, 3]]);
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 1], [2, 3]]);
+        assert_eq!(l.groups(GroupKind::Edp), [[0, 2], [1, 3]]);
+        assert!(!l.sequence_parallel);
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn cp_groups_and_dp_cp_groups() {
+        let l = ok("world=8,tp=2,cp=2,ep=4", &small());
+        assert_eq!(l.dp, 2);
+        assert_eq!(l.groups(GroupKind::Cp), [[0, 2], [1, 3], [4, 6], [5, 7]]);
+        assert_eq!(l.groups(GroupKind::Dp), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+        assert_eq!(l.groups(GroupKind::DpCp), [[0, 2, 4, 6], [1, 3, 5, 7]]);
+        // The expert mesh has no cp: ep spans tp and cp ranks.
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 1, 2, 3], [4, 5, 6, 7]]);
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn pipeline_and_embedding_groups() {
+        let l = ok("world=8,tp=2,pp=2,ep=4", &small());
+        assert_eq!((l.dp, l.edp), (2, 1));
+        assert_eq!(l.groups(GroupKind::Pp), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+        assert_eq!(l.groups(GroupKind::Embedding), l.groups(GroupKind::Pp));
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 1, 2, 3], [4, 5, 6, 7]]);
+        assert_eq!(
+            l.expert_coords(6),
+            ExpertCoords {
+                etp: 0,
+                ep: 2,
+                edp: 0,
+                pp: 1
+            }
+        );
+        assert_consistent(&l);
+
+        let l = ok("world=8,tp=2,pp=4", &small());
+        assert_eq!(l.groups(GroupKind::Pp), [[0, 2, 4, 6], [1, 3, 5, 7]]);
+        assert_eq!(l.groups(GroupKind::Embedding), [[0, 6], [1, 7]]);
+        assert_eq!(l.group_of(GroupKind::Embedding, 7), [1, 7]);
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn other_orders_permute_the_rank_maps() {
+        // dp fastest: attention rank = dp + 4·tp, expert rank = edp + 2·ep.
+        let l = ok("world=8,tp=2,ep=4,order=dp-tp-cp-ep-pp", &small());
+        assert_eq!(l.groups(GroupKind::Tp), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+        assert_eq!(l.groups(GroupKind::Dp), [[0, 1, 2, 3], [4, 5, 6, 7]]);
+        assert_eq!(l.groups(GroupKind::Edp), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+        assert_eq!(l.groups(GroupKind::Ep), [[0, 2, 4, 6], [1, 3, 5, 7]]);
+        assert_consistent(&l);
+        // pp first is always consistent.
+        let l = ok("world=8,tp=2,pp=2,ep=2,order=pp-tp-cp-ep-dp", &small());
+        assert_eq!(l.groups(GroupKind::Pp), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn every_valid_small_layout_is_consistent() {
+        let m = small();
+        for w in [1, 2, 4, 8] {
+            let layouts = valid_layouts(w, &m);
+            assert!(!layouts.is_empty());
+            for l in &layouts {
+                assert_consistent(l);
+            }
+        }
+        assert!(valid_layouts(8, &m).iter().any(|l| l.ep > l.dp));
+    }
+
+    #[test]
+    fn stage_layers_follow_the_interleaved_order() {
+        let l = ok("world=2,pp=2,vpp=2", &small());
+        assert_eq!(l.stage_layers(8), [0..2, 2..4, 4..6, 6..8]);
+        assert_eq!(l.pp_rank_layers(0, 8), [0..2, 4..6]);
+        assert_eq!(l.pp_rank_layers(1, 8), [2..4, 6..8]);
+        let l = ok("world=2,pp=2,vpp=2,pp_layers=[1,3,3,1]", &small());
+        assert_eq!(l.stage_layers(8), [0..1, 1..4, 4..7, 7..8]);
+        assert_eq!(l.pp_rank_layers(1, 8), [1..4, 7..8]);
+        // Reused for a model of another depth: balanced, larger stages first.
+        assert_eq!(l.stage_layers(6), [0..2, 2..4, 4..5, 5..6]);
+    }
+
+    // --- one test per rule, with the exact message ---------------------------
+
+    #[test]
+    fn ep_must_divide_experts() {
+        let m = model(
+            64,
+            32,
+            vec![BlockGroup::new(
+                8,
+                AttentionSpec::gqa(8, 4, 8),
+                moe(64, 2, 32, 0),
+            )],
+        );
+        let l = LayoutSpec {
+            world: 64,
+            ep: 6,
+            edp: Some(1),
+            ..LayoutSpec::default()
+        };
+        let errs = check(&l, &m).unwrap_err();
+        // 6 does not divide 64 either: both are reported.
+        assert_eq!(errs[0].field, "world");
+        assert_eq!(errs[1].field, "ep");
+        assert_eq!(
+            errs[1].to_string(),
+            "layout `default`: ep = 6 does not divide experts = 64; choose ep in {1, 2, 4, 8, 16, 32, 64}"
+        );
+        assert_eq!(errs.len(), 2, "{errs:#?}");
+        assert_eq!(
+            one("world=12,ep=6", &m),
+            (
+                "ep",
+                "ep = 6 does not divide experts = 64; choose ep in {1, 2, 4}".into()
+            )
+        );
+    }
+
+    #[test]
+    fn attention_mesh_must_fill_the_world() {
+        let m = small();
+        assert_eq!(
+            one("world=64,tp=4,cp=2,dp=3,pp=2", &m),
+            ("dp", "tp(4) × cp(2) × dp(3) × pp(2) = 48, but world = 64; set dp = 4 or leave dp out to derive it".into())
+        );
+        assert_eq!(
+            one("world=8,pp=8,cp=1,tp=1,ep=1,pp_layers=[1,1,1,1,1,1,1,1],dp=2", &m),
+            ("dp", "tp(1) × cp(1) × dp(2) × pp(8) = 16, but world = 8; set dp = 1 or leave dp out to derive it".into())
+        );
+        let errs = messages("world=6,tp=4", &m);
+        assert_eq!(
+            errs[0],
+            ("world", "tp(4) × cp(1) × pp(1) = 4 does not divide world = 6; make tp·cp·pp one of {1, 2, 3, 6}".into())
+        );
+    }
+
+    #[test]
+    fn expert_mesh_must_fill_the_world() {
+        let m = small();
+        assert_eq!(
+            one("world=4,ep=8", &m),
+            ("world", "etp(1) × ep(8) × pp(1) = 8 does not divide world = 4; make etp·ep·pp one of {1, 2, 4}".into())
+        );
+        assert_eq!(
+            one("world=8,ep=2,edp=2", &m),
+            ("edp", "etp(1) × ep(2) × edp(2) × pp(1) = 4, but world = 8; set edp = 4 or leave edp out to derive it".into())
+        );
+    }
+
+    #[test]
+    fn sizes_must_be_positive() {
+        let errs = messages("world=0,tp=0,dp=0", &small());
+        assert_eq!(
+            errs,
+            [
+                (
+                    "world",
+                    "world = 0; every size must be at least 1".to_string()
+                ),
+                ("tp", "tp = 0; every size must be at least 1".to_string()),
+                (
+                    "dp",
+                    "dp = 0; every size must be at least 1 (or leave dp out to derive it)"
+                        .to_string()
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn tp_must_divide_heads() {
+        let m = model(
+            64,
+            48,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(12, 12, 8),
+                FfnSpec::Dense { ffn: 48 },
+            )],
+        );
+        assert_eq!(
+            one("world=16,tp=8", &m),
+            (
+                "tp",
+                "tp = 8 does not divide heads = 12; choose tp in {1, 2, 4}".into()
+            )
+        );
+    }
+
+    #[test]
+    fn kv_heads_split_or_replicate() {
+        let m = model(
+            64,
+            48,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(12, 4, 8),
+                FfnSpec::Dense { ffn: 48 },
+            )],
+        );
+        assert_eq!(
+            one("world=6,tp=6", &m),
+            ("tp", "tp = 6 and kv_heads = 4: neither divides the other, so key/value heads can be neither split nor replicated evenly; choose tp in {1, 2}".into())
+        );
+        let l = ok("world=12,tp=12", &m);
+        assert!(l.notes.contains(&"tp = 12 > kv_heads = 4: each key/value head is replicated on 3 tensor-parallel ranks".to_string()), "{:?}", l.notes);
+    }
+
+    #[test]
+    fn mla_checks_heads_only() {
+        let mut att = AttentionSpec::gqa(8, 1, 16);
+        att.mla = Some(MlaSpec {
+            q_lora_rank: 0,
+            kv_lora_rank: 16,
+            qk_nope_head_dim: 8,
+            qk_rope_head_dim: 8,
+            v_head_dim: 8,
+        });
+        let m = model(64, 32, vec![BlockGroup::new(2, att, moe(8, 2, 32, 0))]);
+        let l = ok("world=4,tp=4", &m);
+        assert!(
+            !l.notes.iter().any(|n| n.contains("kv_heads")),
+            "{:?}",
+            l.notes
+        );
+        assert_eq!(
+            one("world=16,tp=16", &m).1,
+            "tp = 16 does not divide heads = 8; choose tp in {1, 2, 4, 8}"
+        );
+    }
+
+    #[test]
+    fn tp_must_divide_dense_and_shared_ffn() {
+        let m = model(
+            64,
+            48,
+            vec![
+                BlockGroup::new(1, AttentionSpec::gqa(6, 6, 8), FfnSpec::Dense { ffn: 20 }),
+                BlockGroup::new(1, AttentionSpec::gqa(6, 6, 8), moe(6, 2, 30, 10)),
+            ],
+        );
+        assert_eq!(
+            messages("world=6,tp=3", &m),
+            [
+                ("tp", "tp = 3 does not divide ffn = 20 (dense MLP); choose tp in {1, 2}".to_string()),
+                ("tp", "tp = 3 does not divide shared_ffn = 10 (shared experts, split over tp); choose tp in {1, 2}".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn etp_must_divide_expert_ffn() {
+        let m = model(
+            64,
+            32,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(8, 4, 8),
+                moe(8, 2, 20, 0),
+            )],
+        );
+        assert_eq!(
+            one("world=8,etp=8", &m),
+            (
+                "etp",
+                "etp = 8 does not divide expert_ffn = 20; choose etp in {1, 2, 4}".into()
+            )
+        );
+    }
+
+    #[test]
+    fn expert_sizes_need_experts() {
+        let m = model(
+            64,
+            32,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(8, 4, 8),
+                FfnSpec::Dense { ffn: 32 },
+            )],
+        );
+        assert_eq!(
+            one("world=4,ep=4", &m),
+            (
+                "ep",
+                "ep = 4, but the model has no MoE layers; set ep = 1".into()
+            )
+        );
+    }
+
+    #[test]
+    fn vocab_is_padded_and_said_so() {
+        let m = model(
+            100,
+            48,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(6, 6, 8),
+                moe(6, 2, 30, 0),
+            )],
+        );
+        let l = ok("world=3,tp=3", &m);
+        assert_eq!(l.padded_vocab, 102);
+        assert!(l.notes.contains(&"vocab = 100 is padded to 102, the next multiple of tp = 3, so the embedding and LM head split evenly".to_string()), "{:?}", l.notes);
+        assert_eq!(ok("world=2,tp=2", &m).padded_vocab, 100);
+    }
+
+    #[test]
+    fn layers_split_evenly_unless_declared() {
+        let m = model(
+            64,
+            32,
+            vec![BlockGroup::new(
+                7,
+                AttentionSpec::gqa(8, 4, 8),
+                moe(8, 2, 32, 0),
+            )],
+        );
+        assert_eq!(
+            one("world=4,pp=4", &m),
+            ("pp", "layers = 7 do not split evenly over pp(4) × vpp(1) = 4 stages; declare pp_layers with 4 entries summing to 7 (e.g. [2, 2, 2, 1]), or choose pp·vpp in {1, 7}".into())
+        );
+        assert_eq!(
+            one("world=8,pp=8", &m),
+            ("pp", "pp(8) × vpp(1) = 8 stages, but the model has 7 layers; every stage needs at least one layer, so choose pp·vpp <= 7".into())
+        );
+        ok("world=4,pp=4,pp_layers=[1,2,2,2]", &m);
+    }
+
+    #[test]
+    fn declared_split_is_checked() {
+        let m = small();
+        assert_eq!(
+            one("world=2,pp=2,vpp=2,pp_layers=[4,4]", &m),
+            ("pp_layers", "pp_layers has 2 entries, but pp(2) × vpp(2) = 4 virtual stages; give one entry per stage".into())
+        );
+        assert_eq!(
+            messages("world=2,pp=2,pp_layers=[0,7]", &m),
+            [
+                (
+                    "pp_layers",
+                    "pp_layers[0] = 0; every stage holds at least one layer".to_string()
+                ),
+                (
+                    "pp_layers",
+                    "pp_layers sums to 7, but the model has 8 layers; make the entries sum to 8"
+                        .to_string()
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn vpp_needs_a_pipeline() {
+        assert_eq!(
+            one("world=1,vpp=2", &small()),
+            ("vpp", "vpp = 2 needs pp > 1 (it interleaves model chunks over pipeline ranks); set pp >= 2 or vpp = 1".into())
+        );
+    }
+
+    #[test]
+    fn context_parallel_needs_2cp_chunks() {
+        let m = model(
+            64,
+            36,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(8, 4, 8),
+                moe(8, 2, 32, 0),
+            )],
+        );
+        assert_eq!(
+            one("world=4,cp=4", &m),
+            ("cp", "seq_len = 36 is not a multiple of 2·cp = 8 (load-balanced context parallelism cuts each sequence into 2·cp chunks); choose cp in {1, 2}".into())
+        );
+    }
+
+    #[test]
+    fn sequence_parallel_needs_seq_divisible_by_tp() {
+        let m = model(
+            64,
+            36,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(8, 8, 8),
+                moe(8, 2, 32, 0),
+            )],
+        );
+        assert_eq!(
+            one("world=8,tp=8", &m),
+            ("tp", "seq_len = 36 is not a multiple of tp = 8 (sequence parallelism, on with MoE and tp > 1, splits each sequence over the tp group); choose tp in {1, 2, 4}".into())
+        );
+        assert_eq!(
+            one("world=8,tp=4,cp=2", &m).1,
+            "seq_len / cp = 18 is not a multiple of tp = 4 (sequence parallelism, on with MoE and tp > 1, splits each sequence over the tp group); choose tp in {1, 2}"
+        );
+        // A dense model keeps sequence parallelism off, so no rule applies.
+        let dense = model(
+            64,
+            36,
+            vec![BlockGroup::new(
+                2,
+                AttentionSpec::gqa(8, 8, 8),
+                FfnSpec::Dense { ffn: 32 },
+            )],
+        );
+        assert!(!ok("world=8,tp=8", &dense).sequence_parallel);
+    }
+
+    #[test]
+    fn order_must_be_a_permutation() {
+        let m = small();
+        assert_eq!(
+            one("world=2,order=tp-cp-dp-pp", &m),
+            ("order", "order `tp-cp-dp-pp` is not a permutation of tp, cp, ep, dp, pp (missing ep); write e.g. order = \"tp-cp-ep-dp-pp\"".into())
+        );
+        assert_eq!(one("order=tp-cp-ep-dp-xp", &m).1, "order `tp-cp-ep-dp-xp` is not a permutation of tp, cp, ep, dp, pp (unknown name `xp`); write e.g. order = \"tp-cp-ep-dp-pp\"");
+        assert_eq!(one("order=tp-tp-ep-dp-pp", &m).1, "order `tp-tp-ep-dp-pp` is not a permutation of tp, cp, ep, dp, pp (tp appears twice); write e.g. order = \"tp-cp-ep-dp-pp\"");
+    }
+
+    #[test]
+    fn order_must_keep_pipeline_groups_equal() {
+        assert_eq!(
+            one("world=8,tp=2,pp=2,order=tp-pp-cp-ep-dp", &small()),
+            ("order", "order `tp-pp-cp-ep-dp` puts tp(2) = 2 before pp in the attention mesh but etp(1) = 1 in the expert mesh, so their pipeline groups differ; put pp last (as in tp-cp-ep-dp-pp) or first".into())
+        );
+        // Equal products before pp are fine: tp(2) vs etp(2).
+        assert_consistent(&ok(
+            "world=8,tp=2,etp=2,pp=2,order=tp-pp-cp-ep-dp",
+            &small(),
+        ));
+    }
+
+    #[test]
+    fn every_violation_is_reported() {
+        let m = model(
+            64,
+            34,
+            vec![BlockGroup::new(
+                7,
+                AttentionSpec::gqa(12, 4, 8),
+                moe(10, 2, 30, 0),
+            )],
+        );
+        let errs = messages("world=64,tp=8,cp=2,dp=3,ep=4,etp=4,vpp=2", &m);
+        let fields: Vec<&str> = errs.iter().map(|e| e.0).collect();
+        assert_eq!(
+            fields,
+            ["dp", "tp", "ep", "etp", "vpp", "pp", "cp"],
+            "{errs:#?}"
+        );
+    }
+
+    // --- real cluster layouts ---------------------------------------------------
+
+    fn deepseek_v3() -> ModelSpec {
+        let mut att = AttentionSpec::gqa(128, 128, 192);
+        att.mla = Some(MlaSpec {
+            q_lora_rank: 1536,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+        });
+        let mut ffn = moe(256, 8, 2048, 2048);
+        if let FfnSpec::Moe(m) = &mut ffn {
+            m.router = RouterSpec {
+                score: ScoreFunction::Sigmoid,
+                scaling_factor: 2.5,
+                groups: 8,
+                group_top_k: 4,
+                expert_bias_rate: Some(1e-3),
+                load_balance: LoadBalance::SeqAux,
+                aux_coef: 1e-4,
+                ..RouterSpec::default()
+            };
+        }
+        let mut m = model(
+            129280,
+            4096,
+            vec![
+                BlockGroup::new(3, att.clone(), FfnSpec::Dense { ffn: 18432 }),
+                BlockGroup::new(58, att, ffn),
+            ],
+        );
+        m.hidden = 7168;
+        m.mtp_layers = 1;
+        m
+    }
+
+    #[test]
+    fn deepseek_v3_on_1024_gpus() {
+        let m = deepseek_v3();
+        m.check().unwrap();
+        assert_eq!(m.layers(), 61);
+        let split = "[3,4,4,4,4,4,4,4,4,4,4,4,4,4,4,2]";
+        for tp in [1, 2] {
+            let l = ok(
+                &format!("name=dsv3,world=1024,tp={tp},pp=16,ep=64,pp_layers={split}"),
+                &m,
+            );
+            assert_eq!((l.dp, l.edp), (64 / tp, 1));
+            assert_eq!(l.sequence_parallel, tp > 1);
+            assert_eq!(l.stage_layers(61).last(), Some(&(59..61)));
+            assert_eq!(l.groups(GroupKind::Ep).len(), 16);
+            assert_eq!(l.groups(GroupKind::Embedding)[0], [0, 15 * 64]);
+            assert_consistent(&l);
+        }
+        // Without the declared split, 61 layers do not divide over 16 stages.
+        assert_eq!(one("world=1024,pp=16,ep=64", &m).0, "pp");
+    }
+
+    #[test]
+    fn mixtral_8x7b_on_64_gpus() {
+        let m = model(
+            32000,
+            4096,
+            vec![BlockGroup::new(
+                32,
+                AttentionSpec::gqa(32, 8, 128),
+                moe(8, 2, 14336, 0),
+            )],
+        );
+        let l = ok("world=64,tp=2,pp=4,ep=8", &m);
+        assert_eq!((l.dp, l.edp), (8, 2));
+        assert_eq!(l.stage_layers(32)[1], 8..16);
+        assert_consistent(&l);
+    }
+
+    #[test]
+    fn qwen3_30b_a3b_on_16_gpus() {
+        let m = model(
+            151936,
+            4096,
+            vec![BlockGroup::new(
+                48,
+                AttentionSpec::gqa(32, 4, 128),
+                moe(128, 8, 768, 0),
+            )],
+        );
+        let l = ok("world=16,ep=8", &m);
+        assert_eq!((l.dp, l.edp), (16, 2));
+        assert!(!l.sequence_parallel);
+        assert_consistent(&l);
+    }
+
+    // --- parse -----------------------------------------------------------------
+
+    #[test]
+    fn parse_reads_pairs_and_round_trips() {
+        assert_eq!(LayoutSpec::parse("").unwrap(), LayoutSpec::default());
+        let s = spec(" name=big, world=64 ,tp=2,pp=4,vpp=2,ep=8,etp=2,dp=8,edp=2,order=pp-tp-cp-ep-dp,pp_layers=[4, 4,4,4,4,4,4,4] ");
+        assert_eq!(
+            s,
+            LayoutSpec {
+                name: "big".into(),
+                world: 64,
+                tp: 2,
+                cp: 1,
+                dp: Some(8),
+                pp: 4,
+                vpp: 2,
+                ep: 8,
+                etp: 2,
+                edp: Some(2),
+                order: "pp-tp-cp-ep-dp".into(),
+                pp_layers: Some(vec![4; 8]),
+            }
+        );
+        for s in [s, LayoutSpec::default(), spec("world=8,ep=4")] {
+            assert_eq!(LayoutSpec::parse(&s.to_string()).unwrap(), s, "{s}");
+        }
+        assert_eq!(spec("world=8,ep=4").to_string(), "world=8,ep=4");
+        let l = ok("world=8,tp=2,ep=4", &small());
+        assert_eq!(
+            check(&l.spec(), &small()).unwrap().groups(GroupKind::Ep),
+            l.groups(GroupKind::Ep)
+        );
+    }
+
+    #[test]
+    fn parse_errors_name_the_token() {
+        let err = |t: &str| LayoutSpec::parse(t).unwrap_err().to_string();
+        assert_eq!(err("tp2"), "layout `default`: `tp2` is not key=value (e.g. tp=2); keys: name, world, tp, cp, dp, pp, vpp, ep, etp, edp, order, pp_layers");
+        assert_eq!(err("name=x,tpp=2"), "layout `x`: unknown key `tpp` in `tpp=2`; keys: name, world, tp, cp, dp, pp, vpp, ep, etp, edp, order, pp_layers");
+        assert_eq!(
+            err("tp=two"),
+            "layout `default`: `tp=two`: `two` is not a whole number; write e.g. tp=2"
+        );
+        assert_eq!(
+            err("tp=2,tp=4"),
+            "layout `default`: `tp=4`: tp is given twice; give it once"
+        );
+        assert_eq!(err("pp_layers=3"), "layout `default`: `pp_layers=3`: write the layers per stage in brackets, e.g. pp_layers=[3,5]");
+        assert_eq!(
+            err("pp_layers=[3,x]"),
+            "layout `default`: `pp_layers=[3,x]`: `x` is not a whole number of layers"
+        );
+        assert_eq!(
+            err("pp_layers=[3,4"),
+            "layout `default`: unclosed `[` in `pp_layers=[3,4`"
+        );
+        assert_eq!(LayoutSpec::parse("tp=-1").unwrap_err().field, "tp");
+    }
 }
