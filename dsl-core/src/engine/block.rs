@@ -1,5 +1,6 @@
 //! One transformer block (Megatron-Core's `TransformerLayer`, pre-norm):
-//! `x = x + attn(norm1(x)); x = x + ffn(norm2(x))`, the feed-forward being the
+//! `x = x + attn(norm1(x)); x = x + ffn(norm2(x))`, the attention being
+//! grouped-query or multi-head latent attention (MLA), the feed-forward the
 //! dense SwiGLU MLP or the MoE layer.
 //!
 //! Shapes: T tokens, D hidden, E experts.
@@ -7,12 +8,74 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::attention::{Attention, AttentionSaved};
+use super::mla::{Mla, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
 use super::moe::{MoeLayer, MoeSaved, MoeStats};
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Module, Param};
 use super::{EngineError, Result};
 use crate::spec::{BlockGroup, FfnSpec, ModelSpec};
+
+/// The attention part of a block.
+pub enum Attn<B: Backend> {
+    /// Grouped-query attention.
+    Gqa(Box<Attention<B>>),
+    /// Multi-head latent attention.
+    Mla(Box<Mla<B>>),
+}
+
+/// What the attention's backward needs.
+enum AttnSaved<B: Backend> {
+    Gqa(AttentionSaved<B>),
+    Mla(Box<MlaSaved<B>>),
+}
+
+impl<B: Backend> Attn<B> {
+    /// `x: [T, D] -> [T, D]` over sequences of `seq_len`.
+    fn forward(
+        &self,
+        b: &B,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+    ) -> Result<(Tensor<B>, AttnSaved<B>)> {
+        Ok(match self {
+            Attn::Gqa(a) => {
+                let (y_td, saved) = a.forward(b, x_td, seq_len)?;
+                (y_td, AttnSaved::Gqa(saved))
+            }
+            Attn::Mla(a) => {
+                let (y_td, saved) = a.forward(b, x_td, seq_len)?;
+                (y_td, AttnSaved::Mla(Box::new(saved)))
+            }
+        })
+    }
+
+    /// Accumulates the attention's parameter gradients and returns `dx: [T, D]`.
+    fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: AttnSaved<B>) -> Result<Tensor<B>> {
+        match (self, saved) {
+            (Attn::Gqa(a), AttnSaved::Gqa(s)) => a.backward(b, dy_td, s),
+            (Attn::Mla(a), AttnSaved::Mla(s)) => a.backward(b, dy_td, *s),
+            _ => Err(EngineError::Invalid(
+                "block backward: saved attention state comes from attention of another kind".into(),
+            )),
+        }
+    }
+}
+
+impl<B: Backend> Module<B> for Attn<B> {
+    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+        match self {
+            Attn::Gqa(a) => a.visit_params(f),
+            Attn::Mla(a) => a.visit_params(f),
+        }
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        match self {
+            Attn::Gqa(a) => a.visit_params_mut(f),
+            Attn::Mla(a) => a.visit_params_mut(f),
+        }
+    }
+}
 
 /// A block's output, saved state, and its MoE layer's losses and loads (if any).
 pub type BlockOut<B> = (Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>);
@@ -35,8 +98,8 @@ enum FfnSaved<B: Backend> {
 pub struct Block<B: Backend> {
     /// Norm before attention.
     pub attn_norm: RmsNorm<B>,
-    /// Self-attention.
-    pub attn: Attention<B>,
+    /// Self-attention, GQA or MLA.
+    pub attn: Attn<B>,
     /// Norm before the feed-forward.
     pub ffn_norm: RmsNorm<B>,
     /// Dense MLP or MoE layer.
@@ -46,7 +109,7 @@ pub struct Block<B: Backend> {
 /// What the block's backward needs from its forward.
 pub struct BlockSaved<B: Backend> {
     attn_norm: NormSaved<B>,
-    attn: AttentionSaved<B>,
+    attn: AttnSaved<B>,
     ffn_norm: NormSaved<B>,
     ffn: FfnSaved<B>,
 }
@@ -82,16 +145,30 @@ impl<B: Backend> Block<B> {
                 dtype,
             )?)),
         };
-        Ok(Block {
-            attn_norm: RmsNorm::new(b, &format!("{prefix}.attn_norm"), d, model.norm_eps, dtype)?,
-            attn: Attention::new(
+        let attn_prefix = format!("{prefix}.attn");
+        let spec = &group.attention;
+        let attn = match &spec.mla {
+            None => Attn::Gqa(Box::new(Attention::new(
                 b,
-                &format!("{prefix}.attn"),
+                &attn_prefix,
                 model,
-                &group.attention,
+                spec,
                 seed,
                 dtype,
-            )?,
+            )?)),
+            Some(mla) => Attn::Mla(Box::new(Mla::new(
+                b,
+                &attn_prefix,
+                model,
+                spec.heads,
+                mla,
+                seed,
+                dtype,
+            )?)),
+        };
+        Ok(Block {
+            attn_norm: RmsNorm::new(b, &format!("{prefix}.attn_norm"), d, model.norm_eps, dtype)?,
+            attn,
             ffn_norm: RmsNorm::new(b, &format!("{prefix}.ffn_norm"), d, model.norm_eps, dtype)?,
             ffn,
         })
@@ -187,16 +264,20 @@ mod tests {
     use foldmoe_kernels::gradcheck::assert_grad;
     use foldmoe_kernels::{DType, Tensor};
 
-    use super::Block;
+    use super::{Attn, Block};
     use crate::engine::testutil::{
         check_param_grads, dot, f64_tensor, small_moe, small_spec, uniform, values,
     };
-    use crate::spec::FfnSpec;
+    use crate::spec::{FfnSpec, MlaSpec, ModelSpec};
 
     /// `Σ r ⊙ block(x)` plus the MoE losses, whose gradients backward adds.
     fn check_block(ffn: FfnSpec, what: &str) {
+        check_block_spec(small_spec(&[ffn], false), what);
+    }
+
+    /// As [`check_block`], for the first group of any spec.
+    fn check_block_spec(spec: ModelSpec, what: &str) {
         let b = Cpu;
-        let spec = small_spec(&[ffn], false);
         let mut block = Block::new(&b, "blocks.0", &spec, &spec.groups[0], 5, DType::F64).unwrap();
         let (seq, d) = (3, spec.hidden);
         let t = 2 * seq;
@@ -226,5 +307,20 @@ mod tests {
     #[test]
     fn moe_block_grad() {
         check_block(small_moe(), "moe block");
+    }
+
+    #[test]
+    fn mla_block_grad() {
+        let mut spec = small_spec(&[small_moe()], false);
+        spec.groups[0].attention.mla = Some(MlaSpec {
+            q_lora_rank: 6,
+            kv_lora_rank: 5,
+            qk_nope_head_dim: 2,
+            qk_rope_head_dim: 4,
+            v_head_dim: 3,
+        });
+        let block = Block::new(&Cpu, "blocks.0", &spec, &spec.groups[0], 5, DType::F64).unwrap();
+        assert!(matches!(block.attn, Attn::Mla(_)), "the spec asks for MLA");
+        check_block_spec(spec, "mla block");
     }
 }

@@ -12,6 +12,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod declared;
 pub mod embedding;
+pub mod mla;
 pub mod mlp;
 pub mod model;
 pub mod moe;
