@@ -427,7 +427,7 @@ impl ModelSpec {
                     ),
                 );
             }
-            if a.mla.is_none() && a.head_dim % 2 != 0 {
+            if a.mla.is_none() && !a.head_dim.is_multiple_of(2) {
                 err(
                     format!("{p}.attention.head_dim"),
                     format!(
@@ -476,7 +476,7 @@ fn check_mla(m: &MlaSpec, p: &str, err: &mut impl FnMut(String, String)) {
             );
         }
     }
-    if m.qk_rope_head_dim % 2 != 0 {
+    if !m.qk_rope_head_dim.is_multiple_of(2) {
         err(
             format!("{p}.qk_rope_head_dim"),
             format!(
@@ -536,7 +536,7 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
             FfnSpec::Moe(m) => dims.push(("expert_ffn", m.expert_ffn)),
         }
         for (name, v) in dims {
-            if v % 16 != 0 {
+            if !v.is_multiple_of(16) {
                 err(
                     format!("{p}.precision"),
                     format!("fp8 GEMMs need {name} = {v} to be a multiple of 16; pad it to {} or use bf16", v.div_ceil(16) * 16),
