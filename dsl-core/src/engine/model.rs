@@ -19,14 +19,15 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 use super::block::{Block, BlockSaved};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use super::norm::{NormSaved, RmsNorm};
-use super::param::{init_const, Module, Param};
+use super::param::{Module, Param};
 use super::{EngineError, Result};
 use crate::spec::{FfnSpec, ModelSpec};
 
-/// Added to `count²` when taking the reciprocal of a token count through
-/// `rms_norm` (see [`Model::forward`]): negligible for any count ≥ 1, and keeps
-/// a batch whose targets are all ignored finite (loss 0, no gradient).
-const COUNT_EPS: f64 = 1e-12;
+/// Added to the valid-token count before its reciprocal, so a batch whose
+/// targets are all ignored gives `0 · 1e20 = 0` (loss 0, no gradient) rather
+/// than `0 · ∞ = NaN`. It is below half an ulp of 1 in f32 and f64 alike, so
+/// `count + ε = count` exactly for every count ≥ 1, and `1/ε` is finite in f32.
+const COUNT_EPS: f64 = 1e-20;
 
 /// A decoder-only language model, one rank, all layers.
 pub struct Model<B: Backend> {
@@ -40,10 +41,6 @@ pub struct Model<B: Backend> {
     pub final_norm: RmsNorm<B>,
     /// Output layer, tied to `embed` or not.
     pub head: LmHead<B>,
-    /// Ones `[V, 1]`: permuting it by the targets marks the non-ignored tokens.
-    ones_v1: Tensor<B>,
-    /// One `[1]`: the scale of the `rms_norm` that takes a reciprocal.
-    one_1: Tensor<B>,
 }
 
 /// What the model's backward needs from its forward.
@@ -55,7 +52,7 @@ pub struct ModelSaved<B: Backend> {
     logits_tv: Tensor<B>,
     targets_t: Tensor<B>,
     lse_t: Tensor<B>,
-    valid_t1: Tensor<B>,
+    valid_t: Tensor<B>,
     inv_count_1: Tensor<B>,
 }
 
@@ -102,8 +99,6 @@ impl<B: Backend> Model<B> {
             blocks,
             final_norm,
             head,
-            ones_v1: init_const(b, &[v, 1], 1.0, dtype)?,
-            one_1: init_const(b, &[1], 1.0, dtype)?,
         })
     }
 
@@ -137,8 +132,9 @@ impl<B: Backend> Model<B> {
         let targets_t = targets_bs.clone().reshape(&[t])?;
 
         let (mut x_td, embed) = self.embed.forward(b, &ids_t)?;
+        let dtype = x_td.dtype();
         let mut blocks = Vec::with_capacity(self.blocks.len());
-        let mut aux_loss = b.zeros(&[1], self.one_1.dtype())?;
+        let mut aux_loss = b.zeros(&[1], dtype)?;
         let mut moe_load = Vec::new();
         for block in &self.blocks {
             let (y_td, saved, stats) = block.forward(b, &x_td, seq)?;
@@ -152,13 +148,12 @@ impl<B: Backend> Model<B> {
         let (h_td, final_norm) = self.final_norm.forward(b, &x_td)?;
         let (logits_tv, head) = self.head.forward(b, &self.embed, &h_td)?;
 
+        // Mean over the non-ignored tokens, counted on the device (ignored
+        // tokens already have loss 0).
         let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
-        // Mean over non-ignored tokens without a host read: `permute` gives 0
-        // for a source of -1 and 1 otherwise, and the backend has no division,
-        // so 1/count is the rstd of the one-element row [count].
-        let valid_t1 = b.permute(&self.ones_v1, &targets_t)?;
-        let count_11 = b.sum(&valid_t1)?.reshape(&[1, 1])?;
-        let (_, inv_count_1) = b.rms_norm(&count_11, &self.one_1, COUNT_EPS)?;
+        let valid_t = b.valid_mask(&targets_t, dtype)?;
+        let count_1 = b.add(&b.sum(&valid_t)?, &b.fill(&[1], COUNT_EPS, dtype)?)?;
+        let inv_count_1 = b.recip(&count_1)?;
         let loss = b.mul(&b.sum(&loss_t)?, &inv_count_1)?;
 
         let saved = ModelSaved {
@@ -169,7 +164,7 @@ impl<B: Backend> Model<B> {
             logits_tv,
             targets_t,
             lse_t,
-            valid_t1,
+            valid_t,
             inv_count_1,
         };
         Ok(ForwardOut {
@@ -191,10 +186,12 @@ impl<B: Backend> Model<B> {
             logits_tv,
             targets_t,
             lse_t,
-            valid_t1,
+            valid_t,
             inv_count_1,
         } = saved;
+        // d loss / d loss_t = valid_t / count.
         let t = targets_t.numel();
+        let valid_t1 = valid_t.reshape(&[t, 1])?;
         let dloss_t = b
             .scale(&b.mul_cols(&valid_t1, &inv_count_1)?, loss_scale)?
             .reshape(&[t])?;

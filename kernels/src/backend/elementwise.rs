@@ -1,6 +1,6 @@
 use super::Device;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Elementwise maps, activations, row/column broadcasts and reductions.
 ///
@@ -17,6 +17,24 @@ pub trait ElementwiseOps: Device {
     fn scale(&self, a: &Tensor<Self>, s: f64) -> Result<Tensor<Self>>;
     /// `y += alpha * x` in place (gradient accumulation).
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f64, x: &Tensor<Self>) -> Result<()>;
+    /// A tensor of `shape` with every element `value`, written on the device
+    /// (no host upload). F32 and F64 take any value but NaN (±∞ is allowed, for
+    /// masks); a finite value beyond the dtype's range is an error, not a silent
+    /// ∞. I32 takes integral values in its range.
+    fn fill(&self, shape: &[usize], value: f64, dtype: DType) -> Result<Tensor<Self>>;
+
+    /// `sign(x)`: −1, 0 or +1 (both zeros give 0, ±∞ give ±1). A NaN has no
+    /// sign and is a [`crate::KernelError::NonFinite`] error. Its gradient is
+    /// zero wherever it exists, so there is no backward.
+    fn sign(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// Natural logarithm, elementwise; `ln(0) = −∞` (the log of a zero
+    /// probability). Negative inputs and NaN are errors. Gradient:
+    /// `dx = dy · recip(x)`.
+    fn ln(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `1 / x`, elementwise; `1/±∞ = ±0`. Zero (which would give ±∞ and, a few
+    /// ops later, NaN) and NaN are errors. Gradient from the output `y`:
+    /// `dx = −dy · y²`.
+    fn recip(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
 
     /// `silu(x) = x * sigmoid(x)`.
     fn silu(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
@@ -35,6 +53,12 @@ pub trait ElementwiseOps: Device {
     fn sigmoid(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
     /// Gradient of `sigmoid` from its output `y` and `dy`: `dy * y * (1 - y)`.
     fn sigmoid_backward(&self, y: &Tensor<Self>, dy: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// `log(sigmoid(x)) = −softplus(−x)`, computed as
+    /// `min(x, 0) − log1p(exp(−|x|))` so it stays finite and accurate for large
+    /// |x| (where `ln(sigmoid(x))` would hit `ln(0)`). Gradient:
+    /// `dx = dy · (1 − sigmoid(x))`, from [`ElementwiseOps::sigmoid`]. NaN
+    /// propagates, as in `sigmoid`.
+    fn log_sigmoid(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
     /// Softmax over the last dim (max-subtracted).
     fn softmax(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
     /// Gradient of `softmax` from its output `y` and `dy`: `y * (dy - sum(dy * y))`.

@@ -31,6 +31,18 @@ impl<B: Device> Clone for RoutingPlan<B> {
     }
 }
 
+/// By hand: a derive would require `B: Debug`, which no device needs to be,
+/// while `Tensor<B>` is `Debug` for every `B`.
+impl<B: Device> std::fmt::Debug for RoutingPlan<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoutingPlan")
+            .field("row_src", &self.row_src)
+            .field("slot", &self.slot)
+            .field("counts", &self.counts)
+            .finish()
+    }
+}
+
 /// Top-k selection, gathers and the permutations of the MoE dispatcher.
 pub trait RoutingOps: Device {
     /// Indices `[T, K]` (i32) of the `k` largest values of each row of `x: [T, E]`,

@@ -7,11 +7,11 @@
 
 use rayon::prelude::*;
 
-use super::{Cpu, Float, FloatStorage};
+use super::{index_tensor, Cpu, Float, FloatStorage};
 use crate::backend::ElementwiseOps;
 use crate::cpu_float_dispatch;
-use crate::error::{shape_err, KernelError, Result};
-use crate::tensor::Tensor;
+use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::tensor::{DType, Tensor};
 
 /// Elements per rayon task: below this a task is not worth its scheduling cost.
 pub(crate) const GRAIN: usize = 1 << 14;
@@ -111,6 +111,105 @@ pub(crate) fn sigmoid_f<T: Float>(x: T) -> T {
     } else {
         let e = x.exp();
         e / (T::ONE + e)
+    }
+}
+
+/// `log(sigmoid(x)) = min(x, 0) − log1p(exp(−|x|))`: the exponent is never
+/// positive, and `log1p` keeps the tail (`≈ −exp(−x)` for large x) that
+/// `ln(1 + ·)` would round to 0. Evaluated in f64 because [`Float`] has no
+/// `log1p`; f32 results are then rounded once.
+fn log_sigmoid_f<T: Float>(x: T) -> T {
+    let v = x.to_f64();
+    T::from_f64(v.min(0.0) - (-v.abs()).exp().ln_1p())
+}
+
+fn sign_f<T: Float>(x: T) -> T {
+    if x > T::ZERO {
+        T::ONE
+    } else if x < T::ZERO {
+        -T::ONE
+    } else {
+        T::ZERO
+    }
+}
+
+/// [`unary`] after checking the input: NaN is a [`KernelError::NonFinite`],
+/// and a value `in_domain` rejects is an invalid argument explained by `rule`.
+/// The first offender in memory order is reported, found deterministically.
+fn checked_unary<T: FloatStorage>(
+    op: &'static str,
+    x: &Tensor<Cpu>,
+    rule: &str,
+    in_domain: impl Fn(f64) -> bool + Sync + Send,
+    f: impl Fn(T) -> T + Sync + Send,
+) -> Result<Tensor<Cpu>> {
+    let xs = T::slice(x, op)?;
+    let bad = xs.par_iter().with_min_len(GRAIN).position_first(|&v| {
+        let v = v.to_f64();
+        v.is_nan() || !in_domain(v)
+    });
+    if let Some(i) = bad {
+        let value = xs[i].to_f64();
+        if value.is_nan() {
+            return Err(KernelError::NonFinite {
+                op,
+                what: "x",
+                value,
+            });
+        }
+        return Err(arg_err(
+            op,
+            format!(
+                "element {i} of x (shape {:?}) is {value}; {rule}",
+                x.shape()
+            ),
+        ));
+    }
+    unary::<T>(op, x, f)
+}
+
+/// `shape` filled with `value`. Plain `vec!`: writing a constant is bound by
+/// memory bandwidth, which more threads do not add on a CPU.
+fn fill_t(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor<Cpu>> {
+    const OP: &str = "fill";
+    if value.is_nan() {
+        return Err(KernelError::NonFinite {
+            op: OP,
+            what: "value",
+            value,
+        });
+    }
+    let n = shape.iter().product();
+    match dtype {
+        DType::F64 => f64::tensor(vec![value; n], shape),
+        DType::F32 => {
+            let v = value as f32;
+            if value.is_finite() && !v.is_finite() {
+                return Err(arg_err(
+                    OP,
+                    format!(
+                        "value {value:e} is beyond f32's range (±{:e}); use F64 or pass ±inf explicitly",
+                        f32::MAX
+                    ),
+                ));
+            }
+            f32::tensor(vec![v; n], shape)
+        }
+        DType::I32 => {
+            let (lo, hi) = (i32::MIN as f64, i32::MAX as f64);
+            if value.fract() != 0.0 || value < lo || value > hi {
+                return Err(arg_err(
+                    OP,
+                    format!("value {value} is not an integer in [{lo}, {hi}], so it cannot fill an I32 tensor"),
+                ));
+            }
+            index_tensor(vec![value as i32; n], shape)
+        }
+        DType::BF16 => Err(KernelError::UnsupportedDType {
+            op: OP,
+            dtype,
+            backend: "cpu",
+        }),
     }
 }
 
@@ -461,6 +560,33 @@ impl ElementwiseOps for Cpu {
         cpu_float_dispatch!("axpy", y, axpy_t(y, alpha, x))
     }
 
+    fn fill(&self, shape: &[usize], value: f64, dtype: DType) -> Result<Tensor<Self>> {
+        fill_t(shape, value, dtype)
+    }
+
+    fn sign(&self, x: &Tensor<Self>) -> Result<Tensor<Self>> {
+        fn go<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
+            checked_unary::<T>("sign", x, "", |_| true, sign_f)
+        }
+        cpu_float_dispatch!("sign", x, go(x))
+    }
+
+    fn ln(&self, x: &Tensor<Self>) -> Result<Tensor<Self>> {
+        fn go<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
+            let rule = "the natural log is defined for x ≥ 0 only";
+            checked_unary::<T>("ln", x, rule, |v| v >= 0.0, T::ln)
+        }
+        cpu_float_dispatch!("ln", x, go(x))
+    }
+
+    fn recip(&self, x: &Tensor<Self>) -> Result<Tensor<Self>> {
+        fn go<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
+            let rule = "zero has no reciprocal; add an epsilon (or clamp) before recip";
+            checked_unary::<T>("recip", x, rule, |v| v != 0.0, |v| T::ONE / v)
+        }
+        cpu_float_dispatch!("recip", x, go(x))
+    }
+
     fn silu(&self, x: &Tensor<Self>) -> Result<Tensor<Self>> {
         fn go<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
             unary::<T>("silu", x, |v| v * sigmoid_f(v))
@@ -512,6 +638,13 @@ impl ElementwiseOps for Cpu {
             binary::<T>("sigmoid_backward", y, dy, |y, d| d * y * (T::ONE - y))
         }
         cpu_float_dispatch!("sigmoid_backward", y, go(y, dy))
+    }
+
+    fn log_sigmoid(&self, x: &Tensor<Self>) -> Result<Tensor<Self>> {
+        fn go<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
+            unary::<T>("log_sigmoid", x, log_sigmoid_f)
+        }
+        cpu_float_dispatch!("log_sigmoid", x, go(x))
     }
 
     fn softmax(&self, x: &Tensor<Self>) -> Result<Tensor<Self>> {
@@ -831,6 +964,289 @@ mod tests {
         check("sum_cols", &x, &dc, |v| {
             dotv(&h64(&Cpu.sum_cols(&t64(v, &[R, C])).unwrap()), &wc)
         });
+    }
+
+    /// Naive reference of `sign`, in f64.
+    fn sign_ref(x: f64) -> f64 {
+        if x > 0.0 {
+            1.0
+        } else if x < 0.0 {
+            -1.0
+        } else {
+            0.0
+        }
+    }
+
+    #[test]
+    fn sign_matches_reference_in_both_dtypes() {
+        let tiny32 = f32::from_bits(1) as f64; // smallest f32 subnormal
+        let mut x = vec![-3.0, -0.0, 0.0, 2.5, f64::INFINITY, f64::NEG_INFINITY];
+        x.extend([1e-300, -1e-300, tiny32, -tiny32]);
+        x.extend(uniform(&mut rng(20), 40));
+        let want: Vec<f64> = x.iter().map(|&v| sign_ref(v)).collect();
+        assert_eq!(h64(&Cpu.sign(&t64(&x, &[x.len()])).unwrap()), want);
+        // f32 loses 1e-300 to zero, so its reference is taken after rounding.
+        let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        let want32: Vec<f64> = x32.iter().map(|&v| sign_ref(v as f64)).collect();
+        let got = Cpu.sign(&t32(&x32, &[2, x.len() / 2])).unwrap();
+        assert_eq!(got.shape(), &[2, x.len() / 2]);
+        assert_eq!(h64(&got), want32);
+    }
+
+    #[test]
+    fn sign_rejects_nan_and_non_floats() {
+        let err = Cpu
+            .sign(&t32(&[1.0, -2.0, f32::NAN, f32::NAN], &[4]))
+            .unwrap_err();
+        assert!(
+            matches!(err, KernelError::NonFinite { op: "sign", what: "x", value } if value.is_nan()),
+            "{err:?}"
+        );
+        assert_eq!(
+            Cpu.sign(&ti32(&[1, -1], &[2])).unwrap_err(),
+            KernelError::UnsupportedDType {
+                op: "sign",
+                dtype: DType::I32,
+                backend: "cpu"
+            }
+        );
+    }
+
+    #[test]
+    fn ln_matches_reference_in_both_dtypes() {
+        let mut g = rng(21);
+        let mut x: Vec<f64> = uniform(&mut g, R * C)
+            .iter()
+            .map(|v| 10f64.powf(8.0 * v))
+            .collect();
+        x[0] = 1.0;
+        x[1] = f64::INFINITY;
+        let got = h64(&Cpu.ln(&t64(&x, &[R, C])).unwrap());
+        for (&v, &y) in x.iter().zip(&got) {
+            assert!(
+                y == v.ln() || (y - v.ln()).abs() <= 1e-15 * v.ln().abs().max(1.0),
+                "ln({v:e}) = {y}"
+            );
+        }
+        let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        let got = h64(&Cpu.ln(&t32(&x32, &[R, C])).unwrap());
+        for (&v, &y) in x32.iter().zip(&got) {
+            let want = (v as f64).ln();
+            assert!(
+                y == want || (y - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "ln({v:e}) = {y}"
+            );
+        }
+        // The log of a zero probability (either zero) is −∞, not an error.
+        let z = h64(&Cpu.ln(&t64(&[0.0, -0.0], &[2])).unwrap());
+        assert_eq!(z, vec![f64::NEG_INFINITY; 2]);
+    }
+
+    /// `d ln(x) = dy · recip(x)`, checked on positive inputs away from the pole.
+    #[test]
+    fn ln_grad() {
+        let mut g = rng(22);
+        let x: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 1.5 + v).collect();
+        let w = uniform(&mut g, R * C);
+        let inv = Cpu.recip(&t64(&x, &[R, C])).unwrap();
+        let an = h64(&Cpu.mul(&t64(&w, &[R, C]), &inv).unwrap());
+        check("ln", &x, &an, |xs| {
+            dotv(&h64(&Cpu.ln(&t64(xs, &[R, C])).unwrap()), &w)
+        });
+    }
+
+    #[test]
+    fn ln_rejects_negative_and_nan() {
+        let err = Cpu.ln(&t64(&[1.0, 2.0, -0.5], &[3])).unwrap_err();
+        match &err {
+            KernelError::InvalidArgument { op: "ln", detail } => assert!(
+                detail.contains("element 2") && detail.contains("-0.5") && detail.contains("x ≥ 0"),
+                "{detail}"
+            ),
+            e => panic!("{e:?}"),
+        }
+        let err = Cpu.ln(&t32(&[f32::NAN, -1.0], &[2])).unwrap_err();
+        assert!(
+            matches!(err, KernelError::NonFinite { op: "ln", what: "x", value } if value.is_nan()),
+            "{err:?}"
+        );
+        assert!(matches!(
+            Cpu.ln(&ti32(&[1], &[1])).unwrap_err(),
+            KernelError::UnsupportedDType { op: "ln", .. }
+        ));
+    }
+
+    #[test]
+    fn recip_matches_reference_in_both_dtypes() {
+        let mut g = rng(23);
+        let mut x: Vec<f64> = uniform(&mut g, R * C)
+            .iter()
+            .map(|v| v.signum() * 10f64.powf(6.0 * v))
+            .collect();
+        x[0] = f64::INFINITY;
+        x[1] = f64::NEG_INFINITY;
+        let got = h64(&Cpu.recip(&t64(&x, &[R, C])).unwrap());
+        let want: Vec<f64> = x.iter().map(|&v| 1.0 / v).collect();
+        assert_eq!(got, want);
+        let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        let got = h64(&Cpu.recip(&t32(&x32, &[R, C])).unwrap());
+        for (&v, &y) in x32.iter().zip(&got) {
+            let want = 1.0 / v as f64;
+            assert!((y - want).abs() <= 1e-7 * want.abs(), "1/{v:e} = {y}");
+        }
+    }
+
+    /// `d recip(x) = −dy · y²` with `y = recip(x)`, on both signs of x.
+    #[test]
+    fn recip_grad() {
+        let mut g = rng(24);
+        let x: Vec<f64> = uniform(&mut g, R * C)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| if i % 2 == 0 { 1.5 + v } else { -1.5 - v })
+            .collect();
+        let w = uniform(&mut g, R * C);
+        let y = Cpu.recip(&t64(&x, &[R, C])).unwrap();
+        let wy2 = Cpu
+            .mul(&t64(&w, &[R, C]), &Cpu.mul(&y, &y).unwrap())
+            .unwrap();
+        let an = h64(&Cpu.scale(&wy2, -1.0).unwrap());
+        check("recip", &x, &an, |xs| {
+            dotv(&h64(&Cpu.recip(&t64(xs, &[R, C])).unwrap()), &w)
+        });
+    }
+
+    #[test]
+    fn recip_rejects_zero_and_nan() {
+        let err = Cpu.recip(&t64(&[2.0, 0.0], &[1, 2])).unwrap_err();
+        match &err {
+            KernelError::InvalidArgument {
+                op: "recip",
+                detail,
+            } => assert!(
+                detail.contains("element 1")
+                    && detail.contains("[1, 2]")
+                    && detail.contains("epsilon"),
+                "{detail}"
+            ),
+            e => panic!("{e:?}"),
+        }
+        assert!(Cpu.recip(&t32(&[-0.0], &[1])).is_err());
+        let err = Cpu.recip(&t64(&[f64::NAN], &[1])).unwrap_err();
+        assert!(
+            matches!(err, KernelError::NonFinite { op: "recip", .. }),
+            "{err:?}"
+        );
+        assert!(matches!(
+            Cpu.recip(&ti32(&[1], &[1])).unwrap_err(),
+            KernelError::UnsupportedDType { op: "recip", .. }
+        ));
+    }
+
+    #[test]
+    fn log_sigmoid_matches_reference_and_is_stable() {
+        let mut g = rng(25);
+        let x: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 20.0 * v).collect();
+        let naive = |v: f64| (1.0 / (1.0 + (-v).exp())).ln();
+        let got = h64(&Cpu.log_sigmoid(&t64(&x, &[R, C])).unwrap());
+        for (&v, &y) in x.iter().zip(&got) {
+            assert!(
+                (y - naive(v)).abs() <= 1e-14 * naive(v).abs().max(1.0),
+                "{v}: {y}"
+            );
+        }
+        let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        let got = h64(&Cpu.log_sigmoid(&t32(&x32, &[R, C])).unwrap());
+        for (&v, &y) in x32.iter().zip(&got) {
+            let want = naive(v as f64);
+            assert!((y - want).abs() <= 1e-6 * want.abs().max(1e-30), "{v}: {y}");
+        }
+        // Where the naive form fails: ln(0) = −∞ far left, and the tail
+        // −exp(−x) that 1 + exp(−x) rounds away far right.
+        let ext = h64(&Cpu
+            .log_sigmoid(&t64(&[-1000.0, 40.0, 1000.0, f64::NEG_INFINITY], &[4]))
+            .unwrap());
+        assert_eq!(ext[0], -1000.0);
+        assert!((ext[1] / -(-40f64).exp() - 1.0).abs() < 1e-12, "{}", ext[1]);
+        assert_eq!(ext[2], 0.0);
+        assert_eq!(ext[3], f64::NEG_INFINITY);
+        let ext32 = h64(&Cpu.log_sigmoid(&t32(&[-1000.0, 1000.0], &[2])).unwrap());
+        assert_eq!(ext32, vec![-1000.0, 0.0]);
+    }
+
+    /// `d log_sigmoid(x) = dy · (1 − sigmoid(x))`, built from the existing ops.
+    #[test]
+    fn log_sigmoid_grad() {
+        unary_grad(
+            "log_sigmoid",
+            26,
+            |x| h64(&Cpu.log_sigmoid(&t64(x, &[R, C])).unwrap()),
+            |x, w| {
+                let s = Cpu.sigmoid(&t64(x, &[R, C])).unwrap();
+                let wt = t64(w, &[R, C]);
+                h64(&Cpu.sub(&wt, &Cpu.mul(&wt, &s).unwrap()).unwrap())
+            },
+        );
+    }
+
+    #[test]
+    fn log_sigmoid_propagates_nan_and_rejects_non_floats() {
+        let y = h64(&Cpu.log_sigmoid(&t64(&[f64::NAN, 0.0], &[2])).unwrap());
+        assert!(y[0].is_nan());
+        assert!((y[1] + std::f64::consts::LN_2).abs() < 1e-16);
+        assert_eq!(
+            Cpu.log_sigmoid(&ti32(&[0], &[1])).unwrap_err(),
+            KernelError::UnsupportedDType {
+                op: "log_sigmoid",
+                dtype: DType::I32,
+                backend: "cpu"
+            }
+        );
+    }
+
+    #[test]
+    fn fill_writes_the_value_in_every_dtype() {
+        let a = Cpu.fill(&[2, 3], 0.25, DType::F64).unwrap();
+        assert_eq!((a.shape(), a.dtype()), (&[2, 3][..], DType::F64));
+        assert_eq!(h64(&a), vec![0.25; 6]);
+        let b = Cpu.fill(&[4], 1.0 / 3.0, DType::F32).unwrap();
+        assert_eq!(h64(&b), vec![(1.0f64 / 3.0) as f32 as f64; 4]);
+        let m = Cpu.fill(&[2], f64::NEG_INFINITY, DType::F32).unwrap();
+        assert_eq!(h64(&m), vec![f64::NEG_INFINITY; 2]);
+        let i = Cpu.fill(&[3], -1.0, DType::I32).unwrap();
+        assert_eq!(i.dtype(), DType::I32);
+        assert_eq!(h64(&i), vec![-1.0; 3]);
+        assert_eq!(Cpu.fill(&[0, 5], 7.0, DType::F32).unwrap().numel(), 0);
+        assert_eq!(h64(&Cpu.fill(&[], 7.0, DType::F64).unwrap()), vec![7.0]);
+    }
+
+    #[test]
+    fn fill_rejects_values_the_dtype_cannot_hold() {
+        let err = Cpu.fill(&[2], f64::NAN, DType::F32).unwrap_err();
+        assert!(
+            matches!(err, KernelError::NonFinite { op: "fill", what: "value", value } if value.is_nan()),
+            "{err:?}"
+        );
+        let err = Cpu.fill(&[2], 1e39, DType::F32).unwrap_err();
+        assert!(
+            matches!(&err, KernelError::InvalidArgument { op: "fill", detail } if detail.contains("1e39")),
+            "{err:?}"
+        );
+        for bad in [2.5, 3e9, f64::INFINITY] {
+            let err = Cpu.fill(&[2], bad, DType::I32).unwrap_err();
+            assert!(
+                matches!(&err, KernelError::InvalidArgument { op: "fill", detail } if detail.contains("I32")),
+                "{bad}: {err:?}"
+            );
+        }
+        assert_eq!(
+            Cpu.fill(&[2], 1.0, DType::BF16).unwrap_err(),
+            KernelError::UnsupportedDType {
+                op: "fill",
+                dtype: DType::BF16,
+                backend: "cpu"
+            }
+        );
     }
 
     #[test]

@@ -5,12 +5,12 @@
 
 use rayon::prelude::*;
 
-use super::elementwise::{row_logsumexp, rows_per_task};
+use super::elementwise::{row_logsumexp, rows_per_task, GRAIN};
 use super::{index_slice, Cpu, FloatStorage};
 use crate::backend::LossOps;
 use crate::cpu_float_dispatch;
-use crate::error::{shape_err, KernelError, Result};
-use crate::tensor::Tensor;
+use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::tensor::{DType, Tensor};
 
 /// The target value that ignores a token.
 const IGNORE: i32 = -1;
@@ -118,7 +118,41 @@ fn cross_entropy_backward_t<T: FloatStorage>(
     T::tensor(dx, logits.shape())
 }
 
+fn valid_mask_t<T: FloatStorage>(targets: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
+    const OP: &str = "valid_mask";
+    let tg = index_slice(targets, OP)?;
+    // Without the vocabulary only the lower bound can be checked here;
+    // `cross_entropy` checks the upper one.
+    if let Some(i) = tg.iter().position(|&c| c < IGNORE) {
+        return Err(arg_err(
+            OP,
+            format!(
+                "targets[{i}] = {}; a target is a class index ≥ 0, or {IGNORE} to ignore the token",
+                tg[i]
+            ),
+        ));
+    }
+    let mask: Vec<T> = tg
+        .par_iter()
+        .with_min_len(GRAIN)
+        .map(|&c| if c == IGNORE { T::ZERO } else { T::ONE })
+        .collect();
+    T::tensor(mask, targets.shape())
+}
+
 impl LossOps for Cpu {
+    fn valid_mask(&self, targets: &Tensor<Self>, dtype: DType) -> Result<Tensor<Self>> {
+        match dtype {
+            DType::F32 => valid_mask_t::<f32>(targets),
+            DType::F64 => valid_mask_t::<f64>(targets),
+            other => Err(KernelError::UnsupportedDType {
+                op: "valid_mask",
+                dtype: other,
+                backend: "cpu",
+            }),
+        }
+    }
+
     fn cross_entropy(
         &self,
         logits: &Tensor<Self>,
@@ -145,7 +179,7 @@ impl LossOps for Cpu {
 #[cfg(test)]
 mod tests {
     use super::super::elementwise::test_util::*;
-    use crate::backend::LossOps;
+    use crate::backend::{ElementwiseOps, LossOps};
     use crate::cpu::Cpu;
     use crate::error::KernelError;
     use crate::tensor::DType;
@@ -195,6 +229,50 @@ mod tests {
         let (lb, _) = Cpu.cross_entropy(&t32(&base, &[T, V]), &tg).unwrap();
         assert!(max_diff(&h64(&ls), &h64(&lb)) < 5e-3);
         assert!(h64(&ls).iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn valid_mask_matches_targets_and_counts_them() {
+        let targets = [3, -1, 0, -1, 6, 0];
+        let want: Vec<f64> = targets
+            .iter()
+            .map(|&c| if c >= 0 { 1.0 } else { 0.0 })
+            .collect();
+        for dtype in [DType::F32, DType::F64] {
+            let m = Cpu.valid_mask(&ti32(&targets, &[2, 3]), dtype).unwrap();
+            assert_eq!((m.shape(), m.dtype()), (&[2, 3][..], dtype));
+            assert_eq!(h64(&m), want);
+            assert_eq!(h64(&Cpu.sum(&m).unwrap()), vec![4.0]);
+        }
+        let none = Cpu.valid_mask(&ti32(&[-1; T], &[T]), DType::F32).unwrap();
+        assert_eq!(h64(&none), vec![0.0; T]);
+    }
+
+    #[test]
+    fn valid_mask_bad_inputs() {
+        let err = Cpu
+            .valid_mask(&ti32(&[0, -1, -2], &[3]), DType::F32)
+            .unwrap_err();
+        assert!(
+            matches!(&err, KernelError::InvalidArgument { op: "valid_mask", detail } if detail.contains("targets[2] = -2")),
+            "{err:?}"
+        );
+        assert_eq!(
+            Cpu.valid_mask(&t64(&[0.0], &[1]), DType::F32).unwrap_err(),
+            KernelError::DTypeMismatch {
+                op: "valid_mask",
+                expected: DType::I32,
+                got: DType::F64
+            }
+        );
+        assert_eq!(
+            Cpu.valid_mask(&ti32(&[0], &[1]), DType::I32).unwrap_err(),
+            KernelError::UnsupportedDType {
+                op: "valid_mask",
+                dtype: DType::I32,
+                backend: "cpu"
+            }
+        );
     }
 
     #[test]

@@ -1171,10 +1171,7 @@ mod tests {
 
     #[test]
     fn routing_plan_rejects_bad_input() {
-        let err = Cpu
-            .routing_plan(&i32t(&[0, 3], &[1, 2]), 3)
-            .map(drop)
-            .unwrap_err();
+        let err = Cpu.routing_plan(&i32t(&[0, 3], &[1, 2]), 3).unwrap_err();
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1186,7 +1183,6 @@ mod tests {
         );
         let err = Cpu
             .routing_plan(&f32t(&[0.0, 1.0], &[1, 2]), 3)
-            .map(drop)
             .unwrap_err();
         assert!(matches!(
             err,
@@ -1196,15 +1192,9 @@ mod tests {
                 ..
             }
         ));
-        let err = Cpu
-            .routing_plan(&i32t(&[0, 1], &[2]), 3)
-            .map(drop)
-            .unwrap_err();
+        let err = Cpu.routing_plan(&i32t(&[0, 1], &[2]), 3).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
-        let err = Cpu
-            .routing_plan(&i32t(&[0, 1], &[1, 2]), 0)
-            .map(drop)
-            .unwrap_err();
+        let err = Cpu.routing_plan(&i32t(&[0, 1], &[1, 2]), 0).unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("n_experts = 0"));
     }
@@ -1330,26 +1320,22 @@ mod tests {
         let probs = f64t(&[0.5, f64::NAN], &[2, 1]);
         let err = Cpu
             .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Probs, false)
-            .map(drop)
             .unwrap_err();
         assert!(matches!(err, KernelError::NonFinite { what: "probs", .. }));
         let probs = f64t(&[0.5, 0.5, 0.5], &[3, 1]);
         let err = Cpu
             .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Position, false)
-            .map(drop)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[3, 1]") && err.to_string().contains("[2, 1]"));
         let probs = f64t(&[0.5, 0.5], &[2, 1]);
         let err = Cpu
             .capacity_plan(&idx, &probs, 2, 0, DropPolicy::Position, true)
-            .map(drop)
             .unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("capacity = 0"));
         let err = Cpu
             .capacity_plan(&idx, &probs, 1, 1, DropPolicy::Position, true)
-            .map(drop)
             .unwrap_err();
         assert!(matches!(
             err,

@@ -13,12 +13,13 @@
 //!   score, as Megatron does, so the router still gets a gradient).
 //!
 //! The renormalised sigmoid `s_k / Σ_j s_j` is computed as
-//! `softmax(log sigmoid(l))` over the chosen, which needs no division.
+//! `softmax(log_sigmoid(l))` over the chosen: no division, and finite for any
+//! logit.
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::loss::{self, BalanceSaved, ZSaved};
-use super::ops::{filled, log_sigmoid, log_sigmoid_backward};
+use super::ops::log_sigmoid_backward;
 use crate::engine::{init_normal, EngineError, Module, Param, Result};
 use crate::spec::{LoadBalance, MoeSpec, RouterSpec, ScoreFunction};
 
@@ -94,7 +95,7 @@ impl<B: Backend> Router<B> {
         let name = format!("{prefix}.weight");
         let value = init_normal(b, &[hidden, experts], init_std, seed, &name, dtype)?;
         let expert_bias_e = match spec.expert_bias_rate {
-            Some(_) => Some(filled(b, &[experts], 0.0, dtype)?),
+            Some(_) => Some(b.zeros(&[experts], dtype)?),
             None => None,
         };
         Ok(Router {
@@ -141,9 +142,11 @@ impl<B: Backend> Router<B> {
         let e = self.experts;
         // Broadcast the mean of the loads to [E] with a rank-1 product.
         let total_11 = b.sum(&load_e)?.reshape(&[1, 1])?;
-        let ones_e1 = filled(b, &[e, 1], 1.0 / e as f64, dtype)?;
-        let mean_e = b.matmul(&ones_e1, &total_11, false, false)?.reshape(&[e])?;
-        let step_e = super::ops::sign(b, &b.sub(&mean_e, &load_e)?)?;
+        let inv_e_e1 = b.fill(&[e, 1], 1.0 / e as f64, dtype)?;
+        let mean_e = b
+            .matmul(&inv_e_e1, &total_11, false, false)?
+            .reshape(&[e])?;
+        let step_e = b.sign(&b.sub(&mean_e, &load_e)?)?;
         if let Some(bias_e) = self.expert_bias_e.as_mut() {
             b.axpy(bias_e, rate, &step_e)?;
         }
@@ -214,7 +217,7 @@ impl<B: Backend> Router<B> {
                 };
                 if k > 1 {
                     let chosen_tk = b.gather_cols(&logits_te, &idx_tk)?;
-                    let probs_tk = b.softmax(&log_sigmoid(b, &chosen_tk)?)?;
+                    let probs_tk = b.softmax(&b.log_sigmoid(&chosen_tk)?)?;
                     let score = ScoreSaved::Sigmoid {
                         scores_te,
                         probs_tk: Some(probs_tk.clone()),
@@ -232,7 +235,7 @@ impl<B: Backend> Router<B> {
         };
         let weights_tk = b.scale(&probs_tk, self.spec.scaling_factor)?;
 
-        let ones_tk = filled(b, &[t, k], 1.0, dtype)?;
+        let ones_tk = b.fill(&[t, k], 1.0, dtype)?;
         let mask_te = b.scatter_cols(&ones_tk, &idx_tk, e)?;
         let load_e = b.sum_cols(&mask_te)?;
 
@@ -250,7 +253,7 @@ impl<B: Backend> Router<B> {
                     ScoreSaved::PreSoftmax { probs_te } => (probs_te.clone(), None),
                     ScoreSaved::PostSoftmax { .. } => (b.softmax(&logits_te)?, None),
                     ScoreSaved::Sigmoid { scores_te, .. } => (
-                        b.softmax(&log_sigmoid(b, &logits_te)?)?,
+                        b.softmax(&b.log_sigmoid(&logits_te)?)?,
                         Some(scores_te.clone()),
                     ),
                 };
