@@ -433,9 +433,9 @@ impl AttentionOps for Cpu {
 
 #[cfg(test)]
 mod tests {
-    use super::super::elementwise::test_util::*;
     use super::{attention_backward_blocked, attention_blocked};
     use crate::backend::AttentionOps;
+    use crate::cpu::test_util::*;
     use crate::cpu::Cpu;
     use crate::error::KernelError;
     use crate::tensor::Tensor;

@@ -178,8 +178,8 @@ impl LossOps for Cpu {
 
 #[cfg(test)]
 mod tests {
-    use super::super::elementwise::test_util::*;
     use crate::backend::{ElementwiseOps, LossOps};
+    use crate::cpu::test_util::*;
     use crate::cpu::Cpu;
     use crate::error::KernelError;
     use crate::tensor::DType;

@@ -11,6 +11,8 @@ mod loss;
 mod norm;
 mod optim;
 mod routing;
+#[cfg(test)]
+mod test_util;
 
 use crate::backend::Device;
 use crate::error::{KernelError, Result};

@@ -218,8 +218,8 @@ impl NormOps for Cpu {
 
 #[cfg(test)]
 mod tests {
-    use super::super::elementwise::test_util::*;
     use crate::backend::NormOps;
+    use crate::cpu::test_util::*;
     use crate::cpu::Cpu;
     use crate::error::KernelError;
 

@@ -107,8 +107,8 @@ impl OptimOps for Cpu {
 
 #[cfg(test)]
 mod tests {
-    use super::super::elementwise::test_util::*;
     use crate::backend::{AdamWConfig, OptimOps};
+    use crate::cpu::test_util::*;
     use crate::cpu::Cpu;
     use crate::error::KernelError;
     use crate::tensor::DType;

@@ -762,26 +762,16 @@ impl RoutingOps for Cpu {
 
 #[cfg(test)]
 mod tests {
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
+    use rand::Rng;
 
     use super::*;
     use crate::backend::LinalgOps;
+    use crate::cpu::test_util::{
+        dotv as dot, h64 as host, hi32 as ints, rng, t64 as f64t, uniform as rand_vec,
+    };
     use crate::gradcheck::assert_grad;
     use crate::tensor::{DType, HostData};
     use crate::Device;
-
-    fn rng(seed: u64) -> ChaCha8Rng {
-        ChaCha8Rng::seed_from_u64(seed)
-    }
-
-    fn rand_vec(r: &mut ChaCha8Rng, n: usize) -> Vec<f64> {
-        (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
-    }
-
-    fn f64t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
-        Cpu.upload(HostData::F64(v.to_vec()), shape).unwrap()
-    }
 
     fn f32t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
         Cpu.upload(HostData::F32(v.iter().map(|&x| x as f32).collect()), shape)
@@ -790,18 +780,6 @@ mod tests {
 
     fn i32t(v: &[i32], shape: &[usize]) -> Tensor<Cpu> {
         Cpu.upload(HostData::I32(v.to_vec()), shape).unwrap()
-    }
-
-    fn host(t: &Tensor<Cpu>) -> Vec<f64> {
-        Cpu.download(t).unwrap().to_f64()
-    }
-
-    fn ints(t: &Tensor<Cpu>) -> Vec<i32> {
-        Cpu.download(t).unwrap().to_i32().unwrap()
-    }
-
-    fn dot(a: &[f64], b: &[f64]) -> f64 {
-        a.iter().zip(b).map(|(x, y)| x * y).sum()
     }
 
     /// Indices of `cand` sorted by value, largest first; the sort is stable,
