@@ -285,11 +285,13 @@ fn accessors(p: &TokenStream, c: &Container, decl: &Decl) -> TokenStream {
             #(#docs)*
             #[doc = ""]
             #[doc = #what]
+            #[allow(dead_code)]
             #vis fn #ident(&self) -> &[#p::Block<B>] {
                 &self.model.blocks[#s..#e]
             }
 
             #[doc = #what]
+            #[allow(dead_code)]
             #vis fn #ident_mut(&mut self) -> &mut [#p::Block<B>] {
                 &mut self.model.blocks[#s..#e]
             }

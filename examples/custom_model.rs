@@ -1,0 +1,93 @@
+//! A model declared outside `foldmoe-models`: an annotated struct is the whole
+//! architecture table, checked when this file compiles (a layout whose `ep`
+//! did not divide `experts` would not build). It is then built on the CPU
+//! under its single-rank layout and trained a few steps on the bundled text.
+//!
+//! Run with `cargo run --release --example custom_model`.
+
+use foldmoe_core::engine::data::{BatchSampler, TextDataset};
+use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
+use foldmoe_core::engine::trainer::{TrainConfig, Trainer};
+use foldmoe_kernels::cpu::Cpu;
+use foldmoe_kernels::{DType, Device, HostData};
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "byte-moe", vocab = 256, hidden = 64, seq_len = 64, norm_eps = 1e-5,
+    layout(name = "laptop", world = 1),
+    // Valid for a cluster (checked at compile time), refused at build time
+    // until the Parallel Folding runtime lands.
+    layout(name = "dgx-h100", world = 8, tp = 2, ep = 8))]
+/// A two-group byte-level MoE language model.
+pub struct ByteMoe {
+    /// One dense block.
+    #[blocks(
+        count = 1,
+        attention(heads = 4, kv_heads = 2, head_dim = 16),
+        dense(ffn = 192)
+    )]
+    dense: Blocks,
+    /// Two MoE blocks: 8 experts, top-2, a gated shared expert.
+    #[blocks(
+        count = 2,
+        attention(heads = 4, kv_heads = 2, head_dim = 16),
+        moe(
+            experts = 8,
+            top_k = 2,
+            expert_ffn = 64,
+            shared_experts = 1,
+            shared_gate,
+            aux_coef = 1e-2,
+            z_loss = 1e-3
+        ),
+        recompute(moe_act)
+    )]
+    moe: Blocks,
+}
+
+const TEXT: &str = include_str!("../data/train.txt");
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let b = Cpu;
+    let spec = <ByteMoe<Cpu> as MoeModel<Cpu>>::spec();
+    println!(
+        "{}: {} blocks; layouts: {}",
+        spec.name,
+        spec.layers(),
+        ByteMoeLayout::ALL
+            .iter()
+            .map(|l| l.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Err(e) = ByteMoe::new(&b, ByteMoeLayout::DgxH100, 0, 0, DType::F32) {
+        println!("dgx-h100: {e}");
+    }
+
+    let model = ByteMoe::new(&b, ByteMoeLayout::Laptop, 0, 42, DType::F32)?;
+    println!(
+        "dense group: {} block(s), MoE group: {} block(s)",
+        model.dense().len(),
+        model.moe().len()
+    );
+    let cfg = TrainConfig {
+        lr: 3e-3,
+        warmup_steps: 2,
+        total_steps: 10,
+        ..TrainConfig::default()
+    };
+    let mut trainer = Trainer::new(&b, model.into_model(), cfg)?;
+    let data = TextDataset::from_text(TEXT);
+    let mut sampler = BatchSampler::new(42);
+    let (batch, seq) = (4, spec.seq_len);
+    for step in 1..=10 {
+        let (tokens, targets) = sampler.next_batch(&data, batch, seq)?;
+        let tokens = b.upload(HostData::I32(tokens), &[batch, seq])?;
+        let targets = b.upload(HostData::I32(targets), &[batch, seq])?;
+        let stats = trainer.step(&b, &[(tokens, targets)])?;
+        println!(
+            "step {step:2}: loss {:.4}, aux {:.4}, lr {:.2e}",
+            stats.loss, stats.aux_loss, stats.lr
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,206 @@
+//! The shipped declarations against the rules, the published sizes, and the
+//! engine.
+
+use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
+use foldmoe_core::layout;
+use foldmoe_core::spec::*;
+use foldmoe_kernels::cpu::Cpu;
+use foldmoe_kernels::{DType, Device, HostData};
+
+use super::*;
+
+/// The hand-built `tiny` this crate shipped before the macro: the declaration
+/// must give exactly this spec (checkpoints and the CLI depend on it).
+fn tiny_by_hand() -> ModelSpec {
+    let attention = AttentionSpec::gqa(4, 2, 32);
+    ModelSpec {
+        name: "tiny".into(),
+        vocab: 256,
+        hidden: 128,
+        seq_len: 128,
+        norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        tied_embeddings: false,
+        init_std: 0.02,
+        groups: vec![
+            BlockGroup::new(1, attention.clone(), FfnSpec::Dense { ffn: 384 }),
+            BlockGroup::new(
+                3,
+                attention,
+                FfnSpec::Moe(MoeSpec {
+                    experts: 16,
+                    top_k: 2,
+                    expert_ffn: 128,
+                    shared_ffn: 128,
+                    shared_gate: false,
+                    router: RouterSpec {
+                        aux_coef: 1e-2,
+                        z_loss_coef: 1e-3,
+                        ..RouterSpec::default()
+                    },
+                    capacity: None,
+                }),
+            ),
+        ],
+        mtp_layers: 0,
+    }
+}
+
+#[test]
+fn tiny_is_unchanged() {
+    assert_eq!(tiny(), tiny_by_hand());
+    assert_eq!(by_name("tiny").unwrap(), tiny_by_hand());
+}
+
+#[test]
+fn every_model_and_layout_passes_the_rules() {
+    for name in names() {
+        let (spec, layouts) = layouts_by_name(name).unwrap();
+        assert_eq!(spec.name, name);
+        spec.check().unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        assert!(!layouts.is_empty(), "{name} declares no layout");
+        for l in &layouts {
+            layout::check(l, &spec).unwrap_or_else(|e| panic!("{name} / {}: {e:?}", l.name));
+        }
+    }
+}
+
+#[test]
+fn unknown_names_list_the_known_ones() {
+    let err = by_name("gpt-5").unwrap_err();
+    assert!(err.contains("deepseek-v3-small"), "{err}");
+    assert_eq!(
+        DeepSeekV3Layout::by_name("h100x1024"),
+        Ok(DeepSeekV3Layout::H100x1024)
+    );
+}
+
+/// `(total, active per token)` parameters of the main model (MTP modules not
+/// counted, as in the published totals), from the spec alone: embedding, head
+/// (if untied), final norm, and per block two norms, attention (GQA or MLA
+/// with its latent norms), the router, routed and shared
+/// experts, or the dense MLP — each SwiGLU MLP is `3·D·F`.
+fn param_counts(s: &ModelSpec) -> (u64, u64) {
+    let d = s.hidden as u64;
+    let embed = s.vocab as u64 * d * if s.tied_embeddings { 1 } else { 2 };
+    let (mut total, mut active) = (embed + d, embed + d);
+    for g in &s.groups {
+        let a = &g.attention;
+        let h = a.heads as u64;
+        let attn = match &a.mla {
+            None => d * h * a.head_dim as u64 * 2 + 2 * d * a.kv_heads as u64 * a.head_dim as u64,
+            Some(m) => {
+                let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
+                let (ql, kvl) = (m.q_lora_rank as u64, m.kv_lora_rank as u64);
+                let q = if ql == 0 {
+                    d * h * qk
+                } else {
+                    d * ql + ql + ql * h * qk
+                };
+                let kv = d * (kvl + m.qk_rope_head_dim as u64)
+                    + kvl
+                    + kvl * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
+                q + kv + h * m.v_head_dim as u64 * d
+            }
+        };
+        let (ffn_total, ffn_active) = match &g.ffn {
+            FfnSpec::Dense { ffn } => (3 * d * *ffn as u64, 3 * d * *ffn as u64),
+            FfnSpec::Moe(m) => {
+                let e = m.experts as u64;
+                // The expert bias is a buffer updated from loads, not a
+                // trained parameter: not counted (nor by the engine).
+                let fixed = d * e + 3 * d * m.shared_ffn as u64;
+                let expert = 3 * d * m.expert_ffn as u64;
+                (fixed + e * expert, fixed + m.top_k as u64 * expert)
+            }
+        };
+        let n = g.count as u64;
+        total += n * (2 * d + attn + ffn_total);
+        active += n * (2 * d + attn + ffn_active);
+    }
+    (total, active)
+}
+
+/// Published totals are rounded to three significant figures, so the total
+/// must agree within 1 %; active counts are quoted more loosely (and Mixtral's
+/// and Qwen3's exclude nothing we count), so within 3 %.
+#[test]
+fn full_size_models_match_published_parameter_counts() {
+    let published: &[(&str, f64, f64)] = &[
+        ("mixtral-8x7b", 46.7e9, 12.9e9),
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+        ("qwen3-235b-a22b", 235e9, 22e9),
+        ("deepseek-v3", 671e9, 37e9),
+    ];
+    for &(name, total_pub, active_pub) in published {
+        let (total, active) = param_counts(&by_name(name).unwrap());
+        let (t, a) = (total as f64, active as f64);
+        eprintln!(
+            "{name}: {:.2} B total ({total_pub:.3e} published), {:.2} B active ({active_pub:.3e})",
+            t / 1e9,
+            a / 1e9
+        );
+        assert!(
+            (t / total_pub - 1.0).abs() < 0.01,
+            "{name}: {t:.4e} vs {total_pub:.4e}"
+        );
+        assert!(
+            (a / active_pub - 1.0).abs() < 0.03,
+            "{name}: active {a:.4e} vs {active_pub:.4e}"
+        );
+    }
+}
+
+/// The spec-side count agrees with the engine's own count on a model it
+/// builds, so the full-size figures above count what the engine would build.
+#[test]
+fn spec_count_matches_the_engine() {
+    fn engine_counts<M: MoeModel<Cpu>>(layout: M::Layout) -> (u64, u64) {
+        let m = M::new(&Cpu, layout, 0, 1, DType::F32).unwrap();
+        let (total, active) = m.model().param_counts();
+        (total as u64, active as u64)
+    }
+    assert_eq!(
+        param_counts(&tiny()),
+        engine_counts::<Tiny<Cpu>>(TinyLayout::Cpu)
+    );
+    assert_eq!(
+        param_counts(&by_name("qwen3-30b-a3b-small").unwrap()),
+        engine_counts::<Qwen3A3bSmall<Cpu>>(Qwen3A3bSmallLayout::Cpu)
+    );
+    assert_eq!(
+        param_counts(&by_name("deepseek-v3-small").unwrap()),
+        engine_counts::<DeepSeekV3Small<Cpu>>(DeepSeekV3SmallLayout::Cpu)
+    );
+}
+
+/// One training step's forward and backward for a declared small model.
+fn forward_backward<M: MoeModel<Cpu>>(layout: M::Layout) {
+    let mut m = M::new(&Cpu, layout, 0, 3, DType::F32).unwrap();
+    let seq = 16;
+    let tokens: Vec<i32> = (0..2 * seq as i32).map(|i| (i * 37) % 256).collect();
+    let targets: Vec<i32> = tokens.iter().map(|t| (t + 1) % 256).collect();
+    let tokens = Cpu.upload(HostData::I32(tokens), &[2, seq]).unwrap();
+    let targets = Cpu.upload(HostData::I32(targets), &[2, seq]).unwrap();
+    let out = m.forward(&Cpu, &tokens, &targets).unwrap();
+    let loss = Cpu.download(&out.loss).unwrap().to_f64()[0];
+    assert!(
+        loss.is_finite() && loss > 0.0,
+        "{}: loss {loss}",
+        M::spec().name
+    );
+    m.backward(&Cpu, out.saved, 1.0).unwrap();
+}
+
+#[test]
+fn small_models_run_on_the_cpu() {
+    forward_backward::<Tiny<Cpu>>(TinyLayout::Cpu);
+    forward_backward::<Mixtral8x7bSmall<Cpu>>(Mixtral8x7bSmallLayout::Cpu);
+    forward_backward::<Qwen3A3bSmall<Cpu>>(Qwen3A3bSmallLayout::Cpu);
+    forward_backward::<Qwen3A22bSmall<Cpu>>(Qwen3A22bSmallLayout::Cpu);
+}
+
+#[test]
+fn deepseek_v3_small_runs_on_the_cpu() {
+    forward_backward::<DeepSeekV3Small<Cpu>>(DeepSeekV3SmallLayout::Cpu);
+}
