@@ -27,12 +27,18 @@ use foldmoe_kernels::cpu::Cpu;
 
 /// The spec and layouts of a declared model. The spec does not depend on the
 /// backend; `Cpu` only names one to reach the trait's associated functions.
-fn declared<M: MoeModel<Cpu>>() -> (ModelSpec, Vec<LayoutSpec>) {
+fn declared<M: MoeModel<Cpu>>() -> Declared {
     (M::spec(), M::layouts())
 }
 
+/// A model's spec and its declared layouts.
+type Declared = (ModelSpec, Vec<LayoutSpec>);
+
+/// A shipped model: its name and the function giving its declaration.
+type Entry = (&'static str, fn() -> Declared);
+
 /// Every shipped model: its name and its declaration's spec and layouts.
-const MODELS: &[(&str, fn() -> (ModelSpec, Vec<LayoutSpec>))] = &[
+const MODELS: &[Entry] = &[
     ("tiny", declared::<Tiny<Cpu>>),
     ("mixtral-8x7b", declared::<Mixtral8x7b<Cpu>>),
     ("mixtral-8x7b-small", declared::<Mixtral8x7bSmall<Cpu>>),
