@@ -23,6 +23,9 @@ use crate::settings::{TrainOptions, TrainSettings};
 /// The bundled corpus (public domain; see data/NOTICE).
 const TRAIN_TEXT: &str = include_str!("../data/train.txt");
 const VAL_TEXT: &str = include_str!("../data/val.txt");
+/// Largest model (parameters) a CPU run accepts: full-size published models
+/// are declared for planning and GPU clusters, not for this backend.
+const CPU_PARAM_LIMIT: u64 = 500_000_000;
 /// Windows in the fixed validation batch.
 const VAL_WINDOWS: usize = 16;
 
@@ -202,6 +205,16 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         None => foldmoe::models::by_name(&settings.model)
             .map_err(|e| CliError::usage(format!("--model {}: {e}", settings.model)))?,
     };
+    let (params_total, _) = spec.param_counts();
+    if params_total > CPU_PARAM_LIMIT {
+        return Err(CliError::usage(format!(
+            "--model {}: {:.1} B parameters is too large to train on the CPU (limit {:.1} B); train `{}-small` instead",
+            settings.model,
+            params_total as f64 / 1e9,
+            CPU_PARAM_LIMIT as f64 / 1e9,
+            settings.model
+        )));
+    }
     let seqs = settings.sequences_per_micro_batch(spec.seq_len)?;
     let out = opts
         .out

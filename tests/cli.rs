@@ -153,6 +153,10 @@ fn bad_flags_give_one_line_errors_and_create_nothing() {
     assert_fails_with(&o, "unknown model `nope`");
     assert_fails_with(&train(&out, &["--steps", "0"]), "--steps 0");
     assert_fails_with(
+        &train(&out, &["--model", "deepseek-v3"]),
+        "train `deepseek-v3-small` instead",
+    );
+    assert_fails_with(
         &train(&out, &["--device", "cuda"]),
         "cuda backend not available",
     );

@@ -374,6 +374,60 @@ impl ModelSpec {
         self.groups.iter().map(|g| g.count).sum()
     }
 
+    /// `(total, active per token)` parameters of the main model (MTP modules not
+    /// counted, as in the published totals), from the spec alone: embedding, head
+    /// (if untied), final norm, and per block two norms, attention (GQA or MLA
+    /// with its latent norms), the router, routed and shared
+    /// experts, or the dense MLP — each SwiGLU MLP is `3·D·F`.
+    pub fn param_counts(&self) -> (u64, u64) {
+        let s = self;
+        let d = s.hidden as u64;
+        let embed = s.vocab as u64 * d * if s.tied_embeddings { 1 } else { 2 };
+        let (mut total, mut active) = (embed + d, embed + d);
+        for g in &s.groups {
+            let a = &g.attention;
+            let h = a.heads as u64;
+            let attn = match &a.mla {
+                None => {
+                    d * h * a.head_dim as u64 * 2 + 2 * d * a.kv_heads as u64 * a.head_dim as u64
+                }
+                Some(m) => {
+                    let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
+                    let (ql, kvl) = (m.q_lora_rank as u64, m.kv_lora_rank as u64);
+                    let q = if ql == 0 {
+                        d * h * qk
+                    } else {
+                        d * ql + ql + ql * h * qk
+                    };
+                    let kv = d * (kvl + m.qk_rope_head_dim as u64)
+                        + kvl
+                        + kvl * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
+                    q + kv + h * m.v_head_dim as u64 * d
+                }
+            };
+            let (ffn_total, ffn_active) = match &g.ffn {
+                FfnSpec::Dense { ffn } => (3 * d * *ffn as u64, 3 * d * *ffn as u64),
+                FfnSpec::Moe(m) => {
+                    let e = m.experts as u64;
+                    // The expert bias is a buffer updated from loads, not a
+                    // trained parameter: not counted (nor by the engine).
+                    let gate = if m.shared_gate && m.shared_ffn > 0 {
+                        d
+                    } else {
+                        0
+                    };
+                    let fixed = d * e + 3 * d * m.shared_ffn as u64 + gate;
+                    let expert = 3 * d * m.expert_ffn as u64;
+                    (fixed + e * expert, fixed + m.top_k as u64 * expert)
+                }
+            };
+            let n = g.count as u64;
+            total += n * (2 * d + attn + ffn_total);
+            active += n * (2 * d + attn + ffn_active);
+        }
+        (total, active)
+    }
+
     /// Checks every model rule; returns all violations, not only the first.
     pub fn check(&self) -> Result<(), Vec<SpecError>> {
         let mut errs = Vec::new();

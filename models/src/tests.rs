@@ -75,52 +75,6 @@ fn unknown_names_list_the_known_ones() {
     );
 }
 
-/// `(total, active per token)` parameters of the main model (MTP modules not
-/// counted, as in the published totals), from the spec alone: embedding, head
-/// (if untied), final norm, and per block two norms, attention (GQA or MLA
-/// with its latent norms), the router, routed and shared
-/// experts, or the dense MLP — each SwiGLU MLP is `3·D·F`.
-fn param_counts(s: &ModelSpec) -> (u64, u64) {
-    let d = s.hidden as u64;
-    let embed = s.vocab as u64 * d * if s.tied_embeddings { 1 } else { 2 };
-    let (mut total, mut active) = (embed + d, embed + d);
-    for g in &s.groups {
-        let a = &g.attention;
-        let h = a.heads as u64;
-        let attn = match &a.mla {
-            None => d * h * a.head_dim as u64 * 2 + 2 * d * a.kv_heads as u64 * a.head_dim as u64,
-            Some(m) => {
-                let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
-                let (ql, kvl) = (m.q_lora_rank as u64, m.kv_lora_rank as u64);
-                let q = if ql == 0 {
-                    d * h * qk
-                } else {
-                    d * ql + ql + ql * h * qk
-                };
-                let kv = d * (kvl + m.qk_rope_head_dim as u64)
-                    + kvl
-                    + kvl * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
-                q + kv + h * m.v_head_dim as u64 * d
-            }
-        };
-        let (ffn_total, ffn_active) = match &g.ffn {
-            FfnSpec::Dense { ffn } => (3 * d * *ffn as u64, 3 * d * *ffn as u64),
-            FfnSpec::Moe(m) => {
-                let e = m.experts as u64;
-                // The expert bias is a buffer updated from loads, not a
-                // trained parameter: not counted (nor by the engine).
-                let fixed = d * e + 3 * d * m.shared_ffn as u64;
-                let expert = 3 * d * m.expert_ffn as u64;
-                (fixed + e * expert, fixed + m.top_k as u64 * expert)
-            }
-        };
-        let n = g.count as u64;
-        total += n * (2 * d + attn + ffn_total);
-        active += n * (2 * d + attn + ffn_active);
-    }
-    (total, active)
-}
-
 /// Published totals are rounded to three significant figures, so the total
 /// must agree within 1 %; active counts are quoted more loosely (and Mixtral's
 /// and Qwen3's exclude nothing we count), so within 3 %.
@@ -133,7 +87,7 @@ fn full_size_models_match_published_parameter_counts() {
         ("deepseek-v3", 671e9, 37e9),
     ];
     for &(name, total_pub, active_pub) in published {
-        let (total, active) = param_counts(&by_name(name).unwrap());
+        let (total, active) = ModelSpec::param_counts(&by_name(name).unwrap());
         let (t, a) = (total as f64, active as f64);
         eprintln!(
             "{name}: {:.2} B total ({total_pub:.3e} published), {:.2} B active ({active_pub:.3e})",
@@ -161,15 +115,15 @@ fn spec_count_matches_the_engine() {
         (total as u64, active as u64)
     }
     assert_eq!(
-        param_counts(&tiny()),
+        ModelSpec::param_counts(&tiny()),
         engine_counts::<Tiny<Cpu>>(TinyLayout::Cpu)
     );
     assert_eq!(
-        param_counts(&by_name("qwen3-30b-a3b-small").unwrap()),
+        ModelSpec::param_counts(&by_name("qwen3-30b-a3b-small").unwrap()),
         engine_counts::<Qwen3A3bSmall<Cpu>>(Qwen3A3bSmallLayout::Cpu)
     );
     assert_eq!(
-        param_counts(&by_name("deepseek-v3-small").unwrap()),
+        ModelSpec::param_counts(&by_name("deepseek-v3-small").unwrap()),
         engine_counts::<DeepSeekV3Small<Cpu>>(DeepSeekV3SmallLayout::Cpu)
     );
 }
