@@ -1,7 +1,8 @@
-//! The `foldmoe` command: `train` (the default), `generate`.
+//! The `foldmoe` command: `train` (the default), `generate`, `plan`.
 
 mod error;
 mod generate;
+mod plan;
 mod plot;
 mod settings;
 mod train;
@@ -29,6 +30,24 @@ struct Cli {
 enum Command {
     /// Train a model on the bundled text (the default command).
     Train(Box<TrainOptions>),
+    /// Parameters, FLOPs per token and process groups of a model under a layout.
+    Plan {
+        /// Model name.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Layout, e.g. `world=1024,pp=16,ep=64` (default: the model's first declared layout).
+        #[arg(long)]
+        layout: Option<String>,
+        /// World size (overrides the layout's).
+        #[arg(long)]
+        ranks: Option<usize>,
+        /// Rank whose process groups are listed.
+        #[arg(long, default_value_t = 0)]
+        rank: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Continue a prompt with a trained checkpoint.
     Generate {
         /// Run directory or checkpoint directory.
@@ -74,6 +93,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
             ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
                 .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
             train::run(&Cpu, *opts, stop)
+        }
+        Command::Plan {
+            model,
+            layout,
+            ranks,
+            rank,
+            json,
+        } => {
+            println!(
+                "{}",
+                plan::run(&model, layout.as_deref(), ranks, rank, json)?
+            );
+            Ok(())
         }
         Command::Generate {
             checkpoint,

@@ -299,3 +299,38 @@ fn ctrl_c_writes_a_checkpoint_then_exits() {
     // Resuming with fewer total steps than done finishes at once, proving the checkpoint loads.
     assert!(resumed.status.success(), "{}", stderr(&resumed));
 }
+
+#[test]
+fn plan_reports_published_counts_and_groups() {
+    for (model, total, active) in [
+        ("mixtral-8x7b", 46.7e9, 12.9e9),
+        ("deepseek-v3", 671e9, 37e9),
+    ] {
+        let o = foldmoe(&["plan", "--model", model, "--json", "--rank", "3"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let got = v["params_total"].as_f64().unwrap();
+        assert!((got / total - 1.0).abs() < 0.01, "{model}: total {got}");
+        let got = v["params_active"].as_f64().unwrap();
+        assert!((got / active - 1.0).abs() < 0.03, "{model}: active {got}");
+        assert!(v["flops_per_token"].as_f64().unwrap() > 6.0 * active);
+        let groups = v["groups"].as_array().unwrap();
+        assert!(groups
+            .iter()
+            .any(|g| g[0] == "ep" && g[1].as_array().unwrap().contains(&3.into())));
+    }
+}
+
+#[test]
+fn plan_rejects_an_invalid_layout_with_the_macro_message() {
+    let o = foldmoe(&[
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--layout",
+        "world=6,ep=3",
+    ]);
+    // The same sentence as dsl-macros/tests/ui/layout/ep_does_not_divide_experts.stderr.
+    assert_fails_with(&o, "ep = 3 does not divide experts = 8; choose ep in");
+    assert_fails_with(&foldmoe(&["plan", "--layout", "tp=two"]), "tp=two");
+}

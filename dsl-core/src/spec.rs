@@ -428,6 +428,39 @@ impl ModelSpec {
         (total, active)
     }
 
+    /// Training FLOPs per token (forward + backward) at sequence length
+    /// `seq_len`, counted as Megatron-LM's throughput formula does: every
+    /// matrix product costs 2 FLOPs per multiply-add, the backward twice the
+    /// forward (so 3× in all), attention scores and the weighted sum of values
+    /// are counted over the full `seq_len` (no causal halving), and only the
+    /// routed experts a token visits count. Matrix parameters are the active
+    /// parameters less the embedding lookup (when untied from the head) and
+    /// the norm weights.
+    pub fn flops_per_token(&self) -> u64 {
+        let d = self.hidden as u64;
+        let (_, active) = self.param_counts();
+        let mut matmul = active - d; // final norm
+        if !self.tied_embeddings {
+            matmul -= self.vocab as u64 * d;
+        }
+        let mut attention = 0;
+        for g in &self.groups {
+            let n = g.count as u64;
+            let h = g.attention.heads as u64;
+            let (qk, v, latent_norms) = match &g.attention.mla {
+                None => (g.attention.head_dim as u64, g.attention.head_dim as u64, 0),
+                Some(m) => (
+                    (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64,
+                    m.v_head_dim as u64,
+                    (m.q_lora_rank + m.kv_lora_rank) as u64,
+                ),
+            };
+            matmul -= n * (2 * d + latent_norms);
+            attention += n * 2 * self.seq_len as u64 * h * (qk + v);
+        }
+        3 * (2 * matmul + attention)
+    }
+
     /// Checks every model rule; returns all violations, not only the first.
     pub fn check(&self) -> Result<(), Vec<SpecError>> {
         let mut errs = Vec::new();
@@ -825,6 +858,29 @@ mod tests {
         assert!(
             err.contains("unknown offload part `qk`; choose one of attn_norm, qkv"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn flops_per_token_by_hand() {
+        // One dense block, D = 4, V = 10 untied, GQA 2 heads of 2 (kv 1), F = 8, S = 16.
+        let mut spec = spec_with(BlockGroup::new(
+            1,
+            AttentionSpec::gqa(2, 1, 2),
+            FfnSpec::Dense { ffn: 8 },
+        ));
+        spec.vocab = 10;
+        spec.hidden = 4;
+        spec.seq_len = 16;
+        // matrices: wq 4·4 + wk 4·2 + wv 4·2 + wo 4·4 = 48, MLP 3·4·8 = 96, head 40
+        let matmul = 48 + 96 + 40;
+        // scores and values: 2 · S · heads · (qk + v) = 2·16·2·4
+        let attention = 2 * 16 * 2 * 4;
+        assert_eq!(spec.flops_per_token(), 3 * (2 * matmul + attention));
+        let (total, active) = spec.param_counts();
+        assert_eq!(
+            (total, active),
+            (40 + 40 + 4 + 2 * 4 + 48 + 96, 40 + 40 + 4 + 2 * 4 + 48 + 96)
         );
     }
 
