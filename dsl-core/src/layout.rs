@@ -1950,6 +1950,44 @@ mod tests {
         );
     }
 
+    /// The seed report's example of folding: attention tp4·cp2·dp8·pp4 and
+    /// experts etp1·ep64·edp1 over the same 256 ranks. Worked by hand: in a
+    /// stage the attention mesh has strides tp 1, cp 4, dp 8, so the 64 ranks
+    /// of a stage form one ep group that spans tp, cp and dp.
+    #[test]
+    fn seed_example_folds_ep_over_tp_cp_and_dp() {
+        let m = model(
+            32000,
+            4096,
+            vec![BlockGroup::new(
+                16,
+                AttentionSpec::gqa(32, 8, 128),
+                moe(64, 8, 1024, 0),
+            )],
+        );
+        let l = ok("world=256,tp=4,cp=2,dp=8,pp=4,ep=64,etp=1,edp=1", &m);
+        assert_consistent(&l);
+        assert_eq!(l.group_of(GroupKind::Tp, 0), vec![0, 1, 2, 3]);
+        assert_eq!(l.group_of(GroupKind::Cp, 0), vec![0, 4]);
+        assert_eq!(
+            l.group_of(GroupKind::Dp, 0),
+            (0..64).step_by(8).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            l.group_of(GroupKind::DpCp, 5),
+            vec![1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61]
+        );
+        assert_eq!(l.group_of(GroupKind::Pp, 0), vec![0, 64, 128, 192]);
+        assert_eq!(l.group_of(GroupKind::Ep, 70), (64..128).collect::<Vec<_>>());
+        assert_eq!(l.group_of(GroupKind::Etp, 70), vec![70]);
+        assert_eq!(l.group_of(GroupKind::Edp, 70), vec![70]);
+        let a = l.attention_coords(70);
+        assert_eq!((a.tp, a.cp, a.dp, a.pp), (2, 1, 0, 1));
+        let e = l.expert_coords(70);
+        assert_eq!((e.etp, e.ep, e.edp, e.pp), (0, 6, 0, 1));
+        assert!(l.sequence_parallel);
+    }
+
     // --- real cluster layouts ---------------------------------------------------
 
     fn deepseek_v3() -> ModelSpec {
