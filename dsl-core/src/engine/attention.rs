@@ -7,7 +7,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use super::param::{init_normal, Module, Param};
+use super::param::{Module, Param};
 use super::{EngineError, Result};
 use crate::spec::{AttentionSpec, ModelSpec};
 
@@ -53,10 +53,8 @@ impl<B: Backend> Attention<B> {
         let (hidden, std) = (model.hidden, model.init_std);
         let q_dim = spec.heads * spec.head_dim;
         let kv_dim = spec.kv_heads * spec.head_dim;
-        let mk = |name: &str, shape: &[usize]| -> Result<Param<B>> {
-            let full = format!("{prefix}.{name}");
-            let value = init_normal(b, shape, std, seed, &full, dtype)?;
-            Param::new(b, full, value)
+        let mk = |name: &str, shape: &[usize]| {
+            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
         };
         Ok(Attention {
             wq: mk("wq", &[hidden, q_dim])?,

@@ -11,7 +11,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use super::param::{init_normal, Module, Param};
+use super::param::{Module, Param};
 use super::Result;
 
 /// The token embedding table `[V, D]`.
@@ -36,10 +36,15 @@ impl<B: Backend> Embedding<B> {
         seed: u64,
         dtype: DType,
     ) -> Result<Self> {
-        let name = format!("{prefix}.weight");
-        let value = init_normal(b, &[vocab, hidden], std, seed, &name, dtype)?;
         Ok(Embedding {
-            table: Param::new(b, name, value)?,
+            table: Param::normal(
+                b,
+                format!("{prefix}.weight"),
+                &[vocab, hidden],
+                std,
+                seed,
+                dtype,
+            )?,
         })
     }
 
@@ -103,10 +108,16 @@ impl<B: Backend> LmHead<B> {
         seed: u64,
         dtype: DType,
     ) -> Result<Self> {
-        let name = format!("{prefix}.weight");
-        let value = init_normal(b, &[vocab, hidden], std, seed, &name, dtype)?;
+        let weight = Param::normal(
+            b,
+            format!("{prefix}.weight"),
+            &[vocab, hidden],
+            std,
+            seed,
+            dtype,
+        )?;
         Ok(LmHead {
-            weight: Some(Param::new(b, name, value)?),
+            weight: Some(weight),
         })
     }
 

@@ -40,7 +40,7 @@
 use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::norm::{NormSaved, RmsNorm};
-use super::param::{init_normal, Module, Param};
+use super::param::{Module, Param};
 use super::{EngineError, Result};
 use crate::spec::{MlaSpec, ModelSpec};
 
@@ -247,10 +247,8 @@ impl<B: Backend> Mla<B> {
         let (h, c, l) = (heads, mla.q_lora_rank, mla.kv_lora_rank);
         let (p, r, v) = (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim);
         let (q, hd) = (p + r, (p + r).max(v));
-        let mk = |name: &str, shape: &[usize]| -> Result<Param<B>> {
-            let full = format!("{prefix}.{name}");
-            let value = init_normal(b, shape, std, seed, &full, dtype)?;
-            Param::new(b, full, value)
+        let mk = |name: &str, shape: &[usize]| {
+            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
         };
         let query = if c > 0 {
             QueryProj::LowRank {

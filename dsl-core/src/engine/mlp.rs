@@ -5,7 +5,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use super::param::{init_normal, Module, Param};
+use super::param::{Module, Param};
 use super::Result;
 
 /// A SwiGLU MLP with weights `w1, w3: [D, F]`, `w2: [F, D]`.
@@ -37,10 +37,8 @@ impl<B: Backend> SwiGluMlp<B> {
         seed: u64,
         dtype: DType,
     ) -> Result<Self> {
-        let mk = |name: &str, shape: &[usize]| -> Result<Param<B>> {
-            let full = format!("{prefix}.{name}");
-            let value = init_normal(b, shape, std, seed, &full, dtype)?;
-            Param::new(b, full, value)
+        let mk = |name: &str, shape: &[usize]| {
+            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
         };
         Ok(SwiGluMlp {
             w1: mk("w1", &[hidden, ffn])?,

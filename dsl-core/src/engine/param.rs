@@ -27,6 +27,20 @@ impl<B: Backend> Param<B> {
         })
     }
 
+    /// A parameter named `name` drawn from normal(0, `std`) by [`init_normal`]
+    /// (its values depend only on `seed` and the name).
+    pub fn normal(
+        b: &B,
+        name: String,
+        shape: &[usize],
+        std: f64,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self> {
+        let value = init_normal(b, shape, std, seed, &name, dtype)?;
+        Param::new(b, name, value)
+    }
+
     /// Adds `g` into the gradient.
     pub fn accumulate(&mut self, b: &B, g: &Tensor<B>) -> Result<()> {
         b.axpy(&mut self.grad, 1.0, g)?;

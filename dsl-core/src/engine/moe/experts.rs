@@ -8,7 +8,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use crate::engine::{init_normal, Module, Param, Result};
+use crate::engine::{Module, Param, Result};
 use crate::spec::MoeSpec;
 
 /// The routed experts' weights, stacked over experts.
@@ -43,10 +43,8 @@ impl<B: Backend> Experts<B> {
         dtype: DType,
     ) -> Result<Self> {
         let (experts, ffn) = (moe.experts, moe.expert_ffn);
-        let mk = |name: &str, shape: &[usize]| -> Result<Param<B>> {
-            let full = format!("{prefix}.{name}");
-            let value = init_normal(b, shape, std, seed, &full, dtype)?;
-            Param::new(b, full, value)
+        let mk = |name: &str, shape: &[usize]| {
+            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
         };
         Ok(Experts {
             w1: mk("w1", &[experts, hidden, ffn])?,

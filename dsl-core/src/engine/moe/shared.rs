@@ -7,7 +7,7 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
-use crate::engine::{init_normal, Module, Param, Result};
+use crate::engine::{Module, Param, Result};
 use crate::spec::MoeSpec;
 
 /// The shared experts of an MoE layer.
@@ -49,8 +49,7 @@ impl<B: Backend> SharedExperts<B> {
         let mlp = SwiGluMlp::new(b, prefix, hidden, ffn, std, seed, dtype)?;
         let gate = if gated {
             let name = format!("{prefix}.gate");
-            let value = init_normal(b, &[hidden, 1], std, seed, &name, dtype)?;
-            Some(Param::new(b, name, value)?)
+            Some(Param::normal(b, name, &[hidden, 1], std, seed, dtype)?)
         } else {
             None
         };
