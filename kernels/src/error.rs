@@ -83,6 +83,14 @@ pub enum KernelError {
         /// Why it cannot be used, naming what is missing.
         reason: String,
     },
+    /// A collective failed: a peer rank aborted, or it timed out.
+    #[error("communicator (rank {rank}): {detail}")]
+    Comm {
+        /// The rank that reports the failure.
+        rank: usize,
+        /// What happened, naming the peer rank and its reason where known.
+        detail: String,
+    },
 }
 
 /// Shorthand for building a [`KernelError::ShapeMismatch`].

@@ -5,6 +5,7 @@
 //! - [`cuda::Cuda`]: the GPU backend (for now it reports itself unavailable).
 
 pub mod backend;
+pub mod comm;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
@@ -15,5 +16,6 @@ pub use backend::{
     AdamWConfig, AttentionOps, Backend, Device, DropPolicy, ElementwiseOps, LinalgOps, LossOps,
     NormOps, OptimOps, RoutingOps, RoutingPlan,
 };
+pub use comm::{Communicator, Group, ReduceOp};
 pub use error::{KernelError, Result};
 pub use tensor::{DType, HostData, StorageInfo, Tensor};

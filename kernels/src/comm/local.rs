@@ -1,0 +1,1 @@
+//! N ranks as threads of one process (to be implemented).
