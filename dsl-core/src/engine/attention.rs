@@ -7,6 +7,8 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::parallel::shard::shard_param;
+use super::parallel::{Split, SplitAxis};
 use super::param::{Module, Param};
 use super::{EngineError, Result};
 use crate::spec::{AttentionSpec, ModelSpec};
@@ -66,6 +68,36 @@ impl<B: Backend> Attention<B> {
             head_dim: spec.head_dim,
             rope_theta: model.rope_theta,
         })
+    }
+
+    /// Keeps tensor-parallel part `index` of `parts`: its query and key/value
+    /// heads (column-parallel `wq`, `wk`, `wv`) and the matching rows of `wo`
+    /// (row-parallel: the output becomes a partial sum over the tp group).
+    /// Key/value heads must split evenly (`kv_heads % parts == 0`).
+    pub fn shard_heads(&mut self, b: &B, index: usize, parts: usize) -> Result<()> {
+        if !self.heads.is_multiple_of(parts) || !self.kv_heads.is_multiple_of(parts) {
+            return Err(EngineError::Invalid(format!(
+                "attention {}: {} query and {} key/value heads do not split over tp = {parts}; \
+                 the runtime needs both divisible by tp (key/value replication for \
+                 tp > kv_heads is not supported yet)",
+                self.wq.name, self.heads, self.kv_heads
+            )));
+        }
+        let split = |dim| {
+            vec![Split {
+                axis: SplitAxis::Tp,
+                dim,
+                index,
+                parts,
+            }]
+        };
+        shard_param(b, &mut self.wq, split(1))?;
+        shard_param(b, &mut self.wk, split(1))?;
+        shard_param(b, &mut self.wv, split(1))?;
+        shard_param(b, &mut self.wo, split(0))?;
+        self.heads /= parts;
+        self.kv_heads /= parts;
+        Ok(())
     }
 
     /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of `seq_len`.

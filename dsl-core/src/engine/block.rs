@@ -25,14 +25,14 @@ pub enum Attn<B: Backend> {
 }
 
 /// What the attention's backward needs.
-enum AttnSaved<B: Backend> {
+pub(crate) enum AttnSaved<B: Backend> {
     Gqa(AttentionSaved<B>),
     Mla(Box<MlaSaved<B>>),
 }
 
 impl<B: Backend> Attn<B> {
     /// `x: [T, D] -> [T, D]` over sequences of `seq_len`.
-    fn forward(
+    pub(crate) fn forward(
         &self,
         b: &B,
         x_td: &Tensor<B>,
@@ -51,7 +51,12 @@ impl<B: Backend> Attn<B> {
     }
 
     /// Accumulates the attention's parameter gradients and returns `dx: [T, D]`.
-    fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: AttnSaved<B>) -> Result<Tensor<B>> {
+    pub(crate) fn backward(
+        &mut self,
+        b: &B,
+        dy_td: &Tensor<B>,
+        saved: AttnSaved<B>,
+    ) -> Result<Tensor<B>> {
         match (self, saved) {
             (Attn::Gqa(a), AttnSaved::Gqa(s)) => a.backward(b, dy_td, s),
             (Attn::Mla(a), AttnSaved::Mla(s)) => a.backward(b, dy_td, *s),

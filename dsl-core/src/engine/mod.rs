@@ -18,6 +18,7 @@ pub mod model;
 pub mod moe;
 pub mod norm;
 pub mod optim;
+pub mod parallel;
 pub mod param;
 pub mod schedule;
 pub mod trainer;

@@ -4,6 +4,7 @@ use foldmoe_kernels::{Backend, DType, Device, HostData, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::parallel::ShardSpec;
 use super::Result;
 
 /// A trainable tensor and the gradient accumulated into it.
@@ -14,6 +15,9 @@ pub struct Param<B: Device> {
     pub value: Tensor<B>,
     /// Gradient accumulated by backward passes since the last `zero_grad`.
     pub grad: Tensor<B>,
+    /// Where this tensor sits in the full parameter when it is one rank's
+    /// shard (`None`: the whole parameter).
+    pub shard: Option<ShardSpec>,
 }
 
 impl<B: Backend> Param<B> {
@@ -24,6 +28,7 @@ impl<B: Backend> Param<B> {
             name: name.into(),
             value,
             grad,
+            shard: None,
         })
     }
 

@@ -46,6 +46,100 @@ pub trait Device: Clone + Send + Sync + 'static {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor<Self>>;
     /// Converts to another dtype (floats round to nearest; float→i32 truncates).
     fn cast(&self, t: &Tensor<Self>, dtype: DType) -> Result<Tensor<Self>>;
+
+    /// Rows `start..start + len` of dimension 0, as a new tensor.
+    ///
+    /// Provided through the host (download, slice, upload), which is exact;
+    /// the parallel runtime uses it to cut optimizer shards and received
+    /// blocks. A device overrides it with an on-device copy.
+    fn narrow(&self, t: &Tensor<Self>, start: usize, len: usize) -> Result<Tensor<Self>> {
+        let shape = t.shape();
+        let rows = shape.first().copied().unwrap_or(0);
+        if start + len > rows {
+            return Err(crate::error::shape_err(
+                "narrow",
+                format!(
+                    "rows {start}..{} of a tensor of shape {shape:?}",
+                    start + len
+                ),
+            ));
+        }
+        let row: usize = shape[1..].iter().product();
+        let (a, b) = (start * row, (start + len) * row);
+        let data = match self.download(t)? {
+            HostData::F32(v) => HostData::F32(v[a..b].to_vec()),
+            HostData::F64(v) => HostData::F64(v[a..b].to_vec()),
+            HostData::I32(v) => HostData::I32(v[a..b].to_vec()),
+        };
+        let mut out_shape = shape.to_vec();
+        out_shape[0] = len;
+        let out = self.upload(data, &out_shape)?;
+        if out.dtype() == t.dtype() {
+            Ok(out)
+        } else {
+            self.cast(&out, t.dtype())
+        }
+    }
+
+    /// Concatenation along dimension 0 of tensors of one dtype whose other
+    /// dimensions agree.
+    ///
+    /// Provided through the host, exact; a device overrides it with
+    /// on-device copies.
+    fn concat(&self, parts: &[&Tensor<Self>]) -> Result<Tensor<Self>> {
+        let first = parts.first().ok_or(crate::error::KernelError::Empty {
+            op: "concat",
+            what: "parts",
+        })?;
+        let (dtype, tail) = (first.dtype(), first.shape()[1..].to_vec());
+        let mut rows = 0;
+        let mut data: Option<HostData> = None;
+        for p in parts {
+            if p.dtype() != dtype || p.shape().len() != tail.len() + 1 || p.shape()[1..] != tail[..]
+            {
+                return Err(crate::error::shape_err(
+                    "concat",
+                    format!(
+                        "part of shape {:?} ({:?}) after parts of shape [_, {tail:?}] ({dtype:?})",
+                        p.shape(),
+                        p.dtype()
+                    ),
+                ));
+            }
+            rows += p.shape()[0];
+            let host = self.download(p)?;
+            data = Some(match (data, host) {
+                (None, h) => h,
+                (Some(HostData::F32(mut a)), HostData::F32(b)) => {
+                    a.extend(b);
+                    HostData::F32(a)
+                }
+                (Some(HostData::F64(mut a)), HostData::F64(b)) => {
+                    a.extend(b);
+                    HostData::F64(a)
+                }
+                (Some(HostData::I32(mut a)), HostData::I32(b)) => {
+                    a.extend(b);
+                    HostData::I32(a)
+                }
+                (Some(a), b) => {
+                    return Err(crate::error::KernelError::DTypeMismatch {
+                        op: "concat",
+                        expected: a.dtype(),
+                        got: b.dtype(),
+                    })
+                }
+            });
+        }
+        let mut shape = vec![rows];
+        shape.extend(tail);
+        let out = self.upload(data.unwrap_or(HostData::F32(Vec::new())), &shape)?;
+        if out.dtype() == dtype {
+            Ok(out)
+        } else {
+            self.cast(&out, dtype)
+        }
+    }
 }
 
 /// The whole kernel backend: every area of operations on one device.

@@ -19,34 +19,68 @@ pub struct BalanceSaved<B: Backend> {
     pub dprobs_te: Tensor<B>,
 }
 
-/// Load-balancing loss over `n_seq` equal, consecutive segments of the T
-/// tokens, averaged over segments: `n_seq = 1` is Megatron's `aux` (and
-/// `global_aux` on one rank), `n_seq = batch` its `seq_aux`.
+/// Which rows of a micro-batch this rank's router sees, and how the micro-batch
+/// splits into the segments the balancing loss averages over.
+///
+/// On one rank the shard is the whole micro-batch. Under sequence parallelism
+/// each tensor-parallel rank holds `rows` consecutive rows starting at
+/// `offset` of the micro-batch's `total` rows; the losses computed on a shard
+/// are partial sums whose sum over the group is the micro-batch's loss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenShard {
+    /// First row of this shard within the micro-batch.
+    pub offset: usize,
+    /// Rows of the whole micro-batch.
+    pub total: usize,
+    /// Rows per balancing segment: `total` for `aux`, the sequence length for
+    /// `seq_aux`.
+    pub segment: usize,
+}
+
+impl TokenShard {
+    /// The whole micro-batch of `total` rows in `n_seg` equal segments.
+    pub fn whole(total: usize, n_seg: usize) -> Self {
+        TokenShard {
+            offset: 0,
+            total,
+            segment: total / n_seg.max(1),
+        }
+    }
+}
+
+/// Load-balancing loss over the equal, consecutive segments of the
+/// micro-batch, averaged over segments: one segment is Megatron's `aux` (and
+/// `global_aux` within a micro-batch), one per sequence its `seq_aux`.
 ///
 /// `probs_te` are the full-softmax probabilities (or sigmoid scores
-/// normalised over E), `mask_te` is 1 where a token chose an expert.
-/// Returns the loss `[1]` with `coef` applied.
+/// normalised over E) of the shard's rows, `mask_te` is 1 where a token chose
+/// an expert. `reduce` sums a tensor over the ranks sharing the micro-batch
+/// (the identity on one rank): the routed-copy shares `f` must count every
+/// row of a segment. Returns the shard's part of the loss `[1]` with `coef`
+/// applied.
 pub fn balance_forward<B: Backend>(
     b: &B,
     probs_te: &Tensor<B>,
     mask_te: &Tensor<B>,
-    n_seq: usize,
+    shard: TokenShard,
     top_k: usize,
     coef: f64,
+    reduce: &dyn Fn(&Tensor<B>) -> Result<Tensor<B>>,
 ) -> Result<(Tensor<B>, BalanceSaved<B>)> {
     let (t, e) = probs_te.dims2("balance_forward")?;
-    let seq = t / n_seq;
+    let seq = shard.segment;
+    let n_seq = shard.total / seq;
     // Rows of ones marking each segment's tokens: per-segment sums as one product.
     let mut seg = vec![0.0; n_seq * t];
     for (i, v) in seg.iter_mut().enumerate() {
-        if (i % t) / seq == i / t {
+        if (shard.offset + i % t) / seq == i / t {
             *v = 1.0;
         }
     }
     let seg_bt = constant(b, seg, &[n_seq, t], probs_te.dtype())?;
     // f_be = copies of e in segment b / (S·K); P_be = mean over b's tokens.
     let f_be = b.scale(
-        &b.matmul(&seg_bt, mask_te, false, false)?,
+        &reduce(&b.matmul(&seg_bt, mask_te, false, false)?)?,
         1.0 / (seq * top_k) as f64,
     )?;
     let p_be = b.scale(
@@ -69,29 +103,32 @@ pub struct ZSaved<B: Backend> {
     softmax_te: Tensor<B>,
     lse_t: Tensor<B>,
     coef: f64,
+    total: usize,
 }
 
 /// z-loss `coef·mean_t(lse_t²)`, `lse_t = logsumexp(logits_t)`: keeps the
-/// router logits small (ST-MoE). Returns the loss `[1]` with `coef` applied.
+/// router logits small (ST-MoE). The mean is over the `total` rows of the
+/// micro-batch, of which `logits_te` holds a shard (see [`TokenShard`]).
+/// Returns the shard's part of the loss `[1]` with `coef` applied.
 pub fn z_forward<B: Backend>(
     b: &B,
     logits_te: &Tensor<B>,
     coef: f64,
+    total: usize,
 ) -> Result<(Tensor<B>, ZSaved<B>)> {
-    let (t, _) = logits_te.dims2("z_forward")?;
     let lse_t = b.logsumexp(logits_te)?;
-    let loss = b.scale(&b.sum_squares(&lse_t)?, coef / t as f64)?;
+    let loss = b.scale(&b.sum_squares(&lse_t)?, coef / total as f64)?;
     let saved = ZSaved {
         softmax_te: b.softmax(logits_te)?,
         lse_t,
         coef,
+        total,
     };
     Ok((loss, saved))
 }
 
 /// `d z / d logits = coef·2·lse_t/T · softmax(logits_t)`, times `dloss`.
 pub fn z_backward<B: Backend>(b: &B, saved: ZSaved<B>, dloss: f64) -> Result<Tensor<B>> {
-    let (t, _) = saved.softmax_te.dims2("z_backward")?;
     let g = b.mul_rows(&saved.softmax_te, &saved.lse_t)?;
-    Ok(b.scale(&g, dloss * 2.0 * saved.coef / t as f64)?)
+    Ok(b.scale(&g, dloss * 2.0 * saved.coef / saved.total as f64)?)
 }

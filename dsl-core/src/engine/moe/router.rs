@@ -18,7 +18,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use super::loss::{self, BalanceSaved, ZSaved};
+use super::loss::{self, BalanceSaved, TokenShard, ZSaved};
 use super::ops::log_sigmoid_backward;
 use crate::engine::{init_normal, EngineError, Module, Param, Result};
 use crate::spec::{LoadBalance, MoeSpec, RouterSpec, ScoreFunction};
@@ -190,6 +190,33 @@ impl<B: Backend> Router<B> {
                 "Router::forward: T = {t} tokens do not split into n_seq = {n_seq} equal sequences"
             )));
         }
+        let identity = |x: &Tensor<B>| -> Result<Tensor<B>> { Ok(x.clone()) };
+        self.forward_shard(b, x_td, TokenShard::whole(t, n_seq), &identity)
+    }
+
+    /// Routes the `x: [T, D]` rows of `shard` (sequence parallelism: a slice
+    /// of the micro-batch). `reduce` sums over the ranks that share the
+    /// micro-batch; the returned losses are this shard's parts.
+    pub fn forward_shard(
+        &self,
+        b: &B,
+        x_td: &Tensor<B>,
+        shard: TokenShard,
+        reduce: &dyn Fn(&Tensor<B>) -> Result<Tensor<B>>,
+    ) -> Result<(Routing<B>, RouterSaved<B>)> {
+        let (t, _) = x_td.dims2("Router::forward")?;
+        let segments_ok = shard.segment > 0
+            && shard.total.is_multiple_of(shard.segment)
+            && shard.offset + t <= shard.total;
+        if !segments_ok {
+            return Err(EngineError::Invalid(format!(
+                "Router::forward: rows {}..{} of a micro-batch of {} do not fit segments of {}",
+                shard.offset,
+                shard.offset + t,
+                shard.total,
+                shard.segment
+            )));
+        }
         let (e, k) = (self.experts, self.top_k);
         let dtype = x_td.dtype();
         let logits_te = b.matmul(x_td, &self.weight.value, false, false)?;
@@ -241,11 +268,12 @@ impl<B: Backend> Router<B> {
 
         let segments = match self.spec.load_balance {
             LoadBalance::None => None,
-            // One rank sees one micro-batch: global_aux reduces to aux here; the
-            // sum of loads over the dp group and accumulation steps comes with
-            // the parallel runtime.
-            LoadBalance::Aux | LoadBalance::GlobalAux => Some(1),
-            LoadBalance::SeqAux => Some(n_seq),
+            // global_aux is aux over the micro-batch (see the module docs of `moe`).
+            LoadBalance::Aux | LoadBalance::GlobalAux => Some(TokenShard {
+                segment: shard.total,
+                ..shard
+            }),
+            LoadBalance::SeqAux => Some(shard),
         };
         let (aux_loss, aux) = match segments {
             Some(n) if self.spec.aux_coef != 0.0 => {
@@ -257,8 +285,15 @@ impl<B: Backend> Router<B> {
                         Some(scores_te.clone()),
                     ),
                 };
-                let (loss, balance) =
-                    loss::balance_forward(b, &probs_te, &mask_te, n, k, self.spec.aux_coef)?;
+                let (loss, balance) = loss::balance_forward(
+                    b,
+                    &probs_te,
+                    &mask_te,
+                    n,
+                    k,
+                    self.spec.aux_coef,
+                    reduce,
+                )?;
                 let saved = AuxSaved {
                     probs_te,
                     sigmoid_te,
@@ -269,7 +304,7 @@ impl<B: Backend> Router<B> {
             _ => (b.zeros(&[1], dtype)?, None),
         };
         let (z_loss, z) = if self.spec.z_loss_coef != 0.0 {
-            let (loss, saved) = loss::z_forward(b, &logits_te, self.spec.z_loss_coef)?;
+            let (loss, saved) = loss::z_forward(b, &logits_te, self.spec.z_loss_coef, shard.total)?;
             (loss, Some(saved))
         } else {
             (b.zeros(&[1], dtype)?, None)

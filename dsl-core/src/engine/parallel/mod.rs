@@ -1,0 +1,182 @@
+//! The engine under a parallel layout (DESIGN §3–§5): N ranks, each holding
+//! its shard of the model, computing together what one rank computes.
+//!
+//! - **Attention mesh** `tp × dp` (cp and pp come later): attention and the
+//!   dense MLP are tensor-parallel (column-parallel in, row-parallel out);
+//!   between blocks the hidden states are split along the tokens of the
+//!   micro-batch across the tp group (sequence parallelism), so every
+//!   column-parallel input is an all-gather and every row-parallel output a
+//!   reduce-scatter. The embedding and the head are split over the
+//!   vocabulary, and the cross-entropy is computed vocabulary-parallel.
+//! - **Expert mesh** `etp × ep × edp` over the same ranks (folding): the MoE
+//!   layer routes its sequence-parallel shard of tokens, exchanges them over
+//!   the ep group with an all-to-all-v, gathers them within etp (which splits
+//!   the expert ffn), runs its local experts, and sends the results back.
+//! - **Gradients**: parameters replicated across tp (norms, router, shared
+//!   gate) see only their rank's tokens and are summed over tp; dense
+//!   parameters are then reduced over dp, expert parameters over edp, by the
+//!   distributed optimizer's reduce-scatter ([`trainer`]).
+//!
+//! The equivalence to one rank is the contract: one rank with gradient
+//! accumulation over the dp micro-batches gives the same losses and
+//! gradients (`tests/parallel_equivalence.rs`).
+
+pub mod model;
+pub mod moe;
+pub mod shard;
+pub mod trainer;
+
+pub use model::ParallelModel;
+pub use shard::{ShardSpec, Split, SplitAxis};
+pub use trainer::ParallelTrainer;
+
+use foldmoe_kernels::{Backend, Communicator, Group, ReduceOp, Tensor};
+
+use super::{EngineError, Result};
+use crate::layout::{GroupKind, Layout};
+
+/// One rank's place in a layout: its coordinates and the groups it belongs to.
+#[derive(Clone, Debug)]
+pub struct RankLayout {
+    /// The layout (checked against the model).
+    pub layout: Layout,
+    /// This rank.
+    pub rank: usize,
+    /// Tensor-parallel group and this rank's index in it.
+    pub tp: Group,
+    /// Index in the tp group.
+    pub tp_index: usize,
+    /// Data-parallel group (dense gradients).
+    pub dp: Group,
+    /// Index in the dp group.
+    pub dp_index: usize,
+    /// Expert-parallel group (token all-to-all).
+    pub ep: Group,
+    /// Index in the ep group.
+    pub ep_index: usize,
+    /// Expert tensor-parallel group.
+    pub etp: Group,
+    /// Index in the etp group.
+    pub etp_index: usize,
+    /// Expert data-parallel group (expert gradients).
+    pub edp: Group,
+    /// Every rank of this rank's pipeline stage (losses, norms, loads).
+    pub stage: Group,
+}
+
+impl RankLayout {
+    /// `rank`'s groups under `layout`; an error for what the runtime does not
+    /// run yet (pipeline and context parallelism) or a rank outside the world.
+    pub fn new(layout: &Layout, rank: usize) -> Result<Self> {
+        if rank >= layout.world {
+            return Err(EngineError::Invalid(format!(
+                "rank {rank} is outside layout {} of world {}",
+                layout.name, layout.world
+            )));
+        }
+        if layout.pp > 1 || layout.cp > 1 || layout.vpp > 1 {
+            return Err(EngineError::Invalid(format!(
+                "layout {}: pp = {}, vpp = {}, cp = {}; the parallel runtime runs tp, dp, ep, \
+                 etp and edp for now: use pp = 1 and cp = 1",
+                layout.name, layout.pp, layout.vpp, layout.cp
+            )));
+        }
+        let group = |kind| Group::new(layout.group_of(kind, rank));
+        let index = |g: &Group| g.index_of(rank).unwrap_or(0);
+        let (tp, dp, ep, etp, edp) = (
+            group(GroupKind::Tp),
+            group(GroupKind::Dp),
+            group(GroupKind::Ep),
+            group(GroupKind::Etp),
+            group(GroupKind::Edp),
+        );
+        Ok(RankLayout {
+            layout: layout.clone(),
+            rank,
+            tp_index: index(&tp),
+            dp_index: index(&dp),
+            ep_index: index(&ep),
+            etp_index: index(&etp),
+            tp,
+            dp,
+            ep,
+            etp,
+            edp,
+            stage: Group::new((0..layout.world).collect()),
+        })
+    }
+}
+
+/// What a parallel layer needs besides its own weights: the backend, the
+/// communicator and this rank's place in the layout.
+pub struct Ctx<'a, B: Backend> {
+    /// The kernel backend.
+    pub b: &'a B,
+    /// The collectives of this rank.
+    pub comm: &'a dyn Communicator<B>,
+    /// This rank's groups.
+    pub rank: &'a RankLayout,
+}
+
+impl<B: Backend> Ctx<'_, B> {
+    /// Sequence-parallel shard → the whole micro-batch (all-gather over tp).
+    pub fn gather_tp(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
+        if self.rank.tp.size() == 1 {
+            return Ok(x.clone());
+        }
+        Ok(self.comm.all_gather(self.b, &self.rank.tp, x)?)
+    }
+
+    /// Partial sums over the whole micro-batch → this rank's summed shard
+    /// (reduce-scatter over tp).
+    pub fn scatter_tp(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
+        if self.rank.tp.size() == 1 {
+            return Ok(x.clone());
+        }
+        Ok(self.comm.reduce_scatter(self.b, &self.rank.tp, x)?)
+    }
+
+    /// Sum over `group` (the identity for a group of one).
+    pub fn sum_over(&self, group: &Group, x: &Tensor<B>) -> Result<Tensor<B>> {
+        if group.size() == 1 {
+            return Ok(x.clone());
+        }
+        Ok(self.comm.all_reduce(self.b, group, x, ReduceOp::Sum)?)
+    }
+}
+
+/// Runs `f` on every rank of `layout` as threads of this process (the local
+/// communicator), each with its [`Ctx`]; returns the ranks' results in rank
+/// order. A rank that fails aborts the world, so the others return an error
+/// within `timeout` instead of waiting for it.
+pub fn run_local_layout<B, T, F>(
+    b: &B,
+    layout: &Layout,
+    timeout: std::time::Duration,
+    f: F,
+) -> Vec<Result<T>>
+where
+    B: Backend,
+    T: Send,
+    F: Fn(&Ctx<B>) -> Result<T> + Sync,
+{
+    let results = foldmoe_kernels::comm::local::run_local(layout.world, timeout, |comm| {
+        let rank = Communicator::<B>::rank(&comm);
+        let outcome = RankLayout::new(layout, rank).and_then(|rl| {
+            let ctx = Ctx {
+                b,
+                comm: &comm,
+                rank: &rl,
+            };
+            f(&ctx)
+        });
+        if let Err(e) = &outcome {
+            Communicator::<B>::abort(&comm, &e.to_string());
+        }
+        Ok(outcome)
+    });
+    results
+        .into_iter()
+        .map(|r| r.map_err(EngineError::from).and_then(|inner| inner))
+        .collect()
+}

@@ -1,0 +1,615 @@
+//! One rank's shard of the model and its forward/backward under a layout
+//! (Megatron-Core's `GPTModel` with tensor, sequence, data and expert
+//! parallelism).
+//!
+//! ```text
+//! x_l   = reduce_scatter_tp(embed_vocab_shard(tokens))          // [T/tp, D]
+//! block: x_l += reduce_scatter_tp(attn_heads_shard(all_gather_tp(norm(x_l))))
+//!        x_l += reduce_scatter_tp(mlp_ffn_shard(all_gather_tp(norm(x_l))))   (dense)
+//!        x_l += moe(norm(x_l))                                  (MoE, see `moe`)
+//! logits_l = all_gather_tp(norm(x_l)) · W_vocab_shardᵀ           // [T, V/tp]
+//! loss  = mean_t (lse_t − z_t), lse and the target logit z combined over tp
+//! ```
+//!
+//! T is the micro-batch's tokens (all tp ranks of a dp rank hold the same
+//! micro-batch); a rank's sequence-parallel shard is rows
+//! `tp_index·T/tp .. (tp_index+1)·T/tp` of the flattened `[B·S]` tokens.
+
+use foldmoe_kernels::{Backend, DType, HostData, Tensor};
+
+use super::moe::{ParallelMoe, ParallelMoeSaved};
+use super::shard::{shard_param, upload_as};
+use super::{Ctx, RankLayout, Split, SplitAxis};
+use crate::engine::block::{Attn, AttnSaved, Ffn};
+use crate::engine::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
+use crate::engine::mlp::{MlpSaved, SwiGluMlp};
+use crate::engine::model::Model;
+use crate::engine::moe::MoeStats;
+use crate::engine::norm::{NormSaved, RmsNorm};
+use crate::engine::param::{Module, Param};
+use crate::engine::{EngineError, Result};
+use crate::spec::{FfnSpec, ModelSpec};
+
+/// The feed-forward part of a parallel block.
+pub enum ParallelFfn<B: Backend> {
+    /// Dense SwiGLU MLP, its ffn split over tp.
+    Dense(Box<SwiGluMlp<B>>),
+    /// MoE layer over the expert mesh.
+    Moe(Box<ParallelMoe<B>>),
+}
+
+enum FfnSaved<B: Backend> {
+    Dense(MlpSaved<B>),
+    Moe(Box<ParallelMoeSaved<B>>),
+}
+
+/// A pre-norm block of one rank.
+pub struct ParallelBlock<B: Backend> {
+    /// Norm before attention (replicated over tp).
+    pub attn_norm: RmsNorm<B>,
+    /// Attention with this rank's heads.
+    pub attn: Attn<B>,
+    /// Norm before the feed-forward (replicated over tp).
+    pub ffn_norm: RmsNorm<B>,
+    /// Dense MLP shard or MoE layer.
+    pub ffn: ParallelFfn<B>,
+}
+
+struct BlockSaved<B: Backend> {
+    attn_norm: NormSaved<B>,
+    attn: AttnSaved<B>,
+    ffn_norm: NormSaved<B>,
+    ffn: FfnSaved<B>,
+}
+
+/// One rank's shard of a decoder-only MoE language model.
+pub struct ParallelModel<B: Backend> {
+    /// The full model's spec.
+    pub spec: ModelSpec,
+    /// This rank's place in the layout.
+    pub rank: RankLayout,
+    /// Rows `vocab_start..vocab_start + V/tp` of the embedding table.
+    pub embed: Embedding<B>,
+    /// The blocks, first to last.
+    pub blocks: Vec<ParallelBlock<B>>,
+    /// Norm before the head (replicated over tp).
+    pub final_norm: RmsNorm<B>,
+    /// The head's vocabulary shard (or tied to `embed`).
+    pub head: LmHead<B>,
+    vocab_start: usize,
+}
+
+/// What [`ParallelModel::backward`] needs from the forward.
+pub struct ParallelSaved<B: Backend> {
+    embed: EmbeddingSaved<B>,
+    /// `[T]` 1 where the token's id is in this rank's vocabulary shard (tp > 1).
+    embed_mask_t: Option<Tensor<B>>,
+    blocks: Vec<BlockSaved<B>>,
+    final_norm: NormSaved<B>,
+    head: HeadSaved<B>,
+    logits_tv: Tensor<B>,
+    ce: CeSaved<B>,
+    /// `[T]`: valid / count, the gradient of the mean loss per token.
+    dloss_t: Tensor<B>,
+}
+
+/// What the cross-entropy's backward needs.
+enum CeSaved<B: Backend> {
+    /// One tp rank: the plain kernel.
+    Whole {
+        targets_t: Tensor<B>,
+        lse_t: Tensor<B>,
+    },
+    /// Vocabulary-parallel: local targets (`-1` outside the shard), the
+    /// global log-sum-exp, and `outside_share_t = (1 − in_shard)·Σ_{v in
+    /// shard} softmax`, which scales the local softmax for rows whose target
+    /// lives on another rank.
+    Vocab {
+        local_targets_t: Tensor<B>,
+        lse_t: Tensor<B>,
+        outside_share_t: Tensor<B>,
+    },
+}
+
+/// A forward's losses (this rank's parts) and routing loads.
+pub struct ParallelOut<B: Backend> {
+    /// Mean cross-entropy of the micro-batch, `[1]` (equal on the tp ranks).
+    pub loss: Tensor<B>,
+    /// This rank's part of the MoE losses, `[1]`: their sum over tp is the
+    /// micro-batch's aux + z loss.
+    pub aux_loss: Tensor<B>,
+    /// This rank's tokens routed to each expert, `[E]` per MoE layer.
+    pub moe_load: Vec<Tensor<B>>,
+    /// Input of [`ParallelModel::backward`].
+    pub saved: ParallelSaved<B>,
+}
+
+impl<B: Backend> ParallelModel<B> {
+    /// Cuts `rank`'s shard out of the full `model` (built with the run's seed,
+    /// so every rank cuts from the same weights).
+    pub fn from_model(b: &B, model: Model<B>, rank: RankLayout) -> Result<Self> {
+        let Model {
+            spec,
+            mut embed,
+            blocks,
+            final_norm,
+            mut head,
+        } = model;
+        let (tp, tp_i) = (rank.tp.size(), rank.tp_index);
+        let vocab_split = vec![Split {
+            axis: SplitAxis::Tp,
+            dim: 0,
+            index: tp_i,
+            parts: tp,
+        }];
+        if tp > 1 {
+            if !spec.vocab.is_multiple_of(tp) {
+                return Err(EngineError::Invalid(format!(
+                    "vocab {} does not split over tp = {tp}; pad the vocabulary to a multiple of tp",
+                    spec.vocab
+                )));
+            }
+            shard_param(b, &mut embed.table, vocab_split.clone())?;
+            if let Some(w) = head.weight.as_mut() {
+                shard_param(b, w, vocab_split)?;
+            }
+        }
+        let ffn_specs: Vec<FfnSpec> = spec
+            .groups
+            .iter()
+            .flat_map(|g| std::iter::repeat_n(g.ffn.clone(), g.count))
+            .collect();
+        let mut out_blocks = Vec::with_capacity(blocks.len());
+        for (block, ffn_spec) in blocks.into_iter().zip(ffn_specs) {
+            let mut attn = block.attn;
+            if tp > 1 {
+                match &mut attn {
+                    Attn::Gqa(a) => a.shard_heads(b, tp_i, tp)?,
+                    Attn::Mla(_) => {
+                        return Err(EngineError::Invalid(format!(
+                            "model {}: MLA attention under tp = {tp} is not supported by the \
+                             parallel runtime yet; use tp = 1 (ep, etp, dp work)",
+                            spec.name
+                        )))
+                    }
+                }
+            }
+            let ffn = match block.ffn {
+                Ffn::Dense(mut mlp) => {
+                    shard_mlp(b, &mut mlp, tp_i, tp)?;
+                    ParallelFfn::Dense(mlp)
+                }
+                Ffn::Moe(moe) => {
+                    let FfnSpec::Moe(moe_spec) = &ffn_spec else {
+                        return Err(EngineError::Invalid(format!(
+                            "model {}: an MoE block where the spec declares a dense one",
+                            spec.name
+                        )));
+                    };
+                    ParallelFfn::Moe(Box::new(ParallelMoe::from_layer(b, *moe, moe_spec, &rank)?))
+                }
+            };
+            out_blocks.push(ParallelBlock {
+                attn_norm: block.attn_norm,
+                attn,
+                ffn_norm: block.ffn_norm,
+                ffn,
+            });
+        }
+        Ok(ParallelModel {
+            vocab_start: tp_i * spec.vocab / tp,
+            spec,
+            rank,
+            embed,
+            blocks: out_blocks,
+            final_norm,
+            head,
+        })
+    }
+
+    /// Loss of this dp rank's micro-batch `tokens, targets: [batch·seq_len]`
+    /// (host ids, as the data loader gives them; a target of `-1` is ignored).
+    pub fn forward(
+        &self,
+        ctx: &Ctx<B>,
+        tokens: &[i32],
+        targets: &[i32],
+        seq_len: usize,
+    ) -> Result<ParallelOut<B>> {
+        let b = ctx.b;
+        let t = tokens.len();
+        let tp = self.rank.tp.size();
+        if targets.len() != t || seq_len == 0 || !t.is_multiple_of(seq_len) {
+            return Err(EngineError::Invalid(format!(
+                "parallel forward: {t} tokens and {} targets do not form sequences of {seq_len}",
+                targets.len()
+            )));
+        }
+        if !t.is_multiple_of(tp) {
+            return Err(EngineError::Invalid(format!(
+                "parallel forward: {t} tokens of the micro-batch do not split over tp = {tp} \
+                 (sequence parallelism)"
+            )));
+        }
+        let dtype = self.embed.table.value.dtype();
+        let vocab_local = self.embed.table.value.shape()[0];
+        let (v0, v1) = (self.vocab_start, self.vocab_start + vocab_local);
+        for &id in tokens {
+            if id < 0 || id as usize >= self.spec.vocab {
+                return Err(EngineError::Invalid(format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    self.spec.vocab
+                )));
+            }
+        }
+        let in_shard = |id: i32| id >= 0 && (id as usize) >= v0 && (id as usize) < v1;
+
+        // Embedding: this rank's vocabulary rows, zero elsewhere, summed over tp.
+        let local_ids: Vec<i32> = tokens
+            .iter()
+            .map(|&id| if in_shard(id) { id - v0 as i32 } else { 0 })
+            .collect();
+        let ids_t = b.upload(HostData::I32(local_ids), &[t])?;
+        let (emb_td, embed) = self.embed.forward(b, &ids_t)?;
+        let (x_td, embed_mask_t) = if tp > 1 {
+            let mask: Vec<f64> = tokens
+                .iter()
+                .map(|&id| if in_shard(id) { 1.0 } else { 0.0 })
+                .collect();
+            let mask_t = upload_as(b, mask, &[t], dtype)?;
+            let x = ctx.scatter_tp(&b.mul_rows(&emb_td, &mask_t)?)?;
+            (x, Some(mask_t))
+        } else {
+            (emb_td, None)
+        };
+
+        let mut x_td = x_td;
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        let mut aux_loss = b.zeros(&[1], dtype)?;
+        let mut moe_load = Vec::new();
+        for block in &self.blocks {
+            let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, t)?;
+            if let Some(stats) = stats {
+                aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
+                moe_load.push(stats.load);
+            }
+            blocks.push(saved);
+            x_td = y;
+        }
+        let (h_td, final_norm) = self.final_norm.forward(b, &x_td)?;
+        let h_full = ctx.gather_tp(&h_td)?;
+        let (logits_tv, head) = self.head.forward(b, &self.embed, &h_full)?;
+
+        let valid: Vec<f64> = targets.iter().map(|&y| f64::from(y >= 0)).collect();
+        let count = valid.iter().sum::<f64>();
+        let inv = if count > 0.0 { 1.0 / count } else { 0.0 };
+        let dloss_t = upload_as(b, valid.iter().map(|v| v * inv).collect(), &[t], dtype)?;
+        let (loss_t, ce) = if tp == 1 {
+            let targets_t = b.upload(HostData::I32(targets.to_vec()), &[t])?;
+            let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
+            (loss_t, CeSaved::Whole { targets_t, lse_t })
+        } else {
+            self.vocab_parallel_ce(ctx, &logits_tv, targets, dtype)?
+        };
+        let loss = b.sum(&b.mul(&loss_t, &dloss_t)?)?;
+        let saved = ParallelSaved {
+            embed,
+            embed_mask_t,
+            blocks,
+            final_norm,
+            head,
+            logits_tv,
+            ce,
+            dloss_t,
+        };
+        Ok(ParallelOut {
+            loss,
+            aux_loss,
+            moe_load,
+            saved,
+        })
+    }
+
+    /// Per-token cross-entropy with the vocabulary split over tp:
+    /// `lse = log Σ_r exp(lse_r)` and the target logit summed from the rank
+    /// that holds it. Returns the loss per token (`0` for ignored targets).
+    fn vocab_parallel_ce(
+        &self,
+        ctx: &Ctx<B>,
+        logits_tv: &Tensor<B>,
+        targets: &[i32],
+        dtype: DType,
+    ) -> Result<(Tensor<B>, CeSaved<B>)> {
+        let b = ctx.b;
+        let (t, vocab_local) = logits_tv.dims2("vocab_parallel_ce")?;
+        let (tp, tp_i) = (self.rank.tp.size(), self.rank.tp_index);
+        let v0 = self.vocab_start as i32;
+        let in_shard: Vec<bool> = targets
+            .iter()
+            .map(|&y| y >= v0 && y < v0 + vocab_local as i32)
+            .collect();
+        let local_targets: Vec<i32> = targets
+            .iter()
+            .zip(&in_shard)
+            .map(|(&y, &inside)| if inside { y - v0 } else { -1 })
+            .collect();
+        let clamped: Vec<i32> = local_targets.iter().map(|&y| y.max(0)).collect();
+        let inside_t = upload_as(
+            b,
+            in_shard.iter().map(|&i| f64::from(i)).collect(),
+            &[t],
+            dtype,
+        )?;
+        let outside_t = upload_as(
+            b,
+            in_shard
+                .iter()
+                .zip(targets)
+                .map(|(&i, &y)| f64::from(!i && y >= 0))
+                .collect(),
+            &[t],
+            dtype,
+        )?;
+
+        // Every rank's lse, as columns [T, tp]: the transpose is a product
+        // with the identity, which is exact.
+        let lse_local_1t = b.logsumexp(logits_tv)?.reshape(&[1, t])?;
+        let lse_all_rt = ctx.comm.all_gather(b, &self.rank.tp, &lse_local_1t)?;
+        let mut eye = vec![0.0; tp * tp];
+        for i in 0..tp {
+            eye[i * tp + i] = 1.0;
+        }
+        let eye = upload_as(b, eye, &[tp, tp], dtype)?;
+        let lse_tr = b.matmul(&lse_all_rt, &eye, true, false)?;
+        let lse_t = b.logsumexp(&lse_tr)?;
+        // Σ_{v in this shard} softmax(logits_t)_v = softmax over ranks' lse.
+        let rank_col = b.upload(HostData::I32(vec![tp_i as i32; t]), &[t, 1])?;
+        let share_t = b
+            .gather_cols(&b.softmax(&lse_tr)?, &rank_col)?
+            .reshape(&[t])?;
+        let outside_share_t = b.mul(&share_t, &outside_t)?;
+
+        let clamped_t1 = b.upload(HostData::I32(clamped), &[t, 1])?;
+        let z_local_t = b.mul(
+            &b.gather_cols(logits_tv, &clamped_t1)?.reshape(&[t])?,
+            &inside_t,
+        )?;
+        let z_t = ctx.sum_over(&self.rank.tp, &z_local_t)?;
+        let valid_t = upload_as(
+            b,
+            targets.iter().map(|&y| f64::from(y >= 0)).collect(),
+            &[t],
+            dtype,
+        )?;
+        let loss_t = b.mul(&b.sub(&lse_t, &z_t)?, &valid_t)?;
+        let local_targets_t = b.upload(HostData::I32(local_targets), &[t])?;
+        Ok((
+            loss_t,
+            CeSaved::Vocab {
+                local_targets_t,
+                lse_t,
+                outside_share_t,
+            },
+        ))
+    }
+
+    /// Accumulates into this rank's parameters the gradients of
+    /// `loss_scale · (loss + aux_loss)` (before any reduction over ranks).
+    pub fn backward(
+        &mut self,
+        ctx: &Ctx<B>,
+        saved: ParallelSaved<B>,
+        loss_scale: f64,
+    ) -> Result<()> {
+        let b = ctx.b;
+        let ParallelSaved {
+            embed,
+            embed_mask_t,
+            blocks,
+            final_norm,
+            head,
+            logits_tv,
+            ce,
+            dloss_t,
+        } = saved;
+        let dloss_t = b.scale(&dloss_t, loss_scale)?;
+        let dlogits_tv = match ce {
+            CeSaved::Whole { targets_t, lse_t } => {
+                b.cross_entropy_backward(&logits_tv, &targets_t, &lse_t, &dloss_t)?
+            }
+            CeSaved::Vocab {
+                local_targets_t,
+                lse_t,
+                outside_share_t,
+            } => {
+                // Rows whose target is here: the kernel, with the global lse.
+                let mut d =
+                    b.cross_entropy_backward(&logits_tv, &local_targets_t, &lse_t, &dloss_t)?;
+                // Rows whose target is elsewhere: dloss · exp(logits − lse).
+                let scale_t = b.mul(&dloss_t, &outside_share_t)?;
+                b.axpy(&mut d, 1.0, &b.mul_rows(&b.softmax(&logits_tv)?, &scale_t)?)?;
+                d
+            }
+        };
+        let dh_full = self.head.backward(b, &mut self.embed, &dlogits_tv, head)?;
+        let dh_td = ctx.scatter_tp(&dh_full)?;
+        let mut dx_td = self.final_norm.backward(b, &dh_td, final_norm)?;
+        for (block, saved) in self.blocks.iter_mut().zip(blocks).rev() {
+            dx_td = block.backward(ctx, &dx_td, saved, loss_scale)?;
+        }
+        let demb_td = match &embed_mask_t {
+            Some(mask_t) => b.mul_rows(&ctx.gather_tp(&dx_td)?, mask_t)?,
+            None => dx_td,
+        };
+        self.embed.backward(b, &demb_td, embed)?;
+        Ok(())
+    }
+
+    /// Aux-loss-free balancing after a step, from the loads summed over every
+    /// rank of the stage (one `[E]` per MoE layer).
+    pub fn update_expert_biases(&mut self, b: &B, loads: &[Tensor<B>]) -> Result<()> {
+        let mut loads = loads.iter();
+        for block in &mut self.blocks {
+            if let ParallelFfn::Moe(moe) = &mut block.ffn {
+                let load = loads.next().ok_or_else(|| {
+                    EngineError::Invalid("update_expert_biases: fewer loads than MoE layers".into())
+                })?;
+                moe.router.update_expert_bias(b, load)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Calls `f` on the dense parameters (attention mesh: reduced over dp),
+    /// in the full model's visit order.
+    pub fn visit_dense(&self, f: &mut dyn FnMut(&Param<B>)) {
+        f(&self.embed.table);
+        for block in &self.blocks {
+            block.attn_norm.visit_params(f);
+            block.attn.visit_params(f);
+            block.ffn_norm.visit_params(f);
+            match &block.ffn {
+                ParallelFfn::Dense(mlp) => mlp.visit_params(f),
+                ParallelFfn::Moe(moe) => moe.visit_dense(f),
+            }
+        }
+        self.final_norm.visit_params(f);
+        self.head.visit_params(f);
+    }
+
+    /// Mutable [`Self::visit_dense`].
+    pub fn visit_dense_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        f(&mut self.embed.table);
+        for block in &mut self.blocks {
+            block.attn_norm.visit_params_mut(f);
+            block.attn.visit_params_mut(f);
+            block.ffn_norm.visit_params_mut(f);
+            match &mut block.ffn {
+                ParallelFfn::Dense(mlp) => mlp.visit_params_mut(f),
+                ParallelFfn::Moe(moe) => moe.visit_dense_mut(f),
+            }
+        }
+        self.final_norm.visit_params_mut(f);
+        self.head.visit_params_mut(f);
+    }
+
+    /// Calls `f` on the routed experts' parameters (expert mesh: reduced over edp).
+    pub fn visit_experts(&self, f: &mut dyn FnMut(&Param<B>)) {
+        for block in &self.blocks {
+            if let ParallelFfn::Moe(moe) = &block.ffn {
+                moe.experts.visit_params(f);
+            }
+        }
+    }
+
+    /// Mutable [`Self::visit_experts`].
+    pub fn visit_experts_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        for block in &mut self.blocks {
+            if let ParallelFfn::Moe(moe) = &mut block.ffn {
+                moe.experts.visit_params_mut(f);
+            }
+        }
+    }
+}
+
+/// Column-parallel `w1`, `w3` and row-parallel `w2` of a SwiGLU MLP.
+pub(crate) fn shard_mlp<B: Backend>(
+    b: &B,
+    mlp: &mut SwiGluMlp<B>,
+    index: usize,
+    parts: usize,
+) -> Result<()> {
+    if parts == 1 {
+        return Ok(());
+    }
+    let split = |dim| {
+        vec![Split {
+            axis: SplitAxis::Tp,
+            dim,
+            index,
+            parts,
+        }]
+    };
+    let ffn = mlp.w1.value.shape()[1];
+    if !ffn.is_multiple_of(parts) {
+        return Err(EngineError::Invalid(format!(
+            "MLP {}: ffn {ffn} does not split over tp = {parts}",
+            mlp.w1.name
+        )));
+    }
+    shard_param(b, &mut mlp.w1, split(1))?;
+    shard_param(b, &mut mlp.w3, split(1))?;
+    shard_param(b, &mut mlp.w2, split(0))?;
+    Ok(())
+}
+
+impl<B: Backend> ParallelBlock<B> {
+    fn forward(
+        &self,
+        ctx: &Ctx<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+    ) -> Result<(Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>)> {
+        let b = ctx.b;
+        let (h, attn_norm) = self.attn_norm.forward(b, x_td)?;
+        let (a_full, attn) = self.attn.forward(b, &ctx.gather_tp(&h)?, seq_len)?;
+        let x1 = b.add(x_td, &ctx.scatter_tp(&a_full)?)?;
+        let (h2, ffn_norm) = self.ffn_norm.forward(b, &x1)?;
+        let (y, ffn, stats) = match &self.ffn {
+            ParallelFfn::Dense(mlp) => {
+                let (m_full, saved) = mlp.forward(b, &ctx.gather_tp(&h2)?)?;
+                (ctx.scatter_tp(&m_full)?, FfnSaved::Dense(saved), None)
+            }
+            ParallelFfn::Moe(moe) => {
+                let (y, saved, stats) = moe.forward(ctx, &h2, seq_len, tokens)?;
+                (y, FfnSaved::Moe(Box::new(saved)), Some(stats))
+            }
+        };
+        let out = b.add(&x1, &y)?;
+        let saved = BlockSaved {
+            attn_norm,
+            attn,
+            ffn_norm,
+            ffn,
+        };
+        Ok((out, saved, stats))
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &Ctx<B>,
+        dy_td: &Tensor<B>,
+        saved: BlockSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let BlockSaved {
+            attn_norm,
+            attn,
+            ffn_norm,
+            ffn,
+        } = saved;
+        let dh2 = match (&mut self.ffn, ffn) {
+            (ParallelFfn::Dense(mlp), FfnSaved::Dense(s)) => {
+                let d_full = mlp.backward(b, &ctx.gather_tp(dy_td)?, s)?;
+                ctx.scatter_tp(&d_full)?
+            }
+            (ParallelFfn::Moe(moe), FfnSaved::Moe(s)) => {
+                moe.backward(ctx, dy_td, *s, loss_scale)?
+            }
+            _ => {
+                return Err(EngineError::Invalid(
+                    "parallel block backward: saved state of another feed-forward kind".into(),
+                ))
+            }
+        };
+        let mut dx1 = self.ffn_norm.backward(b, &dh2, ffn_norm)?;
+        b.axpy(&mut dx1, 1.0, dy_td)?;
+        let da_full = self.attn.backward(b, &ctx.gather_tp(&dx1)?, attn)?;
+        let dh = ctx.scatter_tp(&da_full)?;
+        let mut dx = self.attn_norm.backward(b, &dh, attn_norm)?;
+        b.axpy(&mut dx, 1.0, &dx1)?;
+        Ok(dx)
+    }
+}

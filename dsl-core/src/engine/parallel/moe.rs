@@ -1,0 +1,431 @@
+//! The MoE layer over the folded expert mesh (DESIGN §4; Megatron-Core's
+//! `MoEAlltoAllTokenDispatcher`).
+//!
+//! ```text
+//! route   this rank's sequence-parallel rows (router replicated over tp;
+//!         balancing statistics summed over tp, so the loss is the micro-batch's)
+//! permute copies into expert-major order over all E experts
+//! a2a-v   over ep: rows for experts [j·E/ep, (j+1)·E/ep) go to ep rank j
+//! gather  within etp (the etp ranks hold the same experts, ffn split)
+//! sort    received (source, expert) blocks into expert-major order
+//! compute grouped GEMM over the E/ep local experts (ffn/etp each)
+//! back    the same steps reversed: unsort, sum over etp and keep own rows,
+//!         a2a-v back, un-permute weighted by the routing weights
+//! shared  experts: tensor-parallel like the dense MLP
+//! ```
+//!
+//! The token counts of the all-to-all are read on the host, as Megatron-Core
+//! does before its all-to-all-v: the buffer sizes depend on them.
+//!
+//! Capacity mode keeps, for every micro-batch, exactly the copies one rank
+//! would keep: the router decisions are gathered over tp and the plan is made
+//! over the whole micro-batch (Megatron-Core plans per sequence-parallel
+//! shard, so its drops change with tp; ours do not). Padding to capacity is
+//! not applied across ranks: padding rows are zeros and change no output or
+//! gradient.
+
+use foldmoe_kernels::{Backend, DropPolicy, HostData, RoutingPlan, Tensor};
+
+use super::model::shard_mlp;
+use super::shard::shard_param;
+use super::{Ctx, RankLayout, Split, SplitAxis};
+use crate::engine::moe::dispatcher::Dispatcher;
+use crate::engine::moe::experts::{Experts, ExpertsSaved};
+use crate::engine::moe::loss::TokenShard;
+use crate::engine::moe::router::{Router, RouterSaved};
+use crate::engine::moe::shared::{SharedExperts, SharedSaved};
+use crate::engine::moe::{MoeLayer, MoeStats};
+use crate::engine::param::{Module, Param};
+use crate::engine::{EngineError, Result};
+use crate::spec::{DropPolicySpec, LoadBalance, MoeSpec};
+
+/// One rank's part of an MoE layer.
+pub struct ParallelMoe<B: Backend> {
+    /// The router over all E experts (replicated).
+    pub router: Router<B>,
+    /// This rank's experts `[E/ep, …]`, their ffn split over etp.
+    pub experts: Experts<B>,
+    /// Shared experts, ffn split over tp.
+    pub shared: Option<SharedExperts<B>>,
+    dispatcher: Dispatcher,
+    spec: MoeSpec,
+}
+
+/// The token exchange of one forward: sizes and the sort order.
+struct Exchange<B: Backend> {
+    /// Rows sent to each ep rank.
+    send_rows: Vec<usize>,
+    /// Rows received from each ep rank.
+    recv_rows: Vec<usize>,
+    /// Rows of every etp member's received block, in etp order.
+    etp_rows: Vec<usize>,
+    /// `[M]` i32: the expert-major order as rows of the etp-gathered block.
+    order: Tensor<B>,
+}
+
+/// What the layer's backward needs.
+pub struct ParallelMoeSaved<B: Backend> {
+    router: RouterSaved<B>,
+    plan: RoutingPlan<B>,
+    tokens: usize,
+    exchange: Option<Exchange<B>>,
+    experts: Option<ExpertsSaved<B>>,
+    y_nd: Tensor<B>,
+    weights_tk: Tensor<B>,
+    shared: Option<SharedSaved<B>>,
+}
+
+impl<B: Backend> ParallelMoe<B> {
+    /// Cuts this rank's experts and shared-expert shard out of a full layer.
+    pub fn from_layer(
+        b: &B,
+        layer: MoeLayer<B>,
+        spec: &MoeSpec,
+        rank: &RankLayout,
+    ) -> Result<Self> {
+        let MoeLayer {
+            router,
+            dispatcher,
+            mut experts,
+            mut shared,
+            ..
+        } = layer;
+        let spec = spec.clone();
+        let (ep, etp) = (rank.ep.size(), rank.etp.size());
+        if !spec.experts.is_multiple_of(ep) || !spec.expert_ffn.is_multiple_of(etp) {
+            return Err(EngineError::Invalid(format!(
+                "{} experts of ffn {} do not split over ep = {ep}, etp = {etp}",
+                spec.experts, spec.expert_ffn
+            )));
+        }
+        let split = |axis, dim, index, parts| Split {
+            axis,
+            dim,
+            index,
+            parts,
+        };
+        let cut = |p: &mut Param<B>, ffn_dim| {
+            let mut splits = Vec::new();
+            if ep > 1 {
+                splits.push(split(SplitAxis::Ep, 0, rank.ep_index, ep));
+            }
+            if etp > 1 {
+                splits.push(split(SplitAxis::Etp, ffn_dim, rank.etp_index, etp));
+            }
+            shard_param(b, p, splits)
+        };
+        cut(&mut experts.w1, 2)?;
+        cut(&mut experts.w3, 2)?;
+        cut(&mut experts.w2, 1)?;
+        if let Some(s) = shared.as_mut() {
+            shard_mlp(b, &mut s.mlp, rank.tp_index, rank.tp.size())?;
+        }
+        Ok(ParallelMoe {
+            router,
+            experts,
+            shared,
+            dispatcher,
+            spec,
+        })
+    }
+
+    /// `x: [T/tp, D]` (this rank's rows of a micro-batch of `tokens`) → `[T/tp, D]`.
+    pub fn forward(
+        &self,
+        ctx: &Ctx<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+    ) -> Result<(Tensor<B>, ParallelMoeSaved<B>, MoeStats<B>)> {
+        let b = ctx.b;
+        let rank = ctx.rank;
+        let (t_local, _) = x_td.dims2("ParallelMoe::forward")?;
+        let shard = TokenShard {
+            offset: rank.tp_index * t_local,
+            total: tokens,
+            segment: if self.spec.router.load_balance == LoadBalance::SeqAux {
+                seq_len
+            } else {
+                tokens
+            },
+        };
+        let reduce = |x: &Tensor<B>| ctx.sum_over(&rank.tp, x);
+        let (routing, router) = self.router.forward_shard(b, x_td, shard, &reduce)?;
+        let plan = match &self.spec.capacity {
+            None => b.routing_plan(&routing.idx_tk, self.spec.experts)?,
+            Some(_) => self.capacity_plan(ctx, &routing.idx_tk, &routing.weights_tk, shard)?,
+        };
+        let x_nd = b.permute(x_td, &plan.row_src)?;
+        let (y_nd, exchange, experts) = self.compute(ctx, &x_nd, &plan.counts)?;
+        let mut y_td = b.unpermute(&y_nd, &plan.slot, &routing.weights_tk)?;
+        let shared = match &self.shared {
+            Some(s) => {
+                let (ys_full, saved) = s.forward(b, &ctx.gather_tp(x_td)?)?;
+                b.axpy(&mut y_td, 1.0, &ctx.scatter_tp(&ys_full)?)?;
+                Some(saved)
+            }
+            None => None,
+        };
+        let saved = ParallelMoeSaved {
+            router,
+            plan,
+            tokens: t_local,
+            exchange,
+            experts,
+            y_nd,
+            weights_tk: routing.weights_tk,
+            shared,
+        };
+        let stats = MoeStats {
+            aux_loss: routing.aux_loss,
+            z_loss: routing.z_loss,
+            load: routing.load_e,
+        };
+        Ok((y_td, saved, stats))
+    }
+
+    /// Accumulates the gradients and returns `dx: [T/tp, D]`.
+    pub fn backward(
+        &mut self,
+        ctx: &Ctx<B>,
+        dy_td: &Tensor<B>,
+        saved: ParallelMoeSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let ParallelMoeSaved {
+            router,
+            plan,
+            tokens,
+            exchange,
+            experts,
+            y_nd,
+            weights_tk,
+            shared,
+        } = saved;
+        let dx_shared = match (shared, self.shared.as_mut()) {
+            (Some(saved), Some(s)) => {
+                let d_full = s.backward(b, &ctx.gather_tp(dy_td)?, saved)?;
+                Some(ctx.scatter_tp(&d_full)?)
+            }
+            _ => None,
+        };
+        let (dy_nd, dweights_tk) = b.unpermute_backward(dy_td, &y_nd, &plan.slot, &weights_tk)?;
+        let dx_nd = self.compute_backward(ctx, &dy_nd, exchange, experts)?;
+        let mut dx_td = b.permute_backward(&dx_nd, &plan.row_src, tokens)?;
+        let dx_router = self.router.backward(b, &dweights_tk, router, loss_scale)?;
+        b.axpy(&mut dx_td, 1.0, &dx_router)?;
+        if let Some(d) = dx_shared {
+            b.axpy(&mut dx_td, 1.0, &d)?;
+        }
+        Ok(dx_td)
+    }
+
+    /// Capacity plan of this rank's rows, made over the whole micro-batch.
+    fn capacity_plan(
+        &self,
+        ctx: &Ctx<B>,
+        idx_tk: &Tensor<B>,
+        weights_tk: &Tensor<B>,
+        shard: TokenShard,
+    ) -> Result<RoutingPlan<B>> {
+        let b = ctx.b;
+        let (t_local, k) = idx_tk.dims2("capacity_plan")?;
+        let cap = self.spec.capacity.as_ref().ok_or_else(|| {
+            EngineError::Invalid("capacity plan asked of a dropless layer".into())
+        })?;
+        let policy = match cap.drop_policy {
+            DropPolicySpec::Probs => DropPolicy::Probs,
+            DropPolicySpec::Position => DropPolicy::Position,
+        };
+        let e = self.spec.experts;
+        let idx_all = ctx.gather_tp(idx_tk)?;
+        let probs_all = ctx.gather_tp(weights_tk)?;
+        let capacity = self
+            .dispatcher
+            .capacity(shard.total)
+            .unwrap_or(shard.total * k);
+        let global = b.capacity_plan(&idx_all, &probs_all, e, capacity, policy, false)?;
+        let slot = b.download(&global.slot)?.to_i32()?;
+        let idx = b.download(&idx_all)?.to_i32()?;
+        // Kept copies of this rank's rows, sorted by expert, stable in
+        // (token, choice) order as the single-rank plan is.
+        let mut kept: Vec<(i32, usize, usize)> = Vec::new();
+        for t in 0..t_local {
+            for j in 0..k {
+                let g = (shard.offset + t) * k + j;
+                if slot[g] >= 0 {
+                    kept.push((idx[g], t, j));
+                }
+            }
+        }
+        kept.sort_by_key(|&(e, t, j)| (e, t, j));
+        let mut row_src = Vec::with_capacity(kept.len());
+        let mut local_slot = vec![-1i32; t_local * k];
+        let mut counts = vec![0i32; e];
+        for (n, &(expert, t, j)) in kept.iter().enumerate() {
+            row_src.push(t as i32);
+            local_slot[t * k + j] = n as i32;
+            counts[expert as usize] += 1;
+        }
+        let n = row_src.len();
+        Ok(RoutingPlan {
+            row_src: b.upload(HostData::I32(row_src), &[n])?,
+            slot: b.upload(HostData::I32(local_slot), &[t_local, k])?,
+            counts: b.upload(HostData::I32(counts), &[e])?,
+        })
+    }
+
+    /// Runs the permuted rows `x: [N, D]` (expert-major over all E, `counts:
+    /// [E]`) through the experts wherever they live; returns `[N, D]`.
+    #[allow(clippy::type_complexity)]
+    fn compute(
+        &self,
+        ctx: &Ctx<B>,
+        x_nd: &Tensor<B>,
+        counts_e: &Tensor<B>,
+    ) -> Result<(Tensor<B>, Option<Exchange<B>>, Option<ExpertsSaved<B>>)> {
+        let b = ctx.b;
+        let rank = ctx.rank;
+        let (ep, etp) = (rank.ep.size(), rank.etp.size());
+        if ep == 1 && etp == 1 {
+            let (y, saved) = self.experts.forward(b, x_nd, counts_e)?;
+            return Ok((y, None, Some(saved)));
+        }
+        let e = self.spec.experts;
+        let local = e / ep;
+        let counts = b.download(counts_e)?.to_i32()?;
+        let send_rows: Vec<usize> = (0..ep)
+            .map(|j| {
+                counts[j * local..(j + 1) * local]
+                    .iter()
+                    .map(|&c| c as usize)
+                    .sum()
+            })
+            .collect();
+        let (x_recv, recv_rows) = ctx.comm.all_to_all_v(b, &rank.ep, x_nd, &send_rows)?;
+        // Every ep rank's counts [ep, E], then every etp member's [etp·ep, E].
+        let counts_1e = b.upload(HostData::I32(counts), &[1, e])?;
+        let mut all_counts = ctx.comm.all_gather(b, &rank.ep, &counts_1e)?;
+        let x_block = if etp > 1 {
+            all_counts = ctx.comm.all_gather(b, &rank.etp, &all_counts)?;
+            ctx.comm.all_gather(b, &rank.etp, &x_recv)?
+        } else {
+            x_recv
+        };
+        let all_counts = b.download(&all_counts)?.to_i32()?;
+        // Block (m, s) holds, for each local expert l in order, the rows that
+        // ep rank s of etp member m sent to this ep rank.
+        let first = rank.ep_index * local;
+        let rows_of =
+            |m: usize, s: usize, l: usize| all_counts[(m * ep + s) * e + first + l] as usize;
+        let mut block_start = vec![0usize; etp * ep];
+        let mut etp_rows = vec![0usize; etp];
+        let mut offset = 0;
+        for m in 0..etp {
+            for s in 0..ep {
+                block_start[m * ep + s] = offset;
+                let n: usize = (0..local).map(|l| rows_of(m, s, l)).sum();
+                offset += n;
+                etp_rows[m] += n;
+            }
+        }
+        if offset != x_block.shape()[0] {
+            return Err(EngineError::Invalid(format!(
+                "expert exchange: received {} rows but the exchanged counts add up to {offset}",
+                x_block.shape()[0]
+            )));
+        }
+        let mut order = Vec::with_capacity(offset);
+        let mut group_sizes = vec![0i32; local];
+        for (l, size) in group_sizes.iter_mut().enumerate() {
+            for m in 0..etp {
+                for s in 0..ep {
+                    let start =
+                        block_start[m * ep + s] + (0..l).map(|i| rows_of(m, s, i)).sum::<usize>();
+                    let n = rows_of(m, s, l);
+                    order.extend((start..start + n).map(|r| r as i32));
+                    *size += n as i32;
+                }
+            }
+        }
+        let order = b.upload(HostData::I32(order), &[offset])?;
+        let groups = b.upload(HostData::I32(group_sizes), &[local])?;
+        let x_sorted = b.embedding(&x_block, &order)?;
+        let (y_sorted, saved) = self.experts.forward(b, &x_sorted, &groups)?;
+        let mut y_block = b.embedding_backward(&y_sorted, &order, offset)?;
+        let exchange = Exchange {
+            send_rows,
+            recv_rows,
+            etp_rows,
+            order,
+        };
+        if etp > 1 {
+            y_block = ctx.sum_over(&rank.etp, &y_block)?;
+            y_block = own_rows(b, &y_block, &exchange.etp_rows, rank.etp_index)?;
+        }
+        let (y_nd, _) = ctx
+            .comm
+            .all_to_all_v(b, &rank.ep, &y_block, &exchange.recv_rows)?;
+        Ok((y_nd, Some(exchange), Some(saved)))
+    }
+
+    /// Backward of [`Self::compute`]: `dy: [N, D]` → `dx: [N, D]`.
+    fn compute_backward(
+        &mut self,
+        ctx: &Ctx<B>,
+        dy_nd: &Tensor<B>,
+        exchange: Option<Exchange<B>>,
+        experts: Option<ExpertsSaved<B>>,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let rank = ctx.rank;
+        let saved = experts.ok_or_else(|| {
+            EngineError::Invalid("MoE backward: the experts' saved state is missing".into())
+        })?;
+        let Some(ex) = exchange else {
+            return self.experts.backward(b, dy_nd, saved);
+        };
+        let (dy_recv, _) = ctx.comm.all_to_all_v(b, &rank.ep, dy_nd, &ex.send_rows)?;
+        let dy_block = if rank.etp.size() > 1 {
+            ctx.comm.all_gather(b, &rank.etp, &dy_recv)?
+        } else {
+            dy_recv
+        };
+        let rows = dy_block.shape()[0];
+        let dy_sorted = b.embedding(&dy_block, &ex.order)?;
+        let dx_sorted = self.experts.backward(b, &dy_sorted, saved)?;
+        let mut dx_block = b.embedding_backward(&dx_sorted, &ex.order, rows)?;
+        if rank.etp.size() > 1 {
+            dx_block = ctx.sum_over(&rank.etp, &dx_block)?;
+            dx_block = own_rows(b, &dx_block, &ex.etp_rows, rank.etp_index)?;
+        }
+        let (dx_nd, _) = ctx
+            .comm
+            .all_to_all_v(b, &rank.ep, &dx_block, &ex.recv_rows)?;
+        Ok(dx_nd)
+    }
+
+    /// Parameters replicated over the expert mesh's data dimension: router
+    /// and shared experts (dense: reduced like attention).
+    pub fn visit_dense(&self, f: &mut dyn FnMut(&Param<B>)) {
+        self.router.visit_params(f);
+        if let Some(s) = &self.shared {
+            s.visit_params(f);
+        }
+    }
+
+    /// Mutable [`Self::visit_dense`].
+    pub fn visit_dense_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        self.router.visit_params_mut(f);
+        if let Some(s) = &mut self.shared {
+            s.visit_params_mut(f);
+        }
+    }
+}
+
+/// Member `index`'s rows of a block made of consecutive per-member row counts.
+fn own_rows<B: Backend>(b: &B, x: &Tensor<B>, rows: &[usize], index: usize) -> Result<Tensor<B>> {
+    let start: usize = rows[..index].iter().sum();
+    Ok(b.narrow(x, start, rows[index])?)
+}

@@ -1,0 +1,204 @@
+//! Parameter shards: which block of a full parameter one rank holds, how to
+//! cut it from the full tensor at start-up, and how to put shards back
+//! together (checkpoints, tests).
+//!
+//! A parameter is split along at most one dimension per mesh axis: tp splits
+//! attention heads, the dense ffn and the vocabulary; ep splits the expert
+//! dimension of the stacked expert weights; etp splits the expert ffn.
+
+use foldmoe_kernels::{Backend, DType, HostData, Tensor};
+
+use crate::engine::param::Param;
+use crate::engine::{EngineError, Result};
+
+/// The mesh axis a parameter is split over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitAxis {
+    /// Tensor parallel (attention mesh).
+    Tp,
+    /// Expert parallel (expert mesh).
+    Ep,
+    /// Expert tensor parallel (expert mesh).
+    Etp,
+}
+
+/// One split of a parameter: part `index` of `parts` equal parts of `dim`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    /// The mesh axis the parts follow.
+    pub axis: SplitAxis,
+    /// The dimension cut.
+    pub dim: usize,
+    /// This rank's part.
+    pub index: usize,
+    /// Number of equal parts.
+    pub parts: usize,
+}
+
+/// Where a rank's shard sits in the full parameter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// Shape of the full parameter.
+    pub full_shape: Vec<usize>,
+    /// The splits applied (at most one per dimension).
+    pub splits: Vec<Split>,
+}
+
+impl ShardSpec {
+    /// `(start, len)` of the shard along every dimension of the full shape.
+    pub fn ranges(&self) -> Vec<(usize, usize)> {
+        let mut ranges: Vec<(usize, usize)> = self.full_shape.iter().map(|&n| (0, n)).collect();
+        for s in &self.splits {
+            let len = self.full_shape[s.dim] / s.parts;
+            ranges[s.dim] = (s.index * len, len);
+        }
+        ranges
+    }
+
+    /// Whether the parameter is split over `axis`.
+    pub fn split_over(&self, axis: SplitAxis) -> bool {
+        self.splits.iter().any(|s| s.axis == axis)
+    }
+}
+
+/// Row-major strides of `shape`.
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        st[d] = st[d + 1] * shape[d + 1];
+    }
+    st
+}
+
+/// Calls `f(full_offset, shard_offset)` for every element of the block
+/// `ranges` of a row-major tensor of `full_shape`.
+fn for_each_in_block(
+    full_shape: &[usize],
+    ranges: &[(usize, usize)],
+    mut f: impl FnMut(usize, usize),
+) {
+    let full_st = strides(full_shape);
+    let shard_shape: Vec<usize> = ranges.iter().map(|r| r.1).collect();
+    let n: usize = shard_shape.iter().product();
+    let shard_st = strides(&shard_shape);
+    for i in 0..n {
+        let mut full = 0;
+        for d in 0..shard_shape.len() {
+            let idx = (i / shard_st[d]) % shard_shape[d];
+            full += (ranges[d].0 + idx) * full_st[d];
+        }
+        f(full, i);
+    }
+}
+
+/// The block of `full` (row-major, `full_shape`) that `spec` describes.
+pub fn cut_block(full: &[f64], spec: &ShardSpec) -> Vec<f64> {
+    let ranges = spec.ranges();
+    let mut out = vec![0.0; ranges.iter().map(|r| r.1).product()];
+    for_each_in_block(&spec.full_shape, &ranges, |fo, so| out[so] = full[fo]);
+    out
+}
+
+/// Writes a shard's values into its block of `full`.
+pub fn place_block(full: &mut [f64], spec: &ShardSpec, shard: &[f64]) {
+    for_each_in_block(&spec.full_shape, &spec.ranges(), |fo, so| {
+        full[fo] = shard[so]
+    });
+}
+
+/// Uploads host values as a tensor of `dtype` (f64 kept exact; other float
+/// types through f32).
+pub fn upload_as<B: Backend>(
+    b: &B,
+    vals: Vec<f64>,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    let t = match dtype {
+        DType::F64 => b.upload(HostData::F64(vals), shape)?,
+        _ => b.upload(
+            HostData::F32(vals.iter().map(|&x| x as f32).collect()),
+            shape,
+        )?,
+    };
+    Ok(if t.dtype() == dtype {
+        t
+    } else {
+        b.cast(&t, dtype)?
+    })
+}
+
+/// Replaces the whole parameter `p` by this rank's shard under `splits`
+/// (start-up only: the values go through the host). The name stays the full
+/// parameter's, so checkpoints and gradient checks address it globally.
+pub fn shard_param<B: Backend>(b: &B, p: &mut Param<B>, splits: Vec<Split>) -> Result<()> {
+    if splits.is_empty() {
+        return Ok(());
+    }
+    if p.shard.is_some() {
+        return Err(EngineError::Invalid(format!(
+            "parameter {} is already a shard; shard the full parameter once",
+            p.name
+        )));
+    }
+    let full_shape = p.value.shape().to_vec();
+    for s in &splits {
+        let ok = s.dim < full_shape.len()
+            && s.parts > 0
+            && s.index < s.parts
+            && full_shape[s.dim].is_multiple_of(s.parts);
+        if !ok {
+            return Err(EngineError::Invalid(format!(
+                "parameter {} of shape {full_shape:?}: cannot take part {} of {} along dim {} ({:?})",
+                p.name, s.index, s.parts, s.dim, s.axis
+            )));
+        }
+    }
+    let spec = ShardSpec { full_shape, splits };
+    let full = b.download(&p.value)?.to_f64();
+    let shard_shape: Vec<usize> = spec.ranges().iter().map(|r| r.1).collect();
+    let dtype = p.value.dtype();
+    p.value = upload_as(b, cut_block(&full, &spec), &shard_shape, dtype)?;
+    p.grad = b.zeros(&shard_shape, dtype)?;
+    p.shard = Some(spec);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cut_and_place_round_trip_over_two_axes() {
+        // [4, 2, 6] split 2 ways on dim 0 (ep) and 3 ways on dim 2 (etp).
+        let full: Vec<f64> = (0..48).map(f64::from).collect();
+        let mut rebuilt = vec![f64::NAN; 48];
+        for e in 0..2 {
+            for f in 0..3 {
+                let spec = ShardSpec {
+                    full_shape: vec![4, 2, 6],
+                    splits: vec![
+                        Split {
+                            axis: SplitAxis::Ep,
+                            dim: 0,
+                            index: e,
+                            parts: 2,
+                        },
+                        Split {
+                            axis: SplitAxis::Etp,
+                            dim: 2,
+                            index: f,
+                            parts: 3,
+                        },
+                    ],
+                };
+                let block = cut_block(&full, &spec);
+                assert_eq!(block.len(), 8);
+                // First element: expert 2e, row 0, column 2f.
+                assert_eq!(block[0], (2 * e * 12 + 2 * f) as f64);
+                place_block(&mut rebuilt, &spec, &block);
+            }
+        }
+        assert_eq!(rebuilt, full);
+    }
+}
