@@ -12,7 +12,9 @@ mod norm;
 mod optim;
 mod routing;
 #[cfg(test)]
-mod test_util;
+pub(crate) mod test_util;
+
+pub(crate) use optim::check_adamw_cfg;
 
 use crate::backend::Device;
 use crate::error::{KernelError, Result};

@@ -9,8 +9,9 @@ use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::Tensor;
 
-/// Rejects hyper-parameters that would silently corrupt the parameters.
-fn check_cfg(op: &'static str, cfg: &AdamWConfig) -> Result<()> {
+/// Rejects hyper-parameters that would silently corrupt the parameters
+/// (shared with the CUDA backend, so both refuse the same configurations).
+pub(crate) fn check_adamw_cfg(op: &'static str, cfg: &AdamWConfig) -> Result<()> {
     if cfg.step == 0 {
         return Err(arg_err(
             op,
@@ -42,7 +43,7 @@ fn adamw_t<T: FloatStorage>(
     cfg: &AdamWConfig,
 ) -> Result<()> {
     const OP: &str = "adamw_step";
-    check_cfg(OP, cfg)?;
+    check_adamw_cfg(OP, cfg)?;
     for (name, t) in [("grad", grad.shape()), ("m", m.shape()), ("v", v.shape())] {
         if t != param.shape() {
             return Err(shape_err(

@@ -1,0 +1,216 @@
+//! A caching allocator: freed blocks go back to a pool keyed by their
+//! (rounded) byte size, so a training step that allocates the same shapes
+//! every iteration stops calling the driver after the first one.
+//!
+//! All work runs on one stream, so a block freed on the host while kernels
+//! that use it are still queued can be handed to the next op at once: that op
+//! is queued behind them (the same rule as PyTorch's caching allocator).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result as drv, sys, CudaContext, CudaStream};
+
+use crate::error::{KernelError, Result};
+
+/// Blocks below this are rounded up to a multiple of [`SMALL_ROUND`] bytes,
+/// larger ones to a multiple of [`LARGE_ROUND`], so nearby sizes share a key
+/// without wasting more than a few percent.
+const SMALL_LIMIT: usize = 1 << 20;
+const SMALL_ROUND: usize = 512;
+const LARGE_ROUND: usize = 2 << 20;
+
+/// The byte size a request of `bytes` is served with.
+pub(crate) fn round_size(bytes: usize) -> usize {
+    if bytes <= SMALL_LIMIT {
+        bytes.div_ceil(SMALL_ROUND) * SMALL_ROUND
+    } else {
+        bytes.div_ceil(LARGE_ROUND) * LARGE_ROUND
+    }
+}
+
+/// Free blocks by rounded size, plus what the pool holds in total.
+#[derive(Default)]
+struct Cache {
+    free: HashMap<usize, Vec<sys::CUdeviceptr>>,
+    cached_bytes: usize,
+}
+
+/// The pool of one device handle: its context, its stream and the cache.
+pub(crate) struct Pool {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    cache: Mutex<Cache>,
+}
+
+/// Device memory owned by a tensor (or a scratch buffer); dropping it returns
+/// the memory to its pool, not to the driver.
+pub(crate) struct Block {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    pool: Arc<Pool>,
+}
+
+impl Block {
+    /// The device address (0 for an empty block).
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        let mut c = self.pool.cache.lock().unwrap_or_else(|p| p.into_inner());
+        c.free.entry(self.bytes).or_default().push(self.ptr);
+        c.cached_bytes += self.bytes;
+    }
+}
+
+impl Pool {
+    /// An empty pool allocating in `ctx` for work on `stream`.
+    pub(crate) fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>) -> Arc<Self> {
+        Arc::new(Pool {
+            ctx,
+            stream,
+            cache: Mutex::new(Cache::default()),
+        })
+    }
+
+    /// A block of at least `bytes` bytes (contents undefined); `what` names the
+    /// op and tensor in an out-of-memory error.
+    pub(crate) fn alloc(self: &Arc<Self>, bytes: usize, what: &str) -> Result<Block> {
+        if bytes == 0 {
+            return Ok(Block {
+                ptr: 0,
+                bytes: 0,
+                pool: self.clone(),
+            });
+        }
+        let size = round_size(bytes);
+        {
+            let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(ptr) = c.free.get_mut(&size).and_then(Vec::pop) {
+                c.cached_bytes -= size;
+                return Ok(Block {
+                    ptr,
+                    bytes: size,
+                    pool: self.clone(),
+                });
+            }
+        }
+        let ptr = match self.driver_alloc(size) {
+            Ok(p) => p,
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                // Cached blocks of other sizes may be what is missing: give
+                // them back to the driver and try once more.
+                self.release_cached()?;
+                self.driver_alloc(size)
+                    .map_err(|_| self.oom_error(bytes, size, what))?
+            }
+            Err(e) => return Err(driver_err(what, e)),
+        };
+        Ok(Block {
+            ptr,
+            bytes: size,
+            pool: self.clone(),
+        })
+    }
+
+    fn driver_alloc(&self, size: usize) -> std::result::Result<u64, drv::DriverError> {
+        self.ctx.bind_to_thread()?;
+        unsafe { drv::malloc_sync(size) }
+    }
+
+    /// Frees every cached block, after the stream has finished with them.
+    pub(crate) fn release_cached(&self) -> Result<()> {
+        let blocks: Vec<u64> = {
+            let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            c.cached_bytes = 0;
+            c.free.drain().flat_map(|(_, v)| v).collect()
+        };
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("release cached memory", e))?;
+        for p in blocks {
+            unsafe { drv::free_sync(p) }.map_err(|e| driver_err("release cached memory", e))?;
+        }
+        Ok(())
+    }
+
+    /// Bytes held in the cache (free for this device handle, not for others).
+    pub(crate) fn cached_bytes(&self) -> usize {
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .cached_bytes
+    }
+
+    fn oom_error(&self, bytes: usize, size: usize, what: &str) -> KernelError {
+        let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
+        KernelError::DeviceUnavailable {
+            device: "cuda",
+            reason: format!(
+                "out of memory allocating {} ({bytes} bytes, {size} rounded) for {what}: {} free of {} on the GPU, {} cached by this handle; use smaller batches or sequences",
+                human(bytes),
+                human(free),
+                human(total),
+                human(self.cached_bytes()),
+            ),
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // Best effort: a failure here has nowhere to go, and the driver frees
+        // everything at process exit anyway.
+        let _ = self.release_cached();
+    }
+}
+
+/// A driver error during `what`, as the crate's error.
+pub(crate) fn driver_err(what: &str, e: drv::DriverError) -> KernelError {
+    KernelError::DeviceUnavailable {
+        device: "cuda",
+        reason: format!("{what}: CUDA driver error {e:?}"),
+    }
+}
+
+/// Bytes in binary units, for messages.
+pub(crate) fn human(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_round_to_shared_keys() {
+        assert_eq!(round_size(1), 512);
+        assert_eq!(round_size(512), 512);
+        assert_eq!(round_size(513), 1024);
+        assert_eq!(round_size(SMALL_LIMIT), SMALL_LIMIT);
+        assert_eq!(round_size(SMALL_LIMIT + 1), LARGE_ROUND);
+        assert_eq!(round_size(5 << 20), 6 << 20);
+        assert_eq!(human(3 << 30), "3.00 GiB");
+        assert_eq!(human(100), "100 B");
+    }
+}

@@ -1,0 +1,198 @@
+//! Run-time compilation: each `.cu` file under `kernels/src/cuda/` is one
+//! module, embedded in the binary, compiled by NVRTC for the device's exact
+//! architecture the first time one of its kernels is launched, and cached for
+//! the life of the process (per device ordinal, shared by all handles).
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
+
+use crate::error::{KernelError, Result};
+
+/// Source prepended to every module: dtype helpers, error records, reductions.
+const COMMON: &str = include_str!("common.cuh");
+
+/// One embedded `.cu` file.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Module {
+    /// Name used in messages and as the cache key.
+    pub(crate) name: &'static str,
+    /// CUDA C source (without [`COMMON`]).
+    pub(crate) src: &'static str,
+}
+
+/// Elementwise maps, casts, fills and reductions.
+pub(crate) const ELEMENTWISE: Module = Module {
+    name: "elementwise.cu",
+    src: include_str!("elementwise.cu"),
+};
+/// The grouped GEMM and its weight gradient.
+pub(crate) const LINALG: Module = Module {
+    name: "linalg.cu",
+    src: include_str!("linalg.cu"),
+};
+/// RMSNorm and RoPE.
+pub(crate) const NORM: Module = Module {
+    name: "norm.cu",
+    src: include_str!("norm.cu"),
+};
+/// Cross-entropy and the valid-token mask.
+pub(crate) const LOSS: Module = Module {
+    name: "loss.cu",
+    src: include_str!("loss.cu"),
+};
+/// The fused AdamW step.
+pub(crate) const OPTIM: Module = Module {
+    name: "optim.cu",
+    src: include_str!("optim.cu"),
+};
+
+/// Every module, for checks that compile them all.
+#[cfg(test)]
+pub(crate) const ALL: [Module; 5] = [ELEMENTWISE, LINALG, NORM, LOSS, OPTIM];
+
+/// A compiled module and the kernels looked up in it so far.
+pub(crate) struct Loaded {
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl Loaded {
+    /// The kernel `name` of this module.
+    pub(crate) fn function(&self, module: &str, name: &str) -> Result<CudaFunction> {
+        let mut f = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(func) = f.get(name) {
+            return Ok(func.clone());
+        }
+        let func = self
+            .module
+            .load_function(name)
+            .map_err(|e| KernelError::DeviceUnavailable {
+                device: "cuda",
+                reason: format!("kernel {name} not found in {module}: {e:?}"),
+            })?;
+        f.insert(name.to_string(), func.clone());
+        Ok(func)
+    }
+}
+
+/// One slot per (ordinal, module): the first caller compiles, concurrent
+/// callers wait on the same `OnceLock`; a failure is kept so every later
+/// launch reports the same compile error.
+type Slot = Arc<OnceLock<std::result::Result<Arc<Loaded>, KernelError>>>;
+
+fn slots() -> &'static Mutex<HashMap<(usize, &'static str), Slot>> {
+    static SLOTS: OnceLock<Mutex<HashMap<(usize, &'static str), Slot>>> = OnceLock::new();
+    SLOTS.get_or_init(Default::default)
+}
+
+/// The loaded module `m` for `ctx`, compiling it for `arch` on first use.
+pub(crate) fn module(ctx: &Arc<CudaContext>, arch: &str, m: Module) -> Result<Arc<Loaded>> {
+    let slot = slots()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry((ctx.ordinal(), m.name))
+        .or_default()
+        .clone();
+    slot.get_or_init(|| {
+        let cubin = compile(m, arch)?;
+        let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
+            KernelError::DeviceUnavailable {
+                device: "cuda",
+                reason: format!("loading the compiled {} for {arch}: {e:?}", m.name),
+            }
+        })?;
+        Ok(Arc::new(Loaded {
+            module,
+            functions: Mutex::new(HashMap::new()),
+        }))
+    })
+    .clone()
+}
+
+/// Where the CUDA headers (`cuda_bf16.h`) are: `$CUDA_HOME`, `$CUDA_PATH`,
+/// else `/usr/local/cuda`.
+fn cuda_include_dir() -> String {
+    let root = std::env::var("CUDA_HOME")
+        .or_else(|_| std::env::var("CUDA_PATH"))
+        .unwrap_or_else(|_| "/usr/local/cuda".to_string());
+    format!("{root}/include")
+}
+
+/// Compiles `m` to a CUBIN for `arch` (`sm_90a`, ...).
+fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
+    let fail = |what: String| KernelError::DeviceUnavailable {
+        device: "cuda",
+        reason: format!("NVRTC could not compile {} for {arch}: {what}", m.name),
+    };
+    let src = CString::new(format!("{COMMON}\n{}", m.src))
+        .map_err(|_| fail("the source holds a NUL byte".into()))?;
+    let name = CString::new(m.name).map_err(|_| fail("bad module name".into()))?;
+    let include = cuda_include_dir();
+    let opts = vec![
+        format!("--gpu-architecture={arch}"),
+        format!("--include-path={include}"),
+        "--std=c++17".to_string(),
+        // Kernels are compared with the CPU reference at 1e-5: keep IEEE
+        // division, square roots and denormals.
+        "--ftz=false".to_string(),
+        "--prec-div=true".to_string(),
+        "--prec-sqrt=true".to_string(),
+    ];
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    let out = (|| {
+        if let Err(e) = unsafe { nvrtc::compile_program(prog, &opts) } {
+            let log = unsafe { nvrtc::get_program_log(prog) }
+                .map(|l| {
+                    unsafe { CStr::from_ptr(l.as_ptr()) }
+                        .to_string_lossy()
+                        .into_owned()
+                })
+                .unwrap_or_default();
+            let hint = if log.contains("cuda_bf16.h") {
+                format!(
+                    " (cuda_bf16.h not found under {include}: set CUDA_HOME to the CUDA toolkit)"
+                )
+            } else {
+                String::new()
+            };
+            return Err(fail(format!("{e:?}{hint}\n{log}")));
+        }
+        let mut size = 0usize;
+        unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }
+            .result()
+            .map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))?;
+        let mut cubin = vec![0u8; size];
+        unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }
+            .result()
+            .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
+        Ok(cubin)
+    })();
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC needs no GPU: wherever the library is found, every module must
+    /// compile for Hopper and Ampere, so a CUDA C error shows up before a GPU
+    /// run (CI without the library skips, saying so).
+    #[test]
+    fn every_module_compiles_with_nvrtc() {
+        if !unsafe { nvrtc_sys::is_culib_present() } {
+            eprintln!("skipping: NVRTC (libnvrtc.so) not found");
+            return;
+        }
+        for arch in ["sm_90a", "sm_80"] {
+            for m in ALL {
+                let cubin = compile(m, arch).unwrap_or_else(|e| panic!("{e}"));
+                assert!(!cubin.is_empty(), "{} for {arch}", m.name);
+            }
+        }
+    }
+}

@@ -1,0 +1,298 @@
+// Elementwise maps, broadcasts, casts and reductions (ElementwiseOps and the
+// Device trait's zeros/cast). Shape letters: R rows, C columns (last dim).
+
+// ---- conversions shared by fill and cast --------------------------------
+
+__device__ __forceinline__ double to_f64(int x) { return (double)x; }
+
+template <typename T> __device__ __forceinline__ T from_f64(double x);
+template <> __device__ __forceinline__ float from_f64<float>(double x) { return __double2float_rn(x); }
+template <> __device__ __forceinline__ double from_f64<double>(double x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f64<bf16>(double x) { return __double2bfloat16(x); }
+// Float → i32 truncates toward zero and saturates, NaN → 0 (Rust's `as`).
+template <> __device__ __forceinline__ int from_f64<int>(double x) {
+    if (isnan(x)) return 0;
+    if (x >= 2147483647.0) return 2147483647;
+    if (x <= -2147483648.0) return (-2147483647 - 1);
+    return (int)trunc(x);
+}
+
+// Every dtype pair goes through double: exact for every source value, so the
+// one rounding is the final narrowing (as the CPU backend does).
+template <typename S, typename D> __device__ void cast_impl(const S* in, D* out, i64 n) {
+    GRID_LOOP(i, n) out[i] = from_f64<D>(to_f64(in[i]));
+}
+#define CAST_TO(sfx_s, S) \
+    extern "C" __global__ void cast_##sfx_s##_f32(const S* in, float* out, i64 n) { cast_impl<S, float>(in, out, n); } \
+    extern "C" __global__ void cast_##sfx_s##_f64(const S* in, double* out, i64 n) { cast_impl<S, double>(in, out, n); } \
+    extern "C" __global__ void cast_##sfx_s##_bf16(const S* in, bf16* out, i64 n) { cast_impl<S, bf16>(in, out, n); } \
+    extern "C" __global__ void cast_##sfx_s##_i32(const S* in, int* out, i64 n) { cast_impl<S, int>(in, out, n); }
+CAST_TO(f32, float)
+CAST_TO(f64, double)
+CAST_TO(bf16, bf16)
+CAST_TO(i32, int)
+
+template <typename T> __device__ void fill_impl(T* out, i64 n, double v) {
+    T x = from_f64<T>(v);
+    GRID_LOOP(i, n) out[i] = x;
+}
+#define FILL(sfx, T) \
+    extern "C" __global__ void fill_##sfx(T* out, i64 n, double v) { fill_impl<T>(out, n, v); }
+FOR_FLOATS(FILL)
+FILL(i32, int)
+
+// ---- unary maps ----------------------------------------------------------
+
+// Round-to-nearest-even on the f32 bit pattern (see the CPU's f32_to_bf16_bits).
+__device__ __forceinline__ float round_bf16_f32(float x) {
+    unsigned int b = __float_as_uint(x);
+    if (isnan(x)) return __uint_as_float((b & 0xffff0000u) | 0x00400000u);
+    unsigned int lsb = (b >> 16) & 1u;
+    return __uint_as_float((b + 0x7fffu + lsb) & 0xffff0000u);
+}
+
+// f64 → f32 rounding to odd, so the second rounding to bf16 is correct.
+__device__ __forceinline__ float f64_to_f32_odd(double x) {
+    float f = __double2float_rn(x);
+    if (isnan(x) || (double)f == x) return f;
+    unsigned int b = __float_as_uint(f);
+    if (fabs((double)f) > fabs(x)) b -= 1u;
+    return __uint_as_float(b | 1u);
+}
+
+__device__ __forceinline__ float round_bf16_(float x) { return round_bf16_f32(x); }
+__device__ __forceinline__ double round_bf16_(double x) { return (double)round_bf16_f32(f64_to_f32_odd(x)); }
+__device__ __forceinline__ bf16 round_bf16_(bf16 x) { return x; }
+
+enum UnaryOp { U_SCALE = 0, U_SILU, U_SIGMOID, U_LOG_SIGMOID, U_ROUND_BF16, U_SIGN, U_LN, U_RECIP };
+
+// One kernel for every unary map: the switch is uniform across the grid, so
+// it costs a branch, not divergence. `sign`, `ln` and `recip` check their
+// domain and report the first offender through `err` with `code`.
+template <typename T>
+__device__ void unary_impl(const T* x, T* out, i64 n, int op, double s, ErrRec* err, unsigned int code) {
+    typedef acc_t<T> A;
+    GRID_LOOP(i, n) {
+        A v = to_acc(x[i]);
+        A r;
+        switch (op) {
+        case U_SCALE: r = v * (A)s; break;
+        case U_SILU: r = v * sigmoid_(v); break;
+        case U_SIGMOID: r = sigmoid_(v); break;
+        case U_LOG_SIGMOID: {
+            double d = (double)v;
+            r = (A)(fmin(d, 0.0) - log1p(exp(-fabs(d))));
+            break;
+        }
+        case U_ROUND_BF16: out[i] = round_bf16_(x[i]); continue;
+        case U_SIGN:
+            if (isnan(v)) { report_err(err, code, i, (double)v); r = (A)0; break; }
+            r = v > (A)0 ? (A)1 : (v < (A)0 ? (A)-1 : (A)0);
+            break;
+        case U_LN:
+            if (isnan(v) || v < (A)0) { report_err(err, code, i, (double)v); r = (A)0; break; }
+            r = log_(v);
+            break;
+        case U_RECIP:
+            if (isnan(v) || v == (A)0) { report_err(err, code, i, (double)v); r = (A)0; break; }
+            r = (A)1 / v;
+            break;
+        default: r = v;
+        }
+        out[i] = from_acc<T>(r);
+    }
+}
+#define UNARY(sfx, T) \
+    extern "C" __global__ void unary_##sfx(const T* x, T* out, i64 n, int op, double s, ErrRec* err, unsigned int code) { \
+        unary_impl<T>(x, out, n, op, s, err, code); }
+FOR_FLOATS(UNARY)
+
+// ---- binary maps -----------------------------------------------------------
+
+enum BinaryOp { B_ADD = 0, B_SUB, B_MUL, B_SILU_BWD, B_SIGMOID_BWD, B_SWIGLU };
+
+template <typename A> __device__ __forceinline__ A silu_grad_(A x) {
+    A s = sigmoid_(x);
+    return s * ((A)1 + x * ((A)1 - s));
+}
+
+template <typename T> __device__ void binary_impl(const T* a, const T* b, T* out, i64 n, int op) {
+    typedef acc_t<T> A;
+    GRID_LOOP(i, n) {
+        A x = to_acc(a[i]), y = to_acc(b[i]);
+        A r;
+        switch (op) {
+        case B_ADD: r = x + y; break;
+        case B_SUB: r = x - y; break;
+        case B_MUL: r = x * y; break;
+        case B_SILU_BWD: r = y * silu_grad_(x); break;
+        case B_SIGMOID_BWD: r = y * x * ((A)1 - x); break;
+        case B_SWIGLU: r = x * sigmoid_(x) * y; break;
+        default: r = x;
+        }
+        out[i] = from_acc<T>(r);
+    }
+}
+#define BINARY(sfx, T) \
+    extern "C" __global__ void binary_##sfx(const T* a, const T* b, T* out, i64 n, int op) { binary_impl<T>(a, b, out, n, op); }
+FOR_FLOATS(BINARY)
+
+template <typename T>
+__device__ void swiglu_bwd_impl(const T* g, const T* u, const T* dy, T* dg, T* du, i64 n) {
+    typedef acc_t<T> A;
+    GRID_LOOP(i, n) {
+        A gv = to_acc(g[i]), uv = to_acc(u[i]), d = to_acc(dy[i]);
+        dg[i] = from_acc<T>(d * uv * silu_grad_(gv));
+        du[i] = from_acc<T>(d * gv * sigmoid_(gv));
+    }
+}
+#define SWIGLU_BWD(sfx, T) \
+    extern "C" __global__ void swiglu_bwd_##sfx(const T* g, const T* u, const T* dy, T* dg, T* du, i64 n) { \
+        swiglu_bwd_impl<T>(g, u, dy, dg, du, n); }
+FOR_FLOATS(SWIGLU_BWD)
+
+// y += alpha * x, in place.
+template <typename T> __device__ void axpy_impl(T* y, const T* x, i64 n, double alpha) {
+    typedef acc_t<T> A;
+    A a = (A)alpha;
+    GRID_LOOP(i, n) y[i] = from_acc<T>(to_acc(y[i]) + a * to_acc(x[i]));
+}
+#define AXPY(sfx, T) \
+    extern "C" __global__ void axpy_##sfx(T* y, const T* x, i64 n, double alpha) { axpy_impl<T>(y, x, n, alpha); }
+FOR_FLOATS(AXPY)
+
+// Row/column broadcasts: 0 = x * s[row], 1 = x * s[col], 2 = x + s[col].
+template <typename T> __device__ void bcast_impl(const T* x, const T* s, T* out, i64 n, i64 c, int op) {
+    typedef acc_t<T> A;
+    GRID_LOOP(i, n) {
+        A v = to_acc(x[i]);
+        A r;
+        if (op == 0) r = v * to_acc(s[i / c]);
+        else if (op == 1) r = v * to_acc(s[i % c]);
+        else r = v + to_acc(s[i % c]);
+        out[i] = from_acc<T>(r);
+    }
+}
+#define BCAST(sfx, T) \
+    extern "C" __global__ void bcast_##sfx(const T* x, const T* s, T* out, i64 n, i64 c, int op) { bcast_impl<T>(x, s, out, n, c, op); }
+FOR_FLOATS(BCAST)
+
+// ---- row kernels: one block per row -----------------------------------------
+
+template <typename T> __device__ void softmax_impl(const T* x, T* out, i64 r, i64 c) {
+    typedef acc_t<T> A;
+    __shared__ A sh[32];
+    for (i64 row = blockIdx.x; row < r; row += gridDim.x) {
+        const T* xr = x + row * c;
+        T* orow = out + row * c;
+        A mx = neg_inf<A>();
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) mx = fmax(mx, to_acc(xr[j]));
+        mx = block_max(mx, sh);
+        A s = 0;
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) s += exp_(to_acc(xr[j]) - mx);
+        s = block_sum(s, sh);
+        A inv = (A)1 / s;
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) orow[j] = from_acc<T>(exp_(to_acc(xr[j]) - mx) * inv);
+    }
+}
+#define SOFTMAX(sfx, T) \
+    extern "C" __global__ void softmax_##sfx(const T* x, T* out, i64 r, i64 c) { softmax_impl<T>(x, out, r, c); }
+FOR_FLOATS(SOFTMAX)
+
+template <typename T> __device__ void softmax_bwd_impl(const T* y, const T* dy, T* out, i64 r, i64 c) {
+    typedef acc_t<T> A;
+    __shared__ A sh[32];
+    for (i64 row = blockIdx.x; row < r; row += gridDim.x) {
+        const T* yr = y + row * c;
+        const T* dr = dy + row * c;
+        A s = 0;
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) s += to_acc(yr[j]) * to_acc(dr[j]);
+        s = block_sum(s, sh);
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x)
+            out[row * c + j] = from_acc<T>(to_acc(yr[j]) * (to_acc(dr[j]) - s));
+    }
+}
+#define SOFTMAX_BWD(sfx, T) \
+    extern "C" __global__ void softmax_bwd_##sfx(const T* y, const T* dy, T* out, i64 r, i64 c) { softmax_bwd_impl<T>(y, dy, out, r, c); }
+FOR_FLOATS(SOFTMAX_BWD)
+
+// Row reductions: 0 = logsumexp, 1 = sum, 2 = dot with `b`.
+template <typename T> __device__ void reduce_rows_impl(const T* a, const T* b, T* out, i64 r, i64 c, int op) {
+    typedef acc_t<T> A;
+    __shared__ A sh[32];
+    for (i64 row = blockIdx.x; row < r; row += gridDim.x) {
+        const T* ar = a + row * c;
+        A res;
+        if (op == 0) {
+            A mx = neg_inf<A>();
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) mx = fmax(mx, to_acc(ar[j]));
+            mx = block_max(mx, sh);
+            // An infinite or NaN max is the answer itself (inf - inf is NaN).
+            if (!isfinite(mx)) {
+                res = mx;
+            } else {
+                A s = 0;
+                for (i64 j = threadIdx.x; j < c; j += blockDim.x) s += exp_(to_acc(ar[j]) - mx);
+                res = mx + log_(block_sum(s, sh));
+            }
+        } else {
+            A s = 0;
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x)
+                s += op == 1 ? to_acc(ar[j]) : to_acc(ar[j]) * to_acc(b[row * c + j]);
+            res = block_sum(s, sh);
+        }
+        if (threadIdx.x == 0) out[row] = from_acc<T>(res);
+    }
+}
+#define REDUCE_ROWS(sfx, T) \
+    extern "C" __global__ void reduce_rows_##sfx(const T* a, const T* b, T* out, i64 r, i64 c, int op) { reduce_rows_impl<T>(a, b, out, r, c, op); }
+FOR_FLOATS(REDUCE_ROWS)
+
+// Column sums `[R, C] -> [C]`: a (32, 8) block owns 32 columns; its 8 row
+// lanes stride over the rows and are then added in lane order.
+template <typename T> __device__ void sum_cols_impl(const T* x, T* out, i64 r, i64 c) {
+    typedef acc_t<T> A;
+    __shared__ A sh[8][33];
+    i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    A s = 0;
+    if (col < c)
+        for (i64 row = threadIdx.y; row < r; row += 8) s += to_acc(x[row * c + col]);
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < c) {
+        A t = 0;
+        for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
+        out[col] = from_acc<T>(t);
+    }
+}
+#define SUM_COLS(sfx, T) \
+    extern "C" __global__ void sum_cols_##sfx(const T* x, T* out, i64 r, i64 c) { sum_cols_impl<T>(x, out, r, c); }
+FOR_FLOATS(SUM_COLS)
+
+// Whole-tensor sums in f64, in two deterministic passes: each block of the
+// first writes one partial (its grid-stride share), the second adds the
+// partials in block order.
+template <typename T> __device__ void total_impl(const T* x, double* partials, i64 n, int squares) {
+    __shared__ double sh[32];
+    double s = 0;
+    GRID_LOOP(i, n) {
+        double v = to_f64(x[i]);
+        s += squares ? v * v : v;
+    }
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+#define TOTAL(sfx, T) \
+    extern "C" __global__ void total_##sfx(const T* x, double* partials, i64 n, int squares) { total_impl<T>(x, partials, n, squares); }
+FOR_FLOATS(TOTAL)
+
+template <typename T> __device__ void total_finish_impl(const double* partials, T* out, int np) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        double s = 0;
+        for (int i = 0; i < np; ++i) s += partials[i];
+        out[0] = from_f64<T>(s);
+    }
+}
+#define TOTAL_FINISH(sfx, T) \
+    extern "C" __global__ void total_finish_##sfx(const double* partials, T* out, int np) { total_finish_impl<T>(partials, out, np); }
+FOR_FLOATS(TOTAL_FINISH)

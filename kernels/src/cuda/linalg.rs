@@ -1,0 +1,307 @@
+//! CUDA dense and grouped matrix products (row-major). Dense GEMMs run on
+//! cuBLAS; the grouped GEMM is a kernel of `linalg.cu` that reads the group
+//! sizes on the device, so the MoE layer never waits for the host.
+//!
+//! Shape letters: M rows, K inner dimension, N columns, G groups.
+
+use cudarc::cublas::{result as blas, sys as bsys};
+use cudarc::driver::LaunchConfig;
+
+use super::compile::LINALG;
+use super::{float_sfx, launch, Cuda};
+use crate::backend::{Device, LinalgOps};
+use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::tensor::{DType, Tensor};
+
+/// A cuBLAS handle bound to the device handle's stream.
+pub(crate) struct Blas(bsys::cublasHandle_t);
+
+// The handle is only used under the `Cuda`'s mutex.
+unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let _ = unsafe { blas::destroy_handle(self.0) };
+    }
+}
+
+fn blas_err(what: &str, e: blas::CublasError) -> KernelError {
+    KernelError::DeviceUnavailable {
+        device: "cuda",
+        reason: format!("{what}: cuBLAS error {e:?}"),
+    }
+}
+
+impl Cuda {
+    /// Runs `f` with this handle's cuBLAS handle, creating it on first use.
+    fn with_blas<R>(&self, f: impl FnOnce(bsys::cublasHandle_t) -> Result<R>) -> Result<R> {
+        let mut guard = self.inner.blas.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            self.ctx()
+                .bind_to_thread()
+                .map_err(|e| super::alloc::driver_err("cuBLAS init", e))?;
+            let h = blas::create_handle().map_err(|e| blas_err("creating the cuBLAS handle", e))?;
+            let blas_handle = Blas(h);
+            unsafe { blas::set_stream(h, self.stream().cu_stream() as _) }
+                .map_err(|e| blas_err("binding cuBLAS to the stream", e))?;
+            *guard = Some(blas_handle);
+        }
+        self.ctx()
+            .bind_to_thread()
+            .map_err(|e| super::alloc::driver_err("cuBLAS call", e))?;
+        f(guard.as_ref().map(|b| b.0).expect("created above"))
+    }
+
+    /// Group offsets `[G + 1]` (i64, scratch) from device sizes `[G]`,
+    /// checked on the device against `m` rows.
+    fn group_offsets(
+        &self,
+        op: &'static str,
+        sizes: &Tensor<Self>,
+        g: usize,
+        m: usize,
+    ) -> Result<super::alloc::Block> {
+        sizes.expect_dtype(op, DType::I32)?;
+        sizes.expect_shape(op, "group_sizes", &[g])?;
+        let neg =
+            self.check(move |i, s| arg_err(op, format!("group_sizes[{i}] = {s} is negative")))?;
+        let total = self.check(move |t, _| {
+            arg_err(
+                op,
+                format!("group sizes sum to {t}, more than the {m} rows of x"),
+            )
+        })?;
+        let offs = self.scratch(op, (g + 1) * 8)?;
+        let f = self.func(LINALG, "group_offsets")?;
+        launch!(
+            self,
+            f,
+            super::rows_cfg(1, 32),
+            sizes.storage().ptr(),
+            g as i32,
+            m as i64,
+            offs.ptr(),
+            self.err_ptr(),
+            neg,
+            total
+        )?;
+        Ok(offs)
+    }
+}
+
+impl LinalgOps for Cuda {
+    fn matmul(
+        &self,
+        a: &Tensor<Self>,
+        b: &Tensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "matmul";
+        float_sfx(OP, a.dtype())?;
+        let (ar, ac) = a.dims2(OP)?;
+        let (br, bc) = b.dims2(OP)?;
+        let (m, ka) = if trans_a { (ac, ar) } else { (ar, ac) };
+        let (kb, n) = if trans_b { (bc, br) } else { (br, bc) };
+        if ka != kb {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "a {:?} (trans_a = {trans_a}) has inner dimension {ka}, b {:?} (trans_b = {trans_b}) has {kb}",
+                    a.shape(),
+                    b.shape()
+                ),
+            ));
+        }
+        b.expect_dtype(OP, a.dtype())?;
+        let k = ka;
+        if m * n == 0 || k == 0 {
+            return self.zeros(&[m, n], a.dtype());
+        }
+        let out = self.alloc(OP, &[m, n], a.dtype())?;
+        for (what, v) in [
+            ("M", m),
+            ("N", n),
+            ("K", k),
+            ("a's row length", ac),
+            ("b's row length", bc),
+        ] {
+            if v > i32::MAX as usize {
+                return Err(arg_err(
+                    OP,
+                    format!("{what} = {v} exceeds cuBLAS's 32-bit sizes"),
+                ));
+            }
+        }
+        // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: hand
+        // cuBLAS B as its first operand, A as its second, each with its own
+        // row length as the leading dimension.
+        let op_of = |t: bool| {
+            if t {
+                bsys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                bsys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (dt, compute) = match a.dtype() {
+            // PEDANTIC: plain fp32 FMA, never TF32, whatever the environment
+            // says, so f32 results match the CPU to 1e-5.
+            DType::F32 => (
+                bsys::cudaDataType::CUDA_R_32F,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            ),
+            DType::F64 => (
+                bsys::cudaDataType::CUDA_R_64F,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+            ),
+            _ => (
+                bsys::cudaDataType::CUDA_R_16BF,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+        };
+        let (one64, zero64) = (1.0f64, 0.0f64);
+        let (one32, zero32) = (1.0f32, 0.0f32);
+        let (alpha, beta) = if a.dtype() == DType::F64 {
+            (
+                &one64 as *const f64 as *const std::ffi::c_void,
+                &zero64 as *const f64 as *const std::ffi::c_void,
+            )
+        } else {
+            (
+                &one32 as *const f32 as *const std::ffi::c_void,
+                &zero32 as *const f32 as *const std::ffi::c_void,
+            )
+        };
+        self.with_blas(|h| {
+            unsafe {
+                blas::gemm_ex(
+                    h,
+                    op_of(trans_b),
+                    op_of(trans_a),
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    alpha,
+                    b.storage().ptr() as *const _,
+                    dt,
+                    bc as i32,
+                    a.storage().ptr() as *const _,
+                    dt,
+                    ac as i32,
+                    beta,
+                    out.storage().ptr() as *mut _,
+                    dt,
+                    n as i32,
+                    compute,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| blas_err(OP, e))
+        })?;
+        Ok(out)
+    }
+
+    fn grouped_matmul(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul";
+        let sfx = float_sfx(OP, x.dtype())?;
+        let (m, k) = x.dims2(OP)?;
+        let (g, wr, wc) = w.dims3(OP)?;
+        let (wk, n) = if trans_w { (wc, wr) } else { (wr, wc) };
+        if wk != k {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x {:?} has K = {k}, w {:?} (trans_w = {trans_w}) has K = {wk}",
+                    x.shape(),
+                    w.shape()
+                ),
+            ));
+        }
+        w.expect_dtype(OP, x.dtype())?;
+        let offs = self.group_offsets(OP, group_sizes, g, m)?;
+        let out = self.alloc(OP, &[m, n], x.dtype())?;
+        if m * n > 0 {
+            let f = self.func(LINALG, &format!("grouped_mm_{sfx}"))?;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+                block_dim: (16, 16, 1),
+                shared_mem_bytes: ((g + 1) * 8) as u32,
+            };
+            launch!(
+                self,
+                f,
+                cfg,
+                x.storage().ptr(),
+                w.storage().ptr(),
+                offs.ptr(),
+                out.storage().ptr(),
+                m as i64,
+                k as i64,
+                n as i64,
+                g as i32,
+                trans_w as i32
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn grouped_matmul_weight_grad(
+        &self,
+        x: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_weight_grad";
+        let sfx = float_sfx(OP, x.dtype())?;
+        let (m, k) = x.dims2(OP)?;
+        let (my, n) = dy.dims2(OP)?;
+        if my != m {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x {:?} and dy {:?} disagree on the row count",
+                    x.shape(),
+                    dy.shape()
+                ),
+            ));
+        }
+        let g = match group_sizes.shape() {
+            [g] => *g,
+            other => {
+                return Err(shape_err(
+                    OP,
+                    format!("group_sizes must be 1-d [G], got shape {other:?}"),
+                ))
+            }
+        };
+        dy.expect_dtype(OP, x.dtype())?;
+        let offs = self.group_offsets(OP, group_sizes, g, m)?;
+        let out = self.alloc(OP, &[g, k, n], x.dtype())?;
+        if g * k * n > 0 {
+            let f = self.func(LINALG, &format!("grouped_wgrad_{sfx}"))?;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(32) as u32, k.div_ceil(8) as u32, g as u32),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                self,
+                f,
+                cfg,
+                x.storage().ptr(),
+                dy.storage().ptr(),
+                offs.ptr(),
+                out.storage().ptr(),
+                k as i64,
+                n as i64
+            )?;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,90 @@
+// Cross-entropy over the vocabulary, fused with its softmax; the valid-token
+// mask. Shape letters: T tokens, V vocabulary. Target -1 ignores a token.
+
+// loss[t] = lse(x[t]) − x[t, target[t]], lse[t] = log Σ exp(x[t]); one block
+// per token. A target outside [-1, V) and a non-finite logit are reported;
+// the token then counts as ignored so nothing is read out of bounds.
+template <typename T>
+__device__ void ce_fwd_impl(const T* x, const int* tg, T* loss, T* lse, i64 t, i64 v, ErrRec* err,
+                            unsigned int code_target, unsigned int code_nonfinite) {
+    typedef acc_t<T> A;
+    __shared__ A sh[32];
+    for (i64 row = blockIdx.x; row < t; row += gridDim.x) {
+        const T* xr = x + row * v;
+        int c = tg[row];
+        if (c < -1 || (i64)c >= v) {
+            if (threadIdx.x == 0) report_err(err, code_target, row, (double)c);
+            c = -1;
+        }
+        A mx = neg_inf<A>();
+        for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
+            A a = to_acc(xr[j]);
+            if (!isfinite(a)) report_err(err, code_nonfinite, row * v + j, (double)a);
+            mx = fmax(mx, a);
+        }
+        mx = block_max(mx, sh);
+        A z;
+        if (!isfinite(mx)) {
+            z = mx;
+        } else {
+            A s = 0;
+            for (i64 j = threadIdx.x; j < v; j += blockDim.x) s += exp_(to_acc(xr[j]) - mx);
+            z = mx + log_(block_sum(s, sh));
+        }
+        if (threadIdx.x == 0) {
+            lse[row] = from_acc<T>(z);
+            loss[row] = from_acc<T>(c == -1 ? (A)0 : z - to_acc(xr[c]));
+        }
+    }
+}
+#define CE_FWD(sfx, T) \
+    extern "C" __global__ void ce_fwd_##sfx(const T* x, const int* tg, T* loss, T* lse, i64 t, i64 v, ErrRec* err, \
+                                            unsigned int code_target, unsigned int code_nonfinite) { \
+        ce_fwd_impl<T>(x, tg, loss, lse, t, v, err, code_target, code_nonfinite); }
+FOR_FLOATS(CE_FWD)
+
+// dx[t] = dloss[t]·(exp(x[t] − lse[t]) − onehot(target[t])), zero for ignored
+// (or invalid, reported) targets; one block per token.
+template <typename T>
+__device__ void ce_bwd_impl(const T* x, const int* tg, const T* lse, const T* dloss, T* dx, i64 t, i64 v, ErrRec* err,
+                            unsigned int code_target) {
+    typedef acc_t<T> A;
+    for (i64 row = blockIdx.x; row < t; row += gridDim.x) {
+        const T* xr = x + row * v;
+        T* o = dx + row * v;
+        int c = tg[row];
+        if (c < -1 || (i64)c >= v) {
+            if (threadIdx.x == 0) report_err(err, code_target, row, (double)c);
+            c = -1;
+        }
+        if (c == -1) {
+            for (i64 j = threadIdx.x; j < v; j += blockDim.x) o[j] = from_acc<T>((A)0);
+            continue;
+        }
+        A z = to_acc(lse[row]), d = to_acc(dloss[row]);
+        for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
+            A g = d * exp_(to_acc(xr[j]) - z);
+            if (j == c) g -= d;
+            o[j] = from_acc<T>(g);
+        }
+    }
+}
+#define CE_BWD(sfx, T) \
+    extern "C" __global__ void ce_bwd_##sfx(const T* x, const int* tg, const T* lse, const T* dloss, T* dx, i64 t, i64 v, \
+                                            ErrRec* err, unsigned int code_target) { \
+        ce_bwd_impl<T>(x, tg, lse, dloss, dx, t, v, err, code_target); }
+FOR_FLOATS(CE_BWD)
+
+// 1 where target ≥ 0, 0 where it is -1; below -1 is reported (and gives 0).
+template <typename T>
+__device__ void valid_mask_impl(const int* tg, T* out, i64 n, ErrRec* err, unsigned int code) {
+    GRID_LOOP(i, n) {
+        int c = tg[i];
+        if (c < -1) report_err(err, code, i, (double)c);
+        out[i] = from_acc<T>((acc_t<T>)(c >= 0 ? 1 : 0));
+    }
+}
+#define VALID_MASK(sfx, T) \
+    extern "C" __global__ void valid_mask_##sfx(const int* tg, T* out, i64 n, ErrRec* err, unsigned int code) { \
+        valid_mask_impl<T>(tg, out, n, err, code); }
+FOR_FLOATS(VALID_MASK)

@@ -1,0 +1,97 @@
+// RMSNorm (forward and backward) and rotary position embedding.
+// Shape letters: R rows, D normalised dim, B batch, S sequence, H heads,
+// Hd head dim.
+
+// y = x · rstd · w per row, rstd = 1/sqrt(mean(x²) + eps); one block per row.
+// The mean of squares is accumulated in f64, as on the CPU.
+template <typename T>
+__device__ void rmsnorm_fwd_impl(const T* x, const T* w, T* y, T* rstd, i64 r, i64 d, double eps) {
+    typedef acc_t<T> A;
+    __shared__ double sh[32];
+    for (i64 row = blockIdx.x; row < r; row += gridDim.x) {
+        const T* xr = x + row * d;
+        double s = 0;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            double v = to_f64(xr[j]);
+            s += v * v;
+        }
+        s = block_sum(s, sh);
+        A k = (A)(1.0 / sqrt(s / (double)d + eps));
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x)
+            y[row * d + j] = from_acc<T>(to_acc(xr[j]) * k * to_acc(w[j]));
+        if (threadIdx.x == 0) rstd[row] = from_acc<T>(k);
+    }
+}
+#define RMSNORM_FWD(sfx, T) \
+    extern "C" __global__ void rmsnorm_fwd_##sfx(const T* x, const T* w, T* y, T* rstd, i64 r, i64 d, double eps) { \
+        rmsnorm_fwd_impl<T>(x, w, y, rstd, r, d, eps); }
+FOR_FLOATS(RMSNORM_FWD)
+
+// dx = k·w⊙dy − x·k³/D·Σ(dy⊙w⊙x) per row (k = rstd); one block per row.
+template <typename T>
+__device__ void rmsnorm_dx_impl(const T* dy, const T* x, const T* w, const T* rstd, T* dx, i64 r, i64 d) {
+    typedef acc_t<T> A;
+    __shared__ A sh[32];
+    for (i64 row = blockIdx.x; row < r; row += gridDim.x) {
+        const T* xr = x + row * d;
+        const T* dr = dy + row * d;
+        A s = 0;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += to_acc(dr[j]) * to_acc(w[j]) * to_acc(xr[j]);
+        s = block_sum(s, sh);
+        A k = to_acc(rstd[row]);
+        A c = s * k * k * k / (A)d;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x)
+            dx[row * d + j] = from_acc<T>(k * to_acc(w[j]) * to_acc(dr[j]) - to_acc(xr[j]) * c);
+    }
+}
+#define RMSNORM_DX(sfx, T) \
+    extern "C" __global__ void rmsnorm_dx_##sfx(const T* dy, const T* x, const T* w, const T* rstd, T* dx, i64 r, i64 d) { \
+        rmsnorm_dx_impl<T>(dy, x, w, rstd, dx, r, d); }
+FOR_FLOATS(RMSNORM_DX)
+
+// dw[j] = Σ_rows dy[r, j]·x[r, j]·rstd[r]: a (32, 8) block owns 32 columns,
+// its 8 row lanes are added in lane order (deterministic).
+template <typename T>
+__device__ void rmsnorm_dw_impl(const T* dy, const T* x, const T* rstd, T* dw, i64 r, i64 d) {
+    typedef acc_t<T> A;
+    __shared__ A sh[8][33];
+    i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    A s = 0;
+    if (col < d)
+        for (i64 row = threadIdx.y; row < r; row += 8)
+            s += to_acc(dy[row * d + col]) * to_acc(x[row * d + col]) * to_acc(rstd[row]);
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < d) {
+        A t = 0;
+        for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
+        dw[col] = from_acc<T>(t);
+    }
+}
+#define RMSNORM_DW(sfx, T) \
+    extern "C" __global__ void rmsnorm_dw_##sfx(const T* dy, const T* x, const T* rstd, T* dw, i64 r, i64 d) { \
+        rmsnorm_dw_impl<T>(dy, x, rstd, dw, r, d); }
+FOR_FLOATS(RMSNORM_DW)
+
+// Rotate-half RoPE: one thread per (b, s, h, i < Hd/2) pair; channel i pairs
+// with i + Hd/2 and both turn by pos·θ^(−2i/Hd), the angle formed in f64.
+template <typename T>
+__device__ void rope_impl(const T* x, T* out, i64 s, i64 h, i64 hd, double theta, double sign, i64 pairs) {
+    typedef acc_t<T> A;
+    i64 half = hd / 2;
+    GRID_LOOP(p, pairs) {
+        i64 i = p % half;
+        i64 bsh = p / half;  // (b, s, h) flattened
+        i64 pos = (bsh / h) % s;
+        double a = (double)pos * pow(theta, -2.0 * (double)i / (double)hd);
+        A c = (A)cos(a), sn = (A)(sign * sin(a));
+        i64 at = bsh * hd;
+        A x1 = to_acc(x[at + i]), x2 = to_acc(x[at + i + half]);
+        out[at + i] = from_acc<T>(x1 * c - x2 * sn);
+        out[at + i + half] = from_acc<T>(x2 * c + x1 * sn);
+    }
+}
+#define ROPE(sfx, T) \
+    extern "C" __global__ void rope_##sfx(const T* x, T* out, i64 s, i64 h, i64 hd, double theta, double sign, i64 pairs) { \
+        rope_impl<T>(x, out, s, h, hd, theta, sign, pairs); }
+FOR_FLOATS(ROPE)

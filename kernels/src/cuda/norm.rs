@@ -1,0 +1,172 @@
+//! CUDA RMSNorm and rotary position embedding (kernels in `norm.cu`), with
+//! the checks of `cpu/norm.rs` in the same order.
+//!
+//! Shape letters: R rows (leading dims flattened), D normalised dim,
+//! B batch, S sequence, H heads, Hd head dim.
+
+use cudarc::driver::LaunchConfig;
+
+use super::compile::NORM;
+use super::elementwise::rows_cols;
+use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
+use crate::backend::NormOps;
+use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::tensor::Tensor;
+
+/// `(R, D)` of `x` after checking `w: [D]`, `D > 0` and `w`'s dtype.
+fn check_norm_args(op: &'static str, x: &Tensor<Cuda>, w: &Tensor<Cuda>) -> Result<(usize, usize)> {
+    let (r, d, _) = rows_cols(op, x)?;
+    if w.shape() != [d] {
+        return Err(shape_err(
+            op,
+            format!(
+                "x has shape {:?}, so the weight must have shape [{d}], got {:?}",
+                x.shape(),
+                w.shape()
+            ),
+        ));
+    }
+    if d == 0 {
+        return Err(KernelError::Empty {
+            op,
+            what: "normalised (last) dimension",
+        });
+    }
+    Ok((r, d))
+}
+
+impl NormOps for Cuda {
+    fn rms_norm(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f64,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "rms_norm";
+        let sfx = float_sfx(OP, x.dtype())?;
+        let (r, d) = check_norm_args(OP, x, w)?;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(arg_err(OP, format!("eps = {eps} must be finite and >= 0")));
+        }
+        w.expect_dtype(OP, x.dtype())?;
+        let lead = &x.shape()[..x.shape().len() - 1];
+        let y = self.alloc(OP, x.shape(), x.dtype())?;
+        let rstd = self.alloc(OP, lead, x.dtype())?;
+        if r > 0 {
+            let f = self.func(NORM, &format!("rmsnorm_fwd_{sfx}"))?;
+            launch!(
+                self,
+                f,
+                rows_cfg(r, 256),
+                x.storage().ptr(),
+                w.storage().ptr(),
+                y.storage().ptr(),
+                rstd.storage().ptr(),
+                r as i64,
+                d as i64,
+                eps
+            )?;
+        }
+        Ok((y, rstd))
+    }
+
+    fn rms_norm_backward(
+        &self,
+        dy: &Tensor<Self>,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        rstd: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "rms_norm_backward";
+        let sfx = float_sfx(OP, x.dtype())?;
+        let (r, d) = check_norm_args(OP, x, w)?;
+        dy.expect_shape(OP, "dy", x.shape())?;
+        let lead = &x.shape()[..x.shape().len() - 1];
+        if rstd.shape() != lead && rstd.shape() != [r] {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x has shape {:?}, so rstd must have shape {lead:?} or [{r}], got {:?}",
+                    x.shape(),
+                    rstd.shape()
+                ),
+            ));
+        }
+        for t in [w, dy, rstd] {
+            t.expect_dtype(OP, x.dtype())?;
+        }
+        let dx = self.alloc(OP, x.shape(), x.dtype())?;
+        let dw = self.alloc(OP, &[d], x.dtype())?;
+        if r > 0 {
+            let f = self.func(NORM, &format!("rmsnorm_dx_{sfx}"))?;
+            launch!(
+                self,
+                f,
+                rows_cfg(r, 256),
+                dy.storage().ptr(),
+                x.storage().ptr(),
+                w.storage().ptr(),
+                rstd.storage().ptr(),
+                dx.storage().ptr(),
+                r as i64,
+                d as i64
+            )?;
+        }
+        let f = self.func(NORM, &format!("rmsnorm_dw_{sfx}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (d.div_ceil(32) as u32, 1, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            dy.storage().ptr(),
+            x.storage().ptr(),
+            rstd.storage().ptr(),
+            dw.storage().ptr(),
+            r as i64,
+            d as i64
+        )?;
+        Ok((dx, dw))
+    }
+
+    fn rope(&self, x: &Tensor<Self>, theta: f64, inverse: bool) -> Result<Tensor<Self>> {
+        const OP: &str = "rope";
+        let sfx = float_sfx(OP, x.dtype())?;
+        let (_b, s, h, hd) = x.dims4(OP)?;
+        if !hd.is_multiple_of(2) {
+            return Err(arg_err(
+                OP,
+                format!("head dim Hd = {hd} must be even to pair its halves"),
+            ));
+        }
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(arg_err(
+                OP,
+                format!("theta = {theta} must be finite and > 0"),
+            ));
+        }
+        let out = self.alloc(OP, x.shape(), x.dtype())?;
+        let pairs = x.numel() / 2;
+        if pairs > 0 {
+            let f = self.func(NORM, &format!("rope_{sfx}"))?;
+            let sign = if inverse { -1.0f64 } else { 1.0 };
+            launch!(
+                self,
+                f,
+                grid_for(pairs),
+                x.storage().ptr(),
+                out.storage().ptr(),
+                s as i64,
+                h as i64,
+                hd as i64,
+                theta,
+                sign,
+                pairs as i64
+            )?;
+        }
+        Ok(out)
+    }
+}
