@@ -730,92 +730,91 @@ mod tests {
         check(what, &x, &bwd(&x, &w), |xs| dotv(&fwd(xs), &w));
     }
 
-    #[test]
-    fn silu_grad() {
+    fn silu_grad<B: TestOps>(d: &B) {
         unary_grad(
             "silu",
             1,
-            |x| h64(&Cpu.silu(&t64(x, &[R, C])).unwrap()),
+            |x| d.h64(&d.silu(&d.t64(x, &[R, C])).unwrap()),
             |x, w| {
-                h64(&Cpu
-                    .silu_backward(&t64(x, &[R, C]), &t64(w, &[R, C]))
-                    .unwrap())
+                d.h64(
+                    &d.silu_backward(&d.t64(x, &[R, C]), &d.t64(w, &[R, C]))
+                        .unwrap(),
+                )
             },
         );
     }
 
-    #[test]
-    fn sigmoid_grad() {
+    fn sigmoid_grad<B: TestOps>(d: &B) {
         unary_grad(
             "sigmoid",
             2,
-            |x| h64(&Cpu.sigmoid(&t64(x, &[R, C])).unwrap()),
+            |x| d.h64(&d.sigmoid(&d.t64(x, &[R, C])).unwrap()),
             |x, w| {
-                let y = Cpu.sigmoid(&t64(x, &[R, C])).unwrap();
-                h64(&Cpu.sigmoid_backward(&y, &t64(w, &[R, C])).unwrap())
+                let y = d.sigmoid(&d.t64(x, &[R, C])).unwrap();
+                d.h64(&d.sigmoid_backward(&y, &d.t64(w, &[R, C])).unwrap())
             },
         );
     }
 
-    #[test]
-    fn softmax_grad() {
+    fn softmax_grad<B: TestOps>(d: &B) {
         unary_grad(
             "softmax",
             3,
-            |x| h64(&Cpu.softmax(&t64(x, &[R, C])).unwrap()),
+            |x| d.h64(&d.softmax(&d.t64(x, &[R, C])).unwrap()),
             |x, w| {
-                let y = Cpu.softmax(&t64(x, &[R, C])).unwrap();
-                h64(&Cpu.softmax_backward(&y, &t64(w, &[R, C])).unwrap())
+                let y = d.softmax(&d.t64(x, &[R, C])).unwrap();
+                d.h64(&d.softmax_backward(&y, &d.t64(w, &[R, C])).unwrap())
             },
         );
     }
 
     /// The gradient of logsumexp is the softmax, weighted per row.
-    #[test]
-    fn logsumexp_grad() {
+    fn logsumexp_grad<B: TestOps>(d: &B) {
         let mut g = rng(4);
         let x: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 3.0 * v).collect();
         let w = uniform(&mut g, R);
-        let y = Cpu.softmax(&t64(&x, &[R, C])).unwrap();
-        let an = h64(&Cpu.mul_rows(&y, &t64(&w, &[R])).unwrap());
+        let y = d.softmax(&d.t64(&x, &[R, C])).unwrap();
+        let an = d.h64(&d.mul_rows(&y, &d.t64(&w, &[R])).unwrap());
         check("logsumexp", &x, &an, |xs| {
-            dotv(&h64(&Cpu.logsumexp(&t64(xs, &[R, C])).unwrap()), &w)
+            dotv(&d.h64(&d.logsumexp(&d.t64(xs, &[R, C])).unwrap()), &w)
         });
     }
 
-    #[test]
-    fn swiglu_grad() {
+    fn swiglu_grad<B: TestOps>(d: &B) {
         let mut g = rng(5);
         let gate: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 3.0 * v).collect();
         let up = uniform(&mut g, R * C);
         let w = uniform(&mut g, R * C);
-        let (dg, du) = Cpu
-            .swiglu_backward(&t64(&gate, &[R, C]), &t64(&up, &[R, C]), &t64(&w, &[R, C]))
+        let (dg, du) = d
+            .swiglu_backward(
+                &d.t64(&gate, &[R, C]),
+                &d.t64(&up, &[R, C]),
+                &d.t64(&w, &[R, C]),
+            )
             .unwrap();
         let f = |g: &[f64], u: &[f64]| {
             dotv(
-                &h64(&Cpu.swiglu(&t64(g, &[R, C]), &t64(u, &[R, C])).unwrap()),
+                &d.h64(&d.swiglu(&d.t64(g, &[R, C]), &d.t64(u, &[R, C])).unwrap()),
                 &w,
             )
         };
-        check("swiglu d gate", &gate, &h64(&dg), |x| f(x, &up));
-        check("swiglu d up", &up, &h64(&du), |x| f(&gate, x));
+        check("swiglu d gate", &gate, &d.h64(&dg), |x| f(x, &up));
+        check("swiglu d up", &up, &d.h64(&du), |x| f(&gate, x));
     }
 
-    #[test]
-    fn mul_rows_grad() {
+    fn mul_rows_grad<B: TestOps>(d: &B) {
         let mut g = rng(6);
         let (x, s, w) = (
             uniform(&mut g, R * C),
             uniform(&mut g, R),
             uniform(&mut g, R * C),
         );
-        let wt = t64(&w, &[R, C]);
-        let dx = h64(&Cpu.mul_rows(&wt, &t64(&s, &[R])).unwrap());
-        let ds = h64(&Cpu.dot_rows(&wt, &t64(&x, &[R, C])).unwrap());
+        let wt = d.t64(&w, &[R, C]);
+        let dx = d.h64(&d.mul_rows(&wt, &d.t64(&s, &[R])).unwrap());
+        let ds = d.h64(&d.dot_rows(&wt, &d.t64(&x, &[R, C])).unwrap());
         let f = |x: &[f64], s: &[f64]| {
             dotv(
-                &h64(&Cpu.mul_rows(&t64(x, &[R, C]), &t64(s, &[R])).unwrap()),
+                &d.h64(&d.mul_rows(&d.t64(x, &[R, C]), &d.t64(s, &[R])).unwrap()),
                 &w,
             )
         };
@@ -823,22 +822,22 @@ mod tests {
         check("mul_rows ds", &s, &ds, |v| f(&x, v));
     }
 
-    #[test]
-    fn mul_cols_grad() {
+    fn mul_cols_grad<B: TestOps>(d: &B) {
         let mut g = rng(7);
         let (x, s, w) = (
             uniform(&mut g, R * C),
             uniform(&mut g, C),
             uniform(&mut g, R * C),
         );
-        let wt = t64(&w, &[R, C]);
-        let dx = h64(&Cpu.mul_cols(&wt, &t64(&s, &[C])).unwrap());
-        let ds = h64(&Cpu
-            .sum_cols(&Cpu.mul(&wt, &t64(&x, &[R, C])).unwrap())
-            .unwrap());
+        let wt = d.t64(&w, &[R, C]);
+        let dx = d.h64(&d.mul_cols(&wt, &d.t64(&s, &[C])).unwrap());
+        let ds = d.h64(
+            &d.sum_cols(&d.mul(&wt, &d.t64(&x, &[R, C])).unwrap())
+                .unwrap(),
+        );
         let f = |x: &[f64], s: &[f64]| {
             dotv(
-                &h64(&Cpu.mul_cols(&t64(x, &[R, C]), &t64(s, &[C])).unwrap()),
+                &d.h64(&d.mul_cols(&d.t64(x, &[R, C]), &d.t64(s, &[C])).unwrap()),
                 &w,
             )
         };
@@ -846,18 +845,17 @@ mod tests {
         check("mul_cols ds", &s, &ds, |v| f(&x, v));
     }
 
-    #[test]
-    fn add_cols_grad() {
+    fn add_cols_grad<B: TestOps>(d: &B) {
         let mut g = rng(8);
         let (x, b, w) = (
             uniform(&mut g, R * C),
             uniform(&mut g, C),
             uniform(&mut g, R * C),
         );
-        let db = h64(&Cpu.sum_cols(&t64(&w, &[R, C])).unwrap());
+        let db = d.h64(&d.sum_cols(&d.t64(&w, &[R, C])).unwrap());
         let f = |x: &[f64], b: &[f64]| {
             dotv(
-                &h64(&Cpu.add_cols(&t64(x, &[R, C]), &t64(b, &[C])).unwrap()),
+                &d.h64(&d.add_cols(&d.t64(x, &[R, C]), &d.t64(b, &[C])).unwrap()),
                 &w,
             )
         };
@@ -865,20 +863,19 @@ mod tests {
         check("add_cols db", &b, &db, |v| f(&x, v));
     }
 
-    #[test]
-    fn dot_rows_grad() {
+    fn dot_rows_grad<B: TestOps>(d: &B) {
         let mut g = rng(9);
         let (a, b, w) = (
             uniform(&mut g, R * C),
             uniform(&mut g, R * C),
             uniform(&mut g, R),
         );
-        let wt = t64(&w, &[R]);
-        let da = h64(&Cpu.mul_rows(&t64(&b, &[R, C]), &wt).unwrap());
-        let db = h64(&Cpu.mul_rows(&t64(&a, &[R, C]), &wt).unwrap());
+        let wt = d.t64(&w, &[R]);
+        let da = d.h64(&d.mul_rows(&d.t64(&b, &[R, C]), &wt).unwrap());
+        let db = d.h64(&d.mul_rows(&d.t64(&a, &[R, C]), &wt).unwrap());
         let f = |a: &[f64], b: &[f64]| {
             dotv(
-                &h64(&Cpu.dot_rows(&t64(a, &[R, C]), &t64(b, &[R, C])).unwrap()),
+                &d.h64(&d.dot_rows(&d.t64(a, &[R, C]), &d.t64(b, &[R, C])).unwrap()),
                 &w,
             )
         };
@@ -888,20 +885,19 @@ mod tests {
 
     /// `sum_rows` and `sum_cols` are each other's adjoint broadcasts: the
     /// gradient of a row sum broadcasts over columns, and vice versa.
-    #[test]
-    fn sum_rows_and_sum_cols_grad() {
+    fn sum_rows_and_sum_cols_grad<B: TestOps>(d: &B) {
         let mut g = rng(10);
         let x = uniform(&mut g, R * C);
         let (wr, wc) = (uniform(&mut g, R), uniform(&mut g, C));
-        let zeros = t64(&vec![0.0; R * C], &[R, C]);
-        let ones = t64(&vec![1.0; R * C], &[R, C]);
-        let dr = h64(&Cpu.mul_rows(&ones, &t64(&wr, &[R])).unwrap());
-        let dc = h64(&Cpu.add_cols(&zeros, &t64(&wc, &[C])).unwrap());
+        let zeros = d.t64(&vec![0.0; R * C], &[R, C]);
+        let ones = d.t64(&vec![1.0; R * C], &[R, C]);
+        let dr = d.h64(&d.mul_rows(&ones, &d.t64(&wr, &[R])).unwrap());
+        let dc = d.h64(&d.add_cols(&zeros, &d.t64(&wc, &[C])).unwrap());
         check("sum_rows", &x, &dr, |v| {
-            dotv(&h64(&Cpu.sum_rows(&t64(v, &[R, C])).unwrap()), &wr)
+            dotv(&d.h64(&d.sum_rows(&d.t64(v, &[R, C])).unwrap()), &wr)
         });
         check("sum_cols", &x, &dc, |v| {
-            dotv(&h64(&Cpu.sum_cols(&t64(v, &[R, C])).unwrap()), &wc)
+            dotv(&d.h64(&d.sum_cols(&d.t64(v, &[R, C])).unwrap()), &wc)
         });
     }
 
@@ -916,43 +912,38 @@ mod tests {
         }
     }
 
-    #[test]
-    fn sign_matches_reference_in_both_dtypes() {
+    fn sign_matches_reference_in_both_dtypes<B: TestOps>(d: &B) {
         let tiny32 = f32::from_bits(1) as f64; // smallest f32 subnormal
         let mut x = vec![-3.0, -0.0, 0.0, 2.5, f64::INFINITY, f64::NEG_INFINITY];
         x.extend([1e-300, -1e-300, tiny32, -tiny32]);
         x.extend(uniform(&mut rng(20), 40));
         let want: Vec<f64> = x.iter().map(|&v| sign_ref(v)).collect();
-        assert_eq!(h64(&Cpu.sign(&t64(&x, &[x.len()])).unwrap()), want);
+        assert_eq!(d.h64(&d.sign(&d.t64(&x, &[x.len()])).unwrap()), want);
         // f32 loses 1e-300 to zero, so its reference is taken after rounding.
         let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
         let want32: Vec<f64> = x32.iter().map(|&v| sign_ref(v as f64)).collect();
-        let got = Cpu.sign(&t32(&x32, &[2, x.len() / 2])).unwrap();
+        let got = d.sign(&d.t32(&x32, &[2, x.len() / 2])).unwrap();
         assert_eq!(got.shape(), &[2, x.len() / 2]);
-        assert_eq!(h64(&got), want32);
+        assert_eq!(d.h64(&got), want32);
     }
 
-    #[test]
-    fn sign_rejects_nan_and_non_floats() {
-        let err = Cpu
-            .sign(&t32(&[1.0, -2.0, f32::NAN, f32::NAN], &[4]))
-            .unwrap_err();
+    fn sign_rejects_nan_and_non_floats<B: TestOps>(d: &B) {
+        let err = d.err_of(d.sign(&d.t32(&[1.0, -2.0, f32::NAN, f32::NAN], &[4])));
         assert!(
             matches!(err, KernelError::NonFinite { op: "sign", what: "x", value } if value.is_nan()),
             "{err:?}"
         );
         assert_eq!(
-            Cpu.sign(&ti32(&[1, -1], &[2])).unwrap_err(),
+            d.sign(&d.ti32(&[1, -1], &[2])).unwrap_err(),
             KernelError::UnsupportedDType {
                 op: "sign",
                 dtype: DType::I32,
-                backend: "cpu"
+                backend: B::NAME
             }
         );
     }
 
-    #[test]
-    fn ln_matches_reference_in_both_dtypes() {
+    fn ln_matches_reference_in_both_dtypes<B: TestOps>(d: &B) {
         let mut g = rng(21);
         let mut x: Vec<f64> = uniform(&mut g, R * C)
             .iter()
@@ -960,7 +951,7 @@ mod tests {
             .collect();
         x[0] = 1.0;
         x[1] = f64::INFINITY;
-        let got = h64(&Cpu.ln(&t64(&x, &[R, C])).unwrap());
+        let got = d.h64(&d.ln(&d.t64(&x, &[R, C])).unwrap());
         for (&v, &y) in x.iter().zip(&got) {
             assert!(
                 y == v.ln() || (y - v.ln()).abs() <= 1e-15 * v.ln().abs().max(1.0),
@@ -968,7 +959,7 @@ mod tests {
             );
         }
         let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-        let got = h64(&Cpu.ln(&t32(&x32, &[R, C])).unwrap());
+        let got = d.h64(&d.ln(&d.t32(&x32, &[R, C])).unwrap());
         for (&v, &y) in x32.iter().zip(&got) {
             let want = (v as f64).ln();
             assert!(
@@ -977,26 +968,24 @@ mod tests {
             );
         }
         // The log of a zero probability (either zero) is −∞, not an error.
-        let z = h64(&Cpu.ln(&t64(&[0.0, -0.0], &[2])).unwrap());
+        let z = d.h64(&d.ln(&d.t64(&[0.0, -0.0], &[2])).unwrap());
         assert_eq!(z, vec![f64::NEG_INFINITY; 2]);
     }
 
     /// `d ln(x) = dy · recip(x)`, checked on positive inputs away from the pole.
-    #[test]
-    fn ln_grad() {
+    fn ln_grad<B: TestOps>(d: &B) {
         let mut g = rng(22);
         let x: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 1.5 + v).collect();
         let w = uniform(&mut g, R * C);
-        let inv = Cpu.recip(&t64(&x, &[R, C])).unwrap();
-        let an = h64(&Cpu.mul(&t64(&w, &[R, C]), &inv).unwrap());
+        let inv = d.recip(&d.t64(&x, &[R, C])).unwrap();
+        let an = d.h64(&d.mul(&d.t64(&w, &[R, C]), &inv).unwrap());
         check("ln", &x, &an, |xs| {
-            dotv(&h64(&Cpu.ln(&t64(xs, &[R, C])).unwrap()), &w)
+            dotv(&d.h64(&d.ln(&d.t64(xs, &[R, C])).unwrap()), &w)
         });
     }
 
-    #[test]
-    fn ln_rejects_negative_and_nan() {
-        let err = Cpu.ln(&t64(&[1.0, 2.0, -0.5], &[3])).unwrap_err();
+    fn ln_rejects_negative_and_nan<B: TestOps>(d: &B) {
+        let err = d.err_of(d.ln(&d.t64(&[1.0, 2.0, -0.5], &[3])));
         match &err {
             KernelError::InvalidArgument { op: "ln", detail } => assert!(
                 detail.contains("element 2") && detail.contains("-0.5") && detail.contains("x ≥ 0"),
@@ -1004,19 +993,18 @@ mod tests {
             ),
             e => panic!("{e:?}"),
         }
-        let err = Cpu.ln(&t32(&[f32::NAN, -1.0], &[2])).unwrap_err();
+        let err = d.err_of(d.ln(&d.t32(&[f32::NAN, -1.0], &[2])));
         assert!(
             matches!(err, KernelError::NonFinite { op: "ln", what: "x", value } if value.is_nan()),
             "{err:?}"
         );
         assert!(matches!(
-            Cpu.ln(&ti32(&[1], &[1])).unwrap_err(),
+            d.ln(&d.ti32(&[1], &[1])).unwrap_err(),
             KernelError::UnsupportedDType { op: "ln", .. }
         ));
     }
 
-    #[test]
-    fn recip_matches_reference_in_both_dtypes() {
+    fn recip_matches_reference_in_both_dtypes<B: TestOps>(d: &B) {
         let mut g = rng(23);
         let mut x: Vec<f64> = uniform(&mut g, R * C)
             .iter()
@@ -1024,11 +1012,11 @@ mod tests {
             .collect();
         x[0] = f64::INFINITY;
         x[1] = f64::NEG_INFINITY;
-        let got = h64(&Cpu.recip(&t64(&x, &[R, C])).unwrap());
+        let got = d.h64(&d.recip(&d.t64(&x, &[R, C])).unwrap());
         let want: Vec<f64> = x.iter().map(|&v| 1.0 / v).collect();
         assert_eq!(got, want);
         let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-        let got = h64(&Cpu.recip(&t32(&x32, &[R, C])).unwrap());
+        let got = d.h64(&d.recip(&d.t32(&x32, &[R, C])).unwrap());
         for (&v, &y) in x32.iter().zip(&got) {
             let want = 1.0 / v as f64;
             assert!((y - want).abs() <= 1e-7 * want.abs(), "1/{v:e} = {y}");
@@ -1036,8 +1024,7 @@ mod tests {
     }
 
     /// `d recip(x) = −dy · y²` with `y = recip(x)`, on both signs of x.
-    #[test]
-    fn recip_grad() {
+    fn recip_grad<B: TestOps>(d: &B) {
         let mut g = rng(24);
         let x: Vec<f64> = uniform(&mut g, R * C)
             .iter()
@@ -1045,19 +1032,16 @@ mod tests {
             .map(|(i, v)| if i % 2 == 0 { 1.5 + v } else { -1.5 - v })
             .collect();
         let w = uniform(&mut g, R * C);
-        let y = Cpu.recip(&t64(&x, &[R, C])).unwrap();
-        let wy2 = Cpu
-            .mul(&t64(&w, &[R, C]), &Cpu.mul(&y, &y).unwrap())
-            .unwrap();
-        let an = h64(&Cpu.scale(&wy2, -1.0).unwrap());
+        let y = d.recip(&d.t64(&x, &[R, C])).unwrap();
+        let wy2 = d.mul(&d.t64(&w, &[R, C]), &d.mul(&y, &y).unwrap()).unwrap();
+        let an = d.h64(&d.scale(&wy2, -1.0).unwrap());
         check("recip", &x, &an, |xs| {
-            dotv(&h64(&Cpu.recip(&t64(xs, &[R, C])).unwrap()), &w)
+            dotv(&d.h64(&d.recip(&d.t64(xs, &[R, C])).unwrap()), &w)
         });
     }
 
-    #[test]
-    fn recip_rejects_zero_and_nan() {
-        let err = Cpu.recip(&t64(&[2.0, 0.0], &[1, 2])).unwrap_err();
+    fn recip_rejects_zero_and_nan<B: TestOps>(d: &B) {
+        let err = d.err_of(d.recip(&d.t64(&[2.0, 0.0], &[1, 2])));
         match &err {
             KernelError::InvalidArgument {
                 op: "recip",
@@ -1070,24 +1054,23 @@ mod tests {
             ),
             e => panic!("{e:?}"),
         }
-        assert!(Cpu.recip(&t32(&[-0.0], &[1])).is_err());
-        let err = Cpu.recip(&t64(&[f64::NAN], &[1])).unwrap_err();
+        d.err_of(d.recip(&d.t32(&[-0.0], &[1])));
+        let err = d.err_of(d.recip(&d.t64(&[f64::NAN], &[1])));
         assert!(
             matches!(err, KernelError::NonFinite { op: "recip", .. }),
             "{err:?}"
         );
         assert!(matches!(
-            Cpu.recip(&ti32(&[1], &[1])).unwrap_err(),
+            d.recip(&d.ti32(&[1], &[1])).unwrap_err(),
             KernelError::UnsupportedDType { op: "recip", .. }
         ));
     }
 
-    #[test]
-    fn log_sigmoid_matches_reference_and_is_stable() {
+    fn log_sigmoid_matches_reference_and_is_stable<B: TestOps>(d: &B) {
         let mut g = rng(25);
         let x: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 20.0 * v).collect();
         let naive = |v: f64| (1.0 / (1.0 + (-v).exp())).ln();
-        let got = h64(&Cpu.log_sigmoid(&t64(&x, &[R, C])).unwrap());
+        let got = d.h64(&d.log_sigmoid(&d.t64(&x, &[R, C])).unwrap());
         for (&v, &y) in x.iter().zip(&got) {
             assert!(
                 (y - naive(v)).abs() <= 1e-14 * naive(v).abs().max(1.0),
@@ -1095,164 +1078,160 @@ mod tests {
             );
         }
         let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-        let got = h64(&Cpu.log_sigmoid(&t32(&x32, &[R, C])).unwrap());
+        let got = d.h64(&d.log_sigmoid(&d.t32(&x32, &[R, C])).unwrap());
         for (&v, &y) in x32.iter().zip(&got) {
             let want = naive(v as f64);
             assert!((y - want).abs() <= 1e-6 * want.abs().max(1e-30), "{v}: {y}");
         }
         // Where the naive form fails: ln(0) = −∞ far left, and the tail
         // −exp(−x) that 1 + exp(−x) rounds away far right.
-        let ext = h64(&Cpu
-            .log_sigmoid(&t64(&[-1000.0, 40.0, 1000.0, f64::NEG_INFINITY], &[4]))
-            .unwrap());
+        let ext = d.h64(
+            &d.log_sigmoid(&d.t64(&[-1000.0, 40.0, 1000.0, f64::NEG_INFINITY], &[4]))
+                .unwrap(),
+        );
         assert_eq!(ext[0], -1000.0);
         assert!((ext[1] / -(-40f64).exp() - 1.0).abs() < 1e-12, "{}", ext[1]);
         assert_eq!(ext[2], 0.0);
         assert_eq!(ext[3], f64::NEG_INFINITY);
-        let ext32 = h64(&Cpu.log_sigmoid(&t32(&[-1000.0, 1000.0], &[2])).unwrap());
+        let ext32 = d.h64(&d.log_sigmoid(&d.t32(&[-1000.0, 1000.0], &[2])).unwrap());
         assert_eq!(ext32, vec![-1000.0, 0.0]);
     }
 
     /// `d log_sigmoid(x) = dy · (1 − sigmoid(x))`, built from the existing ops.
-    #[test]
-    fn log_sigmoid_grad() {
+    fn log_sigmoid_grad<B: TestOps>(d: &B) {
         unary_grad(
             "log_sigmoid",
             26,
-            |x| h64(&Cpu.log_sigmoid(&t64(x, &[R, C])).unwrap()),
+            |x| d.h64(&d.log_sigmoid(&d.t64(x, &[R, C])).unwrap()),
             |x, w| {
-                let s = Cpu.sigmoid(&t64(x, &[R, C])).unwrap();
-                let wt = t64(w, &[R, C]);
-                h64(&Cpu.sub(&wt, &Cpu.mul(&wt, &s).unwrap()).unwrap())
+                let s = d.sigmoid(&d.t64(x, &[R, C])).unwrap();
+                let wt = d.t64(w, &[R, C]);
+                d.h64(&d.sub(&wt, &d.mul(&wt, &s).unwrap()).unwrap())
             },
         );
     }
 
-    #[test]
-    fn log_sigmoid_propagates_nan_and_rejects_non_floats() {
-        let y = h64(&Cpu.log_sigmoid(&t64(&[f64::NAN, 0.0], &[2])).unwrap());
+    fn log_sigmoid_propagates_nan_and_rejects_non_floats<B: TestOps>(d: &B) {
+        let y = d.h64(&d.log_sigmoid(&d.t64(&[f64::NAN, 0.0], &[2])).unwrap());
         assert!(y[0].is_nan());
         assert!((y[1] + std::f64::consts::LN_2).abs() < 1e-16);
         assert_eq!(
-            Cpu.log_sigmoid(&ti32(&[0], &[1])).unwrap_err(),
+            d.log_sigmoid(&d.ti32(&[0], &[1])).unwrap_err(),
             KernelError::UnsupportedDType {
                 op: "log_sigmoid",
                 dtype: DType::I32,
-                backend: "cpu"
+                backend: B::NAME
             }
         );
     }
 
-    #[test]
-    fn fill_writes_the_value_in_every_dtype() {
-        let a = Cpu.fill(&[2, 3], 0.25, DType::F64).unwrap();
+    fn fill_writes_the_value_in_every_dtype<B: TestOps>(d: &B) {
+        let a = d.fill(&[2, 3], 0.25, DType::F64).unwrap();
         assert_eq!((a.shape(), a.dtype()), (&[2, 3][..], DType::F64));
-        assert_eq!(h64(&a), vec![0.25; 6]);
-        let b = Cpu.fill(&[4], 1.0 / 3.0, DType::F32).unwrap();
-        assert_eq!(h64(&b), vec![(1.0f64 / 3.0) as f32 as f64; 4]);
-        let m = Cpu.fill(&[2], f64::NEG_INFINITY, DType::F32).unwrap();
-        assert_eq!(h64(&m), vec![f64::NEG_INFINITY; 2]);
-        let i = Cpu.fill(&[3], -1.0, DType::I32).unwrap();
+        assert_eq!(d.h64(&a), vec![0.25; 6]);
+        let b = d.fill(&[4], 1.0 / 3.0, DType::F32).unwrap();
+        assert_eq!(d.h64(&b), vec![(1.0f64 / 3.0) as f32 as f64; 4]);
+        let m = d.fill(&[2], f64::NEG_INFINITY, DType::F32).unwrap();
+        assert_eq!(d.h64(&m), vec![f64::NEG_INFINITY; 2]);
+        let i = d.fill(&[3], -1.0, DType::I32).unwrap();
         assert_eq!(i.dtype(), DType::I32);
-        assert_eq!(h64(&i), vec![-1.0; 3]);
-        assert_eq!(Cpu.fill(&[0, 5], 7.0, DType::F32).unwrap().numel(), 0);
-        assert_eq!(h64(&Cpu.fill(&[], 7.0, DType::F64).unwrap()), vec![7.0]);
+        assert_eq!(d.h64(&i), vec![-1.0; 3]);
+        assert_eq!(d.fill(&[0, 5], 7.0, DType::F32).unwrap().numel(), 0);
+        assert_eq!(d.h64(&d.fill(&[], 7.0, DType::F64).unwrap()), vec![7.0]);
     }
 
-    #[test]
-    fn fill_rejects_values_the_dtype_cannot_hold() {
-        let err = Cpu.fill(&[2], f64::NAN, DType::F32).unwrap_err();
+    fn fill_rejects_values_the_dtype_cannot_hold<B: TestOps>(d: &B) {
+        let err = d.fill(&[2], f64::NAN, DType::F32).unwrap_err();
         assert!(
             matches!(err, KernelError::NonFinite { op: "fill", what: "value", value } if value.is_nan()),
             "{err:?}"
         );
-        let err = Cpu.fill(&[2], 1e39, DType::F32).unwrap_err();
+        let err = d.fill(&[2], 1e39, DType::F32).unwrap_err();
         assert!(
             matches!(&err, KernelError::InvalidArgument { op: "fill", detail } if detail.contains("1e39")),
             "{err:?}"
         );
         for bad in [2.5, 3e9, f64::INFINITY] {
-            let err = Cpu.fill(&[2], bad, DType::I32).unwrap_err();
+            let err = d.fill(&[2], bad, DType::I32).unwrap_err();
             assert!(
                 matches!(&err, KernelError::InvalidArgument { op: "fill", detail } if detail.contains("I32")),
                 "{bad}: {err:?}"
             );
         }
-        assert_eq!(
-            Cpu.fill(&[2], 1.0, DType::BF16).unwrap_err(),
-            KernelError::UnsupportedDType {
-                op: "fill",
-                dtype: DType::BF16,
-                backend: "cpu"
-            }
-        );
+        // bf16 is storage the CPU does not have; where it exists, fill works.
+        match d.fill(&[2], 1.0, DType::BF16) {
+            Ok(t) => assert_eq!(d.h64(&t), vec![1.0; 2]),
+            Err(e) => assert_eq!(
+                e,
+                KernelError::UnsupportedDType {
+                    op: "fill",
+                    dtype: DType::BF16,
+                    backend: B::NAME
+                }
+            ),
+        }
     }
 
-    #[test]
-    fn softmax_rows_sum_to_one_and_resist_overflow() {
+    fn softmax_rows_sum_to_one_and_resist_overflow<B: TestOps>(d: &B) {
         let mut g = rng(11);
         let mut x: Vec<f32> = uniform(&mut g, R * C)
             .iter()
             .map(|v| (20.0 * v) as f32)
             .collect();
         x[0] = 1.0e4; // exp would overflow without the max shift
-        let y = h64(&Cpu.softmax(&t32(&x, &[R, C])).unwrap());
+        let y = d.h64(&d.softmax(&d.t32(&x, &[R, C])).unwrap());
         for row in y.chunks(C) {
             assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-6, "{row:?}");
         }
         assert!((y[0] - 1.0).abs() < 1e-6);
-        let lse = h64(&Cpu.logsumexp(&t32(&x, &[R, C])).unwrap());
+        let lse = d.h64(&d.logsumexp(&d.t32(&x, &[R, C])).unwrap());
         assert!((lse[0] - 1.0e4).abs() < 1e-2, "{}", lse[0]);
     }
 
-    #[test]
-    fn row_ops_take_leading_dims_as_rows() {
+    fn row_ops_take_leading_dims_as_rows<B: TestOps>(d: &B) {
         let x: Vec<f64> = (0..24).map(f64::from).collect();
-        let t = t64(&x, &[2, 3, 4]);
-        let s = Cpu.sum_rows(&t).unwrap();
+        let t = d.t64(&x, &[2, 3, 4]);
+        let s = d.sum_rows(&t).unwrap();
         assert_eq!(s.shape(), &[2, 3]);
-        assert_eq!(h64(&s), vec![6.0, 22.0, 38.0, 54.0, 70.0, 86.0]);
-        let sc = Cpu.sum_cols(&t).unwrap();
-        assert_eq!(h64(&sc), vec![60.0, 66.0, 72.0, 78.0]);
-        assert_eq!(Cpu.logsumexp(&t).unwrap().shape(), &[2, 3]);
+        assert_eq!(d.h64(&s), vec![6.0, 22.0, 38.0, 54.0, 70.0, 86.0]);
+        let sc = d.sum_cols(&t).unwrap();
+        assert_eq!(d.h64(&sc), vec![60.0, 66.0, 72.0, 78.0]);
+        assert_eq!(d.logsumexp(&t).unwrap().shape(), &[2, 3]);
     }
 
-    #[test]
-    fn sum_and_sum_squares_accumulate_in_f64() {
+    fn sum_and_sum_squares_accumulate_in_f64<B: TestOps>(d: &B) {
         // 2^24 + 1 + 1 + ... is lost one by one in f32 but not in f64.
         let mut x = vec![1.0f32; 70_001];
         x[0] = 16_777_216.0;
-        let s = h64(&Cpu.sum(&t32(&x, &[x.len()])).unwrap());
+        let s = d.h64(&d.sum(&d.t32(&x, &[x.len()])).unwrap());
         assert_eq!(s, vec![(16_777_216.0f64 + 70_000.0) as f32 as f64]);
-        let q = h64(&Cpu.sum_squares(&t64(&[3.0, -4.0], &[2])).unwrap());
+        let q = d.h64(&d.sum_squares(&d.t64(&[3.0, -4.0], &[2])).unwrap());
         assert_eq!(q, vec![25.0]);
     }
 
-    #[test]
-    fn large_reductions_are_deterministic() {
+    fn large_reductions_are_deterministic<B: TestOps>(d: &B) {
         let mut g = rng(12);
         let x: Vec<f32> = uniform(&mut g, 300 * 257)
             .iter()
             .map(|&v| v as f32)
             .collect();
-        let t = t32(&x, &[300, 257]);
-        let a = (Cpu.sum_cols(&t).unwrap(), Cpu.sum(&t).unwrap());
+        let t = d.t32(&x, &[300, 257]);
+        let a = (d.sum_cols(&t).unwrap(), d.sum(&t).unwrap());
         for _ in 0..3 {
-            let b = (Cpu.sum_cols(&t).unwrap(), Cpu.sum(&t).unwrap());
-            assert_eq!(h64(&a.0), h64(&b.0));
-            assert_eq!(h64(&a.1), h64(&b.1));
+            let b = (d.sum_cols(&t).unwrap(), d.sum(&t).unwrap());
+            assert_eq!(d.h64(&a.0), d.h64(&b.0));
+            assert_eq!(d.h64(&a.1), d.h64(&b.1));
         }
         let exact: f64 = x.iter().map(|&v| v as f64).sum();
-        assert!((h64(&a.1)[0] - exact).abs() < 1e-3);
+        assert!((d.h64(&a.1)[0] - exact).abs() < 1e-3);
     }
 
-    #[test]
-    fn axpy_and_scale() {
-        let mut y = t64(&[1.0, 2.0], &[2]);
-        Cpu.axpy(&mut y, 0.5, &t64(&[4.0, -2.0], &[2])).unwrap();
-        assert_eq!(h64(&y), vec![3.0, 1.0]);
-        assert_eq!(h64(&Cpu.scale(&y, -2.0).unwrap()), vec![-6.0, -2.0]);
-        let err = Cpu.axpy(&mut y, 1.0, &t32(&[1.0, 1.0], &[2])).unwrap_err();
+    fn axpy_and_scale<B: TestOps>(d: &B) {
+        let mut y = d.t64(&[1.0, 2.0], &[2]);
+        d.axpy(&mut y, 0.5, &d.t64(&[4.0, -2.0], &[2])).unwrap();
+        assert_eq!(d.h64(&y), vec![3.0, 1.0]);
+        assert_eq!(d.h64(&d.scale(&y, -2.0).unwrap()), vec![-6.0, -2.0]);
+        let err = d.axpy(&mut y, 1.0, &d.t32(&[1.0, 1.0], &[2])).unwrap_err();
         assert_eq!(
             err,
             KernelError::DTypeMismatch {
@@ -1263,8 +1242,7 @@ mod tests {
         );
     }
 
-    #[test]
-    fn round_bf16_ties_to_even_known_bits() {
+    fn round_bf16_ties_to_even_known_bits<B: TestOps>(d: &B) {
         let e = |k: i32| 2f32.powi(k);
         let cases: [(f32, f32); 9] = [
             (1.0 + e(-8), 1.0),                      // tie, even below
@@ -1278,7 +1256,7 @@ mod tests {
             (f32::from_bits(0x0000_8000), 0.0), // smallest subnormal tie → 0
         ];
         for (x, want) in cases {
-            let got = h64(&Cpu.round_bf16(&t32(&[x], &[1])).unwrap())[0] as f32;
+            let got = d.h64(&d.round_bf16(&d.t32(&[x], &[1])).unwrap())[0] as f32;
             assert_eq!(got.to_bits(), want.to_bits(), "round_bf16({x:e})");
         }
         // A NaN whose payload lies only in the dropped bits must stay NaN.
@@ -1286,8 +1264,7 @@ mod tests {
         assert!(nan.round_bf16().is_nan());
     }
 
-    #[test]
-    fn round_bf16_matches_half_crate() {
+    fn round_bf16_matches_half_crate<B: TestOps>(d: &B) {
         let mut g = rng(13);
         let mut xs: Vec<f32> = (0..20_000)
             .map(|_| f32::from_bits(rand::Rng::gen::<u32>(&mut g)))
@@ -1297,7 +1274,7 @@ mod tests {
             let base = 0x3f80_0000 | (m << 16);
             xs.extend([base | 0x8000, base | 0x7fff, base | 0x8001].map(f32::from_bits));
         }
-        let got = h64(&Cpu.round_bf16(&t32(&xs, &[xs.len()])).unwrap());
+        let got = d.h64(&d.round_bf16(&d.t32(&xs, &[xs.len()])).unwrap());
         for (&x, &y) in xs.iter().zip(&got) {
             let want = half::bf16::from_f32(x).to_f32();
             if want.is_nan() {
@@ -1332,11 +1309,10 @@ mod tests {
         }
     }
 
-    #[test]
-    fn bad_inputs_name_the_values() {
-        let a = t64(&[1.0; 6], &[2, 3]);
-        let b = t64(&[1.0; 6], &[3, 2]);
-        match Cpu.add(&a, &b).unwrap_err() {
+    fn bad_inputs_name_the_values<B: TestOps>(d: &B) {
+        let a = d.t64(&[1.0; 6], &[2, 3]);
+        let b = d.t64(&[1.0; 6], &[3, 2]);
+        match d.add(&a, &b).unwrap_err() {
             KernelError::ShapeMismatch { op: "add", detail } => {
                 assert!(
                     detail.contains("[2, 3]") && detail.contains("[3, 2]"),
@@ -1346,7 +1322,7 @@ mod tests {
             e => panic!("{e:?}"),
         }
         assert_eq!(
-            Cpu.mul(&a, &t32(&[1.0; 6], &[2, 3])).unwrap_err(),
+            d.mul(&a, &d.t32(&[1.0; 6], &[2, 3])).unwrap_err(),
             KernelError::DTypeMismatch {
                 op: "mul",
                 expected: DType::F64,
@@ -1354,31 +1330,189 @@ mod tests {
             }
         );
         assert_eq!(
-            Cpu.silu(&ti32(&[1, 2], &[2])).unwrap_err(),
+            d.silu(&d.ti32(&[1, 2], &[2])).unwrap_err(),
             KernelError::UnsupportedDType {
                 op: "silu",
                 dtype: DType::I32,
-                backend: "cpu"
+                backend: B::NAME
             }
         );
-        let err = Cpu.mul_rows(&a, &t64(&[1.0; 3], &[3])).unwrap_err();
+        let err = d.mul_rows(&a, &d.t64(&[1.0; 3], &[3])).unwrap_err();
         assert!(
             matches!(err, KernelError::ShapeMismatch { op: "mul_rows", .. }),
             "{err:?}"
         );
-        let err = Cpu.add_cols(&a, &t64(&[1.0; 2], &[2])).unwrap_err();
+        let err = d.add_cols(&a, &d.t64(&[1.0; 2], &[2])).unwrap_err();
         assert!(err.to_string().contains("[3]"), "{err}");
         assert_eq!(
-            Cpu.logsumexp(&t64(&[], &[2, 0])).unwrap_err(),
+            d.logsumexp(&d.t64(&[], &[2, 0])).unwrap_err(),
             KernelError::Empty {
                 op: "logsumexp",
                 what: "last dimension"
             }
         );
-        let err = Cpu.softmax(&t64(&[1.0], &[])).unwrap_err();
+        let err = d.softmax(&d.t64(&[1.0], &[])).unwrap_err();
         assert!(matches!(
             err,
             KernelError::ShapeMismatch { op: "softmax", .. }
         ));
     }
+
+    /// Every elementwise op on random f32 (and, where the device stores it,
+    /// bf16) inputs against the CPU reference, at shapes that take many
+    /// blocks, rows longer than a block, and many short rows.
+    fn elementwise_matches_cpu<B: TestOps>(d: &B) {
+        for dtype in Compare::precisions(d) {
+            for (r, c) in [(67usize, 300usize), (3, 3000), (1000, 5)] {
+                let mut k = Compare::new(d, dtype, 40 + c as u64);
+                let (x, xc) = k.rand(&[r, c], 4.0);
+                let (y, yc) = k.rand(&[r, c], 1.0);
+                let (p, pc) = k.rand(&[r, c], 1.0);
+                let (rv, rvc) = k.rand(&[r], 1.0);
+                let (cv, cvc) = k.rand(&[c], 1.0);
+                let pos: Vec<f64> = uniform(&mut k.g, r * c)
+                    .iter()
+                    .map(|v| v.abs() + 0.1)
+                    .collect();
+                let (q, qc) = k.pair(&pos, &[r, c]);
+                k.check("add", &d.add(&x, &y).unwrap(), &Cpu.add(&xc, &yc).unwrap());
+                k.check("sub", &d.sub(&x, &y).unwrap(), &Cpu.sub(&xc, &yc).unwrap());
+                k.check("mul", &d.mul(&x, &y).unwrap(), &Cpu.mul(&xc, &yc).unwrap());
+                k.check(
+                    "scale",
+                    &d.scale(&x, 0.37).unwrap(),
+                    &Cpu.scale(&xc, 0.37).unwrap(),
+                );
+                k.check("sign", &d.sign(&x).unwrap(), &Cpu.sign(&xc).unwrap());
+                k.check("ln", &d.ln(&q).unwrap(), &Cpu.ln(&qc).unwrap());
+                k.check("recip", &d.recip(&q).unwrap(), &Cpu.recip(&qc).unwrap());
+                k.check("silu", &d.silu(&x).unwrap(), &Cpu.silu(&xc).unwrap());
+                k.check(
+                    "silu_backward",
+                    &d.silu_backward(&x, &y).unwrap(),
+                    &Cpu.silu_backward(&xc, &yc).unwrap(),
+                );
+                k.check(
+                    "swiglu",
+                    &d.swiglu(&x, &y).unwrap(),
+                    &Cpu.swiglu(&xc, &yc).unwrap(),
+                );
+                let (dg, du) = d.swiglu_backward(&x, &y, &p).unwrap();
+                let (dgc, duc) = Cpu.swiglu_backward(&xc, &yc, &pc).unwrap();
+                k.check("swiglu_backward d gate", &dg, &dgc);
+                k.check("swiglu_backward d up", &du, &duc);
+                k.check(
+                    "sigmoid",
+                    &d.sigmoid(&x).unwrap(),
+                    &Cpu.sigmoid(&xc).unwrap(),
+                );
+                k.check(
+                    "sigmoid_backward",
+                    &d.sigmoid_backward(&p, &y).unwrap(),
+                    &Cpu.sigmoid_backward(&pc, &yc).unwrap(),
+                );
+                k.check(
+                    "log_sigmoid",
+                    &d.log_sigmoid(&x).unwrap(),
+                    &Cpu.log_sigmoid(&xc).unwrap(),
+                );
+                k.check(
+                    "softmax",
+                    &d.softmax(&x).unwrap(),
+                    &Cpu.softmax(&xc).unwrap(),
+                );
+                k.check(
+                    "softmax_backward",
+                    &d.softmax_backward(&p, &y).unwrap(),
+                    &Cpu.softmax_backward(&pc, &yc).unwrap(),
+                );
+                k.check(
+                    "logsumexp",
+                    &d.logsumexp(&x).unwrap(),
+                    &Cpu.logsumexp(&xc).unwrap(),
+                );
+                k.check(
+                    "round_bf16",
+                    &d.round_bf16(&x).unwrap(),
+                    &Cpu.round_bf16(&xc).unwrap(),
+                );
+                k.check(
+                    "mul_rows",
+                    &d.mul_rows(&x, &rv).unwrap(),
+                    &Cpu.mul_rows(&xc, &rvc).unwrap(),
+                );
+                k.check(
+                    "mul_cols",
+                    &d.mul_cols(&x, &cv).unwrap(),
+                    &Cpu.mul_cols(&xc, &cvc).unwrap(),
+                );
+                k.check(
+                    "add_cols",
+                    &d.add_cols(&x, &cv).unwrap(),
+                    &Cpu.add_cols(&xc, &cvc).unwrap(),
+                );
+                k.check(
+                    "sum_rows",
+                    &d.sum_rows(&x).unwrap(),
+                    &Cpu.sum_rows(&xc).unwrap(),
+                );
+                k.check(
+                    "sum_cols",
+                    &d.sum_cols(&x).unwrap(),
+                    &Cpu.sum_cols(&xc).unwrap(),
+                );
+                k.check(
+                    "dot_rows",
+                    &d.dot_rows(&x, &y).unwrap(),
+                    &Cpu.dot_rows(&xc, &yc).unwrap(),
+                );
+                k.check("sum", &d.sum(&x).unwrap(), &Cpu.sum(&xc).unwrap());
+                k.check(
+                    "sum_squares",
+                    &d.sum_squares(&x).unwrap(),
+                    &Cpu.sum_squares(&xc).unwrap(),
+                );
+                let (mut acc, mut accc) = (y.clone(), yc.clone());
+                d.axpy(&mut acc, -0.5, &x).unwrap();
+                Cpu.axpy(&mut accc, -0.5, &xc).unwrap();
+                k.check("axpy", &acc, &accc);
+                k.report(&format!("elementwise [{r}, {c}]"));
+            }
+        }
+    }
+
+    device_tests!(
+        elementwise_matches_cpu,
+        silu_grad,
+        sigmoid_grad,
+        softmax_grad,
+        logsumexp_grad,
+        swiglu_grad,
+        mul_rows_grad,
+        mul_cols_grad,
+        add_cols_grad,
+        dot_rows_grad,
+        sum_rows_and_sum_cols_grad,
+        sign_matches_reference_in_both_dtypes,
+        sign_rejects_nan_and_non_floats,
+        ln_matches_reference_in_both_dtypes,
+        ln_grad,
+        ln_rejects_negative_and_nan,
+        recip_matches_reference_in_both_dtypes,
+        recip_grad,
+        recip_rejects_zero_and_nan,
+        log_sigmoid_matches_reference_and_is_stable,
+        log_sigmoid_grad,
+        log_sigmoid_propagates_nan_and_rejects_non_floats,
+        fill_writes_the_value_in_every_dtype,
+        fill_rejects_values_the_dtype_cannot_hold,
+        softmax_rows_sum_to_one_and_resist_overflow,
+        row_ops_take_leading_dims_as_rows,
+        sum_and_sum_squares_accumulate_in_f64,
+        large_reductions_are_deterministic,
+        axpy_and_scale,
+        round_bf16_ties_to_even_known_bits,
+        round_bf16_matches_half_crate,
+        bad_inputs_name_the_values,
+    );
 }

@@ -359,19 +359,21 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     use super::*;
-    use crate::cpu::test_util::{dotv as dot, h64 as host, rng, t64 as f64t, uniform as rand_vec};
+    use crate::cpu::test_util::{
+        device_tests, dotv as dot, rng, uniform as rand_vec, Compare, TestDevice, TestOps,
+    };
     use crate::error::KernelError;
     use crate::gradcheck::assert_grad;
     use crate::tensor::{DType, HostData};
     use crate::Device;
 
-    fn f32t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
-        Cpu.upload(HostData::F32(v.iter().map(|&x| x as f32).collect()), shape)
+    fn f32t<B: Device>(d: &B, v: &[f64], shape: &[usize]) -> Tensor<B> {
+        d.upload(HostData::F32(v.iter().map(|&x| x as f32).collect()), shape)
             .unwrap()
     }
 
-    fn i32t(v: &[i32]) -> Tensor<Cpu> {
-        Cpu.upload(HostData::I32(v.to_vec()), &[v.len()]).unwrap()
+    fn i32t<B: Device>(d: &B, v: &[i32]) -> Tensor<B> {
+        d.upload(HostData::I32(v.to_vec()), &[v.len()]).unwrap()
     }
 
     /// Row-major transpose of a `[r, c]` matrix.
@@ -416,8 +418,7 @@ mod tests {
         }
     }
 
-    #[test]
-    fn matmul_grad_all_transposes() {
+    fn matmul_grad_all_transposes<B: TestOps>(d: &B) {
         let mut r = rng(1);
         for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
             let (m, k, n) = (r.gen_range(1..5), r.gen_range(1..5), r.gen_range(1..5));
@@ -426,37 +427,36 @@ mod tests {
             let a = rand_vec(&mut r, m * k);
             let b = rand_vec(&mut r, k * n);
             let rr = rand_vec(&mut r, m * n);
-            let rt = f64t(&rr, &[m, n]);
-            let (at, bt) = (f64t(&a, &sa), f64t(&b, &sb));
+            let rt = d.t64(&rr, &[m, n]);
+            let (at, bt) = (d.t64(&a, &sa), d.t64(&b, &sb));
             // dop(a) = R · op(b)ᵀ and dop(b) = op(a)ᵀ · R, written back in the
             // operands' own (possibly transposed) layouts.
             let da = if ta {
-                Cpu.matmul(&bt, &rt, tb, true)
+                d.matmul(&bt, &rt, tb, true)
             } else {
-                Cpu.matmul(&rt, &bt, false, !tb)
+                d.matmul(&rt, &bt, false, !tb)
             }
             .unwrap();
             let db = if tb {
-                Cpu.matmul(&rt, &at, true, ta)
+                d.matmul(&rt, &at, true, ta)
             } else {
-                Cpu.matmul(&at, &rt, !ta, false)
+                d.matmul(&at, &rt, !ta, false)
             }
             .unwrap();
             assert_eq!(da.shape(), sa);
             assert_eq!(db.shape(), sb);
             let obj = |a: &[f64], b: &[f64]| {
-                let out = Cpu.matmul(&f64t(a, &sa), &f64t(b, &sb), ta, tb).unwrap();
-                dot(&host(&out), &rr)
+                let out = d.matmul(&d.t64(a, &sa), &d.t64(b, &sb), ta, tb).unwrap();
+                dot(&d.h64(&out), &rr)
             };
             let what = format!("matmul da (ta={ta}, tb={tb})");
-            assert_grad(&what, &a, &host(&da), 1e-6, |a| obj(a, &b));
+            assert_grad(&what, &a, &d.h64(&da), 1e-6, |a| obj(a, &b));
             let what = format!("matmul db (ta={ta}, tb={tb})");
-            assert_grad(&what, &b, &host(&db), 1e-6, |b| obj(&a, b));
+            assert_grad(&what, &b, &d.h64(&db), 1e-6, |b| obj(&a, b));
         }
     }
 
-    #[test]
-    fn matmul_f32_and_f64_match_naive_reference() {
+    fn matmul_f32_and_f64_match_naive_reference<B: TestOps>(d: &B) {
         let mut r = rng(2);
         for &(m, k, n) in &[(1, 1, 1), (7, 13, 5), (33, 70, 17), (160, 128, 129)] {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
@@ -464,11 +464,13 @@ mod tests {
                 let b = rand_vec(&mut r, k * n);
                 let want = naive_matmul(&a, &b, (m, k, n), ta, tb);
                 let (sa, sb) = (shape_of(m, k, ta), shape_of(k, n, tb));
-                let got64 = host(&Cpu.matmul(&f64t(&a, &sa), &f64t(&b, &sb), ta, tb).unwrap());
-                let got32 = Cpu.matmul(&f32t(&a, &sa), &f32t(&b, &sb), ta, tb).unwrap();
+                let got64 = d.h64(&d.matmul(&d.t64(&a, &sa), &d.t64(&b, &sb), ta, tb).unwrap());
+                let got32 = d
+                    .matmul(&f32t(d, &a, &sa), &f32t(d, &b, &sb), ta, tb)
+                    .unwrap();
                 assert_eq!(got32.dtype(), DType::F32);
                 assert_eq!(got32.shape(), [m, n]);
-                let got32 = host(&got32);
+                let got32 = d.h64(&got32);
                 for i in 0..m * n {
                     assert!(
                         (got64[i] - want[i]).abs() <= 1e-12 * k as f64,
@@ -510,22 +512,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn matmul_empty_dimensions_give_zeros() {
+    fn matmul_empty_dimensions_give_zeros<B: TestOps>(d: &B) {
         for &(m, k, n) in &[(0, 3, 4), (3, 0, 4), (3, 4, 0), (0, 0, 0)] {
-            let a = f64t(&vec![1.0; m * k], &[m, k]);
-            let b = f64t(&vec![1.0; k * n], &[k, n]);
-            let out = Cpu.matmul(&a, &b, false, false).unwrap();
+            let a = d.t64(&vec![1.0; m * k], &[m, k]);
+            let b = d.t64(&vec![1.0; k * n], &[k, n]);
+            let out = d.matmul(&a, &b, false, false).unwrap();
             assert_eq!(out.shape(), [m, n]);
-            assert!(host(&out).iter().all(|&v| v == 0.0));
+            assert!(d.h64(&out).iter().all(|&v| v == 0.0));
         }
     }
 
-    #[test]
-    fn matmul_rejects_bad_input() {
-        let a = f64t(&[0.0; 6], &[2, 3]);
-        let b = f64t(&[0.0; 8], &[4, 2]);
-        let err = Cpu.matmul(&a, &b, false, false).unwrap_err();
+    fn matmul_rejects_bad_input<B: TestOps>(d: &B) {
+        let a = d.t64(&[0.0; 6], &[2, 3]);
+        let b = d.t64(&[0.0; 8], &[4, 2]);
+        let err = d.matmul(&a, &b, false, false).unwrap_err();
         assert!(matches!(
             err,
             KernelError::ShapeMismatch { op: "matmul", .. }
@@ -533,8 +533,8 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("[2, 3]") && msg.contains("[4, 2]"), "{msg}");
 
-        let b32 = f32t(&[0.0; 6], &[3, 2]);
-        let err = Cpu.matmul(&a, &b32, false, false).unwrap_err();
+        let b32 = f32t(d, &[0.0; 6], &[3, 2]);
+        let err = d.matmul(&a, &b32, false, false).unwrap_err();
         assert_eq!(
             err,
             KernelError::DTypeMismatch {
@@ -543,8 +543,8 @@ mod tests {
                 got: DType::F32
             }
         );
-        let ai = Cpu.upload(HostData::I32(vec![0; 6]), &[2, 3]).unwrap();
-        let err = Cpu.matmul(&ai, &b32, false, false).unwrap_err();
+        let ai = d.upload(HostData::I32(vec![0; 6]), &[2, 3]).unwrap();
+        let err = d.matmul(&ai, &b32, false, false).unwrap_err();
         assert!(matches!(
             err,
             KernelError::UnsupportedDType {
@@ -552,8 +552,8 @@ mod tests {
                 ..
             }
         ));
-        let a3 = f64t(&[0.0; 6], &[1, 2, 3]);
-        let err = Cpu.matmul(&a3, &a, false, false).unwrap_err();
+        let a3 = d.t64(&[0.0; 6], &[1, 2, 3]);
+        let err = d.matmul(&a3, &a, false, false).unwrap_err();
         assert!(err.to_string().contains("[1, 2, 3]"), "{err}");
     }
 
@@ -622,8 +622,7 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn grouped_matmul_matches_naive_per_group() {
+    fn grouped_matmul_matches_naive_per_group<B: TestOps>(d: &B) {
         let mut r = rng(3);
         let mut cases: Vec<(Vec<usize>, usize, usize, usize)> = vec![
             (vec![0, 0, 0], 4, 3, 5),        // all empty, every row padding
@@ -649,25 +648,24 @@ mod tests {
                 let w = rand_vec(&mut r, g * k * n);
                 let want = naive_grouped(&x, &w, &sizes, (m, k, n), trans_w);
                 let ws = if trans_w { [g, n, k] } else { [g, k, n] };
-                let gs = i32t(&as_i32(&sizes));
-                let got = Cpu.grouped_matmul(&f64t(&x, &[m, k]), &f64t(&w, &ws), &gs, trans_w);
+                let gs = i32t(d, &as_i32(&sizes));
+                let got = d.grouped_matmul(&d.t64(&x, &[m, k]), &d.t64(&w, &ws), &gs, trans_w);
                 let got = got.unwrap();
                 assert_eq!(got.shape(), [m, n]);
-                for (a, b) in host(&got).iter().zip(&want) {
+                for (a, b) in d.h64(&got).iter().zip(&want) {
                     assert!((a - b).abs() <= 1e-12 * k as f64, "{sizes:?} {a} vs {b}");
                 }
-                let got32 = Cpu
-                    .grouped_matmul(&f32t(&x, &[m, k]), &f32t(&w, &ws), &gs, trans_w)
+                let got32 = d
+                    .grouped_matmul(&f32t(d, &x, &[m, k]), &f32t(d, &w, &ws), &gs, trans_w)
                     .unwrap();
-                for (a, b) in host(&got32).iter().zip(&want) {
+                for (a, b) in d.h64(&got32).iter().zip(&want) {
                     assert!((a - b).abs() <= 1e-6 * k as f64, "f32 {sizes:?} {a} vs {b}");
                 }
             }
         }
     }
 
-    #[test]
-    fn grouped_matmul_weight_grad_matches_naive_per_group() {
+    fn grouped_matmul_weight_grad_matches_naive_per_group<B: TestOps>(d: &B) {
         let mut r = rng(4);
         let mut cases = vec![(vec![0, 0], 3, 2, 2), (vec![100, 90, 0, 60], 250, 64, 40)];
         for _ in 0..6 {
@@ -685,12 +683,12 @@ mod tests {
             let x = rand_vec(&mut r, m * k);
             let dy = rand_vec(&mut r, m * n);
             let want = naive_weight_grad(&x, &dy, &sizes, (k, n));
-            let gs = i32t(&as_i32(&sizes));
-            let got = Cpu
-                .grouped_matmul_weight_grad(&f64t(&x, &[m, k]), &f64t(&dy, &[m, n]), &gs)
+            let gs = i32t(d, &as_i32(&sizes));
+            let got = d
+                .grouped_matmul_weight_grad(&d.t64(&x, &[m, k]), &d.t64(&dy, &[m, n]), &gs)
                 .unwrap();
             assert_eq!(got.shape(), [g, k, n]);
-            for (a, b) in host(&got).iter().zip(&want) {
+            for (a, b) in d.h64(&got).iter().zip(&want) {
                 assert!(
                     (a - b).abs() <= 1e-12 * m.max(1) as f64,
                     "{sizes:?} {a} vs {b}"
@@ -699,8 +697,7 @@ mod tests {
         }
     }
 
-    #[test]
-    fn grouped_matmul_grad_ragged_and_empty_groups() {
+    fn grouped_matmul_grad_ragged_and_empty_groups<B: TestOps>(d: &B) {
         let mut r = rng(5);
         // Empty groups first, last and in the middle, plus padding rows.
         let cases = [
@@ -710,25 +707,25 @@ mod tests {
         ];
         for (sizes, m, k, n) in cases {
             let g = sizes.len();
-            let gs = i32t(&as_i32(&sizes));
+            let gs = i32t(d, &as_i32(&sizes));
             for trans_w in [false, true] {
                 let ws = if trans_w { [g, n, k] } else { [g, k, n] };
                 let x = rand_vec(&mut r, m * k);
                 let w = rand_vec(&mut r, g * k * n);
                 let rr = rand_vec(&mut r, m * n);
                 let obj = |x: &[f64], w: &[f64]| {
-                    let y = Cpu
-                        .grouped_matmul(&f64t(x, &[m, k]), &f64t(w, &ws), &gs, trans_w)
+                    let y = d
+                        .grouped_matmul(&d.t64(x, &[m, k]), &d.t64(w, &ws), &gs, trans_w)
                         .unwrap();
-                    dot(&host(&y), &rr)
+                    dot(&d.h64(&y), &rr)
                 };
-                let rt = f64t(&rr, &[m, n]);
+                let rt = d.t64(&rr, &[m, n]);
                 // dx = R · wᵀ per group (padding rows get zero), dw = xᵀ · R.
-                let dx = Cpu
-                    .grouped_matmul(&rt, &f64t(&w, &ws), &gs, !trans_w)
+                let dx = d
+                    .grouped_matmul(&rt, &d.t64(&w, &ws), &gs, !trans_w)
                     .unwrap();
-                let mut dw = host(
-                    &Cpu.grouped_matmul_weight_grad(&f64t(&x, &[m, k]), &rt, &gs)
+                let mut dw = d.h64(
+                    &d.grouped_matmul_weight_grad(&d.t64(&x, &[m, k]), &rt, &gs)
                         .unwrap(),
                 );
                 if trans_w {
@@ -737,20 +734,17 @@ mod tests {
                         .collect();
                 }
                 let what = format!("grouped_matmul dx {sizes:?} trans_w={trans_w}");
-                assert_grad(&what, &x, &host(&dx), 1e-6, |x| obj(x, &w));
+                assert_grad(&what, &x, &d.h64(&dx), 1e-6, |x| obj(x, &w));
                 let what = format!("grouped_matmul dw {sizes:?} trans_w={trans_w}");
                 assert_grad(&what, &w, &dw, 1e-6, |w| obj(&x, w));
             }
         }
     }
 
-    #[test]
-    fn grouped_matmul_rejects_bad_group_sizes() {
-        let x = f64t(&[0.0; 12], &[4, 3]);
-        let w = f64t(&[0.0; 12], &[2, 3, 2]);
-        let err = Cpu
-            .grouped_matmul(&x, &w, &i32t(&[3, 2]), false)
-            .unwrap_err();
+    fn grouped_matmul_rejects_bad_group_sizes<B: TestOps>(d: &B) {
+        let x = d.t64(&[0.0; 12], &[4, 3]);
+        let w = d.t64(&[0.0; 12], &[2, 3, 2]);
+        let err = d.err_of(d.grouped_matmul(&x, &w, &i32t(d, &[3, 2]), false));
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         let msg = err.to_string();
         assert!(
@@ -758,14 +752,12 @@ mod tests {
             "{msg}"
         );
 
-        let err = Cpu
-            .grouped_matmul(&x, &w, &i32t(&[-1, 2]), false)
-            .unwrap_err();
+        let err = d.err_of(d.grouped_matmul(&x, &w, &i32t(d, &[-1, 2]), false));
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("-1"), "{err}");
 
-        let err = Cpu
-            .grouped_matmul(&x, &w, &i32t(&[1, 1, 1]), false)
+        let err = d
+            .grouped_matmul(&x, &w, &i32t(d, &[1, 1, 1]), false)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(
@@ -773,8 +765,8 @@ mod tests {
             "{err}"
         );
 
-        let fsizes = f64t(&[1.0, 1.0], &[2]);
-        let err = Cpu.grouped_matmul(&x, &w, &fsizes, false).unwrap_err();
+        let fsizes = d.t64(&[1.0, 1.0], &[2]);
+        let err = d.grouped_matmul(&x, &w, &fsizes, false).unwrap_err();
         assert_eq!(
             err,
             KernelError::DTypeMismatch {
@@ -784,15 +776,15 @@ mod tests {
             }
         );
 
-        let err = Cpu
-            .grouped_matmul(&x, &w, &i32t(&[1, 1]), true)
+        let err = d
+            .grouped_matmul(&x, &w, &i32t(d, &[1, 1]), true)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[2, 3, 2]"), "{err}");
 
-        let w32 = f32t(&[0.0; 12], &[2, 3, 2]);
-        let err = Cpu
-            .grouped_matmul(&x, &w32, &i32t(&[1, 1]), false)
+        let w32 = f32t(d, &[0.0; 12], &[2, 3, 2]);
+        let err = d
+            .grouped_matmul(&x, &w32, &i32t(d, &[1, 1]), false)
             .unwrap_err();
         assert!(matches!(
             err,
@@ -802,16 +794,65 @@ mod tests {
             }
         ));
 
-        let dy = f64t(&[0.0; 10], &[5, 2]);
-        let err = Cpu
-            .grouped_matmul_weight_grad(&x, &dy, &i32t(&[1, 1]))
+        let dy = d.t64(&[0.0; 10], &[5, 2]);
+        let err = d
+            .grouped_matmul_weight_grad(&x, &dy, &i32t(d, &[1, 1]))
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[4, 3]") && err.to_string().contains("[5, 2]"));
-        let dy = f64t(&[0.0; 8], &[4, 2]);
-        let err = Cpu
-            .grouped_matmul_weight_grad(&x, &dy, &i32t(&[4, 1]))
-            .unwrap_err();
+        let dy = d.t64(&[0.0; 8], &[4, 2]);
+        let err = d.err_of(d.grouped_matmul_weight_grad(&x, &dy, &i32t(d, &[4, 1])));
         assert!(err.to_string().contains("sum to 5"), "{err}");
     }
+
+    /// Dense GEMMs in every transpose, and the grouped GEMM and its weight
+    /// gradient over ragged groups (empty ones and padding rows included),
+    /// on random f32 (and bf16 where the device stores it) against the CPU.
+    fn linalg_matches_cpu<B: TestOps>(d: &B) {
+        for dtype in Compare::precisions(d) {
+            let mut c = Compare::new(d, dtype, 50);
+            for (m, k, n) in [(64, 96, 80), (257, 130, 33), (1, 1000, 3)] {
+                for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                    let (a, ac) = c.rand(&shape_of(m, k, ta), 1.0);
+                    let (b, bc) = c.rand(&shape_of(k, n, tb), 1.0);
+                    c.check(
+                        &format!("matmul {m}x{k}x{n} ta={ta} tb={tb}"),
+                        &d.matmul(&a, &b, ta, tb).unwrap(),
+                        &Cpu.matmul(&ac, &bc, ta, tb).unwrap(),
+                    );
+                }
+            }
+            let sizes = [37, 0, 5, 64, 0, 1, 100, 20];
+            let (g, m, k, n) = (sizes.len(), 240, 96, 72);
+            let (gs, gsc) = c.idx(&sizes, &[g]);
+            let (x, xc) = c.rand(&[m, k], 1.0);
+            for trans_w in [false, true] {
+                let (w, wc) = c.rand(&if trans_w { [g, n, k] } else { [g, k, n] }, 1.0);
+                c.check(
+                    &format!("grouped_matmul trans_w={trans_w}"),
+                    &d.grouped_matmul(&x, &w, &gs, trans_w).unwrap(),
+                    &Cpu.grouped_matmul(&xc, &wc, &gsc, trans_w).unwrap(),
+                );
+            }
+            let (dy, dyc) = c.rand(&[m, n], 1.0);
+            c.check(
+                "grouped_matmul_weight_grad",
+                &d.grouped_matmul_weight_grad(&x, &dy, &gs).unwrap(),
+                &Cpu.grouped_matmul_weight_grad(&xc, &dyc, &gsc).unwrap(),
+            );
+            c.report("linalg");
+        }
+    }
+
+    device_tests!(
+        linalg_matches_cpu,
+        matmul_grad_all_transposes,
+        matmul_f32_and_f64_match_naive_reference,
+        matmul_empty_dimensions_give_zeros,
+        matmul_rejects_bad_input,
+        grouped_matmul_matches_naive_per_group,
+        grouped_matmul_weight_grad_matches_naive_per_group,
+        grouped_matmul_grad_ragged_and_empty_groups,
+        grouped_matmul_rejects_bad_group_sizes,
+    );
 }

@@ -178,7 +178,7 @@ impl LossOps for Cpu {
 
 #[cfg(test)]
 mod tests {
-    use crate::backend::{ElementwiseOps, LossOps};
+    use crate::backend::LossOps;
     use crate::cpu::test_util::*;
     use crate::cpu::Cpu;
     use crate::error::KernelError;
@@ -187,78 +187,73 @@ mod tests {
     const T: usize = 5;
     const V: usize = 7;
 
-    #[test]
-    fn cross_entropy_grad_with_ignored_token() {
+    fn cross_entropy_grad_with_ignored_token<B: TestOps>(d: &B) {
         let mut g = rng(31);
         let x: Vec<f64> = uniform(&mut g, T * V).iter().map(|v| 3.0 * v).collect();
         let targets = [3, -1, 0, 6, 2];
         let w = uniform(&mut g, T);
-        let tg = ti32(&targets, &[T]);
-        let xt = t64(&x, &[T, V]);
-        let (loss, lse) = Cpu.cross_entropy(&xt, &tg).unwrap();
-        assert_eq!(h64(&loss)[1], 0.0);
-        let dx = h64(&Cpu
-            .cross_entropy_backward(&xt, &tg, &lse, &t64(&w, &[T]))
-            .unwrap());
+        let tg = d.ti32(&targets, &[T]);
+        let xt = d.t64(&x, &[T, V]);
+        let (loss, lse) = d.cross_entropy(&xt, &tg).unwrap();
+        assert_eq!(d.h64(&loss)[1], 0.0);
+        let dx = d.h64(
+            &d.cross_entropy_backward(&xt, &tg, &lse, &d.t64(&w, &[T]))
+                .unwrap(),
+        );
         assert!(dx[V..2 * V].iter().all(|&v| v == 0.0));
         check("cross_entropy", &x, &dx, |v| {
-            let (l, _) = Cpu.cross_entropy(&t64(v, &[T, V]), &tg).unwrap();
-            dotv(&h64(&l), &w)
+            let (l, _) = d.cross_entropy(&d.t64(v, &[T, V]), &tg).unwrap();
+            dotv(&d.h64(&l), &w)
         });
     }
 
-    #[test]
-    fn cross_entropy_matches_naive_and_is_stable() {
+    fn cross_entropy_matches_naive_and_is_stable<B: TestOps>(d: &B) {
         let mut g = rng(32);
         let x: Vec<f64> = uniform(&mut g, T * V);
         let targets = [0, 1, 2, 3, 4];
-        let (loss, lse) = Cpu
-            .cross_entropy(&t64(&x, &[T, V]), &ti32(&targets, &[T]))
+        let (loss, lse) = d
+            .cross_entropy(&d.t64(&x, &[T, V]), &d.ti32(&targets, &[T]))
             .unwrap();
         for t in 0..T {
             let row = &x[t * V..][..V];
             let z = row.iter().map(|v| v.exp()).sum::<f64>().ln();
-            assert!((h64(&lse)[t] - z).abs() < 1e-12);
-            assert!((h64(&loss)[t] - (z - row[targets[t] as usize])).abs() < 1e-12);
+            assert!((d.h64(&lse)[t] - z).abs() < 1e-12);
+            assert!((d.h64(&loss)[t] - (z - row[targets[t] as usize])).abs() < 1e-12);
         }
         // Shifting the logits by 1e4 must not change the f32 loss.
         let shifted: Vec<f32> = x.iter().map(|&v| (v + 1e4) as f32).collect();
         let base: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-        let tg = ti32(&targets, &[T]);
-        let (ls, _) = Cpu.cross_entropy(&t32(&shifted, &[T, V]), &tg).unwrap();
-        let (lb, _) = Cpu.cross_entropy(&t32(&base, &[T, V]), &tg).unwrap();
-        assert!(max_diff(&h64(&ls), &h64(&lb)) < 5e-3);
-        assert!(h64(&ls).iter().all(|v| v.is_finite()));
+        let tg = d.ti32(&targets, &[T]);
+        let (ls, _) = d.cross_entropy(&d.t32(&shifted, &[T, V]), &tg).unwrap();
+        let (lb, _) = d.cross_entropy(&d.t32(&base, &[T, V]), &tg).unwrap();
+        assert!(max_diff(&d.h64(&ls), &d.h64(&lb)) < 5e-3);
+        assert!(d.h64(&ls).iter().all(|v| v.is_finite()));
     }
 
-    #[test]
-    fn valid_mask_matches_targets_and_counts_them() {
+    fn valid_mask_matches_targets_and_counts_them<B: TestOps>(d: &B) {
         let targets = [3, -1, 0, -1, 6, 0];
         let want: Vec<f64> = targets
             .iter()
             .map(|&c| if c >= 0 { 1.0 } else { 0.0 })
             .collect();
         for dtype in [DType::F32, DType::F64] {
-            let m = Cpu.valid_mask(&ti32(&targets, &[2, 3]), dtype).unwrap();
+            let m = d.valid_mask(&d.ti32(&targets, &[2, 3]), dtype).unwrap();
             assert_eq!((m.shape(), m.dtype()), (&[2, 3][..], dtype));
-            assert_eq!(h64(&m), want);
-            assert_eq!(h64(&Cpu.sum(&m).unwrap()), vec![4.0]);
+            assert_eq!(d.h64(&m), want);
+            assert_eq!(d.h64(&d.sum(&m).unwrap()), vec![4.0]);
         }
-        let none = Cpu.valid_mask(&ti32(&[-1; T], &[T]), DType::F32).unwrap();
-        assert_eq!(h64(&none), vec![0.0; T]);
+        let none = d.valid_mask(&d.ti32(&[-1; T], &[T]), DType::F32).unwrap();
+        assert_eq!(d.h64(&none), vec![0.0; T]);
     }
 
-    #[test]
-    fn valid_mask_bad_inputs() {
-        let err = Cpu
-            .valid_mask(&ti32(&[0, -1, -2], &[3]), DType::F32)
-            .unwrap_err();
+    fn valid_mask_bad_inputs<B: TestOps>(d: &B) {
+        let err = d.err_of(d.valid_mask(&d.ti32(&[0, -1, -2], &[3]), DType::F32));
         assert!(
             matches!(&err, KernelError::InvalidArgument { op: "valid_mask", detail } if detail.contains("targets[2] = -2")),
             "{err:?}"
         );
         assert_eq!(
-            Cpu.valid_mask(&t64(&[0.0], &[1]), DType::F32).unwrap_err(),
+            d.valid_mask(&d.t64(&[0.0], &[1]), DType::F32).unwrap_err(),
             KernelError::DTypeMismatch {
                 op: "valid_mask",
                 expected: DType::I32,
@@ -266,22 +261,21 @@ mod tests {
             }
         );
         assert_eq!(
-            Cpu.valid_mask(&ti32(&[0], &[1]), DType::I32).unwrap_err(),
+            d.valid_mask(&d.ti32(&[0], &[1]), DType::I32).unwrap_err(),
             KernelError::UnsupportedDType {
                 op: "valid_mask",
                 dtype: DType::I32,
-                backend: "cpu"
+                backend: B::NAME
             }
         );
     }
 
-    #[test]
-    fn cross_entropy_bad_inputs() {
-        let x = t64(&[0.0; T * V], &[T, V]);
+    fn cross_entropy_bad_inputs<B: TestOps>(d: &B) {
+        let x = d.t64(&[0.0; T * V], &[T, V]);
         for bad in [V as i32, -2] {
-            let tg = ti32(&[0, 1, bad, 2, 3], &[T]);
+            let tg = d.ti32(&[0, 1, bad, 2, 3], &[T]);
             assert_eq!(
-                Cpu.cross_entropy(&x, &tg).unwrap_err(),
+                d.err_of(d.cross_entropy(&x, &tg).map(|(loss, _)| loss)),
                 KernelError::IndexOutOfRange {
                     op: "cross_entropy",
                     index: bad as i64,
@@ -292,29 +286,30 @@ mod tests {
         }
         let mut xv = vec![0.0; T * V];
         xv[9] = f64::NAN;
-        let err = Cpu
-            .cross_entropy(&t64(&xv, &[T, V]), &ti32(&[0; T], &[T]))
-            .unwrap_err();
+        let err = d.err_of(
+            d.cross_entropy(&d.t64(&xv, &[T, V]), &d.ti32(&[0; T], &[T]))
+                .map(|(loss, _)| loss),
+        );
         assert!(
             matches!(err, KernelError::NonFinite { op: "cross_entropy", what: "logits", value } if value.is_nan()),
             "{err:?}"
         );
         assert_eq!(
-            Cpu.cross_entropy(&x, &t64(&[0.0; T], &[T])).unwrap_err(),
+            d.cross_entropy(&x, &d.t64(&[0.0; T], &[T])).unwrap_err(),
             KernelError::DTypeMismatch {
                 op: "cross_entropy",
                 expected: DType::I32,
                 got: DType::F64
             }
         );
-        let err = Cpu.cross_entropy(&x, &ti32(&[0; 4], &[4])).unwrap_err();
+        let err = d.cross_entropy(&x, &d.ti32(&[0; 4], &[4])).unwrap_err();
         assert!(
             matches!(&err, KernelError::ShapeMismatch { detail, .. } if detail.contains("[5]") && detail.contains("[4]")),
             "{err:?}"
         );
-        let (_, lse) = Cpu.cross_entropy(&x, &ti32(&[0; T], &[T])).unwrap();
-        let err = Cpu
-            .cross_entropy_backward(&x, &ti32(&[0; T], &[T]), &lse, &t64(&[1.0; 3], &[3]))
+        let (_, lse) = d.cross_entropy(&x, &d.ti32(&[0; T], &[T])).unwrap();
+        let err = d
+            .cross_entropy_backward(&x, &d.ti32(&[0; T], &[T]), &lse, &d.t64(&[1.0; 3], &[3]))
             .unwrap_err();
         assert!(matches!(
             err,
@@ -324,4 +319,47 @@ mod tests {
             }
         ));
     }
+
+    /// Cross-entropy forward and backward over a vocabulary longer than a
+    /// block, with ignored tokens, on random f32 (and bf16 where the device
+    /// stores it) against the CPU; the backward gets the device's own `lse`
+    /// on both sides.
+    fn loss_matches_cpu<B: TestOps>(d: &B) {
+        for dtype in Compare::precisions(d) {
+            let mut c = Compare::new(d, dtype, 70);
+            let (t, v) = (67, 3000);
+            let (x, xc) = c.rand(&[t, v], 4.0);
+            let tg: Vec<i32> = (0..t)
+                .map(|i| if i % 7 == 3 { -1 } else { (i * 131 % v) as i32 })
+                .collect();
+            let (tg, tgc) = c.idx(&tg, &[t]);
+            let (loss, lse) = d.cross_entropy(&x, &tg).unwrap();
+            let (lossc, lsec) = Cpu.cross_entropy(&xc, &tgc).unwrap();
+            c.check("cross_entropy loss", &loss, &lossc);
+            c.check("cross_entropy lse", &lse, &lsec);
+            let (dl, dlc) = c.rand(&[t], 1.0);
+            let same: Vec<f32> = d.h64(&lse).iter().map(|&z| z as f32).collect();
+            c.check(
+                "cross_entropy_backward",
+                &d.cross_entropy_backward(&x, &tg, &lse, &dl).unwrap(),
+                &Cpu.cross_entropy_backward(&xc, &tgc, &t32(&same, &[t]), &dlc)
+                    .unwrap(),
+            );
+            c.check(
+                "valid_mask",
+                &d.valid_mask(&tg, dtype).unwrap(),
+                &Cpu.valid_mask(&tgc, DType::F32).unwrap(),
+            );
+            c.report("loss");
+        }
+    }
+
+    device_tests!(
+        loss_matches_cpu,
+        cross_entropy_grad_with_ignored_token,
+        cross_entropy_matches_naive_and_is_stable,
+        valid_mask_matches_targets_and_counts_them,
+        valid_mask_bad_inputs,
+        cross_entropy_bad_inputs,
+    );
 }

@@ -223,69 +223,67 @@ mod tests {
     use crate::cpu::Cpu;
     use crate::error::KernelError;
 
-    #[test]
-    fn rms_norm_grad() {
-        let (r, d, eps) = (6, 9, 1e-5);
+    fn rms_norm_grad<B: TestOps>(d: &B) {
+        let (r, n, eps) = (6, 9, 1e-5);
         let mut g = rng(21);
-        let x = uniform(&mut g, r * d);
-        let w: Vec<f64> = uniform(&mut g, d).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let dy = uniform(&mut g, r * d);
-        let (xt, wt) = (t64(&x, &[r, d]), t64(&w, &[d]));
-        let (_, rstd) = Cpu.rms_norm(&xt, &wt, eps).unwrap();
-        let (dx, dw) = Cpu
-            .rms_norm_backward(&t64(&dy, &[r, d]), &xt, &wt, &rstd)
+        let x = uniform(&mut g, r * n);
+        let w: Vec<f64> = uniform(&mut g, n).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let dy = uniform(&mut g, r * n);
+        let (xt, wt) = (d.t64(&x, &[r, n]), d.t64(&w, &[n]));
+        let (_, rstd) = d.rms_norm(&xt, &wt, eps).unwrap();
+        let (dx, dw) = d
+            .rms_norm_backward(&d.t64(&dy, &[r, n]), &xt, &wt, &rstd)
             .unwrap();
         let f = |x: &[f64], w: &[f64]| {
-            let (y, _) = Cpu.rms_norm(&t64(x, &[r, d]), &t64(w, &[d]), eps).unwrap();
-            dotv(&h64(&y), &dy)
+            let (y, _) = d
+                .rms_norm(&d.t64(x, &[r, n]), &d.t64(w, &[n]), eps)
+                .unwrap();
+            dotv(&d.h64(&y), &dy)
         };
-        check("rms_norm dx", &x, &h64(&dx), |v| f(v, &w));
-        check("rms_norm dw", &w, &h64(&dw), |v| f(&x, v));
+        check("rms_norm dx", &x, &d.h64(&dx), |v| f(v, &w));
+        check("rms_norm dw", &w, &d.h64(&dw), |v| f(&x, v));
     }
 
-    #[test]
-    fn rms_norm_forward_matches_naive() {
-        let (r, d, eps) = (3, 5, 1e-6);
+    fn rms_norm_forward_matches_naive<B: TestOps>(d: &B) {
+        let (r, n, eps) = (3, 5, 1e-6);
         let mut g = rng(22);
-        let x = uniform(&mut g, r * d);
-        let w = uniform(&mut g, d);
-        let (y, rstd) = Cpu
-            .rms_norm(&t64(&x, &[r, d]), &t64(&w, &[d]), eps)
+        let x = uniform(&mut g, r * n);
+        let w = uniform(&mut g, n);
+        let (y, rstd) = d
+            .rms_norm(&d.t64(&x, &[r, n]), &d.t64(&w, &[n]), eps)
             .unwrap();
         assert_eq!(rstd.shape(), &[r]);
-        for (i, row) in x.chunks(d).enumerate() {
-            let k = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt();
-            assert!((h64(&rstd)[i] - k).abs() < 1e-12);
-            for j in 0..d {
-                assert!((h64(&y)[i * d + j] - row[j] * k * w[j]).abs() < 1e-12);
+        for (i, row) in x.chunks(n).enumerate() {
+            let k = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + eps).sqrt();
+            assert!((d.h64(&rstd)[i] - k).abs() < 1e-12);
+            for j in 0..n {
+                assert!((d.h64(&y)[i * n + j] - row[j] * k * w[j]).abs() < 1e-12);
             }
         }
     }
 
     /// RoPE is linear and orthogonal, so the gradient of `Σ rope(x) ⊙ w` is
     /// `rope⁻¹(w)`, the documented backward.
-    #[test]
-    fn rope_grad() {
+    fn rope_grad<B: TestOps>(d: &B) {
         let shape = [2, 5, 3, 8];
         let n: usize = shape.iter().product();
         let mut g = rng(23);
         let (x, w) = (uniform(&mut g, n), uniform(&mut g, n));
-        let dx = h64(&Cpu.rope(&t64(&w, &shape), 10_000.0, true).unwrap());
+        let dx = d.h64(&d.rope(&d.t64(&w, &shape), 10_000.0, true).unwrap());
         check("rope", &x, &dx, |v| {
             dotv(
-                &h64(&Cpu.rope(&t64(v, &shape), 10_000.0, false).unwrap()),
+                &d.h64(&d.rope(&d.t64(v, &shape), 10_000.0, false).unwrap()),
                 &w,
             )
         });
     }
 
-    #[test]
-    fn rope_forward_matches_naive_and_inverts() {
+    fn rope_forward_matches_naive_and_inverts<B: TestOps>(d: &B) {
         let (b, s, h, hd, theta) = (1, 4, 2, 6, 100.0f64);
         let n = b * s * h * hd;
         let mut g = rng(24);
         let x = uniform(&mut g, n);
-        let y = h64(&Cpu.rope(&t64(&x, &[b, s, h, hd]), theta, false).unwrap());
+        let y = d.h64(&d.rope(&d.t64(&x, &[b, s, h, hd]), theta, false).unwrap());
         for pos in 0..s {
             for hi in 0..h {
                 let at = (pos * h + hi) * hd;
@@ -297,43 +295,86 @@ mod tests {
                 }
             }
         }
-        let back = Cpu.rope(&t64(&y, &[b, s, h, hd]), theta, true).unwrap();
-        assert!(max_diff(&h64(&back), &x) < 1e-12);
+        let back = d.rope(&d.t64(&y, &[b, s, h, hd]), theta, true).unwrap();
+        assert!(max_diff(&d.h64(&back), &x) < 1e-12);
     }
 
-    #[test]
-    fn norm_bad_inputs() {
-        let x = t64(&[1.0; 6], &[2, 3]);
-        let err = Cpu.rms_norm(&x, &t64(&[1.0; 2], &[2]), 1e-5).unwrap_err();
+    fn norm_bad_inputs<B: TestOps>(d: &B) {
+        let x = d.t64(&[1.0; 6], &[2, 3]);
+        let err = d.rms_norm(&x, &d.t64(&[1.0; 2], &[2]), 1e-5).unwrap_err();
         assert!(
             matches!(&err, KernelError::ShapeMismatch { op: "rms_norm", detail } if detail.contains("[3]") && detail.contains("[2]")),
             "{err:?}"
         );
-        let err = Cpu.rms_norm(&x, &t64(&[1.0; 3], &[3]), -1.0).unwrap_err();
+        let err = d.rms_norm(&x, &d.t64(&[1.0; 3], &[3]), -1.0).unwrap_err();
         assert!(matches!(
             err,
             KernelError::InvalidArgument { op: "rms_norm", .. }
         ));
-        let err = Cpu.rms_norm(&x, &t32(&[1.0; 3], &[3]), 1e-5).unwrap_err();
+        let err = d.rms_norm(&x, &d.t32(&[1.0; 3], &[3]), 1e-5).unwrap_err();
         assert!(matches!(
             err,
             KernelError::DTypeMismatch { op: "rms_norm", .. }
         ));
-        let err = Cpu
-            .rope(&t64(&[0.0; 10], &[1, 2, 1, 5]), 1e4, false)
+        let err = d
+            .rope(&d.t64(&[0.0; 10], &[1, 2, 1, 5]), 1e4, false)
             .unwrap_err();
         assert!(
             matches!(&err, KernelError::InvalidArgument { op: "rope", detail } if detail.contains("Hd = 5")),
             "{err:?}"
         );
-        let err = Cpu.rope(&x, 1e4, false).unwrap_err();
+        let err = d.rope(&x, 1e4, false).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { op: "rope", .. }));
-        let err = Cpu
-            .rope(&ti32(&[0; 4], &[1, 1, 1, 4]), 1e4, false)
+        let err = d
+            .rope(&d.ti32(&[0; 4], &[1, 1, 1, 4]), 1e4, false)
             .unwrap_err();
         assert!(matches!(
             err,
             KernelError::UnsupportedDType { op: "rope", .. }
         ));
     }
+
+    /// RMSNorm forward and backward and RoPE both ways on random f32 (and
+    /// bf16 where the device stores it) against the CPU. The backward gets
+    /// the device's own `rstd` on both sides, so a bf16 `rstd` is compared
+    /// as the input it is rather than re-derived.
+    fn norm_matches_cpu<B: TestOps>(d: &B) {
+        for dtype in Compare::precisions(d) {
+            let mut c = Compare::new(d, dtype, 60);
+            for (r, n) in [(67usize, 300usize), (3, 3000), (1000, 5)] {
+                let (x, xc) = c.rand(&[r, n], 2.0);
+                let (w, wc) = c.rand(&[n], 1.0);
+                let (dy, dyc) = c.rand(&[r, n], 1.0);
+                let (y, rstd) = d.rms_norm(&x, &w, 1e-5).unwrap();
+                let (yc, rstdc) = Cpu.rms_norm(&xc, &wc, 1e-5).unwrap();
+                c.check("rms_norm y", &y, &yc);
+                c.check("rms_norm rstd", &rstd, &rstdc);
+                let same: Vec<f32> = d.h64(&rstd).iter().map(|&v| v as f32).collect();
+                let rstdc = t32(&same, &[r]);
+                let (dx, dw) = d.rms_norm_backward(&dy, &x, &w, &rstd).unwrap();
+                let (dxc, dwc) = Cpu.rms_norm_backward(&dyc, &xc, &wc, &rstdc).unwrap();
+                c.check("rms_norm_backward dx", &dx, &dxc);
+                c.check("rms_norm_backward dw", &dw, &dwc);
+            }
+            let shape = [2, 17, 3, 64];
+            let (x, xc) = c.rand(&shape, 1.0);
+            for inverse in [false, true] {
+                c.check(
+                    &format!("rope inverse={inverse}"),
+                    &d.rope(&x, 10_000.0, inverse).unwrap(),
+                    &Cpu.rope(&xc, 10_000.0, inverse).unwrap(),
+                );
+            }
+            c.report("norm");
+        }
+    }
+
+    device_tests!(
+        norm_matches_cpu,
+        rms_norm_grad,
+        rms_norm_forward_matches_naive,
+        rope_grad,
+        rope_forward_matches_naive_and_inverts,
+        norm_bad_inputs,
+    );
 }

@@ -130,40 +130,38 @@ mod tests {
     /// m' = 0.9·0.2 + 0.1·0.5 = 0.23, v' = 0.99·0.04 + 0.01·0.25 = 0.0421,
     /// m̂ = 0.23 / 0.19, v̂ = 0.0421 / 0.0199,
     /// p' = 1 − 0.1·0.01·1 − 0.1·m̂ / (sqrt(v̂) + 1e-8).
-    #[test]
-    fn adamw_one_step_matches_hand_computed() {
-        let mut p = t64(&[1.0], &[1]);
-        let mut m = t64(&[0.2], &[1]);
-        let mut v = t64(&[0.04], &[1]);
-        Cpu.adamw_step(&mut p, &t64(&[0.5], &[1]), &mut m, &mut v, &cfg(2))
+    fn adamw_one_step_matches_hand_computed<B: TestOps>(d: &B) {
+        let mut p = d.t64(&[1.0], &[1]);
+        let mut m = d.t64(&[0.2], &[1]);
+        let mut v = d.t64(&[0.04], &[1]);
+        d.adamw_step(&mut p, &d.t64(&[0.5], &[1]), &mut m, &mut v, &cfg(2))
             .unwrap();
         let want = 1.0 - 0.001 - 0.1 * (0.23 / 0.19) / ((0.0421f64 / 0.0199).sqrt() + 1e-8);
-        assert!((h64(&m)[0] - 0.23).abs() < 1e-15);
-        assert!((h64(&v)[0] - 0.0421).abs() < 1e-15);
+        assert!((d.h64(&m)[0] - 0.23).abs() < 1e-15);
+        assert!((d.h64(&v)[0] - 0.0421).abs() < 1e-15);
         assert!(
-            (h64(&p)[0] - want).abs() < 1e-14,
+            (d.h64(&p)[0] - want).abs() < 1e-14,
             "{} vs {want}",
-            h64(&p)[0]
+            d.h64(&p)[0]
         );
         // The first step from zero moments moves each weight by about lr.
-        let mut p = t32(&[1.0, -1.0], &[2]);
-        let (mut m, mut v) = (t32(&[0.0; 2], &[2]), t32(&[0.0; 2], &[2]));
+        let mut p = d.t32(&[1.0, -1.0], &[2]);
+        let (mut m, mut v) = (d.t32(&[0.0; 2], &[2]), d.t32(&[0.0; 2], &[2]));
         let c = AdamWConfig {
             weight_decay: 0.0,
             ..cfg(1)
         };
-        Cpu.adamw_step(&mut p, &t32(&[3.0, -0.001], &[2]), &mut m, &mut v, &c)
+        d.adamw_step(&mut p, &d.t32(&[3.0, -0.001], &[2]), &mut m, &mut v, &c)
             .unwrap();
-        assert!(max_diff(&h64(&p), &[0.9, -0.9]) < 1e-5, "{:?}", h64(&p));
+        assert!(max_diff(&d.h64(&p), &[0.9, -0.9]) < 1e-5, "{:?}", d.h64(&p));
     }
 
-    #[test]
-    fn adamw_bad_inputs() {
-        let mut p = t64(&[1.0; 4], &[4]);
-        let g = t64(&[1.0; 4], &[4]);
-        let mut m = t64(&[0.0; 4], &[4]);
-        let mut v = t64(&[0.0; 4], &[4]);
-        let err = Cpu
+    fn adamw_bad_inputs<B: TestOps>(d: &B) {
+        let mut p = d.t64(&[1.0; 4], &[4]);
+        let g = d.t64(&[1.0; 4], &[4]);
+        let mut m = d.t64(&[0.0; 4], &[4]);
+        let mut v = d.t64(&[0.0; 4], &[4]);
+        let err = d
             .adamw_step(&mut p, &g, &mut m, &mut v, &cfg(0))
             .unwrap_err();
         assert!(
@@ -174,21 +172,19 @@ mod tests {
             beta2: 1.0,
             ..cfg(1)
         };
-        let err = Cpu
-            .adamw_step(&mut p, &g, &mut m, &mut v, &bad)
-            .unwrap_err();
+        let err = d.adamw_step(&mut p, &g, &mut m, &mut v, &bad).unwrap_err();
         assert!(err.to_string().contains("beta2 = 1"), "{err}");
-        let mut v3 = t64(&[0.0; 3], &[3]);
-        let err = Cpu
+        let mut v3 = d.t64(&[0.0; 3], &[3]);
+        let err = d
             .adamw_step(&mut p, &g, &mut m, &mut v3, &cfg(1))
             .unwrap_err();
         assert!(
             matches!(&err, KernelError::ShapeMismatch { detail, .. } if detail.contains("v has shape [3]")),
             "{err:?}"
         );
-        let mut m32 = t32(&[0.0; 4], &[4]);
+        let mut m32 = d.t32(&[0.0; 4], &[4]);
         assert_eq!(
-            Cpu.adamw_step(&mut p, &g, &mut m32, &mut v, &cfg(1))
+            d.adamw_step(&mut p, &g, &mut m32, &mut v, &cfg(1))
                 .unwrap_err(),
             KernelError::DTypeMismatch {
                 op: "adamw_step",
@@ -197,6 +193,47 @@ mod tests {
             }
         );
         // Nothing was written by the failed calls.
-        assert_eq!(h64(&p), vec![1.0; 4]);
+        assert_eq!(d.h64(&p), vec![1.0; 4]);
     }
+
+    /// Three AdamW steps on random f32 (and bf16 where the device stores
+    /// it) state against the CPU: parameters and both moments.
+    fn adamw_matches_cpu<B: TestOps>(d: &B) {
+        for dtype in Compare::precisions(d) {
+            let mut c = Compare::new(d, dtype, 80);
+            let shape = [1000, 37];
+            let (mut p, mut pc) = c.rand(&shape, 1.0);
+            let (mut m, mut mc) = c.rand(&shape, 0.1);
+            let vs: Vec<f64> = uniform(&mut c.g, 37_000)
+                .iter()
+                .map(|x| 0.01 * x * x)
+                .collect();
+            let (mut v, mut vc) = c.pair(&vs, &shape);
+            for step in 1..=3 {
+                let (g, gc) = c.rand(&shape, 1.0);
+                d.adamw_step(&mut p, &g, &mut m, &mut v, &cfg(step))
+                    .unwrap();
+                Cpu.adamw_step(&mut pc, &gc, &mut mc, &mut vc, &cfg(step))
+                    .unwrap();
+                // bf16 state is rounded on the device after every step; the
+                // CPU's f32 state is not, so each step starts from the same
+                // (device) values on both sides.
+                c.check(&format!("adamw p step {step}"), &p, &pc);
+                c.check(&format!("adamw m step {step}"), &m, &mc);
+                c.check(&format!("adamw v step {step}"), &v, &vc);
+                let same = |t: &crate::tensor::Tensor<B>| {
+                    let h: Vec<f32> = d.h64(t).iter().map(|&x| x as f32).collect();
+                    t32(&h, &shape)
+                };
+                (pc, mc, vc) = (same(&p), same(&m), same(&v));
+            }
+            c.report("optim");
+        }
+    }
+
+    device_tests!(
+        adamw_matches_cpu,
+        adamw_one_step_matches_hand_computed,
+        adamw_bad_inputs,
+    );
 }

@@ -5,7 +5,7 @@
 //! Shape letters: M rows, K inner dimension, N columns, G groups.
 
 use cudarc::cublas::{result as blas, sys as bsys};
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{result as drv, LaunchConfig};
 
 use super::compile::LINALG;
 use super::{float_sfx, launch, Cuda};
@@ -65,10 +65,19 @@ impl Cuda {
         sizes.expect_shape(op, "group_sizes", &[g])?;
         let neg =
             self.check(move |i, s| arg_err(op, format!("group_sizes[{i}] = {s} is negative")))?;
+        // The message lists the sizes, as the CPU's does: the builder reads
+        // them back when the error is reported (after the stream has synced).
+        let held = sizes.storage().clone();
         let total = self.check(move |t, _| {
+            let mut v = vec![0i32; g];
+            let listed = if g == 0 || unsafe { drv::memcpy_dtoh_sync(&mut v, held.ptr()) }.is_ok() {
+                format!("{v:?} ")
+            } else {
+                String::new()
+            };
             arg_err(
                 op,
-                format!("group sizes sum to {t}, more than the {m} rows of x"),
+                format!("group sizes {listed}sum to {t}, more than the {m} rows of x"),
             )
         })?;
         let offs = self.scratch(op, (g + 1) * 8)?;

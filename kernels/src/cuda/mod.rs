@@ -311,6 +311,15 @@ impl Cuda {
         self.inner.pool.cached_bytes()
     }
 
+    /// Makes the device's context current on this thread: raw driver calls
+    /// (copies, memsets) need it, and tests call from many threads.
+    fn bind(&self) -> Result<()> {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the CUDA context", e))
+    }
+
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.inner.stream
     }
@@ -354,6 +363,7 @@ impl Cuda {
         if Arc::strong_count(&t.storage().block) == 1 {
             return Ok(());
         }
+        self.bind()?;
         let copy = self.alloc(op, t.shape(), t.dtype())?;
         let bytes = t.numel() * dtype_size(t.dtype());
         if bytes > 0 {
@@ -401,6 +411,7 @@ impl Cuda {
     /// Synchronises the stream and turns a recorded failure into its error
     /// (clearing the record and the table of checks either way).
     fn check_errors(&self) -> Result<()> {
+        self.bind()?;
         let mut rec = [0u64; 3];
         unsafe { drv::memcpy_dtoh_async(&mut rec, self.err_ptr(), self.stream().cu_stream()) }
             .map_err(|e| driver_err("reading the error record", e))?;
@@ -461,6 +472,7 @@ impl Device for Cuda {
             ));
         }
         let t = self.alloc("upload", shape, data.dtype())?;
+        self.bind()?;
         let (dst, cu) = (t.storage().ptr(), self.stream().cu_stream());
         // From pageable memory the driver stages the data before returning,
         // so `data` may be dropped as soon as the call is back.
@@ -478,6 +490,7 @@ impl Device for Cuda {
     /// (exact), since the host side has no bf16 type. Returns any
     /// data-dependent error recorded since the last read instead.
     fn download(&self, t: &Tensor<Self>) -> Result<HostData> {
+        self.bind()?;
         let (src, cu, n) = (t.storage().ptr(), self.stream().cu_stream(), t.numel());
         let copy =
             |r: std::result::Result<(), drv::DriverError>| r.map_err(|e| driver_err("download", e));
@@ -525,6 +538,7 @@ impl Device for Cuda {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor<Self>> {
         let t = self.alloc("zeros", shape, dtype)?;
         let bytes = t.numel() * dtype_size(dtype);
+        self.bind()?;
         if bytes > 0 {
             // All-zero bits are 0 in every dtype here.
             unsafe { drv::memset_d8_async(t.storage().ptr(), 0, bytes, self.stream().cu_stream()) }
