@@ -48,6 +48,17 @@ pub struct TrainOptions {
     /// Bytes of text generated at the end of training.
     #[arg(long)]
     pub sample_tokens: Option<usize>,
+    /// Ranks (threads on the CPU) to train with, under `--layout`.
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// Parallel layout over the ranks, e.g. `tp=2,ep=4` (absent sizes 1; dp
+    /// and edp derived from --ranks). Default: data parallel over all ranks.
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Switch every MoE layer to capacity mode with this capacity factor
+    /// (tokens over capacity dropped by lowest probability).
+    #[arg(long)]
+    pub capacity_factor: Option<f64>,
     /// Continue the run whose directory (or checkpoint directory) is given.
     #[arg(long)]
     #[serde(skip)]
@@ -88,6 +99,20 @@ pub struct TrainSettings {
     pub device: String,
     /// Generated sample length.
     pub sample_tokens: usize,
+    /// Ranks the run trains with.
+    #[serde(default = "one")]
+    pub ranks: usize,
+    /// Layout text over the ranks (`None`: data parallel).
+    #[serde(default)]
+    pub layout: Option<String>,
+    /// Capacity factor of every MoE layer (`None`: the model's own setting).
+    #[serde(default)]
+    pub capacity_factor: Option<f64>,
+}
+
+/// Serde default of [`TrainSettings::ranks`] (checkpoints written before it existed).
+fn one() -> usize {
+    1
 }
 
 impl Default for TrainSettings {
@@ -104,6 +129,9 @@ impl Default for TrainSettings {
             checkpoint_every: 100,
             device: "cpu".into(),
             sample_tokens: 240,
+            ranks: 1,
+            layout: None,
+            capacity_factor: None,
         }
     }
 }
@@ -136,6 +164,9 @@ impl TrainOptions {
             out: self.out.or(file.out),
             device: self.device.or(file.device),
             sample_tokens: self.sample_tokens.or(file.sample_tokens),
+            ranks: self.ranks.or(file.ranks),
+            layout: self.layout.or(file.layout),
+            capacity_factor: self.capacity_factor.or(file.capacity_factor),
             resume: self.resume,
             config: self.config,
             exit_after: self.exit_after,
@@ -164,6 +195,9 @@ impl TrainOptions {
             checkpoint_every: opts.checkpoint_every.unwrap_or(base.checkpoint_every),
             device: opts.device.clone().unwrap_or(base.device),
             sample_tokens: opts.sample_tokens.unwrap_or(base.sample_tokens),
+            ranks: opts.ranks.unwrap_or(base.ranks),
+            layout: opts.layout.clone().or(base.layout),
+            capacity_factor: opts.capacity_factor.or(base.capacity_factor),
         };
         s.validate()?;
         Ok((s, opts))
@@ -200,6 +234,14 @@ impl TrainSettings {
         }
         if self.device != "cpu" && self.device != "cuda" {
             return bad("device", &self.device, "must be `cpu` or `cuda`");
+        }
+        if self.ranks == 0 {
+            return bad("ranks", &self.ranks, "must be at least 1");
+        }
+        if let Some(f) = self.capacity_factor {
+            if !(f.is_finite() && f > 0.0) {
+                return bad("capacity-factor", &f, "must be a positive finite number");
+            }
         }
         Ok(())
     }

@@ -11,9 +11,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use foldmoe::core::engine::checkpoint::{self, NamedTensor};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
-use foldmoe::core::engine::trainer::{TrainConfig, Trainer};
-use foldmoe::core::spec::ModelSpec;
-use foldmoe::kernels::{Backend, DType, HostData, Tensor};
+use foldmoe::core::engine::parallel::{run_local_layout, Ctx, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::trainer::{StepStats, TrainConfig, Trainer};
+use foldmoe::core::engine::EngineError;
+use foldmoe::core::layout::{self, Layout, LayoutSpec};
+use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec};
+use foldmoe::kernels::{Backend, DType, HostData, KernelError, ReduceOp, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +31,8 @@ const VAL_TEXT: &str = include_str!("../data/val.txt");
 const CPU_PARAM_LIMIT: u64 = 500_000_000;
 /// Windows in the fixed validation batch.
 const VAL_WINDOWS: usize = 16;
+/// How long a rank of a parallel run waits for a silent peer before failing.
+const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What a checkpoint stores besides tensors: enough to continue exactly.
 #[derive(Serialize, Deserialize, Clone, Debug)]
@@ -58,8 +63,8 @@ struct Summary<'a> {
     val_loss: f64,
     val_losses: &'a [(u64, f64)],
     tokens_per_s: f64,
-    params_total: usize,
-    params_active: usize,
+    params_total: u64,
+    params_active: u64,
     wall_s: f64,
     seed: u64,
 }
@@ -149,27 +154,6 @@ fn upload_batch<B: Backend>(
     ))
 }
 
-/// Mean validation loss on the fixed validation batch.
-fn validation_loss<B: Backend>(
-    b: &B,
-    model: &Model<B>,
-    batch: &(Tensor<B>, Tensor<B>),
-) -> Result<f64, CliError> {
-    let out = model.forward(b, &batch.0, &batch.1)?;
-    Ok(b.download(&out.loss)?.to_f64()[0])
-}
-
-fn save_checkpoint<B: Backend>(
-    b: &B,
-    out: &Path,
-    trainer: &Trainer<B>,
-    meta: &RunMeta,
-) -> Result<(), CliError> {
-    let tensors = checkpoint::trainer_tensors(b, trainer)?;
-    checkpoint::save(&checkpoint_dir(out), &tensors, meta)?;
-    Ok(())
-}
-
 /// Prints a line above the progress bar, or plainly when the bar is hidden
 /// (output not a terminal), so logs still show progress.
 fn say(pb: &ProgressBar, line: impl AsRef<str>) {
@@ -180,9 +164,168 @@ fn say(pb: &ProgressBar, line: impl AsRef<str>) {
     }
 }
 
-/// Runs `foldmoe train` on backend `b`.
-pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Result<(), CliError> {
-    // Everything that can be rejected is checked before the run directory is touched.
+/// What the training loop drives: one rank's trainer, or one rank of a
+/// parallel run (whose calls are collectives: every rank makes them).
+trait StepEngine {
+    /// One optimizer step over the global batch's `micro_batches`.
+    fn step(&mut self, micro_batches: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError>;
+    /// Mean loss of the validation batch.
+    fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError>;
+    /// Every tensor of a checkpoint (full tensors, whatever the layout).
+    fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError>;
+    /// Whether to stop now: `local` is this rank's Ctrl-C flag; every rank
+    /// must give the same answer.
+    fn agree_stop(&mut self, local: bool) -> Result<bool, CliError>;
+    /// Whether this rank writes files and prints.
+    fn is_main(&self) -> bool;
+}
+
+/// One rank, no communicator.
+struct SingleRank<'a, B: Backend> {
+    b: &'a B,
+    trainer: Trainer<B>,
+    seqs: usize,
+    seq_len: usize,
+}
+
+impl<B: Backend> StepEngine for SingleRank<'_, B> {
+    fn step(&mut self, micro_batches: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError> {
+        let micro = micro_batches
+            .iter()
+            .map(|batch| upload_batch(self.b, batch.clone(), self.seqs, self.seq_len))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(self.trainer.step(self.b, &micro)?)
+    }
+
+    fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
+        let (x, y) = upload_batch(self.b, batch.clone(), VAL_WINDOWS, self.seq_len)?;
+        let out = self.trainer.model.forward(self.b, &x, &y)?;
+        Ok(self.b.download(&out.loss)?.to_f64()[0])
+    }
+
+    fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError> {
+        Ok(checkpoint::trainer_tensors(self.b, &self.trainer)?)
+    }
+
+    fn agree_stop(&mut self, local: bool) -> Result<bool, CliError> {
+        Ok(local)
+    }
+
+    fn is_main(&self) -> bool {
+        true
+    }
+}
+
+/// One rank of a parallel run on the local communicator.
+struct ParallelRank<'a, 'c, B: Backend> {
+    ctx: &'a Ctx<'c, B>,
+    trainer: ParallelTrainer<B>,
+    seq_len: usize,
+}
+
+impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
+    fn step(&mut self, micro_batches: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError> {
+        // This dp rank's share of the global batch's micro-batches.
+        let (dp, dp_i) = (self.ctx.rank.dp.size(), self.ctx.rank.dp_index);
+        let per = micro_batches.len() / dp;
+        let mine = &micro_batches[dp_i * per..(dp_i + 1) * per];
+        Ok(self.trainer.step(self.ctx, mine, self.seq_len)?)
+    }
+
+    fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
+        let out = self
+            .trainer
+            .model
+            .forward(self.ctx, &batch.0, &batch.1, self.seq_len)?;
+        Ok(self.ctx.b.download(&out.loss)?.to_f64()[0])
+    }
+
+    fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError> {
+        Ok(checkpoint::parallel_trainer_tensors(
+            self.ctx,
+            &mut self.trainer,
+        )?)
+    }
+
+    fn agree_stop(&mut self, local: bool) -> Result<bool, CliError> {
+        let b = self.ctx.b;
+        let flag = b.upload(HostData::F32(vec![f32::from(u8::from(local))]), &[1])?;
+        let any = self
+            .ctx
+            .comm
+            .all_reduce(b, &self.ctx.rank.stage, &flag, ReduceOp::Max)?;
+        Ok(b.download(&any)?.to_f64()[0] > 0.0)
+    }
+
+    fn is_main(&self) -> bool {
+        self.ctx.rank.rank == 0
+    }
+}
+
+/// Everything a run needs before its first step, checked before the run
+/// directory is touched.
+struct Prepared {
+    settings: TrainSettings,
+    opts: TrainOptions,
+    spec: ModelSpec,
+    out: PathBuf,
+    /// Tensors of the resumed checkpoint.
+    resumed: Option<Vec<NamedTensor>>,
+    meta: RunMeta,
+    /// Sequences per micro-batch, and micro-batches per step.
+    seqs: usize,
+    micro_batches: usize,
+    /// The checked layout of a parallel run.
+    layout: Option<Layout>,
+}
+
+/// The layout of `settings` over its ranks (dp over all ranks by default),
+/// checked against `spec` with the same messages as the macro.
+fn resolve_layout(settings: &TrainSettings, spec: &ModelSpec) -> Result<Option<Layout>, CliError> {
+    let text = match (&settings.layout, settings.ranks) {
+        (None, 1) => return Ok(None),
+        (Some(t), _) => t.clone(),
+        (None, _) => String::new(),
+    };
+    let mut layout_spec =
+        LayoutSpec::parse(&text).map_err(|e| CliError::usage(format!("--layout {text}: {e}")))?;
+    if text.split(',').any(|kv| kv.trim().starts_with("world")) {
+        if layout_spec.world != settings.ranks {
+            return Err(CliError::usage(format!(
+                "--layout {text}: world = {} but --ranks {}; they must agree (or leave world out)",
+                layout_spec.world, settings.ranks
+            )));
+        }
+    } else {
+        layout_spec.world = settings.ranks;
+    }
+    let layout = layout::check(&layout_spec, spec).map_err(|errors| {
+        let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+        CliError::usage(format!("--layout {text}: {}", msgs.join("; ")))
+    })?;
+    Ok(Some(layout))
+}
+
+/// A one-rank trainer: fresh from the seed, or restored from `tensors`.
+fn build_trainer<B: Backend>(
+    b: &B,
+    meta: &RunMeta,
+    tensors: Option<&[NamedTensor]>,
+) -> Result<Trainer<B>, CliError> {
+    let mut trainer = match tensors {
+        Some(t) => load_trainer(b, meta, t.to_vec())?,
+        None => Trainer::new(
+            b,
+            Model::new(b, &meta.spec, meta.settings.seed, DType::F32)?,
+            trainer_config(&meta.settings),
+        )?,
+    };
+    trainer.cfg = trainer_config(&meta.settings);
+    Ok(trainer)
+}
+
+/// Validates everything, prepares the run directory and the run's state.
+fn prepare(opts: TrainOptions) -> Result<Prepared, CliError> {
     let resumed = match &opts.resume {
         Some(dir) => Some(checkpoint::load::<RunMeta>(&checkpoint_dir(dir))?),
         None => None,
@@ -192,7 +335,7 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         .map(|(_, m)| m.settings.clone())
         .unwrap_or_default();
     let (settings, opts) = opts.resolve(base)?;
-    let spec = match &resumed {
+    let mut spec = match &resumed {
         Some((_, meta)) => {
             if meta.settings.model != settings.model || meta.settings.seed != settings.seed {
                 return Err(CliError::usage(format!(
@@ -205,6 +348,21 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         None => foldmoe::models::by_name(&settings.model)
             .map_err(|e| CliError::usage(format!("--model {}: {e}", settings.model)))?,
     };
+    if let Some(factor) = settings.capacity_factor {
+        for group in &mut spec.groups {
+            if let FfnSpec::Moe(moe) = &mut group.ffn {
+                moe.capacity = Some(CapacitySpec {
+                    factor,
+                    drop_policy: DropPolicySpec::Probs,
+                    pad_to_capacity: false,
+                });
+            }
+        }
+        spec.check().map_err(|errors| {
+            let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            CliError::usage(format!("--capacity-factor {factor}: {}", msgs.join("; ")))
+        })?;
+    }
     let (params_total, _) = spec.param_counts();
     if params_total > CPU_PARAM_LIMIT {
         return Err(CliError::usage(format!(
@@ -215,34 +373,39 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
             settings.model
         )));
     }
-    let seqs = settings.sequences_per_micro_batch(spec.seq_len)?;
+    let layout = resolve_layout(&settings, &spec)?;
+    // A parallel run splits each step's micro-batches over dp; one
+    // micro-batch (the default) becomes one per dp rank.
+    let dp = layout.as_ref().map_or(1, |l| l.dp);
+    let micro_batches = match settings.micro_batches {
+        m if m.is_multiple_of(dp) => m,
+        1 => dp,
+        m => {
+            return Err(CliError::usage(format!(
+                "--micro-batches {m}: must be a multiple of dp = {dp} (each dp rank takes an equal share)"
+            )))
+        }
+    };
+    let seqs = TrainSettings {
+        micro_batches,
+        ..settings.clone()
+    }
+    .sequences_per_micro_batch(spec.seq_len)?;
     let out = opts
         .out
         .clone()
         .or_else(|| opts.resume.clone())
         .unwrap_or_else(default_out_dir);
     prepare_out(&out, resumed.is_some())?;
-
-    let train_ds = TextDataset::from_text(TRAIN_TEXT);
-    let val_ds = TextDataset::from_text(VAL_TEXT);
-    let val_batch = upload_batch(
-        b,
-        val_ds.eval_batch(VAL_WINDOWS, spec.seq_len)?,
-        VAL_WINDOWS,
-        spec.seq_len,
-    )?;
-
-    let (mut trainer, mut meta) = match resumed {
+    let (resumed, meta) = match resumed {
         Some((tensors, mut meta)) => {
             meta.settings = settings.clone();
-            let mut trainer = load_trainer(b, &meta, tensors)?;
-            trainer.cfg = trainer_config(&settings);
-            (trainer, meta)
+            meta.spec = spec.clone();
+            (Some(tensors), meta)
         }
-        None => {
-            let model = Model::new(b, &spec, settings.seed, DType::F32)?;
-            let trainer = Trainer::new(b, model, trainer_config(&settings))?;
-            let meta = RunMeta {
+        None => (
+            None,
+            RunMeta {
                 settings: settings.clone(),
                 spec: spec.clone(),
                 step: 0,
@@ -250,18 +413,120 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
                 losses: Vec::new(),
                 val_losses: Vec::new(),
                 train_seconds: 0.0,
-            };
-            (trainer, meta)
-        }
+            },
+        ),
     };
-    let (params_total, params_active) = trainer.model.param_counts();
+    Ok(Prepared {
+        settings,
+        opts,
+        spec,
+        out,
+        resumed,
+        meta,
+        seqs,
+        micro_batches,
+        layout,
+    })
+}
 
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(out.join("metrics.jsonl"))
-        .map_err(|e| CliError::io("cannot open", &out.join("metrics.jsonl"), e))?;
-    let pb = ProgressBar::new(settings.steps);
+/// Runs `foldmoe train` on backend `b`: one rank, or `--ranks N` ranks as
+/// threads under `--layout`.
+pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Result<(), CliError> {
+    let prep = prepare(opts)?;
+    let Some(layout) = prep.layout.clone() else {
+        let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
+        let mut engine = SingleRank {
+            b,
+            trainer,
+            seqs: prep.seqs,
+            seq_len: prep.spec.seq_len,
+        };
+        return train_loop(b, &mut engine, &prep, &stop);
+    };
+    let results = run_local_layout(b, &layout, RANK_TIMEOUT, |ctx| {
+        let outcome = (|| {
+            let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
+            let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+            let trainer = ParallelTrainer::from_trainer(b, trainer, rank)?;
+            let mut engine = ParallelRank {
+                ctx,
+                trainer,
+                seq_len: prep.spec.seq_len,
+            };
+            train_loop(b, &mut engine, &prep, &stop)
+        })();
+        // A rank that stops alone must release the others.
+        if let Err(e) = &outcome {
+            if !matches!(e, CliError::Interrupted { .. }) {
+                ctx.comm.abort(&e.to_string());
+            }
+        }
+        Ok(outcome)
+    });
+    // Report the cause: an error other than a peer's abort, else rank 0's.
+    let mut first: Option<CliError> = None;
+    for result in results {
+        let err = match result {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => e,
+            Err(e) => CliError::Engine(e),
+        };
+        let is_peer = matches!(
+            &err,
+            CliError::Engine(EngineError::Kernel(KernelError::Comm { .. }))
+                | CliError::Kernel(KernelError::Comm { .. })
+        );
+        match &first {
+            None => first = Some(err),
+            Some(f)
+                if !is_peer
+                    && matches!(
+                        f,
+                        CliError::Engine(EngineError::Kernel(KernelError::Comm { .. }))
+                            | CliError::Kernel(KernelError::Comm { .. })
+                    ) =>
+            {
+                first = Some(err)
+            }
+            _ => {}
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// The training loop of one rank (or the only one): the main rank shows
+/// progress and writes the run's files; every rank takes part in the steps,
+/// evaluations and checkpoint gathers.
+fn train_loop<B: Backend, E: StepEngine>(
+    b: &B,
+    engine: &mut E,
+    prep: &Prepared,
+    stop: &AtomicBool,
+) -> Result<(), CliError> {
+    let (settings, spec, out) = (&prep.settings, &prep.spec, &prep.out);
+    let main = engine.is_main();
+    let mut meta = prep.meta.clone();
+    let train_ds = TextDataset::from_text(TRAIN_TEXT);
+    let val_ds = TextDataset::from_text(VAL_TEXT);
+    let val_batch = val_ds.eval_batch(VAL_WINDOWS, spec.seq_len)?;
+    let (params_total, params_active) = spec.param_counts();
+
+    let mut metrics = if main {
+        Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(out.join("metrics.jsonl"))
+                .map_err(|e| CliError::io("cannot open", &out.join("metrics.jsonl"), e))?,
+        )
+    } else {
+        None
+    };
+    let pb = if main {
+        ProgressBar::new(settings.steps)
+    } else {
+        ProgressBar::hidden()
+    };
     pb.set_style(
         ProgressStyle::with_template(
             "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
@@ -269,46 +534,61 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         .expect("static template"),
     );
     pb.set_position(meta.step);
-    say(&pb, format!(
-        "foldmoe: training `{}` ({:.2} M parameters, {:.2} M active per token) on {}, {} tokens/step, run directory {}",
-        spec.name,
-        params_total as f64 / 1e6,
-        params_active as f64 / 1e6,
-        settings.device,
-        settings.batch_tokens,
-        out.display()
-    ));
+    let layout_note = match &prep.layout {
+        Some(l) => format!(" on {} ranks ({})", l.world, l.spec()),
+        None => String::new(),
+    };
+    if main {
+        say(&pb, format!(
+            "foldmoe: training `{}` ({:.2} M parameters, {:.2} M active per token) on {}{layout_note}, {} tokens/step, run directory {}",
+            spec.name,
+            params_total as f64 / 1e6,
+            params_active as f64 / 1e6,
+            settings.device,
+            settings.batch_tokens,
+            out.display()
+        ));
+    }
 
     let started = Instant::now();
     let first_step = meta.step;
     let mut last_val = meta.val_losses.last().map(|&(_, v)| v).unwrap_or(f64::NAN);
     while meta.step < settings.steps {
-        if stop.load(Ordering::SeqCst) {
+        if engine.agree_stop(stop.load(Ordering::SeqCst))? {
             meta.train_seconds += started.elapsed().as_secs_f64();
-            save_checkpoint(b, &out, &trainer, &meta)?;
+            let tensors = engine.checkpoint_tensors()?;
+            if main {
+                checkpoint::save(&checkpoint_dir(out), &tensors, &meta)?;
+            }
             pb.abandon();
             return Err(CliError::Interrupted {
                 step: meta.step,
-                dir: checkpoint_dir(&out).display().to_string(),
+                dir: checkpoint_dir(out).display().to_string(),
             });
         }
-        if opts.exit_after.is_some_and(|n| meta.step - first_step >= n) {
+        if prep
+            .opts
+            .exit_after
+            .is_some_and(|n| meta.step - first_step >= n)
+        {
             break;
         }
         let step_start = Instant::now();
-        let mut micro = Vec::with_capacity(settings.micro_batches);
-        for _ in 0..settings.micro_batches {
-            let batch = meta.sampler.next_batch(&train_ds, seqs, spec.seq_len)?;
-            micro.push(upload_batch(b, batch, seqs, spec.seq_len)?);
+        let mut micro = Vec::with_capacity(prep.micro_batches);
+        for _ in 0..prep.micro_batches {
+            micro.push(
+                meta.sampler
+                    .next_batch(&train_ds, prep.seqs, spec.seq_len)?,
+            );
         }
-        let stats = match trainer.step(b, &micro) {
+        let stats = match engine.step(&micro) {
             Ok(stats) => stats,
             Err(e) => {
                 pb.abandon();
                 return Err(CliError::usage(format!(
                     "training stopped at step {}: {e}; the last good checkpoint is kept in {}",
                     meta.step + 1,
-                    checkpoint_dir(&out).display()
+                    checkpoint_dir(out).display()
                 )));
             }
         };
@@ -317,39 +597,48 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         let tokens_per_s = settings.batch_tokens as f64 / step_start.elapsed().as_secs_f64();
         let eval_now = meta.step % settings.eval_every == 0 || meta.step == settings.steps;
         if eval_now {
-            last_val = validation_loss(b, &trainer.model, &val_batch)?;
+            last_val = engine.validation_loss(&val_batch)?;
             meta.val_losses.push((meta.step, last_val));
         }
-        let record = serde_json::json!({
-            "step": meta.step,
-            "loss": stats.loss,
-            "aux_loss": stats.aux_loss,
-            "val_loss": if eval_now { Some(last_val) } else { None },
-            "lr": stats.lr,
-            "grad_norm": stats.grad_norm,
-            "load_imbalance": stats.load_imbalance,
-            "tokens_per_s": tokens_per_s,
-        });
-        writeln!(metrics, "{record}")
-            .map_err(|e| CliError::io("cannot write", &out.join("metrics.jsonl"), e))?;
+        if let Some(metrics) = metrics.as_mut() {
+            let record = serde_json::json!({
+                "step": meta.step,
+                "loss": stats.loss,
+                "aux_loss": stats.aux_loss,
+                "val_loss": if eval_now { Some(last_val) } else { None },
+                "lr": stats.lr,
+                "grad_norm": stats.grad_norm,
+                "load_imbalance": stats.load_imbalance,
+                "tokens_per_s": tokens_per_s,
+            });
+            writeln!(metrics, "{record}")
+                .map_err(|e| CliError::io("cannot write", &out.join("metrics.jsonl"), e))?;
+        }
         let line = format!(
             "step {:>4} | loss {:.4} | val {:.4} | {:>6.0} tok/s | lr {:.2e} | imbalance {:.2}",
             meta.step, stats.loss, last_val, tokens_per_s, stats.lr, stats.load_imbalance
         );
         pb.set_message(line.clone());
         pb.inc(1);
-        if eval_now {
+        if eval_now && main {
             say(&pb, line);
         }
         if meta.step % settings.checkpoint_every == 0 {
             let mut snapshot = meta.clone();
             snapshot.train_seconds += started.elapsed().as_secs_f64();
-            save_checkpoint(b, &out, &trainer, &snapshot)?;
+            let tensors = engine.checkpoint_tensors()?;
+            if main {
+                checkpoint::save(&checkpoint_dir(out), &tensors, &snapshot)?;
+            }
         }
     }
     let session_seconds = started.elapsed().as_secs_f64();
     meta.train_seconds += session_seconds;
-    save_checkpoint(b, &out, &trainer, &meta)?;
+    let tensors = engine.checkpoint_tensors()?;
+    if !main {
+        return Ok(());
+    }
+    checkpoint::save(&checkpoint_dir(out), &tensors, &meta)?;
     pb.finish();
     let tokens_this_session = (meta.step - first_step) as f64 * settings.batch_tokens as f64;
     let summary = Summary {
@@ -372,11 +661,14 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         .map_err(|e| CliError::io("cannot write", &summary_path, e))?;
     crate::plot::loss_png(&out.join("loss.png"), &meta.losses, &meta.val_losses)?;
     if settings.sample_tokens > 0 && meta.step == settings.steps {
+        // The sample comes from the full model, rebuilt from the checkpoint's
+        // tensors whatever the layout.
+        let model = load_trainer(b, &meta, tensors)?.model;
         let prompt = "And God said";
         let tok = ByteTokenizer;
         let ids = crate::generate::sample(
             b,
-            &trainer.model,
+            &model,
             &tok.encode(prompt),
             settings.sample_tokens,
             0.8,

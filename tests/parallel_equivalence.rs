@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use foldmoe_core::engine::model::Model;
+use foldmoe_core::engine::parallel::trainer::Gather;
 use foldmoe_core::engine::parallel::{
     run_local_layout, ParallelModel, ParallelTrainer, RankLayout,
 };
@@ -165,7 +166,7 @@ fn parallel(spec: &ModelSpec, layout_text: &str) -> RankRun {
         // Gradients of step 0's batch, reduced and gathered.
         trainer.accumulate(ctx, &mine(0), SEQ)?;
         let grads = trainer.reduce_gradients(ctx)?;
-        let gathered = trainer.gather_full(ctx, Some(&grads))?;
+        let gathered = trainer.gather_full(ctx, Gather::Grads(&grads))?;
         // A fresh trainer for the losses (the accumulation above is discarded).
         let full = Model::new(ctx.b, spec, SEED, DType::F32)?;
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;

@@ -13,12 +13,15 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use foldmoe_kernels::{Backend, HostData, Tensor};
+use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{de::DeserializeOwned, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::block::Ffn;
+use super::parallel::model::ParallelFfn;
+use super::parallel::trainer::Gather;
+use super::parallel::{Ctx, ParallelTrainer};
 use super::param::Module;
 use super::trainer::Trainer;
 use super::{EngineError, Result};
@@ -244,6 +247,52 @@ pub fn trainer_tensors<B: Backend>(b: &B, trainer: &Trainer<B>) -> Result<Vec<Na
         Some(e) => Err(e.into()),
         None => Ok(out),
     }
+}
+
+/// [`trainer_tensors`] of one rank of a parallel run: the full tensors,
+/// gathered from every rank's shards (a collective: every rank calls it), under
+/// the same names, so the checkpoint resumes under any layout or on one rank.
+pub fn parallel_trainer_tensors<B: Backend>(
+    ctx: &Ctx<B>,
+    trainer: &mut ParallelTrainer<B>,
+) -> Result<Vec<NamedTensor>> {
+    let dtype = trainer.model.embed.table.value.dtype();
+    let host = |vals: Vec<f64>| match dtype {
+        DType::F64 => HostData::F64(vals),
+        _ => HostData::F32(vals.into_iter().map(|x| x as f32).collect()),
+    };
+    let mut out = Vec::new();
+    for (name, shape, vals) in trainer.gather_full(ctx, Gather::Values)? {
+        out.push(NamedTensor {
+            name: format!("{PARAM_PREFIX}{name}"),
+            shape,
+            data: host(vals),
+        });
+    }
+    for (what, suffix) in [
+        (Gather::ExpAvg, "exp_avg"),
+        (Gather::ExpAvgSq, "exp_avg_sq"),
+    ] {
+        for (name, shape, vals) in trainer.gather_full(ctx, what)? {
+            out.push(NamedTensor {
+                name: format!("{OPT_PREFIX}{name}.{suffix}"),
+                shape,
+                data: host(vals),
+            });
+        }
+    }
+    for (i, block) in trainer.model.blocks.iter().enumerate() {
+        if let ParallelFfn::Moe(moe) = &block.ffn {
+            if let Some(bias) = moe.router.expert_bias() {
+                out.push(NamedTensor {
+                    name: format!("{BIAS_PREFIX}{i}"),
+                    shape: bias.shape().to_vec(),
+                    data: ctx.b.download(bias)?,
+                });
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Loads tensors written by [`trainer_tensors`] into `trainer`; every tensor

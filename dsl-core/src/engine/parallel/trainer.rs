@@ -19,10 +19,12 @@
 use foldmoe_kernels::{AdamWConfig, Backend, Group, Tensor};
 
 use super::model::ParallelModel;
-use super::shard::{place_block, ShardSpec, Split, SplitAxis};
-use super::Ctx;
+use std::collections::HashMap;
+
+use super::shard::{cut_block, place_block, upload_as, ShardSpec, Split, SplitAxis};
+use super::{Ctx, RankLayout};
 use crate::engine::param::Param;
-use crate::engine::trainer::{StepStats, TrainConfig};
+use crate::engine::trainer::{StepStats, TrainConfig, Trainer};
 use crate::engine::{EngineError, Result};
 
 /// The optimizer state of one parameter's chunk.
@@ -39,6 +41,18 @@ struct ChunkState<B: Backend> {
     tp_replicated: bool,
     /// Whether it is a routed expert's (reduced over edp rather than dp).
     expert: bool,
+}
+
+/// What [`ParallelTrainer::gather_full`] assembles.
+pub enum Gather<'a, B: Backend> {
+    /// The parameters.
+    Values,
+    /// Reduced gradients (from [`ParallelTrainer::reduce_gradients`]).
+    Grads(&'a GradChunks<B>),
+    /// AdamW first moments.
+    ExpAvg,
+    /// AdamW second moments.
+    ExpAvgSq,
 }
 
 /// This rank's reduced gradient chunks, in parameter order (dense, then experts).
@@ -100,6 +114,49 @@ impl<B: Backend> ParallelTrainer<B> {
             state,
             step: 0,
         })
+    }
+
+    /// Shards a one-rank trainer (model, AdamW moments, step count) for
+    /// `rank`: how a run starts from a seed or resumes from any checkpoint,
+    /// whatever layout wrote it.
+    pub fn from_trainer(b: &B, trainer: Trainer<B>, rank: RankLayout) -> Result<Self> {
+        let Trainer { model, opt, cfg } = trainer;
+        let step = opt.step_count();
+        let mut moments: HashMap<String, Tensor<B>> = HashMap::new();
+        opt.visit_state(&mut |name, t| {
+            moments.insert(name.to_string(), t.clone());
+        });
+        let model = ParallelModel::from_model(b, model, rank)?;
+        let mut sharded = ParallelTrainer::new(b, model, cfg)?;
+        sharded.step = step;
+        let mut params = Vec::new();
+        sharded
+            .model
+            .visit_dense(&mut |p| params.push((p.name.clone(), p.shard.clone(), false)));
+        sharded
+            .model
+            .visit_experts(&mut |p| params.push((p.name.clone(), p.shard.clone(), true)));
+        let (dp, edp) = (&sharded.model.rank.dp, &sharded.model.rank.edp);
+        let me = sharded.model.rank.rank;
+        for ((name, shard, expert), st) in params.into_iter().zip(&mut sharded.state) {
+            let group = if expert { edp } else { dp };
+            let index = group.index_of(me).unwrap_or(0);
+            for (suffix, into) in [("exp_avg", &mut st.m), ("exp_avg_sq", &mut st.v)] {
+                let key = format!("{name}.{suffix}");
+                let full = moments.get(&key).ok_or_else(|| {
+                    EngineError::Invalid(format!("optimizer state has no tensor {key}"))
+                })?;
+                let dtype = full.dtype();
+                let mut vals = b.download(full)?.to_f64();
+                if let Some(spec) = &shard {
+                    vals = cut_block(&vals, spec);
+                }
+                vals.resize(st.chunk * group.size(), 0.0);
+                let chunk = vals[index * st.chunk..(index + 1) * st.chunk].to_vec();
+                *into = upload_as(b, chunk, &[st.chunk], dtype)?;
+            }
+        }
+        Ok(sharded)
     }
 
     /// Updates applied so far.
@@ -319,13 +376,13 @@ impl<B: Backend> ParallelTrainer<B> {
         Ok(())
     }
 
-    /// Every full parameter `(name, full shape, values)`, assembled from all
+    /// Every full parameter `(name, full shape, values)` — or its reduced
+    /// gradient, or an AdamW moment, as `what` says — assembled from all
     /// ranks' shards (a collective: every rank must call it; all get it).
-    /// With `grads`, the reduced gradients instead of the values.
     pub fn gather_full(
         &mut self,
         ctx: &Ctx<B>,
-        grads: Option<&GradChunks<B>>,
+        what: Gather<'_, B>,
     ) -> Result<Vec<(String, Vec<usize>, Vec<f64>)>> {
         let b = ctx.b;
         let mut params = Vec::new();
@@ -335,14 +392,20 @@ impl<B: Backend> ParallelTrainer<B> {
         let mut out = Vec::with_capacity(params.len());
         for (i, (name, value, shard)) in params.into_iter().enumerate() {
             let st = &self.state[i];
-            let local = match grads {
+            let chunk = match what {
+                Gather::Values => None,
+                Gather::Grads(g) => Some(&g.chunks[i]),
+                Gather::ExpAvg => Some(&st.m),
+                Gather::ExpAvgSq => Some(&st.v),
+            };
+            let local = match chunk {
                 None => value.clone().reshape(&[st.numel])?,
-                Some(g) => {
+                Some(chunk) => {
                     let group = Self::group_of(ctx, st.expert);
                     let full = if group.size() > 1 {
-                        ctx.comm.all_gather(b, group, &g.chunks[i])?
+                        ctx.comm.all_gather(b, group, chunk)?
                     } else {
-                        g.chunks[i].clone()
+                        chunk.clone()
                     };
                     b.narrow(&full, 0, st.numel)?
                 }
