@@ -262,3 +262,97 @@ fn parallel_layouts_match_one_rank_dropless() {
 fn parallel_layouts_match_one_rank_capacity() {
     check_layouts(Some(1.0), LAYOUTS);
 }
+
+/// A checkpoint written under one layout resumes under another (and on one
+/// rank) with the losses of an uninterrupted one-rank run.
+#[test]
+fn checkpoint_written_under_one_layout_resumes_under_another() {
+    use foldmoe_core::engine::checkpoint::{parallel_trainer_tensors, restore_trainer};
+    let spec = spec(None);
+    let (_, ref_losses) = reference(&spec);
+    let run = |layout_text: &str,
+               start: Option<Vec<foldmoe_core::engine::checkpoint::NamedTensor>>,
+               steps: std::ops::Range<usize>| {
+        let layout = layout::check(&LayoutSpec::parse(layout_text).unwrap(), &spec).unwrap();
+        let mut results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+            let mut one = Trainer::new(
+                ctx.b,
+                Model::new(ctx.b, &spec, SEED, DType::F32)?,
+                config(),
+            )?;
+            if let Some(tensors) = &start {
+                restore_trainer(ctx.b, &mut one, tensors.clone())?;
+                one.opt.set_step_count(steps.start as u64);
+            }
+            let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+            let mut trainer = ParallelTrainer::from_trainer(ctx.b, one, rank)?;
+            let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
+            let per = MICRO_BATCHES / dp;
+            let mut losses = Vec::new();
+            for step in steps.clone() {
+                let batch = global_batch(step);
+                losses.push(
+                    trainer
+                        .step(ctx, &batch[dp_i * per..(dp_i + 1) * per], SEQ)?
+                        .loss,
+                );
+            }
+            let tensors = parallel_trainer_tensors(ctx, &mut trainer)?;
+            Ok::<_, EngineError>((losses, tensors))
+        });
+        results.remove(0).unwrap()
+    };
+    let (first, tensors) = run("world=4,tp=2,ep=4", None, 0..2);
+    let (second, tensors) = run("world=2,dp=2", Some(tensors), 2..4);
+    let (third, _) = run("world=1", Some(tensors), 4..STEPS);
+    let losses: Vec<f64> = first.into_iter().chain(second).chain(third).collect();
+    for (step, (got, want)) in losses.iter().zip(&ref_losses).enumerate() {
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs(),
+            "step {step}: resumed loss {got}, uninterrupted {want}"
+        );
+    }
+}
+
+/// A rank that fails — an error or a panic in the middle of a step — makes
+/// every other rank return an error long before the communicator's timeout;
+/// nothing hangs.
+#[test]
+fn a_failing_rank_stops_every_rank_with_an_error() {
+    let spec = spec(None);
+    let layout = layout::check(&LayoutSpec::parse("world=4,tp=2,ep=4").unwrap(), &spec).unwrap();
+    for panics in [false, true] {
+        let started = std::time::Instant::now();
+        let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
+            let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+            let model = ParallelModel::from_model(
+                ctx.b,
+                Model::new(ctx.b, &spec, SEED, DType::F32)?,
+                rank,
+            )?;
+            let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
+            let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
+            let per = MICRO_BATCHES / dp;
+            for step in 0..STEPS {
+                if step == 2 && ctx.rank.rank == 3 {
+                    if panics {
+                        panic!("rank 3 fails on purpose");
+                    }
+                    return Err(EngineError::Invalid("rank 3 fails on purpose".into()));
+                }
+                let batch = global_batch(step);
+                trainer.step(ctx, &batch[dp_i * per..(dp_i + 1) * per], SEQ)?;
+            }
+            Ok(())
+        });
+        let elapsed = started.elapsed();
+        assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+        for (rank, result) in results.iter().enumerate() {
+            let err = result
+                .as_ref()
+                .expect_err("every rank must fail")
+                .to_string();
+            assert!(err.contains("rank 3"), "rank {rank}: {err}");
+        }
+    }
+}
