@@ -334,3 +334,72 @@ fn plan_rejects_an_invalid_layout_with_the_macro_message() {
     assert_fails_with(&o, "ep = 3 does not divide experts = 8; choose ep in");
     assert_fails_with(&foldmoe(&["plan", "--layout", "tp=two"]), "tp=two");
 }
+
+#[test]
+fn parallel_run_matches_one_rank_and_resumes_under_another_layout() {
+    let dir = scratch("ranks");
+    // dp2 with ep2: two micro-batches per step, one per dp rank; one rank
+    // with --micro-batches 2 sees the same global batch.
+    let one = train(&dir.join("one"), &["--steps", "4", "--micro-batches", "2"]);
+    assert!(one.status.success(), "{}", stderr(&one));
+    let par = train(
+        &dir.join("par"),
+        &[
+            "--steps",
+            "4",
+            "--ranks",
+            "2",
+            "--layout",
+            "ep=2",
+            "--exit-after",
+            "2",
+        ],
+    );
+    assert!(par.status.success(), "{}", stderr(&par));
+    // Resume the 2-rank checkpoint on 2 ranks under tensor parallelism.
+    let resumed = foldmoe(&[
+        "train",
+        "--resume",
+        dir.join("par").to_str().unwrap(),
+        "--ranks",
+        "2",
+        "--layout",
+        "tp=2",
+        "--micro-batches",
+        "2",
+    ]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let (want, got) = (losses(&dir.join("one")), losses(&dir.join("par")));
+    assert_eq!(want.len(), got.len());
+    for (step, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "step {step}: {a} vs {b}");
+    }
+}
+
+#[test]
+fn bad_parallel_flags_give_one_line_errors() {
+    let dir = scratch("badranks");
+    assert_fails_with(
+        &train(&dir.join("a"), &["--ranks", "3", "--layout", "tp=2"]),
+        "tp",
+    );
+    assert_fails_with(
+        &train(&dir.join("b"), &["--ranks", "2", "--micro-batches", "3"]),
+        "--micro-batches 3",
+    );
+    assert_fails_with(
+        &train(
+            &dir.join("c"),
+            &["--ranks", "2", "--layout", "world=4,ep=2"],
+        ),
+        "--ranks 2",
+    );
+    assert_fails_with(
+        &train(&dir.join("d"), &["--capacity-factor", "0"]),
+        "capacity-factor",
+    );
+    assert_fails_with(
+        &train(&dir.join("e"), &["--ranks", "2", "--layout", "pp=2"]),
+        "pp",
+    );
+}
