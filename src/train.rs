@@ -16,6 +16,7 @@ use foldmoe::core::engine::trainer::{StepStats, TrainConfig, Trainer};
 use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::{self, Layout, LayoutSpec};
 use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec};
+use foldmoe::kernels::comm::timed::TimedComm;
 use foldmoe::kernels::{Backend, DType, HostData, KernelError, ReduceOp, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -178,6 +179,10 @@ trait StepEngine {
     fn agree_stop(&mut self, local: bool) -> Result<bool, CliError>;
     /// Whether this rank writes files and prints.
     fn is_main(&self) -> bool;
+    /// Seconds this rank has spent in collectives so far (`None`: no communicator).
+    fn comm_seconds(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// One rank, no communicator.
@@ -219,6 +224,8 @@ impl<B: Backend> StepEngine for SingleRank<'_, B> {
 /// One rank of a parallel run on the local communicator.
 struct ParallelRank<'a, 'c, B: Backend> {
     ctx: &'a Ctx<'c, B>,
+    /// The communicator of `ctx`, measuring its time.
+    timed: &'a TimedComm<'c, B>,
     trainer: ParallelTrainer<B>,
     seq_len: usize,
 }
@@ -259,6 +266,10 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
 
     fn is_main(&self) -> bool {
         self.ctx.rank.rank == 0
+    }
+
+    fn comm_seconds(&self) -> Option<f64> {
+        Some(self.timed.elapsed().as_secs_f64())
     }
 }
 
@@ -444,12 +455,19 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
         return train_loop(b, &mut engine, &prep, &stop);
     };
     let results = run_local_layout(b, &layout, RANK_TIMEOUT, |ctx| {
+        let timed = TimedComm::new(ctx.comm);
+        let timed_ctx = Ctx {
+            b,
+            comm: &timed,
+            rank: ctx.rank,
+        };
         let outcome = (|| {
             let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
             let rank = RankLayout::new(&layout, ctx.rank.rank)?;
             let trainer = ParallelTrainer::from_trainer(b, trainer, rank)?;
             let mut engine = ParallelRank {
-                ctx,
+                ctx: &timed_ctx,
+                timed: &timed,
                 trainer,
                 seq_len: prep.spec.seq_len,
             };
@@ -552,6 +570,8 @@ fn train_loop<B: Backend, E: StepEngine>(
 
     let started = Instant::now();
     let first_step = meta.step;
+    // Time in steps, and in collectives within them (parallel runs).
+    let (mut step_seconds, mut comm_in_steps) = (0.0f64, 0.0f64);
     let mut last_val = meta.val_losses.last().map(|&(_, v)| v).unwrap_or(f64::NAN);
     while meta.step < settings.steps {
         if engine.agree_stop(stop.load(Ordering::SeqCst))? {
@@ -581,7 +601,13 @@ fn train_loop<B: Backend, E: StepEngine>(
                     .next_batch(&train_ds, prep.seqs, spec.seq_len)?,
             );
         }
-        let stats = match engine.step(&micro) {
+        let comm_before = engine.comm_seconds();
+        let stepped = engine.step(&micro);
+        step_seconds += step_start.elapsed().as_secs_f64();
+        if let (Some(before), Some(after)) = (comm_before, engine.comm_seconds()) {
+            comm_in_steps += after - before;
+        }
+        let stats = match stepped {
             Ok(stats) => stats,
             Err(e) => {
                 pb.abandon();
@@ -675,6 +701,12 @@ fn train_loop<B: Backend, E: StepEngine>(
             settings.seed,
         )?;
         println!("\nsample: {prompt}{}\n", tok.decode(&ids));
+    }
+    if engine.comm_seconds().is_some() && step_seconds > 0.0 {
+        println!(
+            "communicator: {:.1}% of step time on rank 0 ({comm_in_steps:.2} s of {step_seconds:.2} s)",
+            100.0 * comm_in_steps / step_seconds
+        );
     }
     println!(
         "done: {} steps, loss {:.4}, validation loss {:.4}, {:.0} tokens/s; results in {}",

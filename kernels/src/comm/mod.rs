@@ -2,7 +2,8 @@
 //! implementations (DESIGN §7).
 //!
 //! - [`local`]: N ranks as threads of one process, exchanging through shared
-//!   memory (tests and CPU runs).
+//!   memory (tests and CPU runs);
+//! - [`timed`]: a wrapper measuring the time spent in collectives.
 //!
 //! Every collective runs over a [`Group`]: an ordered list of global ranks
 //! (the layout's process groups). Reductions add contributions in group
@@ -14,6 +15,7 @@
 //! within the communicator's timeout.
 
 pub mod local;
+pub mod timed;
 
 use crate::backend::Device;
 use crate::error::Result;
@@ -60,7 +62,7 @@ pub enum ReduceOp {
 ///
 /// Every member of a group must call the same collectives on that group in
 /// the same order; tensors are split and concatenated along dimension 0.
-pub trait Communicator<B: Device>: Send {
+pub trait Communicator<B: Device>: Send + Sync {
     /// This rank's global index.
     fn rank(&self) -> usize;
     /// Number of ranks in the world.
