@@ -1,46 +1,56 @@
 //! One training step of one rank under a layout, with the distributed
-//! optimizer (Megatron-Core's `DistributedOptimizer`):
+//! optimizer (Megatron-Core's `DistributedOptimizer` and its gradient buffers):
 //!
 //! 1. forward/backward of this dp rank's micro-batches;
 //! 2. parameters replicated over tp are summed over tp (sequence parallelism
-//!    gave each tp rank a part of their gradient);
-//! 3. each gradient, flattened and padded to a multiple of its data-parallel
-//!    group (dp for dense parameters, edp for experts), is reduce-scattered:
-//!    a rank keeps the sum of one chunk;
-//! 4. the global norm adds every chunk once (tp-replicated chunks counted on
+//!    gave each tp rank a part of their gradient), all in one all-reduce;
+//! 3. gradients are packed into flat buckets — by data-parallel group (dp for
+//!    dense parameters, edp for experts), weight decay, and tp replication —
+//!    each padded to a multiple of its group and reduce-scattered: a rank
+//!    keeps the sum of one chunk of every bucket;
+//! 4. the global norm adds every chunk once (tp-replicated buckets counted on
 //!    tp rank 0 only), clipping scales the chunks;
-//! 5. AdamW updates the chunk with the rank's moments (the optimizer state is
-//!    sharded: 1/dp of the dense moments, 1/edp of the experts'), and the
-//!    updated chunks are all-gathered back into the parameter.
+//! 5. AdamW updates each chunk with the rank's moments (the optimizer state
+//!    is sharded: 1/dp of the dense moments, 1/edp of the experts'), and the
+//!    updated chunks are all-gathered back into the parameters.
 //!
 //! A non-finite loss or norm is seen by every rank (they are reduced first),
 //! so all ranks refuse the step together.
 
+use std::collections::HashMap;
+
 use foldmoe_kernels::{AdamWConfig, Backend, Group, Tensor};
 
 use super::model::ParallelModel;
-use std::collections::HashMap;
-
 use super::shard::{cut_block, place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::{Ctx, RankLayout};
 use crate::engine::param::Param;
 use crate::engine::trainer::{StepStats, TrainConfig, Trainer};
 use crate::engine::{EngineError, Result};
 
-/// The optimizer state of one parameter's chunk.
-struct ChunkState<B: Backend> {
+/// How a parameter is reduced and updated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Kind {
+    /// A routed expert's (reduced over edp rather than dp).
+    expert: bool,
+    /// A matrix (1-d parameters get no weight decay).
+    decay: bool,
+    /// Replicated over tp (its gradient summed there first).
+    tp_replicated: bool,
+}
+
+/// A flat buffer of parameters of one [`Kind`], and this rank's optimizer
+/// state for its chunk.
+struct Bucket<B: Backend> {
+    kind: Kind,
+    /// `(parameter index, offset, elements)` of each member, in order.
+    members: Vec<(usize, usize, usize)>,
+    /// Elements of all members.
+    len: usize,
+    /// Elements per data-parallel chunk (`len` padded to a multiple of the group).
+    chunk: usize,
     m: Tensor<B>,
     v: Tensor<B>,
-    /// Elements of this rank's (tp/ep/etp) shard of the parameter.
-    numel: usize,
-    /// Elements per data-parallel chunk (the shard padded to a multiple of the group).
-    chunk: usize,
-    /// Whether the parameter is a matrix (1-d parameters get no weight decay).
-    decay: bool,
-    /// Whether the parameter is replicated over tp (its gradient summed there).
-    tp_replicated: bool,
-    /// Whether it is a routed expert's (reduced over edp rather than dp).
-    expert: bool,
 }
 
 /// What [`ParallelTrainer::gather_full`] assembles.
@@ -55,9 +65,9 @@ pub enum Gather<'a, B: Backend> {
     ExpAvgSq,
 }
 
-/// This rank's reduced gradient chunks, in parameter order (dense, then experts).
+/// This rank's reduced gradient chunks, one per bucket.
 pub struct GradChunks<B: Backend> {
-    /// One `[chunk]` tensor per parameter.
+    /// One `[chunk]` tensor per bucket.
     pub chunks: Vec<Tensor<B>>,
 }
 
@@ -67,16 +77,33 @@ pub struct ParallelTrainer<B: Backend> {
     pub model: ParallelModel<B>,
     /// Optimizer and schedule settings.
     pub cfg: TrainConfig,
-    state: Vec<ChunkState<B>>,
+    buckets: Vec<Bucket<B>>,
+    /// Every parameter's kind, in optimizer order.
+    kinds: Vec<Kind>,
     step: u64,
 }
 
-/// The parameters of a model shard in optimizer order, with whether each is a
-/// routed expert's.
-fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(bool, Vec<usize>, Option<ShardSpec>)> {
+/// Every parameter in optimizer order (dense, then experts): its kind and shard.
+fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(Kind, usize, Option<ShardSpec>)> {
     let mut out = Vec::new();
-    model.visit_dense(&mut |p| out.push((false, p.value.shape().to_vec(), p.shard.clone())));
-    model.visit_experts(&mut |p| out.push((true, p.value.shape().to_vec(), p.shard.clone())));
+    let mut push = |p: &Param<B>, expert: bool| {
+        let full_rank = p
+            .shard
+            .as_ref()
+            .map_or(p.value.shape().len(), |s| s.full_shape.len());
+        let tp_split = p
+            .shard
+            .as_ref()
+            .is_some_and(|s| s.split_over(SplitAxis::Tp));
+        let kind = Kind {
+            expert,
+            decay: full_rank > 1,
+            tp_replicated: !expert && !tp_split,
+        };
+        out.push((kind, p.value.numel(), p.shard.clone()));
+    };
+    model.visit_dense(&mut |p| push(p, false));
+    model.visit_experts(&mut |p| push(p, true));
     out
 }
 
@@ -85,33 +112,57 @@ fn visit_all_mut<B: Backend>(model: &mut ParallelModel<B>, f: &mut dyn FnMut(&mu
     model.visit_experts_mut(f);
 }
 
+/// Flat concatenation of `parts`, zero-padded to `padded` elements.
+fn pack<B: Backend>(b: &B, parts: &[Tensor<B>], padded: usize) -> Result<Tensor<B>> {
+    let mut flat: Vec<Tensor<B>> = Vec::with_capacity(parts.len() + 1);
+    let mut len = 0;
+    for p in parts {
+        len += p.numel();
+        flat.push(p.clone().reshape(&[p.numel()])?);
+    }
+    if padded > len {
+        flat.push(b.zeros(&[padded - len], parts[0].dtype())?);
+    }
+    let refs: Vec<&Tensor<B>> = flat.iter().collect();
+    Ok(b.concat(&refs)?)
+}
+
 impl<B: Backend> ParallelTrainer<B> {
     /// A trainer with zero moments for this rank's chunks.
     pub fn new(b: &B, model: ParallelModel<B>, cfg: TrainConfig) -> Result<Self> {
-        let rank = &model.rank;
-        let (dp, edp) = (rank.dp.size(), rank.edp.size());
-        let mut state = Vec::new();
-        for (expert, shape, shard) in params_of(&model) {
-            let numel: usize = shape.iter().product();
-            let parts = if expert { edp } else { dp };
-            let chunk = numel.div_ceil(parts);
-            let full_rank = shard.as_ref().map_or(shape.len(), |s| s.full_shape.len());
-            let dtype = model.embed.table.value.dtype();
-            state.push(ChunkState {
-                m: b.zeros(&[chunk], dtype)?,
-                v: b.zeros(&[chunk], dtype)?,
-                numel,
-                chunk,
-                decay: full_rank > 1,
-                tp_replicated: !expert
-                    && !shard.as_ref().is_some_and(|s| s.split_over(SplitAxis::Tp)),
-                expert,
-            });
+        let (dp, edp) = (model.rank.dp.size(), model.rank.edp.size());
+        let dtype = model.embed.table.value.dtype();
+        let params = params_of(&model);
+        let mut buckets: Vec<Bucket<B>> = Vec::new();
+        for (i, (kind, numel, _)) in params.iter().enumerate() {
+            let bucket = match buckets.iter_mut().position(|bk| bk.kind == *kind) {
+                Some(j) => &mut buckets[j],
+                None => {
+                    buckets.push(Bucket {
+                        kind: *kind,
+                        members: Vec::new(),
+                        len: 0,
+                        chunk: 0,
+                        m: b.zeros(&[1], dtype)?,
+                        v: b.zeros(&[1], dtype)?,
+                    });
+                    buckets.last_mut().expect("just pushed")
+                }
+            };
+            bucket.members.push((i, bucket.len, *numel));
+            bucket.len += numel;
+        }
+        for bk in &mut buckets {
+            let parts = if bk.kind.expert { edp } else { dp };
+            bk.chunk = bk.len.div_ceil(parts);
+            bk.m = b.zeros(&[bk.chunk], dtype)?;
+            bk.v = b.zeros(&[bk.chunk], dtype)?;
         }
         Ok(ParallelTrainer {
             model,
             cfg,
-            state,
+            buckets,
+            kinds: params.into_iter().map(|(k, _, _)| k).collect(),
             step: 0,
         })
     }
@@ -132,28 +183,39 @@ impl<B: Backend> ParallelTrainer<B> {
         let mut params = Vec::new();
         sharded
             .model
-            .visit_dense(&mut |p| params.push((p.name.clone(), p.shard.clone(), false)));
+            .visit_dense(&mut |p| params.push((p.name.clone(), p.shard.clone())));
         sharded
             .model
-            .visit_experts(&mut |p| params.push((p.name.clone(), p.shard.clone(), true)));
-        let (dp, edp) = (&sharded.model.rank.dp, &sharded.model.rank.edp);
+            .visit_experts(&mut |p| params.push((p.name.clone(), p.shard.clone())));
         let me = sharded.model.rank.rank;
-        for ((name, shard, expert), st) in params.into_iter().zip(&mut sharded.state) {
-            let group = if expert { edp } else { dp };
+        let dtype = sharded.model.embed.table.value.dtype();
+        for bi in 0..sharded.buckets.len() {
+            let group = sharded.group(sharded.buckets[bi].kind.expert).clone();
             let index = group.index_of(me).unwrap_or(0);
-            for (suffix, into) in [("exp_avg", &mut st.m), ("exp_avg_sq", &mut st.v)] {
-                let key = format!("{name}.{suffix}");
-                let full = moments.get(&key).ok_or_else(|| {
-                    EngineError::Invalid(format!("optimizer state has no tensor {key}"))
-                })?;
-                let dtype = full.dtype();
-                let mut vals = b.download(full)?.to_f64();
-                if let Some(spec) = &shard {
-                    vals = cut_block(&vals, spec);
+            for suffix in ["exp_avg", "exp_avg_sq"] {
+                let bk = &sharded.buckets[bi];
+                let mut flat = Vec::with_capacity(bk.chunk * group.size());
+                for &(i, _, _) in &bk.members {
+                    let (name, shard) = &params[i];
+                    let key = format!("{name}.{suffix}");
+                    let full = moments.get(&key).ok_or_else(|| {
+                        EngineError::Invalid(format!("optimizer state has no tensor {key}"))
+                    })?;
+                    let vals = b.download(full)?.to_f64();
+                    flat.extend(match shard {
+                        Some(spec) => cut_block(&vals, spec),
+                        None => vals,
+                    });
                 }
-                vals.resize(st.chunk * group.size(), 0.0);
-                let chunk = vals[index * st.chunk..(index + 1) * st.chunk].to_vec();
-                *into = upload_as(b, chunk, &[st.chunk], dtype)?;
+                flat.resize(bk.chunk * group.size(), 0.0);
+                let chunk = flat[index * bk.chunk..(index + 1) * bk.chunk].to_vec();
+                let t = upload_as(b, chunk, &[bk.chunk], dtype)?;
+                let bk = &mut sharded.buckets[bi];
+                if suffix == "exp_avg" {
+                    bk.m = t;
+                } else {
+                    bk.v = t;
+                }
             }
         }
         Ok(sharded)
@@ -164,11 +226,12 @@ impl<B: Backend> ParallelTrainer<B> {
         self.step
     }
 
-    fn group_of<'g>(ctx: &'g Ctx<B>, expert: bool) -> &'g Group {
+    /// The data-parallel group of dense (`dp`) or expert (`edp`) parameters.
+    fn group(&self, expert: bool) -> &Group {
         if expert {
-            &ctx.rank.edp
+            &self.model.rank.edp
         } else {
-            &ctx.rank.dp
+            &self.model.rank.dp
         }
     }
 
@@ -220,22 +283,38 @@ impl<B: Backend> ParallelTrainer<B> {
         Ok((loss, aux, loads))
     }
 
-    /// Steps 2–3: sums tp-replicated gradients over tp, then reduce-scatters
-    /// every gradient over its data-parallel group.
+    /// Steps 2–3: sums tp-replicated gradients over tp (one all-reduce), then
+    /// reduce-scatters every bucket over its data-parallel group.
     pub fn reduce_gradients(&mut self, ctx: &Ctx<B>) -> Result<GradChunks<B>> {
         let b = ctx.b;
         let mut grads = Vec::new();
-        let mut collect = |p: &mut Param<B>| grads.push(p.grad.clone());
-        visit_all_mut(&mut self.model, &mut collect);
-        let mut chunks = Vec::with_capacity(grads.len());
-        for (g, st) in grads.into_iter().zip(&self.state) {
-            let g = if st.tp_replicated {
-                ctx.sum_over(&ctx.rank.tp, &g)?
-            } else {
-                g
-            };
-            let group = Self::group_of(ctx, st.expert);
-            let flat = padded_flat(b, g, st.numel, st.chunk * group.size())?;
+        visit_all_mut(&mut self.model, &mut |p| grads.push(p.grad.clone()));
+        if ctx.rank.tp.size() > 1 {
+            let replicated: Vec<usize> = (0..grads.len())
+                .filter(|&i| self.kinds[i].tp_replicated)
+                .collect();
+            if !replicated.is_empty() {
+                let parts: Vec<Tensor<B>> = replicated.iter().map(|&i| grads[i].clone()).collect();
+                let len: usize = parts.iter().map(Tensor::numel).sum();
+                let summed = ctx.sum_over(&ctx.rank.tp, &pack(b, &parts, len)?)?;
+                let mut offset = 0;
+                for &i in &replicated {
+                    let n = grads[i].numel();
+                    let shape = grads[i].shape().to_vec();
+                    grads[i] = b.narrow(&summed, offset, n)?.reshape(&shape)?;
+                    offset += n;
+                }
+            }
+        }
+        let mut chunks = Vec::with_capacity(self.buckets.len());
+        for bk in &self.buckets {
+            let group = self.group(bk.kind.expert);
+            let parts: Vec<Tensor<B>> = bk
+                .members
+                .iter()
+                .map(|&(i, _, _)| grads[i].clone())
+                .collect();
+            let flat = pack(b, &parts, bk.chunk * group.size())?;
             chunks.push(if group.size() > 1 {
                 ctx.comm.reduce_scatter(b, group, &flat)?
             } else {
@@ -251,8 +330,8 @@ impl<B: Backend> ParallelTrainer<B> {
         let b = ctx.b;
         let dtype = self.model.embed.table.value.dtype();
         let mut total = b.zeros(&[1], dtype)?;
-        for (g, st) in grads.chunks.iter().zip(&self.state) {
-            if st.tp_replicated && ctx.rank.tp_index != 0 {
+        for (g, bk) in grads.chunks.iter().zip(&self.buckets) {
+            if bk.kind.tp_replicated && ctx.rank.tp_index != 0 {
                 continue;
             }
             total = b.add(&total, &b.sum_squares(g)?)?;
@@ -321,7 +400,8 @@ impl<B: Backend> ParallelTrainer<B> {
         })
     }
 
-    /// Step 5: AdamW on this rank's chunks, then all-gathers the parameters.
+    /// Step 5: AdamW on this rank's chunk of every bucket, then all-gathers
+    /// the buckets back into the parameters.
     fn apply(&mut self, ctx: &Ctx<B>, grads: &GradChunks<B>, lr: f64) -> Result<()> {
         let b = ctx.b;
         let base = AdamWConfig {
@@ -334,41 +414,48 @@ impl<B: Backend> ParallelTrainer<B> {
         };
         let mut values = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| values.push(p.value.clone()));
-        let mut updated = Vec::with_capacity(values.len());
-        for ((value, g), st) in values.into_iter().zip(&grads.chunks).zip(&mut self.state) {
-            let shape = value.shape().to_vec();
-            let group = if st.expert {
+        let mut updated: Vec<Option<Tensor<B>>> = vec![None; values.len()];
+        let me = ctx.rank.rank;
+        for (bk, g) in self.buckets.iter_mut().zip(&grads.chunks) {
+            let group = if bk.kind.expert {
                 &ctx.rank.edp
             } else {
                 &ctx.rank.dp
             };
-            let (parts, index) = (group.size(), group.index_of(ctx.rank.rank).unwrap_or(0));
-            let flat = padded_flat(b, value, st.numel, st.chunk * parts)?;
+            let (parts, index) = (group.size(), group.index_of(me).unwrap_or(0));
+            let members: Vec<Tensor<B>> = bk
+                .members
+                .iter()
+                .map(|&(i, _, _)| values[i].clone())
+                .collect();
+            let flat = pack(b, &members, bk.chunk * parts)?;
             let mut chunk = if parts > 1 {
-                b.narrow(&flat, index * st.chunk, st.chunk)?
+                b.narrow(&flat, index * bk.chunk, bk.chunk)?
             } else {
                 flat
             };
             let cfg = AdamWConfig {
-                weight_decay: if st.decay { base.weight_decay } else { 0.0 },
+                weight_decay: if bk.kind.decay {
+                    base.weight_decay
+                } else {
+                    0.0
+                },
                 ..base
             };
-            b.adamw_step(&mut chunk, g, &mut st.m, &mut st.v, &cfg)?;
+            b.adamw_step(&mut chunk, g, &mut bk.m, &mut bk.v, &cfg)?;
             let full = if parts > 1 {
                 ctx.comm.all_gather(b, group, &chunk)?
             } else {
                 chunk
             };
-            let full = if full.numel() == st.numel {
-                full
-            } else {
-                b.narrow(&full, 0, st.numel)?
-            };
-            updated.push(full.reshape(&shape)?);
+            for &(i, offset, n) in &bk.members {
+                let shape = values[i].shape().to_vec();
+                updated[i] = Some(b.narrow(&full, offset, n)?.reshape(&shape)?);
+            }
         }
         let mut it = updated.into_iter();
         visit_all_mut(&mut self.model, &mut |p| {
-            if let Some(v) = it.next() {
+            if let Some(Some(v)) = it.next() {
                 p.value = v;
             }
         });
@@ -389,26 +476,34 @@ impl<B: Backend> ParallelTrainer<B> {
         visit_all_mut(&mut self.model, &mut |p| {
             params.push((p.name.clone(), p.value.clone(), p.shard.clone()))
         });
-        let mut out = Vec::with_capacity(params.len());
-        for (i, (name, value, shard)) in params.into_iter().enumerate() {
-            let st = &self.state[i];
-            let chunk = match what {
+        // This rank's shard of every parameter, flat.
+        let mut local: Vec<Option<Tensor<B>>> = vec![None; params.len()];
+        for (bi, bk) in self.buckets.iter().enumerate() {
+            let chunk = match &what {
                 Gather::Values => None,
-                Gather::Grads(g) => Some(&g.chunks[i]),
-                Gather::ExpAvg => Some(&st.m),
-                Gather::ExpAvgSq => Some(&st.v),
+                Gather::Grads(g) => Some(&g.chunks[bi]),
+                Gather::ExpAvg => Some(&bk.m),
+                Gather::ExpAvgSq => Some(&bk.v),
             };
-            let local = match chunk {
-                None => value.clone().reshape(&[st.numel])?,
-                Some(chunk) => {
-                    let group = Self::group_of(ctx, st.expert);
-                    let full = if group.size() > 1 {
-                        ctx.comm.all_gather(b, group, chunk)?
-                    } else {
-                        chunk.clone()
-                    };
-                    b.narrow(&full, 0, st.numel)?
-                }
+            let Some(chunk) = chunk else {
+                continue;
+            };
+            let group = self.group(bk.kind.expert);
+            let full = if group.size() > 1 {
+                ctx.comm.all_gather(b, group, chunk)?
+            } else {
+                chunk.clone()
+            };
+            for &(i, offset, n) in &bk.members {
+                local[i] = Some(b.narrow(&full, offset, n)?);
+            }
+        }
+        let mut out = Vec::with_capacity(params.len());
+        for ((name, value, shard), local) in params.into_iter().zip(local) {
+            let numel = value.numel();
+            let local = match local {
+                Some(t) => t,
+                None => value.clone().reshape(&[numel])?,
             };
             let full_shape = shard
                 .as_ref()
@@ -422,7 +517,7 @@ impl<B: Backend> ParallelTrainer<B> {
                 .to_f64();
             let mut full = vec![0.0; full_shape.iter().product()];
             let layout = &ctx.rank.layout;
-            for (r, block) in all.chunks(st.numel).enumerate() {
+            for (r, block) in all.chunks(numel).enumerate() {
                 let (att, exp) = (layout.attention_coords(r), layout.expert_coords(r));
                 let splits = spec
                     .splits
@@ -446,14 +541,4 @@ impl<B: Backend> ParallelTrainer<B> {
         }
         Ok(out)
     }
-}
-
-/// `t` flattened to `[numel]` and zero-padded to `[padded]`.
-fn padded_flat<B: Backend>(b: &B, t: Tensor<B>, numel: usize, padded: usize) -> Result<Tensor<B>> {
-    let flat = t.reshape(&[numel])?;
-    if padded == numel {
-        return Ok(flat);
-    }
-    let pad = b.zeros(&[padded - numel], flat.dtype())?;
-    Ok(b.concat(&[&flat, &pad])?)
 }
