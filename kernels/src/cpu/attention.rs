@@ -435,6 +435,7 @@ impl AttentionOps for Cpu {
 mod tests {
     use super::{attention_backward_blocked, attention_blocked};
     use crate::backend::AttentionOps;
+    use crate::backend::Device;
     use crate::cpu::test_util::*;
     use crate::cpu::Cpu;
     use crate::error::KernelError;
@@ -507,7 +508,14 @@ mod tests {
             [b, s, hkv, hd]
         }
         fn tensors(&self, q: &[f64], k: &[f64], v: &[f64]) -> [Tensor<Cpu>; 3] {
-            [t64(q, &self.qs()), t64(k, &self.ks()), t64(v, &self.ks())]
+            self.tensors_on(&Cpu, q, k, v)
+        }
+        fn tensors_on<B: Device>(&self, d: &B, q: &[f64], k: &[f64], v: &[f64]) -> [Tensor<B>; 3] {
+            [
+                d.t64(q, &self.qs()),
+                d.t64(k, &self.ks()),
+                d.t64(v, &self.ks()),
+            ]
         }
     }
 
@@ -532,19 +540,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn attention_f32_matches_f64_reference() {
+    fn attention_f32_matches_f64_reference<B: TestOps>(d: &B) {
         let dims = (2, 20, 4, 2, 8);
         let c = Case::new(42, dims);
         let f = |x: &[f64], shape: &[usize]| {
-            t32(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape)
+            d.t32(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape)
         };
-        let (o, lse) = Cpu
+        let (o, lse) = d
             .attention(&f(&c.q, &c.qs()), &f(&c.k, &c.ks()), &f(&c.v, &c.ks()))
             .unwrap();
         let (o_ref, lse_ref) = naive(&c.q, &c.k, &c.v, dims);
-        assert!(max_diff(&h64(&o), &o_ref) < 1e-5);
-        assert!(max_diff(&h64(&lse), &lse_ref) < 1e-5);
+        assert!(max_diff(&d.h64(&o), &o_ref) < 1e-5);
+        assert!(max_diff(&d.h64(&lse), &lse_ref) < 1e-5);
     }
 
     /// Checks dq, dk, dv of `Σ o ⊙ w` against finite differences.
@@ -593,29 +600,27 @@ mod tests {
         }
     }
 
-    #[test]
-    fn attention_is_deterministic() {
+    fn attention_is_deterministic<B: TestOps>(d: &B) {
         let dims = (2, 150, 4, 2, 16);
         let c = Case::new(47, dims);
         let f = |x: &[f64], shape: &[usize]| {
-            t32(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape)
+            d.t32(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape)
         };
         let (q, k, v) = (f(&c.q, &c.qs()), f(&c.k, &c.ks()), f(&c.v, &c.ks()));
         let d_o = f(&uniform(&mut rng(48), c.q.len()), &c.qs());
         let run = || {
-            let (o, lse) = Cpu.attention(&q, &k, &v).unwrap();
-            let (dq, dk, dv) = Cpu.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
-            [o, lse, dq, dk, dv].map(|t| h64(&t))
+            let (o, lse) = d.attention(&q, &k, &v).unwrap();
+            let (dq, dk, dv) = d.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+            [o, lse, dq, dk, dv].map(|t| d.h64(&t))
         };
         let first = run();
         assert_eq!(first, run());
     }
 
-    #[test]
-    fn attention_bad_inputs() {
-        let q = t64(&[0.0; 2 * 3 * 4], &[1, 2, 3, 4]);
-        let kv = t64(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
-        match Cpu.attention(&q, &kv, &kv).unwrap_err() {
+    fn attention_bad_inputs<B: TestOps>(d: &B) {
+        let q = d.t64(&[0.0; 2 * 3 * 4], &[1, 2, 3, 4]);
+        let kv = d.t64(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
+        match d.attention(&q, &kv, &kv).unwrap_err() {
             KernelError::ShapeMismatch {
                 op: "attention",
                 detail,
@@ -627,9 +632,9 @@ mod tests {
             }
             e => panic!("{e:?}"),
         }
-        let q = t64(&[0.0; 2 * 4 * 4], &[1, 2, 4, 4]);
-        let k3 = t64(&[0.0; 3 * 2 * 4], &[1, 3, 2, 4]);
-        let err = Cpu.attention(&q, &k3, &k3).unwrap_err();
+        let q = d.t64(&[0.0; 2 * 4 * 4], &[1, 2, 4, 4]);
+        let k3 = d.t64(&[0.0; 3 * 2 * 4], &[1, 3, 2, 4]);
+        let err = d.attention(&q, &k3, &k3).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -640,8 +645,8 @@ mod tests {
             ),
             "{err:?}"
         );
-        let k32 = t32(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
-        let err = Cpu.attention(&q, &k32, &k32).unwrap_err();
+        let k32 = d.t32(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
+        let err = d.attention(&q, &k32, &k32).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -652,8 +657,8 @@ mod tests {
             ),
             "{err:?}"
         );
-        let qi = ti32(&[0; 2 * 4 * 4], &[1, 2, 4, 4]);
-        let err = Cpu.attention(&qi, &kv, &kv).unwrap_err();
+        let qi = d.ti32(&[0; 2 * 4 * 4], &[1, 2, 4, 4]);
+        let err = d.attention(&qi, &kv, &kv).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -661,15 +666,94 @@ mod tests {
             ),
             "{err:?}"
         );
-        let (o, lse) = Cpu.attention(&q, &kv, &kv).unwrap();
-        let bad_lse = t64(&[0.0; 8], &[1, 2, 4]);
-        let err = Cpu
+        let (o, lse) = d.attention(&q, &kv, &kv).unwrap();
+        let bad_lse = d.t64(&[0.0; 8], &[1, 2, 4]);
+        let err = d
             .attention_backward(&o, &q, &kv, &kv, &o, &bad_lse)
             .unwrap_err();
         assert!(
             matches!(&err, KernelError::ShapeMismatch { op: "attention_backward", detail } if detail.contains("lse")),
             "{err:?}"
         );
-        assert!(Cpu.attention_backward(&o, &q, &kv, &kv, &o, &lse).is_ok());
+        assert!(d.attention_backward(&o, &q, &kv, &kv, &o, &lse).is_ok());
     }
+
+    /// The backend's own attention (its default blocking) against the naive
+    /// f64 reference, in f64, on GQA, MHA and MQA shapes.
+    fn attention_matches_naive_on_device<B: TestOps>(d: &B) {
+        for dims in [
+            (2, 10, 4, 2, 4),
+            (1, 9, 3, 3, 6),
+            (1, 5, 2, 1, 2),
+            (1, 70, 2, 1, 8),
+        ] {
+            let c = Case::new(41, dims);
+            let [q, k, v] = c.tensors_on(d, &c.q, &c.k, &c.v);
+            let (o, lse) = d.attention(&q, &k, &v).unwrap();
+            let (o_ref, lse_ref) = naive(&c.q, &c.k, &c.v, dims);
+            assert_eq!(lse.shape(), &[dims.0, dims.2, dims.1]);
+            assert!(max_diff(&d.h64(&o), &o_ref) < 1e-12, "{dims:?}");
+            assert!(max_diff(&d.h64(&lse), &lse_ref) < 1e-12, "{dims:?}");
+        }
+    }
+
+    /// dq, dk, dv of the backend's own attention against finite differences,
+    /// for GQA and MHA.
+    fn attention_grad_on_device<B: TestOps>(d: &B) {
+        for (seed, dims) in [(43, (2, 7, 4, 2, 4)), (44, (1, 8, 2, 2, 6))] {
+            let c = Case::new(seed, dims);
+            let w = uniform(&mut rng(seed + 100), c.q.len());
+            let [q, k, v] = c.tensors_on(d, &c.q, &c.k, &c.v);
+            let (o, lse) = d.attention(&q, &k, &v).unwrap();
+            let d_o = d.t64(&w, &c.qs());
+            let (dq, dk, dv) = d.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+            let f = |q: &[f64], k: &[f64], v: &[f64]| {
+                let [q, k, v] = c.tensors_on(d, q, k, v);
+                dotv(&d.h64(&d.attention(&q, &k, &v).unwrap().0), &w)
+            };
+            check("attention dq", &c.q, &d.h64(&dq), |x| f(x, &c.k, &c.v));
+            check("attention dk", &c.k, &d.h64(&dk), |x| f(&c.q, x, &c.v));
+            check("attention dv", &c.v, &d.h64(&dv), |x| f(&c.q, &c.k, x));
+        }
+    }
+
+    /// Forward and backward on random f32 (and bf16 where the device stores
+    /// it) against the CPU, at a sequence longer than the CPU's block and a
+    /// realistic head dim; the backward gets the device's own `o` and `lse`
+    /// on both sides.
+    fn attention_matches_cpu<B: TestOps>(d: &B) {
+        for dtype in Compare::precisions(d) {
+            let mut c = Compare::new(d, dtype, 95);
+            let (b, s, hq, hkv, hd) = (2, 100, 8, 2, 64);
+            let (q, qc) = c.rand(&[b, s, hq, hd], 1.0);
+            let (k, kc) = c.rand(&[b, s, hkv, hd], 1.0);
+            let (v, vc) = c.rand(&[b, s, hkv, hd], 1.0);
+            let (o, lse) = d.attention(&q, &k, &v).unwrap();
+            let (oc, lsec) = Cpu.attention(&qc, &kc, &vc).unwrap();
+            c.check("attention o", &o, &oc);
+            c.check("attention lse", &lse, &lsec);
+            let same = |t: &Tensor<B>| {
+                let h: Vec<f32> = d.h64(t).iter().map(|&x| x as f32).collect();
+                t32(&h, t.shape())
+            };
+            let (d_o, d_oc) = c.rand(&[b, s, hq, hd], 1.0);
+            let (dq, dk, dv) = d.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+            let (dqc, dkc, dvc) = Cpu
+                .attention_backward(&d_oc, &qc, &kc, &vc, &same(&o), &same(&lse))
+                .unwrap();
+            c.check("attention_backward dq", &dq, &dqc);
+            c.check("attention_backward dk", &dk, &dkc);
+            c.check("attention_backward dv", &dv, &dvc);
+            c.report("attention");
+        }
+    }
+
+    device_tests!(
+        attention_matches_naive_on_device,
+        attention_grad_on_device,
+        attention_matches_cpu,
+        attention_f32_matches_f64_reference,
+        attention_is_deterministic,
+        attention_bad_inputs,
+    );
 }

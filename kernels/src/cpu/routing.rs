@@ -765,21 +765,20 @@ mod tests {
     use rand::Rng;
 
     use super::*;
-    use crate::backend::LinalgOps;
     use crate::cpu::test_util::{
-        dotv as dot, h64 as host, hi32 as ints, rng, t64 as f64t, uniform as rand_vec,
+        device_tests, dotv as dot, rng, uniform as rand_vec, Compare, TestDevice, TestOps,
     };
     use crate::gradcheck::assert_grad;
     use crate::tensor::{DType, HostData};
     use crate::Device;
 
-    fn f32t(v: &[f64], shape: &[usize]) -> Tensor<Cpu> {
-        Cpu.upload(HostData::F32(v.iter().map(|&x| x as f32).collect()), shape)
+    fn f32t<B: Device>(d: &B, v: &[f64], shape: &[usize]) -> Tensor<B> {
+        d.upload(HostData::F32(v.iter().map(|&x| x as f32).collect()), shape)
             .unwrap()
     }
 
-    fn i32t(v: &[i32], shape: &[usize]) -> Tensor<Cpu> {
-        Cpu.upload(HostData::I32(v.to_vec()), shape).unwrap()
+    fn i32t<B: Device>(d: &B, v: &[i32], shape: &[usize]) -> Tensor<B> {
+        d.upload(HostData::I32(v.to_vec()), shape).unwrap()
     }
 
     /// Indices of `cand` sorted by value, largest first; the sort is stable,
@@ -820,8 +819,7 @@ mod tests {
         sorted_desc(row, cand)[..k].to_vec()
     }
 
-    #[test]
-    fn topk_matches_stable_sort_reference_with_ties() {
+    fn topk_matches_stable_sort_reference_with_ties<B: TestOps>(d: &B) {
         let mut r = rng(10);
         for _ in 0..30 {
             let (t, e) = (r.gen_range(0..6), r.gen_range(1..12));
@@ -832,13 +830,13 @@ mod tests {
                 .collect();
             for dt in [DType::F32, DType::F64] {
                 let xt = if dt == DType::F32 {
-                    f32t(&x, &[t, e])
+                    f32t(d, &x, &[t, e])
                 } else {
-                    f64t(&x, &[t, e])
+                    d.t64(&x, &[t, e])
                 };
-                let got = Cpu.topk(&xt, k, 1, 1).unwrap();
+                let got = d.topk(&xt, k, 1, 1).unwrap();
                 assert_eq!(got.shape(), [t, k]);
-                let got = ints(&got);
+                let got = d.hi32(&got);
                 for row in 0..t {
                     let want = sorted_desc(&x[row * e..(row + 1) * e], (0..e).collect());
                     let want: Vec<i32> = want[..k].iter().map(|&i| i as i32).collect();
@@ -854,7 +852,7 @@ mod tests {
         // Large enough for the parallel path; distinct values.
         let (t, e, k) = (300, 128, 8);
         let x = rand_vec(&mut r, t * e);
-        let got = ints(&Cpu.topk(&f64t(&x, &[t, e]), k, 0, 0).unwrap());
+        let got = d.hi32(&d.topk(&d.t64(&x, &[t, e]), k, 0, 0).unwrap());
         for row in 0..t {
             let want = sorted_desc(&x[row * e..(row + 1) * e], (0..e).collect());
             let want: Vec<i32> = want[..k].iter().map(|&i| i as i32).collect();
@@ -862,8 +860,7 @@ mod tests {
         }
     }
 
-    #[test]
-    fn topk_group_limited_matches_brute_force_over_group_subsets() {
+    fn topk_group_limited_matches_brute_force_over_group_subsets<B: TestOps>(d: &B) {
         let mut r = rng(11);
         for case in 0..200 {
             let groups = r.gen_range(2..6);
@@ -879,7 +876,7 @@ mod tests {
             } else {
                 rand_vec(&mut r, t * e)
             };
-            let got = ints(&Cpu.topk(&f64t(&x, &[t, e]), k, groups, gk).unwrap());
+            let got = d.hi32(&d.topk(&d.t64(&x, &[t, e]), k, groups, gk).unwrap());
             for row in 0..t {
                 let xr = &x[row * e..(row + 1) * e];
                 let want: Vec<i32> = brute_force_topk(xr, k, groups, gk)
@@ -895,10 +892,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn topk_rejects_bad_input() {
-        let x = f64t(&[0.0; 8], &[2, 4]);
-        let err = Cpu.topk(&x, 5, 1, 1).unwrap_err();
+    fn topk_rejects_bad_input<B: TestOps>(d: &B) {
+        let x = d.t64(&[0.0; 8], &[2, 4]);
+        let err = d.topk(&x, 5, 1, 1).unwrap_err();
         assert!(matches!(
             err,
             KernelError::InvalidArgument { op: "topk", .. }
@@ -907,30 +903,30 @@ mod tests {
             err.to_string().contains("k = 5") && err.to_string().contains("E = 4"),
             "{err}"
         );
-        let err = Cpu.topk(&x, 0, 1, 1).unwrap_err();
+        let err = d.topk(&x, 0, 1, 1).unwrap_err();
         assert!(err.to_string().contains("k = 0"), "{err}");
-        let err = Cpu.topk(&x, 2, 3, 1).unwrap_err();
+        let err = d.topk(&x, 2, 3, 1).unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("n_groups = 3") && err.to_string().contains("E = 4"));
-        let err = Cpu.topk(&x, 2, 2, 3).unwrap_err();
+        let err = d.topk(&x, 2, 2, 3).unwrap_err();
         assert!(err.to_string().contains("group_top_k = 3"), "{err}");
-        let err = Cpu.topk(&x, 3, 2, 1).unwrap_err();
+        let err = d.topk(&x, 3, 2, 1).unwrap_err();
         assert!(
             err.to_string().contains("k = 3") && err.to_string().contains("2 experts"),
             "{err}"
         );
-        let err = Cpu.topk(&x, 1, 2, 2).unwrap_err();
+        let err = d.topk(&x, 1, 2, 2).unwrap_err();
         assert!(err.to_string().contains("group_top_k = 2"), "{err}");
 
-        let nan = f32t(&[0.0, f64::NAN, 1.0, 2.0], &[1, 4]);
-        let err = Cpu.topk(&nan, 1, 1, 1).unwrap_err();
+        let nan = f32t(d, &[0.0, f64::NAN, 1.0, 2.0], &[1, 4]);
+        let err = d.err_of(d.topk(&nan, 1, 1, 1));
         assert!(matches!(err, KernelError::NonFinite { op: "topk", value, .. } if value.is_nan()));
 
-        let empty = f64t(&[], &[3, 0]);
-        let err = Cpu.topk(&empty, 1, 1, 1).unwrap_err();
+        let empty = d.t64(&[], &[3, 0]);
+        let err = d.topk(&empty, 1, 1, 1).unwrap_err();
         assert!(matches!(err, KernelError::Empty { op: "topk", .. }));
-        let xi = i32t(&[0; 4], &[1, 4]);
-        let err = Cpu.topk(&xi, 1, 1, 1).unwrap_err();
+        let xi = i32t(d, &[0; 4], &[1, 4]);
+        let err = d.topk(&xi, 1, 1, 1).unwrap_err();
         assert!(matches!(
             err,
             KernelError::UnsupportedDType {
@@ -938,48 +934,46 @@ mod tests {
                 ..
             }
         ));
-        let x1 = f64t(&[0.0; 4], &[4]);
-        let err = Cpu.topk(&x1, 1, 1, 1).unwrap_err();
+        let x1 = d.t64(&[0.0; 4], &[4]);
+        let err = d.topk(&x1, 1, 1, 1).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[4]"));
     }
 
-    #[test]
-    fn gather_cols_grad_is_scatter_cols() {
+    fn gather_cols_grad_is_scatter_cols<B: TestOps>(d: &B) {
         let mut r = rng(12);
         let (t, e, k) = (4, 5, 3);
         let x = rand_vec(&mut r, t * e);
         // Repeated columns in a row check that scatter accumulates.
         let idx = [0, 4, 4, 1, 2, 3, 3, 3, 3, 0, 1, 2];
-        let it = i32t(&idx, &[t, k]);
+        let it = i32t(d, &idx, &[t, k]);
         let rr = rand_vec(&mut r, t * k);
-        let got = host(&Cpu.gather_cols(&f64t(&x, &[t, e]), &it).unwrap());
+        let got = d.h64(&d.gather_cols(&d.t64(&x, &[t, e]), &it).unwrap());
         for p in 0..t * k {
             assert_eq!(got[p], x[(p / k) * e + idx[p] as usize]);
         }
-        let dx = host(&Cpu.scatter_cols(&f64t(&rr, &[t, k]), &it, e).unwrap());
+        let dx = d.h64(&d.scatter_cols(&d.t64(&rr, &[t, k]), &it, e).unwrap());
         assert_grad("gather_cols", &x, &dx, 1e-6, |x| {
             dot(
-                &host(&Cpu.gather_cols(&f64t(x, &[t, e]), &it).unwrap()),
+                &d.h64(&d.gather_cols(&d.t64(x, &[t, e]), &it).unwrap()),
                 &rr,
             )
         });
         // scatter_cols is linear in v, with gather_cols as its backward.
         let v = rand_vec(&mut r, t * k);
         let re = rand_vec(&mut r, t * e);
-        let dv = host(&Cpu.gather_cols(&f64t(&re, &[t, e]), &it).unwrap());
+        let dv = d.h64(&d.gather_cols(&d.t64(&re, &[t, e]), &it).unwrap());
         assert_grad("scatter_cols grad", &v, &dv, 1e-6, |v| {
             dot(
-                &host(&Cpu.scatter_cols(&f64t(v, &[t, k]), &it, e).unwrap()),
+                &d.h64(&d.scatter_cols(&d.t64(v, &[t, k]), &it, e).unwrap()),
                 &re,
             )
         });
     }
 
-    #[test]
-    fn gather_and_scatter_cols_reject_bad_input() {
-        let x = f64t(&[0.0; 6], &[2, 3]);
-        let err = Cpu.gather_cols(&x, &i32t(&[0, 3], &[2, 1])).unwrap_err();
+    fn gather_and_scatter_cols_reject_bad_input<B: TestOps>(d: &B) {
+        let x = d.t64(&[0.0; 6], &[2, 3]);
+        let err = d.err_of(d.gather_cols(&x, &i32t(d, &[0, 3], &[2, 1])));
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -989,12 +983,12 @@ mod tests {
                 hi: 3
             }
         );
-        let err = Cpu.gather_cols(&x, &i32t(&[0, 1, 2], &[3, 1])).unwrap_err();
+        let err = d
+            .gather_cols(&x, &i32t(d, &[0, 1, 2], &[3, 1]))
+            .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[3, 1]"), "{err}");
-        let err = Cpu
-            .gather_cols(&x, &f64t(&[0.0, 1.0], &[2, 1]))
-            .unwrap_err();
+        let err = d.gather_cols(&x, &d.t64(&[0.0, 1.0], &[2, 1])).unwrap_err();
         assert!(matches!(
             err,
             KernelError::DTypeMismatch {
@@ -1003,29 +997,26 @@ mod tests {
                 ..
             }
         ));
-        let v = f64t(&[0.0; 2], &[2, 1]);
-        let err = Cpu
-            .scatter_cols(&v, &i32t(&[0, -1], &[2, 1]), 3)
-            .unwrap_err();
+        let v = d.t64(&[0.0; 2], &[2, 1]);
+        let err = d.err_of(d.scatter_cols(&v, &i32t(d, &[0, -1], &[2, 1]), 3));
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange { index: -1, .. }
         ));
-        let err = Cpu
-            .scatter_cols(&v, &i32t(&[0, 1, 0, 1], &[2, 2]), 3)
+        let err = d
+            .scatter_cols(&v, &i32t(d, &[0, 1, 0, 1], &[2, 2]), 3)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
     }
 
-    #[test]
-    fn embedding_grad_with_repeated_ids() {
+    fn embedding_grad_with_repeated_ids<B: TestOps>(dev: &B) {
         let mut r = rng(13);
         let (v, d) = (6, 3);
         let ids = [5, 0, 2, 5, 5, 1, 0];
         let t = ids.len();
         let table = rand_vec(&mut r, v * d);
-        let it = i32t(&ids, &[t]);
-        let out = host(&Cpu.embedding(&f64t(&table, &[v, d]), &it).unwrap());
+        let it = i32t(dev, &ids, &[t]);
+        let out = dev.h64(&dev.embedding(&dev.t64(&table, &[v, d]), &it).unwrap());
         for (i, &id) in ids.iter().enumerate() {
             assert_eq!(
                 out[i * d..(i + 1) * d],
@@ -1033,17 +1024,22 @@ mod tests {
             );
         }
         let rr = rand_vec(&mut r, t * d);
-        let dtable = Cpu.embedding_backward(&f64t(&rr, &[t, d]), &it, v).unwrap();
+        let dtable = dev
+            .embedding_backward(&dev.t64(&rr, &[t, d]), &it, v)
+            .unwrap();
         assert_eq!(dtable.shape(), [v, d]);
-        assert_grad("embedding", &table, &host(&dtable), 1e-6, |tb| {
-            dot(&host(&Cpu.embedding(&f64t(tb, &[v, d]), &it).unwrap()), &rr)
+        assert_grad("embedding", &table, &dev.h64(&dtable), 1e-6, |tb| {
+            dot(
+                &dev.h64(&dev.embedding(&dev.t64(tb, &[v, d]), &it).unwrap()),
+                &rr,
+            )
         });
         // Large enough for the parallel path: equal to a sequential sum.
         let (v, d, t) = (50, 64, 1000);
         let ids: Vec<i32> = (0..t).map(|_| r.gen_range(0..v as i32)).collect();
         let dy = rand_vec(&mut r, t * d);
-        let got = host(
-            &Cpu.embedding_backward(&f64t(&dy, &[t, d]), &i32t(&ids, &[t]), v)
+        let got = dev.h64(
+            &dev.embedding_backward(&dev.t64(&dy, &[t, d]), &i32t(dev, &ids, &[t]), v)
                 .unwrap(),
         );
         let mut want = vec![0.0; v * d];
@@ -1055,10 +1051,9 @@ mod tests {
         assert_eq!(got, want);
     }
 
-    #[test]
-    fn embedding_rejects_bad_ids() {
-        let table = f32t(&[0.0; 10], &[5, 2]);
-        let err = Cpu.embedding(&table, &i32t(&[1, 5], &[2])).unwrap_err();
+    fn embedding_rejects_bad_ids<B: TestOps>(d: &B) {
+        let table = f32t(d, &[0.0; 10], &[5, 2]);
+        let err = d.err_of(d.embedding(&table, &i32t(d, &[1, 5], &[2])));
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1072,12 +1067,12 @@ mod tests {
             err.to_string().contains("index 5 out of range [0, 5)"),
             "{err}"
         );
-        let err = Cpu.embedding(&table, &i32t(&[-1], &[1])).unwrap_err();
+        let err = d.err_of(d.embedding(&table, &i32t(d, &[-1], &[1])));
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange { index: -1, .. }
         ));
-        let err = Cpu.embedding(&table, &f32t(&[1.0], &[1])).unwrap_err();
+        let err = d.embedding(&table, &f32t(d, &[1.0], &[1])).unwrap_err();
         assert!(matches!(
             err,
             KernelError::DTypeMismatch {
@@ -1086,17 +1081,15 @@ mod tests {
                 ..
             }
         ));
-        let err = Cpu.embedding(&table, &i32t(&[1, 2], &[1, 2])).unwrap_err();
+        let err = d.embedding(&table, &i32t(d, &[1, 2], &[1, 2])).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
-        let dy = f32t(&[0.0; 4], &[2, 2]);
-        let err = Cpu
-            .embedding_backward(&dy, &i32t(&[1, 2, 3], &[3]), 5)
+        let dy = f32t(d, &[0.0; 4], &[2, 2]);
+        let err = d
+            .embedding_backward(&dy, &i32t(d, &[1, 2, 3], &[3]), 5)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[2, 2]") && err.to_string().contains("[3]"));
-        let err = Cpu
-            .embedding_backward(&dy, &i32t(&[1, 7], &[2]), 5)
-            .unwrap_err();
+        let err = d.err_of(d.embedding_backward(&dy, &i32t(d, &[1, 7], &[2]), 5));
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange {
@@ -1116,14 +1109,13 @@ mod tests {
         by
     }
 
-    #[test]
-    fn routing_plan_is_expert_major_and_stable() {
+    fn routing_plan_is_expert_major_and_stable<B: TestOps>(d: &B) {
         let mut r = rng(14);
         for _ in 0..20 {
             let (t, e) = (r.gen_range(0..9), r.gen_range(1..6));
             let k = r.gen_range(1..=e);
             let idx: Vec<i32> = (0..t * k).map(|_| r.gen_range(0..e as i32)).collect();
-            let plan = Cpu.routing_plan(&i32t(&idx, &[t, k]), e).unwrap();
+            let plan = d.routing_plan(&i32t(d, &idx, &[t, k]), e).unwrap();
             let by = copies_by_expert(&idx, e);
             let order: Vec<usize> = by.iter().flatten().copied().collect();
             let want_src: Vec<i32> = order.iter().map(|&c| (c / k) as i32).collect();
@@ -1132,24 +1124,26 @@ mod tests {
                 want_slot[c] = row as i32;
             }
             let want_counts: Vec<i32> = by.iter().map(|v| v.len() as i32).collect();
-            assert_eq!(ints(&plan.row_src), want_src);
+            assert_eq!(d.hi32(&plan.row_src), want_src);
             assert_eq!(plan.row_src.shape(), [t * k]);
-            assert_eq!(ints(&plan.slot), want_slot);
+            assert_eq!(d.hi32(&plan.slot), want_slot);
             assert_eq!(plan.slot.shape(), [t, k]);
-            assert_eq!(ints(&plan.counts), want_counts);
+            assert_eq!(d.hi32(&plan.counts), want_counts);
         }
         // A hand-checked case: expert 1 gets nothing.
-        let plan = Cpu
-            .routing_plan(&i32t(&[2, 0, 0, 2, 2, 0], &[3, 2]), 3)
+        let plan = d
+            .routing_plan(&i32t(d, &[2, 0, 0, 2, 2, 0], &[3, 2]), 3)
             .unwrap();
-        assert_eq!(ints(&plan.row_src), [0, 1, 2, 0, 1, 2]);
-        assert_eq!(ints(&plan.slot), [3, 0, 1, 4, 5, 2]);
-        assert_eq!(ints(&plan.counts), [3, 0, 3]);
+        assert_eq!(d.hi32(&plan.row_src), [0, 1, 2, 0, 1, 2]);
+        assert_eq!(d.hi32(&plan.slot), [3, 0, 1, 4, 5, 2]);
+        assert_eq!(d.hi32(&plan.counts), [3, 0, 3]);
     }
 
-    #[test]
-    fn routing_plan_rejects_bad_input() {
-        let err = Cpu.routing_plan(&i32t(&[0, 3], &[1, 2]), 3).unwrap_err();
+    fn routing_plan_rejects_bad_input<B: TestOps>(d: &B) {
+        let err = d.err_of(
+            d.routing_plan(&i32t(d, &[0, 3], &[1, 2]), 3)
+                .map(|p| p.row_src),
+        );
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1159,8 +1153,8 @@ mod tests {
                 hi: 3
             }
         );
-        let err = Cpu
-            .routing_plan(&f32t(&[0.0, 1.0], &[1, 2]), 3)
+        let err = d
+            .routing_plan(&f32t(d, &[0.0, 1.0], &[1, 2]), 3)
             .unwrap_err();
         assert!(matches!(
             err,
@@ -1170,9 +1164,9 @@ mod tests {
                 ..
             }
         ));
-        let err = Cpu.routing_plan(&i32t(&[0, 1], &[2]), 3).unwrap_err();
+        let err = d.routing_plan(&i32t(d, &[0, 1], &[2]), 3).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
-        let err = Cpu.routing_plan(&i32t(&[0, 1], &[1, 2]), 0).unwrap_err();
+        let err = d.routing_plan(&i32t(d, &[0, 1], &[1, 2]), 0).unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("n_experts = 0"));
     }
@@ -1200,13 +1194,21 @@ mod tests {
             .collect()
     }
 
-    fn check_capacity_plan(idx: &[i32], probs: &[f64], t: usize, k: usize, e: usize, cap: usize) {
+    fn check_capacity_plan<B: TestOps>(
+        d: &B,
+        idx: &[i32],
+        probs: &[f64],
+        t: usize,
+        k: usize,
+        e: usize,
+        cap: usize,
+    ) {
         for policy in [DropPolicy::Probs, DropPolicy::Position] {
             for pad in [false, true] {
-                let plan = Cpu
+                let plan = d
                     .capacity_plan(
-                        &i32t(idx, &[t, k]),
-                        &f32t(probs, &[t, k]),
+                        &i32t(d, idx, &[t, k]),
+                        &f32t(d, probs, &[t, k]),
                         e,
                         cap,
                         policy,
@@ -1233,44 +1235,43 @@ mod tests {
                     .map(|c| if pad { cap } else { c.len() } as i32)
                     .collect();
                 let ctx = format!("{policy:?} pad={pad} idx={idx:?} probs={probs:?} cap={cap}");
-                assert_eq!(ints(&plan.row_src), want_src, "{ctx}");
-                assert_eq!(ints(&plan.slot), want_slot, "{ctx}");
-                assert_eq!(ints(&plan.counts), want_counts, "{ctx}");
+                assert_eq!(d.hi32(&plan.row_src), want_src, "{ctx}");
+                assert_eq!(d.hi32(&plan.slot), want_slot, "{ctx}");
+                assert_eq!(d.hi32(&plan.counts), want_counts, "{ctx}");
             }
         }
     }
 
-    #[test]
-    fn capacity_plan_drops_the_right_copies_for_both_policies() {
+    fn capacity_plan_drops_the_right_copies_for_both_policies<B: TestOps>(d: &B) {
         // Hand-checked: expert 0 is over-full (3 copies, capacity 2).
         let idx = [0, 0, 0, 1];
         let probs = [0.1, 0.9, 0.5, 0.3];
-        let by_probs = Cpu
+        let by_probs = d
             .capacity_plan(
-                &i32t(&idx, &[4, 1]),
-                &f64t(&probs, &[4, 1]),
+                &i32t(d, &idx, &[4, 1]),
+                &d.t64(&probs, &[4, 1]),
                 2,
                 2,
                 DropPolicy::Probs,
                 false,
             )
             .unwrap();
-        assert_eq!(ints(&by_probs.slot), [-1, 0, 1, 2]);
-        assert_eq!(ints(&by_probs.row_src), [1, 2, 3, -1]);
-        assert_eq!(ints(&by_probs.counts), [2, 1]);
-        let by_pos = Cpu
+        assert_eq!(d.hi32(&by_probs.slot), [-1, 0, 1, 2]);
+        assert_eq!(d.hi32(&by_probs.row_src), [1, 2, 3, -1]);
+        assert_eq!(d.hi32(&by_probs.counts), [2, 1]);
+        let by_pos = d
             .capacity_plan(
-                &i32t(&idx, &[4, 1]),
-                &f64t(&probs, &[4, 1]),
+                &i32t(d, &idx, &[4, 1]),
+                &d.t64(&probs, &[4, 1]),
                 2,
                 2,
                 DropPolicy::Position,
                 true,
             )
             .unwrap();
-        assert_eq!(ints(&by_pos.slot), [0, 1, -1, 2]);
-        assert_eq!(ints(&by_pos.row_src), [0, 1, 3, -1]);
-        assert_eq!(ints(&by_pos.counts), [2, 2]);
+        assert_eq!(d.hi32(&by_pos.slot), [0, 1, -1, 2]);
+        assert_eq!(d.hi32(&by_pos.row_src), [0, 1, 3, -1]);
+        assert_eq!(d.hi32(&by_pos.counts), [2, 2]);
 
         let mut r = rng(15);
         for case in 0..40 {
@@ -1288,33 +1289,34 @@ mod tests {
                     }
                 })
                 .collect();
-            check_capacity_plan(&idx, &probs, t, k, e, cap);
+            check_capacity_plan(d, &idx, &probs, t, k, e, cap);
         }
     }
 
-    #[test]
-    fn capacity_plan_rejects_bad_input() {
-        let idx = i32t(&[0, 1], &[2, 1]);
-        let probs = f64t(&[0.5, f64::NAN], &[2, 1]);
-        let err = Cpu
-            .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Probs, false)
-            .unwrap_err();
+    fn capacity_plan_rejects_bad_input<B: TestOps>(d: &B) {
+        let idx = i32t(d, &[0, 1], &[2, 1]);
+        let probs = d.t64(&[0.5, f64::NAN], &[2, 1]);
+        let err = d.err_of(
+            d.capacity_plan(&idx, &probs, 2, 1, DropPolicy::Probs, false)
+                .map(|p| p.row_src),
+        );
         assert!(matches!(err, KernelError::NonFinite { what: "probs", .. }));
-        let probs = f64t(&[0.5, 0.5, 0.5], &[3, 1]);
-        let err = Cpu
+        let probs = d.t64(&[0.5, 0.5, 0.5], &[3, 1]);
+        let err = d
             .capacity_plan(&idx, &probs, 2, 1, DropPolicy::Position, false)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[3, 1]") && err.to_string().contains("[2, 1]"));
-        let probs = f64t(&[0.5, 0.5], &[2, 1]);
-        let err = Cpu
+        let probs = d.t64(&[0.5, 0.5], &[2, 1]);
+        let err = d
             .capacity_plan(&idx, &probs, 2, 0, DropPolicy::Position, true)
             .unwrap_err();
         assert!(matches!(err, KernelError::InvalidArgument { .. }));
         assert!(err.to_string().contains("capacity = 0"));
-        let err = Cpu
-            .capacity_plan(&idx, &probs, 1, 1, DropPolicy::Position, true)
-            .unwrap_err();
+        let err = d.err_of(
+            d.capacity_plan(&idx, &probs, 1, 1, DropPolicy::Position, true)
+                .map(|p| p.row_src),
+        );
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange {
@@ -1325,28 +1327,27 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn permute_grad_with_padding_rows() {
+    fn permute_grad_with_padding_rows<B: TestOps>(dev: &B) {
         let mut r = rng(16);
         let (t, d, e, k) = (5, 3, 3, 2);
         let idx: Vec<i32> = vec![0, 1, 0, 2, 0, 1, 0, 2, 0, 1];
         let probs = rand_vec(&mut r, t * k);
         // Capacity 3 with padding: expert 0 drops copies, padding rows appear.
-        let plan = Cpu
+        let plan = dev
             .capacity_plan(
-                &i32t(&idx, &[t, k]),
-                &f64t(&probs, &[t, k]),
+                &i32t(dev, &idx, &[t, k]),
+                &dev.t64(&probs, &[t, k]),
                 e,
                 3,
                 DropPolicy::Probs,
                 true,
             )
             .unwrap();
-        let src = ints(&plan.row_src);
+        let src = dev.hi32(&plan.row_src);
         assert!(src.contains(&-1));
         let n = src.len();
         let x = rand_vec(&mut r, t * d);
-        let px = host(&Cpu.permute(&f64t(&x, &[t, d]), &plan.row_src).unwrap());
+        let px = dev.h64(&dev.permute(&dev.t64(&x, &[t, d]), &plan.row_src).unwrap());
         for (row, &s) in src.iter().enumerate() {
             let want = if s < 0 {
                 vec![0.0; d]
@@ -1356,22 +1357,21 @@ mod tests {
             assert_eq!(px[row * d..(row + 1) * d], want[..]);
         }
         let rr = rand_vec(&mut r, n * d);
-        let dx = Cpu
-            .permute_backward(&f64t(&rr, &[n, d]), &plan.row_src, t)
+        let dx = dev
+            .permute_backward(&dev.t64(&rr, &[n, d]), &plan.row_src, t)
             .unwrap();
         assert_eq!(dx.shape(), [t, d]);
-        assert_grad("permute", &x, &host(&dx), 1e-6, |x| {
+        assert_grad("permute", &x, &dev.h64(&dx), 1e-6, |x| {
             dot(
-                &host(&Cpu.permute(&f64t(x, &[t, d]), &plan.row_src).unwrap()),
+                &dev.h64(&dev.permute(&dev.t64(x, &[t, d]), &plan.row_src).unwrap()),
                 &rr,
             )
         });
     }
 
-    #[test]
-    fn permute_rejects_bad_input() {
-        let x = f64t(&[0.0; 6], &[3, 2]);
-        let err = Cpu.permute(&x, &i32t(&[0, -2], &[2])).unwrap_err();
+    fn permute_rejects_bad_input<B: TestOps>(d: &B) {
+        let x = d.t64(&[0.0; 6], &[3, 2]);
+        let err = d.err_of(d.permute(&x, &i32t(d, &[0, -2], &[2])));
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1381,19 +1381,17 @@ mod tests {
                 hi: 3
             }
         );
-        let err = Cpu.permute(&x, &i32t(&[3], &[1])).unwrap_err();
+        let err = d.err_of(d.permute(&x, &i32t(d, &[3], &[1])));
         assert!(matches!(err, KernelError::IndexOutOfRange { index: 3, .. }));
-        let err = Cpu.permute(&x, &f64t(&[0.0], &[1])).unwrap_err();
+        let err = d.permute(&x, &d.t64(&[0.0], &[1])).unwrap_err();
         assert!(matches!(err, KernelError::DTypeMismatch { .. }));
-        let dy = f64t(&[0.0; 4], &[2, 2]);
-        let err = Cpu
-            .permute_backward(&dy, &i32t(&[0, 1, 2], &[3]), 3)
+        let dy = d.t64(&[0.0; 4], &[2, 2]);
+        let err = d
+            .permute_backward(&dy, &i32t(d, &[0, 1, 2], &[3]), 3)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[2, 2]") && err.to_string().contains("[3]"));
-        let err = Cpu
-            .permute_backward(&dy, &i32t(&[0, 4], &[2]), 3)
-            .unwrap_err();
+        let err = d.err_of(d.permute_backward(&dy, &i32t(d, &[0, 4], &[2]), 3));
         assert!(matches!(
             err,
             KernelError::IndexOutOfRange {
@@ -1404,33 +1402,32 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn unpermute_grad_dropless_and_dropped_copies() {
+    fn unpermute_grad_dropless_and_dropped_copies<B: TestOps>(dev: &B) {
         let mut r = rng(17);
         let (t, d, e, k) = (6, 3, 4, 2);
         let idx: Vec<i32> = vec![0, 1, 0, 2, 0, 1, 1, 0, 0, 2, 3, 0];
-        let it = i32t(&idx, &[t, k]);
+        let it = i32t(dev, &idx, &[t, k]);
         let probs = rand_vec(&mut r, t * k);
-        let dropless = Cpu.routing_plan(&it, e).unwrap();
-        let capped = Cpu
+        let dropless = dev.routing_plan(&it, e).unwrap();
+        let capped = dev
             .capacity_plan(
                 &it,
-                &f64t(&probs, &[t, k]),
+                &dev.t64(&probs, &[t, k]),
                 e,
                 2,
                 DropPolicy::Position,
                 false,
             )
             .unwrap();
-        assert!(ints(&capped.slot).contains(&-1));
+        assert!(dev.hi32(&capped.slot).contains(&-1));
         for plan in [dropless, capped] {
             let n = plan.row_src.shape()[0];
             let y = rand_vec(&mut r, n * d);
             let w = rand_vec(&mut r, t * k);
             let rr = rand_vec(&mut r, t * d);
-            let slot = ints(&plan.slot);
-            let out = host(
-                &Cpu.unpermute(&f64t(&y, &[n, d]), &plan.slot, &f64t(&w, &[t, k]))
+            let slot = dev.hi32(&plan.slot);
+            let out = dev.h64(
+                &dev.unpermute(&dev.t64(&y, &[n, d]), &plan.slot, &dev.t64(&w, &[t, k]))
                     .unwrap(),
             );
             for tok in 0..t {
@@ -1442,32 +1439,31 @@ mod tests {
                     assert!((out[tok * d + j] - want).abs() < 1e-12);
                 }
             }
-            let (dy, dw) = Cpu
+            let (dy, dw) = dev
                 .unpermute_backward(
-                    &f64t(&rr, &[t, d]),
-                    &f64t(&y, &[n, d]),
+                    &dev.t64(&rr, &[t, d]),
+                    &dev.t64(&y, &[n, d]),
                     &plan.slot,
-                    &f64t(&w, &[t, k]),
+                    &dev.t64(&w, &[t, k]),
                 )
                 .unwrap();
             assert_eq!(dy.shape(), [n, d]);
             assert_eq!(dw.shape(), [t, k]);
             let obj = |y: &[f64], w: &[f64]| {
-                let out = Cpu
-                    .unpermute(&f64t(y, &[n, d]), &plan.slot, &f64t(w, &[t, k]))
+                let out = dev
+                    .unpermute(&dev.t64(y, &[n, d]), &plan.slot, &dev.t64(w, &[t, k]))
                     .unwrap();
-                dot(&host(&out), &rr)
+                dot(&dev.h64(&out), &rr)
             };
-            assert_grad("unpermute dy", &y, &host(&dy), 1e-6, |y| obj(y, &w));
-            assert_grad("unpermute dw", &w, &host(&dw), 1e-6, |w| obj(&y, w));
+            assert_grad("unpermute dy", &y, &dev.h64(&dy), 1e-6, |y| obj(y, &w));
+            assert_grad("unpermute dw", &w, &dev.h64(&dw), 1e-6, |w| obj(&y, w));
         }
     }
 
-    #[test]
-    fn unpermute_rejects_bad_input() {
-        let y = f64t(&[0.0; 6], &[3, 2]);
-        let w = f64t(&[0.0; 2], &[1, 2]);
-        let err = Cpu.unpermute(&y, &i32t(&[0, 3], &[1, 2]), &w).unwrap_err();
+    fn unpermute_rejects_bad_input<B: TestOps>(d: &B) {
+        let y = d.t64(&[0.0; 6], &[3, 2]);
+        let w = d.t64(&[0.0; 2], &[1, 2]);
+        let err = d.err_of(d.unpermute(&y, &i32t(d, &[0, 3], &[1, 2]), &w));
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1477,14 +1473,14 @@ mod tests {
                 hi: 3
             }
         );
-        let err = Cpu
-            .unpermute(&y, &i32t(&[0, 1, 2], &[1, 3]), &w)
+        let err = d
+            .unpermute(&y, &i32t(d, &[0, 1, 2], &[1, 3]), &w)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[1, 2]") && err.to_string().contains("[1, 3]"));
-        let w32 = f32t(&[0.0; 2], &[1, 2]);
-        let err = Cpu
-            .unpermute(&y, &i32t(&[0, 1], &[1, 2]), &w32)
+        let w32 = f32t(d, &[0.0; 2], &[1, 2]);
+        let err = d
+            .unpermute(&y, &i32t(d, &[0, 1], &[1, 2]), &w32)
             .unwrap_err();
         assert!(matches!(
             err,
@@ -1494,9 +1490,9 @@ mod tests {
                 ..
             }
         ));
-        let dout = f64t(&[0.0; 3], &[1, 3]);
-        let err = Cpu
-            .unpermute_backward(&dout, &y, &i32t(&[0, 1], &[1, 2]), &w)
+        let dout = d.t64(&[0.0; 3], &[1, 3]);
+        let err = d
+            .unpermute_backward(&dout, &y, &i32t(d, &[0, 1], &[1, 2]), &w)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[1, 3]") && err.to_string().contains("[1, 2]"));
@@ -1504,42 +1500,183 @@ mod tests {
 
     /// The whole dropless expert path as the MoE layer runs it, with an
     /// expert that receives no token: permute → grouped GEMM → unpermute.
-    #[test]
-    fn moe_dispatch_chain_grad_with_empty_expert() {
+    fn moe_dispatch_chain_grad_with_empty_expert<B: TestOps>(dev: &B) {
         let mut r = rng(18);
         let (t, d, f, e, k) = (5, 3, 2, 4, 2);
         let idx: Vec<i32> = vec![0, 2, 2, 0, 3, 0, 0, 2, 3, 2];
-        let plan = Cpu.routing_plan(&i32t(&idx, &[t, k]), e).unwrap();
-        assert_eq!(ints(&plan.counts)[1], 0);
+        let plan = dev.routing_plan(&i32t(dev, &idx, &[t, k]), e).unwrap();
+        assert_eq!(dev.hi32(&plan.counts)[1], 0);
         let x = rand_vec(&mut r, t * d);
         let wexp = rand_vec(&mut r, e * d * f);
         let wts = rand_vec(&mut r, t * k);
         let rr = rand_vec(&mut r, t * f);
         let fwd = |x: &[f64], we: &[f64], wts: &[f64]| {
-            let xp = Cpu.permute(&f64t(x, &[t, d]), &plan.row_src).unwrap();
-            let h = Cpu
-                .grouped_matmul(&xp, &f64t(we, &[e, d, f]), &plan.counts, false)
+            let xp = dev.permute(&dev.t64(x, &[t, d]), &plan.row_src).unwrap();
+            let h = dev
+                .grouped_matmul(&xp, &dev.t64(we, &[e, d, f]), &plan.counts, false)
                 .unwrap();
-            let out = Cpu.unpermute(&h, &plan.slot, &f64t(wts, &[t, k])).unwrap();
-            (xp, h, dot(&host(&out), &rr))
+            let out = dev
+                .unpermute(&h, &plan.slot, &dev.t64(wts, &[t, k]))
+                .unwrap();
+            (xp, h, dot(&dev.h64(&out), &rr))
         };
         let (xp, h, _) = fwd(&x, &wexp, &wts);
-        let (dh, dwts) = Cpu
-            .unpermute_backward(&f64t(&rr, &[t, f]), &h, &plan.slot, &f64t(&wts, &[t, k]))
+        let (dh, dwts) = dev
+            .unpermute_backward(
+                &dev.t64(&rr, &[t, f]),
+                &h,
+                &plan.slot,
+                &dev.t64(&wts, &[t, k]),
+            )
             .unwrap();
-        let dwexp = Cpu
+        let dwexp = dev
             .grouped_matmul_weight_grad(&xp, &dh, &plan.counts)
             .unwrap();
-        let dxp = Cpu
-            .grouped_matmul(&dh, &f64t(&wexp, &[e, d, f]), &plan.counts, true)
+        let dxp = dev
+            .grouped_matmul(&dh, &dev.t64(&wexp, &[e, d, f]), &plan.counts, true)
             .unwrap();
-        let dx = Cpu.permute_backward(&dxp, &plan.row_src, t).unwrap();
-        assert_grad("chain dx", &x, &host(&dx), 1e-6, |x| fwd(x, &wexp, &wts).2);
-        assert_grad("chain dw", &wexp, &host(&dwexp), 1e-6, |we| {
+        let dx = dev.permute_backward(&dxp, &plan.row_src, t).unwrap();
+        assert_grad("chain dx", &x, &dev.h64(&dx), 1e-6, |x| {
+            fwd(x, &wexp, &wts).2
+        });
+        assert_grad("chain dw", &wexp, &dev.h64(&dwexp), 1e-6, |we| {
             fwd(&x, we, &wts).2
         });
-        assert_grad("chain dwts", &wts, &host(&dwts), 1e-6, |w| {
+        assert_grad("chain dwts", &wts, &dev.h64(&dwts), 1e-6, |w| {
             fwd(&x, &wexp, w).2
         });
     }
+
+    /// Every routing op on random f32 (and bf16 where the device stores it)
+    /// inputs against the CPU: indices and plans must match exactly (bf16
+    /// ties are broken the same way on both sides, as the CPU sees the same
+    /// rounded values), values within the tolerance.
+    fn routing_matches_cpu<B: TestOps>(d: &B) {
+        for dtype in Compare::precisions(d) {
+            let mut c = Compare::new(d, dtype, 90);
+            let (t, e, k, dim, v) = (300, 64, 6, 48, 50);
+            let (x, xc) = c.rand(&[t, e], 3.0);
+            for (groups, gk) in [(1, 1), (8, 3)] {
+                let got = d.hi32(&d.topk(&x, k, groups, gk).unwrap());
+                let want = Cpu
+                    .download(&Cpu.topk(&xc, k, groups, gk).unwrap())
+                    .unwrap();
+                assert_eq!(
+                    got,
+                    want.to_i32().unwrap(),
+                    "topk groups={groups} ({dtype:?})"
+                );
+            }
+            let idx_h = Cpu
+                .download(&Cpu.topk(&xc, k, 1, 1).unwrap())
+                .unwrap()
+                .to_i32()
+                .unwrap();
+            let (idx, idxc) = c.idx(&idx_h, &[t, k]);
+            c.check(
+                "gather_cols",
+                &d.gather_cols(&x, &idx).unwrap(),
+                &Cpu.gather_cols(&xc, &idxc).unwrap(),
+            );
+            let (pv, pvc) = c.rand(&[t, k], 1.0);
+            c.check(
+                "scatter_cols",
+                &d.scatter_cols(&pv, &idx, e).unwrap(),
+                &Cpu.scatter_cols(&pvc, &idxc, e).unwrap(),
+            );
+            let ids_h: Vec<i32> = (0..t).map(|i| ((i * i * 7 + 3) % v) as i32).collect();
+            let (ids, idsc) = c.idx(&ids_h, &[t]);
+            let (table, tablec) = c.rand(&[v, dim], 1.0);
+            c.check(
+                "embedding",
+                &d.embedding(&table, &ids).unwrap(),
+                &Cpu.embedding(&tablec, &idsc).unwrap(),
+            );
+            let (dy, dyc) = c.rand(&[t, dim], 1.0);
+            c.check(
+                "embedding_backward",
+                &d.embedding_backward(&dy, &ids, v).unwrap(),
+                &Cpu.embedding_backward(&dyc, &idsc, v).unwrap(),
+            );
+            let plan_eq = |what: &str, a: &RoutingPlan<B>, b: &RoutingPlan<Cpu>| {
+                let h = |t: &Tensor<Cpu>| Cpu.download(t).unwrap().to_i32().unwrap();
+                assert_eq!(d.hi32(&a.row_src), h(&b.row_src), "{what} row_src");
+                assert_eq!(d.hi32(&a.slot), h(&b.slot), "{what} slot");
+                assert_eq!(d.hi32(&a.counts), h(&b.counts), "{what} counts");
+            };
+            plan_eq(
+                "routing_plan",
+                &d.routing_plan(&idx, e).unwrap(),
+                &Cpu.routing_plan(&idxc, e).unwrap(),
+            );
+            let (probs, probsc) = c.rand(&[t, k], 1.0);
+            let cap = t * k / e * 3 / 4;
+            for policy in [DropPolicy::Probs, DropPolicy::Position] {
+                for pad in [false, true] {
+                    plan_eq(
+                        &format!("capacity_plan {policy:?} pad={pad}"),
+                        &d.capacity_plan(&idx, &probs, e, cap, policy, pad).unwrap(),
+                        &Cpu.capacity_plan(&idxc, &probsc, e, cap, policy, pad)
+                            .unwrap(),
+                    );
+                }
+            }
+            // The dispatcher chain on a padded capacity plan (padding rows
+            // and dropped copies included).
+            let plan = d
+                .capacity_plan(&idx, &probs, e, cap, DropPolicy::Probs, true)
+                .unwrap();
+            let planc = Cpu
+                .capacity_plan(&idxc, &probsc, e, cap, DropPolicy::Probs, true)
+                .unwrap();
+            let n = plan.row_src.numel();
+            let (h, hc) = c.rand(&[t, dim], 1.0);
+            c.check(
+                "permute",
+                &d.permute(&h, &plan.row_src).unwrap(),
+                &Cpu.permute(&hc, &planc.row_src).unwrap(),
+            );
+            let (dp, dpc) = c.rand(&[n, dim], 1.0);
+            c.check(
+                "permute_backward",
+                &d.permute_backward(&dp, &plan.row_src, t).unwrap(),
+                &Cpu.permute_backward(&dpc, &planc.row_src, t).unwrap(),
+            );
+            let (y, yc) = c.rand(&[n, dim], 1.0);
+            let (w, wc) = c.rand(&[t, k], 1.0);
+            c.check(
+                "unpermute",
+                &d.unpermute(&y, &plan.slot, &w).unwrap(),
+                &Cpu.unpermute(&yc, &planc.slot, &wc).unwrap(),
+            );
+            let (dout, doutc) = c.rand(&[t, dim], 1.0);
+            let (dy, dw) = d.unpermute_backward(&dout, &y, &plan.slot, &w).unwrap();
+            let (dyc, dwc) = Cpu
+                .unpermute_backward(&doutc, &yc, &planc.slot, &wc)
+                .unwrap();
+            c.check("unpermute_backward dy", &dy, &dyc);
+            c.check("unpermute_backward dw", &dw, &dwc);
+            c.report("routing");
+        }
+    }
+
+    device_tests!(
+        routing_matches_cpu,
+        topk_matches_stable_sort_reference_with_ties,
+        topk_group_limited_matches_brute_force_over_group_subsets,
+        topk_rejects_bad_input,
+        gather_cols_grad_is_scatter_cols,
+        gather_and_scatter_cols_reject_bad_input,
+        embedding_grad_with_repeated_ids,
+        embedding_rejects_bad_ids,
+        routing_plan_is_expert_major_and_stable,
+        routing_plan_rejects_bad_input,
+        capacity_plan_drops_the_right_copies_for_both_policies,
+        capacity_plan_rejects_bad_input,
+        permute_grad_with_padding_rows,
+        permute_rejects_bad_input,
+        unpermute_grad_dropless_and_dropped_copies,
+        unpermute_rejects_bad_input,
+        moe_dispatch_chain_grad_with_empty_expert,
+    );
 }

@@ -5,7 +5,8 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::backend::Device;
 use crate::cpu::Cpu;
-use crate::tensor::{HostData, Tensor};
+use crate::error::{KernelError, Result};
+use crate::tensor::{DType, HostData, Tensor};
 
 /// Relative tolerance of every f64 finite-difference check.
 pub(crate) const TOL: f64 = 1e-6;
@@ -57,24 +58,11 @@ pub(crate) fn check(what: &str, x: &[f64], analytic: &[f64], f: impl FnMut(&[f64
     crate::gradcheck::assert_grad(what, x, analytic, TOL, f);
 }
 
-/// A tensor's values as i32.
-pub(crate) fn hi32(t: &Tensor<Cpu>) -> Vec<i32> {
-    Cpu.download(t).unwrap().to_i32().unwrap()
-}
-
 // ---- one test body for every device ------------------------------------------
 
-use crate::backend::{ElementwiseOps, LinalgOps, LossOps, NormOps, OptimOps};
-use crate::error::{KernelError, Result};
-use crate::tensor::DType;
-
-/// The op areas every device's shared test bodies may call. Routing and
-/// attention join once the CUDA backend implements them.
-pub(crate) trait TestOps:
-    Device + ElementwiseOps + LinalgOps + NormOps + LossOps + OptimOps
-{
-}
-impl<T: Device + ElementwiseOps + LinalgOps + NormOps + LossOps + OptimOps> TestOps for T {}
+/// The op areas the shared test bodies call: the whole backend.
+pub(crate) trait TestOps: crate::backend::Backend {}
+impl<T: crate::backend::Backend> TestOps for T {}
 
 /// Tensor builders and readers on any device, so a test body written once
 /// runs on the CPU and on CUDA (`d.t64(..)` instead of `t64(..)`).
@@ -94,6 +82,10 @@ pub(crate) trait TestDevice: Device {
     /// A tensor's values as f64.
     fn h64(&self, t: &Tensor<Self>) -> Vec<f64> {
         self.download(t).unwrap().to_f64()
+    }
+    /// A tensor's values as i32.
+    fn hi32(&self, t: &Tensor<Self>) -> Vec<i32> {
+        self.download(t).unwrap().to_i32().unwrap()
     }
     /// The error of `r`: returned by the op itself (CPU, and shape or dtype
     /// errors anywhere), or, for a data-dependent error that a GPU kernel

@@ -60,6 +60,9 @@ __device__ __forceinline__ double log_(double x) { return log(x); }
 __device__ __forceinline__ float sqrt_(float x) { return sqrtf(x); }
 __device__ __forceinline__ double sqrt_(double x) { return sqrt(x); }
 
+// +∞ in f64 (NVRTC has no INFINITY macro without the host headers).
+__device__ __forceinline__ double inf64() { return __longlong_as_double(0x7ff0000000000000LL); }
+
 template <typename A> __device__ __forceinline__ A neg_inf() { return -(A)__int_as_float(0x7f800000); }
 
 // Grid-stride loop over `n` elements.

@@ -52,7 +52,18 @@ pub(crate) const OPTIM: Module = Module {
 
 /// Every module, for checks that compile them all.
 #[cfg(test)]
-pub(crate) const ALL: [Module; 5] = [ELEMENTWISE, LINALG, NORM, LOSS, OPTIM];
+pub(crate) const ALL: [Module; 7] = [ELEMENTWISE, LINALG, NORM, LOSS, OPTIM, ATTENTION, ROUTING];
+
+/// Causal grouped-query attention, forward and backward.
+pub(crate) const ATTENTION: Module = Module {
+    name: "attention.cu",
+    src: include_str!("attention.cu"),
+};
+/// Top-k, gathers, embeddings, routing plans and the dispatcher permutations.
+pub(crate) const ROUTING: Module = Module {
+    name: "routing.cu",
+    src: include_str!("routing.cu"),
+};
 
 /// A compiled module and the kernels looked up in it so far.
 pub(crate) struct Loaded {

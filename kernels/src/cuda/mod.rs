@@ -15,17 +15,20 @@
 //! [`Cuda::synchronize`]. Shape and dtype errors are returned at once, as on
 //! the CPU.
 //!
-//! Op areas implemented so far: elementwise, linalg, norm, loss, optim.
-//! Routing and attention are still to come, so `Cuda` is not yet a full
-//! [`crate::Backend`].
+//! Every op area is implemented, so `Cuda` is a [`crate::Backend`]. The
+//! grouped GEMM and attention are the simple, correct kernels for now
+//! (one thread per output element or row); faster ones will replace them
+//! behind the same interface.
 
 mod alloc;
+mod attention;
 mod compile;
 mod elementwise;
 mod linalg;
 mod loss;
 mod norm;
 mod optim;
+mod routing;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -313,7 +316,7 @@ impl Cuda {
 
     /// Makes the device's context current on this thread: raw driver calls
     /// (copies, memsets) need it, and tests call from many threads.
-    fn bind(&self) -> Result<()> {
+    pub(crate) fn bind(&self) -> Result<()> {
         self.inner
             .ctx
             .bind_to_thread()

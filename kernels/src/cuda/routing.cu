@@ -1,0 +1,355 @@
+// Top-k (optionally group-limited), column gathers, embeddings and the
+// permutations of the MoE dispatcher. Shape letters: T tokens, E experts,
+// K top-k, N permuted rows, D hidden, V vocabulary.
+//
+// Every accumulation runs in a fixed order per output element, so results
+// are deterministic: a scatter first inverts its index map (count, scan,
+// place, then sort each target's segment so it lists sources in increasing
+// order), and each output row then sums its sources in that order.
+
+// Reports the first entry of idx outside [lo, hi); the consumers skip such
+// entries, so nothing is read or written out of bounds.
+extern "C" __global__ void check_range(const int* idx, i64 n, i64 lo, i64 hi, ErrRec* err, unsigned int code) {
+    GRID_LOOP(i, n) {
+        i64 c = idx[i];
+        if (c < lo || c >= hi) report_err(err, code, i, (double)c);
+    }
+}
+
+// Reports the first NaN of x.
+template <typename T> __device__ void check_nan_impl(const T* x, i64 n, ErrRec* err, unsigned int code) {
+    GRID_LOOP(i, n) {
+        double v = to_f64(x[i]);
+        if (isnan(v)) report_err(err, code, i, v);
+    }
+}
+#define CHECK_NAN(sfx, T) \
+    extern "C" __global__ void check_nan_##sfx(const T* x, i64 n, ErrRec* err, unsigned int code) { check_nan_impl<T>(x, n, err, code); }
+FOR_FLOATS(CHECK_NAN)
+
+// ---- top-k ----------------------------------------------------------------------
+
+// The top-k order: larger value first, then lower index. `after(v, i, pv, pi)`
+// says (v, i) comes strictly after (pv, pi), so the j-th pick is the best
+// element after the (j−1)-th: no marks, no sorting, O(K·E) per row.
+__device__ __forceinline__ bool after(double v, i64 i, double pv, i64 pi) { return v < pv || (v == pv && i > pi); }
+__device__ __forceinline__ bool better(double v, i64 i, double bv, i64 bi) { return bi < 0 || v > bv || (v == bv && i < bi); }
+
+#define MAX_GROUPS 64
+
+// One thread per row. With groups > 1 a group scores the sum (in f64, best
+// first) of its best `score_top` values; only the best `keep_groups` groups
+// are eligible. NaN rows are reported and get indices 0..K-1.
+template <typename T>
+__device__ void topk_impl(const T* x, int* out, i64 t, i64 e, i64 k, i64 groups, i64 per_group, i64 keep_groups, i64 score_top,
+                          ErrRec* err, unsigned int code_nan) {
+    GRID_LOOP(r, t) {
+        const T* row = x + r * e;
+        int* o = out + r * k;
+        bool nan = false;
+        for (i64 c = 0; c < e; ++c) {
+            double v = to_f64(row[c]);
+            if (isnan(v)) { report_err(err, code_nan, r * e + c, v); nan = true; break; }
+        }
+        if (nan) {
+            for (i64 j = 0; j < k; ++j) o[j] = (int)j;
+            continue;
+        }
+        unsigned long long eligible = ~0ull;
+        if (groups > 1) {
+            double gs[MAX_GROUPS];
+            for (i64 g = 0; g < groups; ++g) {
+                double pv = 0, s = 0;
+                i64 pi = -1;
+                for (i64 j = 0; j < score_top; ++j) {
+                    double bv = 0;
+                    i64 bi = -1;
+                    for (i64 c = g * per_group; c < (g + 1) * per_group; ++c) {
+                        double v = to_f64(row[c]);
+                        if (pi >= 0 && !after(v, c, pv, pi)) continue;
+                        if (better(v, c, bv, bi)) { bv = v; bi = c; }
+                    }
+                    s += bv;
+                    pv = bv;
+                    pi = bi;
+                }
+                // +inf and -inf in one group sum to NaN: rank it last.
+                gs[g] = isnan(s) ? -inf64() : s;
+            }
+            eligible = 0;
+            double pv = 0;
+            i64 pi = -1;
+            for (i64 j = 0; j < keep_groups; ++j) {
+                double bv = 0;
+                i64 bi = -1;
+                for (i64 g = 0; g < groups; ++g) {
+                    if (pi >= 0 && !after(gs[g], g, pv, pi)) continue;
+                    if (better(gs[g], g, bv, bi)) { bv = gs[g]; bi = g; }
+                }
+                eligible |= 1ull << bi;
+                pv = bv;
+                pi = bi;
+            }
+        }
+        double pv = 0;
+        i64 pi = -1;
+        for (i64 j = 0; j < k; ++j) {
+            double bv = 0;
+            i64 bi = -1;
+            for (i64 c = 0; c < e; ++c) {
+                if (groups > 1 && !((eligible >> (c / per_group)) & 1ull)) continue;
+                double v = to_f64(row[c]);
+                if (pi >= 0 && !after(v, c, pv, pi)) continue;
+                if (better(v, c, bv, bi)) { bv = v; bi = c; }
+            }
+            o[j] = (int)bi;
+            pv = bv;
+            pi = bi;
+        }
+    }
+}
+#define TOPK(sfx, T) \
+    extern "C" __global__ void topk_##sfx(const T* x, int* out, i64 t, i64 e, i64 k, i64 groups, i64 per_group, i64 keep_groups, \
+                                          i64 score_top, ErrRec* err, unsigned int code_nan) { \
+        topk_impl<T>(x, out, t, e, k, groups, per_group, keep_groups, score_top, err, code_nan); }
+FOR_FLOATS(TOPK)
+
+// ---- gathers -----------------------------------------------------------------------
+
+// out[t, j] = x[t, idx[t, j]] (0 for an invalid index).
+template <typename T> __device__ void gather_cols_impl(const T* x, const int* idx, T* out, i64 t, i64 e, i64 k) {
+    GRID_LOOP(p, t * k) {
+        i64 c = idx[p];
+        out[p] = (c >= 0 && c < e) ? x[(p / k) * e + c] : from_acc<T>((acc_t<T>)0);
+    }
+}
+#define GATHER_COLS(sfx, T) \
+    extern "C" __global__ void gather_cols_##sfx(const T* x, const int* idx, T* out, i64 t, i64 e, i64 k) { gather_cols_impl<T>(x, idx, out, t, e, k); }
+FOR_FLOATS(GATHER_COLS)
+
+// out[t, idx[t, j]] += v[t, j] over a zeroed out; one thread per row adds its
+// k values in order.
+template <typename T> __device__ void scatter_cols_impl(const T* v, const int* idx, T* out, i64 t, i64 k, i64 cols) {
+    GRID_LOOP(r, t) {
+        for (i64 j = 0; j < k; ++j) {
+            i64 c = idx[r * k + j];
+            if (c < 0 || c >= cols) continue;
+            T* o = out + r * cols + c;
+            *o = from_acc<T>(to_acc(*o) + to_acc(v[r * k + j]));
+        }
+    }
+}
+#define SCATTER_COLS(sfx, T) \
+    extern "C" __global__ void scatter_cols_##sfx(const T* v, const int* idx, T* out, i64 t, i64 k, i64 cols) { scatter_cols_impl<T>(v, idx, out, t, k, cols); }
+FOR_FLOATS(SCATTER_COLS)
+
+// out[n] = x[src[n]] row by row; 0 where src[n] is -1 (or invalid).
+template <typename T> __device__ void gather_rows_impl(const T* x, const int* src, T* out, i64 n, i64 rows, i64 d) {
+    GRID_LOOP(p, n * d) {
+        i64 s = src[p / d];
+        out[p] = (s >= 0 && s < rows) ? x[s * d + p % d] : from_acc<T>((acc_t<T>)0);
+    }
+}
+#define GATHER_ROWS(sfx, T) \
+    extern "C" __global__ void gather_rows_##sfx(const T* x, const int* src, T* out, i64 n, i64 rows, i64 d) { gather_rows_impl<T>(x, src, out, n, rows, d); }
+FOR_FLOATS(GATHER_ROWS)
+
+// ---- inverting an index map --------------------------------------------------------
+
+extern "C" __global__ void inv_count(const int* src, i64 n, i64 targets, int* counts) {
+    GRID_LOOP(r, n) {
+        i64 s = src[r];
+        if (s >= 0 && s < targets) atomicAdd(&counts[s], 1);
+    }
+}
+
+// Exclusive scan of counts[targets] into offsets[targets + 1], by one block
+// of 1024 threads: each thread sums a contiguous chunk, the chunk totals are
+// scanned in shared memory, then each thread writes its chunk's offsets.
+extern "C" __global__ void inv_scan(const int* counts, i64 targets, int* offsets) {
+    __shared__ int part[1024];
+    i64 per = (targets + 1023) / 1024;
+    i64 lo = threadIdx.x * per, hi = lo + per < targets ? lo + per : targets;
+    int s = 0;
+    for (i64 i = lo; i < hi; ++i) s += counts[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int o = 1; o < 1024; o <<= 1) {
+        int add = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
+        __syncthreads();
+        part[threadIdx.x] += add;
+        __syncthreads();
+    }
+    int run = part[threadIdx.x] - s;
+    for (i64 i = lo; i < hi; ++i) {
+        offsets[i] = run;
+        run += counts[i];
+    }
+    if (threadIdx.x == 1023) offsets[targets] = part[1023];
+}
+
+// Places each source r in its target's segment (cursor starts as a copy of
+// the offsets); the order inside a segment is fixed by inv_sort.
+extern "C" __global__ void inv_fill(const int* src, i64 n, i64 targets, int* cursor, int* items) {
+    GRID_LOOP(r, n) {
+        i64 s = src[r];
+        if (s >= 0 && s < targets) items[atomicAdd(&cursor[s], 1)] = (int)r;
+    }
+}
+
+// Sorts every segment ascending (insertion sort: segments are short, and
+// already nearly sorted when the atomics were served in order).
+extern "C" __global__ void inv_sort(const int* offsets, i64 targets, int* items) {
+    GRID_LOOP(t, targets) {
+        int lo = offsets[t], hi = offsets[t + 1];
+        for (int i = lo + 1; i < hi; ++i) {
+            int v = items[i];
+            int j = i - 1;
+            while (j >= lo && items[j] > v) { items[j + 1] = items[j]; --j; }
+            items[j + 1] = v;
+        }
+    }
+}
+
+// out[i, c] = Σ over the sources r of target i (in order) of
+// scale(r) · src[r / kdiv, c], scale(r) = w[r] when w is given, else 1.
+template <typename T>
+__device__ void seg_sum_impl(const T* src, const T* w, const int* offsets, const int* items, T* out, i64 targets, i64 d, i64 kdiv) {
+    typedef acc_t<T> A;
+    GRID_LOOP(p, targets * d) {
+        i64 i = p / d, c = p % d;
+        A s = 0;
+        for (int q = offsets[i]; q < offsets[i + 1]; ++q) {
+            i64 r = items[q];
+            A sc = w ? to_acc(w[r]) : (A)1;
+            s += sc * to_acc(src[(r / kdiv) * d + c]);
+        }
+        out[p] = from_acc<T>(s);
+    }
+}
+#define SEG_SUM(sfx, T) \
+    extern "C" __global__ void seg_sum_##sfx(const T* src, const T* w, const int* offsets, const int* items, T* out, i64 targets, i64 d, i64 kdiv) { \
+        seg_sum_impl<T>(src, w, offsets, items, out, targets, d, kdiv); }
+FOR_FLOATS(SEG_SUM)
+
+// ---- routing plans -------------------------------------------------------------------
+
+// Dropless: row `row` of the expert-major order takes copy items[row]; rows
+// past the placed total (only if idx held invalid experts, reported) get -1,
+// as do those copies' slots (slot arrives filled with -1).
+extern "C" __global__ void plan_fill(const int* offsets, const int* items, i64 n, i64 k, i64 experts, int* row_src, int* slot, int* counts) {
+    i64 total = offsets[experts];
+    GRID_LOOP(p, n > experts ? n : experts) {
+        if (p < n) {
+            if (p < total) {
+                int copy = items[p];
+                row_src[p] = (int)(copy / k);
+                slot[copy] = (int)p;
+            } else {
+                row_src[p] = -1;
+            }
+        }
+        if (p < experts) counts[p] = offsets[p + 1] - offsets[p];
+    }
+}
+
+// Capacity (row_src and slot arrive filled with -1): one thread per expert keeps min(count, capacity) of its copies
+// (the earliest, or the most probable with the earlier copy on ties), in
+// (token, choice) order, at rows from e·capacity (pad) or after the kept
+// rows of the experts before it.
+template <typename T>
+__device__ void cap_place_impl(const T* probs, const int* offsets, const int* items, i64 experts, i64 k, i64 capacity,
+                               int by_probs, int pad, int* row_src, int* slot, int* counts) {
+    GRID_LOOP(e, experts) {
+        i64 lo = offsets[e], hi = offsets[e + 1], len = hi - lo;
+        i64 kept = len < capacity ? len : capacity;
+        i64 base = e * capacity;
+        if (!pad) {
+            base = 0;
+            for (i64 f = 0; f < e; ++f) {
+                i64 l = offsets[f + 1] - offsets[f];
+                base += l < capacity ? l : capacity;
+            }
+        }
+        counts[e] = (int)(pad ? capacity : kept);
+        // The last kept copy in the (prob desc, copy asc) order: a copy is
+        // kept iff it is not after it.
+        double tv = inf64();
+        i64 ti = -1;
+        bool all = !by_probs || len <= capacity;
+        if (!all) {
+            double pv = 0;
+            i64 pi = -1;
+            for (i64 j = 0; j < kept; ++j) {
+                double bv = 0;
+                i64 bi = -1;
+                for (i64 q = lo; q < hi; ++q) {
+                    i64 c = items[q];
+                    double v = to_f64(probs[c]);
+                    if (pi >= 0 && !after(v, c, pv, pi)) continue;
+                    if (better(v, c, bv, bi)) { bv = v; bi = c; }
+                }
+                pv = bv;
+                pi = bi;
+            }
+            tv = pv;
+            ti = pi;
+        }
+        i64 row = base, taken = 0;
+        for (i64 q = lo; q < hi && taken < kept; ++q) {
+            i64 c = items[q];
+            if (!all && after(to_f64(probs[c]), c, tv, ti)) continue;
+            row_src[row] = (int)(c / k);
+            slot[c] = (int)row;
+            ++row;
+            ++taken;
+        }
+    }
+}
+#define CAP_PLACE(sfx, T) \
+    extern "C" __global__ void cap_place_##sfx(const T* probs, const int* offsets, const int* items, i64 experts, i64 k, i64 capacity, \
+                                               int by_probs, int pad, int* row_src, int* slot, int* counts) { \
+        cap_place_impl<T>(probs, offsets, items, experts, k, capacity, by_probs, pad, row_src, slot, counts); }
+FOR_FLOATS(CAP_PLACE)
+
+// ---- combine -----------------------------------------------------------------------
+
+// out[t, c] = Σ_j w[t, j] · y[slot[t, j], c] over kept copies, j in order.
+template <typename T>
+__device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, i64 t, i64 k, i64 n, i64 d) {
+    typedef acc_t<T> A;
+    GRID_LOOP(p, t * d) {
+        i64 tok = p / d, c = p % d;
+        A s = 0;
+        for (i64 j = 0; j < k; ++j) {
+            i64 r = slot[tok * k + j];
+            if (r < 0 || r >= n) continue;
+            s += to_acc(w[tok * k + j]) * to_acc(y[r * d + c]);
+        }
+        out[p] = from_acc<T>(s);
+    }
+}
+#define UNPERMUTE(sfx, T) \
+    extern "C" __global__ void unpermute_##sfx(const T* y, const int* slot, const T* w, T* out, i64 t, i64 k, i64 n, i64 d) { \
+        unpermute_impl<T>(y, slot, w, out, t, k, n, d); }
+FOR_FLOATS(UNPERMUTE)
+
+// dw[t, j] = dout[t] · y[slot[t, j]], zero for a dropped copy.
+template <typename T>
+__device__ void unpermute_dw_impl(const T* dout, const T* y, const int* slot, T* dw, i64 t, i64 k, i64 n, i64 d) {
+    typedef acc_t<T> A;
+    GRID_LOOP(copy, t * k) {
+        i64 r = slot[copy];
+        A s = 0;
+        if (r >= 0 && r < n) {
+            const T* a = dout + (copy / k) * d;
+            const T* b = y + r * d;
+            for (i64 c = 0; c < d; ++c) s += to_acc(a[c]) * to_acc(b[c]);
+        }
+        dw[copy] = from_acc<T>(s);
+    }
+}
+#define UNPERMUTE_DW(sfx, T) \
+    extern "C" __global__ void unpermute_dw_##sfx(const T* dout, const T* y, const int* slot, T* dw, i64 t, i64 k, i64 n, i64 d) { \
+        unpermute_dw_impl<T>(dout, y, slot, dw, t, k, n, d); }
+FOR_FLOATS(UNPERMUTE_DW)
