@@ -833,6 +833,7 @@ pub fn check(layout: &LayoutSpec, model: &ModelSpec) -> Result<Layout, Vec<Layou
     let dp = derive_dp(s, &mut r);
     let edp = derive_edp(s, &mut r);
     check_model_dims(s, model, &mut r);
+    check_fp8_shards(s, model, &mut r);
     check_stages(s, model, &mut r);
     let sequence_parallel = has_moe(model) && s.tp > 1;
     check_sequence(s, model, sequence_parallel, &mut r);
@@ -1102,6 +1103,42 @@ fn check_model_dims(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
             "vocab = {v} is padded to {}, the next multiple of tp = {tp}, so the embedding and LM head split evenly",
             v.div_ceil(tp) * tp
         ));
+    }
+}
+
+/// fp8 GEMMs need every dimension a multiple of 16 on each rank, not only in
+/// the whole model (DESIGN §3, precision): tp splits dense and shared-expert
+/// FFNs and etp splits expert FFNs, and a split can break the multiple.
+/// Attention needs no check here: `head_dim` is itself a multiple of 16 when
+/// the model passes its own fp8 rule, and tp splits whole heads. A dim that
+/// is not a multiple of 16 at all, or not divisible by its size, is already
+/// reported by another rule and skipped.
+fn check_fp8_shards(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
+    let w = s.world;
+    for g in model.groups.iter().filter(|g| g.policy.precision.is_fp8()) {
+        let mut dims: Vec<(&'static str, &str, usize, usize)> = Vec::new();
+        match &g.ffn {
+            FfnSpec::Dense { ffn } => dims.push(("tp", "ffn", *ffn, s.tp)),
+            FfnSpec::Moe(m) => {
+                dims.push(("etp", "expert_ffn", m.expert_ffn, s.etp));
+                dims.push(("tp", "shared_ffn", m.shared_ffn, s.tp));
+            }
+        }
+        for (field, name, dim, size) in dims {
+            if dim == 0 || size == 0 || !dim.is_multiple_of(16) || !dim.is_multiple_of(size) {
+                continue;
+            }
+            let local = dim / size;
+            if !local.is_multiple_of(16) {
+                r.err(
+                    field,
+                    format!(
+                        "{field} = {size} splits {name} = {dim} into {local} per rank, but fp8 GEMMs need a multiple of 16; choose {field} in {} or use bf16",
+                        choices(w, dim, |d| dim.is_multiple_of(d) && (dim / d).is_multiple_of(16))
+                    ),
+                );
+            }
+        }
     }
 }
 
@@ -2138,5 +2175,31 @@ mod tests {
             "layout `default`: unclosed `[` in `pp_layers=[3,4`"
         );
         assert_eq!(LayoutSpec::parse("tp=-1").unwrap_err().field, "tp");
+    }
+
+    #[test]
+    fn fp8_needs_multiples_of_16_on_each_rank() {
+        use crate::spec::GemmPrecision;
+        let mut dense =
+            BlockGroup::new(1, AttentionSpec::gqa(8, 4, 16), FfnSpec::Dense { ffn: 48 });
+        dense.policy.precision = GemmPrecision::Fp8Blockwise;
+        let mut experts = BlockGroup::new(1, AttentionSpec::gqa(8, 4, 16), moe(8, 2, 32, 0));
+        experts.policy.precision = GemmPrecision::Fp8Tensorwise;
+        let m = model(64, 32, vec![dense, experts]);
+        ok("world=4,tp=1,etp=2", &m);
+        assert_eq!(
+            one("world=2,tp=2", &m),
+            ("tp", "tp = 2 splits ffn = 48 into 24 per rank, but fp8 GEMMs need a multiple of 16; choose tp in {1} or use bf16".into())
+        );
+        assert_eq!(
+            one("world=4,etp=4,ep=1", &m),
+            ("etp", "etp = 4 splits expert_ffn = 32 into 8 per rank, but fp8 GEMMs need a multiple of 16; choose etp in {1, 2} or use bf16".into())
+        );
+        // The same splits are fine in bf16.
+        let mut bf16 = m.clone();
+        for g in &mut bf16.groups {
+            g.policy.precision = GemmPrecision::Bf16;
+        }
+        ok("world=4,tp=2,etp=4", &bf16);
     }
 }

@@ -156,10 +156,135 @@ pub enum GemmPrecision {
     Fp8Blockwise,
 }
 
+impl GemmPrecision {
+    /// Whether the GEMMs run in fp8 (either scaling), which constrains dims.
+    pub fn is_fp8(self) -> bool {
+        matches!(
+            self,
+            GemmPrecision::Fp8Tensorwise | GemmPrecision::Fp8Blockwise
+        )
+    }
+}
+
 /// Keyword spelling of every policy value, in one place: used by the macro,
 /// config files and error messages.
+///
+/// The key tables (`MODEL_KEYS`, `MOE_KEYS`, ...) are the words of both front
+/// ends: `#[moe_model(...)]` and model config files accept exactly these
+/// keys. Each pairs a key with the IR path, relative to its section, that the
+/// rules blame (`z_loss` → `router.z_loss_coef`), so each front end can point
+/// a rule's error back at the key the user wrote.
 pub mod keywords {
-    use super::{GemmPrecision, OffloadPart, RecomputePart};
+    use super::{
+        DropPolicySpec, GemmPrecision, LoadBalance, OffloadPart, RecomputePart, ScoreFunction,
+    };
+
+    /// Keys of the model (`#[moe_model(...)]`, a config file's top level).
+    pub const MODEL_KEYS: &[(&str, &str)] = &[
+        ("name", "name"),
+        ("vocab", "vocab"),
+        ("hidden", "hidden"),
+        ("seq_len", "seq_len"),
+        ("norm_eps", "norm_eps"),
+        ("rope_theta", "rope_theta"),
+        ("tied_embeddings", "tied_embeddings"),
+        ("init_std", "init_std"),
+        ("mtp_layers", "mtp_layers"),
+        ("layout", "layout"),
+    ];
+    /// Keys of one named layout (`layout(...)`, `[[layout]]`).
+    pub const LAYOUT_KEYS: &[(&str, &str)] = &[
+        ("name", "name"),
+        ("world", "world"),
+        ("tp", "tp"),
+        ("cp", "cp"),
+        ("dp", "dp"),
+        ("pp", "pp"),
+        ("vpp", "vpp"),
+        ("ep", "ep"),
+        ("etp", "etp"),
+        ("edp", "edp"),
+        ("order", "order"),
+        ("pp_layers", "pp_layers"),
+    ];
+    /// Keys of one group of blocks (`#[blocks(...)]`, `[[blocks]]`).
+    pub const GROUP_KEYS: &[(&str, &str)] = &[
+        ("count", "count"),
+        ("attention", "attention"),
+        ("dense", "dense"),
+        ("moe", "moe"),
+        ("recompute", "policy.recompute"),
+        ("offload", "policy.offload"),
+        ("store_fp8", "policy.store_fp8"),
+        ("precision", "policy.precision"),
+    ];
+    /// Keys of `attention`.
+    pub const ATTENTION_KEYS: &[(&str, &str)] = &[
+        ("heads", "heads"),
+        ("kv_heads", "kv_heads"),
+        ("head_dim", "head_dim"),
+        ("mla", "mla"),
+    ];
+    /// Keys of `mla`.
+    pub const MLA_KEYS: &[(&str, &str)] = &[
+        ("q_lora_rank", "q_lora_rank"),
+        ("kv_lora_rank", "kv_lora_rank"),
+        ("qk_nope_head_dim", "qk_nope_head_dim"),
+        ("qk_rope_head_dim", "qk_rope_head_dim"),
+        ("v_head_dim", "v_head_dim"),
+    ];
+    /// Keys of `dense`.
+    pub const DENSE_KEYS: &[(&str, &str)] = &[("ffn", "ffn")];
+    /// Keys of `moe`; router settings are written flat, as in a model card.
+    pub const MOE_KEYS: &[(&str, &str)] = &[
+        ("experts", "experts"),
+        ("top_k", "top_k"),
+        ("expert_ffn", "expert_ffn"),
+        ("shared_experts", "shared_ffn"),
+        ("shared_ffn", "shared_ffn"),
+        ("shared_gate", "shared_gate"),
+        ("score", "router.score"),
+        ("pre_softmax", "router.pre_softmax"),
+        ("scaling_factor", "router.scaling_factor"),
+        ("groups", "router.groups"),
+        ("group_top_k", "router.group_top_k"),
+        ("expert_bias", "router.expert_bias"),
+        ("load_balance", "router.load_balance"),
+        ("aux_coef", "router.aux_coef"),
+        ("z_loss", "router.z_loss_coef"),
+        ("capacity", "capacity"),
+    ];
+    /// Keys of `capacity`.
+    pub const CAPACITY_KEYS: &[(&str, &str)] = &[
+        ("factor", "factor"),
+        ("drop", "drop_policy"),
+        ("pad", "pad_to_capacity"),
+    ];
+
+    /// Values of `score`.
+    pub const SCORE: &[(&str, ScoreFunction)] = &[
+        ("softmax", ScoreFunction::Softmax),
+        ("sigmoid", ScoreFunction::Sigmoid),
+    ];
+    /// Values of `load_balance`.
+    pub const LOAD_BALANCE: &[(&str, LoadBalance)] = &[
+        ("none", LoadBalance::None),
+        ("aux", LoadBalance::Aux),
+        ("seq_aux", LoadBalance::SeqAux),
+        ("global_aux", LoadBalance::GlobalAux),
+    ];
+    /// Values of `capacity`'s `drop`; the first is the default.
+    pub const DROP: &[(&str, DropPolicySpec)] = &[
+        ("probs", DropPolicySpec::Probs),
+        ("position", DropPolicySpec::Position),
+    ];
+
+    /// Defaults of the optional model keys, shared by both front ends.
+    pub const DEFAULT_NORM_EPS: f64 = 1e-5;
+    /// Default RoPE base.
+    pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
+    /// Default standard deviation of the weight initialisation.
+    pub const DEFAULT_INIT_STD: f64 = 0.02;
 
     /// `(keyword, part)` of every recompute part.
     pub const RECOMPUTE: &[(&str, RecomputePart)] = &[
@@ -196,6 +321,41 @@ pub mod keywords {
             .iter()
             .find(|(_, v)| *v == value)
             .map_or("?", |(k, _)| k)
+    }
+
+    /// The known name a misspelt `word` most likely meant, for "did you mean"
+    /// hints: the nearest by edit distance (at most 2), else the name `word`
+    /// extends with a suffix (`hidden_size` → `hidden`), as model cards and
+    /// Hugging Face configs often spell keys.
+    pub fn suggest<'a>(word: &str, names: &[&'a str]) -> Option<&'a str> {
+        names
+            .iter()
+            .map(|n| (edit_distance(word, n), *n))
+            .filter(|(d, _)| *d <= 2)
+            .min_by_key(|(d, _)| *d)
+            .map(|(_, n)| n)
+            .or_else(|| {
+                names
+                    .iter()
+                    .filter(|n| word.len() > n.len() && word.starts_with(**n))
+                    .max_by_key(|n| n.len())
+                    .copied()
+            })
+    }
+
+    /// Levenshtein distance between `a` and `b`, in characters.
+    fn edit_distance(a: &str, b: &str) -> usize {
+        let b: Vec<char> = b.chars().collect();
+        let mut prev: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut cur = vec![i + 1];
+            for (j, cb) in b.iter().enumerate() {
+                let sub = prev[j] + usize::from(ca != *cb);
+                cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+            }
+            prev = cur;
+        }
+        prev[b.len()]
     }
 
     /// The value spelled `word` in `table`, or an error listing the choices.
@@ -290,6 +450,20 @@ pub enum LoadBalance {
     SeqAux,
     /// The same over the data-parallel group and accumulation steps.
     GlobalAux,
+}
+
+impl LoadBalance {
+    /// Whether a capacity factor may be combined with this kind. Megatron-Core
+    /// allows capacity only with `aux`, `seq_aux`, `global_aux` or no loss
+    /// (not with Sinkhorn balancing); every kind foldmoe has is among them,
+    /// and the match is exhaustive so that a new kind must decide.
+    pub fn allows_capacity(self) -> bool {
+        match self {
+            LoadBalance::None | LoadBalance::Aux | LoadBalance::SeqAux | LoadBalance::GlobalAux => {
+                true
+            }
+        }
+    }
 }
 
 /// Router configuration (DESIGN §4, Route).
@@ -496,8 +670,16 @@ impl ModelSpec {
             }
             let a = &g.attention;
             if a.heads == 0 || a.kv_heads == 0 || a.head_dim == 0 {
+                let zero = [
+                    ("heads", a.heads),
+                    ("kv_heads", a.kv_heads),
+                    ("head_dim", a.head_dim),
+                ]
+                .into_iter()
+                .find(|(_, v)| *v == 0)
+                .map_or("", |(k, _)| k);
                 err(
-                    format!("{p}.attention"),
+                    format!("{p}.attention.{zero}"),
                     format!(
                         "heads = {}, kv_heads = {}, head_dim = {}; all must be at least 1",
                         a.heads, a.kv_heads, a.head_dim
@@ -574,12 +756,31 @@ fn check_mla(m: &MlaSpec, p: &str, err: &mut impl FnMut(String, String)) {
     }
 }
 
-/// Policies name only parts the group has, and fp8 GEMMs need dims that are
-/// multiples of 16 (DESIGN §3, precision).
+/// Policies name only parts the group has, each once (`block` alone, since
+/// it already covers every part), and fp8 GEMMs need dims that are multiples
+/// of 16 (DESIGN §3, precision). A part's error blames its place in the list
+/// (`policy.recompute[1]`), so a front end points at the word, not the key.
 fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(String, String)) {
     let is_moe = matches!(g.ffn, FfnSpec::Moe(_));
     let has_shared = matches!(&g.ffn, FfnSpec::Moe(m) if m.shared_ffn > 0);
-    for part in &g.policy.recompute {
+    let recompute = &g.policy.recompute;
+    for (i, part) in recompute.iter().enumerate() {
+        let name = keywords::name_of(keywords::RECOMPUTE, *part);
+        let at = format!("{p}.recompute[{i}]");
+        if recompute[..i].contains(part) {
+            err(
+                at,
+                format!("recompute part `{name}` is listed twice; list it once"),
+            );
+            continue;
+        }
+        if *part != RecomputePart::Block && recompute.contains(&RecomputePart::Block) {
+            err(
+                at,
+                format!("recompute part `{name}` is already covered by `block`, which recomputes the whole block; drop one of them"),
+            );
+            continue;
+        }
         let missing = match part {
             RecomputePart::MoeAct | RecomputePart::Router if !is_moe => Some("an MoE layer"),
             RecomputePart::SharedExperts if !has_shared => Some("shared experts"),
@@ -589,40 +790,37 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
         };
         if let Some(what) = missing {
             err(
-                format!("{p}.recompute"),
+                at,
                 format!(
-                    "recompute part `{}` needs {what}, which this group does not have; remove it",
-                    keywords::name_of(keywords::RECOMPUTE, *part)
+                    "recompute part `{name}` needs {what}, which this group does not have; remove it"
                 ),
             );
         }
     }
-    for (list, name) in [
+    for (list, key) in [
         (&g.policy.offload, "offload"),
         (&g.policy.store_fp8, "store_fp8"),
     ] {
-        for part in list {
-            if matches!(part, OffloadPart::ExpertFc1 | OffloadPart::MoeAct) && !is_moe {
+        for (i, part) in list.iter().enumerate() {
+            let name = keywords::name_of(keywords::OFFLOAD, *part);
+            let at = format!("{p}.{key}[{i}]");
+            if list[..i].contains(part) {
                 err(
-                    format!("{p}.{name}"),
+                    at,
+                    format!("{key} part `{name}` is listed twice; list it once"),
+                );
+            } else if matches!(part, OffloadPart::ExpertFc1 | OffloadPart::MoeAct) && !is_moe {
+                err(
+                    at,
                     format!(
-                        "{name} part `{}` needs an MoE layer, which this group does not have; remove it",
-                        keywords::name_of(keywords::OFFLOAD, *part)
+                        "{key} part `{name}` needs an MoE layer, which this group does not have; remove it"
                     ),
                 );
             }
         }
     }
-    if matches!(
-        g.policy.precision,
-        GemmPrecision::Fp8Tensorwise | GemmPrecision::Fp8Blockwise
-    ) {
-        let mut dims = vec![("hidden", spec.hidden), ("head_dim", g.attention.head_dim)];
-        match &g.ffn {
-            FfnSpec::Dense { ffn } => dims.push(("ffn", *ffn)),
-            FfnSpec::Moe(m) => dims.push(("expert_ffn", m.expert_ffn)),
-        }
-        for (name, v) in dims {
+    if g.policy.precision.is_fp8() {
+        for (name, v) in gemm_dims(g, spec) {
             if !v.is_multiple_of(16) {
                 err(
                     format!("{p}.precision"),
@@ -633,17 +831,29 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
     }
 }
 
+/// The unsplit GEMM dimensions of a group's blocks, by their key names: the
+/// dims fp8 GEMMs need to be multiples of 16.
+fn gemm_dims(g: &BlockGroup, spec: &ModelSpec) -> Vec<(&'static str, usize)> {
+    let mut dims = vec![("hidden", spec.hidden), ("head_dim", g.attention.head_dim)];
+    match &g.ffn {
+        FfnSpec::Dense { ffn } => dims.push(("ffn", *ffn)),
+        FfnSpec::Moe(m) => dims.push(("expert_ffn", m.expert_ffn)),
+    }
+    dims
+}
+
 /// The routing rules of DESIGN §3.
 fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
     let r = &m.router;
     if m.experts == 0 || m.expert_ffn == 0 {
-        err(
-            p.into(),
-            format!(
-                "experts = {}, expert_ffn = {}; both must be at least 1",
-                m.experts, m.expert_ffn
-            ),
-        );
+        for (name, v) in [("experts", m.experts), ("expert_ffn", m.expert_ffn)] {
+            if v == 0 {
+                err(
+                    format!("{p}.{name}"),
+                    format!("{name} = 0; it must be at least 1"),
+                );
+            }
+        }
         return;
     }
     if m.top_k == 0 || m.top_k > m.experts {
@@ -680,8 +890,8 @@ fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
                 err(
                     format!("{p}.top_k"),
                     format!(
-                        "top_k = {} exceeds the {reachable} experts in the {} chosen groups; raise group_top_k or lower top_k",
-                        m.top_k, r.group_top_k
+                        "top_k = {} exceeds the {reachable} experts in the {} chosen group{}; raise group_top_k or lower top_k",
+                        m.top_k, r.group_top_k, if r.group_top_k == 1 { "" } else { "s" }
                     ),
                 );
             }
@@ -708,9 +918,10 @@ fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
             "pre_softmax applies to softmax scores only; drop it for sigmoid".into(),
         );
     }
+    // Blamed on top_k, the key written: pre_softmax is usually left out.
     if m.top_k == 1 && r.score == ScoreFunction::Softmax && !r.pre_softmax {
         err(
-            format!("{p}.router.pre_softmax"),
+            format!("{p}.top_k"),
             "top_k = 1 with softmax after top-k gives every token weight 1 and no router gradient; set pre_softmax".into(),
         );
     }
@@ -719,6 +930,12 @@ fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
             err(
                 format!("{p}.capacity.factor"),
                 format!("capacity factor = {}; it must be > 0", c.factor),
+            );
+        }
+        if !r.load_balance.allows_capacity() {
+            err(
+                format!("{p}.router.load_balance"),
+                "a capacity factor works only with load_balance = none, aux, seq_aux or global_aux; change load_balance or drop capacity(...)".into(),
             );
         }
     }
@@ -849,6 +1066,15 @@ mod tests {
     }
 
     #[test]
+    fn suggestions_catch_typos_and_suffixed_names() {
+        let names = ["hidden", "heads", "top_k", "tp"];
+        assert_eq!(keywords::suggest("z_los", &["z_loss"]), Some("z_loss"));
+        assert_eq!(keywords::suggest("hidden_size", &names), Some("hidden"));
+        assert_eq!(keywords::suggest("top_kk", &names), Some("top_k"));
+        assert_eq!(keywords::suggest("vocabulary", &names), None);
+    }
+
+    #[test]
     fn keywords_look_up_and_list_choices() {
         assert_eq!(
             keywords::lookup(keywords::RECOMPUTE, "recompute part", "moe_act"),
@@ -892,5 +1118,100 @@ mod tests {
             pad_to_capacity: false,
         };
         assert_eq!(c.capacity(10, 2, 8), 4); // 20/8*1.25 = 3.125 -> 4
+    }
+
+    #[test]
+    fn policy_errors_blame_the_part_in_its_list() {
+        let mut g = moe_group();
+        g.policy.recompute = vec![
+            RecomputePart::Norm,
+            RecomputePart::MlpAct,
+            RecomputePart::Norm,
+        ];
+        g.policy.offload = vec![OffloadPart::Qkv, OffloadPart::Qkv];
+        let errs = spec_with(g).check().unwrap_err();
+        let got: Vec<(&str, &str)> = errs
+            .iter()
+            .map(|e| (e.path.as_str(), e.message.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "groups[0].policy.recompute[1]",
+                    "recompute part `mlp_act` needs a dense MLP, which this group does not have; remove it"
+                ),
+                (
+                    "groups[0].policy.recompute[2]",
+                    "recompute part `norm` is listed twice; list it once"
+                ),
+                (
+                    "groups[0].policy.offload[1]",
+                    "offload part `qkv` is listed twice; list it once"
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn block_recompute_stands_alone() {
+        let mut g = moe_group();
+        g.policy.recompute = vec![RecomputePart::Block, RecomputePart::Router];
+        let errs = spec_with(g).check().unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].path, "groups[0].policy.recompute[1]");
+        assert!(errs[0].message.contains("already covered by `block`"));
+    }
+
+    #[test]
+    fn top_k_one_needs_pre_softmax_and_blames_top_k() {
+        let mut g = moe_group();
+        if let FfnSpec::Moe(m) = &mut g.ffn {
+            m.top_k = 1;
+        }
+        let errs = spec_with(g.clone()).check().unwrap_err();
+        assert_eq!(errs[0].path, "groups[0].moe.top_k");
+        assert!(errs[0].message.contains("set pre_softmax"), "{errs:?}");
+        if let FfnSpec::Moe(m) = &mut g.ffn {
+            m.router.pre_softmax = true;
+        }
+        spec_with(g).check().unwrap();
+    }
+
+    #[test]
+    fn capacity_goes_with_every_load_balance_kind() {
+        for kind in [
+            LoadBalance::None,
+            LoadBalance::Aux,
+            LoadBalance::SeqAux,
+            LoadBalance::GlobalAux,
+        ] {
+            assert!(kind.allows_capacity());
+            let mut g = moe_group();
+            if let FfnSpec::Moe(m) = &mut g.ffn {
+                m.router.load_balance = kind;
+                m.capacity = Some(CapacitySpec {
+                    factor: 1.0,
+                    drop_policy: DropPolicySpec::Probs,
+                    pad_to_capacity: true,
+                });
+            }
+            spec_with(g).check().unwrap();
+        }
+    }
+
+    #[test]
+    fn zero_sizes_blame_their_own_key() {
+        let mut g = moe_group();
+        g.attention.kv_heads = 0;
+        if let FfnSpec::Moe(m) = &mut g.ffn {
+            m.expert_ffn = 0;
+        }
+        let errs = spec_with(g).check().unwrap_err();
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            ["groups[0].attention.kv_heads", "groups[0].moe.expert_ffn"]
+        );
     }
 }

@@ -20,10 +20,14 @@ use syn::{Expr, ExprLit, Lit, Meta, Token};
 use crate::ast::{span_of, Container, Decl, LayoutDecl, Spans};
 use crate::ctxt::Ctxt;
 
-/// The keywords of the syntax, in one place. Each table pairs a key with the
-/// IR path (relative to its section) that rules about it blame.
+/// The keywords of the syntax, in one place. The key and value tables are
+/// `foldmoe_core::spec::keywords`', which config files read too, so the two
+/// front ends accept the same words; each table pairs a key with the IR path
+/// (relative to its section) that rules about it blame.
 pub mod kw {
-    use foldmoe_core::spec::{DropPolicySpec, LoadBalance, ScoreFunction};
+    use foldmoe_core::spec::keywords;
+
+    pub use keywords::{DROP, LOAD_BALANCE, SCORE};
 
     /// The field attribute naming a group's settings.
     pub const BLOCKS: &str = "blocks";
@@ -33,104 +37,21 @@ pub mod kw {
     pub const LAYOUT: &str = "layout";
 
     /// Keys of `#[moe_model(...)]`.
-    pub const MODEL: &[(&str, &str)] = &[
-        ("name", "name"),
-        ("vocab", "vocab"),
-        ("hidden", "hidden"),
-        ("seq_len", "seq_len"),
-        ("norm_eps", "norm_eps"),
-        ("rope_theta", "rope_theta"),
-        ("tied_embeddings", "tied_embeddings"),
-        ("init_std", "init_std"),
-        ("mtp_layers", "mtp_layers"),
-        (LAYOUT, LAYOUT),
-    ];
+    pub const MODEL: &[(&str, &str)] = keywords::MODEL_KEYS;
     /// Keys of `layout(...)`.
-    pub const LAYOUT_KEYS: &[(&str, &str)] = &[
-        ("name", "name"),
-        ("world", "world"),
-        ("tp", "tp"),
-        ("cp", "cp"),
-        ("dp", "dp"),
-        ("pp", "pp"),
-        ("vpp", "vpp"),
-        ("ep", "ep"),
-        ("etp", "etp"),
-        ("edp", "edp"),
-        ("order", "order"),
-        ("pp_layers", "pp_layers"),
-    ];
+    pub const LAYOUT_KEYS: &[(&str, &str)] = keywords::LAYOUT_KEYS;
     /// Keys of `#[blocks(...)]`.
-    pub const GROUP: &[(&str, &str)] = &[
-        ("count", "count"),
-        ("attention", "attention"),
-        ("dense", "dense"),
-        ("moe", "moe"),
-        ("recompute", "policy.recompute"),
-        ("offload", "policy.offload"),
-        ("store_fp8", "policy.store_fp8"),
-        ("precision", "policy.precision"),
-    ];
+    pub const GROUP: &[(&str, &str)] = keywords::GROUP_KEYS;
     /// Keys of `attention(...)`.
-    pub const ATTENTION: &[(&str, &str)] = &[
-        ("heads", "heads"),
-        ("kv_heads", "kv_heads"),
-        ("head_dim", "head_dim"),
-        ("mla", "mla"),
-    ];
+    pub const ATTENTION: &[(&str, &str)] = keywords::ATTENTION_KEYS;
     /// Keys of `mla(...)`.
-    pub const MLA: &[(&str, &str)] = &[
-        ("q_lora_rank", "q_lora_rank"),
-        ("kv_lora_rank", "kv_lora_rank"),
-        ("qk_nope_head_dim", "qk_nope_head_dim"),
-        ("qk_rope_head_dim", "qk_rope_head_dim"),
-        ("v_head_dim", "v_head_dim"),
-    ];
+    pub const MLA: &[(&str, &str)] = keywords::MLA_KEYS;
     /// Keys of `dense(...)`.
-    pub const DENSE: &[(&str, &str)] = &[("ffn", "ffn")];
-    /// Keys of `moe(...)`; router settings are written flat, as in a model card.
-    pub const MOE: &[(&str, &str)] = &[
-        ("experts", "experts"),
-        ("top_k", "top_k"),
-        ("expert_ffn", "expert_ffn"),
-        ("shared_experts", "shared_ffn"),
-        ("shared_ffn", "shared_ffn"),
-        ("shared_gate", "shared_gate"),
-        ("score", "router.score"),
-        ("pre_softmax", "router.pre_softmax"),
-        ("scaling_factor", "router.scaling_factor"),
-        ("groups", "router.groups"),
-        ("group_top_k", "router.group_top_k"),
-        ("expert_bias", "router.expert_bias"),
-        ("load_balance", "router.load_balance"),
-        ("aux_coef", "router.aux_coef"),
-        ("z_loss", "router.z_loss_coef"),
-        ("capacity", "capacity"),
-    ];
+    pub const DENSE: &[(&str, &str)] = keywords::DENSE_KEYS;
+    /// Keys of `moe(...)`.
+    pub const MOE: &[(&str, &str)] = keywords::MOE_KEYS;
     /// Keys of `capacity(...)`.
-    pub const CAPACITY: &[(&str, &str)] = &[
-        ("factor", "factor"),
-        ("drop", "drop_policy"),
-        ("pad", "pad_to_capacity"),
-    ];
-
-    /// Values of `score = ..`.
-    pub const SCORE: &[(&str, ScoreFunction)] = &[
-        ("softmax", ScoreFunction::Softmax),
-        ("sigmoid", ScoreFunction::Sigmoid),
-    ];
-    /// Values of `load_balance = ..`.
-    pub const LOAD_BALANCE: &[(&str, LoadBalance)] = &[
-        ("none", LoadBalance::None),
-        ("aux", LoadBalance::Aux),
-        ("seq_aux", LoadBalance::SeqAux),
-        ("global_aux", LoadBalance::GlobalAux),
-    ];
-    /// Values of `capacity(drop = ..)`.
-    pub const DROP: &[(&str, DropPolicySpec)] = &[
-        ("probs", DropPolicySpec::Probs),
-        ("position", DropPolicySpec::Position),
-    ];
+    pub const CAPACITY: &[(&str, &str)] = keywords::CAPACITY_KEYS;
 }
 
 /// One `key`, `key = value` or `key(...)` as written.
@@ -153,6 +74,9 @@ struct Section<'c> {
     /// The key table, mapping keys to IR paths.
     keys: &'static [(&'static str, &'static str)],
     entries: Vec<Entry>,
+    /// Keys suggested for unknown ones (`hidden` for `hidden_size`): not
+    /// reported missing too, which would say the same thing twice.
+    suggested: Vec<&'static str>,
 }
 
 impl<'c> Section<'c> {
@@ -176,6 +100,7 @@ impl<'c> Section<'c> {
             base,
             keys,
             entries: Vec::new(),
+            suggested: Vec::new(),
         };
         let metas = match Punctuated::<Meta, Token![,]>::parse_terminated.parse2(tokens) {
             Ok(m) => m,
@@ -195,7 +120,9 @@ impl<'c> Section<'c> {
             let key = ident.to_string();
             let Some(&(_, ir)) = keys.iter().find(|(k, _)| *k == key) else {
                 let names: Vec<&str> = keys.iter().map(|(k, _)| *k).collect();
-                let hint = suggest(&key, &names)
+                let suggestion = keywords::suggest(&key, &names);
+                s.suggested.extend(suggestion);
+                let hint = suggestion
                     .map(|k| format!("did you mean `{k}`? "))
                     .unwrap_or_default();
                 cx.error(
@@ -240,6 +167,9 @@ impl<'c> Section<'c> {
 
     /// Reports that a required key is missing; `example` shows the syntax.
     fn missing(&self, key: &str, example: &str) {
+        if self.suggested.contains(&key) {
+            return;
+        }
         self.cx.error(
             self.span,
             format!("{} needs `{key}`, like `{example}`", self.what),
@@ -249,6 +179,18 @@ impl<'c> Section<'c> {
     /// The literal of `key = <lit>`, or a report naming what was expected.
     fn lit<'e>(&self, e: &'e Entry, expected: &str) -> Option<&'e Lit> {
         if let Meta::NameValue(nv) = &e.meta {
+            // No size, rate or coefficient of a model is negative, so a minus
+            // sign gets its own message rather than "found an expression".
+            if let Some(number) = negative(&nv.value) {
+                self.cx.error(
+                    e.span,
+                    format!(
+                        "`{}` cannot be negative; found {number}, expected {expected}",
+                        e.key
+                    ),
+                );
+                return None;
+            }
             if let Expr::Lit(ExprLit { lit, .. }) = &nv.value {
                 return Some(lit);
             }
@@ -407,8 +349,10 @@ impl<'c> Section<'c> {
         Some(out)
     }
 
-    /// `key(a, b)` with each word from `table`.
-    fn parts<T: Copy>(&self, key: &str, table: &[(&str, T)]) -> Vec<T> {
+    /// `key(a, b)` with each word from `table`; the span of each accepted
+    /// word is recorded under its index (`groups[0].policy.recompute[1]`), so
+    /// a rule about one part points at that word, not at the list's key.
+    fn parts<T: Copy>(&self, spans: &mut Spans, key: &str, table: &[(&str, T)]) -> Vec<T> {
         let Some(e) = self.get(key) else {
             return Vec::new();
         };
@@ -425,10 +369,19 @@ impl<'c> Section<'c> {
                 return Vec::new();
             }
         };
+        let ir = self
+            .keys
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or(key, |(_, ir)| ir);
+        let base = self.path(ir);
         let mut out = Vec::new();
         for w in words {
             match keywords::lookup(table, &format!("{key} part"), &w.to_string()) {
-                Ok(v) => out.push(v),
+                Ok(v) => {
+                    spans.insert(format!("{base}[{}]", out.len()), w.span());
+                    out.push(v);
+                }
                 Err(msg) => self.cx.error(w.span(), msg),
             }
         }
@@ -492,34 +445,38 @@ fn describe(meta: &Meta) -> String {
                 None => "a path".into(),
             },
             Expr::Array(_) => "a list `[...]`".into(),
-            Expr::Unary(_) => "a negative or negated value".into(),
+            Expr::Unary(_) => match negative(&nv.value) {
+                Some(number) => format!("the negative number {number}"),
+                None => "a negated value".into(),
+            },
             _ => "an expression".into(),
         },
     }
 }
 
-/// The known key nearest to a misspelt one (edit distance ≤ 2).
-fn suggest<'a>(word: &str, names: &[&'a str]) -> Option<&'a str> {
-    names
-        .iter()
-        .map(|n| (edit_distance(word, n), *n))
-        .filter(|(d, _)| *d <= 2)
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, n)| n)
-}
-
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != *cb);
-            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+/// `-8` or `-1e-3` as written, when `value` is a negated number literal:
+/// either a minus applied to a literal or, as syn parses the last value of a
+/// list, one negative literal.
+fn negative(value: &Expr) -> Option<String> {
+    let u = match value {
+        Expr::Unary(u) => u,
+        Expr::Lit(ExprLit {
+            lit: lit @ (Lit::Int(_) | Lit::Float(_)),
+            ..
+        }) => {
+            let text = quote::ToTokens::to_token_stream(lit).to_string();
+            return text.starts_with('-').then_some(text);
         }
-        prev = cur;
+        _ => return None,
+    };
+    match (&u.op, &*u.expr) {
+        (syn::UnOp::Neg(_), Expr::Lit(ExprLit { lit, .. })) => match lit {
+            Lit::Int(i) => Some(format!("-{i}")),
+            Lit::Float(f) => Some(format!("-{f}")),
+            _ => None,
+        },
+        _ => None,
     }
-    prev[b.len()]
 }
 
 /// Parses `#[moe_model(<attr>)]` and every field's `#[blocks(...)]`.
@@ -544,7 +501,11 @@ pub fn parse(cx: &Ctxt, attr: TokenStream, c: &Container) -> Decl {
             String::new()
         }
     };
-    let defaults = (1e-5, 10000.0, 0.02);
+    let defaults = (
+        keywords::DEFAULT_NORM_EPS,
+        keywords::DEFAULT_ROPE_THETA,
+        keywords::DEFAULT_INIT_STD,
+    );
     let mut groups = Vec::new();
     for (i, g) in c.groups.iter().enumerate() {
         groups.push(match g.blocks {
@@ -740,15 +701,18 @@ fn parse_group(cx: &Ctxt, spans: &mut Spans, i: usize, attr: &syn::Attribute) ->
         }
         (None, None) => {
             if s.get("dense").is_none() && s.get("moe").is_none() {
-                s.missing("dense(...) or moe(...)", "dense(ffn = 1024)");
+                cx.error(
+                    s.span,
+                    "#[blocks(...)] needs its feed-forward part, dense(...) or moe(...), like `dense(ffn = 1024)`",
+                );
             }
             FfnSpec::Dense { ffn: 0 }
         }
     };
     let policy = Policy {
-        recompute: s.parts("recompute", keywords::RECOMPUTE),
-        offload: s.parts("offload", keywords::OFFLOAD),
-        store_fp8: s.parts("store_fp8", keywords::OFFLOAD),
+        recompute: s.parts(spans, "recompute", keywords::RECOMPUTE),
+        offload: s.parts(spans, "offload", keywords::OFFLOAD),
+        store_fp8: s.parts(spans, "store_fp8", keywords::OFFLOAD),
         precision: s
             .keyword("precision", keywords::PRECISION)
             .unwrap_or(Policy::default().precision),

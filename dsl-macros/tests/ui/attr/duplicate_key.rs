@@ -1,3 +1,4 @@
+//! A key is given once.
 use foldmoe_macros::moe_model;
 
 #[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,

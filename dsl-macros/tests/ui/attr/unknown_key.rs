@@ -1,3 +1,4 @@
+//! Unknown keys are refused, with the nearest known one.
 use foldmoe_macros::moe_model;
 
 #[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,

@@ -1,3 +1,4 @@
+//! A recompute part must exist in the group; the error points at the part.
 use foldmoe_macros::moe_model;
 
 #[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,

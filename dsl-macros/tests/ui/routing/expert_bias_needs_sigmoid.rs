@@ -1,3 +1,4 @@
+//! Expert bias (aux-loss-free balancing) only with sigmoid scores.
 use foldmoe_macros::moe_model;
 
 #[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,

@@ -1,0 +1,12 @@
+//! Attention is GQA/MHA (heads, kv_heads) or MLA (mla(...)); no other kind.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, head_dim = 4, linear(feature_dim = 8)),
+        moe(experts = 8, top_k = 2, expert_ffn = 8))]
+    moe: Blocks,
+}
+
+fn main() {}

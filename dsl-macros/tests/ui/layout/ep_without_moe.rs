@@ -1,0 +1,12 @@
+//! Expert parallelism needs MoE layers.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1),
+    layout(name = "gpu2", world = 2, ep = 2))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4), dense(ffn = 32))]
+    dense: Blocks,
+}
+
+fn main() {}

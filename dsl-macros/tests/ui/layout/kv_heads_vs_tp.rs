@@ -1,0 +1,13 @@
+//! kv_heads % tp == 0 (split) or tp % kv_heads == 0 (replicated), nothing in between.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1),
+    layout(name = "gpu2", world = 2, tp = 2))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 6, kv_heads = 3, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8))]
+    moe: Blocks,
+}
+
+fn main() {}

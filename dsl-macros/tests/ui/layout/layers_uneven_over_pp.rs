@@ -1,0 +1,13 @@
+//! layers split evenly over pp·vpp stages unless pp_layers declares the split.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1),
+    layout(name = "gpu2", world = 2, pp = 2))]
+pub struct Ui {
+    #[blocks(count = 3, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8))]
+    moe: Blocks,
+}
+
+fn main() {}

@@ -1,0 +1,13 @@
+//! seq % (2·cp) == 0: load-balanced context parallelism cuts a sequence into 2·cp chunks.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1),
+    layout(name = "gpu3", world = 3, cp = 3))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8))]
+    moe: Blocks,
+}
+
+fn main() {}

@@ -1,0 +1,13 @@
+//! heads % tp == 0: tensor parallelism splits whole attention heads.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 24,
+    layout(name = "cpu", world = 1),
+    layout(name = "gpu3", world = 3, tp = 3))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8))]
+    moe: Blocks,
+}
+
+fn main() {}

@@ -1,0 +1,13 @@
+//! shared_ffn % tp == 0: shared experts are a dense MLP on the attention mesh.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1),
+    layout(name = "gpu4", world = 4, tp = 4))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8, shared_ffn = 6))]
+    moe: Blocks,
+}
+
+fn main() {}

@@ -1,0 +1,14 @@
+//! A capacity factor works only with load_balance none, aux, seq_aux or global_aux;
+//! the syntax accepts no other kind (Megatron's sinkhorn is refused here).
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8, load_balance = sinkhorn,
+            capacity(factor = 1.25)))]
+    moe: Blocks,
+}
+
+fn main() {}

@@ -1,0 +1,12 @@
+//! experts % groups == 0 for group-limited routing.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8, groups = 3, group_top_k = 1))]
+    moe: Blocks,
+}
+
+fn main() {}

@@ -1,0 +1,12 @@
+//! An integer must fit in a usize.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 100000000000000000000, top_k = 2, expert_ffn = 8))]
+    moe: Blocks,
+}
+
+fn main() {}

@@ -1,0 +1,13 @@
+//! Every parallel size is at least 1.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1),
+    layout(name = "gpu2", world = 2, tp = 0))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+        moe(experts = 8, top_k = 2, expert_ffn = 8))]
+    moe: Blocks,
+}
+
+fn main() {}
