@@ -1,7 +1,8 @@
 //! A model declared outside `foldmoe-models`: an annotated struct is the whole
 //! architecture table, checked when this file compiles (a layout whose `ep`
-//! did not divide `experts` would not build). It is then built on the CPU
-//! under its single-rank layout and trained a few steps on the bundled text.
+//! did not divide `experts` would not build). One rank's shard of its cluster
+//! layout is built, then the whole model is built on the CPU under its
+//! single-rank layout and trained a few steps on the bundled text.
 //!
 //! Run with `cargo run --release --example custom_model`.
 
@@ -14,8 +15,7 @@ use foldmoe_macros::moe_model;
 
 #[moe_model(name = "byte-moe", vocab = 256, hidden = 64, seq_len = 64, norm_eps = 1e-5,
     layout(name = "laptop", world = 1),
-    // Valid for a cluster (checked at compile time), refused at build time
-    // until the Parallel Folding runtime lands.
+    // A cluster layout (checked at compile time): each rank builds its shard.
     layout(name = "dgx-h100", world = 8, tp = 2, ep = 8))]
 /// A two-group byte-level MoE language model.
 pub struct ByteMoe {
@@ -59,9 +59,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    if let Err(e) = ByteMoe::new(&b, ByteMoeLayout::DgxH100, 0, 0, DType::F32) {
-        println!("dgx-h100: {e}");
-    }
+    // Rank 3 of the 8-GPU layout: half the heads (tp = 2), one of the 8
+    // experts (ep = 8), cut from the same seeded weights as every other rank.
+    let shard = ByteMoe::shard(&b, ByteMoeLayout::DgxH100, 3, 42, DType::F32)?;
+    let mut experts = Vec::new();
+    shard.visit_experts(&mut |p| experts.push(format!("{} {:?}", p.name, p.value.shape())));
+    println!("dgx-h100 rank 3 holds {}", experts.join(", "));
 
     let model = ByteMoe::new(&b, ByteMoeLayout::Laptop, 0, 42, DType::F32)?;
     println!(

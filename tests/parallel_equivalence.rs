@@ -275,11 +275,8 @@ fn checkpoint_written_under_one_layout_resumes_under_another() {
                steps: std::ops::Range<usize>| {
         let layout = layout::check(&LayoutSpec::parse(layout_text).unwrap(), &spec).unwrap();
         let mut results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
-            let mut one = Trainer::new(
-                ctx.b,
-                Model::new(ctx.b, &spec, SEED, DType::F32)?,
-                config(),
-            )?;
+            let mut one =
+                Trainer::new(ctx.b, Model::new(ctx.b, &spec, SEED, DType::F32)?, config())?;
             if let Some(tensors) = &start {
                 restore_trainer(ctx.b, &mut one, tensors.clone())?;
                 one.opt.set_step_count(steps.start as u64);
@@ -355,4 +352,40 @@ fn a_failing_rank_stops_every_rank_with_an_error() {
             assert!(err.contains("rank 3"), "rank {rank}: {err}");
         }
     }
+}
+
+/// A declared model builds the shard each rank of its layout owns: the
+/// `cpu-ep4` layout of `tiny` gives every rank 4 of the 16 experts, and the
+/// shards put back together are the one-rank model's weights.
+#[test]
+fn declared_model_builds_each_ranks_shard() {
+    use foldmoe_core::engine::declared::MoeModel;
+    use foldmoe_core::engine::parallel::shard::place_block;
+    use foldmoe_models::{Tiny, TinyLayout};
+    let full = Tiny::<Cpu>::new(&Cpu, TinyLayout::Cpu, 0, 5, DType::F32).unwrap();
+    let mut want = HashMap::new();
+    full.visit_params(&mut |p| {
+        want.insert(p.name.clone(), Cpu.download(&p.value).unwrap().to_f64());
+    });
+    let mut rebuilt: HashMap<String, Vec<f64>> = HashMap::new();
+    for rank in 0..4 {
+        let shard = Tiny::<Cpu>::shard(&Cpu, TinyLayout::CpuEp4, rank, 5, DType::F32).unwrap();
+        shard.visit_experts(&mut |p| {
+            assert_eq!(p.value.shape()[0], 4, "{}: {:?}", p.name, p.value.shape());
+            let spec = p.shard.as_ref().expect("experts are split over ep");
+            let full = rebuilt
+                .entry(p.name.clone())
+                .or_insert_with(|| vec![f64::NAN; spec.full_shape.iter().product()]);
+            place_block(full, spec, &Cpu.download(&p.value).unwrap().to_f64());
+        });
+    }
+    assert_eq!(rebuilt.len(), 9, "3 MoE blocks × w1, w3, w2");
+    for (name, vals) in &rebuilt {
+        assert_eq!(vals, &want[name], "{name}");
+    }
+    let err = Tiny::<Cpu>::new(&Cpu, TinyLayout::CpuEp4, 0, 5, DType::F32)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("MoeModel::shard"), "{err}");
 }

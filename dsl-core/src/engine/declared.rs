@@ -15,9 +15,10 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::model::{ForwardOut, Model, ModelSaved};
+use super::parallel::{ParallelModel, RankLayout};
 use super::param::Module;
 use super::{EngineError, Result};
-use crate::layout::{self, LayoutSpec};
+use crate::layout::{self, Layout, LayoutSpec};
 use crate::spec::ModelSpec;
 
 /// One of a declared model's named layouts, chosen without strings: the
@@ -67,6 +68,18 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
     /// Builds rank `rank` of the model under `layout`, weights from `seed`.
     fn new(b: &B, layout: Self::Layout, rank: usize, seed: u64, dtype: DType) -> Result<Self>;
 
+    /// The shard that rank `rank` owns under `layout` (any world size),
+    /// weights from `seed`: what the parallel runtime trains on that rank.
+    fn shard(
+        b: &B,
+        layout: Self::Layout,
+        rank: usize,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<ParallelModel<B>> {
+        build_shard(b, &Self::spec(), &layout.spec(), rank, seed, dtype)
+    }
+
     /// The engine model.
     fn model(&self) -> &Model<B>;
 
@@ -99,10 +112,10 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
 
 /// Checks `layout` against `spec` with the same rules the macro ran at compile
 /// time (a spec or layout built by hand, or changed since, is caught here) and
-/// builds rank `rank` of the model.
+/// builds the whole model for a one-rank layout.
 ///
-/// Only single-rank layouts build for now: a layout with `world > 1` is valid
-/// but needs the Parallel Folding runtime, which is said in the error.
+/// A layout with `world > 1` is an error pointing at [`build_shard`]: a rank
+/// of a parallel layout holds a shard, not the whole model.
 pub fn build<B: Backend>(
     b: &B,
     spec: &ModelSpec,
@@ -111,39 +124,62 @@ pub fn build<B: Backend>(
     seed: u64,
     dtype: DType,
 ) -> Result<Model<B>> {
-    spec.check().map_err(EngineError::Spec)?;
-    if let Err(errs) = layout::check(layout, spec) {
-        let text: Vec<String> = errs
-            .iter()
-            .map(|e| format!("{}: {}", e.field, e.message))
-            .collect();
-        return Err(EngineError::Invalid(format!(
-            "layout `{}` of model `{}` is invalid: {}",
-            layout.name,
-            spec.name,
-            text.join("; ")
-        )));
-    }
-    if rank >= layout.world {
-        return Err(EngineError::Invalid(format!(
-            "rank {rank} is outside layout `{}` (world = {}); choose a rank in 0..{}",
-            layout.name, layout.world, layout.world
-        )));
-    }
+    checked_layout(spec, layout, rank)?;
     if layout.world > 1 {
         return Err(EngineError::Invalid(format!(
-            "layout `{}` spans world = {} ranks; multi-rank execution comes with the Parallel \
-             Folding runtime, which is not built yet; choose a layout with world = 1 to run on one rank",
+            "layout `{}` spans world = {} ranks: rank {rank} holds a shard of the model, built \
+             by `MoeModel::shard` (or `build_shard`) and trained by the Parallel Folding runtime",
             layout.name, layout.world
         )));
     }
     Model::new(b, spec, seed, dtype)
 }
 
+/// Checks `layout` against `spec` like [`build`] and builds the shard rank
+/// `rank` owns, cut from the full model initialised from `seed` (so every
+/// rank's shard is a block of the same weights).
+pub fn build_shard<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    layout: &LayoutSpec,
+    rank: usize,
+    seed: u64,
+    dtype: DType,
+) -> Result<ParallelModel<B>> {
+    let checked = checked_layout(spec, layout, rank)?;
+    let rank_layout = RankLayout::new(&checked, rank)?;
+    ParallelModel::from_model(b, Model::new(b, spec, seed, dtype)?, rank_layout)
+}
+
+/// The spec and layout checked (every rule, every violation in the error)
+/// and `rank` inside the layout's world.
+fn checked_layout(spec: &ModelSpec, layout: &LayoutSpec, rank: usize) -> Result<Layout> {
+    spec.check().map_err(EngineError::Spec)?;
+    let checked = layout::check(layout, spec).map_err(|errs| {
+        let text: Vec<String> = errs
+            .iter()
+            .map(|e| format!("{}: {}", e.field, e.message))
+            .collect();
+        EngineError::Invalid(format!(
+            "layout `{}` of model `{}` is invalid: {}",
+            layout.name,
+            spec.name,
+            text.join("; ")
+        ))
+    })?;
+    if rank >= layout.world {
+        return Err(EngineError::Invalid(format!(
+            "rank {rank} is outside layout `{}` (world = {}); choose a rank in 0..{}",
+            layout.name, layout.world, layout.world
+        )));
+    }
+    Ok(checked)
+}
+
 /// Names the expansion of `#[moe_model]` refers to; not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use super::{build, LayoutChoice, MoeModel};
+    pub use super::{build, build_shard, LayoutChoice, MoeModel};
     pub use crate::engine::block::Block;
     pub use crate::engine::model::Model;
     pub use crate::engine::param::{Module, Param};
