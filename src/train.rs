@@ -621,7 +621,7 @@ fn train_loop<B: Backend, E: StepEngine>(
         meta.step += 1;
         meta.losses.push(stats.loss);
         let tokens_per_s = settings.batch_tokens as f64 / step_start.elapsed().as_secs_f64();
-        let eval_now = meta.step % settings.eval_every == 0 || meta.step == settings.steps;
+        let eval_now = meta.step.is_multiple_of(settings.eval_every) || meta.step == settings.steps;
         if eval_now {
             last_val = engine.validation_loss(&val_batch)?;
             meta.val_losses.push((meta.step, last_val));
@@ -649,7 +649,7 @@ fn train_loop<B: Backend, E: StepEngine>(
         if eval_now && main {
             say(&pb, line);
         }
-        if meta.step % settings.checkpoint_every == 0 {
+        if meta.step.is_multiple_of(settings.checkpoint_every) {
             let mut snapshot = meta.clone();
             snapshot.train_seconds += started.elapsed().as_secs_f64();
             let tensors = engine.checkpoint_tensors()?;

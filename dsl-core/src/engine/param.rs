@@ -17,7 +17,7 @@ pub struct Param<B: Device> {
     pub grad: Tensor<B>,
     /// Where this tensor sits in the full parameter when it is one rank's
     /// shard (`None`: the whole parameter).
-    pub shard: Option<ShardSpec>,
+    pub shard: Option<Box<ShardSpec>>,
 }
 
 impl<B: Backend> Param<B> {

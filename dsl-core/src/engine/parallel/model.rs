@@ -55,6 +55,9 @@ pub struct ParallelBlock<B: Backend> {
     pub ffn: ParallelFfn<B>,
 }
 
+/// A parallel block's output, saved state and MoE statistics (if any).
+type ParallelBlockOut<B> = (Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>);
+
 struct BlockSaved<B: Backend> {
     attn_norm: NormSaved<B>,
     attn: AttnSaved<B>,
@@ -550,7 +553,7 @@ impl<B: Backend> ParallelBlock<B> {
         x_td: &Tensor<B>,
         seq_len: usize,
         tokens: usize,
-    ) -> Result<(Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>)> {
+    ) -> Result<ParallelBlockOut<B>> {
         let b = ctx.b;
         let (h, attn_norm) = self.attn_norm.forward(b, x_td)?;
         let (a_full, attn) = self.attn.forward(b, &ctx.gather_tp(&h)?, seq_len)?;

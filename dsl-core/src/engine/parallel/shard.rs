@@ -160,7 +160,7 @@ pub fn shard_param<B: Backend>(b: &B, p: &mut Param<B>, splits: Vec<Split>) -> R
     let dtype = p.value.dtype();
     p.value = upload_as(b, cut_block(&full, &spec), &shard_shape, dtype)?;
     p.grad = b.zeros(&shard_shape, dtype)?;
-    p.shard = Some(spec);
+    p.shard = Some(Box::new(spec));
     Ok(())
 }
 

@@ -53,6 +53,12 @@ struct Bucket<B: Backend> {
     v: Tensor<B>,
 }
 
+/// `(loss, aux loss, loads per MoE layer)` of [`ParallelTrainer::accumulate`].
+pub type Accumulated<B> = (Tensor<B>, Tensor<B>, Vec<Tensor<B>>);
+
+/// A full tensor assembled from every rank: `(name, shape, values)`.
+pub type FullTensor = (String, Vec<usize>, Vec<f64>);
+
 /// What [`ParallelTrainer::gather_full`] assembles.
 pub enum Gather<'a, B: Backend> {
     /// The parameters.
@@ -84,7 +90,7 @@ pub struct ParallelTrainer<B: Backend> {
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
-fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(Kind, usize, Option<ShardSpec>)> {
+fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(Kind, usize, Option<Box<ShardSpec>>)> {
     let mut out = Vec::new();
     let mut push = |p: &Param<B>, expert: bool| {
         let full_rank = p
@@ -244,7 +250,7 @@ impl<B: Backend> ParallelTrainer<B> {
         ctx: &Ctx<B>,
         micro_batches: &[(Vec<i32>, Vec<i32>)],
         seq_len: usize,
-    ) -> Result<(Tensor<B>, Tensor<B>, Vec<Tensor<B>>)> {
+    ) -> Result<Accumulated<B>> {
         let b = ctx.b;
         if micro_batches.is_empty() {
             return Err(EngineError::Invalid(format!(
@@ -466,11 +472,7 @@ impl<B: Backend> ParallelTrainer<B> {
     /// Every full parameter `(name, full shape, values)` — or its reduced
     /// gradient, or an AdamW moment, as `what` says — assembled from all
     /// ranks' shards (a collective: every rank must call it; all get it).
-    pub fn gather_full(
-        &mut self,
-        ctx: &Ctx<B>,
-        what: Gather<'_, B>,
-    ) -> Result<Vec<(String, Vec<usize>, Vec<f64>)>> {
+    pub fn gather_full(&mut self, ctx: &Ctx<B>, what: Gather<'_, B>) -> Result<Vec<FullTensor>> {
         let b = ctx.b;
         let mut params = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| {
