@@ -13,8 +13,11 @@ use crate::backend::{Device, LinalgOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
-/// A cuBLAS handle bound to the device handle's stream.
-pub(crate) struct Blas(bsys::cublasHandle_t);
+/// Bytes of the cuBLAS workspace (what cuBLAS asks for on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// A cuBLAS handle bound to the device handle's stream, with its workspace.
+pub(crate) struct Blas(bsys::cublasHandle_t, super::alloc::Block);
 
 // The handle is only used under the `Cuda`'s mutex.
 unsafe impl Send for Blas {}
@@ -37,14 +40,20 @@ impl Cuda {
     fn with_blas<R>(&self, f: impl FnOnce(bsys::cublasHandle_t) -> Result<R>) -> Result<R> {
         let mut guard = self.inner.blas.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
+            // A workspace of our own, so cuBLAS never allocates during a CUDA
+            // graph capture (its documented requirement for capture).
+            let workspace = self.scratch("cuBLAS workspace", BLAS_WORKSPACE)?;
             self.ctx()
                 .bind_to_thread()
                 .map_err(|e| super::alloc::driver_err("cuBLAS init", e))?;
             let h = blas::create_handle().map_err(|e| blas_err("creating the cuBLAS handle", e))?;
-            let blas_handle = Blas(h);
+            let blas = Blas(h, workspace);
             unsafe { blas::set_stream(h, self.stream().cu_stream() as _) }
                 .map_err(|e| blas_err("binding cuBLAS to the stream", e))?;
-            *guard = Some(blas_handle);
+            unsafe { bsys::cublasSetWorkspace_v2(h, blas.1.ptr() as *mut _, BLAS_WORKSPACE) }
+                .result()
+                .map_err(|e| blas_err("setting the cuBLAS workspace", e))?;
+            *guard = Some(blas);
         }
         self.ctx()
             .bind_to_thread()

@@ -24,6 +24,7 @@ mod alloc;
 mod attention;
 mod compile;
 mod elementwise;
+mod graph;
 mod linalg;
 mod loss;
 mod norm;
@@ -31,6 +32,7 @@ mod optim;
 mod routing;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig};
@@ -40,6 +42,7 @@ use crate::error::{KernelError, Result};
 use crate::tensor::{DType, HostData, StorageInfo, Tensor};
 use alloc::{driver_err, Block, Pool};
 use compile::Module;
+pub use graph::CudaGraphExec;
 
 /// The oldest architecture accepted: Ampere, the first with native bf16.
 const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
@@ -83,6 +86,8 @@ struct Inner {
     err: Block,
     checks: Mutex<Checks>,
     blas: Mutex<Option<linalg::Blas>>,
+    /// Host waits on the stream so far (downloads, synchronize).
+    syncs: AtomicU64,
 }
 
 /// Device memory of a tensor: a pooled block shared by clones (copied before
@@ -274,6 +279,7 @@ impl Cuda {
                 err,
                 checks: Mutex::new(Checks::default()),
                 blas: Mutex::new(None),
+                syncs: AtomicU64::new(0),
             })
         });
         match opened {
@@ -307,6 +313,14 @@ impl Cuda {
     /// any kernel recorded since the last check (see the module docs).
     pub fn synchronize(&self) -> Result<()> {
         self.check_errors()
+    }
+
+    /// How many times this handle has made the host wait for the stream
+    /// (each download and each synchronize). Every other op only queues
+    /// work, so the count across a training step shows whether the step
+    /// stays on the device (the MoE layer's "sync-free" property).
+    pub fn host_syncs(&self) -> u64 {
+        self.inner.syncs.load(Ordering::Relaxed)
     }
 
     /// Bytes this handle's pool holds for reuse.
@@ -418,6 +432,7 @@ impl Cuda {
         let mut rec = [0u64; 3];
         unsafe { drv::memcpy_dtoh_async(&mut rec, self.err_ptr(), self.stream().cu_stream()) }
             .map_err(|e| driver_err("reading the error record", e))?;
+        self.inner.syncs.fetch_add(1, Ordering::Relaxed);
         self.stream()
             .synchronize()
             .map_err(|e| driver_err("synchronising the stream", e))?;

@@ -1,0 +1,168 @@
+//! CUDA graphs: a sequence of device work captured once and replayed without
+//! the host, which is possible because no op of this backend synchronises
+//! with the host except [`crate::Device::download`] and
+//! [`Cuda::synchronize`] (counted by [`Cuda::host_syncs`]).
+//!
+//! Replays write the same buffers as the captured run: keep every tensor the
+//! captured work reads or writes alive as long as the graph. A data error a
+//! kernel finds during a replay (rather than during the capture) is reported
+//! at the next read as an unknown check, since the capture's checks were
+//! resolved at the first read after it.
+
+use cudarc::driver::sys;
+
+use super::alloc::driver_err;
+use super::Cuda;
+use crate::error::Result;
+
+/// A captured graph of device work on one [`Cuda`] handle's stream.
+pub struct CudaGraphExec {
+    graph: cudarc::driver::CudaGraph,
+}
+
+impl std::fmt::Debug for CudaGraphExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CudaGraphExec")
+    }
+}
+
+impl CudaGraphExec {
+    /// Queues one replay of the captured work on the handle's stream.
+    pub fn replay(&self) -> Result<()> {
+        self.graph
+            .launch()
+            .map_err(|e| driver_err("replaying a CUDA graph", e))
+    }
+}
+
+impl Cuda {
+    /// Runs `f` with this handle's stream in capture mode and returns the
+    /// captured graph with `f`'s result. `f` must not read to the host (a
+    /// download would fail the capture); allocations it makes come from the
+    /// pool and are not part of the graph (relaxed capture mode allows the
+    /// pool to call the driver on a cache miss).
+    pub fn capture<R>(&self, f: impl FnOnce(&Cuda) -> Result<R>) -> Result<(CudaGraphExec, R)> {
+        self.bind()?;
+        self.stream()
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| driver_err("beginning a CUDA graph capture", e))?;
+        let out = f(self);
+        let graph = self
+            .stream()
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| driver_err("ending a CUDA graph capture", e));
+        let out = out?;
+        match graph? {
+            Some(graph) => Ok((CudaGraphExec { graph }, out)),
+            None => Err(crate::error::KernelError::DeviceUnavailable {
+                device: "cuda",
+                reason: "the CUDA graph capture recorded nothing".into(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::{Backend, Device};
+    use crate::cpu::test_util::{rel_err, rng, uniform, TestDevice};
+    use crate::cpu::Cpu;
+    use crate::tensor::Tensor;
+
+    /// Shape letters: T tokens, D hidden, E experts, K top-k, F expert ffn.
+    const T: usize = 256;
+    const D: usize = 64;
+    const E: usize = 8;
+    const K: usize = 2;
+    const F: usize = 32;
+
+    /// Forward and backward of a dropless MoE layer (router, top-k, plan,
+    /// permute, SwiGLU experts on grouped GEMMs, combine), returning the
+    /// output and every gradient. Written once for any backend.
+    fn moe_step<B: Backend>(d: &B, inputs: &[Tensor<B>; 6]) -> crate::Result<Vec<Tensor<B>>> {
+        let [x, w_router, w_gate, w_up, w_down, dout] = inputs;
+        // Forward.
+        let probs = d.softmax(&d.matmul(x, w_router, false, false)?)?;
+        let idx = d.topk(&probs, K, 1, 1)?;
+        let wts = d.gather_cols(&probs, &idx)?;
+        let plan = d.routing_plan(&idx, E)?;
+        let xp = d.permute(x, &plan.row_src)?;
+        let g = d.grouped_matmul(&xp, w_gate, &plan.counts, false)?;
+        let u = d.grouped_matmul(&xp, w_up, &plan.counts, false)?;
+        let h = d.swiglu(&g, &u)?;
+        let y = d.grouped_matmul(&h, w_down, &plan.counts, false)?;
+        let out = d.unpermute(&y, &plan.slot, &wts)?;
+        // Backward, walking the forward in reverse.
+        let (dy, dwts) = d.unpermute_backward(dout, &y, &plan.slot, &wts)?;
+        let dw_down = d.grouped_matmul_weight_grad(&h, &dy, &plan.counts)?;
+        let dh = d.grouped_matmul(&dy, w_down, &plan.counts, true)?;
+        let (dg, du) = d.swiglu_backward(&g, &u, &dh)?;
+        let dw_gate = d.grouped_matmul_weight_grad(&xp, &dg, &plan.counts)?;
+        let dw_up = d.grouped_matmul_weight_grad(&xp, &du, &plan.counts)?;
+        let mut dxp = d.grouped_matmul(&dg, w_gate, &plan.counts, true)?;
+        d.axpy(
+            &mut dxp,
+            1.0,
+            &d.grouped_matmul(&du, w_up, &plan.counts, true)?,
+        )?;
+        let mut dx = d.permute_backward(&dxp, &plan.row_src, T)?;
+        let dprobs = d.scatter_cols(&dwts, &idx, E)?;
+        let dlogits = d.softmax_backward(&probs, &dprobs)?;
+        d.axpy(&mut dx, 1.0, &d.matmul(&dlogits, w_router, false, true)?)?;
+        let dw_router = d.matmul(x, &dlogits, true, false)?;
+        Ok(vec![out, dx, dw_router, dw_gate, dw_up, dw_down])
+    }
+
+    fn inputs<B: Device>(d: &B) -> [Tensor<B>; 6] {
+        let mut g = rng(7);
+        let mut t = |shape: &[usize], scale: f64| {
+            let n = shape.iter().product();
+            let v: Vec<f64> = uniform(&mut g, n).iter().map(|x| x * scale).collect();
+            d.t32(&v.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape)
+        };
+        [
+            t(&[T, D], 1.0),
+            t(&[D, E], 0.5),
+            t(&[E, D, F], 0.2),
+            t(&[E, D, F], 0.2),
+            t(&[E, F, D], 0.2),
+            t(&[T, D], 1.0),
+        ]
+    }
+
+    /// The MoE layer's forward and backward queue every op without one host
+    /// wait (counted), match the CPU, and replay as a CUDA graph with the
+    /// same results: the dropless layer reads its sizes on the device.
+    #[test]
+    fn moe_layer_needs_no_host_sync_and_replays_as_a_graph() {
+        let Some(d) = crate::cuda::test_device() else {
+            return;
+        };
+        let want: Vec<Vec<f64>> = moe_step(&Cpu, &inputs(&Cpu))
+            .unwrap()
+            .iter()
+            .map(|t| Cpu.h64(t))
+            .collect();
+        let inp = inputs(&d);
+        // Warm up: compile the modules, create the cuBLAS handle, fill the pool.
+        let _ = moe_step(&d, &inp).unwrap();
+        d.synchronize().unwrap();
+        let before = d.host_syncs();
+        let eager = moe_step(&d, &inp).unwrap();
+        assert_eq!(d.host_syncs(), before, "the MoE step waited for the host");
+        let names = ["out", "dx", "dw_router", "dw_gate", "dw_up", "dw_down"];
+        let eager_h: Vec<Vec<f64>> = eager.iter().map(|t| d.h64(t)).collect();
+        for ((name, got), want) in names.iter().zip(&eager_h).zip(&want) {
+            let e = rel_err(got, want);
+            println!("moe step {name}: relative error vs CPU {e:.2e}");
+            assert!(e < 1e-5, "{name}: {e:.3e}");
+        }
+        let (graph, outs) = d.capture(|d| moe_step(d, &inp)).unwrap();
+        for _ in 0..2 {
+            graph.replay().unwrap();
+            for ((name, t), e) in names.iter().zip(&outs).zip(&eager_h) {
+                assert_eq!(&d.h64(t), e, "{name} after a graph replay");
+            }
+        }
+    }
+}
