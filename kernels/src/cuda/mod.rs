@@ -720,4 +720,71 @@ mod tests {
             "the same size class must come back from the cache"
         );
     }
+
+    /// Rough timings of the simple kernels at Qwen3-30B-A3B's MoE sizes, as
+    /// a baseline for the fast versions (ignored: run with `--ignored` on a
+    /// GPU; host clock around a synchronised run, after a warm-up).
+    #[test]
+    #[ignore]
+    fn baseline_timings() {
+        use crate::backend::{AttentionOps, ElementwiseOps, LinalgOps};
+        let Some(d) = test_device() else { return };
+        let bf16 = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+                .collect();
+            d.cast(&d.upload(HostData::F32(v), shape).unwrap(), DType::BF16)
+                .unwrap()
+        };
+        let time = |what: &str, flop: f64, f: &dyn Fn()| {
+            f();
+            d.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            let reps = 3;
+            for _ in 0..reps {
+                f();
+            }
+            d.synchronize().unwrap();
+            let s = t0.elapsed().as_secs_f64() / reps as f64;
+            println!("{what}: {:.3} ms, {:.1} TFLOP/s", s * 1e3, flop / s / 1e12);
+        };
+        let (t, h, e, k, f) = (16384usize, 2048usize, 128usize, 8usize, 768usize);
+        let a = bf16(&[t, h]);
+        let w = bf16(&[h, f]);
+        time(
+            "cuBLAS bf16 matmul 16384x2048x768",
+            2.0 * (t * h * f) as f64,
+            &|| {
+                d.matmul(&a, &w, false, false).unwrap();
+            },
+        );
+        let n = t * k;
+        let x = bf16(&[n, h]);
+        let wg = bf16(&[e, h, f]);
+        let sizes = d
+            .upload(HostData::I32(vec![(n / e) as i32; e]), &[e])
+            .unwrap();
+        time(
+            "grouped_matmul bf16 (simple kernel) 131072x2048x768, 128 groups",
+            2.0 * (n * h * f) as f64,
+            &|| {
+                d.grouped_matmul(&x, &wg, &sizes, false).unwrap();
+            },
+        );
+        let (b, s, hq, hkv, hd) = (1usize, 4096usize, 32usize, 4usize, 128usize);
+        let q = bf16(&[b, s, hq, hd]);
+        let kv = bf16(&[b, s, hkv, hd]);
+        time(
+            "attention bf16 fwd (simple kernel) S=4096 Hq=32 Hkv=4 Hd=128",
+            2.0 * (b * hq * s * s * hd) as f64,
+            &|| {
+                d.attention(&q, &kv, &kv).unwrap();
+            },
+        );
+        let y = bf16(&[t, h]);
+        time("swiglu bf16 16384x2048", 0.0, &|| {
+            d.swiglu(&y, &y).unwrap();
+        });
+    }
 }
