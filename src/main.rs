@@ -35,6 +35,9 @@ enum Command {
         /// Model name.
         #[arg(long, default_value = "tiny")]
         model: String,
+        /// Model config file (TOML, the keys of `#[moe_model]`), instead of `--model`.
+        #[arg(long, value_name = "FILE", conflicts_with = "model")]
+        model_config: Option<PathBuf>,
         /// Layout, e.g. `world=1024,pp=16,ep=64` (default: the model's first declared layout).
         #[arg(long)]
         layout: Option<String>,
@@ -96,14 +99,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Plan {
             model,
+            model_config,
             layout,
             ranks,
             rank,
             json,
         } => {
+            let source = match &model_config {
+                Some(path) => plan::ModelSource::Config(path),
+                None => plan::ModelSource::Name(&model),
+            };
             println!(
                 "{}",
-                plan::run(&model, layout.as_deref(), ranks, rank, json)?
+                plan::run(source, layout.as_deref(), ranks, rank, json)?
             );
             Ok(())
         }

@@ -2,7 +2,11 @@
 //! anything runs — parameters, training FLOPs per token, and the process
 //! groups of a rank, checked by the same layout rules as `#[moe_model]`.
 
+use std::path::Path;
+
+use foldmoe::core::config::ModelConfig;
 use foldmoe::core::layout::{self, GroupKind, LayoutSpec};
+use foldmoe::core::spec::ModelSpec;
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -21,17 +25,38 @@ struct Plan {
     notes: Vec<String>,
 }
 
+/// Which model to plan.
+pub enum ModelSource<'a> {
+    /// A shipped model by name (`--model`).
+    Name(&'a str),
+    /// A model config file (`--model-config`), read and checked by the same
+    /// rules and messages as a `#[moe_model]` declaration.
+    Config(&'a Path),
+}
+
+impl ModelSource<'_> {
+    /// The model's spec and its declared layouts.
+    fn load(&self) -> Result<(ModelSpec, Vec<LayoutSpec>), CliError> {
+        match self {
+            ModelSource::Name(name) => foldmoe::models::layouts_by_name(name)
+                .map_err(|e| CliError::usage(format!("--model {name}: {e}"))),
+            ModelSource::Config(path) => ModelConfig::load(path)
+                .map(ModelConfig::into_parts)
+                .map_err(|e| CliError::usage(format!("--model-config {e}"))),
+        }
+    }
+}
+
 /// Plans `model` under `layout_text` (else its first declared layout), with
 /// `ranks` overriding the world size, for `rank`; JSON or a text table.
 pub fn run(
-    model: &str,
+    model: ModelSource,
     layout_text: Option<&str>,
     ranks: Option<usize>,
     rank: usize,
     json: bool,
 ) -> Result<String, CliError> {
-    let (spec, declared) = foldmoe::models::layouts_by_name(model)
-        .map_err(|e| CliError::usage(format!("--model {model}: {e}")))?;
+    let (spec, declared) = model.load()?;
     let mut layout_spec = match layout_text {
         Some(text) => {
             LayoutSpec::parse(text).map_err(|e| CliError::usage(format!("--layout: {e}")))?

@@ -158,3 +158,20 @@ fn small_models_run_on_the_cpu() {
 fn deepseek_v3_small_runs_on_the_cpu() {
     forward_backward::<DeepSeekV3Small<Cpu>>(DeepSeekV3SmallLayout::Cpu);
 }
+
+/// The second front end: each shipped model's config file
+/// (`models/configs/<name>.toml`) gives exactly the spec and layouts of its
+/// `#[moe_model]` declaration, so the two cannot drift apart.
+#[test]
+fn every_config_file_matches_its_declaration() {
+    use foldmoe_core::config::ModelConfig;
+    for name in names() {
+        let path = format!("{}/configs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
+        let config = ModelConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        let (spec, layouts) = layouts_by_name(name).unwrap();
+        assert_eq!(config.spec, spec, "{name}");
+        assert_eq!(config.layouts, layouts, "{name}");
+    }
+    let tiny = ModelConfig::load(format!("{}/configs/tiny.toml", env!("CARGO_MANIFEST_DIR")));
+    assert_eq!(tiny.unwrap().spec, tiny_by_hand());
+}
