@@ -822,24 +822,31 @@ mod tests {
                     );
                 }
             }
-            let sizes = [37, 0, 5, 64, 0, 1, 100, 20];
-            let (g, m, k, n) = (sizes.len(), 240, 96, 72);
-            let (gs, gsc) = c.idx(&sizes, &[g]);
-            let (x, xc) = c.rand(&[m, k], 1.0);
-            for trans_w in [false, true] {
-                let (w, wc) = c.rand(&if trans_w { [g, n, k] } else { [g, k, n] }, 1.0);
+            // Small and ragged, then several 128-row tiles per group and
+            // columns over two tiles (the bf16 tensor-core kernel's edges).
+            let cases: [(&[i32], usize, usize, usize); 2] = [
+                (&[37, 0, 5, 64, 0, 1, 100, 20], 240, 96, 72),
+                (&[300, 0, 129, 1], 500, 200, 300),
+            ];
+            for (sizes, m, k, n) in cases {
+                let g = sizes.len();
+                let (gs, gsc) = c.idx(sizes, &[g]);
+                let (x, xc) = c.rand(&[m, k], 1.0);
+                for trans_w in [false, true] {
+                    let (w, wc) = c.rand(&if trans_w { [g, n, k] } else { [g, k, n] }, 1.0);
+                    c.check(
+                        &format!("grouped_matmul {sizes:?} trans_w={trans_w}"),
+                        &d.grouped_matmul(&x, &w, &gs, trans_w).unwrap(),
+                        &Cpu.grouped_matmul(&xc, &wc, &gsc, trans_w).unwrap(),
+                    );
+                }
+                let (dy, dyc) = c.rand(&[m, n], 1.0);
                 c.check(
-                    &format!("grouped_matmul trans_w={trans_w}"),
-                    &d.grouped_matmul(&x, &w, &gs, trans_w).unwrap(),
-                    &Cpu.grouped_matmul(&xc, &wc, &gsc, trans_w).unwrap(),
+                    &format!("grouped_matmul_weight_grad {sizes:?}"),
+                    &d.grouped_matmul_weight_grad(&x, &dy, &gs).unwrap(),
+                    &Cpu.grouped_matmul_weight_grad(&xc, &dyc, &gsc).unwrap(),
                 );
             }
-            let (dy, dyc) = c.rand(&[m, n], 1.0);
-            c.check(
-                "grouped_matmul_weight_grad",
-                &d.grouped_matmul_weight_grad(&x, &dy, &gs).unwrap(),
-                &Cpu.grouped_matmul_weight_grad(&xc, &dyc, &gsc).unwrap(),
-            );
             c.report("linalg");
         }
     }

@@ -6,11 +6,15 @@
 // group found by binary search over the offsets. A tensor-core version will
 // replace it; the interface (sizes read on the device, no host sync) stays.
 
+#include <mma.h>
+
 // Offsets [G + 1] from sizes [G], on one thread (G is the expert count).
 // Negative sizes and a total above M are reported, and the offsets clamped
-// to [0, M] so no later kernel can read or write out of bounds.
+// to [0, M] so no later kernel can read or write out of bounds. Also the
+// tile offsets [G + 1] of the tensor-core kernel: group g owns tiles
+// tiles[g]..tiles[g + 1], ceil(size / tile_rows) of them.
 extern "C" __global__ void group_offsets(const int* sizes, int g, i64 m, i64* offs, ErrRec* err,
-                                         unsigned int code_negative, unsigned int code_total) {
+                                         unsigned int code_negative, unsigned int code_total, i64* tiles, i64 tile_rows) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     i64 t = 0;
     offs[0] = 0;
@@ -27,6 +31,8 @@ extern "C" __global__ void group_offsets(const int* sizes, int g, i64 m, i64* of
         report_err(err, code_total, t, (double)t);
         for (int i = 0; i <= g; ++i) offs[i] = offs[i] < m ? offs[i] : m;
     }
+    tiles[0] = 0;
+    for (int i = 0; i < g; ++i) tiles[i + 1] = tiles[i] + (offs[i + 1] - offs[i] + tile_rows - 1) / tile_rows;
 }
 
 // The group of `row`: the last g with offs[g] <= row, or -1 past the end.
@@ -86,3 +92,128 @@ __device__ void grouped_wgrad_impl(const T* x, const T* dy, const i64* offs, T* 
     extern "C" __global__ void grouped_wgrad_##sfx(const T* x, const T* dy, const i64* offs, T* dw, i64 k, i64 n) { \
         grouped_wgrad_impl<T>(x, dy, offs, dw, k, n); }
 FOR_FLOATS(GROUPED_WGRAD)
+
+// ---- bf16 tensor-core grouped GEMM -------------------------------------------------
+//
+// A block computes a 128 × 128 tile of one group's rows with 8 warps (2 × 4,
+// 64 × 32 each) on WMMA 16 × 16 × 16 bf16 fragments with f32 accumulation.
+// The grid's x covers the largest possible tile count (M / 128 + G); a block
+// finds its group by binary search over the tile offsets and exits if it is
+// past the last tile, so the launch needs no sizes from the host. Operand
+// tiles are staged in shared memory with zero fill at every edge; results go
+// through a per-warp staging tile so rows of the next group are never
+// written. Rows past the last group are zeroed by the caller.
+
+#define GM_BM 128
+#define GM_BN 128
+#define GM_BK 32
+#define GM_APAD 8
+#define GM_BPAD 8
+
+using namespace nvcuda;
+
+// Copies 8 consecutive bf16 (16 bytes) when they are all in bounds and
+// `vec` says rows are 16-byte aligned, else element by element with zeros
+// past `limit` or when `ok` is false.
+__device__ __forceinline__ void load8(bf16* dst, const bf16* src, bool ok, i64 avail, bool vec) {
+    if (ok && vec && avail >= 8) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        return;
+    }
+    bf16 zero = __float2bfloat16_rn(0.0f);
+    for (int i = 0; i < 8; ++i) dst[i] = (ok && i < avail) ? src[i] : zero;
+}
+
+// TRANS = false: w[g] is [K, N], staged row-major [BK][BN]; TRANS = true:
+// w[g] is [N, K], staged as [BN][BK] and read as a column-major operand, so
+// both layouts load 16 bytes at a time along their contiguous dimension.
+template <bool TRANS>
+__device__ void grouped_mm_tc_impl(const bf16* __restrict__ x, const bf16* __restrict__ w, const i64* __restrict__ offs,
+                                   const i64* __restrict__ tiles, bf16* __restrict__ out, i64 k, i64 n, int g) {
+    __shared__ __align__(32) bf16 as[GM_BM][GM_BK + GM_APAD];
+    __shared__ __align__(32) bf16 bsm[GM_BN * (GM_BK + GM_BPAD)];
+    __shared__ __align__(32) float stage[8][16 * 16];
+    i64 tile = blockIdx.x;
+    if (tile >= tiles[g]) return;
+    int lo = 0, hi = g - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tiles[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    int grp = lo;
+    i64 row0 = offs[grp] + (tile - tiles[grp]) * GM_BM;
+    i64 row_end = offs[grp + 1];
+    i64 col0 = (i64)blockIdx.y * GM_BN;
+    const bf16* wg = w + (i64)grp * k * n;
+    bool vec_k = (k % 8) == 0, vec_n = (n % 8) == 0;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wm = warp >> 2, wn = warp & 3;  // warp tile: rows wm*64.., cols wn*32..
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+    for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+    for (i64 k0 = 0; k0 < k; k0 += GM_BK) {
+        // A: 128 × 32, 8 elements per thread-step along k.
+        for (int e = threadIdx.x; e < GM_BM * GM_BK / 8; e += 256) {
+            int r = e / (GM_BK / 8), c = (e % (GM_BK / 8)) * 8;
+            i64 gr = row0 + r, gc = k0 + c;
+            load8(&as[r][c], x + gr * k + gc, gr < row_end, k - gc, vec_k);
+        }
+        if (!TRANS) {
+            // B: [BK][BN + pad], 8 elements along n.
+            for (int e = threadIdx.x; e < GM_BK * GM_BN / 8; e += 256) {
+                int r = e / (GM_BN / 8), c = (e % (GM_BN / 8)) * 8;
+                i64 gr = k0 + r, gc = col0 + c;
+                load8(&bsm[r * (GM_BN + GM_BPAD) + c], wg + gr * n + gc, gr < k, n - gc, vec_n);
+            }
+        } else {
+            // B^T: [BN][BK + pad], 8 elements along k.
+            for (int e = threadIdx.x; e < GM_BN * GM_BK / 8; e += 256) {
+                int c = e / (GM_BK / 8), r = (e % (GM_BK / 8)) * 8;
+                i64 gr = k0 + r, gc = col0 + c;
+                load8(&bsm[c * (GM_BK + GM_APAD) + r], wg + gc * k + gr, gc < n, k - gr, vec_k);
+            }
+        }
+        __syncthreads();
+        for (int kk = 0; kk < GM_BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[4];
+            for (int i = 0; i < 4; ++i) wmma::load_matrix_sync(fa[i], &as[wm * 64 + i * 16][kk], GM_BK + GM_APAD);
+            if (!TRANS) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[2];
+                for (int j = 0; j < 2; ++j)
+                    wmma::load_matrix_sync(fb[j], &bsm[kk * (GM_BN + GM_BPAD) + wn * 32 + j * 16], GM_BN + GM_BPAD);
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+            } else {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb[2];
+                for (int j = 0; j < 2; ++j)
+                    wmma::load_matrix_sync(fb[j], &bsm[(wn * 32 + j * 16) * (GM_BK + GM_APAD) + kk], GM_BK + GM_APAD);
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+            }
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 2; ++j) {
+            wmma::store_matrix_sync(stage[warp], acc[i][j], 16, wmma::mem_row_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                i64 gr = row0 + wm * 64 + i * 16 + e / 16;
+                i64 gc = col0 + wn * 32 + j * 16 + e % 16;
+                if (gr < row_end && gc < n) out[gr * n + gc] = __float2bfloat16_rn(stage[warp][e]);
+            }
+            __syncwarp();
+        }
+    }
+}
+
+// One entry point per layout: a runtime switch would inline both and double
+// the static shared memory past the 48 KiB limit.
+extern "C" __global__ void __launch_bounds__(256) grouped_mm_tc_bf16_nn(
+    const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) {
+    grouped_mm_tc_impl<false>(x, w, offs, tiles, out, k, n, g);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_mm_tc_bf16_nt(
+    const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) {
+    grouped_mm_tc_impl<true>(x, w, offs, tiles, out, k, n, g);
+}

@@ -1,6 +1,8 @@
 //! CUDA dense and grouped matrix products (row-major). Dense GEMMs run on
 //! cuBLAS; the grouped GEMM is a kernel of `linalg.cu` that reads the group
-//! sizes on the device, so the MoE layer never waits for the host.
+//! sizes on the device, so the MoE layer never waits for the host: on bf16
+//! a tensor-core (WMMA) kernel, on f32/f64 a plain one. The weight gradient
+//! is still the plain kernel for every dtype.
 //!
 //! Shape letters: M rows, K inner dimension, N columns, G groups.
 
@@ -12,6 +14,10 @@ use super::{float_sfx, launch, Cuda};
 use crate::backend::{Device, LinalgOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
+
+/// Rows and columns of one tile of the bf16 tensor-core grouped GEMM
+/// (`GM_BM`, `GM_BN` in linalg.cu).
+const TC_TILE: usize = 128;
 
 /// Bytes of the cuBLAS workspace (what cuBLAS asks for on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -61,15 +67,16 @@ impl Cuda {
         f(guard.as_ref().map(|b| b.0).expect("created above"))
     }
 
-    /// Group offsets `[G + 1]` (i64, scratch) from device sizes `[G]`,
-    /// checked on the device against `m` rows.
+    /// Group offsets `[G + 1]` and the tensor-core kernel's tile offsets
+    /// `[G + 1]` (both i64, scratch) from device sizes `[G]`, checked on the
+    /// device against `m` rows.
     fn group_offsets(
         &self,
         op: &'static str,
         sizes: &Tensor<Self>,
         g: usize,
         m: usize,
-    ) -> Result<super::alloc::Block> {
+    ) -> Result<(super::alloc::Block, super::alloc::Block)> {
         sizes.expect_dtype(op, DType::I32)?;
         sizes.expect_shape(op, "group_sizes", &[g])?;
         let neg =
@@ -90,6 +97,7 @@ impl Cuda {
             )
         })?;
         let offs = self.scratch(op, (g + 1) * 8)?;
+        let tiles = self.scratch(op, (g + 1) * 8)?;
         let f = self.func(LINALG, "group_offsets")?;
         launch!(
             self,
@@ -101,9 +109,11 @@ impl Cuda {
             offs.ptr(),
             self.err_ptr(),
             neg,
-            total
+            total,
+            tiles.ptr(),
+            TC_TILE as i64
         )?;
-        Ok(offs)
+        Ok((offs, tiles))
     }
 }
 
@@ -242,7 +252,42 @@ impl LinalgOps for Cuda {
             ));
         }
         w.expect_dtype(OP, x.dtype())?;
-        let offs = self.group_offsets(OP, group_sizes, g, m)?;
+        let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        if x.dtype() == DType::BF16 {
+            // Tensor cores; rows past the last group stay zero from here.
+            let out = self.zeros(&[m, n], x.dtype())?;
+            if m * n > 0 && k > 0 {
+                let name = if trans_w {
+                    "grouped_mm_tc_bf16_nt"
+                } else {
+                    "grouped_mm_tc_bf16_nn"
+                };
+                let f = self.func(LINALG, name)?;
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        (m.div_ceil(TC_TILE) + g) as u32,
+                        n.div_ceil(TC_TILE) as u32,
+                        1,
+                    ),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                launch!(
+                    self,
+                    f,
+                    cfg,
+                    x.storage().ptr(),
+                    w.storage().ptr(),
+                    offs.ptr(),
+                    tiles.ptr(),
+                    out.storage().ptr(),
+                    k as i64,
+                    n as i64,
+                    g as i32
+                )?;
+            }
+            return Ok(out);
+        }
         let out = self.alloc(OP, &[m, n], x.dtype())?;
         if m * n > 0 {
             let f = self.func(LINALG, &format!("grouped_mm_{sfx}"))?;
@@ -299,7 +344,7 @@ impl LinalgOps for Cuda {
             }
         };
         dy.expect_dtype(OP, x.dtype())?;
-        let offs = self.group_offsets(OP, group_sizes, g, m)?;
+        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
         let out = self.alloc(OP, &[g, k, n], x.dtype())?;
         if g * k * n > 0 {
             let f = self.func(LINALG, &format!("grouped_wgrad_{sfx}"))?;

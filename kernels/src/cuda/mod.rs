@@ -766,10 +766,25 @@ mod tests {
             .upload(HostData::I32(vec![(n / e) as i32; e]), &[e])
             .unwrap();
         time(
-            "grouped_matmul bf16 (simple kernel) 131072x2048x768, 128 groups",
+            "grouped_matmul bf16 (WMMA kernel) 131072x2048x768, 128 groups",
             2.0 * (n * h * f) as f64,
             &|| {
                 d.grouped_matmul(&x, &wg, &sizes, false).unwrap();
+            },
+        );
+        let dy = bf16(&[n, f]);
+        time(
+            "grouped_matmul bf16 trans_w (WMMA kernel) 131072x768x2048, 128 groups",
+            2.0 * (n * h * f) as f64,
+            &|| {
+                d.grouped_matmul(&dy, &wg, &sizes, true).unwrap();
+            },
+        );
+        time(
+            "grouped_matmul_weight_grad bf16 (simple kernel) 128x2048x768 over 131072 rows",
+            2.0 * (n * h * f) as f64,
+            &|| {
+                d.grouped_matmul_weight_grad(&x, &dy, &sizes).unwrap();
             },
         );
         let (b, s, hq, hkv, hd) = (1usize, 4096usize, 32usize, 4usize, 128usize);
