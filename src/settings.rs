@@ -15,6 +15,10 @@ pub struct TrainOptions {
     /// Model to train (see `foldmoe models`).
     #[arg(long)]
     pub model: Option<String>,
+    /// Model config file (TOML, the macro's keys) to train instead of a
+    /// named model; the model's name is the file's `name`.
+    #[arg(long, conflicts_with = "model")]
+    pub model_config: Option<PathBuf>,
     /// Optimizer steps to run in total.
     #[arg(long)]
     pub steps: Option<u64>,
@@ -153,6 +157,7 @@ impl TrainOptions {
     fn or(self, file: TrainOptions) -> TrainOptions {
         TrainOptions {
             model: self.model.or(file.model),
+            model_config: self.model_config.or(file.model_config),
             steps: self.steps.or(file.steps),
             seed: self.seed.or(file.seed),
             batch_tokens: self.batch_tokens.or(file.batch_tokens),

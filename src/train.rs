@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::checkpoint::{self, NamedTensor};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
@@ -356,8 +357,23 @@ fn prepare(opts: TrainOptions) -> Result<Prepared, CliError> {
             }
             meta.spec.clone()
         }
-        None => foldmoe::models::by_name(&settings.model)
-            .map_err(|e| CliError::usage(format!("--model {}: {e}", settings.model)))?,
+        None => match &opts.model_config {
+            Some(path) => {
+                let config = ModelConfig::load(path)
+                    .map_err(|e| CliError::usage(format!("--model-config {e}")))?;
+                config.spec
+            }
+            None => foldmoe::models::by_name(&settings.model)
+                .map_err(|e| CliError::usage(format!("--model {}: {e}", settings.model)))?,
+        },
+    };
+    // A config file names its model; the run records that name.
+    let settings = match &opts.model_config {
+        Some(_) if resumed.is_none() => TrainSettings {
+            model: spec.name.clone(),
+            ..settings
+        },
+        _ => settings,
     };
     if let Some(factor) = settings.capacity_factor {
         for group in &mut spec.groups {

@@ -403,3 +403,23 @@ fn bad_parallel_flags_give_one_line_errors() {
         "pp",
     );
 }
+
+#[test]
+fn train_accepts_a_model_config_file() {
+    let dir = scratch("modelcfg");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/configs/tiny.toml");
+    let from_file = train(
+        &dir.join("file"),
+        &["--steps", "2", "--model-config", config.to_str().unwrap()],
+    );
+    assert!(from_file.status.success(), "{}", stderr(&from_file));
+    let named = train(&dir.join("named"), &["--steps", "2"]);
+    assert!(named.status.success(), "{}", stderr(&named));
+    assert_eq!(losses(&dir.join("file")), losses(&dir.join("named")));
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "name = \"x\"\nvocab = 0\n").unwrap();
+    assert_fails_with(
+        &train(&dir.join("bad"), &["--model-config", bad.to_str().unwrap()]),
+        "--model-config",
+    );
+}
