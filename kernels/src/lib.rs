@@ -2,7 +2,9 @@
 //!
 //! - [`cpu::Cpu`]: the reference backend and the default device (f32, f64 for
 //!   gradient checks), multi-threaded with rayon.
-//! - [`cuda::Cuda`]: the GPU backend (for now it reports itself unavailable).
+//! - [`cuda::Cuda`]: the GPU backend on cudarc (dynamic loading: it builds
+//!   everywhere and names what is missing where no GPU or driver is found);
+//! - [`comm`]: collectives between ranks ([`comm::Communicator`]).
 
 pub mod backend;
 pub mod comm;
