@@ -178,16 +178,7 @@ impl<B: Backend> Trainer<B> {
         self.opt.hyper = self.cfg.adamw();
         self.opt.step(b, &mut self.model, lr)?;
         self.model.update_expert_biases(b, &loads)?;
-
-        let mut load_imbalance: f64 = 1.0;
-        for load in &loads {
-            let l = b.download(load)?.to_f64();
-            let mean = l.iter().sum::<f64>() / l.len().max(1) as f64;
-            let max = l.iter().cloned().fold(0.0, f64::max);
-            if mean > 0.0 {
-                load_imbalance = load_imbalance.max(max / mean);
-            }
-        }
+        let load_imbalance = load_imbalance(b, &loads)?;
         Ok(StepStats {
             loss,
             aux_loss,
@@ -196,6 +187,21 @@ impl<B: Backend> Trainer<B> {
             load_imbalance,
         })
     }
+}
+
+/// max/mean expert load of the worst MoE layer (1 when balanced or without
+/// MoE layers), read to the host for logging.
+pub(crate) fn load_imbalance<B: Backend>(b: &B, loads: &[Tensor<B>]) -> Result<f64> {
+    let mut worst: f64 = 1.0;
+    for load in loads {
+        let l = b.download(load)?.to_f64();
+        let mean = l.iter().sum::<f64>() / l.len().max(1) as f64;
+        let max = l.iter().cloned().fold(0.0, f64::max);
+        if mean > 0.0 {
+            worst = worst.max(max / mean);
+        }
+    }
+    Ok(worst)
 }
 
 /// `acc + x`, or `x` when nothing has been accumulated yet.

@@ -25,7 +25,7 @@ use super::model::ParallelModel;
 use super::shard::{cut_block, place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::{Ctx, RankLayout};
 use crate::engine::param::Param;
-use crate::engine::trainer::{StepStats, TrainConfig, Trainer};
+use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig, Trainer};
 use crate::engine::{EngineError, Result};
 
 /// How a parameter is reduced and updated.
@@ -388,15 +388,7 @@ impl<B: Backend> ParallelTrainer<B> {
             *load = ctx.sum_over(&rank.stage, load)?;
         }
         self.model.update_expert_biases(b, &loads)?;
-        let mut load_imbalance: f64 = 1.0;
-        for load in &loads {
-            let l = b.download(load)?.to_f64();
-            let mean = l.iter().sum::<f64>() / l.len().max(1) as f64;
-            let max = l.iter().cloned().fold(0.0, f64::max);
-            if mean > 0.0 {
-                load_imbalance = load_imbalance.max(max / mean);
-            }
-        }
+        let load_imbalance = load_imbalance(b, &loads)?;
         Ok(StepStats {
             loss,
             aux_loss,
