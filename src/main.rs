@@ -95,7 +95,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let flag = stop.clone();
             ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
                 .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
-            train::run(&Cpu, *opts, stop)
+            // The run goes to the backend it names; a device that cannot be
+            // used was refused above, so nothing falls back to the CPU.
+            if opts.device.as_deref() == Some("cuda") {
+                train::run(&Cuda::new(0)?, *opts, stop)
+            } else {
+                train::run(&Cpu, *opts, stop)
+            }
         }
         Command::Plan {
             model,

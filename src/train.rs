@@ -337,7 +337,7 @@ fn build_trainer<B: Backend>(
 }
 
 /// Validates everything, prepares the run directory and the run's state.
-fn prepare(opts: TrainOptions) -> Result<Prepared, CliError> {
+fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
     let resumed = match &opts.resume {
         Some(dir) => Some(checkpoint::load::<RunMeta>(&checkpoint_dir(dir))?),
         None => None,
@@ -400,6 +400,13 @@ fn prepare(opts: TrainOptions) -> Result<Prepared, CliError> {
             settings.model
         )));
     }
+    if settings.device != backend {
+        return Err(CliError::usage(format!(
+            "device `{}` (from the config file or the resumed run) but this run was started on \
+             the {backend} backend; pass --device {} on the command line",
+            settings.device, settings.device
+        )));
+    }
     let layout = resolve_layout(&settings, &spec)?;
     // A parallel run splits each step's micro-batches over dp; one
     // micro-batch (the default) becomes one per dp rank.
@@ -459,7 +466,7 @@ fn prepare(opts: TrainOptions) -> Result<Prepared, CliError> {
 /// Runs `foldmoe train` on backend `b`: one rank, or `--ranks N` ranks as
 /// threads under `--layout`.
 pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Result<(), CliError> {
-    let prep = prepare(opts)?;
+    let prep = prepare(opts, B::NAME)?;
     let Some(layout) = prep.layout.clone() else {
         let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
         let mut engine = SingleRank {

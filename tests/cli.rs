@@ -423,3 +423,14 @@ fn train_accepts_a_model_config_file() {
         "--model-config",
     );
 }
+
+#[test]
+fn a_device_from_the_config_file_is_never_silently_the_cpu() {
+    let dir = scratch("cfgdevice");
+    let cfg = dir.join("cuda.toml");
+    std::fs::write(&cfg, "device = \"cuda\"\n").unwrap();
+    let out = dir.join("run");
+    let o = train(&out, &["--config", cfg.to_str().unwrap()]);
+    assert_fails_with(&o, "--device cuda");
+    assert!(!out.exists(), "nothing is created for a refused run");
+}
