@@ -389,3 +389,23 @@ fn declared_model_builds_each_ranks_shard() {
         .to_string();
     assert!(err.contains("MoeModel::shard"), "{err}");
 }
+
+/// Out-of-vocabulary ids and targets are errors naming the value on every
+/// rank, not a silently wrong loss from a vocabulary shard that has no row.
+#[test]
+fn out_of_vocabulary_ids_are_named_errors() {
+    let spec = spec(None);
+    let layout = layout::check(&LayoutSpec::parse("world=2,tp=2").unwrap(), &spec).unwrap();
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let model =
+            ParallelModel::from_model(ctx.b, Model::new(ctx.b, &spec, SEED, DType::F32)?, rank)?;
+        let (tokens, mut targets) = global_batch(0).remove(0);
+        targets[3] = 64;
+        model.forward(ctx, &tokens, &targets, SEQ).map(|_| ())
+    });
+    for result in results {
+        let err = result.expect_err("target 64 is outside 0..64").to_string();
+        assert!(err.contains("target 64"), "{err}");
+    }
+}

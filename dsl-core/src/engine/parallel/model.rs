@@ -245,6 +245,14 @@ impl<B: Backend> ParallelModel<B> {
                 )));
             }
         }
+        for &y in targets {
+            if y < -1 || y >= self.spec.vocab as i32 {
+                return Err(EngineError::Invalid(format!(
+                    "target {y} is outside the vocabulary of {} (and not -1, ignored)",
+                    self.spec.vocab
+                )));
+            }
+        }
         let in_shard = |id: i32| id >= 0 && (id as usize) >= v0 && (id as usize) < v1;
 
         // Embedding: this rank's vocabulary rows, zero elsewhere, summed over tp.
