@@ -83,6 +83,24 @@ pub enum KernelError {
         /// Why it cannot be used, naming what is missing.
         reason: String,
     },
+    /// The device ran out of memory: what was being allocated, how much, and
+    /// what the device still had.
+    #[error("{device}: out of memory allocating {what} ({} = {requested} bytes); {} free of {} on the device, {} was cached by this process and released first: use smaller batches or sequences, recompute, or more ranks", human_bytes(*requested), human_bytes(*free), human_bytes(*total), human_bytes(*cached))]
+    OutOfMemory {
+        /// The backend's name.
+        device: &'static str,
+        /// The op and tensor being allocated.
+        what: String,
+        /// Bytes requested.
+        requested: usize,
+        /// Free device memory when the allocation failed, in bytes.
+        free: usize,
+        /// Total device memory, in bytes.
+        total: usize,
+        /// Bytes this process had cached for reuse (given back to the
+        /// driver before the failing retry).
+        cached: usize,
+    },
     /// A collective failed: a peer rank aborted, or it timed out.
     #[error("communicator (rank {rank}): {detail}")]
     Comm {
@@ -106,5 +124,33 @@ pub fn arg_err(op: &'static str, detail: impl Into<String>) -> KernelError {
     KernelError::InvalidArgument {
         op,
         detail: detail.into(),
+    }
+}
+
+/// Bytes in binary units, for messages (`3.00 GiB`, `100 B`).
+pub fn human_bytes(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_read_in_binary_units() {
+        assert_eq!(human_bytes(100), "100 B");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
     }
 }

@@ -34,6 +34,17 @@ pub(crate) fn round_size(bytes: usize) -> usize {
 struct Cache {
     free: HashMap<usize, Vec<sys::CUdeviceptr>>,
     cached_bytes: usize,
+    /// Bytes held by live blocks (rounded sizes).
+    in_use: usize,
+    /// The highest `in_use` since the last [`Pool::reset_peak`].
+    peak_in_use: usize,
+}
+
+impl Cache {
+    fn hand_out(&mut self, size: usize) {
+        self.in_use += size;
+        self.peak_in_use = self.peak_in_use.max(self.in_use);
+    }
 }
 
 /// The pool of one device handle: its context, its stream and the cache.
@@ -66,6 +77,7 @@ impl Drop for Block {
         let mut c = self.pool.cache.lock().unwrap_or_else(|p| p.into_inner());
         c.free.entry(self.bytes).or_default().push(self.ptr);
         c.cached_bytes += self.bytes;
+        c.in_use -= self.bytes;
     }
 }
 
@@ -94,6 +106,7 @@ impl Pool {
             let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(ptr) = c.free.get_mut(&size).and_then(Vec::pop) {
                 c.cached_bytes -= size;
+                c.hand_out(size);
                 return Ok(Block {
                     ptr,
                     bytes: size,
@@ -106,12 +119,17 @@ impl Pool {
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 // Cached blocks of other sizes may be what is missing: give
                 // them back to the driver and try once more.
+                let cached = self.cached_bytes();
                 self.release_cached()?;
                 self.driver_alloc(size)
-                    .map_err(|_| self.oom_error(bytes, size, what))?
+                    .map_err(|_| self.oom_error(bytes, size, what, cached))?
             }
             Err(e) => return Err(driver_err(what, e)),
         };
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .hand_out(size);
         Ok(Block {
             ptr,
             bytes: size,
@@ -151,17 +169,28 @@ impl Pool {
             .cached_bytes
     }
 
-    fn oom_error(&self, bytes: usize, size: usize, what: &str) -> KernelError {
+    /// `(in use, peak in use)` bytes of live blocks: what the run needs,
+    /// cache excluded.
+    pub(crate) fn usage(&self) -> (usize, usize) {
+        let c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        (c.in_use, c.peak_in_use)
+    }
+
+    /// Starts a new peak measurement from the current use.
+    pub(crate) fn reset_peak(&self) {
+        let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        c.peak_in_use = c.in_use;
+    }
+
+    fn oom_error(&self, bytes: usize, size: usize, what: &str, cached: usize) -> KernelError {
         let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
-        KernelError::DeviceUnavailable {
+        KernelError::OutOfMemory {
             device: "cuda",
-            reason: format!(
-                "out of memory allocating {} ({bytes} bytes, {size} rounded) for {what}: {} free of {} on the GPU, {} cached by this handle; use smaller batches or sequences",
-                human(bytes),
-                human(free),
-                human(total),
-                human(self.cached_bytes()),
-            ),
+            what: format!("{what} ({size} bytes with rounding)"),
+            requested: bytes,
+            free,
+            total,
+            cached,
         }
     }
 }
@@ -182,22 +211,6 @@ pub(crate) fn driver_err(what: &str, e: drv::DriverError) -> KernelError {
     }
 }
 
-/// Bytes in binary units, for messages.
-pub(crate) fn human(bytes: usize) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,7 +223,5 @@ mod tests {
         assert_eq!(round_size(SMALL_LIMIT), SMALL_LIMIT);
         assert_eq!(round_size(SMALL_LIMIT + 1), LARGE_ROUND);
         assert_eq!(round_size(5 << 20), 6 << 20);
-        assert_eq!(human(3 << 30), "3.00 GiB");
-        assert_eq!(human(100), "100 B");
     }
 }

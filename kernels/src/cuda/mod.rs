@@ -27,6 +27,7 @@ mod elementwise;
 mod graph;
 mod linalg;
 mod loss;
+pub mod nccl;
 mod norm;
 mod optim;
 mod routing;
@@ -326,6 +327,18 @@ impl Cuda {
     /// Bytes this handle's pool holds for reuse.
     pub fn cached_bytes(&self) -> usize {
         self.inner.pool.cached_bytes()
+    }
+
+    /// `(in use, peak in use)`: bytes of device memory held by live tensors
+    /// and scratch buffers now, and at most since the last
+    /// [`Cuda::reset_peak_memory`] (the caching allocator's cache excluded).
+    pub fn memory_in_use(&self) -> (usize, usize) {
+        self.inner.pool.usage()
+    }
+
+    /// Starts a new peak-memory measurement from the current use.
+    pub fn reset_peak_memory(&self) {
+        self.inner.pool.reset_peak()
     }
 
     /// Makes the device's context current on this thread: raw driver calls
@@ -719,6 +732,28 @@ mod tests {
             p,
             "the same size class must come back from the cache"
         );
+    }
+
+    #[test]
+    fn out_of_memory_names_the_request_and_what_was_free() {
+        let Some(d) = test_device() else { return };
+        // 2^40 f32 elements: 4 TiB, more than any GPU has.
+        let err = d.zeros(&[1 << 20, 1 << 20], DType::F32).err().unwrap();
+        assert!(
+            matches!(err, crate::KernelError::OutOfMemory { .. }),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("4.00 TiB = 4398046511104 bytes"), "{msg}");
+        assert!(msg.contains("free of"), "{msg}");
+        // The failure leaves the device usable, and the peak counts only
+        // what was handed out.
+        d.reset_peak_memory();
+        let a = d.zeros(&[1 << 20], DType::F32).unwrap();
+        let (in_use, peak) = d.memory_in_use();
+        assert!(in_use >= 4 << 20 && peak >= in_use, "{in_use} {peak}");
+        drop(a);
+        assert!(d.memory_in_use().0 < in_use);
     }
 
     /// Rough timings of the simple kernels at Qwen3-30B-A3B's MoE sizes, as

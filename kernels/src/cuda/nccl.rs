@@ -1,0 +1,795 @@
+//! The [`Communicator`] of multi-GPU runs, on NCCL (one process per GPU).
+//!
+//! One NCCL communicator spans the world; every process group of the layout
+//! (tp, cp, dp, ep, etp, edp, pp…) gets its own, split from it once at start
+//! (`ncclCommSplit` is collective over the whole world, so groups cannot be
+//! made lazily by their members alone). Collectives run on the device
+//! handle's stream, so they are ordered with the compute that produces and
+//! consumes their tensors without events; overlapping communication with
+//! compute (a second stream and events) is future work.
+//!
+//! NCCL has no all-to-all-v and its `recv` needs the size up front, so:
+//! - [`Communicator::all_to_all_v`] exchanges the row counts (a small
+//!   all-gather read on the host: the trait returns host counts), then moves
+//!   the rows with grouped point-to-point sends and receives;
+//! - [`Communicator::all_gather`] with unequal row counts does the same;
+//! - [`Communicator::send`] sends a fixed-size header (dtype and shape)
+//!   before the data, which [`Communicator::recv`] reads first.
+//!
+//! Sums are NCCL's: their order is not the group order, so results match a
+//! single-rank run to rounding, not bit for bit (unlike [`crate::comm::local`]).
+//! A rank that dies leaves NCCL kernels on its peers waiting; `foldmoe
+//! launch` ends those processes (and [`Communicator::abort`] ends this one's
+//! communicators so that pending work fails instead of waiting).
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr};
+use std::sync::Mutex;
+
+use cudarc::driver::result as drv;
+use cudarc::nccl::sys;
+
+use super::{dtype_size, Cuda};
+use crate::backend::Device;
+use crate::comm::{Communicator, Group, ReduceOp};
+use crate::error::{KernelError, Result};
+use crate::tensor::{DType, HostData, Tensor};
+
+/// Bytes of an NCCL unique id, which rank 0 creates and every rank needs.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// Entries of the header [`Communicator::send`] puts before a tensor: dtype,
+/// number of dimensions, then up to 6 dimensions.
+const HEADER_LEN: usize = 8;
+
+/// A raw NCCL communicator handle, destroyed on drop.
+struct RawComm(sys::ncclComm_t);
+
+// NCCL communicators may be used from any thread as long as calls on one are
+// not concurrent; every call goes through `NcclComm::ops`, a mutex.
+unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        if self.0.is_null() {
+            return; // aborted: NCCL already released it
+        }
+        // Best effort: a failing destroy has nowhere to go at drop.
+        unsafe {
+            let _ = sys::ncclCommDestroy(self.0);
+        }
+    }
+}
+
+/// This rank's NCCL communicators: the world's and one per process group.
+pub struct NcclComm {
+    cuda: Cuda,
+    rank: usize,
+    world: usize,
+    ops: Mutex<State>,
+}
+
+struct State {
+    world: RawComm,
+    /// Split communicators by their groups' ranks (groups of 2 or more
+    /// ranks that are not the world in rank order).
+    groups: HashMap<Vec<usize>, RawComm>,
+    /// Why this rank aborted, once it has.
+    aborted: Option<String>,
+}
+
+/// The NCCL data type of `dtype`.
+fn nccl_type(dtype: DType) -> sys::ncclDataType_t {
+    match dtype {
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::F64 => sys::ncclDataType_t::ncclFloat64,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::I32 => sys::ncclDataType_t::ncclInt32,
+    }
+}
+
+fn dtype_code(dtype: DType) -> i32 {
+    match dtype {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::BF16 => 2,
+        DType::I32 => 3,
+    }
+}
+
+fn dtype_of_code(code: i32) -> Option<DType> {
+    Some(match code {
+        0 => DType::F32,
+        1 => DType::F64,
+        2 => DType::BF16,
+        3 => DType::I32,
+        _ => return None,
+    })
+}
+
+/// NCCL's own description of `r`.
+fn nccl_message(r: sys::ncclResult_t) -> String {
+    let p = unsafe { sys::ncclGetErrorString(r) };
+    if p.is_null() {
+        format!("{r:?}")
+    } else {
+        format!("{r:?}: {}", unsafe { CStr::from_ptr(p) }.to_string_lossy())
+    }
+}
+
+fn ptr(t: &Tensor<Cuda>) -> *mut c_void {
+    t.storage().ptr() as *mut c_void
+}
+
+impl NcclComm {
+    /// A new unique id (on rank 0), to hand to every rank through the
+    /// rendezvous. Fails with a clear error when NCCL is not installed.
+    pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
+        check_library()?;
+        let mut id = std::mem::MaybeUninit::<sys::ncclUniqueId>::uninit();
+        let r = unsafe { sys::ncclGetUniqueId(id.as_mut_ptr()) };
+        if r != sys::ncclResult_t::ncclSuccess {
+            return Err(KernelError::Comm {
+                rank: 0,
+                detail: format!("creating the NCCL unique id: {}", nccl_message(r)),
+            });
+        }
+        let id = unsafe { id.assume_init() };
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    /// Joins the world of `world` ranks as `rank` on `cuda`'s GPU, then splits
+    /// a communicator for each of `groups`: this rank's group of every kind
+    /// the layout has, listed in the same kind order on every rank (the
+    /// split is collective over the world). Blocks until every rank joins.
+    pub fn new(
+        cuda: &Cuda,
+        rank: usize,
+        world: usize,
+        id: &[u8; UNIQUE_ID_BYTES],
+        groups: &[Group],
+    ) -> Result<Self> {
+        check_library()?;
+        if rank >= world {
+            return Err(KernelError::Comm {
+                rank,
+                detail: format!("rank {rank} is outside a world of {world}"),
+            });
+        }
+        cuda.bind()?;
+        let fail = |what: &str, r: sys::ncclResult_t| KernelError::Comm {
+            rank,
+            detail: format!("{what}: {}", nccl_message(r)),
+        };
+        let unique = sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        let mut comm = std::ptr::null_mut();
+        let r = unsafe { sys::ncclCommInitRank(&mut comm, world as i32, unique, rank as i32) };
+        if r != sys::ncclResult_t::ncclSuccess {
+            return Err(fail(
+                &format!("joining the NCCL world of {world} as rank {rank}"),
+                r,
+            ));
+        }
+        let world_comm = RawComm(comm);
+        let everyone: Vec<usize> = (0..world).collect();
+        let mut split = HashMap::new();
+        for g in groups {
+            let Some(key) = g.index_of(rank) else {
+                return Err(KernelError::Comm {
+                    rank,
+                    detail: format!("rank {rank} is not in its group {:?}", g.ranks()),
+                });
+            };
+            // Every rank of a kind sees the same group size and the same
+            // "is the world" answer, so these skips agree across ranks.
+            if g.size() < 2 || g.ranks() == everyone.as_slice() {
+                continue;
+            }
+            let color = *g.ranks().iter().min().expect("a group of 2 or more ranks") as i32;
+            let mut sub = std::ptr::null_mut();
+            let r = unsafe {
+                sys::ncclCommSplit(
+                    world_comm.0,
+                    color,
+                    key as i32,
+                    &mut sub,
+                    std::ptr::null_mut(),
+                )
+            };
+            if r != sys::ncclResult_t::ncclSuccess {
+                return Err(fail(
+                    &format!("splitting the communicator of group {:?}", g.ranks()),
+                    r,
+                ));
+            }
+            // The same group listed under two kinds (e.g. tp and etp) gets
+            // one communicator; the extra split is dropped.
+            split.entry(g.ranks().to_vec()).or_insert(RawComm(sub));
+        }
+        Ok(NcclComm {
+            cuda: cuda.clone(),
+            rank,
+            world,
+            ops: Mutex::new(State {
+                world: world_comm,
+                groups: split,
+                aborted: None,
+            }),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.ops.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn err(&self, detail: impl Into<String>) -> KernelError {
+        KernelError::Comm {
+            rank: self.rank,
+            detail: detail.into(),
+        }
+    }
+
+    fn nccl(&self, what: &str, r: sys::ncclResult_t) -> Result<()> {
+        if r == sys::ncclResult_t::ncclSuccess {
+            Ok(())
+        } else {
+            Err(self.err(format!("{what}: {}", nccl_message(r))))
+        }
+    }
+
+    fn stream(&self) -> sys::cudaStream_t {
+        self.cuda.stream().cu_stream() as sys::cudaStream_t
+    }
+
+    /// The communicator of `group` and this rank's index in it, or an error
+    /// naming a group that was not given to [`NcclComm::new`].
+    fn comm_of(&self, s: &State, group: &Group) -> Result<(sys::ncclComm_t, usize)> {
+        if let Some(why) = &s.aborted {
+            return Err(self.err(format!("this rank ({}) aborted earlier: {why}", self.rank)));
+        }
+        let me = group.index_of(self.rank).ok_or_else(|| {
+            self.err(format!(
+                "rank {} called a collective of group {:?}, which it is not in",
+                self.rank,
+                group.ranks()
+            ))
+        })?;
+        if group.ranks().iter().copied().eq(0..self.world) {
+            return Ok((s.world.0, me));
+        }
+        match s.groups.get(group.ranks()) {
+            Some(c) => Ok((c.0, me)),
+            None => Err(self.err(format!(
+                "group {:?} has no NCCL communicator: list it in NcclComm::new's groups",
+                group.ranks()
+            ))),
+        }
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.cuda.stream().cu_stream()) }
+            .map_err(|e| self.err(format!("device copy of {bytes} bytes: {e:?}")))
+    }
+
+    /// Rows (dimension 0) every member of `group` holds: a one-int
+    /// all-gather read back on the host.
+    fn exchange_counts(&self, comm: sys::ncclComm_t, mine: &[i32]) -> Result<Vec<i32>> {
+        let b = &self.cuda;
+        let n = mine.len();
+        let send = b.upload(HostData::I32(mine.to_vec()), &[n])?;
+        let size = unsafe {
+            let mut c = 0;
+            self.nccl("reading a group size", sys::ncclCommCount(comm, &mut c))?;
+            c as usize
+        };
+        let recv = b.alloc("all-gather of row counts", &[size * n], DType::I32)?;
+        self.nccl("all-gather of row counts", unsafe {
+            sys::ncclAllGather(
+                ptr(&send),
+                ptr(&recv),
+                n,
+                sys::ncclDataType_t::ncclInt32,
+                comm,
+                self.stream(),
+            )
+        })?;
+        b.download(&recv)?.to_i32()
+    }
+
+    /// Point-to-point exchange inside one NCCL group call: to member `k`,
+    /// `send_rows[k]` rows of `t` from `send_off[k]`; from member `j`,
+    /// `recv_rows[j]` rows into `out` at `recv_off[j]`. This rank's own rows
+    /// are copied on the device.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_rows(
+        &self,
+        comm: sys::ncclComm_t,
+        me: usize,
+        t: &Tensor<Cuda>,
+        send_rows: &[usize],
+        out: &Tensor<Cuda>,
+        recv_rows: &[usize],
+    ) -> Result<()> {
+        let row = t.numel().checked_div(t.shape()[0]).unwrap_or(0);
+        let esize = dtype_size(t.dtype());
+        let dt = nccl_type(t.dtype());
+        let offsets = |rows: &[usize]| -> Vec<usize> {
+            rows.iter()
+                .scan(0, |acc, &r| {
+                    let o = *acc;
+                    *acc += r;
+                    Some(o)
+                })
+                .collect()
+        };
+        let (send_off, recv_off) = (offsets(send_rows), offsets(recv_rows));
+        let (src, dst) = (t.storage().ptr(), out.storage().ptr());
+        self.copy(
+            dst + (recv_off[me] * row * esize) as u64,
+            src + (send_off[me] * row * esize) as u64,
+            send_rows[me] * row * esize,
+        )?;
+        self.nccl("starting a group of sends and receives", unsafe {
+            sys::ncclGroupStart()
+        })?;
+        let mut result = Ok(());
+        for k in 0..send_rows.len() {
+            if k == me {
+                continue;
+            }
+            if send_rows[k] > 0 {
+                let p = (src + (send_off[k] * row * esize) as u64) as *const c_void;
+                let r = unsafe {
+                    sys::ncclSend(p, send_rows[k] * row, dt, k as i32, comm, self.stream())
+                };
+                result = result.and(self.nccl(&format!("sending rows to member {k}"), r));
+            }
+            if recv_rows[k] > 0 {
+                let p = (dst + (recv_off[k] * row * esize) as u64) as *mut c_void;
+                let r = unsafe {
+                    sys::ncclRecv(p, recv_rows[k] * row, dt, k as i32, comm, self.stream())
+                };
+                result = result.and(self.nccl(&format!("receiving rows from member {k}"), r));
+            }
+        }
+        let end = self.nccl("ending a group of sends and receives", unsafe {
+            sys::ncclGroupEnd()
+        });
+        result.and(end)
+    }
+}
+
+/// Fails with a clear error unless the NCCL library can be loaded.
+fn check_library() -> Result<()> {
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(KernelError::DeviceUnavailable {
+            device: "cuda",
+            reason: "NCCL (libnccl.so.2) not found: install NCCL or put its lib directory on \
+                     LD_LIBRARY_PATH; multi-GPU runs need it"
+                .into(),
+        })
+    }
+}
+
+impl Communicator<Cuda> for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(
+        &self,
+        b: &Cuda,
+        group: &Group,
+        t: &Tensor<Cuda>,
+        op: ReduceOp,
+    ) -> Result<Tensor<Cuda>> {
+        let s = self.state();
+        let (comm, _) = self.comm_of(&s, group)?;
+        if group.size() == 1 {
+            return Ok(t.clone());
+        }
+        let out = b.alloc("all_reduce", t.shape(), t.dtype())?;
+        let nop = match op {
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        };
+        self.nccl("all_reduce", unsafe {
+            sys::ncclAllReduce(
+                ptr(t),
+                ptr(&out),
+                t.numel(),
+                nccl_type(t.dtype()),
+                nop,
+                comm,
+                self.stream(),
+            )
+        })?;
+        Ok(out)
+    }
+
+    fn reduce_scatter(&self, b: &Cuda, group: &Group, t: &Tensor<Cuda>) -> Result<Tensor<Cuda>> {
+        let s = self.state();
+        let (comm, _) = self.comm_of(&s, group)?;
+        let n = group.size();
+        let rows = t.shape().first().copied().unwrap_or(0);
+        if !rows.is_multiple_of(n) {
+            return Err(self.err(format!(
+                "reduce_scatter: {rows} rows do not split over a group of {n}"
+            )));
+        }
+        if n == 1 {
+            return Ok(t.clone());
+        }
+        let mut shape = t.shape().to_vec();
+        shape[0] = rows / n;
+        let out = b.alloc("reduce_scatter", &shape, t.dtype())?;
+        self.nccl("reduce_scatter", unsafe {
+            sys::ncclReduceScatter(
+                ptr(t),
+                ptr(&out),
+                t.numel() / n,
+                nccl_type(t.dtype()),
+                sys::ncclRedOp_t::ncclSum,
+                comm,
+                self.stream(),
+            )
+        })?;
+        Ok(out)
+    }
+
+    fn all_gather(&self, b: &Cuda, group: &Group, t: &Tensor<Cuda>) -> Result<Tensor<Cuda>> {
+        let s = self.state();
+        let (comm, me) = self.comm_of(&s, group)?;
+        if group.size() == 1 {
+            return Ok(t.clone());
+        }
+        if t.shape().is_empty() {
+            return Err(self.err("all_gather: a scalar has no rows to gather"));
+        }
+        let rows = self.exchange_counts(comm, &[t.shape()[0] as i32])?;
+        let rows: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
+        let mut shape = t.shape().to_vec();
+        shape[0] = rows.iter().sum();
+        let out = b.alloc("all_gather", &shape, t.dtype())?;
+        if rows.iter().all(|&r| r == rows[0]) {
+            self.nccl("all_gather", unsafe {
+                sys::ncclAllGather(
+                    ptr(t),
+                    ptr(&out),
+                    t.numel(),
+                    nccl_type(t.dtype()),
+                    comm,
+                    self.stream(),
+                )
+            })?;
+        } else {
+            let send = vec![t.shape()[0]; group.size()];
+            self.exchange_rows(comm, me, t, &send, &out, &rows)?;
+        }
+        Ok(out)
+    }
+
+    fn all_to_all_v(
+        &self,
+        b: &Cuda,
+        group: &Group,
+        t: &Tensor<Cuda>,
+        send_rows: &[usize],
+    ) -> Result<(Tensor<Cuda>, Vec<usize>)> {
+        let s = self.state();
+        let (comm, me) = self.comm_of(&s, group)?;
+        let n = group.size();
+        let rows = t.shape().first().copied().unwrap_or(0);
+        if send_rows.len() != n || send_rows.iter().sum::<usize>() != rows {
+            return Err(self.err(format!(
+                "all_to_all_v: send_rows {send_rows:?} must have {n} entries summing to the {rows} rows given"
+            )));
+        }
+        if n == 1 {
+            return Ok((t.clone(), vec![rows]));
+        }
+        let mine: Vec<i32> = send_rows.iter().map(|&r| r as i32).collect();
+        let all = self.exchange_counts(comm, &mine)?;
+        // Member j's row k is what j sends to k: this rank receives column `me`.
+        let recv_rows: Vec<usize> = (0..n).map(|j| all[j * n + me] as usize).collect();
+        let mut shape = t.shape().to_vec();
+        shape[0] = recv_rows.iter().sum();
+        let out = b.alloc("all_to_all_v", &shape, t.dtype())?;
+        self.exchange_rows(comm, me, t, send_rows, &out, &recv_rows)?;
+        Ok((out, recv_rows))
+    }
+
+    fn broadcast(
+        &self,
+        b: &Cuda,
+        group: &Group,
+        root: usize,
+        t: &Tensor<Cuda>,
+    ) -> Result<Tensor<Cuda>> {
+        let s = self.state();
+        let (comm, _) = self.comm_of(&s, group)?;
+        if root >= group.size() {
+            return Err(self.err(format!(
+                "broadcast: root {root} is outside a group of {}",
+                group.size()
+            )));
+        }
+        if group.size() == 1 {
+            return Ok(t.clone());
+        }
+        let out = b.alloc("broadcast", t.shape(), t.dtype())?;
+        self.nccl("broadcast", unsafe {
+            sys::ncclBroadcast(
+                ptr(t),
+                ptr(&out),
+                t.numel(),
+                nccl_type(t.dtype()),
+                root as i32,
+                comm,
+                self.stream(),
+            )
+        })?;
+        Ok(out)
+    }
+
+    fn send(&self, b: &Cuda, to: usize, t: &Tensor<Cuda>) -> Result<()> {
+        let s = self.state();
+        let world = Group::new((0..self.world).collect());
+        let (comm, _) = self.comm_of(&s, &world)?;
+        if to >= self.world || to == self.rank {
+            return Err(self.err(format!("send to rank {to}: not another rank of the world")));
+        }
+        if t.shape().len() > HEADER_LEN - 2 {
+            return Err(self.err(format!(
+                "send: tensors of up to {} dimensions, not {:?}",
+                HEADER_LEN - 2,
+                t.shape()
+            )));
+        }
+        let mut header = vec![0i32; HEADER_LEN];
+        header[0] = dtype_code(t.dtype());
+        header[1] = t.shape().len() as i32;
+        for (h, &d) in header[2..].iter_mut().zip(t.shape()) {
+            *h =
+                i32::try_from(d).map_err(|_| self.err(format!("send: dimension {d} too large")))?;
+        }
+        let header = b.upload(HostData::I32(header), &[HEADER_LEN])?;
+        self.nccl("sending a tensor header", unsafe {
+            sys::ncclSend(
+                ptr(&header),
+                HEADER_LEN,
+                sys::ncclDataType_t::ncclInt32,
+                to as i32,
+                comm,
+                self.stream(),
+            )
+        })?;
+        if t.numel() > 0 {
+            self.nccl("sending a tensor", unsafe {
+                sys::ncclSend(
+                    ptr(t),
+                    t.numel(),
+                    nccl_type(t.dtype()),
+                    to as i32,
+                    comm,
+                    self.stream(),
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    fn recv(&self, b: &Cuda, from: usize) -> Result<Tensor<Cuda>> {
+        let s = self.state();
+        let world = Group::new((0..self.world).collect());
+        let (comm, _) = self.comm_of(&s, &world)?;
+        if from >= self.world || from == self.rank {
+            return Err(self.err(format!(
+                "recv from rank {from}: not another rank of the world"
+            )));
+        }
+        let header = b.alloc("recv header", &[HEADER_LEN], DType::I32)?;
+        self.nccl("receiving a tensor header", unsafe {
+            sys::ncclRecv(
+                ptr(&header),
+                HEADER_LEN,
+                sys::ncclDataType_t::ncclInt32,
+                from as i32,
+                comm,
+                self.stream(),
+            )
+        })?;
+        let h = b.download(&header)?.to_i32()?;
+        let dtype = dtype_of_code(h[0])
+            .ok_or_else(|| self.err(format!("recv from rank {from}: bad header {h:?}")))?;
+        let ndim = h[1] as usize;
+        if ndim > HEADER_LEN - 2 || h[2..2 + ndim].iter().any(|&d| d < 0) {
+            return Err(self.err(format!("recv from rank {from}: bad header {h:?}")));
+        }
+        let shape: Vec<usize> = h[2..2 + ndim].iter().map(|&d| d as usize).collect();
+        let out = b.alloc("recv", &shape, dtype)?;
+        if out.numel() > 0 {
+            self.nccl("receiving a tensor", unsafe {
+                sys::ncclRecv(
+                    ptr(&out),
+                    out.numel(),
+                    nccl_type(dtype),
+                    from as i32,
+                    comm,
+                    self.stream(),
+                )
+            })?;
+        }
+        Ok(out)
+    }
+
+    fn barrier(&self, group: &Group) -> Result<()> {
+        let one = self.cuda.upload(HostData::F32(vec![1.0]), &[1])?;
+        let sum = self.all_reduce(&self.cuda, group, &one, ReduceOp::Sum)?;
+        self.cuda.download(&sum).map(|_| ())
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut s = self.state();
+        if s.aborted.is_some() {
+            return;
+        }
+        s.aborted = Some(reason.to_string());
+        // Ending the communicators makes NCCL work still queued on this rank
+        // fail instead of waiting for peers forever; the handles are then
+        // dead, so they are forgotten rather than destroyed again.
+        for (_, c) in s.groups.drain() {
+            unsafe {
+                let _ = sys::ncclCommAbort(c.0);
+            }
+            std::mem::forget(c);
+        }
+        unsafe {
+            let _ = sys::ncclCommAbort(s.world.0);
+        }
+        s.world.0 = std::ptr::null_mut();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::comm::local::run_local;
+    use crate::cpu::Cpu;
+
+    /// The same collectives on any backend and communicator; returns every
+    /// result as f32 values, in call order.
+    fn script<B: Device>(b: &B, c: &dyn Communicator<B>, n: usize) -> Result<Vec<Vec<f32>>> {
+        let r = c.rank();
+        let world = Group::new((0..n).collect());
+        // Reversed order: a split communicator must number members by their
+        // place in the group, not by global rank.
+        let reversed = Group::new((0..n).rev().collect());
+        let data = |rows: usize, salt: usize| -> Result<Tensor<B>> {
+            let v: Vec<f32> = (0..rows * 3)
+                .map(|i| ((r * 131 + i * 17 + salt * 7) % 97) as f32 * 0.0371 - 1.5)
+                .collect();
+            b.upload(HostData::F32(v), &[rows, 3])
+        };
+        let f32s = |t: &Tensor<B>| -> Result<Vec<f32>> { Ok(b.download(t)?.to_f32()) };
+        let mut out = Vec::new();
+        let x = data(2 * n, 0)?;
+        out.push(f32s(&c.all_reduce(b, &world, &x, ReduceOp::Sum)?)?);
+        out.push(f32s(&c.all_reduce(b, &reversed, &x, ReduceOp::Max)?)?);
+        out.push(f32s(&c.reduce_scatter(b, &reversed, &x)?)?);
+        out.push(f32s(&c.all_gather(b, &world, &data(2, 1)?)?)?);
+        out.push(f32s(&c.all_gather(b, &reversed, &data(r + 1, 2)?)?)?);
+        let send_rows: Vec<usize> = (0..n).map(|k| (r + 2 * k) % 3).collect();
+        let (got, counts) =
+            c.all_to_all_v(b, &reversed, &data(send_rows.iter().sum(), 3)?, &send_rows)?;
+        out.push(f32s(&got)?);
+        out.push(counts.iter().map(|&k| k as f32).collect());
+        out.push(f32s(&c.broadcast(b, &world, 1, &data(3, 4)?)?)?);
+        // Even ranks send first, odd ones receive first: NCCL's send waits on
+        // the device for its receive, so a ring of sends-first would stall.
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let msg = data(r + 1, 5)?;
+        if r % 2 == 0 {
+            c.send(b, next, &msg)?;
+            out.push(f32s(&c.recv(b, prev)?)?);
+        } else {
+            let got = c.recv(b, prev)?;
+            c.send(b, next, &msg)?;
+            out.push(f32s(&got)?);
+        }
+        c.barrier(&world)?;
+        // The CPU has no bf16: the bf16 sum comes last, on the GPU only.
+        if B::NAME == "cuda" {
+            let sum = c.all_reduce(b, &world, &b.cast(&x, DType::BF16)?, ReduceOp::Sum)?;
+            out.push(f32s(&b.cast(&sum, DType::F32)?)?);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn collectives_match_the_local_communicator_on_every_gpu() {
+        let Some(_) = crate::cuda::test_device() else {
+            return;
+        };
+        let n = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+        if n < 2 || n % 2 == 1 {
+            eprintln!("skipping the NCCL test: it needs an even number of GPUs ≥ 2, found {n}");
+            return;
+        }
+        let want: Vec<Vec<Vec<f32>>> =
+            run_local(n, Duration::from_secs(30), |comm| script(&Cpu, &comm, n))
+                .into_iter()
+                .collect::<Result<_>>()
+                .unwrap();
+        let id = NcclComm::unique_id().unwrap();
+        let groups = [Group::new((0..n).rev().collect())];
+        let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..n)
+                .map(|rank| {
+                    let (id, groups) = (&id, &groups);
+                    s.spawn(move || -> Result<Vec<Vec<f32>>> {
+                        let cuda = Cuda::new(rank)?;
+                        let comm = NcclComm::new(&cuda, rank, n, id, groups)?;
+                        script(&cuda, &comm, n)
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().expect("rank thread panicked").unwrap())
+                .collect()
+        });
+        for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.len(), w.len() + 1);
+            // The last GPU result is the bf16 sum, against the f32 one.
+            let expected = w.iter().chain(std::iter::once(&w[0]));
+            for (i, (a, e)) in g.iter().zip(expected).enumerate() {
+                assert_eq!(a.len(), e.len(), "rank {rank}, result {i}");
+                // NCCL adds in its own order, and bf16 keeps 8 bits.
+                let tol = if i == w.len() { 2e-2 } else { 1e-5 };
+                for (x, y) in a.iter().zip(e) {
+                    assert!(
+                        (x - y).abs() <= tol * y.abs().max(1.0),
+                        "rank {rank}, result {i}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_group_not_given_at_start_is_a_clear_error() {
+        let Some(cuda) = crate::cuda::test_device() else {
+            return;
+        };
+        let id = NcclComm::unique_id().unwrap();
+        let comm = NcclComm::new(&cuda, 0, 1, &id, &[Group::new(vec![0])]).unwrap();
+        let t = cuda.upload(HostData::F32(vec![1.0, 2.0]), &[2]).unwrap();
+        // A one-rank world: its collectives are copies.
+        let world = Group::new(vec![0]);
+        let s = comm.all_reduce(&cuda, &world, &t, ReduceOp::Sum).unwrap();
+        assert_eq!(cuda.download(&s).unwrap(), HostData::F32(vec![1.0, 2.0]));
+        let err = comm
+            .all_reduce(&cuda, &Group::new(vec![0, 1]), &t, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("group [0, 1]"), "{err}");
+        comm.abort("test");
+        let err = comm.barrier(&world).unwrap_err().to_string();
+        assert!(err.contains("aborted earlier: test"), "{err}");
+    }
+}
