@@ -312,7 +312,7 @@ def model_flops_per_step(a):
     per_layer = (2 * H * (qd + 2 * kvd)          # q, k, v projections
                  + 2 * qd * H                     # output projection
                  + moe_flops_per_token_fwd(a)     # router + experts
-                 + 2 * a.seq * qd)                # QK^T and PV, causal half
+                 + 4 * a.seq * qd)                # QK^T and PV over the full S (Megatron)
     head = 2 * H * a.vocab
     return 3 * a.tokens * (a.layers * per_layer + head)
 
