@@ -105,7 +105,13 @@ pub fn init_const<B: Backend>(
         DType::F64 => HostData::F64(vec![value; n]),
         _ => HostData::F32(vec![value as f32; n]),
     };
-    Ok(b.upload(data, shape)?)
+    let t = b.upload(data, shape)?;
+    // Integer and bf16 tensors arrive as f32 and take the requested dtype.
+    if dtype == DType::F32 || dtype == DType::F64 {
+        Ok(t)
+    } else {
+        Ok(b.cast(&t, dtype)?)
+    }
 }
 
 /// Box–Muller standard normal sample.

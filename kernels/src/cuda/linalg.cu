@@ -217,3 +217,63 @@ extern "C" __global__ void __launch_bounds__(256) grouped_mm_tc_bf16_nt(
     const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) {
     grouped_mm_tc_impl<true>(x, w, offs, tiles, out, k, n, g);
 }
+
+// ---- bf16 tensor-core grouped weight gradient ----------------------------------------
+//
+// dw[g] = x_gᵀ · dy_g: a block computes a 128 × 128 tile of one group's
+// [K, N] gradient (grid z = group), summing over that group's rows 32 at a
+// time, so the reduction length comes from the device offsets. xᵀ is staged
+// as [rows][K-tile] (16-byte loads along x's contiguous K) and read as a
+// column-major operand; dy as [rows][N-tile], row-major. Rows past the
+// group's end load as zeros, and an empty group writes a zero gradient.
+extern "C" __global__ void __launch_bounds__(256) grouped_wgrad_tc_bf16(
+    const bf16* __restrict__ x, const bf16* __restrict__ dy, const i64* __restrict__ offs, bf16* __restrict__ dw,
+    i64 k, i64 n) {
+    __shared__ __align__(32) bf16 xs[GM_BK][GM_BM + GM_APAD];
+    __shared__ __align__(32) bf16 ds[GM_BK][GM_BN + GM_BPAD];
+    __shared__ __align__(32) float stage[8][16 * 16];
+    int grp = blockIdx.z;
+    i64 k0 = (i64)blockIdx.y * GM_BM, col0 = (i64)blockIdx.x * GM_BN;
+    i64 row_beg = offs[grp], row_end = offs[grp + 1];
+    bool vec_k = (k % 8) == 0, vec_n = (n % 8) == 0;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wm = warp >> 2, wn = warp & 3;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+    for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+    for (i64 r0 = row_beg; r0 < row_end; r0 += GM_BK) {
+        for (int e = threadIdx.x; e < GM_BK * GM_BM / 8; e += 256) {
+            int r = e / (GM_BM / 8), c = (e % (GM_BM / 8)) * 8;
+            i64 gr = r0 + r, gc = k0 + c;
+            load8(&xs[r][c], x + gr * k + gc, gr < row_end && gc < k, k - gc, vec_k);
+        }
+        for (int e = threadIdx.x; e < GM_BK * GM_BN / 8; e += 256) {
+            int r = e / (GM_BN / 8), c = (e % (GM_BN / 8)) * 8;
+            i64 gr = r0 + r, gc = col0 + c;
+            load8(&ds[r][c], dy + gr * n + gc, gr < row_end && gc < n, n - gc, vec_n);
+        }
+        __syncthreads();
+        for (int kk = 0; kk < GM_BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> fa[4];
+            for (int i = 0; i < 4; ++i) wmma::load_matrix_sync(fa[i], &xs[kk][wm * 64 + i * 16], GM_BM + GM_APAD);
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[2];
+            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], &ds[kk][wn * 32 + j * 16], GM_BN + GM_BPAD);
+            for (int i = 0; i < 4; ++i)
+                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    bf16* out = dw + (i64)grp * k * n;
+    for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 2; ++j) {
+            wmma::store_matrix_sync(stage[warp], acc[i][j], 16, wmma::mem_row_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                i64 gr = k0 + wm * 64 + i * 16 + e / 16;
+                i64 gc = col0 + wn * 32 + j * 16 + e % 16;
+                if (gr < k && gc < n) out[gr * n + gc] = __float2bfloat16_rn(stage[warp][e]);
+            }
+            __syncwarp();
+        }
+    }
+}

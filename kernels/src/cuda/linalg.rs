@@ -346,6 +346,31 @@ impl LinalgOps for Cuda {
         dy.expect_dtype(OP, x.dtype())?;
         let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
         let out = self.alloc(OP, &[g, k, n], x.dtype())?;
+        if x.dtype() == DType::BF16 && g * k * n > 0 {
+            // Tensor cores; one block per 128 × 128 output tile of a group.
+            let f = self.func(LINALG, "grouped_wgrad_tc_bf16")?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    n.div_ceil(TC_TILE) as u32,
+                    k.div_ceil(TC_TILE) as u32,
+                    g as u32,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                self,
+                f,
+                cfg,
+                x.storage().ptr(),
+                dy.storage().ptr(),
+                offs.ptr(),
+                out.storage().ptr(),
+                k as i64,
+                n as i64
+            )?;
+            return Ok(out);
+        }
         if g * k * n > 0 {
             let f = self.func(LINALG, &format!("grouped_wgrad_{sfx}"))?;
             let cfg = LaunchConfig {

@@ -303,15 +303,16 @@ impl NcclComm {
     }
 
     /// Point-to-point exchange inside one NCCL group call: to member `k`,
-    /// `send_rows[k]` rows of `t` from `send_off[k]`; from member `j`,
-    /// `recv_rows[j]` rows into `out` at `recv_off[j]`. This rank's own rows
-    /// are copied on the device.
+    /// `send_rows[k]` rows of `t` starting at row `send_from[k]`; from member
+    /// `j`, `recv_rows[j]` rows into `out`, concatenated in member order.
+    /// This rank's own rows are copied on the device.
     #[allow(clippy::too_many_arguments)]
     fn exchange_rows(
         &self,
         comm: sys::ncclComm_t,
         me: usize,
         t: &Tensor<Cuda>,
+        send_from: &[usize],
         send_rows: &[usize],
         out: &Tensor<Cuda>,
         recv_rows: &[usize],
@@ -319,16 +320,7 @@ impl NcclComm {
         let row = t.numel().checked_div(t.shape()[0]).unwrap_or(0);
         let esize = dtype_size(t.dtype());
         let dt = nccl_type(t.dtype());
-        let offsets = |rows: &[usize]| -> Vec<usize> {
-            rows.iter()
-                .scan(0, |acc, &r| {
-                    let o = *acc;
-                    *acc += r;
-                    Some(o)
-                })
-                .collect()
-        };
-        let (send_off, recv_off) = (offsets(send_rows), offsets(recv_rows));
+        let (send_off, recv_off) = (send_from, exclusive_sums(recv_rows));
         let (src, dst) = (t.storage().ptr(), out.storage().ptr());
         self.copy(
             dst + (recv_off[me] * row * esize) as u64,
@@ -365,6 +357,17 @@ impl NcclComm {
     }
 }
 
+/// Where each part starts when parts of `rows` rows are laid end to end.
+fn exclusive_sums(rows: &[usize]) -> Vec<usize> {
+    rows.iter()
+        .scan(0, |acc, &r| {
+            let start = *acc;
+            *acc += r;
+            Some(start)
+        })
+        .collect()
+}
+
 /// Fails with a clear error unless the NCCL library can be loaded.
 fn check_library() -> Result<()> {
     if unsafe { sys::is_culib_present() } {
@@ -372,8 +375,9 @@ fn check_library() -> Result<()> {
     } else {
         Err(KernelError::DeviceUnavailable {
             device: "cuda",
-            reason: "NCCL (libnccl.so.2) not found: install NCCL or put its lib directory on \
-                     LD_LIBRARY_PATH; multi-GPU runs need it"
+            reason: "NCCL not found (loaded as libnccl.so): install NCCL, or link its \
+                     libnccl.so.2 as libnccl.so in a directory on LD_LIBRARY_PATH; multi-GPU \
+                     runs need it"
                 .into(),
         })
     }
@@ -475,8 +479,10 @@ impl Communicator<Cuda> for NcclComm {
                 )
             })?;
         } else {
-            let send = vec![t.shape()[0]; group.size()];
-            self.exchange_rows(comm, me, t, &send, &out, &rows)?;
+            // Every member gets all of this rank's rows.
+            let n = group.size();
+            let (from, send) = (vec![0; n], vec![t.shape()[0]; n]);
+            self.exchange_rows(comm, me, t, &from, &send, &out, &rows)?;
         }
         Ok(out)
     }
@@ -507,7 +513,8 @@ impl Communicator<Cuda> for NcclComm {
         let mut shape = t.shape().to_vec();
         shape[0] = recv_rows.iter().sum();
         let out = b.alloc("all_to_all_v", &shape, t.dtype())?;
-        self.exchange_rows(comm, me, t, send_rows, &out, &recv_rows)?;
+        let from = exclusive_sums(send_rows);
+        self.exchange_rows(comm, me, t, &from, send_rows, &out, &recv_rows)?;
         Ok((out, recv_rows))
     }
 
