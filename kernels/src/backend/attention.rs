@@ -26,3 +26,55 @@ pub trait AttentionOps: Device {
         lse: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)>;
 }
+
+/// `(B, S, Hq, Hkv, Hd)` of causal grouped-query attention inputs, after the
+/// checks every backend makes: matching batch, sequence and head dim, `Hq` a
+/// multiple of `Hkv`, `Hd > 0`, one dtype.
+pub(crate) fn check_qkv<B: Device>(
+    op: &'static str,
+    q: &Tensor<B>,
+    k: &Tensor<B>,
+    v: &Tensor<B>,
+) -> Result<(usize, usize, usize, usize, usize)> {
+    use crate::error::{arg_err, shape_err, KernelError};
+    let (b, s, hq, hd) = q.dims4(op)?;
+    let (kb, ks, hkv, khd) = k.dims4(op)?;
+    if (kb, ks, khd) != (b, s, hd) {
+        return Err(shape_err(
+            op,
+            format!(
+                "q has shape {:?} [B, S, Hq, Hd] but k has shape {:?}; k must be [{b}, {s}, Hkv, {hd}]",
+                q.shape(),
+                k.shape()
+            ),
+        ));
+    }
+    v.expect_shape(op, "v", k.shape())?;
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(shape_err(
+            op,
+            format!(
+                "Hq = {hq} query heads must be a positive multiple of Hkv = {hkv} kv heads \
+                 (grouped-query attention shares each kv head among Hq / Hkv query heads)"
+            ),
+        ));
+    }
+    if hd == 0 {
+        return Err(arg_err(
+            op,
+            "head dim Hd = 0: scores would be scaled by 1/sqrt(0)",
+        ));
+    }
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        return Err(KernelError::DTypeMismatch {
+            op,
+            expected: q.dtype(),
+            got: if k.dtype() != q.dtype() {
+                k.dtype()
+            } else {
+                v.dtype()
+            },
+        });
+    }
+    Ok((b, s, hq, hkv, hd))
+}

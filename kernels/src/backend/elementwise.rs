@@ -85,3 +85,18 @@ pub trait ElementwiseOps: Device {
     /// Sum of squares of all elements as a `[1]` tensor (f64 accumulation).
     fn sum_squares(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
 }
+
+/// `(R, C, leading dims)` of `x`, with rows all leading dims flattened: the
+/// view every row-wise op of every backend takes.
+pub(crate) fn rows_cols<'a, B: Device>(
+    op: &'static str,
+    x: &'a Tensor<B>,
+) -> Result<(usize, usize, &'a [usize])> {
+    match x.shape().split_last() {
+        Some((&c, lead)) => Ok((lead.iter().product(), c, lead)),
+        None => Err(crate::error::shape_err(
+            op,
+            "expected at least one dimension, got a 0-d tensor",
+        )),
+    }
+}

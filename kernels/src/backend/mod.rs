@@ -20,10 +20,13 @@ mod norm;
 mod optim;
 mod routing;
 
+pub(crate) use attention::check_qkv;
 pub use attention::AttentionOps;
+pub(crate) use elementwise::rows_cols;
 pub use elementwise::ElementwiseOps;
 pub use linalg::LinalgOps;
 pub use loss::LossOps;
+pub(crate) use norm::check_norm_args;
 pub use norm::NormOps;
 pub use optim::{AdamWConfig, OptimOps};
 pub use routing::{DropPolicy, RoutingOps, RoutingPlan};

@@ -25,3 +25,30 @@ pub trait NormOps: Device {
     /// the backward (the rotation is orthogonal).
     fn rope(&self, x: &Tensor<Self>, theta: f64, inverse: bool) -> Result<Tensor<Self>>;
 }
+
+/// `(R, D)` of `x` after checking `w: [D]` and `D > 0`: the checks every
+/// backend's RMSNorm makes before touching data.
+pub(crate) fn check_norm_args<B: Device>(
+    op: &'static str,
+    x: &Tensor<B>,
+    w: &Tensor<B>,
+) -> Result<(usize, usize)> {
+    let (r, d, _) = super::rows_cols(op, x)?;
+    if w.shape() != [d] {
+        return Err(crate::error::shape_err(
+            op,
+            format!(
+                "x has shape {:?}, so the weight must have shape [{d}], got {:?}",
+                x.shape(),
+                w.shape()
+            ),
+        ));
+    }
+    if d == 0 {
+        return Err(crate::error::KernelError::Empty {
+            op,
+            what: "normalised (last) dimension",
+        });
+    }
+    Ok((r, d))
+}

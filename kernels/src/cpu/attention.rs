@@ -22,7 +22,7 @@ use super::elementwise::dot;
 use super::{Cpu, Float, FloatStorage};
 use crate::backend::AttentionOps;
 use crate::cpu_float_dispatch;
-use crate::error::{arg_err, shape_err, Result};
+use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// Query and key rows per block: a block of K and V rows (2·64·Hd values)
@@ -46,45 +46,7 @@ impl Dims {
 }
 
 fn check_qkv(op: &'static str, q: &Tensor<Cpu>, k: &Tensor<Cpu>, v: &Tensor<Cpu>) -> Result<Dims> {
-    let (b, s, hq, hd) = q.dims4(op)?;
-    let (kb, ks, hkv, khd) = k.dims4(op)?;
-    if (kb, ks, khd) != (b, s, hd) {
-        return Err(shape_err(
-            op,
-            format!(
-                "q has shape {:?} [B, S, Hq, Hd] but k has shape {:?}; k must be [{b}, {s}, Hkv, {hd}]",
-                q.shape(),
-                k.shape()
-            ),
-        ));
-    }
-    v.expect_shape(op, "v", k.shape())?;
-    if hkv == 0 || !hq.is_multiple_of(hkv) {
-        return Err(shape_err(
-            op,
-            format!(
-                "Hq = {hq} query heads must be a positive multiple of Hkv = {hkv} kv heads \
-                 (grouped-query attention shares each kv head among Hq / Hkv query heads)"
-            ),
-        ));
-    }
-    if hd == 0 {
-        return Err(arg_err(
-            op,
-            "head dim Hd = 0: scores would be scaled by 1/sqrt(0)",
-        ));
-    }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        return Err(crate::error::KernelError::DTypeMismatch {
-            op,
-            expected: q.dtype(),
-            got: if k.dtype() != q.dtype() {
-                k.dtype()
-            } else {
-                v.dtype()
-            },
-        });
-    }
+    let (b, s, hq, hkv, hd) = crate::backend::check_qkv(op, q, k, v)?;
     Ok(Dims { b, s, hq, hkv, hd })
 }
 

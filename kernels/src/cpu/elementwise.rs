@@ -25,19 +25,7 @@ pub(crate) fn rows_per_task(c: usize) -> usize {
     (GRAIN / c.max(1)).max(1)
 }
 
-/// `(R, C, leading dims)` of `x`, with rows all leading dims flattened.
-pub(crate) fn rows_cols<'a>(
-    op: &'static str,
-    x: &'a Tensor<Cpu>,
-) -> Result<(usize, usize, &'a [usize])> {
-    match x.shape().split_last() {
-        Some((&c, lead)) => Ok((lead.iter().product(), c, lead)),
-        None => Err(shape_err(
-            op,
-            "expected at least one dimension, got a 0-d tensor",
-        )),
-    }
-}
+pub(crate) use crate::backend::rows_cols;
 
 /// Both operands' values, after checking they agree on shape (and, through
 /// the typed slices, on dtype).

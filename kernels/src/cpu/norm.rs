@@ -5,11 +5,11 @@
 
 use rayon::prelude::*;
 
-use super::elementwise::{rows_cols, rows_per_task, MAX_PARTIALS};
+use super::elementwise::{rows_per_task, MAX_PARTIALS};
 use super::{Cpu, FloatStorage};
 use crate::backend::NormOps;
 use crate::cpu_float_dispatch;
-use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::Tensor;
 
 /// Rows per task for the RMSNorm backward: small enough to spread over the
@@ -18,27 +18,7 @@ fn norm_block_rows(r: usize, d: usize) -> usize {
     rows_per_task(d).max(r.div_ceil(MAX_PARTIALS))
 }
 
-/// `(R, D)` of `x` after checking `w: [D]`, `D > 0`.
-fn check_norm_args(op: &'static str, x: &Tensor<Cpu>, w: &Tensor<Cpu>) -> Result<(usize, usize)> {
-    let (r, d, _) = rows_cols(op, x)?;
-    if w.shape() != [d] {
-        return Err(shape_err(
-            op,
-            format!(
-                "x has shape {:?}, so the weight must have shape [{d}], got {:?}",
-                x.shape(),
-                w.shape()
-            ),
-        ));
-    }
-    if d == 0 {
-        return Err(KernelError::Empty {
-            op,
-            what: "normalised (last) dimension",
-        });
-    }
-    Ok((r, d))
-}
+use crate::backend::check_norm_args;
 
 fn rms_norm_t<T: FloatStorage>(
     x: &Tensor<Cpu>,

@@ -7,65 +7,29 @@
 use super::compile::ATTENTION;
 use super::{float_sfx, grid_for, launch, Cuda};
 use crate::backend::AttentionOps;
-use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::error::{arg_err, Result};
 use crate::tensor::Tensor;
 
 /// The largest head dim the per-row kernels hold in registers.
 const MAX_HD: usize = 256;
 
-/// `(B, S, Hq, Hkv, Hd)` after the CPU's checks, plus the kernels' limit.
+/// `(B, S, Hq, Hkv, Hd)` after every backend's checks, plus the kernels'
+/// head-dim limit.
 fn check_qkv(
     op: &'static str,
     q: &Tensor<Cuda>,
     k: &Tensor<Cuda>,
     v: &Tensor<Cuda>,
 ) -> Result<(usize, usize, usize, usize, usize)> {
-    let (b, s, hq, hd) = q.dims4(op)?;
-    let (kb, ks, hkv, khd) = k.dims4(op)?;
-    if (kb, ks, khd) != (b, s, hd) {
-        return Err(shape_err(
-            op,
-            format!(
-                "q has shape {:?} [B, S, Hq, Hd] but k has shape {:?}; k must be [{b}, {s}, Hkv, {hd}]",
-                q.shape(),
-                k.shape()
-            ),
-        ));
-    }
-    v.expect_shape(op, "v", k.shape())?;
-    if hkv == 0 || !hq.is_multiple_of(hkv) {
-        return Err(shape_err(
-            op,
-            format!(
-                "Hq = {hq} query heads must be a positive multiple of Hkv = {hkv} kv heads \
-                 (grouped-query attention shares each kv head among Hq / Hkv query heads)"
-            ),
-        ));
-    }
-    if hd == 0 {
-        return Err(arg_err(
-            op,
-            "head dim Hd = 0: scores would be scaled by 1/sqrt(0)",
-        ));
-    }
+    let dims = crate::backend::check_qkv(op, q, k, v)?;
+    let hd = dims.4;
     if hd > MAX_HD {
         return Err(arg_err(
             op,
             format!("head dim Hd = {hd} exceeds the {MAX_HD} the CUDA attention kernels support"),
         ));
     }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        return Err(KernelError::DTypeMismatch {
-            op,
-            expected: q.dtype(),
-            got: if k.dtype() != q.dtype() {
-                k.dtype()
-            } else {
-                v.dtype()
-            },
-        });
-    }
-    Ok((b, s, hq, hkv, hd))
+    Ok(dims)
 }
 
 impl AttentionOps for Cuda {

@@ -34,19 +34,7 @@ enum Binary {
     Swiglu,
 }
 
-/// `(R, C, leading dims)` of `x`, with rows all leading dims flattened.
-pub(crate) fn rows_cols<'a>(
-    op: &'static str,
-    x: &'a Tensor<Cuda>,
-) -> Result<(usize, usize, &'a [usize])> {
-    match x.shape().split_last() {
-        Some((&c, lead)) => Ok((lead.iter().product(), c, lead)),
-        None => Err(shape_err(
-            op,
-            "expected at least one dimension, got a 0-d tensor",
-        )),
-    }
-}
+pub(crate) use crate::backend::rows_cols;
 
 /// Errors unless `b` has `a`'s shape, then unless it has `a`'s dtype (the
 /// CPU's order: shapes, then the typed views).

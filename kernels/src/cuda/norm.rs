@@ -7,33 +7,12 @@
 use cudarc::driver::LaunchConfig;
 
 use super::compile::NORM;
-use super::elementwise::rows_cols;
 use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
 use crate::backend::NormOps;
-use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::Tensor;
 
-/// `(R, D)` of `x` after checking `w: [D]`, `D > 0` and `w`'s dtype.
-fn check_norm_args(op: &'static str, x: &Tensor<Cuda>, w: &Tensor<Cuda>) -> Result<(usize, usize)> {
-    let (r, d, _) = rows_cols(op, x)?;
-    if w.shape() != [d] {
-        return Err(shape_err(
-            op,
-            format!(
-                "x has shape {:?}, so the weight must have shape [{d}], got {:?}",
-                x.shape(),
-                w.shape()
-            ),
-        ));
-    }
-    if d == 0 {
-        return Err(KernelError::Empty {
-            op,
-            what: "normalised (last) dimension",
-        });
-    }
-    Ok((r, d))
-}
+use crate::backend::check_norm_args;
 
 impl NormOps for Cuda {
     fn rms_norm(
