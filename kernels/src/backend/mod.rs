@@ -29,6 +29,7 @@ pub use loss::LossOps;
 pub(crate) use norm::check_norm_args;
 pub use norm::NormOps;
 pub use optim::{AdamWConfig, OptimOps};
+pub(crate) use routing::{check_topk_args, GroupLimit};
 pub use routing::{DropPolicy, RoutingOps, RoutingPlan};
 
 use crate::error::Result;

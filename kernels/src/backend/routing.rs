@@ -119,3 +119,71 @@ pub trait RoutingOps: Device {
         w: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
 }
+
+/// Group-limited routing parameters, validated (DeepSeek-V3's node-limited
+/// routing: experts in `groups` groups, the best `keep_groups` kept).
+#[derive(Clone, Copy)]
+pub(crate) struct GroupLimit {
+    pub(crate) groups: usize,
+    pub(crate) per_group: usize,
+    pub(crate) keep_groups: usize,
+    /// Values summed into a group's score: `k / keep_groups`.
+    pub(crate) score_top: usize,
+}
+
+/// Checks top-k routing arguments as every backend must: `1 ≤ k ≤ e`, and
+/// with `n_groups > 1` a valid group limit; `None` when routing is not
+/// group-limited.
+pub(crate) fn check_topk_args(
+    op: &'static str,
+    e: usize,
+    k: usize,
+    n_groups: usize,
+    group_top_k: usize,
+) -> Result<Option<GroupLimit>> {
+    if k == 0 || k > e {
+        return Err(crate::error::arg_err(
+            op,
+            format!("k = {k} must be in 1..={e} (the number of experts E = {e})"),
+        ));
+    }
+    if n_groups <= 1 {
+        return Ok(None);
+    }
+    if !e.is_multiple_of(n_groups) {
+        return Err(crate::error::arg_err(
+            op,
+            format!("n_groups = {n_groups} does not divide the E = {e} experts"),
+        ));
+    }
+    if group_top_k == 0 || group_top_k > n_groups {
+        return Err(crate::error::arg_err(
+            op,
+            format!("group_top_k = {group_top_k} must be in 1..={n_groups} (n_groups)"),
+        ));
+    }
+    let per_group = e / n_groups;
+    if k > group_top_k * per_group {
+        return Err(crate::error::arg_err(
+            op,
+            format!(
+                "k = {k} exceeds the {} experts of the best group_top_k = {group_top_k} groups of {per_group}",
+                group_top_k * per_group
+            ),
+        ));
+    }
+    if k < group_top_k {
+        return Err(crate::error::arg_err(
+            op,
+            format!(
+                "k = {k} < group_top_k = {group_top_k}: a group would score the sum of k / group_top_k = 0 values"
+            ),
+        ));
+    }
+    Ok(Some(GroupLimit {
+        groups: n_groups,
+        per_group,
+        keep_groups: group_top_k,
+        score_top: k / group_top_k,
+    }))
+}

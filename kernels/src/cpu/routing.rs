@@ -115,69 +115,7 @@ fn select_top<T: FloatStorage>(row: &[T], cand: &mut [usize], k: usize) {
     cand[..k].sort_unstable_by(|&a, &b| desc_then_index(row, a, b));
 }
 
-/// Group-limit parameters, validated.
-#[derive(Clone, Copy)]
-struct GroupLimit {
-    groups: usize,
-    per_group: usize,
-    keep_groups: usize,
-    /// Values summed into a group's score: `k / keep_groups`.
-    score_top: usize,
-}
-
-fn check_topk_args(
-    op: &'static str,
-    e: usize,
-    k: usize,
-    n_groups: usize,
-    group_top_k: usize,
-) -> Result<Option<GroupLimit>> {
-    if k == 0 || k > e {
-        return Err(arg_err(
-            op,
-            format!("k = {k} must be in 1..={e} (the number of experts E = {e})"),
-        ));
-    }
-    if n_groups <= 1 {
-        return Ok(None);
-    }
-    if !e.is_multiple_of(n_groups) {
-        return Err(arg_err(
-            op,
-            format!("n_groups = {n_groups} does not divide the E = {e} experts"),
-        ));
-    }
-    if group_top_k == 0 || group_top_k > n_groups {
-        return Err(arg_err(
-            op,
-            format!("group_top_k = {group_top_k} must be in 1..={n_groups} (n_groups)"),
-        ));
-    }
-    let per_group = e / n_groups;
-    if k > group_top_k * per_group {
-        return Err(arg_err(
-            op,
-            format!(
-                "k = {k} exceeds the {} experts of the best group_top_k = {group_top_k} groups of {per_group}",
-                group_top_k * per_group
-            ),
-        ));
-    }
-    if k < group_top_k {
-        return Err(arg_err(
-            op,
-            format!(
-                "k = {k} < group_top_k = {group_top_k}: a group would score the sum of k / group_top_k = 0 values"
-            ),
-        ));
-    }
-    Ok(Some(GroupLimit {
-        groups: n_groups,
-        per_group,
-        keep_groups: group_top_k,
-        score_top: k / group_top_k,
-    }))
-}
+use crate::backend::{check_topk_args, GroupLimit};
 
 /// Top-k of one row, written to `out: [k]`; `cand` and `gscore` are scratch.
 fn topk_row<T: FloatStorage>(

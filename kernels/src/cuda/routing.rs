@@ -231,7 +231,7 @@ impl Cuda {
     }
 }
 
-/// Checks the top-k arguments as the CPU does; returns
+/// The shared top-k checks plus the CUDA kernel's group limit; returns
 /// `(groups, per_group, keep_groups, score_top)` (groups = 1 without limit).
 fn check_topk_args(
     op: &'static str,
@@ -240,45 +240,9 @@ fn check_topk_args(
     n_groups: usize,
     group_top_k: usize,
 ) -> Result<(usize, usize, usize, usize)> {
-    if k == 0 || k > e {
-        return Err(arg_err(
-            op,
-            format!("k = {k} must be in 1..={e} (the number of experts E = {e})"),
-        ));
-    }
-    if n_groups <= 1 {
+    let Some(limit) = crate::backend::check_topk_args(op, e, k, n_groups, group_top_k)? else {
         return Ok((1, e, 1, k));
-    }
-    if !e.is_multiple_of(n_groups) {
-        return Err(arg_err(
-            op,
-            format!("n_groups = {n_groups} does not divide the E = {e} experts"),
-        ));
-    }
-    if group_top_k == 0 || group_top_k > n_groups {
-        return Err(arg_err(
-            op,
-            format!("group_top_k = {group_top_k} must be in 1..={n_groups} (n_groups)"),
-        ));
-    }
-    let per_group = e / n_groups;
-    if k > group_top_k * per_group {
-        return Err(arg_err(
-            op,
-            format!(
-                "k = {k} exceeds the {} experts of the best group_top_k = {group_top_k} groups of {per_group}",
-                group_top_k * per_group
-            ),
-        ));
-    }
-    if k < group_top_k {
-        return Err(arg_err(
-            op,
-            format!(
-                "k = {k} < group_top_k = {group_top_k}: a group would score the sum of k / group_top_k = 0 values"
-            ),
-        ));
-    }
+    };
     if n_groups > MAX_GROUPS {
         return Err(arg_err(
             op,
@@ -287,7 +251,12 @@ fn check_topk_args(
             ),
         ));
     }
-    Ok((n_groups, per_group, group_top_k, k / group_top_k))
+    Ok((
+        limit.groups,
+        limit.per_group,
+        limit.keep_groups,
+        limit.score_top,
+    ))
 }
 
 /// `K` of `idx: [T, K]` after checking it is i32 with `t` rows.
