@@ -105,6 +105,16 @@ impl RankLayout {
             stage: Group::new((0..layout.world).collect()),
         })
     }
+
+    /// Every group this rank communicates over, kind by kind in the same
+    /// order on every rank: what a communicator that sets its groups up
+    /// front (NCCL's split is collective over the world) is given.
+    pub fn groups(&self) -> Vec<Group> {
+        [&self.tp, &self.dp, &self.ep, &self.etp, &self.edp, &self.stage]
+            .into_iter()
+            .cloned()
+            .collect()
+    }
 }
 
 /// What a parallel layer needs besides its own weights: the backend, the
