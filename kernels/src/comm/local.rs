@@ -655,7 +655,7 @@ fn take(st: &mut State, key: &(Vec<usize>, u64), size: usize) {
 }
 
 /// Error of an op that splits along dimension 0 and got a 0-d tensor.
-fn needs_dim0(op: &'static str, shape: &[usize]) -> Option<KernelError> {
+pub(super) fn needs_dim0(op: &'static str, shape: &[usize]) -> Option<KernelError> {
     shape.is_empty().then(|| {
         shape_err(
             op,
@@ -666,7 +666,12 @@ fn needs_dim0(op: &'static str, shape: &[usize]) -> Option<KernelError> {
 
 /// Uploads `data` as a tensor of `shape`, cast back to `dtype` when the
 /// host copy had another type (bf16 reads back as f32).
-fn upload_as<B: Device>(b: &B, data: HostData, shape: &[usize], dtype: DType) -> Result<Tensor<B>> {
+pub(super) fn upload_as<B: Device>(
+    b: &B,
+    data: HostData,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor<B>> {
     let t = b.upload(data, shape)?;
     if t.dtype() == dtype {
         Ok(t)
@@ -742,7 +747,11 @@ fn reduce_t<T: Elem>(parts: &[&HostData], range: Range<usize>, op: ReduceOp) -> 
     Some(T::host(acc))
 }
 
-fn reduce_host(parts: &[&HostData], range: Range<usize>, op: ReduceOp) -> Option<HostData> {
+pub(super) fn reduce_host(
+    parts: &[&HostData],
+    range: Range<usize>,
+    op: ReduceOp,
+) -> Option<HostData> {
     match parts.first()? {
         HostData::F32(_) => reduce_t::<f32>(parts, range, op),
         HostData::F64(_) => reduce_t::<f64>(parts, range, op),
@@ -760,7 +769,7 @@ fn concat_t<T: Elem>(pieces: &[(&HostData, Range<usize>)]) -> Option<HostData> {
     Some(T::host(out))
 }
 
-fn concat_host(pieces: &[(&HostData, Range<usize>)]) -> Option<HostData> {
+pub(super) fn concat_host(pieces: &[(&HostData, Range<usize>)]) -> Option<HostData> {
     match pieces.first()?.0 {
         HostData::F32(_) => concat_t::<f32>(pieces),
         HostData::F64(_) => concat_t::<f64>(pieces),

@@ -3,6 +3,11 @@
 //!
 //! - [`local`]: N ranks as threads of one process, exchanging through shared
 //!   memory (tests and CPU runs);
+//! - [`tcp`]: one process per rank, exchanging host copies over TCP
+//!   (multi-process CPU runs started by `foldmoe launch`), with results
+//!   bit-identical to [`local`]'s;
+//! - [`rendezvous`]: how the processes of a run find each other
+//!   (torchrun-style variables, a TCP rendezvous on the master address);
 //! - [`timed`]: a wrapper measuring the time spent in collectives.
 //!
 //! Every collective runs over a [`Group`]: an ordered list of global ranks
@@ -15,6 +20,8 @@
 //! within the communicator's timeout.
 
 pub mod local;
+pub mod rendezvous;
+pub mod tcp;
 pub mod timed;
 
 use crate::backend::Device;
