@@ -16,6 +16,15 @@ pub enum CliError {
     /// A kernel or device failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),
+    /// A command that ends with its own exit status (`launch`: its ranks
+    /// failed, or were interrupted).
+    #[error("{msg}")]
+    Exit {
+        /// The process exit status.
+        code: i32,
+        /// What happened.
+        msg: String,
+    },
     /// The run was interrupted (Ctrl-C) after saving its checkpoint.
     #[error("interrupted at step {step}; checkpoint saved in {dir}")]
     Interrupted {
@@ -30,6 +39,17 @@ impl CliError {
     /// A usage error with `msg`.
     pub fn usage(msg: impl Into<String>) -> Self {
         CliError::Usage(msg.into())
+    }
+
+    /// The exit status of a command that failed this way: 130 after an
+    /// interrupt (as a shell reports Ctrl-C), its own for [`CliError::Exit`],
+    /// 1 for any other error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Interrupted { .. } => 130,
+            CliError::Exit { code, .. } => *code,
+            _ => 1,
+        }
     }
 
     /// An I/O failure on `path`.

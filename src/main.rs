@@ -1,7 +1,8 @@
-//! The `foldmoe` command: `train` (the default), `generate`, `plan`.
+//! The `foldmoe` command: `train` (the default), `launch`, `generate`, `plan`.
 
 mod error;
 mod generate;
+mod launch;
 mod plan;
 mod plot;
 mod settings;
@@ -10,10 +11,14 @@ mod train;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use foldmoe::kernels::comm::rendezvous::DistEnv;
+use foldmoe::kernels::comm::tcp::TcpComm;
 use foldmoe::kernels::cpu::Cpu;
 use foldmoe::kernels::cuda::Cuda;
+use foldmoe::kernels::Communicator;
 
 use crate::error::CliError;
 use crate::settings::TrainOptions;
@@ -30,6 +35,8 @@ struct Cli {
 enum Command {
     /// Train a model on the bundled text (the default command).
     Train(Box<TrainOptions>),
+    /// Run a command (`train`) as one process per rank on this node.
+    Launch(launch::LaunchOptions),
     /// Parameters, FLOPs per token and process groups of a model under a layout.
     Plan {
         /// Model name.
@@ -77,19 +84,46 @@ impl Default for Command {
     }
 }
 
-/// Fails with a clear message unless the named device can be used.
-fn check_device(name: &str) -> Result<(), CliError> {
+/// Fails with a clear message unless the named device (GPU `ordinal` for
+/// cuda) can be used.
+fn check_device(name: &str, ordinal: usize) -> Result<(), CliError> {
     if name == "cuda" {
-        Cuda::new(0)?;
+        Cuda::new(ordinal)?;
     }
     Ok(())
+}
+
+/// The communicator of one process of a multi-process CUDA run (rank
+/// `env.rank` of `env.world`, on GPU `env.local_rank`).
+///
+/// PLACEHOLDER, the one place the NCCL communicator
+/// (`foldmoe::kernels::cuda::nccl::NcclComm`) plugs in: rank 0 makes the
+/// unique id and shares it with
+/// `Rendezvous::connect(env, timeout)?.broadcast_blob(..)`
+/// (`foldmoe::kernels::comm::rendezvous`). Until then it refuses clearly
+/// rather than falling back to slow host copies over TCP.
+fn cuda_process_comm(
+    cuda: &Cuda,
+    env: &DistEnv,
+    timeout: Duration,
+) -> Result<Box<dyn Communicator<Cuda>>, CliError> {
+    let _ = (cuda, timeout);
+    Err(CliError::usage(format!(
+        "rank {} of {}: multi-process cuda runs need the NCCL communicator, which is not \
+         available yet; train on one GPU, or launch --device cpu",
+        env.rank, env.world
+    )))
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command.unwrap_or_default() {
         Command::Train(opts) => {
+            // Started by `foldmoe launch` (or torchrun-style variables):
+            // this process is one rank of a multi-process run.
+            let dist = DistEnv::from_env()?;
+            let gpu = dist.as_ref().map_or(0, |env| env.local_rank);
             if let Some(device) = &opts.device {
-                check_device(device)?;
+                check_device(device, gpu)?;
             }
             let stop = Arc::new(AtomicBool::new(false));
             let flag = stop.clone();
@@ -97,12 +131,26 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
             // The run goes to the backend it names; a device that cannot be
             // used was refused above, so nothing falls back to the CPU.
-            if opts.device.as_deref() == Some("cuda") {
-                train::run(&Cuda::new(0)?, *opts, stop)
-            } else {
-                train::run(&Cpu, *opts, stop)
+            let cuda = opts.device.as_deref() == Some("cuda");
+            match dist {
+                None if cuda => train::run(&Cuda::new(0)?, *opts, stop),
+                None => train::run(&Cpu, *opts, stop),
+                Some(env) => {
+                    let timeout = launch::comm_timeout()?;
+                    if cuda {
+                        let device = Cuda::new(gpu)?;
+                        train::run_process(&device, *opts, stop, &env, |d| {
+                            cuda_process_comm(d, &env, timeout)
+                        })
+                    } else {
+                        train::run_process(&Cpu, *opts, stop, &env, |_| {
+                            Ok(Box::new(TcpComm::connect(&env, timeout)?))
+                        })
+                    }
+                }
             }
         }
+        Command::Launch(opts) => launch::run(opts),
         Command::Plan {
             model,
             model_config,
@@ -138,11 +186,6 @@ fn run(cli: Cli) -> Result<(), CliError> {
 fn main() {
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e}");
-        let code = if matches!(e, CliError::Interrupted { .. }) {
-            130
-        } else {
-            1
-        };
-        std::process::exit(code);
+        std::process::exit(e.exit_code());
     }
 }

@@ -12,13 +12,17 @@ use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::checkpoint::{self, NamedTensor};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
-use foldmoe::core::engine::parallel::{run_local_layout, Ctx, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig, Trainer};
 use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::{self, Layout, LayoutSpec};
 use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec};
+use foldmoe::kernels::comm::local::run_local;
+use foldmoe::kernels::comm::rendezvous::DistEnv;
 use foldmoe::kernels::comm::timed::TimedComm;
-use foldmoe::kernels::{Backend, DType, HostData, KernelError, ReduceOp, Tensor};
+use foldmoe::kernels::{
+    Backend, Communicator, DType, Group, HostData, KernelError, ReduceOp, Tensor,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
@@ -33,8 +37,14 @@ const VAL_TEXT: &str = include_str!("../data/val.txt");
 const CPU_PARAM_LIMIT: u64 = 500_000_000;
 /// Windows in the fixed validation batch.
 const VAL_WINDOWS: usize = 16;
-/// How long a rank of a parallel run waits for a silent peer before failing.
-const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a rank of a threads run waits for a silent peer before failing.
+const RANK_TIMEOUT: std::time::Duration = crate::launch::DEFAULT_TIMEOUT;
+/// Test hook (hidden): `<rank>:<step>` makes that rank call
+/// `std::process::abort` as it starts that step (1-based), as a crashed
+/// process would; the launch tests use it to check that the other ranks and
+/// `foldmoe launch` stop with an error instead of hanging. Under `--ranks`
+/// the ranks are threads, so the whole process aborts.
+const TEST_EXIT_VAR: &str = "FOLDMOE_TEST_EXIT_AT_STEP";
 
 /// What a checkpoint stores besides tensors: enough to continue exactly.
 #[derive(Serialize, Deserialize, Clone, Debug)]
@@ -180,6 +190,8 @@ trait StepEngine {
     fn agree_stop(&mut self, local: bool) -> Result<bool, CliError>;
     /// Whether this rank writes files and prints.
     fn is_main(&self) -> bool;
+    /// This rank's global index (0 for a one-rank run).
+    fn rank(&self) -> usize;
     /// Seconds this rank has spent in collectives so far (`None`: no communicator).
     fn comm_seconds(&self) -> Option<f64> {
         None
@@ -220,9 +232,13 @@ impl<B: Backend> StepEngine for SingleRank<'_, B> {
     fn is_main(&self) -> bool {
         true
     }
+
+    fn rank(&self) -> usize {
+        0
+    }
 }
 
-/// One rank of a parallel run on the local communicator.
+/// One rank of a parallel run (a thread or a process).
 struct ParallelRank<'a, 'c, B: Backend> {
     ctx: &'a Ctx<'c, B>,
     /// The communicator of `ctx`, measuring its time.
@@ -267,6 +283,10 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
 
     fn is_main(&self) -> bool {
         self.ctx.rank.rank == 0
+    }
+
+    fn rank(&self) -> usize {
+        self.ctx.rank.rank
     }
 
     fn comm_seconds(&self) -> Option<f64> {
@@ -336,7 +356,9 @@ fn build_trainer<B: Backend>(
     Ok(trainer)
 }
 
-/// Validates everything, prepares the run directory and the run's state.
+/// Validates everything and prepares the run's state; the run directory is
+/// left to [`prepare_out`] (only the main rank of a multi-process run
+/// touches it).
 fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
     let resumed = match &opts.resume {
         Some(dir) => Some(checkpoint::load::<RunMeta>(&checkpoint_dir(dir))?),
@@ -430,7 +452,6 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         .clone()
         .or_else(|| opts.resume.clone())
         .unwrap_or_else(default_out_dir);
-    prepare_out(&out, resumed.is_some())?;
     let (resumed, meta) = match resumed {
         Some((tensors, mut meta)) => {
             meta.settings = settings.clone();
@@ -467,72 +488,147 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
 /// threads under `--layout`.
 pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Result<(), CliError> {
     let prep = prepare(opts, B::NAME)?;
+    prepare_out(&prep.out, prep.resumed.is_some())?;
     let Some(layout) = prep.layout.clone() else {
-        let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
-        let mut engine = SingleRank {
-            b,
-            trainer,
-            seqs: prep.seqs,
-            seq_len: prep.spec.seq_len,
-        };
-        return train_loop(b, &mut engine, &prep, &stop);
+        return run_single(b, &prep, &stop);
     };
-    let results = run_local_layout(b, &layout, RANK_TIMEOUT, |ctx| {
-        let timed = TimedComm::new(ctx.comm);
-        let timed_ctx = Ctx {
-            b,
-            comm: &timed,
-            rank: ctx.rank,
-        };
-        let outcome = (|| {
-            let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
-            let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-            let trainer = ParallelTrainer::from_trainer(b, trainer, rank)?;
-            let mut engine = ParallelRank {
-                ctx: &timed_ctx,
-                timed: &timed,
-                trainer,
-                seq_len: prep.spec.seq_len,
-            };
-            train_loop(b, &mut engine, &prep, &stop)
-        })();
-        // A rank that stops alone must release the others.
-        if let Err(e) = &outcome {
-            if !matches!(e, CliError::Interrupted { .. }) {
-                ctx.comm.abort(&e.to_string());
-            }
-        }
-        Ok(outcome)
+    let results = run_local(layout.world, RANK_TIMEOUT, |comm| {
+        Ok(run_rank(b, &comm, &layout, &prep, &stop))
     });
     // Report the cause: an error other than a peer's abort, else rank 0's.
+    let is_peer = |e: &CliError| {
+        matches!(
+            e,
+            CliError::Engine(EngineError::Kernel(KernelError::Comm { .. }))
+                | CliError::Kernel(KernelError::Comm { .. })
+        )
+    };
     let mut first: Option<CliError> = None;
     for result in results {
         let err = match result {
             Ok(Ok(())) => continue,
             Ok(Err(e)) => e,
-            Err(e) => CliError::Engine(e),
+            Err(e) => CliError::Kernel(e),
         };
-        let is_peer = matches!(
-            &err,
-            CliError::Engine(EngineError::Kernel(KernelError::Comm { .. }))
-                | CliError::Kernel(KernelError::Comm { .. })
-        );
         match &first {
             None => first = Some(err),
-            Some(f)
-                if !is_peer
-                    && matches!(
-                        f,
-                        CliError::Engine(EngineError::Kernel(KernelError::Comm { .. }))
-                            | CliError::Kernel(KernelError::Comm { .. })
-                    ) =>
-            {
-                first = Some(err)
-            }
+            Some(f) if !is_peer(&err) && is_peer(f) => first = Some(err),
             _ => {}
         }
     }
     first.map_or(Ok(()), Err)
+}
+
+/// Runs `foldmoe train` as rank `env.rank` of a multi-process run of
+/// `env.world` processes (`foldmoe launch`, or torchrun-style variables):
+/// `--layout` spans the processes, `--ranks` may only repeat their number,
+/// and rank 0 alone writes the run directory.
+///
+/// `connect` makes this process's communicator; it is called after the
+/// options are checked (so bad flags fail at once on every rank, without
+/// waiting for the others).
+pub fn run_process<B: Backend>(
+    b: &B,
+    mut opts: TrainOptions,
+    stop: Arc<AtomicBool>,
+    env: &DistEnv,
+    connect: impl FnOnce(&B) -> Result<Box<dyn Communicator<B>>, CliError>,
+) -> Result<(), CliError> {
+    match opts.ranks {
+        Some(r) if r != env.world => {
+            return Err(CliError::usage(format!(
+                "--ranks {r} but WORLD_SIZE = {}: in a multi-process run the ranks are the \
+                 processes; leave --ranks out",
+                env.world
+            )))
+        }
+        _ => opts.ranks = Some(env.world),
+    }
+    let prep = prepare(opts, B::NAME)?;
+    let comm = connect(b)?;
+    // Rank 0 alone prepares the run directory; if it cannot, it aborts, so
+    // the others stop at the barrier with its reason instead of waiting.
+    if env.rank == 0 {
+        if let Err(e) = prepare_out(&prep.out, prep.resumed.is_some()) {
+            comm.abort(&e.to_string());
+            return Err(e);
+        }
+    }
+    comm.barrier(&Group::new((0..env.world).collect()))?;
+    match &prep.layout {
+        Some(layout) => run_rank(b, comm.as_ref(), layout, &prep, &stop),
+        // One process alone: nobody to exchange with.
+        None => run_single(b, &prep, &stop),
+    }
+}
+
+/// A one-rank run.
+fn run_single<B: Backend>(b: &B, prep: &Prepared, stop: &AtomicBool) -> Result<(), CliError> {
+    let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
+    let mut engine = SingleRank {
+        b,
+        trainer,
+        seqs: prep.seqs,
+        seq_len: prep.spec.seq_len,
+    };
+    train_loop(b, &mut engine, prep, stop)
+}
+
+/// One rank of a parallel run on `comm`, whichever communicator it is (a
+/// thread's local one, a process's TCP or NCCL one): threads and processes
+/// share this path. A rank that stops with an error aborts `comm`, so its
+/// peers stop too instead of waiting for it.
+fn run_rank<B: Backend>(
+    b: &B,
+    comm: &dyn Communicator<B>,
+    layout: &Layout,
+    prep: &Prepared,
+    stop: &AtomicBool,
+) -> Result<(), CliError> {
+    let timed = TimedComm::new(comm);
+    let outcome = (|| {
+        let rank = RankLayout::new(layout, comm.rank())?;
+        let ctx = Ctx {
+            b,
+            comm: &timed,
+            rank: &rank,
+        };
+        let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
+        let trainer =
+            ParallelTrainer::from_trainer(b, trainer, RankLayout::new(layout, comm.rank())?)?;
+        let mut engine = ParallelRank {
+            ctx: &ctx,
+            timed: &timed,
+            trainer,
+            seq_len: prep.spec.seq_len,
+        };
+        train_loop(b, &mut engine, prep, stop)
+    })();
+    if let Err(e) = &outcome {
+        if !matches!(e, CliError::Interrupted { .. }) {
+            comm.abort(&e.to_string());
+        }
+    }
+    outcome
+}
+
+/// The step at which [`TEST_EXIT_VAR`] makes rank `rank` abort, if any.
+fn test_exit_step(rank: usize) -> Result<Option<u64>, CliError> {
+    let Ok(text) = std::env::var(TEST_EXIT_VAR) else {
+        return Ok(None);
+    };
+    let parsed = text.split_once(':').and_then(|(r, s)| {
+        Some((
+            r.trim().parse::<usize>().ok()?,
+            s.trim().parse::<u64>().ok()?,
+        ))
+    });
+    match parsed {
+        Some((r, step)) => Ok((r == rank).then_some(step)),
+        None => Err(CliError::usage(format!(
+            "{TEST_EXIT_VAR} = {text:?}: expected <rank>:<step>"
+        ))),
+    }
 }
 
 /// The training loop of one rank (or the only one): the main rank shows
@@ -596,7 +692,16 @@ fn train_loop<B: Backend, E: StepEngine>(
     // Time in steps, and in collectives within them (parallel runs).
     let (mut step_seconds, mut comm_in_steps) = (0.0f64, 0.0f64);
     let mut last_val = meta.val_losses.last().map(|&(_, v)| v).unwrap_or(f64::NAN);
+    let exit_at = test_exit_step(engine.rank())?;
     while meta.step < settings.steps {
+        if exit_at == Some(meta.step + 1) {
+            eprintln!(
+                "{TEST_EXIT_VAR}: rank {} aborts at step {}",
+                engine.rank(),
+                meta.step + 1
+            );
+            std::process::abort();
+        }
         if engine.agree_stop(stop.load(Ordering::SeqCst))? {
             meta.train_seconds += started.elapsed().as_secs_f64();
             let tensors = engine.checkpoint_tensors()?;
