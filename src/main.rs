@@ -1,5 +1,6 @@
 //! The `foldmoe` command: `train` (the default), `launch`, `generate`, `plan`.
 
+mod bench;
 mod error;
 mod generate;
 mod launch;
@@ -14,11 +15,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use foldmoe::kernels::comm::rendezvous::DistEnv;
+use foldmoe::kernels::comm::rendezvous::{DistEnv, Rendezvous};
 use foldmoe::kernels::comm::tcp::TcpComm;
 use foldmoe::kernels::cpu::Cpu;
+use foldmoe::kernels::cuda::nccl::{NcclComm, UNIQUE_ID_BYTES};
 use foldmoe::kernels::cuda::Cuda;
-use foldmoe::kernels::Communicator;
+use foldmoe::kernels::{Communicator, Group};
 
 use crate::error::CliError;
 use crate::settings::TrainOptions;
@@ -58,6 +60,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Time one MoE layer or a training step; prints JSON (see benchmarks/README.md).
+    Bench(bench::BenchOptions),
     /// Continue a prompt with a trained checkpoint.
     Generate {
         /// Run directory or checkpoint directory.
@@ -93,26 +97,32 @@ fn check_device(name: &str, ordinal: usize) -> Result<(), CliError> {
     Ok(())
 }
 
-/// The communicator of one process of a multi-process CUDA run (rank
-/// `env.rank` of `env.world`, on GPU `env.local_rank`).
-///
-/// PLACEHOLDER, the one place the NCCL communicator
-/// (`foldmoe::kernels::cuda::nccl::NcclComm`) plugs in: rank 0 makes the
-/// unique id and shares it with
-/// `Rendezvous::connect(env, timeout)?.broadcast_blob(..)`
-/// (`foldmoe::kernels::comm::rendezvous`). Until then it refuses clearly
-/// rather than falling back to slow host copies over TCP.
+/// The NCCL communicator of one process of a multi-process CUDA run (rank
+/// `env.rank` of `env.world`, on GPU `env.local_rank`): rank 0 makes the
+/// NCCL unique id and the rendezvous on MASTER_ADDR:MASTER_PORT hands it to
+/// every rank; then each of `groups` gets its communicator.
 fn cuda_process_comm(
     cuda: &Cuda,
     env: &DistEnv,
     timeout: Duration,
+    groups: &[Group],
 ) -> Result<Box<dyn Communicator<Cuda>>, CliError> {
-    let _ = (cuda, timeout);
-    Err(CliError::usage(format!(
-        "rank {} of {}: multi-process cuda runs need the NCCL communicator, which is not \
-         available yet; train on one GPU, or launch --device cpu",
-        env.rank, env.world
-    )))
+    let rendezvous = Rendezvous::connect(env, timeout)?;
+    let id = match env.rank {
+        0 => Some(NcclComm::unique_id()?),
+        _ => None,
+    };
+    let blob = rendezvous.broadcast_blob(id.as_ref().map(|id| &id[..]))?;
+    let id: [u8; UNIQUE_ID_BYTES] = blob.try_into().map_err(|b: Vec<u8>| {
+        CliError::usage(format!(
+            "rank {}: the NCCL id from rank 0 has {} bytes, not {UNIQUE_ID_BYTES}",
+            env.rank,
+            b.len()
+        ))
+    })?;
+    Ok(Box::new(NcclComm::new(
+        cuda, env.rank, env.world, &id, groups,
+    )?))
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -139,11 +149,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     let timeout = launch::comm_timeout()?;
                     if cuda {
                         let device = Cuda::new(gpu)?;
-                        train::run_process(&device, *opts, stop, &env, |d| {
-                            cuda_process_comm(d, &env, timeout)
+                        train::run_process(&device, *opts, stop, &env, |d, groups| {
+                            cuda_process_comm(d, &env, timeout, groups)
                         })
                     } else {
-                        train::run_process(&Cpu, *opts, stop, &env, |_| {
+                        train::run_process(&Cpu, *opts, stop, &env, |_, _| {
                             Ok(Box::new(TcpComm::connect(&env, timeout)?))
                         })
                     }
@@ -167,6 +177,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 "{}",
                 plan::run(source, layout.as_deref(), ranks, rank, json)?
             );
+            Ok(())
+        }
+        Command::Bench(o) => {
+            println!("{}", bench::run(&o)?);
             Ok(())
         }
         Command::Generate {

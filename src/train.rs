@@ -524,15 +524,16 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
 /// `--layout` spans the processes, `--ranks` may only repeat their number,
 /// and rank 0 alone writes the run directory.
 ///
-/// `connect` makes this process's communicator; it is called after the
-/// options are checked (so bad flags fail at once on every rank, without
+/// `connect` makes this process's communicator from the groups this rank
+/// will use (kind by kind, the same order on every rank); it is called after
+/// the options are checked (so bad flags fail at once on every rank, without
 /// waiting for the others).
 pub fn run_process<B: Backend>(
     b: &B,
     mut opts: TrainOptions,
     stop: Arc<AtomicBool>,
     env: &DistEnv,
-    connect: impl FnOnce(&B) -> Result<Box<dyn Communicator<B>>, CliError>,
+    connect: impl FnOnce(&B, &[Group]) -> Result<Box<dyn Communicator<B>>, CliError>,
 ) -> Result<(), CliError> {
     match opts.ranks {
         Some(r) if r != env.world => {
@@ -545,7 +546,12 @@ pub fn run_process<B: Backend>(
         _ => opts.ranks = Some(env.world),
     }
     let prep = prepare(opts, B::NAME)?;
-    let comm = connect(b)?;
+    let world = Group::new((0..env.world).collect());
+    let groups = match &prep.layout {
+        Some(layout) => RankLayout::new(layout, env.rank)?.groups(),
+        None => vec![world.clone()],
+    };
+    let comm = connect(b, &groups)?;
     // Rank 0 alone prepares the run directory; if it cannot, it aborts, so
     // the others stop at the barrier with its reason instead of waiting.
     if env.rank == 0 {
@@ -554,7 +560,7 @@ pub fn run_process<B: Backend>(
             return Err(e);
         }
     }
-    comm.barrier(&Group::new((0..env.world).collect()))?;
+    comm.barrier(&world)?;
     match &prep.layout {
         Some(layout) => run_rank(b, comm.as_ref(), layout, &prep, &stop),
         // One process alone: nobody to exchange with.

@@ -260,6 +260,10 @@ impl NcclComm {
         if group.ranks().iter().copied().eq(0..self.world) {
             return Ok((s.world.0, me));
         }
+        if group.size() == 1 {
+            // Callers answer one-member collectives without NCCL.
+            return Ok((std::ptr::null_mut(), me));
+        }
         match s.groups.get(group.ranks()) {
             Some(c) => Ok((c.0, me)),
             None => Err(self.err(format!(

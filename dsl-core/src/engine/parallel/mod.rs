@@ -110,10 +110,17 @@ impl RankLayout {
     /// order on every rank: what a communicator that sets its groups up
     /// front (NCCL's split is collective over the world) is given.
     pub fn groups(&self) -> Vec<Group> {
-        [&self.tp, &self.dp, &self.ep, &self.etp, &self.edp, &self.stage]
-            .into_iter()
-            .cloned()
-            .collect()
+        [
+            &self.tp,
+            &self.dp,
+            &self.ep,
+            &self.etp,
+            &self.edp,
+            &self.stage,
+        ]
+        .into_iter()
+        .cloned()
+        .collect()
     }
 }
 
