@@ -52,7 +52,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Communicator, Group, ReduceOp};
+use super::{CallSig, Communicator, Group, Op, ReduceOp};
 use crate::backend::Device;
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
@@ -283,31 +283,6 @@ struct Message {
     dtype: DType,
 }
 
-/// Which collective a member called, with the arguments every member must
-/// agree on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
-    AllReduce(ReduceOp),
-    ReduceScatter,
-    AllGather,
-    AllToAllV,
-    Broadcast { root: usize },
-    Barrier,
-}
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce(_) => "all_reduce",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllGather => "all_gather",
-            Op::AllToAllV => "all_to_all_v",
-            Op::Broadcast { .. } => "broadcast",
-            Op::Barrier => "barrier",
-        }
-    }
-}
-
 /// One member's contribution to a collective.
 struct Part {
     op: Op,
@@ -335,10 +310,6 @@ impl Part {
             send_rows: Vec::new(),
             invalid: None,
         }
-    }
-
-    fn describe(&self) -> String {
-        format!("{:?} {:?}", self.dtype, self.shape)
     }
 }
 
@@ -553,73 +524,17 @@ impl LocalComm {
     }
 
     /// Checks that every member called the same op with compatible tensors.
-    /// Every member runs it on the same contributions, so all of them return
-    /// the same verdict.
     fn check_agreement(&self, group: &Group, g: &Gathered) -> Result<()> {
-        let ranks = group.ranks();
-        let parts = &g.parts;
-        let ctx = &g.ctx;
-        if let Some(i) = parts.iter().position(|p| p.op.name() != parts[0].op.name()) {
-            return Err(self.comm_err(format!(
-                "{ctx}: rank {} called {} but rank {} called {}; every member must call the \
-                 same collectives on a group in the same order",
-                ranks[0],
-                parts[0].op.name(),
-                ranks[i],
-                parts[i].op.name()
-            )));
-        }
-        if let Some(i) = parts.iter().position(|p| p.op != parts[0].op) {
-            return Err(self.comm_err(format!(
-                "{ctx}: rank {} asked for {:?} but rank {} for {:?}; every member must pass the \
-                 same {}",
-                ranks[0],
-                parts[0].op,
-                ranks[i],
-                parts[i].op,
-                if matches!(parts[0].op, Op::AllReduce(_)) {
-                    "reduce op"
-                } else {
-                    "root"
-                }
-            )));
-        }
-        // Which contribution the others are compared with, and how.
-        let (reference, same_shape, rule) = match parts[0].op {
-            Op::Barrier => return Ok(()),
-            Op::AllReduce(_) | Op::ReduceScatter => {
-                (0, true, "dtypes and shapes must be equal on every member")
-            }
-            Op::AllGather | Op::AllToAllV => (
-                0,
-                false,
-                "dtypes, and dimensions after the first, must be equal on every member",
-            ),
-            Op::Broadcast { root } => (
-                root,
-                true,
-                "every member must pass the root's dtype and shape",
-            ),
-        };
-        let r = &parts[reference];
-        let agrees = |p: &Part| {
-            p.dtype == r.dtype
-                && if same_shape {
-                    p.shape == r.shape
-                } else {
-                    p.shape.len() == r.shape.len() && p.shape[1..] == r.shape[1..]
-                }
-        };
-        match parts.iter().position(|p| !agrees(p)) {
-            Some(i) => Err(self.comm_err(format!(
-                "{ctx}: rank {} passed {} but rank {} passed {}; {rule}",
-                ranks[reference],
-                r.describe(),
-                ranks[i],
-                parts[i].describe()
-            ))),
-            None => Ok(()),
-        }
+        let calls: Vec<CallSig> = g
+            .parts
+            .iter()
+            .map(|p| CallSig {
+                op: p.op,
+                dtype: p.dtype,
+                shape: &p.shape,
+            })
+            .collect();
+        super::check_agreement(&g.ctx, group.ranks(), &calls).map_err(|m| self.comm_err(m))
     }
 
     /// The values of member `i`'s contribution.
@@ -865,32 +780,9 @@ impl<B: Device> Communicator<B> for LocalComm {
         t: &Tensor<B>,
         send_rows: &[usize],
     ) -> Result<(Tensor<B>, Vec<usize>)> {
-        let op = "all_to_all_v";
         let size = group.size();
         let shape = t.shape();
-        let invalid = needs_dim0(op, shape).or_else(|| {
-            let total: usize = send_rows.iter().sum();
-            if send_rows.len() != size {
-                Some(arg_err(
-                    op,
-                    format!(
-                        "send_rows {send_rows:?} has {} entries, but the group has {size} members",
-                        send_rows.len()
-                    ),
-                ))
-            } else if total != shape[0] {
-                Some(shape_err(
-                    op,
-                    format!(
-                        "send_rows {send_rows:?} sum to {total}, but the tensor of shape \
-                         {shape:?} has {} rows",
-                        shape[0]
-                    ),
-                ))
-            } else {
-                None
-            }
-        });
+        let invalid = super::all_to_all_v_args_error(shape, size, send_rows);
         let data = if invalid.is_none() {
             Some(b.download(t)?)
         } else {

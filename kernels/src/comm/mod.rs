@@ -26,7 +26,7 @@ pub mod timed;
 
 use crate::backend::Device;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// An ordered set of global ranks that communicate together.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -107,4 +107,143 @@ pub trait Communicator<B: Device>: Send + Sync {
     /// Marks this rank failed with `reason`: the other ranks' pending and
     /// later collectives return an error naming this rank and the reason.
     fn abort(&self, reason: &str);
+}
+
+/// Which collective a member called, with the arguments every member must
+/// agree on (what host-side communicators compare before moving data).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    AllReduce(ReduceOp),
+    ReduceScatter,
+    AllGather,
+    AllToAllV,
+    Broadcast { root: usize },
+    Barrier,
+}
+
+impl Op {
+    /// The collective's name, as the trait spells it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce(_) => "all_reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGather => "all_gather",
+            Op::AllToAllV => "all_to_all_v",
+            Op::Broadcast { .. } => "broadcast",
+            Op::Barrier => "barrier",
+        }
+    }
+}
+
+/// One member's call as the others see it: the op and its tensor's dtype and
+/// shape.
+pub(crate) struct CallSig<'a> {
+    pub(crate) op: Op,
+    pub(crate) dtype: DType,
+    pub(crate) shape: &'a [usize],
+}
+
+/// Checks that the members (`ranks`, in group order) called the same op with
+/// compatible tensors; the message, prefixed by `ctx`, names the first
+/// member that disagrees. Every member runs it on the same calls, so all of
+/// them reach the same verdict.
+pub(crate) fn check_agreement(
+    ctx: &str,
+    ranks: &[usize],
+    calls: &[CallSig],
+) -> std::result::Result<(), String> {
+    let first = &calls[0];
+    if let Some(i) = calls.iter().position(|c| c.op.name() != first.op.name()) {
+        return Err(format!(
+            "{ctx}: rank {} called {} but rank {} called {}; every member must call the \
+             same collectives on a group in the same order",
+            ranks[0],
+            first.op.name(),
+            ranks[i],
+            calls[i].op.name()
+        ));
+    }
+    if let Some(i) = calls.iter().position(|c| c.op != first.op) {
+        return Err(format!(
+            "{ctx}: rank {} asked for {:?} but rank {} for {:?}; every member must pass the \
+             same {}",
+            ranks[0],
+            first.op,
+            ranks[i],
+            calls[i].op,
+            if matches!(first.op, Op::AllReduce(_)) {
+                "reduce op"
+            } else {
+                "root"
+            }
+        ));
+    }
+    // Which call the others are compared with, and how.
+    let (reference, same_shape, rule) = match first.op {
+        Op::Barrier => return Ok(()),
+        Op::AllReduce(_) | Op::ReduceScatter => {
+            (0, true, "dtypes and shapes must be equal on every member")
+        }
+        Op::AllGather | Op::AllToAllV => (
+            0,
+            false,
+            "dtypes, and dimensions after the first, must be equal on every member",
+        ),
+        Op::Broadcast { root } => (
+            root,
+            true,
+            "every member must pass the root's dtype and shape",
+        ),
+    };
+    let r = &calls[reference];
+    let agrees = |c: &CallSig| {
+        c.dtype == r.dtype
+            && if same_shape {
+                c.shape == r.shape
+            } else {
+                c.shape.len() == r.shape.len() && c.shape[1..] == r.shape[1..]
+            }
+    };
+    match calls.iter().position(|c| !agrees(c)) {
+        Some(i) => Err(format!(
+            "{ctx}: rank {} passed {:?} {:?} but rank {} passed {:?} {:?}; {rule}",
+            ranks[reference], r.dtype, r.shape, ranks[i], calls[i].dtype, calls[i].shape
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Why `all_to_all_v`'s arguments are wrong, if they are: the tensor needs a
+/// first dimension, and `send_rows` one entry per member of a group of
+/// `size`, summing to its rows.
+pub(crate) fn all_to_all_v_args_error(
+    shape: &[usize],
+    size: usize,
+    send_rows: &[usize],
+) -> Option<crate::error::KernelError> {
+    use crate::error::{arg_err, shape_err};
+    let op = "all_to_all_v";
+    local::needs_dim0(op, shape).or_else(|| {
+        let total: usize = send_rows.iter().sum();
+        if send_rows.len() != size {
+            Some(arg_err(
+                op,
+                format!(
+                    "send_rows {send_rows:?} has {} entries, but the group has {size} members",
+                    send_rows.len()
+                ),
+            ))
+        } else if total != shape[0] {
+            Some(shape_err(
+                op,
+                format!(
+                    "send_rows {send_rows:?} sum to {total}, but the tensor of shape \
+                     {shape:?} has {} rows",
+                    shape[0]
+                ),
+            ))
+        } else {
+            None
+        }
+    })
 }

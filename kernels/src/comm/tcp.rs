@@ -45,9 +45,9 @@ use std::time::{Duration, Instant};
 
 use super::local::{concat_host, needs_dim0, reduce_host, upload_as};
 use super::rendezvous::{configure, listen_any, DistEnv, Rendezvous};
-use super::{Communicator, Group, ReduceOp};
+use super::{CallSig, Communicator, Group, Op, ReduceOp};
 use crate::backend::Device;
-use crate::error::{arg_err, shape_err, KernelError, Result};
+use crate::error::{arg_err, KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
 
 /// First bytes of a mesh connection's hello.
@@ -62,30 +62,7 @@ const KIND_P2P: u8 = 2;
 const KIND_ABORT: u8 = 3;
 const KIND_BYE: u8 = 4;
 
-/// Which collective a member called, with the arguments every member must
-/// agree on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
-    AllReduce(ReduceOp),
-    ReduceScatter,
-    AllGather,
-    AllToAllV,
-    Broadcast { root: usize },
-    Barrier,
-}
-
 impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce(_) => "all_reduce",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllGather => "all_gather",
-            Op::AllToAllV => "all_to_all_v",
-            Op::Broadcast { .. } => "broadcast",
-            Op::Barrier => "barrier",
-        }
-    }
-
     fn encode(self) -> (u8, u64) {
         match self {
             Op::AllReduce(ReduceOp::Sum) => (0, 0),
@@ -137,10 +114,6 @@ impl Header {
             send_rows: Vec::new(),
             invalid: None,
         }
-    }
-
-    fn describe(&self) -> String {
-        format!("{:?} {:?}", self.dtype, self.shape)
     }
 }
 
@@ -619,70 +592,20 @@ impl TcpComm {
     }
 
     /// Checks that every member called the same op with compatible tensors
-    /// (the same rules and messages as the local communicator). Every member
-    /// sees every header, so all of them return the same verdict.
+    /// (the local communicator's rules and messages). Every member sees every
+    /// header, so all of them return the same verdict.
     fn check_agreement(&self, ranks: &[usize], g: &Gathered) -> Result<()> {
         let hs = &g.headers;
         let ctx = &g.ctx;
-        if let Some(i) = hs.iter().position(|h| h.op.name() != hs[0].op.name()) {
-            return Err(self.comm_err(format!(
-                "{ctx}: rank {} called {} but rank {} called {}; every member must call the \
-                 same collectives on a group in the same order",
-                ranks[0],
-                hs[0].op.name(),
-                ranks[i],
-                hs[i].op.name()
-            )));
-        }
-        if let Some(i) = hs.iter().position(|h| h.op != hs[0].op) {
-            return Err(self.comm_err(format!(
-                "{ctx}: rank {} asked for {:?} but rank {} for {:?}; every member must pass the \
-                 same {}",
-                ranks[0],
-                hs[0].op,
-                ranks[i],
-                hs[i].op,
-                if matches!(hs[0].op, Op::AllReduce(_)) {
-                    "reduce op"
-                } else {
-                    "root"
-                }
-            )));
-        }
-        let (reference, same_shape, rule) = match hs[0].op {
-            Op::Barrier => return Ok(()),
-            Op::AllReduce(_) | Op::ReduceScatter => {
-                (0, true, "dtypes and shapes must be equal on every member")
-            }
-            Op::AllGather | Op::AllToAllV => (
-                0,
-                false,
-                "dtypes, and dimensions after the first, must be equal on every member",
-            ),
-            Op::Broadcast { root } => (
-                root,
-                true,
-                "every member must pass the root's dtype and shape",
-            ),
-        };
-        let r = &hs[reference];
-        let agrees = |h: &Header| {
-            h.dtype == r.dtype
-                && if same_shape {
-                    h.shape == r.shape
-                } else {
-                    h.shape.len() == r.shape.len() && h.shape[1..] == r.shape[1..]
-                }
-        };
-        if let Some(i) = hs.iter().position(|h| !agrees(h)) {
-            return Err(self.comm_err(format!(
-                "{ctx}: rank {} passed {} but rank {} passed {}; {rule}",
-                ranks[reference],
-                r.describe(),
-                ranks[i],
-                hs[i].describe()
-            )));
-        }
+        let calls: Vec<CallSig> = hs
+            .iter()
+            .map(|h| CallSig {
+                op: h.op,
+                dtype: h.dtype,
+                shape: &h.shape,
+            })
+            .collect();
+        super::check_agreement(ctx, ranks, &calls).map_err(|m| self.comm_err(m))?;
         if matches!(hs[0].op, Op::AllToAllV) {
             if let Some(i) = hs.iter().position(|h| h.send_rows.len() != ranks.len()) {
                 return Err(self.comm_err(format!(
@@ -1123,32 +1046,9 @@ impl<B: Device> Communicator<B> for TcpComm {
         t: &Tensor<B>,
         send_rows: &[usize],
     ) -> Result<(Tensor<B>, Vec<usize>)> {
-        let op = "all_to_all_v";
         let size = group.size();
         let shape = t.shape();
-        let invalid = needs_dim0(op, shape).or_else(|| {
-            let total: usize = send_rows.iter().sum();
-            if send_rows.len() != size {
-                Some(arg_err(
-                    op,
-                    format!(
-                        "send_rows {send_rows:?} has {} entries, but the group has {size} members",
-                        send_rows.len()
-                    ),
-                ))
-            } else if total != shape[0] {
-                Some(shape_err(
-                    op,
-                    format!(
-                        "send_rows {send_rows:?} sum to {total}, but the tensor of shape \
-                         {shape:?} has {} rows",
-                        shape[0]
-                    ),
-                ))
-            } else {
-                None
-            }
-        });
+        let invalid = super::all_to_all_v_args_error(shape, size, send_rows);
         let header = Header {
             send_rows: send_rows.to_vec(),
             ..Header::of(Op::AllToAllV, t)

@@ -501,12 +501,10 @@ impl Communicator<Cuda> for NcclComm {
         let s = self.state();
         let (comm, me) = self.comm_of(&s, group)?;
         let n = group.size();
-        let rows = t.shape().first().copied().unwrap_or(0);
-        if send_rows.len() != n || send_rows.iter().sum::<usize>() != rows {
-            return Err(self.err(format!(
-                "all_to_all_v: send_rows {send_rows:?} must have {n} entries summing to the {rows} rows given"
-            )));
+        if let Some(e) = crate::comm::all_to_all_v_args_error(t.shape(), n, send_rows) {
+            return Err(e);
         }
+        let rows = t.shape()[0];
         if n == 1 {
             return Ok((t.clone(), vec![rows]));
         }
