@@ -346,36 +346,23 @@ impl LinalgOps for Cuda {
         dy.expect_dtype(OP, x.dtype())?;
         let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
         let out = self.alloc(OP, &[g, k, n], x.dtype())?;
-        if x.dtype() == DType::BF16 && g * k * n > 0 {
-            // Tensor cores; one block per 128 × 128 output tile of a group.
-            let f = self.func(LINALG, "grouped_wgrad_tc_bf16")?;
-            let cfg = LaunchConfig {
-                grid_dim: (
+        if g * k * n > 0 {
+            let (name, cfg) = if x.dtype() == DType::BF16 {
+                // Tensor cores; one block per 128 × 128 output tile of a group.
+                let grid = (
                     n.div_ceil(TC_TILE) as u32,
                     k.div_ceil(TC_TILE) as u32,
                     g as u32,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
+                );
+                ("grouped_wgrad_tc_bf16".to_string(), (grid, (256, 1, 1)))
+            } else {
+                let grid = (n.div_ceil(32) as u32, k.div_ceil(8) as u32, g as u32);
+                (format!("grouped_wgrad_{sfx}"), (grid, (32, 8, 1)))
             };
-            launch!(
-                self,
-                f,
-                cfg,
-                x.storage().ptr(),
-                dy.storage().ptr(),
-                offs.ptr(),
-                out.storage().ptr(),
-                k as i64,
-                n as i64
-            )?;
-            return Ok(out);
-        }
-        if g * k * n > 0 {
-            let f = self.func(LINALG, &format!("grouped_wgrad_{sfx}"))?;
+            let f = self.func(LINALG, &name)?;
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(32) as u32, k.div_ceil(8) as u32, g as u32),
-                block_dim: (32, 8, 1),
+                grid_dim: cfg.0,
+                block_dim: cfg.1,
                 shared_mem_bytes: 0,
             };
             launch!(
