@@ -1,51 +1,94 @@
-// Causal grouped-query attention, forward and backward.
+// Causal grouped-query attention, forward and backward: the elementwise
+// kernels around the cuBLAS products of attention.rs.
 // Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
 // dim, G = Hq / Hkv. Tensors are [B, S, H, Hd]; lse and delta are [B, Hq, S].
 //
-// This is the simple, correct version: one thread per query row (forward,
-// dq) or key row (dk, dv), walking the other side with an online softmax or
-// the recomputed probabilities, each output written by one thread in a fixed
-// order (deterministic, no atomics). A tiled flash-attention kernel will
-// replace it; the interface stays.
-
-#define MAX_HD 256
+// attention.rs copies q, k, v (and dO) into head-major [B, H, S, Hd], so a
+// kv head's G query heads are G·S consecutive rows; the scores of a chunk of
+// kv heads are rows of S scores in the accumulation type, row r being query
+// i = r % S of its head. The kernels here turn scores into probabilities
+// (forward: with the row's log-sum-exp; backward: from the saved one) and
+// probability gradients into score gradients.
 
 __device__ __forceinline__ i64 at4(i64 b, i64 s, i64 h, i64 S, i64 H, i64 HD) { return ((b * S + s) * H + h) * HD; }
 
+// [B, S, H, D] → [B, H, S, D] (to_heads = 1) or back (to_heads = 0).
 template <typename T>
-__device__ void attn_fwd_impl(const T* q, const T* k, const T* v, T* o, T* lse, i64 B, i64 S, i64 HQ, i64 HKV, i64 HD) {
-    typedef acc_t<T> A;
-    A acc[MAX_HD];
-    i64 G = HQ / HKV;
-    // Formed in f64 and rounded once, as on the CPU.
-    A scale = (A)(1.0 / sqrt((double)HD));
-    GRID_LOOP(row, B * HQ * S) {
-        i64 i = row % S, h = (row / S) % HQ, b = row / (S * HQ);
-        i64 kh = h / G;
-        const T* qi = q + at4(b, i, h, S, HQ, HD);
-        A m = neg_inf<A>(), l = 0;
-        for (i64 d = 0; d < HD; ++d) acc[d] = 0;
-        for (i64 j = 0; j <= i; ++j) {
-            const T* kj = k + at4(b, j, kh, S, HKV, HD);
-            const T* vj = v + at4(b, j, kh, S, HKV, HD);
-            A s = 0;
-            for (i64 d = 0; d < HD; ++d) s += to_acc(qi[d]) * to_acc(kj[d]);
-            s *= scale;
-            A mn = fmax(m, s);
-            A corr = exp_(m - mn), p = exp_(s - mn);
-            l = l * corr + p;
-            for (i64 d = 0; d < HD; ++d) acc[d] = acc[d] * corr + p * to_acc(vj[d]);
-            m = mn;
+__device__ void attn_heads_impl(const T* src, T* dst, i64 B, i64 S, i64 H, i64 D, int to_heads) {
+    GRID_LOOP(idx, B * S * H * D) {
+        i64 d = idx % D, t = idx / D;
+        if (to_heads) {
+            i64 s = t % S, h = (t / S) % H, b = t / (S * H);
+            dst[idx] = src[at4(b, s, h, S, H, D) + d];
+        } else {
+            i64 h = t % H, s = (t / H) % S, b = t / (H * S);
+            dst[idx] = src[((b * H + h) * S + s) * D + d];
         }
-        T* oi = o + at4(b, i, h, S, HQ, HD);
-        for (i64 d = 0; d < HD; ++d) oi[d] = from_acc<T>(acc[d] / l);
-        lse[(b * HQ + h) * S + i] = from_acc<T>(m + log_(l));
     }
 }
-#define ATTN_FWD(sfx, T) \
-    extern "C" __global__ void attn_fwd_##sfx(const T* q, const T* k, const T* v, T* o, T* lse, i64 B, i64 S, i64 HQ, i64 HKV, i64 HD) { \
-        attn_fwd_impl<T>(q, k, v, o, lse, B, S, HQ, HKV, HD); }
-FOR_FLOATS(ATTN_FWD)
+#define ATTN_HEADS(sfx, T) \
+    extern "C" __global__ void attn_heads_##sfx(const T* src, T* dst, i64 B, i64 S, i64 H, i64 D, int to_heads) { \
+        attn_heads_impl<T>(src, dst, B, S, H, D, to_heads); }
+FOR_FLOATS(ATTN_HEADS)
+
+// Forward softmax, one block per score row: lse = log Σ_{j<=i} exp(scale·s_j)
+// and p_j = exp(scale·s_j − lse) for j <= i, 0 past the diagonal.
+template <typename T>
+__device__ void attn_softmax_impl(const acc_t<T>* scores, T* p, T* lse, i64 rows, i64 S, double scale_d) {
+    typedef acc_t<T> A;
+    __shared__ A sh[32];
+    A scale = (A)scale_d;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 i = r % S;
+        const A* sr = scores + r * S;
+        A m = neg_inf<A>();
+        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) m = fmax(m, sr[j] * scale);
+        m = block_max(m, sh);
+        A l = 0;
+        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) l += exp_(sr[j] * scale - m);
+        l = block_sum(l, sh);
+        A ls = m + log_(l);
+        T* pr = p + r * S;
+        for (i64 j = threadIdx.x; j < S; j += blockDim.x) pr[j] = from_acc<T>(j <= i ? exp_(sr[j] * scale - ls) : (A)0);
+        if (threadIdx.x == 0) lse[r] = from_acc<T>(ls);
+    }
+}
+#define ATTN_SOFTMAX(sfx, T) \
+    extern "C" __global__ void attn_softmax_##sfx(const acc_t<T>* scores, T* p, T* lse, i64 rows, i64 S, double scale) { \
+        attn_softmax_impl<T>(scores, p, lse, rows, S, scale); }
+FOR_FLOATS(ATTN_SOFTMAX)
+
+// Backward: the forward's probabilities again, from the saved lse.
+template <typename T>
+__device__ void attn_probs_impl(const acc_t<T>* scores, T* p, const T* lse, i64 rows, i64 S, double scale_d) {
+    typedef acc_t<T> A;
+    A scale = (A)scale_d;
+    GRID_LOOP(idx, rows * S) {
+        i64 r = idx / S, j = idx % S, i = r % S;
+        p[idx] = from_acc<T>(j <= i ? exp_(scores[idx] * scale - to_acc(lse[r])) : (A)0);
+    }
+}
+#define ATTN_PROBS(sfx, T) \
+    extern "C" __global__ void attn_probs_##sfx(const acc_t<T>* scores, T* p, const T* lse, i64 rows, i64 S, double scale) { \
+        attn_probs_impl<T>(scores, p, lse, rows, S, scale); }
+FOR_FLOATS(ATTN_PROBS)
+
+// Score gradients, in place over the probabilities: ds = p·(dp − delta)·scale
+// (zero past the diagonal, where p is).
+template <typename T>
+__device__ void attn_dscores_impl(const acc_t<T>* dp, T* p_ds, const T* delta, i64 rows, i64 S, double scale_d) {
+    typedef acc_t<T> A;
+    A scale = (A)scale_d;
+    GRID_LOOP(idx, rows * S) {
+        i64 r = idx / S;
+        A ds = to_acc(p_ds[idx]) * (dp[idx] - to_acc(delta[r]));
+        p_ds[idx] = from_acc<T>(ds * scale);
+    }
+}
+#define ATTN_DSCORES(sfx, T) \
+    extern "C" __global__ void attn_dscores_##sfx(const acc_t<T>* dp, T* p_ds, const T* delta, i64 rows, i64 S, double scale) { \
+        attn_dscores_impl<T>(dp, p_ds, delta, rows, S, scale); }
+FOR_FLOATS(ATTN_DSCORES)
 
 // delta[b, h, i] = dO_i · O_i.
 template <typename T>
@@ -64,94 +107,3 @@ __device__ void attn_delta_impl(const T* d_o, const T* o, T* delta, i64 B, i64 S
         attn_delta_impl<T>(d_o, o, delta, B, S, HQ, HD); }
 FOR_FLOATS(ATTN_DELTA)
 
-// (p, ds) of query i (head h) against key j (kv head kh): the probability
-// from lse and p·(dO_i·v_j − delta_i), before the scale factor.
-template <typename T>
-__device__ __forceinline__ void attn_p_ds(const T* q, const T* k, const T* v, const T* d_o, acc_t<T> lse_i, acc_t<T> delta_i,
-                                          i64 b, i64 i, i64 h, i64 j, i64 kh, i64 S, i64 HQ, i64 HKV, i64 HD, acc_t<T> scale,
-                                          acc_t<T>* p_out, acc_t<T>* ds_out) {
-    typedef acc_t<T> A;
-    const T* qi = q + at4(b, i, h, S, HQ, HD);
-    const T* oi = d_o + at4(b, i, h, S, HQ, HD);
-    const T* kj = k + at4(b, j, kh, S, HKV, HD);
-    const T* vj = v + at4(b, j, kh, S, HKV, HD);
-    A s = 0, dp = 0;
-    for (i64 d = 0; d < HD; ++d) {
-        s += to_acc(qi[d]) * to_acc(kj[d]);
-        dp += to_acc(oi[d]) * to_acc(vj[d]);
-    }
-    A p = exp_(s * scale - lse_i);
-    *p_out = p;
-    *ds_out = p * (dp - delta_i);
-}
-
-template <typename T>
-__device__ void attn_dq_impl(const T* q, const T* k, const T* v, const T* d_o, const T* lse, const T* delta, T* dq,
-                             i64 B, i64 S, i64 HQ, i64 HKV, i64 HD) {
-    typedef acc_t<T> A;
-    A acc[MAX_HD];
-    i64 G = HQ / HKV;
-    // Formed in f64 and rounded once, as on the CPU.
-    A scale = (A)(1.0 / sqrt((double)HD));
-    GRID_LOOP(row, B * HQ * S) {
-        i64 i = row % S, h = (row / S) % HQ, b = row / (S * HQ);
-        i64 kh = h / G;
-        A li = to_acc(lse[row]), di = to_acc(delta[row]);
-        for (i64 d = 0; d < HD; ++d) acc[d] = 0;
-        for (i64 j = 0; j <= i; ++j) {
-            A p, ds;
-            attn_p_ds<T>(q, k, v, d_o, li, di, b, i, h, j, kh, S, HQ, HKV, HD, scale, &p, &ds);
-            const T* kj = k + at4(b, j, kh, S, HKV, HD);
-            A c = ds * scale;
-            for (i64 d = 0; d < HD; ++d) acc[d] += c * to_acc(kj[d]);
-        }
-        T* out = dq + at4(b, i, h, S, HQ, HD);
-        for (i64 d = 0; d < HD; ++d) out[d] = from_acc<T>(acc[d]);
-    }
-}
-#define ATTN_DQ(sfx, T) \
-    extern "C" __global__ void attn_dq_##sfx(const T* q, const T* k, const T* v, const T* d_o, const T* lse, const T* delta, T* dq, \
-                                             i64 B, i64 S, i64 HQ, i64 HKV, i64 HD) { \
-        attn_dq_impl<T>(q, k, v, d_o, lse, delta, dq, B, S, HQ, HKV, HD); }
-FOR_FLOATS(ATTN_DQ)
-
-// dk, dv of key j of kv head kh: summed over its G query heads, then the
-// queries i >= j, in order.
-template <typename T>
-__device__ void attn_dkv_impl(const T* q, const T* k, const T* v, const T* d_o, const T* lse, const T* delta, T* dk, T* dv,
-                              i64 B, i64 S, i64 HQ, i64 HKV, i64 HD) {
-    typedef acc_t<T> A;
-    A ak[MAX_HD], av[MAX_HD];
-    i64 G = HQ / HKV;
-    // Formed in f64 and rounded once, as on the CPU.
-    A scale = (A)(1.0 / sqrt((double)HD));
-    GRID_LOOP(row, B * HKV * S) {
-        i64 j = row % S, kh = (row / S) % HKV, b = row / (S * HKV);
-        for (i64 d = 0; d < HD; ++d) { ak[d] = 0; av[d] = 0; }
-        for (i64 g = 0; g < G; ++g) {
-            i64 h = kh * G + g;
-            for (i64 i = j; i < S; ++i) {
-                i64 r = (b * HQ + h) * S + i;
-                A p, ds;
-                attn_p_ds<T>(q, k, v, d_o, to_acc(lse[r]), to_acc(delta[r]), b, i, h, j, kh, S, HQ, HKV, HD, scale, &p, &ds);
-                const T* qi = q + at4(b, i, h, S, HQ, HD);
-                const T* oi = d_o + at4(b, i, h, S, HQ, HD);
-                A c = ds * scale;
-                for (i64 d = 0; d < HD; ++d) {
-                    av[d] += p * to_acc(oi[d]);
-                    ak[d] += c * to_acc(qi[d]);
-                }
-            }
-        }
-        i64 at = at4(b, j, kh, S, HKV, HD);
-        for (i64 d = 0; d < HD; ++d) {
-            dk[at + d] = from_acc<T>(ak[d]);
-            dv[at + d] = from_acc<T>(av[d]);
-        }
-    }
-}
-#define ATTN_DKV(sfx, T) \
-    extern "C" __global__ void attn_dkv_##sfx(const T* q, const T* k, const T* v, const T* d_o, const T* lse, const T* delta, T* dk, T* dv, \
-                                              i64 B, i64 S, i64 HQ, i64 HKV, i64 HD) { \
-        attn_dkv_impl<T>(q, k, v, d_o, lse, delta, dk, dv, B, S, HQ, HKV, HD); }
-FOR_FLOATS(ATTN_DKV)

@@ -1,35 +1,423 @@
-//! CUDA causal grouped-query attention (kernels in `attention.cu`), with the
-//! checks of `cpu/attention.rs`.
+//! CUDA causal grouped-query attention: the scores and the products with
+//! values and gradients are cuBLAS strided-batched GEMMs on tensor cores, the
+//! softmax and its gradient are kernels of `attention.cu`.
+//!
+//! q, k, v (and dO) are first copied head-major, `[B, H, S, Hd]`, so that the
+//! G query heads of one kv head are G·S consecutive rows against that kv
+//! head's S keys: every product of a kv head is then one GEMM, and a chunk of
+//! kv heads one strided-batched call. The full S × S score matrix of each
+//! head is formed in the accumulation type (f32, f64 for f64) and the causal
+//! mask applied by the softmax, so half of the score products are wasted;
+//! in exchange every product runs at cuBLAS speed. Scores are bounded by
+//! working through kv heads in chunks of [`SCORE_BUDGET`] bytes. The
+//! backward recomputes the probabilities from the saved log-sum-exp, as a
+//! flash-attention backward does; nothing S × S is kept between the passes.
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
-//! dim.
+//! dim, G = Hq / Hkv.
 
 use super::compile::ATTENTION;
-use super::{float_sfx, grid_for, launch, Cuda};
-use crate::backend::AttentionOps;
-use crate::error::{arg_err, Result};
-use crate::tensor::Tensor;
+use super::linalg::RowGemm;
+use super::{dtype_size, float_sfx, grid_for, launch, rows_cfg, Cuda};
+use crate::backend::{AttentionOps, Device};
+use crate::error::Result;
+use crate::tensor::{DType, Tensor};
 
-/// The largest head dim the per-row kernels hold in registers.
-const MAX_HD: usize = 256;
+/// Bytes of score matrices (accumulation type) formed at once; kv heads are
+/// processed in chunks that fit (at least one kv head per chunk).
+const SCORE_BUDGET: usize = 2 << 30;
 
-/// `(B, S, Hq, Hkv, Hd)` after every backend's checks, plus the kernels'
-/// head-dim limit.
-fn check_qkv(
-    op: &'static str,
-    q: &Tensor<Cuda>,
-    k: &Tensor<Cuda>,
-    v: &Tensor<Cuda>,
-) -> Result<(usize, usize, usize, usize, usize)> {
-    let dims = crate::backend::check_qkv(op, q, k, v)?;
-    let hd = dims.4;
-    if hd > MAX_HD {
-        return Err(arg_err(
-            op,
-            format!("head dim Hd = {hd} exceeds the {MAX_HD} the CUDA attention kernels support"),
-        ));
+/// Threads per block of the row softmax.
+const SOFTMAX_THREADS: u32 = 256;
+
+/// Accumulation type of `dtype`: scores are formed in it.
+fn acc_type(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
     }
-    Ok(dims)
+}
+
+/// The problem after the shared checks: sizes, and how many kv heads (of all
+/// batches) each chunk takes.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    s: usize,
+    hq: usize,
+    hkv: usize,
+    hd: usize,
+    /// Query heads per kv head.
+    g: usize,
+    /// kv heads in a chunk.
+    chunk: usize,
+    dtype: DType,
+}
+
+impl Dims {
+    fn new(
+        op: &'static str,
+        q: &Tensor<Cuda>,
+        k: &Tensor<Cuda>,
+        v: &Tensor<Cuda>,
+        budget: usize,
+    ) -> Result<Self> {
+        float_sfx(op, q.dtype())?;
+        let (b, s, hq, hkv, hd) = crate::backend::check_qkv(op, q, k, v)?;
+        let g = hq / hkv.max(1);
+        let per_head = g * s * s * dtype_size(acc_type(q.dtype()));
+        let chunk = (budget / per_head.max(1)).clamp(1, (b * hkv).max(1));
+        Ok(Dims {
+            b,
+            s,
+            hq,
+            hkv,
+            hd,
+            g,
+            chunk,
+            dtype: q.dtype(),
+        })
+    }
+
+    /// Score rows of one kv head (its G query heads' S queries each).
+    fn rows(&self) -> usize {
+        self.g * self.s
+    }
+
+    /// Chunks of kv heads: `(first, count)`.
+    fn chunks(&self) -> impl Iterator<Item = (usize, usize)> {
+        let (units, chunk) = (self.b * self.hkv, self.chunk);
+        (0..units)
+            .step_by(chunk)
+            .map(move |u| (u, chunk.min(units - u)))
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.hd as f64).sqrt()
+    }
+
+    fn elem(&self) -> usize {
+        dtype_size(self.dtype)
+    }
+
+    fn acc_elem(&self) -> usize {
+        dtype_size(acc_type(self.dtype))
+    }
+}
+
+/// An address `n` elements of `size` bytes past `base`.
+fn at(base: u64, n: usize, size: usize) -> u64 {
+    base + (n * size) as u64
+}
+
+impl Cuda {
+    /// `x` `[B, S, H, Hd]` copied to `[B, H, S, Hd]` (`to_heads`) or back.
+    fn attn_heads(
+        &self,
+        op: &'static str,
+        x: &Tensor<Self>,
+        to_heads: bool,
+    ) -> Result<Tensor<Self>> {
+        let sfx = float_sfx(op, x.dtype())?;
+        let [b, d1, d2, hd] = *x.shape() else {
+            unreachable!("attention tensors were checked to be 4-d")
+        };
+        let out = self.alloc(op, &[b, d2, d1, hd], x.dtype())?;
+        // [B, S, H, Hd] → heads: S = d1, H = d2; back: H = d1, S = d2.
+        let (s, h) = if to_heads { (d1, d2) } else { (d2, d1) };
+        if x.numel() > 0 {
+            let f = self.func(ATTENTION, &format!("attn_heads_{sfx}"))?;
+            launch!(
+                self,
+                f,
+                grid_for(x.numel()),
+                x.storage().ptr(),
+                out.storage().ptr(),
+                b as i64,
+                s as i64,
+                h as i64,
+                hd as i64,
+                to_heads as i32
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Head-major scores of kv heads `u0..u0 + n`: `scores[u]` (G·S × S) =
+    /// `qh[u]` (G·S × Hd) · `kh[u]`ᵀ, in the accumulation type.
+    fn attn_scores(
+        &self,
+        op: &'static str,
+        d: &Dims,
+        (u0, n): (usize, usize),
+        qh: u64,
+        kh: u64,
+        scores: u64,
+    ) -> Result<()> {
+        let (rows, s, hd) = (d.rows(), d.s, d.hd);
+        self.row_gemm(
+            op,
+            &RowGemm {
+                m: rows,
+                n: s,
+                k: hd,
+                a: at(qh, u0 * rows * hd, d.elem()),
+                a_row: hd,
+                a_stride: rows * hd,
+                trans_a: false,
+                b: at(kh, u0 * s * hd, d.elem()),
+                b_row: hd,
+                b_stride: s * hd,
+                trans_b: true,
+                c: scores,
+                c_row: s,
+                c_stride: rows * s,
+                batch: n,
+                dtype: d.dtype,
+                out_dtype: acc_type(d.dtype),
+            },
+        )
+    }
+
+    /// The forward with kv heads taken `budget` bytes of scores at a time.
+    fn attention_chunked(
+        &self,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        budget: usize,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "attention";
+        let d = Dims::new(OP, q, k, v, budget)?;
+        let sfx = float_sfx(OP, d.dtype)?;
+        let lse = self.alloc(OP, &[d.b, d.hq, d.s], d.dtype)?;
+        if q.numel() == 0 || d.hd == 0 {
+            let o = self.zeros(q.shape(), d.dtype)?;
+            return Ok((o, lse));
+        }
+        let (qh, kh, vh) = (
+            self.attn_heads(OP, q, true)?,
+            self.attn_heads(OP, k, true)?,
+            self.attn_heads(OP, v, true)?,
+        );
+        let oh = self.alloc(OP, &[d.b, d.hq, d.s, d.hd], d.dtype)?;
+        let (rows, s, hd) = (d.rows(), d.s, d.hd);
+        let scores = self.scratch(OP, d.chunk * rows * s * d.acc_elem())?;
+        let p = self.scratch(OP, d.chunk * rows * s * d.elem())?;
+        let softmax = self.func(ATTENTION, &format!("attn_softmax_{sfx}"))?;
+        for (u0, n) in d.chunks() {
+            let (qp, kp, vp) = (qh.storage().ptr(), kh.storage().ptr(), vh.storage().ptr());
+            self.attn_scores(OP, &d, (u0, n), qp, kp, scores.ptr())?;
+            launch!(
+                self,
+                softmax.clone(),
+                rows_cfg(n * rows, SOFTMAX_THREADS),
+                scores.ptr(),
+                p.ptr(),
+                at(lse.storage().ptr(), u0 * rows, d.elem()),
+                (n * rows) as i64,
+                s as i64,
+                d.scale()
+            )?;
+            // oh[u] (G·S × Hd) = p[u] (G·S × S) · vh[u] (S × Hd).
+            self.row_gemm(
+                OP,
+                &RowGemm {
+                    m: rows,
+                    n: hd,
+                    k: s,
+                    a: p.ptr(),
+                    a_row: s,
+                    a_stride: rows * s,
+                    trans_a: false,
+                    b: at(vp, u0 * s * hd, d.elem()),
+                    b_row: hd,
+                    b_stride: s * hd,
+                    trans_b: false,
+                    c: at(oh.storage().ptr(), u0 * rows * hd, d.elem()),
+                    c_row: hd,
+                    c_stride: rows * hd,
+                    batch: n,
+                    dtype: d.dtype,
+                    out_dtype: d.dtype,
+                },
+            )?;
+        }
+        Ok((self.attn_heads(OP, &oh, false)?, lse))
+    }
+
+    /// The backward with kv heads taken `budget` bytes of scores at a time.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_chunked(
+        &self,
+        d_o: &Tensor<Self>,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        o: &Tensor<Self>,
+        lse: &Tensor<Self>,
+        budget: usize,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "attention_backward";
+        let d = Dims::new(OP, q, k, v, budget)?;
+        let sfx = float_sfx(OP, d.dtype)?;
+        d_o.expect_shape(OP, "d_o", q.shape())?;
+        o.expect_shape(OP, "o", q.shape())?;
+        lse.expect_shape(OP, "lse", &[d.b, d.hq, d.s])?;
+        for t in [d_o, o, lse] {
+            t.expect_dtype(OP, d.dtype)?;
+        }
+        if q.numel() == 0 || d.hd == 0 {
+            return Ok((
+                self.zeros(q.shape(), d.dtype)?,
+                self.zeros(k.shape(), d.dtype)?,
+                self.zeros(v.shape(), d.dtype)?,
+            ));
+        }
+        let delta = self.alloc(OP, &[d.b, d.hq, d.s], d.dtype)?;
+        let f = self.func(ATTENTION, &format!("attn_delta_{sfx}"))?;
+        launch!(
+            self,
+            f,
+            grid_for(d.b * d.hq * d.s),
+            d_o.storage().ptr(),
+            o.storage().ptr(),
+            delta.storage().ptr(),
+            d.b as i64,
+            d.s as i64,
+            d.hq as i64,
+            d.hd as i64
+        )?;
+        let qh = self.attn_heads(OP, q, true)?;
+        let kh = self.attn_heads(OP, k, true)?;
+        let vh = self.attn_heads(OP, v, true)?;
+        let doh = self.attn_heads(OP, d_o, true)?;
+        let dqh = self.alloc(OP, &[d.b, d.hq, d.s, d.hd], d.dtype)?;
+        let dkh = self.alloc(OP, &[d.b, d.hkv, d.s, d.hd], d.dtype)?;
+        let dvh = self.alloc(OP, &[d.b, d.hkv, d.s, d.hd], d.dtype)?;
+        let (rows, s, hd) = (d.rows(), d.s, d.hd);
+        // `scores` holds the scores, then dP; `p` the probabilities, then dS.
+        let scores = self.scratch(OP, d.chunk * rows * s * d.acc_elem())?;
+        let p = self.scratch(OP, d.chunk * rows * s * d.elem())?;
+        let probs = self.func(ATTENTION, &format!("attn_probs_{sfx}"))?;
+        let dscores = self.func(ATTENTION, &format!("attn_dscores_{sfx}"))?;
+        let ptrs = |t: &Tensor<Self>| t.storage().ptr();
+        let (qp, kp, vp, dop) = (ptrs(&qh), ptrs(&kh), ptrs(&vh), ptrs(&doh));
+        // One strided-batched product over the chunk's kv heads, each
+        // operand given as (base, row length, batch stride, transposed).
+        let product = |m: usize,
+                       n_cols: usize,
+                       inner: usize,
+                       a: (u64, usize, usize, bool),
+                       b: (u64, usize, usize, bool),
+                       c: (u64, usize, usize),
+                       batch: usize,
+                       out_dtype: DType| {
+            self.row_gemm(
+                OP,
+                &RowGemm {
+                    m,
+                    n: n_cols,
+                    k: inner,
+                    a: a.0,
+                    a_row: a.1,
+                    a_stride: a.2,
+                    trans_a: a.3,
+                    b: b.0,
+                    b_row: b.1,
+                    b_stride: b.2,
+                    trans_b: b.3,
+                    c: c.0,
+                    c_row: c.1,
+                    c_stride: c.2,
+                    batch,
+                    dtype: d.dtype,
+                    out_dtype,
+                },
+            )
+        };
+        let (e, acc) = (d.elem(), acc_type(d.dtype));
+        for (u0, n) in d.chunks() {
+            let elems = n * rows * s;
+            let lse_at = at(lse.storage().ptr(), u0 * rows, e);
+            let delta_at = at(delta.storage().ptr(), u0 * rows, e);
+            let (q_u, do_u) = (at(qp, u0 * rows * hd, e), at(dop, u0 * rows * hd, e));
+            let (k_u, v_u) = (at(kp, u0 * s * hd, e), at(vp, u0 * s * hd, e));
+            self.attn_scores(OP, &d, (u0, n), qp, kp, scores.ptr())?;
+            launch!(
+                self,
+                probs.clone(),
+                grid_for(elems),
+                scores.ptr(),
+                p.ptr(),
+                lse_at,
+                (n * rows) as i64,
+                s as i64,
+                d.scale()
+            )?;
+            // dV[u] (S × Hd) = P[u]ᵀ (S × G·S) · dO[u] (G·S × Hd): the sum
+            // over the kv head's G query heads is part of the product.
+            product(
+                s,
+                hd,
+                rows,
+                (p.ptr(), s, rows * s, true),
+                (do_u, hd, rows * hd, false),
+                (at(ptrs(&dvh), u0 * s * hd, e), hd, s * hd),
+                n,
+                d.dtype,
+            )?;
+            // dP[u] (G·S × S) = dO[u] · V[u]ᵀ, over the scores.
+            product(
+                rows,
+                s,
+                hd,
+                (do_u, hd, rows * hd, false),
+                (v_u, hd, s * hd, true),
+                (scores.ptr(), s, rows * s),
+                n,
+                acc,
+            )?;
+            launch!(
+                self,
+                dscores.clone(),
+                grid_for(elems),
+                scores.ptr(),
+                p.ptr(),
+                delta_at,
+                (n * rows) as i64,
+                s as i64,
+                d.scale()
+            )?;
+            // dQ[u] (G·S × Hd) = dS[u] · K[u]; dK[u] (S × Hd) = dS[u]ᵀ · Q[u].
+            product(
+                rows,
+                hd,
+                s,
+                (p.ptr(), s, rows * s, false),
+                (k_u, hd, s * hd, false),
+                (at(ptrs(&dqh), u0 * rows * hd, e), hd, rows * hd),
+                n,
+                d.dtype,
+            )?;
+            product(
+                s,
+                hd,
+                rows,
+                (p.ptr(), s, rows * s, true),
+                (q_u, hd, rows * hd, false),
+                (at(ptrs(&dkh), u0 * s * hd, e), hd, s * hd),
+                n,
+                d.dtype,
+            )?;
+        }
+        Ok((
+            self.attn_heads(OP, &dqh, false)?,
+            self.attn_heads(OP, &dkh, false)?,
+            self.attn_heads(OP, &dvh, false)?,
+        ))
+    }
 }
 
 impl AttentionOps for Cuda {
@@ -39,31 +427,7 @@ impl AttentionOps for Cuda {
         k: &Tensor<Self>,
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        const OP: &str = "attention";
-        let sfx = float_sfx(OP, q.dtype())?;
-        let (b, s, hq, hkv, hd) = check_qkv(OP, q, k, v)?;
-        let o = self.alloc(OP, q.shape(), q.dtype())?;
-        let lse = self.alloc(OP, &[b, hq, s], q.dtype())?;
-        let rows = b * hq * s;
-        if rows > 0 {
-            let f = self.func(ATTENTION, &format!("attn_fwd_{sfx}"))?;
-            launch!(
-                self,
-                f,
-                grid_for(rows),
-                q.storage().ptr(),
-                k.storage().ptr(),
-                v.storage().ptr(),
-                o.storage().ptr(),
-                lse.storage().ptr(),
-                b as i64,
-                s as i64,
-                hq as i64,
-                hkv as i64,
-                hd as i64
-            )?;
-        }
-        Ok((o, lse))
+        self.attention_chunked(q, k, v, SCORE_BUDGET)
     }
 
     fn attention_backward(
@@ -75,73 +439,75 @@ impl AttentionOps for Cuda {
         o: &Tensor<Self>,
         lse: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
-        const OP: &str = "attention_backward";
-        let sfx = float_sfx(OP, q.dtype())?;
-        let (b, s, hq, hkv, hd) = check_qkv(OP, q, k, v)?;
-        d_o.expect_shape(OP, "d_o", q.shape())?;
-        o.expect_shape(OP, "o", q.shape())?;
-        lse.expect_shape(OP, "lse", &[b, hq, s])?;
-        for t in [d_o, o, lse] {
-            t.expect_dtype(OP, q.dtype())?;
+        self.attention_backward_chunked(d_o, q, k, v, o, lse, SCORE_BUDGET)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::HostData;
+
+    fn random(d: &Cuda, shape: &[usize], seed: u64) -> Tensor<Cuda> {
+        let n: usize = shape.iter().product();
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        d.upload(HostData::F32(v), shape).unwrap()
+    }
+
+    fn host(d: &Cuda, t: &Tensor<Cuda>) -> Vec<f32> {
+        match d.download(t).unwrap() {
+            HostData::F32(v) => v,
+            other => panic!("expected f32, got {other:?}"),
         }
-        let dq = self.alloc(OP, q.shape(), q.dtype())?;
-        let dk = self.alloc(OP, k.shape(), q.dtype())?;
-        let dv = self.alloc(OP, v.shape(), q.dtype())?;
-        let rows = b * hq * s;
-        if rows == 0 {
-            return Ok((dq, dk, dv));
-        }
-        let delta = self.alloc(OP, &[b, hq, s], q.dtype())?;
-        let f = self.func(ATTENTION, &format!("attn_delta_{sfx}"))?;
-        launch!(
-            self,
-            f,
-            grid_for(rows),
-            d_o.storage().ptr(),
-            o.storage().ptr(),
-            delta.storage().ptr(),
-            b as i64,
-            s as i64,
-            hq as i64,
-            hd as i64
-        )?;
-        let f = self.func(ATTENTION, &format!("attn_dq_{sfx}"))?;
-        launch!(
-            self,
-            f,
-            grid_for(rows),
-            q.storage().ptr(),
-            k.storage().ptr(),
-            v.storage().ptr(),
-            d_o.storage().ptr(),
-            lse.storage().ptr(),
-            delta.storage().ptr(),
-            dq.storage().ptr(),
-            b as i64,
-            s as i64,
-            hq as i64,
-            hkv as i64,
-            hd as i64
-        )?;
-        let f = self.func(ATTENTION, &format!("attn_dkv_{sfx}"))?;
-        launch!(
-            self,
-            f,
-            grid_for(b * hkv * s),
-            q.storage().ptr(),
-            k.storage().ptr(),
-            v.storage().ptr(),
-            d_o.storage().ptr(),
-            lse.storage().ptr(),
-            delta.storage().ptr(),
-            dk.storage().ptr(),
-            dv.storage().ptr(),
-            b as i64,
-            s as i64,
-            hq as i64,
-            hkv as i64,
-            hd as i64
-        )?;
-        Ok((dq, dk, dv))
+    }
+
+    /// Largest difference between `a` and `b` relative to `b`'s largest
+    /// magnitude.
+    fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    /// Chunks of one kv head give the results of one chunk of all (to
+    /// rounding: cuBLAS may pick another algorithm for another batch
+    /// count), so the chunk offsets of every operand and of lse and delta
+    /// are right.
+    #[test]
+    fn chunked_equals_unchunked() {
+        let Some(d) = crate::cuda::test_device() else {
+            return;
+        };
+        let (b, s, hq, hkv, hd) = (2, 37, 6, 3, 16);
+        let q = random(&d, &[b, s, hq, hd], 1);
+        let k = random(&d, &[b, s, hkv, hd], 2);
+        let v = random(&d, &[b, s, hkv, hd], 3);
+        let d_o = random(&d, &[b, s, hq, hd], 4);
+        let one_head = (hq / hkv) * s * s * 4;
+        let (o1, l1) = d.attention_chunked(&q, &k, &v, one_head).unwrap();
+        let (o2, l2) = d.attention_chunked(&q, &k, &v, usize::MAX).unwrap();
+        let close = |a: &Tensor<Cuda>, b: &Tensor<Cuda>, what: &str| {
+            let r = rel_diff(&host(&d, a), &host(&d, b));
+            assert!(r < 1e-5, "{what}: chunked differs by {r:e}");
+        };
+        close(&o1, &o2, "o");
+        close(&l1, &l2, "lse");
+        let g1 = d
+            .attention_backward_chunked(&d_o, &q, &k, &v, &o1, &l1, one_head)
+            .unwrap();
+        let g2 = d
+            .attention_backward_chunked(&d_o, &q, &k, &v, &o2, &l2, usize::MAX)
+            .unwrap();
+        close(&g1.0, &g2.0, "dq");
+        close(&g1.1, &g2.1, "dk");
+        close(&g1.2, &g2.2, "dv");
     }
 }

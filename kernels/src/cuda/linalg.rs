@@ -117,6 +117,152 @@ impl Cuda {
     }
 }
 
+/// One row-major GEMM on cuBLAS, or `batch` of them at fixed element strides:
+/// `C[i] = op(A[i])·op(B[i])` (`op` transposes where asked), `C` being
+/// `[m, n]` and the inner dimension `k`. Row lengths are those of the stored
+/// matrices (cuBLAS's leading dimensions). Accumulation is f32 (f64 for f64),
+/// never TF32.
+pub(crate) struct RowGemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: u64,
+    pub a_row: usize,
+    pub a_stride: usize,
+    pub trans_a: bool,
+    pub b: u64,
+    pub b_row: usize,
+    pub b_stride: usize,
+    pub trans_b: bool,
+    pub c: u64,
+    pub c_row: usize,
+    pub c_stride: usize,
+    pub batch: usize,
+    /// Element type of A and B.
+    pub dtype: DType,
+    /// Element type of C: A's, or f32 for bf16 inputs.
+    pub out_dtype: DType,
+}
+
+fn cuda_type(dtype: DType) -> bsys::cudaDataType {
+    match dtype {
+        DType::F32 => bsys::cudaDataType::CUDA_R_32F,
+        DType::F64 => bsys::cudaDataType::CUDA_R_64F,
+        _ => bsys::cudaDataType::CUDA_R_16BF,
+    }
+}
+
+impl Cuda {
+    /// Runs `g` on the handle's stream; `op` names the caller in errors.
+    pub(crate) fn row_gemm(&self, op: &'static str, g: &RowGemm) -> Result<()> {
+        if g.m * g.n * g.batch == 0 {
+            return Ok(());
+        }
+        for (what, v) in [
+            ("M", g.m),
+            ("N", g.n),
+            ("K", g.k),
+            ("A's row length", g.a_row),
+            ("B's row length", g.b_row),
+            ("C's row length", g.c_row),
+            ("the batch", g.batch),
+        ] {
+            if v > i32::MAX as usize {
+                return Err(arg_err(
+                    op,
+                    format!("{what} = {v} exceeds cuBLAS's 32-bit sizes"),
+                ));
+            }
+        }
+        // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: hand
+        // cuBLAS B as its first operand, A as its second, each with its own
+        // row length as the leading dimension.
+        let op_of = |t: bool| {
+            if t {
+                bsys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                bsys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let compute = match g.dtype {
+            // PEDANTIC: plain fp32 FMA, never TF32, whatever the environment
+            // says, so f32 results match the CPU to 1e-5.
+            DType::F32 => bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            DType::F64 => bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+            _ => bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let (in_t, out_t) = (cuda_type(g.dtype), cuda_type(g.out_dtype));
+        let (one64, zero64) = (1.0f64, 0.0f64);
+        let (one32, zero32) = (1.0f32, 0.0f32);
+        let (alpha, beta) = if g.dtype == DType::F64 {
+            (
+                &one64 as *const f64 as *const std::ffi::c_void,
+                &zero64 as *const f64 as *const std::ffi::c_void,
+            )
+        } else {
+            (
+                &one32 as *const f32 as *const std::ffi::c_void,
+                &zero32 as *const f32 as *const std::ffi::c_void,
+            )
+        };
+        let algo = bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        self.with_blas(|h| {
+            unsafe {
+                if g.batch == 1 {
+                    blas::gemm_ex(
+                        h,
+                        op_of(g.trans_b),
+                        op_of(g.trans_a),
+                        g.n as i32,
+                        g.m as i32,
+                        g.k as i32,
+                        alpha,
+                        g.b as *const _,
+                        in_t,
+                        g.b_row as i32,
+                        g.a as *const _,
+                        in_t,
+                        g.a_row as i32,
+                        beta,
+                        g.c as *mut _,
+                        out_t,
+                        g.c_row as i32,
+                        compute,
+                        algo,
+                    )
+                } else {
+                    blas::gemm_strided_batched_ex(
+                        h,
+                        op_of(g.trans_b),
+                        op_of(g.trans_a),
+                        g.n as i32,
+                        g.m as i32,
+                        g.k as i32,
+                        alpha,
+                        g.b as *const _,
+                        in_t,
+                        g.b_row as i32,
+                        g.b_stride as i64,
+                        g.a as *const _,
+                        in_t,
+                        g.a_row as i32,
+                        g.a_stride as i64,
+                        beta,
+                        g.c as *mut _,
+                        out_t,
+                        g.c_row as i32,
+                        g.c_stride as i64,
+                        g.batch as i32,
+                        compute,
+                        algo,
+                    )
+                }
+            }
+            .map_err(|e| blas_err(op, e))
+        })
+    }
+}
+
 impl LinalgOps for Cuda {
     fn matmul(
         &self,
@@ -147,85 +293,28 @@ impl LinalgOps for Cuda {
             return self.zeros(&[m, n], a.dtype());
         }
         let out = self.alloc(OP, &[m, n], a.dtype())?;
-        for (what, v) in [
-            ("M", m),
-            ("N", n),
-            ("K", k),
-            ("a's row length", ac),
-            ("b's row length", bc),
-        ] {
-            if v > i32::MAX as usize {
-                return Err(arg_err(
-                    OP,
-                    format!("{what} = {v} exceeds cuBLAS's 32-bit sizes"),
-                ));
-            }
-        }
-        // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: hand
-        // cuBLAS B as its first operand, A as its second, each with its own
-        // row length as the leading dimension.
-        let op_of = |t: bool| {
-            if t {
-                bsys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                bsys::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let (dt, compute) = match a.dtype() {
-            // PEDANTIC: plain fp32 FMA, never TF32, whatever the environment
-            // says, so f32 results match the CPU to 1e-5.
-            DType::F32 => (
-                bsys::cudaDataType::CUDA_R_32F,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
-            ),
-            DType::F64 => (
-                bsys::cudaDataType::CUDA_R_64F,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-            ),
-            _ => (
-                bsys::cudaDataType::CUDA_R_16BF,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-        };
-        let (one64, zero64) = (1.0f64, 0.0f64);
-        let (one32, zero32) = (1.0f32, 0.0f32);
-        let (alpha, beta) = if a.dtype() == DType::F64 {
-            (
-                &one64 as *const f64 as *const std::ffi::c_void,
-                &zero64 as *const f64 as *const std::ffi::c_void,
-            )
-        } else {
-            (
-                &one32 as *const f32 as *const std::ffi::c_void,
-                &zero32 as *const f32 as *const std::ffi::c_void,
-            )
-        };
-        self.with_blas(|h| {
-            unsafe {
-                blas::gemm_ex(
-                    h,
-                    op_of(trans_b),
-                    op_of(trans_a),
-                    n as i32,
-                    m as i32,
-                    k as i32,
-                    alpha,
-                    b.storage().ptr() as *const _,
-                    dt,
-                    bc as i32,
-                    a.storage().ptr() as *const _,
-                    dt,
-                    ac as i32,
-                    beta,
-                    out.storage().ptr() as *mut _,
-                    dt,
-                    n as i32,
-                    compute,
-                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| blas_err(OP, e))
-        })?;
+        self.row_gemm(
+            OP,
+            &RowGemm {
+                m,
+                n,
+                k,
+                a: a.storage().ptr(),
+                a_row: ac,
+                a_stride: 0,
+                trans_a,
+                b: b.storage().ptr(),
+                b_row: bc,
+                b_stride: 0,
+                trans_b,
+                c: out.storage().ptr(),
+                c_row: n,
+                c_stride: 0,
+                batch: 1,
+                dtype: a.dtype(),
+                out_dtype: a.dtype(),
+            },
+        )?;
         Ok(out)
     }
 

@@ -15,10 +15,10 @@
 //! [`Cuda::synchronize`]. Shape and dtype errors are returned at once, as on
 //! the CPU.
 //!
-//! Every op area is implemented, so `Cuda` is a [`crate::Backend`]. The
-//! grouped GEMM and attention are the simple, correct kernels for now
-//! (one thread per output element or row); faster ones will replace them
-//! behind the same interface.
+//! Every op area is implemented, so `Cuda` is a [`crate::Backend`]. Dense
+//! products and attention's products run on cuBLAS; the grouped GEMMs are
+//! WMMA tensor-core kernels of our own on bf16 (group sizes read on the
+//! device), plain kernels on f32/f64.
 
 mod alloc;
 mod attention;
@@ -756,8 +756,8 @@ mod tests {
         assert!(d.memory_in_use().0 < in_use);
     }
 
-    /// Rough timings of the simple kernels at Qwen3-30B-A3B's MoE sizes, as
-    /// a baseline for the fast versions (ignored: run with `--ignored` on a
+    /// Rough timings of the kernels at Qwen3-30B-A3B's sizes, as a baseline
+    /// for faster versions (ignored: run with `--ignored` on a
     /// GPU; host clock around a synchronised run, after a warm-up).
     #[test]
     #[ignore]
@@ -816,20 +816,30 @@ mod tests {
             },
         );
         time(
-            "grouped_matmul_weight_grad bf16 (simple kernel) 128x2048x768 over 131072 rows",
+            "grouped_matmul_weight_grad bf16 (WMMA kernel) 128x2048x768 over 131072 rows",
             2.0 * (n * h * f) as f64,
             &|| {
                 d.grouped_matmul_weight_grad(&x, &dy, &sizes).unwrap();
             },
         );
-        let (b, s, hq, hkv, hd) = (1usize, 4096usize, 32usize, 4usize, 128usize);
+        // Rates count the causal half of the products (useful work).
+        let (b, s, hq, hkv, hd) = (4usize, 4096usize, 32usize, 4usize, 128usize);
         let q = bf16(&[b, s, hq, hd]);
         let kv = bf16(&[b, s, hkv, hd]);
+        let causal = 2.0 * (b * hq * s * s * hd) as f64;
         time(
-            "attention bf16 fwd (simple kernel) S=4096 Hq=32 Hkv=4 Hd=128",
-            2.0 * (b * hq * s * s * hd) as f64,
+            "attention bf16 fwd (cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
+            causal,
             &|| {
                 d.attention(&q, &kv, &kv).unwrap();
+            },
+        );
+        let (o, lse) = d.attention(&q, &kv, &kv).unwrap();
+        time(
+            "attention bf16 bwd (cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
+            2.0 * causal,
+            &|| {
+                d.attention_backward(&q, &q, &kv, &kv, &o, &lse).unwrap();
             },
         );
         let y = bf16(&[t, h]);
