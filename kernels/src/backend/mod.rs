@@ -28,6 +28,7 @@ pub use linalg::LinalgOps;
 pub use loss::LossOps;
 pub(crate) use norm::check_norm_args;
 pub use norm::NormOps;
+pub(crate) use optim::{check_adamw_args, check_adamw_master_args};
 pub use optim::{AdamWConfig, OptimOps};
 pub(crate) use routing::{check_topk_args, GroupLimit};
 pub use routing::{DropPolicy, RoutingOps, RoutingPlan};

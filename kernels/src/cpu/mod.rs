@@ -14,8 +14,6 @@ mod routing;
 #[cfg(test)]
 pub(crate) mod test_util;
 
-pub(crate) use optim::check_adamw_cfg;
-
 use crate::backend::Device;
 use crate::error::{KernelError, Result};
 use crate::tensor::{DType, HostData, StorageInfo, Tensor};

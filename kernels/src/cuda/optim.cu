@@ -1,24 +1,67 @@
-// The fused AdamW step: one pass over parameter, gradient and both moments.
+// The fused AdamW step: one pass over parameter, gradient and both moments,
+// either in the parameter's dtype (`adamw_*`) or on an f32 master copy
+// (`adamw_master_*`). Both call `adamw_update`, the one statement of the
+// arithmetic, as the CPU's two paths share `update` in cpu/optim.rs.
 
 // Scalars (bias corrections, step sizes) arrive formed in f64 by the host,
 // as on the CPU, and are rounded once to the compute type.
+template <typename A> struct AdamwCoeffs {
+    A b1, b2, c1, c2, decay, step, inv_bc2, eps;
+};
+
+template <typename A>
+__device__ __forceinline__ AdamwCoeffs<A> adamw_coeffs(double b1, double b2, double c1, double c2, double decay,
+                                                       double step, double inv_bc2, double eps) {
+    AdamwCoeffs<A> k;
+    k.b1 = (A)b1; k.b2 = (A)b2; k.c1 = (A)c1; k.c2 = (A)c2;
+    k.decay = (A)decay; k.step = (A)step; k.inv_bc2 = (A)inv_bc2; k.eps = (A)eps;
+    return k;
+}
+
+// One element's update: the moments in place, returns the new weight.
+// Decoupled decay scales p by (1 − lr·wd) before the Adam step.
+template <typename A>
+__device__ __forceinline__ A adamw_update(const AdamwCoeffs<A>& k, A p, A g, A& m, A& v) {
+    m = k.b1 * m + k.c1 * g;
+    v = k.b2 * v + k.c2 * g * g;
+    return p * k.decay - k.step * m / (sqrt_(v * k.inv_bc2) + k.eps);
+}
+
+#define ADAMW_SCALARS double b1, double b2, double c1, double c2, double decay, double step, double inv_bc2, double eps
+#define ADAMW_COEFFS(A) adamw_coeffs<A>(b1, b2, c1, c2, decay, step, inv_bc2, eps)
+
+// Parameter, gradient and moments all of type T, computed in acc_t<T>.
 template <typename T>
-__device__ void adamw_impl(T* p, const T* g, T* m, T* v, i64 n, double b1, double b2, double c1, double c2,
-                           double decay, double step, double inv_bc2, double eps) {
+__device__ void adamw_impl(T* p, const T* g, T* m, T* v, i64 n, AdamwCoeffs<acc_t<T> > k) {
     typedef acc_t<T> A;
-    A B1 = (A)b1, B2 = (A)b2, C1 = (A)c1, C2 = (A)c2, D = (A)decay, S = (A)step, IB = (A)inv_bc2, E = (A)eps;
     GRID_LOOP(i, n) {
-        A gi = to_acc(g[i]);
-        A mi = B1 * to_acc(m[i]) + C1 * gi;
-        A vi = B2 * to_acc(v[i]) + C2 * gi * gi;
+        A mi = to_acc(m[i]), vi = to_acc(v[i]);
+        A pi = adamw_update<A>(k, to_acc(p[i]), to_acc(g[i]), mi, vi);
         m[i] = from_acc<T>(mi);
         v[i] = from_acc<T>(vi);
-        // Decoupled decay scales p by (1 − lr·wd) before the Adam step.
-        p[i] = from_acc<T>(to_acc(p[i]) * D - S * mi / (sqrt_(vi * IB) + E));
+        p[i] = from_acc<T>(pi);
     }
 }
 #define ADAMW(sfx, T) \
-    extern "C" __global__ void adamw_##sfx(T* p, const T* g, T* m, T* v, i64 n, double b1, double b2, double c1, double c2, \
-                                           double decay, double step, double inv_bc2, double eps) { \
-        adamw_impl<T>(p, g, m, v, n, b1, b2, c1, c2, decay, step, inv_bc2, eps); }
+    extern "C" __global__ void adamw_##sfx(T* p, const T* g, T* m, T* v, i64 n, ADAMW_SCALARS) { \
+        adamw_impl<T>(p, g, m, v, n, ADAMW_COEFFS(acc_t<T>)); }
 FOR_FLOATS(ADAMW)
+
+// Parameter and gradient of type T (bf16 or f32); master and moments f32,
+// updated in f32; the parameter becomes the master rounded to T.
+template <typename T>
+__device__ void adamw_master_impl(T* p, const T* g, float* w, float* m, float* v, i64 n, AdamwCoeffs<float> k) {
+    GRID_LOOP(i, n) {
+        float mi = m[i], vi = v[i];
+        float wi = adamw_update<float>(k, w[i], to_acc(g[i]), mi, vi);
+        m[i] = mi;
+        v[i] = vi;
+        w[i] = wi;
+        p[i] = from_acc<T>(wi);
+    }
+}
+#define ADAMW_MASTER(sfx, T) \
+    extern "C" __global__ void adamw_master_##sfx(T* p, const T* g, float* w, float* m, float* v, i64 n, ADAMW_SCALARS) { \
+        adamw_master_impl<T>(p, g, w, m, v, n, ADAMW_COEFFS(float)); }
+ADAMW_MASTER(f32, float)
+ADAMW_MASTER(bf16, bf16)

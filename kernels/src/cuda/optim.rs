@@ -1,12 +1,31 @@
 //! CUDA AdamW: one fused kernel (`optim.cu`) over parameter, gradient and
-//! moments, with the hyper-parameter checks of `cpu/optim.rs`.
+//! moments, in the parameter's dtype or on an f32 master copy, with the
+//! argument checks of `backend/optim.rs`.
 
 use super::compile::OPTIM;
 use super::{float_sfx, grid_for, launch, Cuda};
-use crate::backend::{AdamWConfig, OptimOps};
-use crate::cpu::check_adamw_cfg;
-use crate::error::{shape_err, KernelError, Result};
+use crate::backend::{check_adamw_args, check_adamw_master_args, AdamWConfig, OptimOps};
+use crate::error::Result;
 use crate::tensor::Tensor;
+
+/// The kernels' trailing scalars, formed in f64 (rounded once in the kernel):
+/// `(β1, β2, 1 − β1, 1 − β2, 1 − lr·wd, lr / bc1, 1 / bc2, eps)`.
+type Scalars = (f64, f64, f64, f64, f64, f64, f64, f64);
+
+fn scalars(cfg: &AdamWConfig) -> Scalars {
+    let bc1 = 1.0 - cfg.beta1.powf(cfg.step as f64);
+    let bc2 = 1.0 - cfg.beta2.powf(cfg.step as f64);
+    (
+        cfg.beta1,
+        cfg.beta2,
+        1.0 - cfg.beta1,
+        1.0 - cfg.beta2,
+        1.0 - cfg.lr * cfg.weight_decay,
+        cfg.lr / bc1,
+        1.0 / bc2,
+        cfg.eps,
+    )
+}
 
 impl OptimOps for Cuda {
     fn adamw_step(
@@ -18,28 +37,8 @@ impl OptimOps for Cuda {
         cfg: &AdamWConfig,
     ) -> Result<()> {
         const OP: &str = "adamw_step";
+        check_adamw_args(OP, param, grad, m, v, cfg)?;
         let sfx = float_sfx(OP, param.dtype())?;
-        check_adamw_cfg(OP, cfg)?;
-        for (name, t) in [("grad", grad.shape()), ("m", m.shape()), ("v", v.shape())] {
-            if t != param.shape() {
-                return Err(shape_err(
-                    OP,
-                    format!(
-                        "param has shape {:?} but {name} has shape {t:?}; they must be equal",
-                        param.shape()
-                    ),
-                ));
-            }
-        }
-        for t in [grad, &*m, &*v] {
-            if t.dtype() != param.dtype() {
-                return Err(KernelError::DTypeMismatch {
-                    op: OP,
-                    expected: param.dtype(),
-                    got: t.dtype(),
-                });
-            }
-        }
         self.make_unique(OP, param)?;
         self.make_unique(OP, m)?;
         self.make_unique(OP, v)?;
@@ -47,9 +46,7 @@ impl OptimOps for Cuda {
         if n == 0 {
             return Ok(());
         }
-        // Bias corrections and step sizes in f64, rounded once in the kernel.
-        let bc1 = 1.0 - cfg.beta1.powf(cfg.step as f64);
-        let bc2 = 1.0 - cfg.beta2.powf(cfg.step as f64);
+        let (b1, b2, c1, c2, decay, step, inv_bc2, eps) = scalars(cfg);
         let f = self.func(OPTIM, &format!("adamw_{sfx}"))?;
         launch!(
             self,
@@ -60,14 +57,57 @@ impl OptimOps for Cuda {
             m.storage().ptr(),
             v.storage().ptr(),
             n as i64,
-            cfg.beta1,
-            cfg.beta2,
-            1.0 - cfg.beta1,
-            1.0 - cfg.beta2,
-            1.0 - cfg.lr * cfg.weight_decay,
-            cfg.lr / bc1,
-            1.0 / bc2,
-            cfg.eps
+            b1,
+            b2,
+            c1,
+            c2,
+            decay,
+            step,
+            inv_bc2,
+            eps
+        )
+    }
+
+    fn adamw_step_master(
+        &self,
+        param: &mut Tensor<Self>,
+        grad: &Tensor<Self>,
+        master: &mut Tensor<Self>,
+        m: &mut Tensor<Self>,
+        v: &mut Tensor<Self>,
+        cfg: &AdamWConfig,
+    ) -> Result<()> {
+        const OP: &str = "adamw_step_master";
+        check_adamw_master_args(OP, param, grad, master, m, v, cfg)?;
+        let sfx = float_sfx(OP, param.dtype())?;
+        self.make_unique(OP, param)?;
+        self.make_unique(OP, master)?;
+        self.make_unique(OP, m)?;
+        self.make_unique(OP, v)?;
+        let n = param.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let (b1, b2, c1, c2, decay, step, inv_bc2, eps) = scalars(cfg);
+        let f = self.func(OPTIM, &format!("adamw_master_{sfx}"))?;
+        launch!(
+            self,
+            f,
+            grid_for(n),
+            param.storage().ptr(),
+            grad.storage().ptr(),
+            master.storage().ptr(),
+            m.storage().ptr(),
+            v.storage().ptr(),
+            n as i64,
+            b1,
+            b2,
+            c1,
+            c2,
+            decay,
+            step,
+            inv_bc2,
+            eps
         )
     }
 }
