@@ -7,20 +7,35 @@
 //! after `--warmup` untimed iterations. FLOPs follow Megatron-LM's
 //! throughput formula ([`ModelSpec::flops_per_token`]): the reported TFLOP/s
 //! are the model's useful work, not what the kernels happen to execute.
+//!
+//! Under `foldmoe launch` (`launch --nproc-per-node N -- bench model
+//! --layout ep=N`), each process is one rank of a parallel training step
+//! (the engine's [`ParallelTrainer`] on the communicator `train` uses), and
+//! the run scales weakly: every dp rank takes its own micro-batch of
+//! `--tokens` tokens, so the step's global batch is dp · `--tokens`.
+//! Every iteration ends with a device synchronisation and a barrier over all
+//! ranks, so rank 0's time of an iteration is that of the slowest rank
+//! (plus the barrier); rank 0 alone prints the report, with its median.
 
 use std::time::Instant;
 
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
+use foldmoe::core::engine::parallel::model::ParallelModel;
+use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::trainer::{TrainConfig, Trainer};
+use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{FfnSpec, ModelSpec, MoeSpec};
+use foldmoe::kernels::comm::rendezvous::DistEnv;
+use foldmoe::kernels::comm::timed::TimedComm;
 use foldmoe::kernels::cpu::Cpu;
 use foldmoe::kernels::cuda::Cuda;
-use foldmoe::kernels::{Backend, DType, HostData, Tensor};
+use foldmoe::kernels::{Backend, Communicator, DType, Group, HostData, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 
+use crate::dist::{self, ProcessComm};
 use crate::error::CliError;
 
 /// Dense bf16 tensor-core peak of an H100/H200 SXM (FLOP/s), the MFU
@@ -54,7 +69,8 @@ pub struct BenchOptions {
     /// Sequence length (default: the model's).
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Tokens per iteration (a multiple of the sequence length for `model`).
+    /// Tokens per iteration (a multiple of the sequence length for `model`);
+    /// under `foldmoe launch`, each dp rank's micro-batch (per GPU when tp = 1).
     #[arg(long, default_value_t = 16384)]
     pub tokens: usize,
     /// Element type of parameters and activations: `bf16` or `f32`
@@ -67,6 +83,10 @@ pub struct BenchOptions {
     /// Timed iterations.
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
+    /// Parallel layout over the processes of `foldmoe launch` (`model`
+    /// only), e.g. `ep=2`; default dp over all of them.
+    #[arg(long)]
+    pub layout: Option<String>,
 }
 
 /// What the benchmark needs from a backend beyond [`Backend`]: waiting for
@@ -124,18 +144,26 @@ impl BenchDevice for Cuda {
     }
 }
 
-/// Runs the benchmark `o` on the device it names and returns the report.
-pub fn run(o: &BenchOptions) -> Result<Value, CliError> {
+/// Runs the benchmark `o` on the device it names and returns the report,
+/// or `None` on a rank other than 0 of a multi-process run (see the module
+/// docs), which reports nothing.
+pub fn run(o: &BenchOptions) -> Result<Option<Value>, CliError> {
+    let dist = DistEnv::from_env()?;
+    let gpu = dist.as_ref().map_or(0, |env| env.local_rank);
     match o.device.as_str() {
-        "cpu" => run_on(&Cpu, o),
-        "cuda" => run_on(&Cuda::new(0)?, o),
+        "cpu" => run_on(&Cpu, o, dist.as_ref()),
+        "cuda" => run_on(&Cuda::new(gpu)?, o, dist.as_ref()),
         other => Err(CliError::usage(format!(
             "--device {other}: unknown device; use cpu or cuda"
         ))),
     }
 }
 
-fn run_on<B: BenchDevice>(b: &B, o: &BenchOptions) -> Result<Value, CliError> {
+fn run_on<B: BenchDevice + ProcessComm>(
+    b: &B,
+    o: &BenchOptions,
+    dist: Option<&DistEnv>,
+) -> Result<Option<Value>, CliError> {
     let (backend, device) = b.label();
     let dtype_name = o
         .dtype
@@ -153,15 +181,31 @@ fn run_on<B: BenchDevice>(b: &B, o: &BenchOptions) -> Result<Value, CliError> {
         return Err(CliError::usage("--tokens 0: give at least one token"));
     }
     let spec = bench_spec(o)?;
-    let mut report = match o.kind {
-        BenchKind::MoeLayer => moe_layer(b, o, &spec, dtype)?,
-        BenchKind::Model => model_step(b, o, &spec, dtype)?,
+    let report = match (o.kind, dist) {
+        (BenchKind::MoeLayer, None) if o.layout.is_none() => Some(moe_layer(b, o, &spec, dtype)?),
+        (BenchKind::MoeLayer, _) => {
+            return Err(CliError::usage(
+                "bench moe-layer times one device: run it without foldmoe launch and --layout",
+            ))
+        }
+        (BenchKind::Model, None) => match &o.layout {
+            None => Some(model_step(b, o, &spec, dtype)?),
+            Some(text) => {
+                return Err(CliError::usage(format!(
+                    "--layout {text}: a layout spans the processes of foldmoe launch; run \
+                     `foldmoe launch --nproc-per-node N -- bench model --layout {text} ...`"
+                )))
+            }
+        },
+        (BenchKind::Model, Some(env)) => model_step_ranks(b, o, &spec, dtype, env)?,
     };
-    report["backend"] = json!(backend);
-    report["device"] = json!(device);
-    report["dtype"] = json!(dtype_name);
-    report["model"] = json!(o.model);
-    Ok(report)
+    Ok(report.map(|mut report| {
+        report["backend"] = json!(backend);
+        report["device"] = json!(device);
+        report["dtype"] = json!(dtype_name);
+        report["model"] = json!(o.model);
+        report
+    }))
 }
 
 /// The named model cut to `--layers` blocks, at `--seq-len`.
@@ -193,21 +237,22 @@ fn bench_spec(o: &BenchOptions) -> Result<ModelSpec, CliError> {
 }
 
 /// Per-iteration times in seconds: `warmup` untimed runs of `step`, then
-/// `iters` timed ones, each between two device synchronisations.
-fn time_iters<B: BenchDevice>(
-    b: &B,
+/// `iters` timed ones, each ending with `settle` (a device synchronisation,
+/// and a barrier in a multi-process run), which also runs before the first.
+fn time_iters(
     o: &BenchOptions,
     step: &mut dyn FnMut() -> Result<(), CliError>,
+    settle: &dyn Fn() -> Result<(), CliError>,
 ) -> Result<Vec<f64>, CliError> {
     for _ in 0..o.warmup {
         step()?;
     }
-    b.finish()?;
+    settle()?;
     let mut times = Vec::with_capacity(o.iters);
     for _ in 0..o.iters {
         let t0 = Instant::now();
         step()?;
-        b.finish()?;
+        settle()?;
         times.push(t0.elapsed().as_secs_f64());
     }
     Ok(times)
@@ -288,7 +333,7 @@ fn moe_layer<B: BenchDevice>(
     step()?;
     let waits = b.host_waits().zip(waits_before).map(|(a, z)| a - z);
     b.reset_peak();
-    let times = time_iters(b, o, &mut step)?;
+    let times = time_iters(o, &mut step, &|| b.finish())?;
     let (median, min) = median_min(&times);
     let flops = moe_flops_per_token(d, &moe) * t as f64;
     Ok(json!({
@@ -307,12 +352,8 @@ fn moe_layer<B: BenchDevice>(
     }))
 }
 
-fn model_step<B: BenchDevice>(
-    b: &B,
-    o: &BenchOptions,
-    spec: &ModelSpec,
-    dtype: DType,
-) -> Result<Value, CliError> {
+/// The model cut for `model`, checked, and its sequences per micro-batch.
+fn checked_model(o: &BenchOptions, spec: &ModelSpec) -> Result<usize, CliError> {
     spec.check().map_err(|errs| {
         CliError::usage(format!(
             "{} cut to {} layers: {}",
@@ -330,19 +371,33 @@ fn model_step<B: BenchDevice>(
             "--tokens {t}: not a multiple of the sequence length {s} (set --seq-len)"
         )));
     }
-    let seqs = t / s;
+    Ok(t / s)
+}
+
+/// `(inputs, targets)` of `n` random tokens each, the same on every rank
+/// for the same `n`: a multi-process run draws the global batch and each
+/// dp rank takes its part, so it steps on the batch one device would.
+fn random_tokens(n: usize, vocab: usize) -> (Vec<i32>, Vec<i32>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let mut tokens = || -> Vec<i32> { (0..n).map(|_| rng.gen_range(0..vocab as i32)).collect() };
+    (tokens(), tokens())
+}
+
+fn model_step<B: BenchDevice>(
+    b: &B,
+    o: &BenchOptions,
+    spec: &ModelSpec,
+    dtype: DType,
+) -> Result<Value, CliError> {
+    let seqs = checked_model(o, spec)?;
+    let (t, s) = (o.tokens, spec.seq_len);
     let model = Model::new(b, spec, 1, dtype)?;
     let (params, active) = spec.param_counts();
     let mut trainer = Trainer::new(b, model, TrainConfig::default())?;
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
-    let mut tokens = || -> Vec<i32> {
-        (0..t)
-            .map(|_| rng.gen_range(0..spec.vocab as i32))
-            .collect()
-    };
+    let (x, y) = random_tokens(t, spec.vocab);
     let batch = [(
-        b.upload(HostData::I32(tokens()), &[seqs, s])?,
-        b.upload(HostData::I32(tokens()), &[seqs, s])?,
+        b.upload(HostData::I32(x), &[seqs, s])?,
+        b.upload(HostData::I32(y), &[seqs, s])?,
     )];
     let mut last_loss = f64::NAN;
     b.reset_peak();
@@ -350,7 +405,7 @@ fn model_step<B: BenchDevice>(
         last_loss = trainer.step(b, &batch)?.loss;
         Ok(())
     };
-    let times = time_iters(b, o, &mut step)?;
+    let times = time_iters(o, &mut step, &|| b.finish())?;
     let (median, min) = median_min(&times);
     let flops = spec.flops_per_token() as f64 * t as f64;
     let tflops = flops / median / 1e12;
@@ -370,4 +425,105 @@ fn model_step<B: BenchDevice>(
         "last_loss": last_loss,
         "iters": o.iters,
     }))
+}
+
+/// `model` as rank `env.rank` of a multi-process run under `--layout`
+/// (default dp over all ranks); the report on rank 0 only.
+fn model_step_ranks<B: BenchDevice + ProcessComm>(
+    b: &B,
+    o: &BenchOptions,
+    spec: &ModelSpec,
+    dtype: DType,
+    env: &DistEnv,
+) -> Result<Option<Value>, CliError> {
+    checked_model(o, spec)?;
+    // Everything that can be refused is checked before connecting, so a bad
+    // flag stops every rank at once instead of leaving peers waiting.
+    let text = o.layout.as_deref().unwrap_or("");
+    let layout = dist::resolve_layout(Some(text), env.world, spec)?
+        .expect("a layout text always resolves to a layout");
+    let rank = RankLayout::new(&layout, env.rank)?;
+    let comm = dist::connect(b, env, crate::launch::comm_timeout()?, Some(&layout))?;
+    let outcome = rank_step(b, o, spec, dtype, comm.as_ref(), &layout, rank);
+    // A failed rank ends its communicator, so its peers stop too.
+    if let Err(e) = &outcome {
+        comm.abort(&e.to_string());
+    }
+    outcome
+}
+
+/// One rank's share of [`model_step_ranks`], on `comm`.
+fn rank_step<B: BenchDevice>(
+    b: &B,
+    o: &BenchOptions,
+    spec: &ModelSpec,
+    dtype: DType,
+    comm: &dyn Communicator<B>,
+    layout: &Layout,
+    rank: RankLayout,
+) -> Result<Option<Value>, CliError> {
+    let (t, s) = (o.tokens, spec.seq_len);
+    let world = Group::new((0..layout.world).collect());
+    let timed = TimedComm::new(comm);
+    // A fresh trainer's moments are zero, so the shards start from
+    // `ParallelTrainer::new` rather than from a full trainer's state.
+    let model = ParallelModel::from_model(b, Model::new(b, spec, 1, dtype)?, rank.clone())?;
+    let mut trainer = ParallelTrainer::new(b, model, TrainConfig::default())?;
+    let ctx = Ctx {
+        b,
+        comm: &timed,
+        rank: &rank,
+    };
+    let (dp, dp_i) = (rank.dp.size(), rank.dp_index);
+    let (x, y) = random_tokens(dp * t, spec.vocab);
+    let mine = [(
+        x[dp_i * t..(dp_i + 1) * t].to_vec(),
+        y[dp_i * t..(dp_i + 1) * t].to_vec(),
+    )];
+    let mut last_loss = f64::NAN;
+    // Seconds in collectives of every step (warmup included).
+    let mut comm_seconds = Vec::with_capacity(o.warmup + o.iters);
+    b.reset_peak();
+    let mut step = || -> Result<(), CliError> {
+        let before = timed.elapsed();
+        last_loss = trainer.step(&ctx, &mine, s)?.loss;
+        comm_seconds.push((timed.elapsed() - before).as_secs_f64());
+        Ok(())
+    };
+    // The barrier goes around `timed`: waiting there is not the step's.
+    let settle = || -> Result<(), CliError> {
+        b.finish()?;
+        Ok(comm.barrier(&world)?)
+    };
+    let times = time_iters(o, &mut step, &settle)?;
+    if rank.rank != 0 {
+        return Ok(None);
+    }
+    let (median, min) = median_min(&times);
+    let (params, active) = spec.param_counts();
+    let global_tokens = dp * t;
+    let flops = spec.flops_per_token() as f64 * global_tokens as f64;
+    let tflops = flops / layout.world as f64 / median / 1e12;
+    let timed_comm: f64 = comm_seconds[comm_seconds.len() - o.iters..].iter().sum();
+    Ok(Some(json!({
+        "bench": "model",
+        "dims": {
+            "layers": spec.layers(), "hidden": spec.hidden, "vocab": spec.vocab,
+            "seq_len": s, "tokens": t, "params": params, "active_params": active,
+        },
+        "world": layout.world,
+        "layout": layout.spec().to_string(),
+        "tokens_per_step": global_tokens,
+        "tokens_per_gpu": global_tokens as f64 / layout.world as f64,
+        "flops_per_step": flops,
+        "time_ms": median * 1e3,
+        "time_ms_min": min * 1e3,
+        "tokens_per_s": global_tokens as f64 / median,
+        "tflops": tflops,
+        "mfu": b.peak_flops().map(|p| tflops * 1e12 / p),
+        "comm_share": timed_comm / times.iter().sum::<f64>(),
+        "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
+        "last_loss": last_loss,
+        "iters": o.iters,
+    })))
 }

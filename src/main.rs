@@ -1,6 +1,7 @@
 //! The `foldmoe` command: `train` (the default), `launch`, `generate`, `plan`.
 
 mod bench;
+mod dist;
 mod error;
 mod generate;
 mod launch;
@@ -12,15 +13,11 @@ mod train;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use foldmoe::kernels::comm::rendezvous::{DistEnv, Rendezvous};
-use foldmoe::kernels::comm::tcp::TcpComm;
+use foldmoe::kernels::comm::rendezvous::DistEnv;
 use foldmoe::kernels::cpu::Cpu;
-use foldmoe::kernels::cuda::nccl::{NcclComm, UNIQUE_ID_BYTES};
 use foldmoe::kernels::cuda::Cuda;
-use foldmoe::kernels::{Communicator, Group};
 
 use crate::error::CliError;
 use crate::settings::TrainOptions;
@@ -97,34 +94,6 @@ fn check_device(name: &str, ordinal: usize) -> Result<(), CliError> {
     Ok(())
 }
 
-/// The NCCL communicator of one process of a multi-process CUDA run (rank
-/// `env.rank` of `env.world`, on GPU `env.local_rank`): rank 0 makes the
-/// NCCL unique id and the rendezvous on MASTER_ADDR:MASTER_PORT hands it to
-/// every rank; then each of `groups` gets its communicator.
-fn cuda_process_comm(
-    cuda: &Cuda,
-    env: &DistEnv,
-    timeout: Duration,
-    groups: &[Group],
-) -> Result<Box<dyn Communicator<Cuda>>, CliError> {
-    let rendezvous = Rendezvous::connect(env, timeout)?;
-    let id = match env.rank {
-        0 => Some(NcclComm::unique_id()?),
-        _ => None,
-    };
-    let blob = rendezvous.broadcast_blob(id.as_ref().map(|id| &id[..]))?;
-    let id: [u8; UNIQUE_ID_BYTES] = blob.try_into().map_err(|b: Vec<u8>| {
-        CliError::usage(format!(
-            "rank {}: the NCCL id from rank 0 has {} bytes, not {UNIQUE_ID_BYTES}",
-            env.rank,
-            b.len()
-        ))
-    })?;
-    Ok(Box::new(NcclComm::new(
-        cuda, env.rank, env.world, &id, groups,
-    )?))
-}
-
 fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command.unwrap_or_default() {
         Command::Train(opts) => {
@@ -148,14 +117,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 Some(env) => {
                     let timeout = launch::comm_timeout()?;
                     if cuda {
-                        let device = Cuda::new(gpu)?;
-                        train::run_process(&device, *opts, stop, &env, |d, groups| {
-                            cuda_process_comm(d, &env, timeout, groups)
-                        })
+                        train::run_process(&Cuda::new(gpu)?, *opts, stop, &env, timeout)
                     } else {
-                        train::run_process(&Cpu, *opts, stop, &env, |_, _| {
-                            Ok(Box::new(TcpComm::connect(&env, timeout)?))
-                        })
+                        train::run_process(&Cpu, *opts, stop, &env, timeout)
                     }
                 }
             }
@@ -180,7 +144,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Bench(o) => {
-            println!("{}", bench::run(&o)?);
+            if let Some(report) = bench::run(&o)? {
+                println!("{report}");
+            }
             Ok(())
         }
         Command::Generate {

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::checkpoint::{self, NamedTensor};
@@ -15,7 +15,7 @@ use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig, Trainer};
 use foldmoe::core::engine::EngineError;
-use foldmoe::core::layout::{self, Layout, LayoutSpec};
+use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec};
 use foldmoe::kernels::comm::local::run_local;
 use foldmoe::kernels::comm::rendezvous::DistEnv;
@@ -26,6 +26,7 @@ use foldmoe::kernels::{
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
+use crate::dist::ProcessComm;
 use crate::error::CliError;
 use crate::settings::{TrainOptions, TrainSettings};
 
@@ -312,30 +313,9 @@ struct Prepared {
 }
 
 /// The layout of `settings` over its ranks (dp over all ranks by default),
-/// checked against `spec` with the same messages as the macro.
+/// checked against `spec`.
 fn resolve_layout(settings: &TrainSettings, spec: &ModelSpec) -> Result<Option<Layout>, CliError> {
-    let text = match (&settings.layout, settings.ranks) {
-        (None, 1) => return Ok(None),
-        (Some(t), _) => t.clone(),
-        (None, _) => String::new(),
-    };
-    let mut layout_spec =
-        LayoutSpec::parse(&text).map_err(|e| CliError::usage(format!("--layout {text}: {e}")))?;
-    if text.split(',').any(|kv| kv.trim().starts_with("world")) {
-        if layout_spec.world != settings.ranks {
-            return Err(CliError::usage(format!(
-                "--layout {text}: world = {} but --ranks {}; they must agree (or leave world out)",
-                layout_spec.world, settings.ranks
-            )));
-        }
-    } else {
-        layout_spec.world = settings.ranks;
-    }
-    let layout = layout::check(&layout_spec, spec).map_err(|errors| {
-        let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
-        CliError::usage(format!("--layout {text}: {}", msgs.join("; ")))
-    })?;
-    Ok(Some(layout))
+    crate::dist::resolve_layout(settings.layout.as_deref(), settings.ranks, spec)
 }
 
 /// A one-rank trainer: fresh from the seed, or restored from `tensors`.
@@ -524,16 +504,15 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
 /// `--layout` spans the processes, `--ranks` may only repeat their number,
 /// and rank 0 alone writes the run directory.
 ///
-/// `connect` makes this process's communicator from the groups this rank
-/// will use (kind by kind, the same order on every rank); it is called after
-/// the options are checked (so bad flags fail at once on every rank, without
-/// waiting for the others).
-pub fn run_process<B: Backend>(
+/// The communicator ([`crate::dist::connect`], waiting up to `timeout` for a peer)
+/// is made after the options are checked, so bad flags fail at once on
+/// every rank, without waiting for the others.
+pub fn run_process<B: ProcessComm>(
     b: &B,
     mut opts: TrainOptions,
     stop: Arc<AtomicBool>,
     env: &DistEnv,
-    connect: impl FnOnce(&B, &[Group]) -> Result<Box<dyn Communicator<B>>, CliError>,
+    timeout: Duration,
 ) -> Result<(), CliError> {
     match opts.ranks {
         Some(r) if r != env.world => {
@@ -546,12 +525,8 @@ pub fn run_process<B: Backend>(
         _ => opts.ranks = Some(env.world),
     }
     let prep = prepare(opts, B::NAME)?;
+    let comm = crate::dist::connect(b, env, timeout, prep.layout.as_ref())?;
     let world = Group::new((0..env.world).collect());
-    let groups = match &prep.layout {
-        Some(layout) => RankLayout::new(layout, env.rank)?.groups(),
-        None => vec![world.clone()],
-    };
-    let comm = connect(b, &groups)?;
     // Rank 0 alone prepares the run directory; if it cannot, it aborts, so
     // the others stop at the barrier with its reason instead of waiting.
     if env.rank == 0 {

@@ -1,16 +1,26 @@
 //! `foldmoe bench` end to end on the CPU: the JSON report's fields and FLOP
-//! counts, and one-line errors for bad flags. (The GPU figures live in
-//! BENCHMARKS.md; no timing is asserted here.)
+//! counts, the multi-process step under `foldmoe launch`, and one-line
+//! errors for bad flags. (The GPU figures live in BENCHMARKS.md; no timing
+//! is asserted here.)
 
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
 fn foldmoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_foldmoe"))
-        .args(args)
-        .output()
-        .expect("the foldmoe binary runs")
+    let mut c = Command::new(env!("CARGO_BIN_EXE_foldmoe"));
+    // A test run must not inherit the variables of a launcher around it.
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "FOLDMOE_COMM_TIMEOUT",
+    ] {
+        c.env_remove(var);
+    }
+    c.args(args).output().expect("the foldmoe binary runs")
 }
 
 fn report(args: &[&str]) -> Value {
@@ -21,7 +31,51 @@ fn report(args: &[&str]) -> Value {
         String::from_utf8_lossy(&o.stderr)
     );
     let out = String::from_utf8(o.stdout).unwrap();
+    // One report, whatever the number of processes (rank 0's).
+    assert_eq!(out.trim().lines().count(), 1, "{out}");
     serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// `bench model` of the tiny model cut to 2 blocks, sequences of 64.
+fn tiny(tokens: &str, warmup: &str, iters: &str, extra: &[&'static str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "bench",
+        "model",
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--layers",
+        "2",
+        "--seq-len",
+        "64",
+        "--tokens",
+        tokens,
+        "--warmup",
+        warmup,
+        "--iters",
+        iters,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// `foldmoe launch` of `nproc` processes running `command`.
+fn launched(nproc: usize, command: &[String]) -> Vec<String> {
+    let mut args: Vec<String> = ["launch", "--nproc-per-node", &nproc.to_string()]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--timeout".into(), "60".into(), "--".into()])
+        .collect();
+    args.extend_from_slice(command);
+    args
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
 }
 
 const SMALL: &[&str] = &[
@@ -96,4 +150,93 @@ fn bad_flags_are_one_line_errors() {
         assert!(err.contains(expect), "{extra:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
+}
+
+#[test]
+fn processes_time_one_parallel_step_and_rank_0_reports_it() {
+    let args = launched(2, &tiny("256", "1", "2", &["--layout", "ep=2"]));
+    let r = report(&strs(&args));
+    assert_eq!(r["bench"], "model");
+    assert_eq!(r["world"], 2);
+    assert_eq!(r["layout"], "world=2,dp=2,ep=2,edp=1");
+    // Weak scaling: 256 tokens on each of the 2 dp ranks.
+    assert_eq!(r["dims"]["tokens"], 256);
+    assert_eq!(r["tokens_per_gpu"].as_f64().unwrap(), 256.0);
+    assert_eq!(r["tokens_per_step"], 512);
+    let ms = r["time_ms"].as_f64().unwrap();
+    assert!(ms > 0.0 && ms >= r["time_ms_min"].as_f64().unwrap());
+    let tps = r["tokens_per_s"].as_f64().unwrap();
+    assert!((tps - 512.0 / (ms / 1e3)).abs() < 1e-6 * tps);
+    // TFLOP/s per GPU: the step's FLOPs shared by the 2 ranks.
+    let (flops, tflops) = (
+        r["flops_per_step"].as_f64().unwrap(),
+        r["tflops"].as_f64().unwrap(),
+    );
+    assert!((tflops - flops / 2.0 / ms / 1e9).abs() <= 1e-9 * tflops.max(1.0));
+    let share = r["comm_share"].as_f64().unwrap();
+    assert!(share > 0.0 && share < 1.0, "{share}");
+    assert!(r["last_loss"].as_f64().unwrap().is_finite());
+    assert!(r["mfu"].is_null());
+}
+
+#[test]
+fn a_data_parallel_step_is_one_device_step_on_the_global_batch() {
+    // One step each (no warmup): the loss reported is the first step's,
+    // from the same initial weights on the same 512 tokens.
+    let one = report(&strs(&tiny("512", "0", "1", &[])));
+    // Under launch the layout defaults to dp over the processes.
+    let two = report(&strs(&launched(2, &tiny("256", "0", "1", &[]))));
+    assert_eq!(two["layout"], "world=2,dp=2,edp=2");
+    assert_eq!(two["flops_per_step"], one["flops_per_step"]);
+    let (a, b) = (
+        one["last_loss"].as_f64().unwrap(),
+        two["last_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (a - b).abs() <= 1e-6 * a.abs(),
+        "one device {a}, two ranks {b}"
+    );
+}
+
+#[test]
+fn layouts_are_refused_in_one_line_before_ranks_wait() {
+    // Without launch a layout has no processes to span.
+    let o = foldmoe(&strs(&tiny("256", "0", "1", &["--layout", "ep=2"])));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("--layout ep=2") && err.contains("foldmoe launch"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // A bad layout, and moe-layer, fail on every rank at once; launch then
+    // names the first rank that failed.
+    let start = std::time::Instant::now();
+    let moe_layer: Vec<String> = ["bench", "moe-layer"]
+        .iter()
+        .chain(SMALL)
+        .map(|s| s.to_string())
+        .collect();
+    for (command, expect) in [
+        (
+            tiny("256", "0", "1", &["--layout", "tp=3"]),
+            "--layout tp=3",
+        ),
+        (tiny("256", "0", "1", &["--layout", "pp=2"]), "pp = 2"),
+        (moe_layer, "moe-layer times one device"),
+    ] {
+        let o = foldmoe(&strs(&launched(2, &command)));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{command:?} succeeded");
+        assert!(o.stdout.is_empty(), "{command:?} reported");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert!(lines.iter().any(|l| l.contains(expect)), "{err}");
+        assert!(
+            lines.iter().any(|l| l.starts_with("error: launch: rank")),
+            "{err}"
+        );
+        // Each rank's error and launch's own: one line each.
+        assert_eq!(lines.len(), err.trim().lines().count(), "{err}");
+    }
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
 }
