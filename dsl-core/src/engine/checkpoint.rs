@@ -19,6 +19,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::block::Ffn;
+use super::optim::MASTER_SUFFIX;
 use super::parallel::model::ParallelFfn;
 use super::parallel::trainer::Gather;
 use super::parallel::{Ctx, ParallelTrainer};
@@ -269,10 +270,15 @@ pub fn parallel_trainer_tensors<B: Backend>(
             data: host(vals),
         });
     }
-    for (what, suffix) in [
+    let mut state = vec![
         (Gather::ExpAvg, "exp_avg"),
         (Gather::ExpAvgSq, "exp_avg_sq"),
-    ] {
+    ];
+    if trainer.has_masters() {
+        state.push((Gather::Master, MASTER_SUFFIX));
+    }
+    // f32 holds bf16 parameters, and their f32 moments and masters, exactly.
+    for (what, suffix) in state {
         for (name, shape, vals) in trainer.gather_full(ctx, what)? {
             out.push(NamedTensor {
                 name: format!("{OPT_PREFIX}{name}.{suffix}"),
@@ -295,8 +301,61 @@ pub fn parallel_trainer_tensors<B: Backend>(
     Ok(out)
 }
 
+/// Makes the f32 master copies of a checkpoint fit the trainer's optimizer:
+/// - a master the trainer keeps but the checkpoint lacks (written before
+///   master copies, or by a run without them) starts as the checkpointed
+///   parameter, as a fresh optimizer's would;
+/// - a master the checkpoint has but the trainer keeps none of (a bf16 run
+///   resumed in f32) becomes the parameter's value: it is the exact weight,
+///   the stored parameter only its rounding.
+fn reconcile_masters<B: Backend>(
+    trainer: &Trainer<B>,
+    by_name: &mut std::collections::HashMap<String, NamedTensor>,
+) {
+    let suffix = format!(".{MASTER_SUFFIX}");
+    let mut kept = std::collections::HashSet::new();
+    trainer.opt.visit_state(&mut |name, _| {
+        if let Some(param) = name.strip_suffix(&suffix) {
+            kept.insert(param.to_string());
+        }
+    });
+    let mut params = Vec::new();
+    trainer
+        .model
+        .visit_params(&mut |p| params.push(p.name.clone()));
+    for param in params {
+        let (pkey, mkey) = (
+            format!("{PARAM_PREFIX}{param}"),
+            format!("{OPT_PREFIX}{param}{suffix}"),
+        );
+        if kept.contains(&param) {
+            if !by_name.contains_key(&mkey) {
+                if let Some(p) = by_name.get(&pkey) {
+                    let copy = NamedTensor {
+                        name: mkey.clone(),
+                        ..p.clone()
+                    };
+                    by_name.insert(mkey, copy);
+                }
+            }
+        } else if let Some(master) = by_name.remove(&mkey) {
+            if by_name.contains_key(&pkey) {
+                by_name.insert(
+                    pkey.clone(),
+                    NamedTensor {
+                        name: pkey,
+                        ..master
+                    },
+                );
+            }
+        }
+    }
+}
+
 /// Loads tensors written by [`trainer_tensors`] into `trainer`; every tensor
-/// the trainer has must be present with the same shape, and none may be left over.
+/// the trainer has must be present with the same shape, and none may be left
+/// over, except f32 master copies, which [`reconcile_masters`] fits to the
+/// trainer's optimizer (so checkpoints from before master copies load).
 pub fn restore_trainer<B: Backend>(
     b: &B,
     trainer: &mut Trainer<B>,
@@ -304,6 +363,7 @@ pub fn restore_trainer<B: Backend>(
 ) -> Result<()> {
     let mut by_name: std::collections::HashMap<String, NamedTensor> =
         tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
+    reconcile_masters(trainer, &mut by_name);
     let mut take = |name: String, into: &mut Tensor<B>| -> Result<()> {
         let t = by_name
             .remove(&name)
@@ -443,5 +503,106 @@ mod tests {
         fs::rename(&dir, sibling(&dir, ".old")).unwrap();
         let (_, meta): (_, u32) = load(&dir).unwrap();
         assert_eq!(meta, 9);
+    }
+
+    /// A one-rank trainer with f32 master copies (forced on f32 parameters:
+    /// the CPU stores no bf16) after three updates.
+    fn trained_with_masters(seed: u64) -> Trainer<foldmoe_kernels::cpu::Cpu> {
+        use super::super::optim::MasterWeights;
+        use super::super::trainer::TrainConfig;
+        use crate::engine::model::Model;
+        use crate::engine::testutil::{small_spec, uniform};
+        use crate::spec::FfnSpec;
+        use foldmoe_kernels::cpu::Cpu;
+        use foldmoe_kernels::Device;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let cfg = TrainConfig {
+            master_weights: MasterWeights::Bf16AndF32,
+            ..TrainConfig::default()
+        };
+        let model = Model::new(&Cpu, &spec, seed, DType::F32).unwrap();
+        let mut trainer = Trainer::new(&Cpu, model, cfg).unwrap();
+        for step in 0..3 {
+            let mut s = step * 100;
+            trainer.model.visit_params_mut(&mut |p| {
+                s += 1;
+                let g = uniform(s, p.grad.numel(), 1.0)
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect();
+                p.grad = Cpu.upload(HostData::F32(g), p.grad.shape()).unwrap();
+            });
+            trainer.opt.step(&Cpu, &mut trainer.model, 1e-2).unwrap();
+        }
+        trainer
+    }
+
+    fn sorted(mut t: Vec<NamedTensor>) -> Vec<NamedTensor> {
+        t.sort_by(|a, b| a.name.cmp(&b.name));
+        t
+    }
+
+    #[test]
+    fn master_copies_are_saved_and_restored() {
+        use foldmoe_kernels::cpu::Cpu;
+        let saved = trainer_tensors(&Cpu, &trained_with_masters(3)).unwrap();
+        assert!(saved
+            .iter()
+            .any(|t| t.name == "optim.embed.weight.fp32_param"));
+        let mut fresh = trained_with_masters(4);
+        restore_trainer(&Cpu, &mut fresh, saved.clone()).unwrap();
+        assert_eq!(
+            sorted(trainer_tensors(&Cpu, &fresh).unwrap()),
+            sorted(saved)
+        );
+    }
+
+    /// A checkpoint without master copies (written before them) loads: each
+    /// master starts as its parameter. One with masters loads into a trainer
+    /// that keeps none: the masters become the parameters.
+    #[test]
+    fn checkpoints_without_masters_load_and_masters_load_without_them() {
+        use foldmoe_kernels::cpu::Cpu;
+        let saved = trainer_tensors(&Cpu, &trained_with_masters(3)).unwrap();
+        let old: Vec<NamedTensor> = saved
+            .iter()
+            .filter(|t| !t.name.ends_with(".fp32_param"))
+            .cloned()
+            .collect();
+        assert!(old.len() < saved.len());
+        let mut fresh = trained_with_masters(4);
+        restore_trainer(&Cpu, &mut fresh, old).unwrap();
+        assert_eq!(
+            sorted(trainer_tensors(&Cpu, &fresh).unwrap()),
+            sorted(saved.clone())
+        );
+
+        let mut shifted = saved;
+        for t in &mut shifted {
+            if t.name == "optim.embed.weight.fp32_param" {
+                t.data = HostData::F32(t.data.to_f32().iter().map(|x| x + 0.5).collect());
+            }
+        }
+        let want = shifted
+            .iter()
+            .find(|t| t.name == "optim.embed.weight.fp32_param")
+            .unwrap()
+            .data
+            .clone();
+        let cfg = super::super::trainer::TrainConfig::default();
+        let model = crate::engine::model::Model::new(
+            &Cpu,
+            &crate::engine::testutil::small_spec(&[crate::spec::FfnSpec::Dense { ffn: 6 }], false),
+            4,
+            DType::F32,
+        )
+        .unwrap();
+        let mut plain = Trainer::new(&Cpu, model, cfg).unwrap();
+        assert!(!plain.opt.has_masters());
+        restore_trainer(&Cpu, &mut plain, shifted).unwrap();
+        let got = trainer_tensors(&Cpu, &plain).unwrap();
+        assert!(got.iter().all(|t| !t.name.ends_with(".fp32_param")));
+        let embed = got.iter().find(|t| t.name == "param.embed.weight").unwrap();
+        assert_eq!(embed.data, want);
     }
 }

@@ -3,8 +3,14 @@
 //! rank: moments per parameter in visit order, no decay on 1-d parameters (norm
 //! scales, biases), gradients scaled by `max_norm / (norm + 1e-6)` when the
 //! norm exceeds `max_norm`.
+//!
+//! Mixed precision follows Megatron-Core's fp32 main params: a bf16 parameter
+//! gets an f32 master copy and f32 moments; each step updates those in f32
+//! and writes the parameter as the rounded master, so updates smaller than
+//! bf16's resolution accumulate instead of rounding away. f32 and f64
+//! parameters are their own master.
 
-use foldmoe_kernels::{AdamWConfig, Backend, Device, Tensor};
+use foldmoe_kernels::{AdamWConfig, Backend, DType, Device, Tensor};
 
 use super::param::{Module, Param};
 use super::{EngineError, Result};
@@ -23,29 +29,81 @@ pub struct AdamWParams {
     pub weight_decay: f64,
 }
 
-/// AdamW state: the moments of every parameter, in the model's visit order,
-/// and the number of updates applied.
+/// Which parameters the optimizer keeps an f32 master copy of (with f32
+/// moments), fixed when the optimizer state is created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MasterWeights {
+    /// bf16 parameters (Megatron-Core's mixed precision); f32 and f64
+    /// parameters are updated in their own dtype.
+    #[default]
+    Bf16,
+    /// bf16 and f32 parameters. On f32 the master equals the parameter after
+    /// every step, bit for bit, so this only changes the path the update
+    /// takes: it is how the CPU, which stores no bf16, tests that path.
+    Bf16AndF32,
+}
+
+impl MasterWeights {
+    /// Whether a parameter of `dtype` gets a master copy.
+    pub fn applies_to(self, dtype: DType) -> bool {
+        match self {
+            MasterWeights::Bf16 => dtype == DType::BF16,
+            MasterWeights::Bf16AndF32 => matches!(dtype, DType::BF16 | DType::F32),
+        }
+    }
+}
+
+/// Suffix of a master copy's name in [`AdamW::visit_state`] (Megatron-Core's
+/// distributed-optimizer key for the fp32 main param).
+pub const MASTER_SUFFIX: &str = "fp32_param";
+
+/// AdamW state: the moments (and, for parameters with one, the f32 master
+/// copy) of every parameter, in the model's visit order, and the number of
+/// updates applied.
 pub struct AdamW<B: Device> {
     /// Fixed hyper-parameters.
     pub hyper: AdamWParams,
     names: Vec<String>,
     m: Vec<Tensor<B>>,
     v: Vec<Tensor<B>>,
+    master: Vec<Option<Tensor<B>>>,
     step: u64,
 }
 
 impl<B: Backend> AdamW<B> {
-    /// Zero moments for every parameter of `model`.
+    /// Zero moments for every parameter of `model`, and master copies of its
+    /// bf16 parameters ([`MasterWeights::Bf16`]).
     pub fn new(b: &B, model: &impl Module<B>, hyper: AdamWParams) -> Result<Self> {
-        let mut shapes = Vec::new();
-        model.visit_params(&mut |p| {
-            shapes.push((p.name.clone(), p.value.shape().to_vec(), p.value.dtype()))
-        });
-        let mut names = Vec::with_capacity(shapes.len());
-        let (mut m, mut v) = (Vec::new(), Vec::new());
-        for (name, shape, dtype) in shapes {
-            m.push(b.zeros(&shape, dtype)?);
-            v.push(b.zeros(&shape, dtype)?);
+        Self::with_master_weights(b, model, hyper, MasterWeights::Bf16)
+    }
+
+    /// Zero moments for every parameter of `model`; parameters `masters`
+    /// applies to get an f32 master copy of their current values and f32
+    /// moments, the others moments of their own dtype.
+    pub fn with_master_weights(
+        b: &B,
+        model: &impl Module<B>,
+        hyper: AdamWParams,
+        masters: MasterWeights,
+    ) -> Result<Self> {
+        let mut params = Vec::new();
+        model.visit_params(&mut |p| params.push((p.name.clone(), p.value.clone())));
+        let mut names = Vec::with_capacity(params.len());
+        let (mut m, mut v, mut master) = (Vec::new(), Vec::new(), Vec::new());
+        for (name, value) in params {
+            let copy = if masters.applies_to(value.dtype()) {
+                Some(b.cast(&value, DType::F32)?)
+            } else {
+                None
+            };
+            let state = if copy.is_some() {
+                DType::F32
+            } else {
+                value.dtype()
+            };
+            m.push(b.zeros(value.shape(), state)?);
+            v.push(b.zeros(value.shape(), state)?);
+            master.push(copy);
             names.push(name);
         }
         Ok(AdamW {
@@ -53,12 +111,13 @@ impl<B: Backend> AdamW<B> {
             names,
             m,
             v,
+            master,
             step: 0,
         })
     }
 
     /// Applies one update at learning rate `lr` to every parameter of `model`
-    /// from its accumulated gradient.
+    /// from its accumulated gradient (through its master copy where it has one).
     pub fn step(&mut self, b: &B, model: &mut impl Module<B>, lr: f64) -> Result<()> {
         let cfg = AdamWConfig {
             lr,
@@ -69,7 +128,7 @@ impl<B: Backend> AdamW<B> {
             step: self.step + 1,
         };
         self.check_params(model)?;
-        let (m, v) = (&mut self.m, &mut self.v);
+        let (m, v, master) = (&mut self.m, &mut self.v, &mut self.master);
         let mut index = 0;
         let mut failure: Option<EngineError> = None;
         model.visit_params_mut(&mut |p: &mut Param<B>| {
@@ -86,7 +145,13 @@ impl<B: Backend> AdamW<B> {
                 },
                 ..cfg
             };
-            if let Err(e) = b.adamw_step(&mut p.value, &p.grad, &mut m[i], &mut v[i], &cfg) {
+            let r = match &mut master[i] {
+                Some(w) => {
+                    b.adamw_step_master(&mut p.value, &p.grad, w, &mut m[i], &mut v[i], &cfg)
+                }
+                None => b.adamw_step(&mut p.value, &p.grad, &mut m[i], &mut v[i], &cfg),
+            };
+            if let Err(e) = r {
                 failure = Some(e.into());
             }
         });
@@ -146,20 +211,32 @@ impl<B: Backend> AdamW<B> {
         self.step = n;
     }
 
-    /// Calls `f` on every state tensor, named `{param}.exp_avg` (first moment)
-    /// and `{param}.exp_avg_sq` (second moment), in parameter order.
+    /// Whether any parameter has an f32 master copy.
+    pub fn has_masters(&self) -> bool {
+        self.master.iter().any(Option::is_some)
+    }
+
+    /// Calls `f` on every state tensor, in parameter order: `{param}.exp_avg`
+    /// (first moment), `{param}.exp_avg_sq` (second moment) and, for a
+    /// parameter with a master copy, `{param}.fp32_param` ([`MASTER_SUFFIX`]).
     pub fn visit_state(&self, f: &mut dyn FnMut(&str, &Tensor<B>)) {
-        for ((name, m), v) in self.names.iter().zip(&self.m).zip(&self.v) {
-            f(&format!("{name}.exp_avg"), m);
-            f(&format!("{name}.exp_avg_sq"), v);
+        for (i, name) in self.names.iter().enumerate() {
+            f(&format!("{name}.exp_avg"), &self.m[i]);
+            f(&format!("{name}.exp_avg_sq"), &self.v[i]);
+            if let Some(w) = &self.master[i] {
+                f(&format!("{name}.{MASTER_SUFFIX}"), w);
+            }
         }
     }
 
     /// Like [`AdamW::visit_state`], mutably (loading a checkpoint).
     pub fn visit_state_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor<B>)) {
-        for ((name, m), v) in self.names.iter().zip(&mut self.m).zip(&mut self.v) {
-            f(&format!("{name}.exp_avg"), m);
-            f(&format!("{name}.exp_avg_sq"), v);
+        for (i, name) in self.names.iter().enumerate() {
+            f(&format!("{name}.exp_avg"), &mut self.m[i]);
+            f(&format!("{name}.exp_avg_sq"), &mut self.v[i]);
+            if let Some(w) = &mut self.master[i] {
+                f(&format!("{name}.{MASTER_SUFFIX}"), w);
+            }
         }
     }
 }
@@ -220,11 +297,12 @@ mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::DType;
 
-    use super::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams};
+    use super::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams, MasterWeights};
     use crate::engine::model::Model;
     use crate::engine::param::Module;
     use crate::engine::testutil::{f64_tensor, small_spec, uniform, values};
     use crate::spec::FfnSpec;
+    use foldmoe_kernels::{Device, HostData};
 
     /// A small f64 model whose gradients are set to known values.
     fn model_with_grads() -> Model<Cpu> {
@@ -332,5 +410,104 @@ mod tests {
             "{err}"
         );
         assert_eq!(opt.step_count(), 0);
+    }
+
+    const HYPER: AdamWParams = AdamWParams {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+
+    /// A small f32 model (seed 3) with gradients drawn from `seed`.
+    fn f32_model(seed: u64) -> Model<Cpu> {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let mut model = Model::new(&Cpu, &spec, 3, DType::F32).unwrap();
+        set_grads(&mut model, seed);
+        model
+    }
+
+    fn set_grads(model: &mut Model<Cpu>, seed: u64) {
+        let mut s = seed * 1000;
+        model.visit_params_mut(&mut |p| {
+            s += 1;
+            let g: Vec<f32> = uniform(s, p.grad.numel(), 1.0)
+                .iter()
+                .map(|&x| x as f32)
+                .collect();
+            p.grad = Cpu.upload(HostData::F32(g), p.grad.shape()).unwrap();
+        });
+    }
+
+    #[test]
+    fn master_weights_apply_to_bf16_and_optionally_f32() {
+        assert!(MasterWeights::Bf16.applies_to(DType::BF16));
+        assert!(!MasterWeights::Bf16.applies_to(DType::F32));
+        assert!(MasterWeights::Bf16AndF32.applies_to(DType::F32));
+        // f64 parameters are always their own master.
+        assert!(!MasterWeights::Bf16AndF32.applies_to(DType::F64));
+        let opt =
+            AdamW::with_master_weights(&Cpu, &model_with_grads(), HYPER, MasterWeights::Bf16AndF32)
+                .unwrap();
+        assert!(!opt.has_masters());
+        assert_eq!(MasterWeights::default(), MasterWeights::Bf16);
+    }
+
+    /// The CPU stores no bf16, so the master path is tested on f32
+    /// parameters: f32 master copies and moments, named `.fp32_param`, and
+    /// updates bit-identical to the plain path's (one update per backend).
+    #[test]
+    fn master_copies_of_f32_params_change_only_the_path() {
+        let (mut plain_model, mut master_model) = (f32_model(1), f32_model(1));
+        let mut plain = AdamW::new(&Cpu, &plain_model, HYPER).unwrap();
+        let mut mixed =
+            AdamW::with_master_weights(&Cpu, &master_model, HYPER, MasterWeights::Bf16AndF32)
+                .unwrap();
+        assert!(!plain.has_masters() && mixed.has_masters());
+        for step in 1..=3 {
+            set_grads(&mut plain_model, step);
+            set_grads(&mut master_model, step);
+            plain.step(&Cpu, &mut plain_model, 1e-2).unwrap();
+            mixed.step(&Cpu, &mut master_model, 1e-2).unwrap();
+        }
+        let mut params = Vec::new();
+        plain_model.visit_params(&mut |p| params.push((p.name.clone(), values(&p.value))));
+        let mut i = 0;
+        master_model.visit_params(&mut |p| {
+            assert_eq!(p.name, params[i].0);
+            assert_eq!(values(&p.value), params[i].1, "{}", p.name);
+            i += 1;
+        });
+        let mut state = Vec::new();
+        mixed.visit_state(&mut |n, t| state.push((n.to_string(), t.dtype(), values(t))));
+        assert_eq!(state.len(), 3 * params.len());
+        let mut plain_state = Vec::new();
+        plain.visit_state(&mut |n, t| plain_state.push((n.to_string(), values(t))));
+        for (j, (name, p)) in params.iter().enumerate() {
+            let names: Vec<&str> = state[3 * j..3 * j + 3]
+                .iter()
+                .map(|s| s.0.as_str())
+                .collect();
+            assert_eq!(
+                names,
+                [
+                    format!("{name}.exp_avg"),
+                    format!("{name}.exp_avg_sq"),
+                    format!("{name}.fp32_param")
+                ]
+            );
+            assert!(state[3 * j..3 * j + 3].iter().all(|s| s.1 == DType::F32));
+            assert_eq!(state[3 * j].2, plain_state[2 * j].1, "{name} exp_avg");
+            assert_eq!(
+                state[3 * j + 1].2,
+                plain_state[2 * j + 1].1,
+                "{name} exp_avg_sq"
+            );
+            assert_eq!(
+                &state[3 * j + 2].2,
+                p,
+                "{name}: master differs from the parameter"
+            );
+        }
     }
 }

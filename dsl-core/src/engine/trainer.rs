@@ -8,7 +8,7 @@
 use foldmoe_kernels::{Backend, KernelError, Tensor};
 
 use super::model::Model;
-use super::optim::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams};
+use super::optim::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams, MasterWeights};
 use super::param::Module;
 use super::schedule::WarmupCosine;
 use super::{EngineError, Result};
@@ -34,6 +34,9 @@ pub struct TrainConfig {
     pub eps: f64,
     /// Maximum global gradient norm (≤ 0: no clipping).
     pub grad_clip: f64,
+    /// Which parameters AdamW updates through an f32 master copy (bf16 ones
+    /// by default), chosen when the optimizer state is created.
+    pub master_weights: MasterWeights,
 }
 
 impl Default for TrainConfig {
@@ -49,6 +52,7 @@ impl Default for TrainConfig {
             beta2: 0.95,
             eps: 1e-8,
             grad_clip: 1.0,
+            master_weights: MasterWeights::Bf16,
         }
     }
 }
@@ -103,7 +107,7 @@ pub struct Trainer<B: Backend> {
 impl<B: Backend> Trainer<B> {
     /// A trainer with fresh optimizer state.
     pub fn new(b: &B, model: Model<B>, cfg: TrainConfig) -> Result<Self> {
-        let opt = AdamW::new(b, &model, cfg.adamw())?;
+        let opt = AdamW::with_master_weights(b, &model, cfg.adamw(), cfg.master_weights)?;
         Ok(Trainer { model, opt, cfg })
     }
 

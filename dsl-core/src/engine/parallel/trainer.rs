@@ -12,18 +12,22 @@
 //!    tp rank 0 only), clipping scales the chunks;
 //! 5. AdamW updates each chunk with the rank's moments (the optimizer state
 //!    is sharded: 1/dp of the dense moments, 1/edp of the experts'), and the
-//!    updated chunks are all-gathered back into the parameters.
+//!    updated chunks are all-gathered back into the parameters. With bf16
+//!    parameters the rank also keeps an f32 master copy of its chunks, with
+//!    f32 moments (Megatron-Core's fp32 main params, sharded the same way):
+//!    the update runs on the master and the bf16 chunk gathered is its rounding.
 //!
 //! A non-finite loss or norm is seen by every rank (they are reduced first),
 //! so all ranks refuse the step together.
 
 use std::collections::HashMap;
 
-use foldmoe_kernels::{AdamWConfig, Backend, Group, Tensor};
+use foldmoe_kernels::{AdamWConfig, Backend, DType, Group, Tensor};
 
 use super::model::ParallelModel;
 use super::shard::{cut_block, place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::{Ctx, RankLayout};
+use crate::engine::optim::MASTER_SUFFIX;
 use crate::engine::param::Param;
 use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig, Trainer};
 use crate::engine::{EngineError, Result};
@@ -51,6 +55,9 @@ struct Bucket<B: Backend> {
     chunk: usize,
     m: Tensor<B>,
     v: Tensor<B>,
+    /// f32 master copy of this rank's chunk (bf16 parameters), or none when
+    /// the parameters are their own master.
+    master: Option<Tensor<B>>,
 }
 
 /// `(loss, aux loss, loads per MoE layer)` of [`ParallelTrainer::accumulate`].
@@ -69,6 +76,8 @@ pub enum Gather<'a, B: Backend> {
     ExpAvg,
     /// AdamW second moments.
     ExpAvgSq,
+    /// f32 master copies (the parameters themselves where they have none).
+    Master,
 }
 
 /// This rank's reduced gradient chunks, one per bucket.
@@ -118,6 +127,23 @@ fn visit_all_mut<B: Backend>(model: &mut ParallelModel<B>, f: &mut dyn FnMut(&mu
     model.visit_experts_mut(f);
 }
 
+/// This rank's chunk (the `index`-th of `parts`, `chunk` elements each) of
+/// the flat, zero-padded concatenation of `members`.
+fn own_chunk<B: Backend>(
+    b: &B,
+    members: &[Tensor<B>],
+    chunk: usize,
+    parts: usize,
+    index: usize,
+) -> Result<Tensor<B>> {
+    let flat = pack(b, members, chunk * parts)?;
+    Ok(if parts > 1 {
+        b.narrow(&flat, index * chunk, chunk)?
+    } else {
+        flat
+    })
+}
+
 /// Flat concatenation of `parts`, zero-padded to `padded` elements.
 fn pack<B: Backend>(b: &B, parts: &[Tensor<B>], padded: usize) -> Result<Tensor<B>> {
     let mut flat: Vec<Tensor<B>> = Vec::with_capacity(parts.len() + 1);
@@ -134,10 +160,14 @@ fn pack<B: Backend>(b: &B, parts: &[Tensor<B>], padded: usize) -> Result<Tensor<
 }
 
 impl<B: Backend> ParallelTrainer<B> {
-    /// A trainer with zero moments for this rank's chunks.
+    /// A trainer with zero moments for this rank's chunks, and master
+    /// copies of them taken from the parameters where `cfg.master_weights`
+    /// applies to the model's dtype.
     pub fn new(b: &B, model: ParallelModel<B>, cfg: TrainConfig) -> Result<Self> {
         let (dp, edp) = (model.rank.dp.size(), model.rank.edp.size());
         let dtype = model.embed.table.value.dtype();
+        let masters = cfg.master_weights.applies_to(dtype);
+        let state = if masters { DType::F32 } else { dtype };
         let params = params_of(&model);
         let mut buckets: Vec<Bucket<B>> = Vec::new();
         for (i, (kind, numel, _)) in params.iter().enumerate() {
@@ -149,8 +179,9 @@ impl<B: Backend> ParallelTrainer<B> {
                         members: Vec::new(),
                         len: 0,
                         chunk: 0,
-                        m: b.zeros(&[1], dtype)?,
-                        v: b.zeros(&[1], dtype)?,
+                        m: b.zeros(&[1], state)?,
+                        v: b.zeros(&[1], state)?,
+                        master: None,
                     });
                     buckets.last_mut().expect("just pushed")
                 }
@@ -158,11 +189,31 @@ impl<B: Backend> ParallelTrainer<B> {
             bucket.members.push((i, bucket.len, *numel));
             bucket.len += numel;
         }
+        let mut values = Vec::new();
+        if masters {
+            model.visit_dense(&mut |p| values.push(p.value.clone()));
+            model.visit_experts(&mut |p| values.push(p.value.clone()));
+        }
         for bk in &mut buckets {
+            let group = if bk.kind.expert {
+                &model.rank.edp
+            } else {
+                &model.rank.dp
+            };
             let parts = if bk.kind.expert { edp } else { dp };
             bk.chunk = bk.len.div_ceil(parts);
-            bk.m = b.zeros(&[bk.chunk], dtype)?;
-            bk.v = b.zeros(&[bk.chunk], dtype)?;
+            bk.m = b.zeros(&[bk.chunk], state)?;
+            bk.v = b.zeros(&[bk.chunk], state)?;
+            if masters {
+                let members: Vec<Tensor<B>> = bk
+                    .members
+                    .iter()
+                    .map(|&(i, _, _)| values[i].clone())
+                    .collect();
+                let index = group.index_of(model.rank.rank).unwrap_or(0);
+                let own = own_chunk(b, &members, bk.chunk, parts, index)?;
+                bk.master = Some(b.cast(&own, DType::F32)?);
+            }
         }
         Ok(ParallelTrainer {
             model,
@@ -173,9 +224,10 @@ impl<B: Backend> ParallelTrainer<B> {
         })
     }
 
-    /// Shards a one-rank trainer (model, AdamW moments, step count) for
-    /// `rank`: how a run starts from a seed or resumes from any checkpoint,
-    /// whatever layout wrote it.
+    /// Shards a one-rank trainer (model, AdamW moments and master copies,
+    /// step count) for `rank`: how a run starts from a seed or resumes from
+    /// any checkpoint, whatever layout wrote it. Master copies the one-rank
+    /// trainer lacks are taken from the parameters.
     pub fn from_trainer(b: &B, trainer: Trainer<B>, rank: RankLayout) -> Result<Self> {
         let Trainer { model, opt, cfg } = trainer;
         let step = opt.step_count();
@@ -194,12 +246,32 @@ impl<B: Backend> ParallelTrainer<B> {
             .model
             .visit_experts(&mut |p| params.push((p.name.clone(), p.shard.clone())));
         let me = sharded.model.rank.rank;
-        let dtype = sharded.model.embed.table.value.dtype();
         for bi in 0..sharded.buckets.len() {
             let group = sharded.group(sharded.buckets[bi].kind.expert).clone();
             let index = group.index_of(me).unwrap_or(0);
-            for suffix in ["exp_avg", "exp_avg_sq"] {
+            for suffix in ["exp_avg", "exp_avg_sq", MASTER_SUFFIX] {
                 let bk = &sharded.buckets[bi];
+                let dtype = bk.m.dtype();
+                if suffix == MASTER_SUFFIX {
+                    let stored = |&(i, _, _): &(usize, usize, usize)| {
+                        moments.contains_key(&format!("{}.{suffix}", params[i].0))
+                    };
+                    // Keep the masters `new` took from the parameters when
+                    // the one-rank state has none; refuse a partial set.
+                    match bk.members.iter().filter(|m| stored(m)).count() {
+                        0 => continue,
+                        n if n == bk.members.len() && bk.master.is_some() => {}
+                        n => {
+                            return Err(EngineError::Invalid(format!(
+                                "optimizer state has {n} of the {} master copies of a bucket \
+                                 starting with {}, and this trainer keeps {} for it",
+                                bk.members.len(),
+                                params[bk.members[0].0].0,
+                                if bk.master.is_some() { "them" } else { "none" }
+                            )))
+                        }
+                    }
+                }
                 let mut flat = Vec::with_capacity(bk.chunk * group.size());
                 for &(i, _, _) in &bk.members {
                     let (name, shard) = &params[i];
@@ -217,10 +289,10 @@ impl<B: Backend> ParallelTrainer<B> {
                 let chunk = flat[index * bk.chunk..(index + 1) * bk.chunk].to_vec();
                 let t = upload_as(b, chunk, &[bk.chunk], dtype)?;
                 let bk = &mut sharded.buckets[bi];
-                if suffix == "exp_avg" {
-                    bk.m = t;
-                } else {
-                    bk.v = t;
+                match suffix {
+                    "exp_avg" => bk.m = t,
+                    "exp_avg_sq" => bk.v = t,
+                    _ => bk.master = Some(t),
                 }
             }
         }
@@ -230,6 +302,11 @@ impl<B: Backend> ParallelTrainer<B> {
     /// Updates applied so far.
     pub fn step_count(&self) -> u64 {
         self.step
+    }
+
+    /// Whether this rank keeps f32 master copies of its chunks.
+    pub fn has_masters(&self) -> bool {
+        self.buckets.iter().any(|bk| bk.master.is_some())
     }
 
     /// The data-parallel group of dense (`dp`) or expert (`edp`) parameters.
@@ -426,12 +503,7 @@ impl<B: Backend> ParallelTrainer<B> {
                 .iter()
                 .map(|&(i, _, _)| values[i].clone())
                 .collect();
-            let flat = pack(b, &members, bk.chunk * parts)?;
-            let mut chunk = if parts > 1 {
-                b.narrow(&flat, index * bk.chunk, bk.chunk)?
-            } else {
-                flat
-            };
+            let mut chunk = own_chunk(b, &members, bk.chunk, parts, index)?;
             let cfg = AdamWConfig {
                 weight_decay: if bk.kind.decay {
                     base.weight_decay
@@ -440,7 +512,10 @@ impl<B: Backend> ParallelTrainer<B> {
                 },
                 ..base
             };
-            b.adamw_step(&mut chunk, g, &mut bk.m, &mut bk.v, &cfg)?;
+            match &mut bk.master {
+                Some(w) => b.adamw_step_master(&mut chunk, g, w, &mut bk.m, &mut bk.v, &cfg)?,
+                None => b.adamw_step(&mut chunk, g, &mut bk.m, &mut bk.v, &cfg)?,
+            }
             let full = if parts > 1 {
                 ctx.comm.all_gather(b, group, &chunk)?
             } else {
@@ -478,6 +553,7 @@ impl<B: Backend> ParallelTrainer<B> {
                 Gather::Grads(g) => Some(&g.chunks[bi]),
                 Gather::ExpAvg => Some(&bk.m),
                 Gather::ExpAvgSq => Some(&bk.v),
+                Gather::Master => bk.master.as_ref(),
             };
             let Some(chunk) = chunk else {
                 continue;
