@@ -5,6 +5,8 @@
 //! All work runs on one stream, so a block freed on the host while kernels
 //! that use it are still queued can be handed to the next op at once: that op
 //! is queued behind them (the same rule as PyTorch's caching allocator).
+//! NCCL's communication stream (`nccl.rs`) keeps the rule: the compute stream
+//! waits for each of its calls before the work queued after the call.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

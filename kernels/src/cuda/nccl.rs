@@ -3,18 +3,34 @@
 //! One NCCL communicator spans the world; every process group of the layout
 //! (tp, cp, dp, ep, etp, edp, pp…) gets its own, split from it once at start
 //! (`ncclCommSplit` is collective over the whole world, so groups cannot be
-//! made lazily by their members alone). Collectives run on the device
-//! handle's stream, so they are ordered with the compute that produces and
-//! consumes their tensors without events; overlapping communication with
-//! compute (a second stream and events) is future work.
+//! made lazily by their members alone).
+//!
+//! NCCL work runs on a communication stream of its own (one per
+//! [`NcclComm`], non-blocking), ordered with the handle's compute stream by
+//! two events made once and reused: before a call the communication stream
+//! waits for the compute work queued so far (which writes the call's
+//! inputs), and after it the compute stream waits for the call (whose
+//! outputs it reads next). The host waits for neither. The compute stream
+//! waits after every call, so compute does not overlap communication yet;
+//! the separate stream is where overlapping (waiting for a collective later
+//! than its call) will go.
+//!
+//! That wait is also what keeps the caching allocator (`alloc.rs`) safe: the
+//! pool hands a freed block to the next op at once because that op queues
+//! behind the block's last use on the compute stream. A block freed after a
+//! call (a temporary of the call, an input its caller drops) may still be
+//! read or written by NCCL on the communication stream; since the compute
+//! stream waits for the call's end before anything queued after it, no
+//! compute op reuses the block too early.
 //!
 //! NCCL has no all-to-all-v and its `recv` needs the size up front, so:
 //! - [`Communicator::all_to_all_v`] exchanges the row counts (a small
-//!   all-gather read on the host: the trait returns host counts), then moves
-//!   the rows with grouped point-to-point sends and receives;
+//!   all-gather read on the host, which waits for the communication stream:
+//!   the trait returns host counts), then moves the rows with grouped
+//!   point-to-point sends and receives;
 //! - [`Communicator::all_gather`] with unequal row counts does the same;
 //! - [`Communicator::send`] sends a fixed-size header (dtype and shape)
-//!   before the data, which [`Communicator::recv`] reads first.
+//!   before the data, which [`Communicator::recv`] reads on the host first.
 //!
 //! Sums are NCCL's: their order is not the group order, so results match a
 //! single-rank run to rounding, not bit for bit (unlike [`crate::comm::local`]).
@@ -24,9 +40,10 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::result as drv;
+use cudarc::driver::{result as drv, CudaEvent, CudaStream, DriverError};
 use cudarc::nccl::sys;
 
 use super::{dtype_size, Cuda};
@@ -77,6 +94,18 @@ struct State {
     groups: HashMap<Vec<usize>, RawComm>,
     /// Why this rank aborted, once it has.
     aborted: Option<String>,
+    /// Where NCCL work runs (under the mutex: its events are reused).
+    streams: CommStream,
+}
+
+/// The communication stream and the two events that order it with the
+/// compute stream (see the module docs).
+struct CommStream {
+    stream: Arc<CudaStream>,
+    /// Recorded on the compute stream before a call; waited for by `stream`.
+    ready: CudaEvent,
+    /// Recorded on `stream` after a call; waited for by the compute stream.
+    done: CudaEvent,
 }
 
 /// The NCCL data type of `dtype`.
@@ -174,6 +203,22 @@ impl NcclComm {
             ));
         }
         let world_comm = RawComm(comm);
+        let driver = |what: &str, e: DriverError| KernelError::Comm {
+            rank,
+            detail: format!("{what}: {e:?}"),
+        };
+        let ctx = cuda.ctx();
+        let streams = CommStream {
+            stream: ctx
+                .new_stream()
+                .map_err(|e| driver("creating the communication stream", e))?,
+            ready: ctx
+                .new_event(None)
+                .map_err(|e| driver("creating an event", e))?,
+            done: ctx
+                .new_event(None)
+                .map_err(|e| driver("creating an event", e))?,
+        };
         let everyone: Vec<usize> = (0..world).collect();
         let mut split = HashMap::new();
         for g in groups {
@@ -217,6 +262,7 @@ impl NcclComm {
                 world: world_comm,
                 groups: split,
                 aborted: None,
+                streams,
             }),
         })
     }
@@ -240,8 +286,52 @@ impl NcclComm {
         }
     }
 
-    fn stream(&self) -> sys::cudaStream_t {
-        self.cuda.stream().cu_stream() as sys::cudaStream_t
+    fn driver(&self, what: &str, e: DriverError) -> KernelError {
+        self.err(format!("{what}: {e:?}"))
+    }
+
+    /// Queues NCCL work (and its device copies) with `enqueue`, given the
+    /// communication stream, between the two event waits of the module
+    /// docs: after the compute work queued so far, before the compute work
+    /// queued next.
+    fn on_comm_stream<T>(
+        &self,
+        s: &State,
+        enqueue: impl FnOnce(sys::cudaStream_t) -> Result<T>,
+    ) -> Result<T> {
+        let c = &s.streams;
+        c.ready
+            .record(self.cuda.stream())
+            .and_then(|()| c.stream.wait(&c.ready))
+            .map_err(|e| self.driver("ordering the communication stream after compute", e))?;
+        let out = enqueue(c.stream.cu_stream() as sys::cudaStream_t);
+        // Also after a failed call: compute must not run ahead of (or reuse
+        // the buffers of) whatever part of it was queued.
+        c.done
+            .record(&c.stream)
+            .and_then(|()| self.cuda.stream().wait(&c.done))
+            .map_err(|e| self.driver("ordering compute after the communication stream", e))?;
+        out
+    }
+
+    /// `t`'s values on the host, read on the communication stream after the
+    /// NCCL call that filled it there: the host waits for that stream, not
+    /// for compute queued since.
+    fn read_on_comm_stream(&self, s: &State, t: &Tensor<Cuda>) -> Result<Vec<i32>> {
+        let mut v = vec![0i32; t.numel()];
+        if v.is_empty() {
+            return Ok(v);
+        }
+        self.cuda.bind()?;
+        let stream = &s.streams.stream;
+        unsafe { drv::memcpy_dtoh_async(&mut v, t.storage().ptr(), stream.cu_stream()) }
+            .map_err(|e| self.driver("reading to the host", e))?;
+        // A host wait like a download's, counted with them (Cuda::host_syncs).
+        self.cuda.inner.syncs.fetch_add(1, Ordering::Relaxed);
+        stream
+            .synchronize()
+            .map_err(|e| self.driver("waiting for the communication stream", e))?;
+        Ok(v)
     }
 
     /// The communicator of `group` and this rank's index in it, or an error
@@ -273,17 +363,19 @@ impl NcclComm {
         }
     }
 
-    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    /// A device copy on `stream` (the communication stream).
+    fn copy(&self, dst: u64, src: u64, bytes: usize, stream: sys::cudaStream_t) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.cuda.stream().cu_stream()) }
+        self.cuda.bind()?;
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, stream as _) }
             .map_err(|e| self.err(format!("device copy of {bytes} bytes: {e:?}")))
     }
 
-    /// Rows (dimension 0) every member of `group` holds: a one-int
-    /// all-gather read back on the host.
-    fn exchange_counts(&self, comm: sys::ncclComm_t, mine: &[i32]) -> Result<Vec<i32>> {
+    /// `mine` from every member of `comm`'s group, concatenated in member
+    /// order (a small all-gather read back on the host).
+    fn exchange_counts(&self, s: &State, comm: sys::ncclComm_t, mine: &[i32]) -> Result<Vec<i32>> {
         let b = &self.cuda;
         let n = mine.len();
         let send = b.upload(HostData::I32(mine.to_vec()), &[n])?;
@@ -293,26 +385,30 @@ impl NcclComm {
             c as usize
         };
         let recv = b.alloc("all-gather of row counts", &[size * n], DType::I32)?;
-        self.nccl("all-gather of row counts", unsafe {
-            sys::ncclAllGather(
-                ptr(&send),
-                ptr(&recv),
-                n,
-                sys::ncclDataType_t::ncclInt32,
-                comm,
-                self.stream(),
-            )
+        self.on_comm_stream(s, |stream| {
+            self.nccl("all-gather of row counts", unsafe {
+                sys::ncclAllGather(
+                    ptr(&send),
+                    ptr(&recv),
+                    n,
+                    sys::ncclDataType_t::ncclInt32,
+                    comm,
+                    stream,
+                )
+            })
         })?;
-        b.download(&recv)?.to_i32()
+        self.read_on_comm_stream(s, &recv)
     }
 
     /// Point-to-point exchange inside one NCCL group call: to member `k`,
     /// `send_rows[k]` rows of `t` starting at row `send_from[k]`; from member
     /// `j`, `recv_rows[j]` rows into `out`, concatenated in member order.
-    /// This rank's own rows are copied on the device.
+    /// This rank's own rows are copied on the device. Everything is queued
+    /// on `stream` (call it inside [`NcclComm::on_comm_stream`]).
     #[allow(clippy::too_many_arguments)]
     fn exchange_rows(
         &self,
+        stream: sys::cudaStream_t,
         comm: sys::ncclComm_t,
         me: usize,
         t: &Tensor<Cuda>,
@@ -330,6 +426,7 @@ impl NcclComm {
             dst + (recv_off[me] * row * esize) as u64,
             src + (send_off[me] * row * esize) as u64,
             send_rows[me] * row * esize,
+            stream,
         )?;
         self.nccl("starting a group of sends and receives", unsafe {
             sys::ncclGroupStart()
@@ -341,16 +438,12 @@ impl NcclComm {
             }
             if send_rows[k] > 0 {
                 let p = (src + (send_off[k] * row * esize) as u64) as *const c_void;
-                let r = unsafe {
-                    sys::ncclSend(p, send_rows[k] * row, dt, k as i32, comm, self.stream())
-                };
+                let r = unsafe { sys::ncclSend(p, send_rows[k] * row, dt, k as i32, comm, stream) };
                 result = result.and(self.nccl(&format!("sending rows to member {k}"), r));
             }
             if recv_rows[k] > 0 {
                 let p = (dst + (recv_off[k] * row * esize) as u64) as *mut c_void;
-                let r = unsafe {
-                    sys::ncclRecv(p, recv_rows[k] * row, dt, k as i32, comm, self.stream())
-                };
+                let r = unsafe { sys::ncclRecv(p, recv_rows[k] * row, dt, k as i32, comm, stream) };
                 result = result.and(self.nccl(&format!("receiving rows from member {k}"), r));
             }
         }
@@ -413,16 +506,18 @@ impl Communicator<Cuda> for NcclComm {
             ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
             ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
         };
-        self.nccl("all_reduce", unsafe {
-            sys::ncclAllReduce(
-                ptr(t),
-                ptr(&out),
-                t.numel(),
-                nccl_type(t.dtype()),
-                nop,
-                comm,
-                self.stream(),
-            )
+        self.on_comm_stream(&s, |stream| {
+            self.nccl("all_reduce", unsafe {
+                sys::ncclAllReduce(
+                    ptr(t),
+                    ptr(&out),
+                    t.numel(),
+                    nccl_type(t.dtype()),
+                    nop,
+                    comm,
+                    stream,
+                )
+            })
         })?;
         Ok(out)
     }
@@ -443,16 +538,18 @@ impl Communicator<Cuda> for NcclComm {
         let mut shape = t.shape().to_vec();
         shape[0] = rows / n;
         let out = b.alloc("reduce_scatter", &shape, t.dtype())?;
-        self.nccl("reduce_scatter", unsafe {
-            sys::ncclReduceScatter(
-                ptr(t),
-                ptr(&out),
-                t.numel() / n,
-                nccl_type(t.dtype()),
-                sys::ncclRedOp_t::ncclSum,
-                comm,
-                self.stream(),
-            )
+        self.on_comm_stream(&s, |stream| {
+            self.nccl("reduce_scatter", unsafe {
+                sys::ncclReduceScatter(
+                    ptr(t),
+                    ptr(&out),
+                    t.numel() / n,
+                    nccl_type(t.dtype()),
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    stream,
+                )
+            })
         })?;
         Ok(out)
     }
@@ -466,28 +563,30 @@ impl Communicator<Cuda> for NcclComm {
         if t.shape().is_empty() {
             return Err(self.err("all_gather: a scalar has no rows to gather"));
         }
-        let rows = self.exchange_counts(comm, &[t.shape()[0] as i32])?;
+        let rows = self.exchange_counts(&s, comm, &[t.shape()[0] as i32])?;
         let rows: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
         let mut shape = t.shape().to_vec();
         shape[0] = rows.iter().sum();
         let out = b.alloc("all_gather", &shape, t.dtype())?;
-        if rows.iter().all(|&r| r == rows[0]) {
-            self.nccl("all_gather", unsafe {
-                sys::ncclAllGather(
-                    ptr(t),
-                    ptr(&out),
-                    t.numel(),
-                    nccl_type(t.dtype()),
-                    comm,
-                    self.stream(),
-                )
-            })?;
-        } else {
-            // Every member gets all of this rank's rows.
-            let n = group.size();
-            let (from, send) = (vec![0; n], vec![t.shape()[0]; n]);
-            self.exchange_rows(comm, me, t, &from, &send, &out, &rows)?;
-        }
+        self.on_comm_stream(&s, |stream| {
+            if rows.iter().all(|&r| r == rows[0]) {
+                self.nccl("all_gather", unsafe {
+                    sys::ncclAllGather(
+                        ptr(t),
+                        ptr(&out),
+                        t.numel(),
+                        nccl_type(t.dtype()),
+                        comm,
+                        stream,
+                    )
+                })
+            } else {
+                // Every member gets all of this rank's rows.
+                let n = group.size();
+                let (from, send) = (vec![0; n], vec![t.shape()[0]; n]);
+                self.exchange_rows(stream, comm, me, t, &from, &send, &out, &rows)
+            }
+        })?;
         Ok(out)
     }
 
@@ -509,14 +608,16 @@ impl Communicator<Cuda> for NcclComm {
             return Ok((t.clone(), vec![rows]));
         }
         let mine: Vec<i32> = send_rows.iter().map(|&r| r as i32).collect();
-        let all = self.exchange_counts(comm, &mine)?;
+        let all = self.exchange_counts(&s, comm, &mine)?;
         // Member j's row k is what j sends to k: this rank receives column `me`.
         let recv_rows: Vec<usize> = (0..n).map(|j| all[j * n + me] as usize).collect();
         let mut shape = t.shape().to_vec();
         shape[0] = recv_rows.iter().sum();
         let out = b.alloc("all_to_all_v", &shape, t.dtype())?;
         let from = exclusive_sums(send_rows);
-        self.exchange_rows(comm, me, t, &from, send_rows, &out, &recv_rows)?;
+        self.on_comm_stream(&s, |stream| {
+            self.exchange_rows(stream, comm, me, t, &from, send_rows, &out, &recv_rows)
+        })?;
         Ok((out, recv_rows))
     }
 
@@ -539,16 +640,18 @@ impl Communicator<Cuda> for NcclComm {
             return Ok(t.clone());
         }
         let out = b.alloc("broadcast", t.shape(), t.dtype())?;
-        self.nccl("broadcast", unsafe {
-            sys::ncclBroadcast(
-                ptr(t),
-                ptr(&out),
-                t.numel(),
-                nccl_type(t.dtype()),
-                root as i32,
-                comm,
-                self.stream(),
-            )
+        self.on_comm_stream(&s, |stream| {
+            self.nccl("broadcast", unsafe {
+                sys::ncclBroadcast(
+                    ptr(t),
+                    ptr(&out),
+                    t.numel(),
+                    nccl_type(t.dtype()),
+                    root as i32,
+                    comm,
+                    stream,
+                )
+            })
         })?;
         Ok(out)
     }
@@ -575,29 +678,31 @@ impl Communicator<Cuda> for NcclComm {
                 i32::try_from(d).map_err(|_| self.err(format!("send: dimension {d} too large")))?;
         }
         let header = b.upload(HostData::I32(header), &[HEADER_LEN])?;
-        self.nccl("sending a tensor header", unsafe {
-            sys::ncclSend(
-                ptr(&header),
-                HEADER_LEN,
-                sys::ncclDataType_t::ncclInt32,
-                to as i32,
-                comm,
-                self.stream(),
-            )
-        })?;
-        if t.numel() > 0 {
-            self.nccl("sending a tensor", unsafe {
+        self.on_comm_stream(&s, |stream| {
+            self.nccl("sending a tensor header", unsafe {
                 sys::ncclSend(
-                    ptr(t),
-                    t.numel(),
-                    nccl_type(t.dtype()),
+                    ptr(&header),
+                    HEADER_LEN,
+                    sys::ncclDataType_t::ncclInt32,
                     to as i32,
                     comm,
-                    self.stream(),
+                    stream,
                 )
             })?;
-        }
-        Ok(())
+            if t.numel() > 0 {
+                self.nccl("sending a tensor", unsafe {
+                    sys::ncclSend(
+                        ptr(t),
+                        t.numel(),
+                        nccl_type(t.dtype()),
+                        to as i32,
+                        comm,
+                        stream,
+                    )
+                })?;
+            }
+            Ok(())
+        })
     }
 
     fn recv(&self, b: &Cuda, from: usize) -> Result<Tensor<Cuda>> {
@@ -610,17 +715,19 @@ impl Communicator<Cuda> for NcclComm {
             )));
         }
         let header = b.alloc("recv header", &[HEADER_LEN], DType::I32)?;
-        self.nccl("receiving a tensor header", unsafe {
-            sys::ncclRecv(
-                ptr(&header),
-                HEADER_LEN,
-                sys::ncclDataType_t::ncclInt32,
-                from as i32,
-                comm,
-                self.stream(),
-            )
+        self.on_comm_stream(&s, |stream| {
+            self.nccl("receiving a tensor header", unsafe {
+                sys::ncclRecv(
+                    ptr(&header),
+                    HEADER_LEN,
+                    sys::ncclDataType_t::ncclInt32,
+                    from as i32,
+                    comm,
+                    stream,
+                )
+            })
         })?;
-        let h = b.download(&header)?.to_i32()?;
+        let h = self.read_on_comm_stream(&s, &header)?;
         let dtype = dtype_of_code(h[0])
             .ok_or_else(|| self.err(format!("recv from rank {from}: bad header {h:?}")))?;
         let ndim = h[1] as usize;
@@ -630,21 +737,25 @@ impl Communicator<Cuda> for NcclComm {
         let shape: Vec<usize> = h[2..2 + ndim].iter().map(|&d| d as usize).collect();
         let out = b.alloc("recv", &shape, dtype)?;
         if out.numel() > 0 {
-            self.nccl("receiving a tensor", unsafe {
-                sys::ncclRecv(
-                    ptr(&out),
-                    out.numel(),
-                    nccl_type(dtype),
-                    from as i32,
-                    comm,
-                    self.stream(),
-                )
+            self.on_comm_stream(&s, |stream| {
+                self.nccl("receiving a tensor", unsafe {
+                    sys::ncclRecv(
+                        ptr(&out),
+                        out.numel(),
+                        nccl_type(dtype),
+                        from as i32,
+                        comm,
+                        stream,
+                    )
+                })
             })?;
         }
         Ok(out)
     }
 
     fn barrier(&self, group: &Group) -> Result<()> {
+        // The download waits for the compute stream, which waits for the
+        // all-reduce on the communication stream.
         let one = self.cuda.upload(HostData::F32(vec![1.0]), &[1])?;
         let sum = self.all_reduce(&self.cuda, group, &one, ReduceOp::Sum)?;
         self.cuda.download(&sum).map(|_| ())
@@ -677,6 +788,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::backend::ElementwiseOps;
     use crate::comm::local::run_local;
     use crate::cpu::Cpu;
 
@@ -731,37 +843,15 @@ mod tests {
 
     #[test]
     fn collectives_match_the_local_communicator_on_every_gpu() {
-        let Some(_) = crate::cuda::test_device() else {
+        let Some(got) = on_every_gpu(|b, c, n| script(b, c, n)) else {
             return;
         };
-        let n = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
-        if n < 2 || n % 2 == 1 {
-            eprintln!("skipping the NCCL test: it needs an even number of GPUs ≥ 2, found {n}");
-            return;
-        }
+        let n = got.len();
         let want: Vec<Vec<Vec<f32>>> =
             run_local(n, Duration::from_secs(30), |comm| script(&Cpu, &comm, n))
                 .into_iter()
                 .collect::<Result<_>>()
                 .unwrap();
-        let id = NcclComm::unique_id().unwrap();
-        let groups = [Group::new((0..n).rev().collect())];
-        let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
-            let threads: Vec<_> = (0..n)
-                .map(|rank| {
-                    let (id, groups) = (&id, &groups);
-                    s.spawn(move || -> Result<Vec<Vec<f32>>> {
-                        let cuda = Cuda::new(rank)?;
-                        let comm = NcclComm::new(&cuda, rank, n, id, groups)?;
-                        script(&cuda, &comm, n)
-                    })
-                })
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| t.join().expect("rank thread panicked").unwrap())
-                .collect()
-        });
         for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.len(), w.len() + 1);
             // The last GPU result is the bf16 sum, against the f32 one.
@@ -776,6 +866,89 @@ mod tests {
                         "rank {rank}, result {i}: {x} vs {y}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Every rank of an even number of GPUs ≥ 2 runs `f(cuda, comm, n)` on
+    /// its own thread and GPU; `None` (skipped) on other machines.
+    fn on_every_gpu<T: Send>(
+        f: impl Fn(&Cuda, &NcclComm, usize) -> Result<T> + Sync,
+    ) -> Option<Vec<T>> {
+        crate::cuda::test_device()?;
+        let n = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+        if n < 2 || n % 2 == 1 {
+            eprintln!("skipping the NCCL test: it needs an even number of GPUs ≥ 2, found {n}");
+            return None;
+        }
+        let id = NcclComm::unique_id().unwrap();
+        let groups = [Group::new((0..n).rev().collect())];
+        let f = &f;
+        Some(std::thread::scope(|s| {
+            let threads: Vec<_> = (0..n)
+                .map(|rank| {
+                    let (id, groups) = (&id, &groups);
+                    s.spawn(move || -> Result<T> {
+                        let cuda = Cuda::new(rank)?;
+                        let comm = NcclComm::new(&cuda, rank, n, id, groups)?;
+                        f(&cuda, &comm, n)
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().expect("rank thread panicked").unwrap())
+                .collect()
+        }))
+    }
+
+    #[test]
+    fn collectives_on_their_stream_stay_ordered_with_compute_and_the_pool() {
+        // Each round, compute writes a fresh input (a pool block), NCCL sums
+        // it on the communication stream, the input is dropped at once and
+        // the next compute op likely gets its block; compute then adds the
+        // sum. A missing event wait on either side shows as a wrong total.
+        // Nothing reads to the host until the end, so nothing else orders
+        // the streams; the tensors are large enough for the race to show.
+        const ROUNDS: usize = 32;
+        const LEN: usize = 1 << 22;
+        let got = on_every_gpu(|b, c, n| {
+            let world = Group::new((0..n).collect());
+            let r = c.rank();
+            let base: Vec<f32> = (0..LEN).map(|j| ((r + 1) * (j % 7)) as f32).collect();
+            let base = b.upload(HostData::F32(base), &[LEN])?;
+            let mut total = b.zeros(&[LEN], DType::F32)?;
+            for i in 0..ROUNDS {
+                let x = b.scale(&base, i as f64)?;
+                let sum = c.all_reduce(b, &world, &x, ReduceOp::Sum)?;
+                drop(x);
+                let overwrite = b.scale(&base, -1.0)?;
+                total = b.add(&total, &sum)?;
+                drop(overwrite);
+                // Uneven all-to-all-v: counts read on the host, rows moved
+                // by grouped sends on the communication stream.
+                let rows: Vec<usize> = (0..n).map(|k| (k + i) % 3).collect();
+                let t = b.upload(
+                    HostData::F32(vec![i as f32; rows.iter().sum::<usize>()]),
+                    &[rows.iter().sum::<usize>(), 1],
+                )?;
+                let (got, counts) = c.all_to_all_v(b, &world, &t, &rows)?;
+                assert_eq!(counts, vec![(r + i) % 3; n]);
+                assert_eq!(
+                    b.download(&got)?.to_f32(),
+                    vec![i as f32; counts.iter().sum()]
+                );
+            }
+            Ok((b.download(&total)?.to_f32(), n))
+        });
+        let Some(got) = got else { return };
+        // Σ_i i · Σ_r (r + 1)(j mod 7), exact in f32.
+        let rounds: f32 = (0..ROUNDS).map(|i| i as f32).sum();
+        for (rank, (total, n)) in got.iter().enumerate() {
+            let ranks: f32 = (1..=*n).map(|r| r as f32).sum();
+            for (j, &v) in total.iter().enumerate() {
+                let want = rounds * ranks * (j % 7) as f32;
+                assert_eq!(v, want, "rank {rank}, element {j}");
             }
         }
     }
