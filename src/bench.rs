@@ -16,6 +16,9 @@
 //! Every iteration ends with a device synchronisation and a barrier over all
 //! ranks, so rank 0's time of an iteration is that of the slowest rank
 //! (plus the barrier); rank 0 alone prints the report, with its median.
+//! `comm_share` is rank 0's time inside communicator calls over its step
+//! time: host time, so on CUDA, where NCCL calls return once queued, it
+//! counts only the calls that wait for the device (row-count exchanges).
 
 use std::time::Instant;
 
