@@ -165,7 +165,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
 
 fn main() {
     if let Err(e) = run(Cli::parse()) {
-        eprintln!("error: {e}");
+        // One write of the whole line: the ranks of `foldmoe launch` share
+        // stderr, and `eprintln!` writes in pieces that would interleave.
+        let line = format!("error: {e}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
         std::process::exit(e.exit_code());
     }
 }
