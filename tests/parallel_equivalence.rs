@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use foldmoe_core::engine::model::Model;
+use foldmoe_core::engine::optim::MasterWeights;
 use foldmoe_core::engine::parallel::trainer::Gather;
 use foldmoe_core::engine::parallel::{
     run_local_layout, ParallelModel, ParallelTrainer, RankLayout,
@@ -267,22 +268,39 @@ fn parallel_layouts_match_one_rank_capacity() {
 /// rank) with the losses of an uninterrupted one-rank run.
 #[test]
 fn checkpoint_written_under_one_layout_resumes_under_another() {
+    resume_across_layouts(config());
+}
+
+/// The same with f32 master copies of the (f32) parameters: the CPU stores
+/// no bf16, so this forces the master path that bf16 models take on CUDA —
+/// masters sharded over dp/edp, gathered into checkpoints, resharded on
+/// resume — whose updates on f32 equal the plain path's.
+#[test]
+fn master_copies_shard_and_resume_under_another_layout() {
+    resume_across_layouts(TrainConfig {
+        master_weights: MasterWeights::Bf16AndF32,
+        ..config()
+    });
+}
+
+fn resume_across_layouts(cfg: TrainConfig) {
     use foldmoe_core::engine::checkpoint::{parallel_trainer_tensors, restore_trainer};
     let spec = spec(None);
     let (_, ref_losses) = reference(&spec);
+    let masters = cfg.master_weights == MasterWeights::Bf16AndF32;
     let run = |layout_text: &str,
                start: Option<Vec<foldmoe_core::engine::checkpoint::NamedTensor>>,
                steps: std::ops::Range<usize>| {
         let layout = layout::check(&LayoutSpec::parse(layout_text).unwrap(), &spec).unwrap();
         let mut results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
-            let mut one =
-                Trainer::new(ctx.b, Model::new(ctx.b, &spec, SEED, DType::F32)?, config())?;
+            let mut one = Trainer::new(ctx.b, Model::new(ctx.b, &spec, SEED, DType::F32)?, cfg)?;
             if let Some(tensors) = &start {
                 restore_trainer(ctx.b, &mut one, tensors.clone())?;
                 one.opt.set_step_count(steps.start as u64);
             }
             let rank = RankLayout::new(&layout, ctx.rank.rank)?;
             let mut trainer = ParallelTrainer::from_trainer(ctx.b, one, rank)?;
+            assert_eq!(trainer.has_masters(), masters);
             let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
             let per = MICRO_BATCHES / dp;
             let mut losses = Vec::new();
@@ -300,7 +318,9 @@ fn checkpoint_written_under_one_layout_resumes_under_another() {
         results.remove(0).unwrap()
     };
     let (first, tensors) = run("world=4,tp=2,ep=4", None, 0..2);
+    check_masters(&tensors, masters);
     let (second, tensors) = run("world=2,dp=2", Some(tensors), 2..4);
+    check_masters(&tensors, masters);
     let (third, _) = run("world=1", Some(tensors), 4..STEPS);
     let losses: Vec<f64> = first.into_iter().chain(second).chain(third).collect();
     for (step, (got, want)) in losses.iter().zip(&ref_losses).enumerate() {
@@ -308,6 +328,28 @@ fn checkpoint_written_under_one_layout_resumes_under_another() {
             (got - want).abs() <= 1e-5 * want.abs(),
             "step {step}: resumed loss {got}, uninterrupted {want}"
         );
+    }
+}
+
+/// A gathered checkpoint holds a master copy of every parameter exactly
+/// when the run keeps masters, and on f32 parameters each equals its
+/// parameter bit for bit.
+fn check_masters(tensors: &[foldmoe_core::engine::checkpoint::NamedTensor], masters: bool) {
+    let by_name: HashMap<&str, &HostData> =
+        tensors.iter().map(|t| (t.name.as_str(), &t.data)).collect();
+    let params: Vec<&str> = by_name
+        .keys()
+        .filter_map(|n| n.strip_prefix("param."))
+        .collect();
+    assert!(!params.is_empty());
+    for p in params {
+        match by_name.get(format!("optim.{p}.fp32_param").as_str()) {
+            Some(w) => {
+                assert!(masters, "{p}: a master copy in a run without them");
+                assert_eq!(*w, by_name[format!("param.{p}").as_str()], "{p}");
+            }
+            None => assert!(!masters, "{p}: no master copy in the checkpoint"),
+        }
     }
 }
 
