@@ -443,7 +443,7 @@ fn model_step_ranks<B: BenchDevice + ProcessComm>(
     // Everything that can be refused is checked before connecting, so a bad
     // flag stops every rank at once instead of leaving peers waiting.
     let text = o.layout.as_deref().unwrap_or("");
-    let layout = dist::resolve_layout(Some(text), env.world, spec)?
+    let layout = dist::resolve_layout(Some(text), env.world, "WORLD_SIZE =", spec)?
         .expect("a layout text always resolves to a layout");
     let rank = RankLayout::new(&layout, env.rank)?;
     let comm = dist::connect(b, env, crate::launch::comm_timeout()?, Some(&layout))?;

@@ -20,10 +20,12 @@ use crate::error::CliError;
 /// The layout `text` (`--layout`) over `ranks` ranks, checked against
 /// `spec` with the same messages as the macro. No text means dp over all
 /// ranks, and no layout at all for one rank (a plain one-rank run). A
-/// `world` in the text must agree with `ranks`.
+/// `world` in the text must agree with `ranks`, which an error names as
+/// `{ranks_from} {ranks}` (`--ranks 2`, `WORLD_SIZE = 2`).
 pub fn resolve_layout(
     text: Option<&str>,
     ranks: usize,
+    ranks_from: &str,
     spec: &ModelSpec,
 ) -> Result<Option<Layout>, CliError> {
     let text = match (text, ranks) {
@@ -36,8 +38,8 @@ pub fn resolve_layout(
     if text.split(',').any(|kv| kv.trim().starts_with("world")) {
         if layout_spec.world != ranks {
             return Err(CliError::usage(format!(
-                "--layout {text}: world = {} but the run has {ranks} ranks (--ranks, or the \
-                 processes of foldmoe launch); they must agree (or leave world out)",
+                "--layout {text}: world = {} but {ranks_from} {ranks}; they must agree (or leave \
+                 world out)",
                 layout_spec.world
             )));
         }

@@ -315,7 +315,7 @@ struct Prepared {
 /// The layout of `settings` over its ranks (dp over all ranks by default),
 /// checked against `spec`.
 fn resolve_layout(settings: &TrainSettings, spec: &ModelSpec) -> Result<Option<Layout>, CliError> {
-    crate::dist::resolve_layout(settings.layout.as_deref(), settings.ranks, spec)
+    crate::dist::resolve_layout(settings.layout.as_deref(), settings.ranks, "--ranks", spec)
 }
 
 /// A one-rank trainer: fresh from the seed, or restored from `tensors`.
