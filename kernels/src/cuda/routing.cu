@@ -189,7 +189,7 @@ extern "C" __global__ void inv_scan(const int* counts, i64 targets, int* offsets
 }
 
 // Places each source r in its target's segment (cursor starts as a copy of
-// the offsets); the order inside a segment is fixed by inv_sort.
+// the offsets), in the order the atomics are served; inv_sort fixes it.
 extern "C" __global__ void inv_fill(const int* src, i64 n, i64 targets, int* cursor, int* items) {
     GRID_LOOP(r, n) {
         i64 s = src[r];
@@ -197,16 +197,18 @@ extern "C" __global__ void inv_fill(const int* src, i64 n, i64 targets, int* cur
     }
 }
 
-// Sorts every segment ascending (insertion sort: segments are short, and
-// already nearly sorted when the atomics were served in order).
-extern "C" __global__ void inv_sort(const int* offsets, i64 targets, int* items) {
-    GRID_LOOP(t, targets) {
-        int lo = offsets[t], hi = offsets[t + 1];
-        for (int i = lo + 1; i < hi; ++i) {
-            int v = items[i];
-            int j = i - 1;
-            while (j >= lo && items[j] > v) { items[j + 1] = items[j]; --j; }
-            items[j + 1] = v;
+// Sorts every segment of `placed` ascending into `items`. Items are distinct
+// row numbers, so an item's place in its segment is the count of smaller
+// items there. One block per segment: an expert's segment holds thousands of
+// rows, which one thread (an insertion sort) took tens of milliseconds over.
+extern "C" __global__ void inv_sort(const int* offsets, i64 targets, const int* placed, int* items) {
+    for (i64 t = blockIdx.x; t < targets; t += gridDim.x) {
+        int lo = offsets[t], len = offsets[t + 1] - lo;
+        const int* seg = placed + lo;
+        for (int i = threadIdx.x; i < len; i += blockDim.x) {
+            int v = seg[i], rank = 0;
+            for (int j = 0; j < len; ++j) rank += seg[j] < v;
+            items[lo + rank] = v;
         }
     }
 }

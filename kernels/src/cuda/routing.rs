@@ -11,7 +11,7 @@ use cudarc::driver::result as drv;
 
 use super::alloc::{driver_err, Block};
 use super::compile::{ELEMENTWISE, ROUTING};
-use super::{float_sfx, grid_for, launch, Cuda};
+use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
 use crate::backend::{Device, DropPolicy, RoutingOps, RoutingPlan};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
@@ -105,6 +105,7 @@ impl Cuda {
         let offsets = self.scratch(op, (targets + 1) * 4)?;
         let cursor = self.scratch(op, targets * 4)?;
         let items = self.scratch(op, n.max(1) * 4)?;
+        let placed = self.scratch(op, n.max(1) * 4)?;
         self.bind()?;
         self.memset_zero(op, counts.ptr(), targets * 4)?;
         if n > 0 {
@@ -152,15 +153,16 @@ impl Cuda {
                 n as i64,
                 targets as i64,
                 cursor.ptr(),
-                items.ptr()
+                placed.ptr()
             )?;
             let f = self.func(ROUTING, "inv_sort")?;
             launch!(
                 self,
                 f,
-                grid_for(targets),
+                rows_cfg(targets, 128),
                 offsets.ptr(),
                 targets as i64,
+                placed.ptr(),
                 items.ptr()
             )?;
         }
