@@ -278,7 +278,7 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
         let any = self
             .ctx
             .comm
-            .all_reduce(b, &self.ctx.rank.stage, &flag, ReduceOp::Max)?;
+            .all_reduce(b, &self.ctx.rank.world, &flag, ReduceOp::Max)?;
         Ok(b.download(&any)?.to_f64()[0] > 0.0)
     }
 

@@ -199,8 +199,23 @@ fn parallel(spec: &ModelSpec, layout_text: &str) -> RankRun {
     first
 }
 
+/// Four blocks (dense, MoE, dense, MoE), so pp·vpp ≤ 4 stages get a block
+/// each; `tied` shares the embedding table with the head (first and last
+/// stage then hold a copy each).
+fn deep_spec(tied: bool) -> ModelSpec {
+    let mut spec = spec(None);
+    let groups = spec.groups.clone();
+    spec.groups.extend(groups);
+    spec.tied_embeddings = tied;
+    spec
+}
+
 fn check_layouts(capacity: Option<f64>, layouts: &[&str]) {
-    let spec = spec(capacity);
+    check_layouts_of(&spec(capacity), layouts);
+}
+
+fn check_layouts_of(spec: &ModelSpec, layouts: &[&str]) {
+    let spec = spec.clone();
     let (ref_grads, ref_losses) = reference(&spec);
     let mut failures = Vec::new();
     for &text in layouts {
@@ -254,6 +269,35 @@ const LAYOUTS: &[&str] = &[
     "world=8,tp=4,etp=2,ep=4",
 ];
 
+/// Pipelines: 1F1B over 2 and 4 stages, interleaved (vpp = 2), with dp,
+/// and with folded experts on every stage (tp2·pp2 with ep4).
+const PIPELINE_LAYOUTS: &[&str] = &[
+    "world=2,pp=2",
+    "world=4,pp=4",
+    "world=2,pp=2,vpp=2",
+    "world=4,dp=2,pp=2",
+    "world=8,tp=2,pp=2,ep=4",
+];
+
+#[test]
+fn pipeline_layouts_match_one_rank() {
+    check_layouts_of(&deep_spec(false), PIPELINE_LAYOUTS);
+}
+
+/// Tied embeddings under a pipeline: the table's gradient is the sum of the
+/// first stage's (embedding) and the last's (head), over the embedding group.
+#[test]
+fn pipeline_with_tied_embeddings_matches_one_rank() {
+    check_layouts_of(
+        &deep_spec(true),
+        &[
+            "world=2,pp=2",
+            "world=4,tp=2,pp=2",
+            "world=4,pp=2,vpp=2,dp=2",
+        ],
+    );
+}
+
 #[test]
 fn parallel_layouts_match_one_rank_dropless() {
     check_layouts(None, LAYOUTS);
@@ -283,9 +327,39 @@ fn master_copies_shard_and_resume_under_another_layout() {
     });
 }
 
+/// A checkpoint written by a pipeline (tied table, interleaved stages)
+/// resumes on one rank and under another pipeline with the losses of an
+/// uninterrupted one-rank run.
+#[test]
+fn pipeline_checkpoint_resumes_on_one_rank() {
+    resume_across(
+        config(),
+        &deep_spec(true),
+        &[
+            ("world=4,tp=2,pp=2,vpp=2", 0..2),
+            ("world=1", 2..3),
+            ("world=4,pp=4", 3..STEPS),
+        ],
+    );
+}
+
 fn resume_across_layouts(cfg: TrainConfig) {
+    resume_across(
+        cfg,
+        &spec(None),
+        &[
+            ("world=4,tp=2,ep=4", 0..2),
+            ("world=2,dp=2", 2..4),
+            ("world=1", 4..STEPS),
+        ],
+    );
+}
+
+/// Trains `spec` through `runs` (layout, steps), each resuming from the
+/// previous one's gathered checkpoint, and compares the losses with one rank.
+fn resume_across(cfg: TrainConfig, spec: &ModelSpec, runs: &[(&str, std::ops::Range<usize>)]) {
     use foldmoe_core::engine::checkpoint::{parallel_trainer_tensors, restore_trainer};
-    let spec = spec(None);
+    let spec = spec.clone();
     let (_, ref_losses) = reference(&spec);
     let masters = cfg.master_weights == MasterWeights::Bf16AndF32;
     let run = |layout_text: &str,
@@ -317,12 +391,14 @@ fn resume_across_layouts(cfg: TrainConfig) {
         });
         results.remove(0).unwrap()
     };
-    let (first, tensors) = run("world=4,tp=2,ep=4", None, 0..2);
-    check_masters(&tensors, masters);
-    let (second, tensors) = run("world=2,dp=2", Some(tensors), 2..4);
-    check_masters(&tensors, masters);
-    let (third, _) = run("world=1", Some(tensors), 4..STEPS);
-    let losses: Vec<f64> = first.into_iter().chain(second).chain(third).collect();
+    let mut losses = Vec::new();
+    let mut tensors = None;
+    for (layout_text, steps) in runs {
+        let (got, written) = run(layout_text, tensors.take(), steps.clone());
+        check_masters(&written, masters);
+        losses.extend(got);
+        tensors = Some(written);
+    }
     for (step, (got, want)) in losses.iter().zip(&ref_losses).enumerate() {
         assert!(
             (got - want).abs() <= 1e-5 * want.abs(),

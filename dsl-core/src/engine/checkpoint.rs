@@ -21,6 +21,7 @@ use sha2::{Digest, Sha256};
 use super::block::Ffn;
 use super::optim::MASTER_SUFFIX;
 use super::parallel::model::ParallelFfn;
+use super::parallel::trainer::exchange_over_pp;
 use super::parallel::trainer::Gather;
 use super::parallel::{Ctx, ParallelTrainer};
 use super::param::Module;
@@ -287,16 +288,23 @@ pub fn parallel_trainer_tensors<B: Backend>(
             });
         }
     }
-    for (i, block) in trainer.model.blocks.iter().enumerate() {
+    // Each stage holds its layers' biases, named by the full model's index.
+    let mut biases = Vec::new();
+    let layers = trainer.model.global_layers();
+    for (block, &i) in trainer.model.blocks.iter().zip(layers) {
         if let ParallelFfn::Moe(moe) = &block.ffn {
             if let Some(bias) = moe.router.expert_bias() {
-                out.push(NamedTensor {
-                    name: format!("{BIAS_PREFIX}{i}"),
-                    shape: bias.shape().to_vec(),
-                    data: ctx.b.download(bias)?,
-                });
+                let vals = ctx.b.download(bias)?.to_f64();
+                biases.push((format!("{BIAS_PREFIX}{i}"), bias.shape().to_vec(), vals));
             }
         }
+    }
+    for (name, shape, vals) in exchange_over_pp(ctx, biases)? {
+        out.push(NamedTensor {
+            name,
+            shape,
+            data: HostData::F32(vals.into_iter().map(|x| x as f32).collect()),
+        });
     }
     Ok(out)
 }

@@ -1,7 +1,7 @@
 //! The engine under a parallel layout (DESIGN §3–§5): N ranks, each holding
 //! its shard of the model, computing together what one rank computes.
 //!
-//! - **Attention mesh** `tp × dp` (cp and pp come later): attention and the
+//! - **Attention mesh** `tp × dp` (cp comes later): attention and the
 //!   dense MLP are tensor-parallel (column-parallel in, row-parallel out);
 //!   between blocks the hidden states are split along the tokens of the
 //!   micro-batch across the tp group (sequence parallelism), so every
@@ -17,12 +17,19 @@
 //!   parameters are then reduced over dp, expert parameters over edp, by the
 //!   distributed optimizer's reduce-scatter ([`trainer`]).
 //!
+//! - **Pipeline** (`pp`, `vpp`): each stage holds its layers (the layout's
+//!   `pp_rank_layers`) with its own tp×dp and expert meshes; micro-batches
+//!   run in the 1F1B (or interleaved) order of [`pipeline`], activations and
+//!   gradients travel by send/recv between stages, the last stage computes
+//!   the loss, a tied embedding's gradient is summed between first and last.
+//!
 //! The equivalence to one rank is the contract: one rank with gradient
 //! accumulation over the dp micro-batches gives the same losses and
 //! gradients (`tests/parallel_equivalence.rs`).
 
 pub mod model;
 pub mod moe;
+pub mod pipeline;
 pub mod shard;
 pub mod trainer;
 
@@ -60,13 +67,21 @@ pub struct RankLayout {
     pub etp_index: usize,
     /// Expert data-parallel group (expert gradients).
     pub edp: Group,
-    /// Every rank of this rank's pipeline stage (losses, norms, loads).
+    /// Every rank of this rank's pipeline stage (MoE loads, gathers of shards).
     pub stage: Group,
+    /// The pipeline: one rank per stage, same coordinates otherwise, in stage order.
+    pub pp: Group,
+    /// Index in the pp group (the pipeline stage).
+    pub pp_index: usize,
+    /// First and last stage of this rank's pipeline (tied embeddings).
+    pub embedding: Group,
+    /// Every rank (losses, aux losses, gradient norm, agreement to stop).
+    pub world: Group,
 }
 
 impl RankLayout {
     /// `rank`'s groups under `layout`; an error for what the runtime does not
-    /// run yet (pipeline and context parallelism) or a rank outside the world.
+    /// run yet (context parallelism) or a rank outside the world.
     pub fn new(layout: &Layout, rank: usize) -> Result<Self> {
         if rank >= layout.world {
             return Err(EngineError::Invalid(format!(
@@ -74,22 +89,27 @@ impl RankLayout {
                 layout.name, layout.world
             )));
         }
-        if layout.pp > 1 || layout.cp > 1 || layout.vpp > 1 {
+        if layout.cp > 1 {
             return Err(EngineError::Invalid(format!(
-                "layout {}: pp = {}, vpp = {}, cp = {}; the parallel runtime runs tp, dp, ep, \
-                 etp and edp for now: use pp = 1 and cp = 1",
-                layout.name, layout.pp, layout.vpp, layout.cp
+                "layout {}: cp = {}; the parallel runtime runs tp, dp, pp, vpp, ep, etp and edp \
+                 for now: use cp = 1",
+                layout.name, layout.cp
             )));
         }
         let group = |kind| Group::new(layout.group_of(kind, rank));
         let index = |g: &Group| g.index_of(rank).unwrap_or(0);
-        let (tp, dp, ep, etp, edp) = (
+        let (tp, dp, ep, etp, edp, pp) = (
             group(GroupKind::Tp),
             group(GroupKind::Dp),
             group(GroupKind::Ep),
             group(GroupKind::Etp),
             group(GroupKind::Edp),
+            group(GroupKind::Pp),
         );
+        let pp_index = index(&pp);
+        let stage: Vec<usize> = (0..layout.world)
+            .filter(|&r| layout.attention_coords(r).pp == pp_index)
+            .collect();
         Ok(RankLayout {
             layout: layout.clone(),
             rank,
@@ -102,7 +122,11 @@ impl RankLayout {
             ep,
             etp,
             edp,
-            stage: Group::new((0..layout.world).collect()),
+            stage: Group::new(stage),
+            pp,
+            pp_index,
+            embedding: group(GroupKind::Embedding),
+            world: Group::new((0..layout.world).collect()),
         })
     }
 
@@ -117,8 +141,13 @@ impl RankLayout {
             &self.etp,
             &self.edp,
             &self.stage,
+            &self.pp,
+            &self.embedding,
+            &self.world,
         ]
         .into_iter()
+        // A middle stage takes no part in its pipeline's embedding group.
+        .filter(|g| g.index_of(self.rank).is_some())
         .cloned()
         .collect()
     }

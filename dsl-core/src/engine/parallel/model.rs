@@ -15,6 +15,8 @@
 //! micro-batch); a rank's sequence-parallel shard is rows
 //! `tp_index·T/tp .. (tp_index+1)·T/tp` of the flattened `[B·S]` tokens.
 
+use std::ops::Range;
+
 use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::moe::{ParallelMoe, ParallelMoeSaved};
@@ -80,20 +82,51 @@ pub struct ParallelModel<B: Backend> {
     /// The head's vocabulary shard (or tied to `embed`).
     pub head: LmHead<B>,
     vocab_start: usize,
+    /// Indices into `blocks` of each model chunk (virtual stage) of this rank.
+    chunks: Vec<Range<usize>>,
+    /// The full model's layer index of each of `blocks`.
+    layers: Vec<usize>,
 }
 
 /// What [`ParallelModel::backward`] needs from the forward.
-pub struct ParallelSaved<B: Backend> {
-    embed: EmbeddingSaved<B>,
-    /// `[T]` 1 where the token's id is in this rank's vocabulary shard (tp > 1).
-    embed_mask_t: Option<Tensor<B>>,
+pub struct ParallelSaved<B: Backend>(ChunkSaved<B>);
+
+/// The embedding's saved state and, with tp > 1, the `[T]` mask of tokens
+/// whose id is in this rank's vocabulary shard.
+type EmbedSaved<B> = (EmbeddingSaved<B>, Option<Tensor<B>>);
+
+/// What [`ParallelModel::backward_chunk`] needs from a chunk's forward.
+pub struct ChunkSaved<B: Backend> {
+    chunk: usize,
+    /// The first virtual stage's embedding.
+    embed: Option<EmbedSaved<B>>,
     blocks: Vec<BlockSaved<B>>,
+    /// The last virtual stage's head and loss.
+    head: Option<LossSaved<B>>,
+}
+
+/// What the loss's backward needs.
+struct LossSaved<B: Backend> {
     final_norm: NormSaved<B>,
     head: HeadSaved<B>,
     logits_tv: Tensor<B>,
     ce: CeSaved<B>,
     /// `[T]`: valid / count, the gradient of the mean loss per token.
     dloss_t: Tensor<B>,
+}
+
+/// A model chunk's forward.
+pub struct ChunkOut<B: Backend> {
+    /// The output for the next virtual stage (none on the last).
+    pub hidden: Option<Tensor<B>>,
+    /// Mean cross-entropy of the micro-batch, `[1]`, on the last virtual stage.
+    pub loss: Option<Tensor<B>>,
+    /// This rank's part of the chunk's MoE losses, `[1]`.
+    pub aux_loss: Tensor<B>,
+    /// This rank's tokens routed to each expert, `[E]` per MoE layer of the chunk.
+    pub moe_load: Vec<Tensor<B>>,
+    /// Input of [`ParallelModel::backward_chunk`].
+    pub saved: ChunkSaved<B>,
 }
 
 /// What the cross-entropy's backward needs.
@@ -162,8 +195,25 @@ impl<B: Backend> ParallelModel<B> {
             .iter()
             .flat_map(|g| std::iter::repeat_n(g.ffn.clone(), g.count))
             .collect();
-        let mut out_blocks = Vec::with_capacity(blocks.len());
-        for (block, ffn_spec) in blocks.into_iter().zip(ffn_specs) {
+        // This rank's layers, chunk by chunk (the layout's stage assignment).
+        let ranges = rank.layout.pp_rank_layers(rank.pp_index, ffn_specs.len());
+        let layers: Vec<usize> = ranges.iter().flat_map(|r| r.clone()).collect();
+        let mut chunks = Vec::with_capacity(ranges.len());
+        let mut start = 0;
+        for r in &ranges {
+            chunks.push(start..start + r.len());
+            start += r.len();
+        }
+        let mut held: Vec<_> = blocks
+            .into_iter()
+            .zip(ffn_specs)
+            .enumerate()
+            .filter(|(i, _)| layers.contains(i))
+            .map(|(i, pair)| (layers.iter().position(|l| *l == i), pair))
+            .collect();
+        held.sort_by_key(|(at, _)| *at);
+        let mut out_blocks = Vec::with_capacity(held.len());
+        for (_, (block, ffn_spec)) in held {
             let mut attn = block.attn;
             if tp > 1 {
                 match &mut attn {
@@ -207,11 +257,14 @@ impl<B: Backend> ParallelModel<B> {
             blocks: out_blocks,
             final_norm,
             head,
+            chunks,
+            layers,
         })
     }
 
     /// Loss of this dp rank's micro-batch `tokens, targets: [batch·seq_len]`
     /// (host ids, as the data loader gives them; a target of `-1` is ignored).
+    /// The whole model: only without a pipeline (see [`Self::forward_chunk`]).
     pub fn forward(
         &self,
         ctx: &Ctx<B>,
@@ -219,6 +272,86 @@ impl<B: Backend> ParallelModel<B> {
         targets: &[i32],
         seq_len: usize,
     ) -> Result<ParallelOut<B>> {
+        if self.rank.pp.size() > 1 {
+            return Err(EngineError::Invalid(format!(
+                "parallel forward of the whole model on rank {} of a pipeline of {} stages; \
+                 run the stages' chunks with forward_chunk (ParallelTrainer::accumulate does)",
+                self.rank.rank,
+                self.rank.pp.size()
+            )));
+        }
+        let out = self.forward_chunk(ctx, 0, None, tokens, targets, seq_len)?;
+        let loss = out.loss.ok_or_else(|| {
+            EngineError::Invalid("parallel forward: the only stage computed no loss".into())
+        })?;
+        Ok(ParallelOut {
+            loss,
+            aux_loss: out.aux_loss,
+            moe_load: out.moe_load,
+            saved: ParallelSaved(out.saved),
+        })
+    }
+
+    /// Model chunks this rank holds (`vpp`).
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// The virtual pipeline stage of this rank's model chunk `chunk`.
+    pub fn virtual_stage(&self, chunk: usize) -> usize {
+        chunk * self.rank.pp.size() + self.rank.pp_index
+    }
+
+    fn is_first(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) == 0
+    }
+
+    fn is_last(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) + 1 == self.rank.pp.size() * self.chunks.len()
+    }
+
+    /// Whether this rank trains the embedding table: the first stage, and
+    /// the last when the head is tied to it.
+    pub fn owns_embed(&self) -> bool {
+        self.rank.pp_index == 0 || (self.owns_head() && self.head.weight.is_none())
+    }
+
+    /// Whether this rank trains the final norm and the head (the last stage).
+    pub fn owns_head(&self) -> bool {
+        self.rank.pp_index + 1 == self.rank.pp.size()
+    }
+
+    /// Whether this rank's embedding table is the last stage's copy of a tied
+    /// table: its gradient is summed with the first stage's over the
+    /// embedding group, and it is counted once (on the first stage).
+    pub fn embed_is_copy(&self) -> bool {
+        self.rank.pp_index > 0 && self.owns_embed()
+    }
+
+    /// Indices into `blocks` of each of this rank's model chunks.
+    pub fn chunk_ranges(&self) -> &[Range<usize>] {
+        &self.chunks
+    }
+
+    /// The full model's layer index of each of this rank's blocks.
+    pub fn global_layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    /// Forward of model chunk `chunk` on micro-batch `tokens, targets`: the
+    /// first virtual stage embeds `tokens`, the others take `input` (the
+    /// previous virtual stage's output, this rank's sequence-parallel shard);
+    /// the last virtual stage computes the loss, the others return their
+    /// output for the next.
+    pub fn forward_chunk(
+        &self,
+        ctx: &Ctx<B>,
+        chunk: usize,
+        input: Option<Tensor<B>>,
+        tokens: &[i32],
+        targets: &[i32],
+        seq_len: usize,
+    ) -> Result<ChunkOut<B>> {
         let b = ctx.b;
         let t = tokens.len();
         let tp = self.rank.tp.size();
@@ -234,6 +367,66 @@ impl<B: Backend> ParallelModel<B> {
                  (sequence parallelism)"
             )));
         }
+        if chunk >= self.chunks.len() {
+            return Err(EngineError::Invalid(format!(
+                "parallel forward: chunk {chunk} of a rank holding {}",
+                self.chunks.len()
+            )));
+        }
+        let dtype = self.embed.table.value.dtype();
+        let (x_td, embed) = match (self.is_first(chunk), input) {
+            (true, None) => {
+                let (x, saved) = self.embed_tokens(ctx, tokens)?;
+                (x, Some(saved))
+            }
+            (false, Some(x)) => (x, None),
+            (first, _) => {
+                return Err(EngineError::Invalid(format!(
+                    "parallel forward: virtual stage {} {} an input from the previous stage",
+                    self.virtual_stage(chunk),
+                    if first { "takes no" } else { "needs" }
+                )))
+            }
+        };
+
+        let mut x_td = x_td;
+        let mut blocks = Vec::new();
+        let mut aux_loss = b.zeros(&[1], dtype)?;
+        let mut moe_load = Vec::new();
+        for block in &self.blocks[self.chunks[chunk].clone()] {
+            let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, t)?;
+            if let Some(stats) = stats {
+                aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
+                moe_load.push(stats.load);
+            }
+            blocks.push(saved);
+            x_td = y;
+        }
+        let (hidden, loss, head) = if self.is_last(chunk) {
+            let (loss, saved) = self.loss(ctx, &x_td, targets, dtype)?;
+            (None, Some(loss), Some(saved))
+        } else {
+            (Some(x_td), None, None)
+        };
+        Ok(ChunkOut {
+            hidden,
+            loss,
+            aux_loss,
+            moe_load,
+            saved: ChunkSaved {
+                chunk,
+                embed,
+                blocks,
+                head,
+            },
+        })
+    }
+
+    /// Embedding: this rank's vocabulary rows, zero elsewhere, summed over tp.
+    fn embed_tokens(&self, ctx: &Ctx<B>, tokens: &[i32]) -> Result<(Tensor<B>, EmbedSaved<B>)> {
+        let b = ctx.b;
+        let t = tokens.len();
+        let tp = self.rank.tp.size();
         let dtype = self.embed.table.value.dtype();
         let vocab_local = self.embed.table.value.shape()[0];
         let (v0, v1) = (self.vocab_start, self.vocab_start + vocab_local);
@@ -245,6 +438,35 @@ impl<B: Backend> ParallelModel<B> {
                 )));
             }
         }
+        let in_shard = |id: i32| id >= 0 && (id as usize) >= v0 && (id as usize) < v1;
+        let local_ids: Vec<i32> = tokens
+            .iter()
+            .map(|&id| if in_shard(id) { id - v0 as i32 } else { 0 })
+            .collect();
+        let ids_t = b.upload(HostData::I32(local_ids), &[t])?;
+        let (emb_td, embed) = self.embed.forward(b, &ids_t)?;
+        if tp == 1 {
+            return Ok((emb_td, (embed, None)));
+        }
+        let mask: Vec<f64> = tokens
+            .iter()
+            .map(|&id| if in_shard(id) { 1.0 } else { 0.0 })
+            .collect();
+        let mask_t = upload_as(b, mask, &[t], dtype)?;
+        let x = ctx.scatter_tp(&b.mul_rows(&emb_td, &mask_t)?)?;
+        Ok((x, (embed, Some(mask_t))))
+    }
+
+    /// Final norm, head and the mean cross-entropy of the micro-batch.
+    fn loss(
+        &self,
+        ctx: &Ctx<B>,
+        x_td: &Tensor<B>,
+        targets: &[i32],
+        dtype: DType,
+    ) -> Result<(Tensor<B>, LossSaved<B>)> {
+        let b = ctx.b;
+        let t = targets.len();
         for &y in targets {
             if y < -1 || y >= self.spec.vocab as i32 {
                 return Err(EngineError::Invalid(format!(
@@ -253,49 +475,14 @@ impl<B: Backend> ParallelModel<B> {
                 )));
             }
         }
-        let in_shard = |id: i32| id >= 0 && (id as usize) >= v0 && (id as usize) < v1;
-
-        // Embedding: this rank's vocabulary rows, zero elsewhere, summed over tp.
-        let local_ids: Vec<i32> = tokens
-            .iter()
-            .map(|&id| if in_shard(id) { id - v0 as i32 } else { 0 })
-            .collect();
-        let ids_t = b.upload(HostData::I32(local_ids), &[t])?;
-        let (emb_td, embed) = self.embed.forward(b, &ids_t)?;
-        let (x_td, embed_mask_t) = if tp > 1 {
-            let mask: Vec<f64> = tokens
-                .iter()
-                .map(|&id| if in_shard(id) { 1.0 } else { 0.0 })
-                .collect();
-            let mask_t = upload_as(b, mask, &[t], dtype)?;
-            let x = ctx.scatter_tp(&b.mul_rows(&emb_td, &mask_t)?)?;
-            (x, Some(mask_t))
-        } else {
-            (emb_td, None)
-        };
-
-        let mut x_td = x_td;
-        let mut blocks = Vec::with_capacity(self.blocks.len());
-        let mut aux_loss = b.zeros(&[1], dtype)?;
-        let mut moe_load = Vec::new();
-        for block in &self.blocks {
-            let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, t)?;
-            if let Some(stats) = stats {
-                aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
-                moe_load.push(stats.load);
-            }
-            blocks.push(saved);
-            x_td = y;
-        }
-        let (h_td, final_norm) = self.final_norm.forward(b, &x_td)?;
+        let (h_td, final_norm) = self.final_norm.forward(b, x_td)?;
         let h_full = ctx.gather_tp(&h_td)?;
         let (logits_tv, head) = self.head.forward(b, &self.embed, &h_full)?;
-
         let valid: Vec<f64> = targets.iter().map(|&y| f64::from(y >= 0)).collect();
         let count = valid.iter().sum::<f64>();
         let inv = if count > 0.0 { 1.0 / count } else { 0.0 };
         let dloss_t = upload_as(b, valid.iter().map(|v| v * inv).collect(), &[t], dtype)?;
-        let (loss_t, ce) = if tp == 1 {
+        let (loss_t, ce) = if self.rank.tp.size() == 1 {
             let targets_t = b.upload(HostData::I32(targets.to_vec()), &[t])?;
             let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
             (loss_t, CeSaved::Whole { targets_t, lse_t })
@@ -303,22 +490,16 @@ impl<B: Backend> ParallelModel<B> {
             self.vocab_parallel_ce(ctx, &logits_tv, targets, dtype)?
         };
         let loss = b.sum(&b.mul(&loss_t, &dloss_t)?)?;
-        let saved = ParallelSaved {
-            embed,
-            embed_mask_t,
-            blocks,
-            final_norm,
-            head,
-            logits_tv,
-            ce,
-            dloss_t,
-        };
-        Ok(ParallelOut {
+        Ok((
             loss,
-            aux_loss,
-            moe_load,
-            saved,
-        })
+            LossSaved {
+                final_norm,
+                head,
+                logits_tv,
+                ce,
+                dloss_t,
+            },
+        ))
     }
 
     /// Per-token cross-entropy with the vocabulary split over tp:
@@ -412,11 +593,63 @@ impl<B: Backend> ParallelModel<B> {
         saved: ParallelSaved<B>,
         loss_scale: f64,
     ) -> Result<()> {
+        self.backward_chunk(ctx, saved.0, None, loss_scale)?;
+        Ok(())
+    }
+
+    /// Backward of a model chunk's forward: `output_grad` is the gradient of
+    /// its output from the next virtual stage (none on the last, which starts
+    /// from the loss). Returns the gradient of its input for the previous
+    /// virtual stage (none on the first, which ends in the embedding).
+    pub fn backward_chunk(
+        &mut self,
+        ctx: &Ctx<B>,
+        saved: ChunkSaved<B>,
+        output_grad: Option<Tensor<B>>,
+        loss_scale: f64,
+    ) -> Result<Option<Tensor<B>>> {
         let b = ctx.b;
-        let ParallelSaved {
+        let ChunkSaved {
+            chunk,
             embed,
-            embed_mask_t,
             blocks,
+            head,
+        } = saved;
+        let mut dx_td = match (head, output_grad) {
+            (Some(head), None) => self.loss_backward(ctx, head, loss_scale)?,
+            (None, Some(d)) => d,
+            _ => {
+                return Err(EngineError::Invalid(
+                    "parallel backward: a chunk needs either the loss or its output's gradient"
+                        .into(),
+                ))
+            }
+        };
+        let range = self.chunks[chunk].clone();
+        for (block, saved) in self.blocks[range].iter_mut().zip(blocks).rev() {
+            dx_td = block.backward(ctx, &dx_td, saved, loss_scale)?;
+        }
+        let Some((embed, embed_mask_t)) = embed else {
+            return Ok(Some(dx_td));
+        };
+        let demb_td = match &embed_mask_t {
+            Some(mask_t) => b.mul_rows(&ctx.gather_tp(&dx_td)?, mask_t)?,
+            None => dx_td,
+        };
+        self.embed.backward(b, &demb_td, embed)?;
+        Ok(None)
+    }
+
+    /// The cross-entropy, head and final norm backward: the gradient of the
+    /// last block's output.
+    fn loss_backward(
+        &mut self,
+        ctx: &Ctx<B>,
+        saved: LossSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let LossSaved {
             final_norm,
             head,
             logits_tv,
@@ -444,16 +677,7 @@ impl<B: Backend> ParallelModel<B> {
         };
         let dh_full = self.head.backward(b, &mut self.embed, &dlogits_tv, head)?;
         let dh_td = ctx.scatter_tp(&dh_full)?;
-        let mut dx_td = self.final_norm.backward(b, &dh_td, final_norm)?;
-        for (block, saved) in self.blocks.iter_mut().zip(blocks).rev() {
-            dx_td = block.backward(ctx, &dx_td, saved, loss_scale)?;
-        }
-        let demb_td = match &embed_mask_t {
-            Some(mask_t) => b.mul_rows(&ctx.gather_tp(&dx_td)?, mask_t)?,
-            None => dx_td,
-        };
-        self.embed.backward(b, &demb_td, embed)?;
-        Ok(())
+        self.final_norm.backward(b, &dh_td, final_norm)
     }
 
     /// Aux-loss-free balancing after a step, from the loads summed over every
@@ -473,8 +697,12 @@ impl<B: Backend> ParallelModel<B> {
 
     /// Calls `f` on the dense parameters (attention mesh: reduced over dp),
     /// in the full model's visit order.
+    /// Only the parameters this rank trains: the embedding on the first
+    /// stage (and the last when tied), the final norm and head on the last.
     pub fn visit_dense(&self, f: &mut dyn FnMut(&Param<B>)) {
-        f(&self.embed.table);
+        if self.owns_embed() {
+            f(&self.embed.table);
+        }
         for block in &self.blocks {
             block.attn_norm.visit_params(f);
             block.attn.visit_params(f);
@@ -484,13 +712,17 @@ impl<B: Backend> ParallelModel<B> {
                 ParallelFfn::Moe(moe) => moe.visit_dense(f),
             }
         }
-        self.final_norm.visit_params(f);
-        self.head.visit_params(f);
+        if self.owns_head() {
+            self.final_norm.visit_params(f);
+            self.head.visit_params(f);
+        }
     }
 
     /// Mutable [`Self::visit_dense`].
     pub fn visit_dense_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
-        f(&mut self.embed.table);
+        if self.owns_embed() {
+            f(&mut self.embed.table);
+        }
         for block in &mut self.blocks {
             block.attn_norm.visit_params_mut(f);
             block.attn.visit_params_mut(f);
@@ -500,8 +732,10 @@ impl<B: Backend> ParallelModel<B> {
                 ParallelFfn::Moe(moe) => moe.visit_dense_mut(f),
             }
         }
-        self.final_norm.visit_params_mut(f);
-        self.head.visit_params_mut(f);
+        if self.owns_head() {
+            self.final_norm.visit_params_mut(f);
+            self.head.visit_params_mut(f);
+        }
     }
 
     /// Calls `f` on the routed experts' parameters (expert mesh: reduced over edp).

@@ -22,9 +22,10 @@
 
 use std::collections::HashMap;
 
-use foldmoe_kernels::{AdamWConfig, Backend, DType, Group, Tensor};
+use foldmoe_kernels::{AdamWConfig, Backend, DType, Group, HostData, ReduceOp, Tensor};
 
-use super::model::ParallelModel;
+use super::model::{ParallelFfn, ParallelModel};
+use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{cut_block, place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::{Ctx, RankLayout};
 use crate::engine::optim::MASTER_SUFFIX;
@@ -41,6 +42,9 @@ struct Kind {
     decay: bool,
     /// Replicated over tp (its gradient summed there first).
     tp_replicated: bool,
+    /// The last pipeline stage's copy of a tied embedding table: its
+    /// gradient is the first stage's, so the norm counts it there only.
+    pp_copy: bool,
 }
 
 /// A flat buffer of parameters of one [`Kind`], and this rank's optimizer
@@ -101,6 +105,9 @@ pub struct ParallelTrainer<B: Backend> {
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
 fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(Kind, usize, Option<Box<ShardSpec>>)> {
     let mut out = Vec::new();
+    let copy = model
+        .embed_is_copy()
+        .then(|| model.embed.table.name.clone());
     let mut push = |p: &Param<B>, expert: bool| {
         let full_rank = p
             .shard
@@ -114,6 +121,7 @@ fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(Kind, usize, Option<B
             expert,
             decay: full_rank > 1,
             tp_replicated: !expert && !tp_split,
+            pp_copy: copy.as_ref() == Some(&p.name),
         };
         out.push((kind, p.value.numel(), p.shard.clone()));
     };
@@ -319,9 +327,12 @@ impl<B: Backend> ParallelTrainer<B> {
     }
 
     /// Forward and backward of this dp rank's micro-batches (`(tokens,
-    /// targets)` of `batch·seq_len` each); gradients are this rank's, not yet
-    /// reduced. Returns `(loss, aux, loads)` summed over the micro-batches
-    /// (loss and aux scaled by `1 / (dp · micro-batches)`), still local.
+    /// targets)` of `batch·seq_len` each) in the pipeline's 1F1B order
+    /// (interleaved with vpp > 1; plain accumulation without a pipeline);
+    /// gradients are this rank's, not yet reduced. Returns `(loss, aux,
+    /// loads)` summed over the micro-batches (loss and aux scaled by
+    /// `1 / (dp · micro-batches)`; the loss zero off the last stage), still
+    /// local.
     pub fn accumulate(
         &mut self,
         ctx: &Ctx<B>,
@@ -349,20 +360,90 @@ impl<B: Backend> ParallelTrainer<B> {
         let dtype = self.model.embed.table.value.dtype();
         let mut loss = b.zeros(&[1], dtype)?;
         let mut aux = b.zeros(&[1], dtype)?;
-        let mut loads: Vec<Tensor<B>> = Vec::new();
-        for (tokens, targets) in micro_batches {
-            let out = self.model.forward(ctx, tokens, targets, seq_len)?;
-            b.axpy(&mut loss, scale, &out.loss)?;
-            b.axpy(&mut aux, scale, &out.aux_loss)?;
-            if loads.is_empty() {
-                loads = out.moe_load;
-            } else {
-                for (acc, l) in loads.iter_mut().zip(&out.moe_load) {
-                    b.axpy(acc, 1.0, l)?;
+        let mut loads: Vec<Option<Tensor<B>>> = Vec::new();
+        let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
+        let pp_ranks = ctx.rank.pp.ranks().to_vec();
+        let last = pp * vpp - 1;
+        let ops = schedule(pp, vpp, micro_batches.len(), ctx.rank.pp_index)?;
+        let mut mailbox = Mailbox::new(&pp_ranks, ctx.rank.pp_index, vpp, micro_batches.len())?;
+        let mut saved = HashMap::new();
+        // MoE layers of the chunks before each chunk: where its loads go.
+        let mut moe_before = vec![0; vpp + 1];
+        for (v, range) in self.model.chunk_ranges().iter().enumerate() {
+            let moe = self.model.blocks[range.clone()]
+                .iter()
+                .filter(|bl| matches!(bl.ffn, ParallelFfn::Moe(_)))
+                .count();
+            moe_before[v + 1] = moe_before[v] + moe;
+        }
+        loads.resize(moe_before[vpp], None);
+        for op in ops {
+            let (tokens, targets) = &micro_batches[op.micro];
+            let stage = self.model.virtual_stage(op.chunk);
+            match op.pass {
+                Pass::F => {
+                    let input = if stage == 0 {
+                        None
+                    } else {
+                        let tag = Tag {
+                            pass: Pass::F,
+                            micro: op.micro,
+                            stage,
+                        };
+                        Some(mailbox.take(ctx, &pp_ranks, tag)?)
+                    };
+                    let out = self
+                        .model
+                        .forward_chunk(ctx, op.chunk, input, tokens, targets, seq_len)?;
+                    if let Some(l) = &out.loss {
+                        b.axpy(&mut loss, scale, l)?;
+                    }
+                    b.axpy(&mut aux, scale, &out.aux_loss)?;
+                    for (acc, l) in loads[moe_before[op.chunk]..].iter_mut().zip(out.moe_load) {
+                        match acc {
+                            Some(acc) => b.axpy(acc, 1.0, &l)?,
+                            None => *acc = Some(l),
+                        }
+                    }
+                    if let Some(h) = &out.hidden {
+                        ctx.comm.send(b, pp_ranks[(stage + 1) % pp], h)?;
+                    }
+                    saved.insert((op.micro, op.chunk), out.saved);
+                }
+                Pass::B => {
+                    let chunk_saved = saved.remove(&(op.micro, op.chunk)).ok_or_else(|| {
+                        EngineError::Invalid(format!(
+                            "pipeline: backward of micro-batch {} chunk {} before its forward",
+                            op.micro, op.chunk
+                        ))
+                    })?;
+                    let output_grad = if stage == last {
+                        None
+                    } else {
+                        let tag = Tag {
+                            pass: Pass::B,
+                            micro: op.micro,
+                            stage,
+                        };
+                        Some(mailbox.take(ctx, &pp_ranks, tag)?)
+                    };
+                    let input_grad =
+                        self.model
+                            .backward_chunk(ctx, chunk_saved, output_grad, scale)?;
+                    if let Some(d) = &input_grad {
+                        ctx.comm.send(b, pp_ranks[(stage - 1) % pp], d)?;
+                    }
                 }
             }
-            self.model.backward(ctx, out.saved, scale)?;
         }
+        let loads = loads
+            .into_iter()
+            .map(|l| {
+                l.ok_or_else(|| {
+                    EngineError::Invalid("pipeline: an MoE layer ran no forward".into())
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok((loss, aux, loads))
     }
 
@@ -370,6 +451,14 @@ impl<B: Backend> ParallelTrainer<B> {
     /// reduce-scatters every bucket over its data-parallel group.
     pub fn reduce_gradients(&mut self, ctx: &Ctx<B>) -> Result<GradChunks<B>> {
         let b = ctx.b;
+        let tied = self.model.head.weight.is_none();
+        if tied && ctx.rank.embedding.size() > 1 && self.model.owns_embed() {
+            // A tied table gets the embedding's gradient on the first stage
+            // and the head's on the last: each needs their sum.
+            let g = &self.model.embed.table.grad;
+            let summed = ctx.sum_over(&ctx.rank.embedding, g)?;
+            self.model.embed.table.grad = summed;
+        }
         let mut grads = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| grads.push(p.grad.clone()));
         if ctx.rank.tp.size() > 1 {
@@ -414,12 +503,12 @@ impl<B: Backend> ParallelTrainer<B> {
         let dtype = self.model.embed.table.value.dtype();
         let mut total = b.zeros(&[1], dtype)?;
         for (g, bk) in grads.chunks.iter().zip(&self.buckets) {
-            if bk.kind.tp_replicated && ctx.rank.tp_index != 0 {
+            if (bk.kind.tp_replicated && ctx.rank.tp_index != 0) || bk.kind.pp_copy {
                 continue;
             }
             total = b.add(&total, &b.sum_squares(g)?)?;
         }
-        let total = ctx.sum_over(&ctx.rank.stage, &total)?;
+        let total = ctx.sum_over(&ctx.rank.world, &total)?;
         Ok(b.download(&total)?.to_f64()[0].sqrt())
     }
 
@@ -435,8 +524,10 @@ impl<B: Backend> ParallelTrainer<B> {
         let step = self.step + 1;
         let (loss, aux, mut loads) = self.accumulate(ctx, micro_batches, seq_len)?;
         let rank = ctx.rank;
-        let loss = ctx.sum_over(&rank.dp, &loss)?;
-        let aux = ctx.sum_over(&rank.stage, &aux)?;
+        // The last stage's loss, summed over dp, reaches every stage
+        // (the others add zeros), so every rank reports it.
+        let loss = ctx.sum_over(&rank.pp, &ctx.sum_over(&rank.dp, &loss)?)?;
+        let aux = ctx.sum_over(&rank.world, &aux)?;
         let (loss, aux_loss) = (
             b.download(&loss)?.to_f64()[0],
             b.download(&aux)?.to_f64()[0],
@@ -465,7 +556,13 @@ impl<B: Backend> ParallelTrainer<B> {
             *load = ctx.sum_over(&rank.stage, load)?;
         }
         self.model.update_expert_biases(b, &loads)?;
-        let load_imbalance = load_imbalance(b, &loads)?;
+        let mut load_imbalance = load_imbalance(b, &loads)?;
+        if rank.pp.size() > 1 {
+            // Each stage saw its own MoE layers: the worst over the pipeline.
+            let mine = upload_as(b, vec![load_imbalance], &[1], DType::F32)?;
+            let worst = ctx.comm.all_reduce(b, &rank.pp, &mine, ReduceOp::Max)?;
+            load_imbalance = b.download(&worst)?.to_f64()[0];
+        }
         Ok(StepStats {
             loss,
             aux_loss,
@@ -587,7 +684,7 @@ impl<B: Backend> ParallelTrainer<B> {
                 .to_f64();
             let mut full = vec![0.0; full_shape.iter().product()];
             let layout = &ctx.rank.layout;
-            for (r, block) in all.chunks(numel).enumerate() {
+            for (&r, block) in ctx.rank.stage.ranks().iter().zip(all.chunks(numel)) {
                 let (att, exp) = (layout.attention_coords(r), layout.expert_coords(r));
                 let splits = spec
                     .splits
@@ -609,6 +706,92 @@ impl<B: Backend> ParallelTrainer<B> {
             }
             out.push((name, full_shape, full));
         }
-        Ok(out)
+        exchange_over_pp(ctx, out)
     }
+}
+
+/// Every pipeline stage's full tensors, on every rank: each rank sends its
+/// stage's list to the other members of its pp group (names and shapes as
+/// one i32 header, values as one tensor), and the lists are joined in stage
+/// order, a tied embedding (held by the first and last stage) kept once.
+pub fn exchange_over_pp<B: Backend>(
+    ctx: &Ctx<B>,
+    mine: Vec<FullTensor>,
+) -> Result<Vec<FullTensor>> {
+    let b = ctx.b;
+    let pp = ctx.rank.pp.ranks();
+    if pp.len() == 1 {
+        return Ok(mine);
+    }
+    let mut header = vec![mine.len() as i32];
+    let mut values = Vec::new();
+    for (name, shape, vals) in &mine {
+        header.push(name.len() as i32);
+        header.extend(name.bytes().map(i32::from));
+        header.push(shape.len() as i32);
+        header.extend(shape.iter().map(|&d| d as i32));
+        values.extend_from_slice(vals);
+    }
+    let n_header = header.len();
+    let header_t = b.upload(HostData::I32(header), &[n_header])?;
+    // f64 values where the backend keeps them, else f32 (parameters and
+    // their state are f32 or narrower there).
+    let n_values = values.len();
+    let values_t = b
+        .upload(HostData::F64(values.clone()), &[n_values])
+        .or_else(|_| {
+            b.upload(
+                HostData::F32(values.iter().map(|&x| x as f32).collect()),
+                &[n_values],
+            )
+        })?;
+    for &peer in pp {
+        if peer != ctx.rank.rank {
+            ctx.comm.send(b, peer, &header_t)?;
+            ctx.comm.send(b, peer, &values_t)?;
+        }
+    }
+    let mut out: Vec<FullTensor> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for &peer in pp {
+        let list = if peer == ctx.rank.rank {
+            mine.clone()
+        } else {
+            let header = match b.download(&ctx.comm.recv(b, peer)?)? {
+                HostData::I32(h) => h,
+                _ => {
+                    return Err(EngineError::Invalid(
+                        "pipeline gather: header is not i32".into(),
+                    ))
+                }
+            };
+            let values = b.download(&ctx.comm.recv(b, peer)?)?.to_f64();
+            let mut list = Vec::new();
+            let (mut h, mut v) = (1, 0);
+            for _ in 0..header[0] {
+                let len = header[h] as usize;
+                let name: String = header[h + 1..h + 1 + len]
+                    .iter()
+                    .map(|&c| c as u8 as char)
+                    .collect();
+                h += 1 + len;
+                let dims = header[h] as usize;
+                let shape: Vec<usize> = header[h + 1..h + 1 + dims]
+                    .iter()
+                    .map(|&d| d as usize)
+                    .collect();
+                h += 1 + dims;
+                let n: usize = shape.iter().product();
+                list.push((name, shape, values[v..v + n].to_vec()));
+                v += n;
+            }
+            list
+        };
+        for t in list {
+            if seen.insert(t.0.clone()) {
+                out.push(t);
+            }
+        }
+    }
+    Ok(out)
 }
