@@ -258,11 +258,9 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
     }
 
     fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
-        let out = self
+        Ok(self
             .trainer
-            .model
-            .forward(self.ctx, &batch.0, &batch.1, self.seq_len)?;
-        Ok(self.ctx.b.download(&out.loss)?.to_f64()[0])
+            .evaluate(self.ctx, &batch.0, &batch.1, self.seq_len)?)
     }
 
     fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError> {
@@ -422,6 +420,11 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             )))
         }
     };
+    if let Some(l) = layout.as_ref().filter(|l| l.pp > 1) {
+        // The schedule's own check, before the run directory is made.
+        foldmoe::core::engine::parallel::pipeline::schedule(l.pp, l.vpp, micro_batches / dp, 0)
+            .map_err(|e| CliError::usage(format!("--micro-batches {micro_batches}: {e}")))?;
+    }
     let seqs = TrainSettings {
         micro_batches,
         ..settings.clone()

@@ -399,8 +399,22 @@ fn bad_parallel_flags_give_one_line_errors() {
         "capacity-factor",
     );
     assert_fails_with(
-        &train(&dir.join("e"), &["--ranks", "2", "--layout", "pp=2"]),
-        "pp",
+        &train(&dir.join("e"), &["--ranks", "2", "--layout", "cp=2"]),
+        "cp",
+    );
+    assert_fails_with(
+        &train(
+            &dir.join("f"),
+            &[
+                "--ranks",
+                "2",
+                "--layout",
+                "pp=2,vpp=2",
+                "--micro-batches",
+                "3",
+            ],
+        ),
+        "multiple of pp = 2",
     );
 }
 

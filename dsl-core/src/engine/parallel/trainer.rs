@@ -447,6 +447,40 @@ impl<B: Backend> ParallelTrainer<B> {
         Ok((loss, aux, loads))
     }
 
+    /// Mean loss of one batch without gradients (validation), equal on every
+    /// rank: the batch passes the virtual stages in order, each sending its
+    /// output to the next, and the last stage's loss is summed over pp.
+    pub fn evaluate(
+        &self,
+        ctx: &Ctx<B>,
+        tokens: &[i32],
+        targets: &[i32],
+        seq_len: usize,
+    ) -> Result<f64> {
+        let b = ctx.b;
+        let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
+        let pp_ranks = ctx.rank.pp.ranks();
+        let mut loss = b.zeros(&[1], self.model.embed.table.value.dtype())?;
+        for chunk in 0..vpp {
+            let stage = self.model.virtual_stage(chunk);
+            let input = if stage == 0 {
+                None
+            } else {
+                Some(ctx.comm.recv(b, pp_ranks[(stage - 1) % pp])?)
+            };
+            let out = self
+                .model
+                .forward_chunk(ctx, chunk, input, tokens, targets, seq_len)?;
+            if let Some(h) = &out.hidden {
+                ctx.comm.send(b, pp_ranks[(stage + 1) % pp], h)?;
+            }
+            if let Some(l) = out.loss {
+                loss = l;
+            }
+        }
+        Ok(b.download(&ctx.sum_over(&ctx.rank.pp, &loss)?)?.to_f64()[0])
+    }
+
     /// Steps 2–3: sums tp-replicated gradients over tp (one all-reduce), then
     /// reduce-scatters every bucket over its data-parallel group.
     pub fn reduce_gradients(&mut self, ctx: &Ctx<B>) -> Result<GradChunks<B>> {
