@@ -100,6 +100,9 @@ pub struct ParallelTrainer<B: Backend> {
     /// Every parameter's kind, in optimizer order.
     kinds: Vec<Kind>,
     step: u64,
+    /// Time the last [`Self::accumulate`] waited for other stages'
+    /// activations and gradients (the pipeline bubble, with transfer time).
+    pub pipeline_wait: std::time::Duration,
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
@@ -229,6 +232,7 @@ impl<B: Backend> ParallelTrainer<B> {
             buckets,
             kinds: params.into_iter().map(|(k, _, _)| k).collect(),
             step: 0,
+            pipeline_wait: std::time::Duration::ZERO,
         })
     }
 
@@ -367,6 +371,7 @@ impl<B: Backend> ParallelTrainer<B> {
         let ops = schedule(pp, vpp, micro_batches.len(), ctx.rank.pp_index)?;
         let mut mailbox = Mailbox::new(&pp_ranks, ctx.rank.pp_index, vpp, micro_batches.len())?;
         let mut saved = HashMap::new();
+        self.pipeline_wait = std::time::Duration::ZERO;
         // MoE layers of the chunks before each chunk: where its loads go.
         let mut moe_before = vec![0; vpp + 1];
         for (v, range) in self.model.chunk_ranges().iter().enumerate() {
@@ -390,7 +395,10 @@ impl<B: Backend> ParallelTrainer<B> {
                             micro: op.micro,
                             stage,
                         };
-                        Some(mailbox.take(ctx, &pp_ranks, tag)?)
+                        let waited = std::time::Instant::now();
+                        let x = mailbox.take(ctx, &pp_ranks, tag)?;
+                        self.pipeline_wait += waited.elapsed();
+                        Some(x)
                     };
                     let out = self
                         .model
@@ -425,7 +433,10 @@ impl<B: Backend> ParallelTrainer<B> {
                             micro: op.micro,
                             stage,
                         };
-                        Some(mailbox.take(ctx, &pp_ranks, tag)?)
+                        let waited = std::time::Instant::now();
+                        let d = mailbox.take(ctx, &pp_ranks, tag)?;
+                        self.pipeline_wait += waited.elapsed();
+                        Some(d)
                     };
                     let input_grad =
                         self.model
