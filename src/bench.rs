@@ -247,16 +247,32 @@ fn time_iters(
     step: &mut dyn FnMut() -> Result<(), CliError>,
     settle: &dyn Fn() -> Result<(), CliError>,
 ) -> Result<Vec<f64>, CliError> {
-    for _ in 0..o.warmup {
+    // Progress goes to stderr (stdout is the report): a slow first step
+    // (kernel compilation, allocator warm-up) is told apart from a hang.
+    for i in 0..o.warmup {
+        let t0 = Instant::now();
         step()?;
+        settle()?;
+        eprintln!(
+            "bench: warm-up {}/{}: {:.3} s",
+            i + 1,
+            o.warmup,
+            t0.elapsed().as_secs_f64()
+        );
     }
     settle()?;
     let mut times = Vec::with_capacity(o.iters);
-    for _ in 0..o.iters {
+    for i in 0..o.iters {
         let t0 = Instant::now();
         step()?;
         settle()?;
         times.push(t0.elapsed().as_secs_f64());
+        eprintln!(
+            "bench: iteration {}/{}: {:.1} ms",
+            i + 1,
+            o.iters,
+            times[i] * 1e3
+        );
     }
     Ok(times)
 }
@@ -394,7 +410,9 @@ fn model_step<B: BenchDevice>(
 ) -> Result<Value, CliError> {
     let seqs = checked_model(o, spec)?;
     let (t, s) = (o.tokens, spec.seq_len);
+    let t0 = Instant::now();
     let model = Model::new(b, spec, 1, dtype)?;
+    eprintln!("bench: model built in {:.1} s", t0.elapsed().as_secs_f64());
     let (params, active) = spec.param_counts();
     let mut trainer = Trainer::new(b, model, TrainConfig::default())?;
     let (x, y) = random_tokens(t, spec.vocab);
@@ -470,8 +488,20 @@ fn rank_step<B: BenchDevice>(
     let timed = TimedComm::new(comm);
     // A fresh trainer's moments are zero, so the shards start from
     // `ParallelTrainer::new` rather than from a full trainer's state.
-    let model = ParallelModel::from_model(b, Model::new(b, spec, 1, dtype)?, rank.clone())?;
+    let t0 = Instant::now();
+    let full = Model::new(b, spec, 1, dtype)?;
+    eprintln!(
+        "bench: rank {}: model built in {:.1} s",
+        rank.rank,
+        t0.elapsed().as_secs_f64()
+    );
+    let model = ParallelModel::from_model(b, full, rank.clone())?;
     let mut trainer = ParallelTrainer::new(b, model, TrainConfig::default())?;
+    eprintln!(
+        "bench: rank {}: shard and optimizer ready at {:.1} s",
+        rank.rank,
+        t0.elapsed().as_secs_f64()
+    );
     let ctx = Ctx {
         b,
         comm: &timed,

@@ -56,28 +56,16 @@ pub trait Device: Clone + Send + Sync + 'static {
     ///
     /// Provided through the host (download, slice, upload), which is exact;
     /// the parallel runtime uses it to cut optimizer shards and received
-    /// blocks. A device overrides it with an on-device copy.
+    /// blocks. CUDA overrides it with an on-device copy.
     fn narrow(&self, t: &Tensor<Self>, start: usize, len: usize) -> Result<Tensor<Self>> {
-        let shape = t.shape();
-        let rows = shape.first().copied().unwrap_or(0);
-        if start + len > rows {
-            return Err(crate::error::shape_err(
-                "narrow",
-                format!(
-                    "rows {start}..{} of a tensor of shape {shape:?}",
-                    start + len
-                ),
-            ));
-        }
-        let row: usize = shape[1..].iter().product();
+        let out_shape = narrow_shape(t.shape(), start, len)?;
+        let row: usize = out_shape[1..].iter().product();
         let (a, b) = (start * row, (start + len) * row);
         let data = match self.download(t)? {
             HostData::F32(v) => HostData::F32(v[a..b].to_vec()),
             HostData::F64(v) => HostData::F64(v[a..b].to_vec()),
             HostData::I32(v) => HostData::I32(v[a..b].to_vec()),
         };
-        let mut out_shape = shape.to_vec();
-        out_shape[0] = len;
         let out = self.upload(data, &out_shape)?;
         if out.dtype() == t.dtype() {
             Ok(out)
@@ -89,29 +77,12 @@ pub trait Device: Clone + Send + Sync + 'static {
     /// Concatenation along dimension 0 of tensors of one dtype whose other
     /// dimensions agree.
     ///
-    /// Provided through the host, exact; a device overrides it with
-    /// on-device copies.
+    /// Provided through the host, exact; CUDA overrides it with on-device
+    /// copies.
     fn concat(&self, parts: &[&Tensor<Self>]) -> Result<Tensor<Self>> {
-        let first = parts.first().ok_or(crate::error::KernelError::Empty {
-            op: "concat",
-            what: "parts",
-        })?;
-        let (dtype, tail) = (first.dtype(), first.shape()[1..].to_vec());
-        let mut rows = 0;
+        let (shape, dtype) = concat_shape(parts)?;
         let mut data: Option<HostData> = None;
         for p in parts {
-            if p.dtype() != dtype || p.shape().len() != tail.len() + 1 || p.shape()[1..] != tail[..]
-            {
-                return Err(crate::error::shape_err(
-                    "concat",
-                    format!(
-                        "part of shape {:?} ({:?}) after parts of shape [_, {tail:?}] ({dtype:?})",
-                        p.shape(),
-                        p.dtype()
-                    ),
-                ));
-            }
-            rows += p.shape()[0];
             let host = self.download(p)?;
             data = Some(match (data, host) {
                 (None, h) => h,
@@ -136,8 +107,6 @@ pub trait Device: Clone + Send + Sync + 'static {
                 }
             });
         }
-        let mut shape = vec![rows];
-        shape.extend(tail);
         let out = self.upload(data.unwrap_or(HostData::F32(Vec::new())), &shape)?;
         if out.dtype() == dtype {
             Ok(out)
@@ -145,6 +114,59 @@ pub trait Device: Clone + Send + Sync + 'static {
             self.cast(&out, dtype)
         }
     }
+}
+
+/// The shape of rows `start..start + len` of a tensor of `shape`, or the
+/// error every backend's [`Device::narrow`] gives.
+pub(crate) fn narrow_shape(shape: &[usize], start: usize, len: usize) -> Result<Vec<usize>> {
+    let rows = shape.first().copied().ok_or_else(|| {
+        crate::error::shape_err("narrow", "a 0-d tensor has no rows to take".to_string())
+    })?;
+    if start + len > rows {
+        return Err(crate::error::shape_err(
+            "narrow",
+            format!(
+                "rows {start}..{} of a tensor of shape {shape:?}",
+                start + len
+            ),
+        ));
+    }
+    let mut out = shape.to_vec();
+    out[0] = len;
+    Ok(out)
+}
+
+/// The shape and dtype of the concatenation of `parts` along dimension 0,
+/// or the error every backend's [`Device::concat`] gives.
+pub(crate) fn concat_shape<D: Device>(parts: &[&Tensor<D>]) -> Result<(Vec<usize>, DType)> {
+    let first = parts.first().ok_or(crate::error::KernelError::Empty {
+        op: "concat",
+        what: "parts",
+    })?;
+    if first.shape().is_empty() {
+        return Err(crate::error::shape_err(
+            "concat",
+            "0-d tensors have no rows to join".to_string(),
+        ));
+    }
+    let (dtype, tail) = (first.dtype(), &first.shape()[1..]);
+    let mut rows = 0;
+    for p in parts {
+        if p.dtype() != dtype || p.shape().len() != tail.len() + 1 || p.shape()[1..] != *tail {
+            return Err(crate::error::shape_err(
+                "concat",
+                format!(
+                    "part of shape {:?} ({:?}) after parts of shape [_, {tail:?}] ({dtype:?})",
+                    p.shape(),
+                    p.dtype()
+                ),
+            ));
+        }
+        rows += p.shape()[0];
+    }
+    let mut shape = vec![rows];
+    shape.extend_from_slice(tail);
+    Ok((shape, dtype))
 }
 
 /// The whole kernel backend: every area of operations on one device.
@@ -164,4 +186,51 @@ impl<T> Backend for T where
         + LossOps
         + OptimOps
 {
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::test_util::*;
+    use crate::error::KernelError;
+    use crate::tensor::DType;
+
+    /// Rows cut and joined in every dtype match the host slices, including
+    /// empty ranges, and bad requests are shape errors.
+    fn narrow_and_concat_copy_rows<B: TestOps>(d: &B) {
+        let v: Vec<f64> = (0..24).map(f64::from).collect();
+        // The CPU stores no bf16.
+        let bf16 = (B::NAME == "cuda").then_some(DType::BF16);
+        for dtype in [DType::F32, DType::F64, DType::I32].into_iter().chain(bf16) {
+            let t = d.cast(&d.t64(&v, &[4, 2, 3]), dtype).unwrap();
+            let mid = d.narrow(&t, 1, 2).unwrap();
+            assert_eq!(mid.shape(), &[2, 2, 3]);
+            assert_eq!(mid.dtype(), dtype);
+            assert_eq!(d.h64(&d.cast(&mid, DType::F64).unwrap()), v[6..18].to_vec());
+            let none = d.narrow(&t, 4, 0).unwrap();
+            assert_eq!(none.shape(), &[0, 2, 3]);
+            let head = d.narrow(&t, 0, 1).unwrap();
+            let tail = d.narrow(&t, 1, 3).unwrap();
+            let joined = d.concat(&[&head, &none, &tail]).unwrap();
+            assert_eq!(joined.shape(), &[4, 2, 3]);
+            assert_eq!(d.h64(&d.cast(&joined, DType::F64).unwrap()), v);
+        }
+        let t = d.t64(&v, &[4, 6]);
+        assert!(matches!(
+            d.narrow(&t, 3, 2),
+            Err(KernelError::ShapeMismatch { .. })
+        ));
+        let other = d.t64(&v[..8], &[2, 4]);
+        assert!(matches!(
+            d.concat(&[&t, &other]),
+            Err(KernelError::ShapeMismatch { .. })
+        ));
+        let f32s = d.cast(&t, DType::F32).unwrap();
+        assert!(matches!(
+            d.concat(&[&t, &f32s]),
+            Err(KernelError::ShapeMismatch { .. })
+        ));
+        assert!(d.concat(&[] as &[&crate::tensor::Tensor<B>]).is_err());
+    }
+
+    device_tests!(narrow_and_concat_copy_rows);
 }

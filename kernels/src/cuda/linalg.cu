@@ -124,15 +124,36 @@ __device__ __forceinline__ void load8(bf16* dst, const bf16* src, bool ok, i64 a
     for (int i = 0; i < 8; ++i) dst[i] = (ok && i < avail) ? src[i] : zero;
 }
 
+// Like load8, but asynchronous (cp.async, zero-filling what is out of
+// bounds) when rows are 16-byte aligned; `safe` is any valid address, read
+// instead of `src` when nothing is copied. Unaligned rows fall back to load8.
+__device__ __forceinline__ void load8_async(bf16* dst, const bf16* src, const bf16* safe, bool ok, i64 avail, bool vec) {
+    if (!vec) {
+        load8(dst, src, ok, avail, false);
+        return;
+    }
+    int bytes = !ok || avail <= 0 ? 0 : (avail >= 8 ? 16 : (int)avail * 2);
+    unsigned sdst = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst), "l"(bytes ? src : safe), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Shared memory of one pipeline stage: the A tile and the B tile.
+#define GM_A_ELEMS (GM_BM * (GM_BK + GM_APAD))
+#define GM_B_ELEMS (GM_BN * (GM_BK + GM_BPAD) > GM_BK * (GM_BN + GM_BPAD) ? GM_BN * (GM_BK + GM_BPAD) : GM_BK * (GM_BN + GM_BPAD))
+
 // TRANS = false: w[g] is [K, N], staged row-major [BK][BN]; TRANS = true:
 // w[g] is [N, K], staged as [BN][BK] and read as a column-major operand, so
 // both layouts load 16 bytes at a time along their contiguous dimension.
+// Two stages: the tiles of step k0 + BK are copied (cp.async) while the
+// tensor cores work on those of k0. The output staging tile reuses the
+// operand buffers once the loop is done (static shared memory is 48 KiB).
 template <bool TRANS>
 __device__ void grouped_mm_tc_impl(const bf16* __restrict__ x, const bf16* __restrict__ w, const i64* __restrict__ offs,
                                    const i64* __restrict__ tiles, bf16* __restrict__ out, i64 k, i64 n, int g) {
-    __shared__ __align__(32) bf16 as[GM_BM][GM_BK + GM_APAD];
-    __shared__ __align__(32) bf16 bsm[GM_BN * (GM_BK + GM_BPAD)];
-    __shared__ __align__(32) float stage[8][16 * 16];
+    __shared__ __align__(128) bf16 smem[2 * (GM_A_ELEMS + GM_B_ELEMS)];
     i64 tile = blockIdx.x;
     if (tile >= tiles[g]) return;
     int lo = 0, hi = g - 1;
@@ -151,32 +172,49 @@ __device__ void grouped_mm_tc_impl(const bf16* __restrict__ x, const bf16* __res
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
     for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-    for (i64 k0 = 0; k0 < k; k0 += GM_BK) {
+    // Issues the copies of the tiles at k0 into stage `st`.
+    auto load_tiles = [&](i64 k0, int st) {
+        bf16* as = smem + st * (GM_A_ELEMS + GM_B_ELEMS);
+        bf16* bsm = as + GM_A_ELEMS;
         // A: 128 × 32, 8 elements per thread-step along k.
         for (int e = threadIdx.x; e < GM_BM * GM_BK / 8; e += 256) {
             int r = e / (GM_BK / 8), c = (e % (GM_BK / 8)) * 8;
             i64 gr = row0 + r, gc = k0 + c;
-            load8(&as[r][c], x + gr * k + gc, gr < row_end, k - gc, vec_k);
+            load8_async(&as[r * (GM_BK + GM_APAD) + c], x + gr * k + gc, x, gr < row_end, k - gc, vec_k);
         }
         if (!TRANS) {
             // B: [BK][BN + pad], 8 elements along n.
             for (int e = threadIdx.x; e < GM_BK * GM_BN / 8; e += 256) {
                 int r = e / (GM_BN / 8), c = (e % (GM_BN / 8)) * 8;
                 i64 gr = k0 + r, gc = col0 + c;
-                load8(&bsm[r * (GM_BN + GM_BPAD) + c], wg + gr * n + gc, gr < k, n - gc, vec_n);
+                load8_async(&bsm[r * (GM_BN + GM_BPAD) + c], wg + gr * n + gc, w, gr < k, n - gc, vec_n);
             }
         } else {
             // B^T: [BN][BK + pad], 8 elements along k.
             for (int e = threadIdx.x; e < GM_BN * GM_BK / 8; e += 256) {
                 int c = e / (GM_BK / 8), r = (e % (GM_BK / 8)) * 8;
                 i64 gr = k0 + r, gc = col0 + c;
-                load8(&bsm[c * (GM_BK + GM_APAD) + r], wg + gc * k + gr, gc < n, k - gr, vec_k);
+                load8_async(&bsm[c * (GM_BK + GM_APAD) + r], wg + gc * k + gr, w, gc < n, k - gr, vec_k);
             }
         }
+        cp_async_commit();
+    };
+    load_tiles(0, 0);
+    int st = 0;
+    for (i64 k0 = 0; k0 < k; k0 += GM_BK, st ^= 1) {
+        if (k0 + GM_BK < k) {
+            load_tiles(k0 + GM_BK, st ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
+        const bf16* as = smem + st * (GM_A_ELEMS + GM_B_ELEMS);
+        const bf16* bsm = as + GM_A_ELEMS;
         for (int kk = 0; kk < GM_BK; kk += 16) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[4];
-            for (int i = 0; i < 4; ++i) wmma::load_matrix_sync(fa[i], &as[wm * 64 + i * 16][kk], GM_BK + GM_APAD);
+            for (int i = 0; i < 4; ++i)
+                wmma::load_matrix_sync(fa[i], &as[(wm * 64 + i * 16) * (GM_BK + GM_APAD) + kk], GM_BK + GM_APAD);
             if (!TRANS) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[2];
                 for (int j = 0; j < 2; ++j)
@@ -191,16 +229,18 @@ __device__ void grouped_mm_tc_impl(const bf16* __restrict__ x, const bf16* __res
                     for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
             }
         }
+        // The next step's copies go into the stage just read.
         __syncthreads();
     }
+    float* stage = reinterpret_cast<float*>(smem) + warp * 256;
     for (int i = 0; i < 4; ++i) {
         for (int j = 0; j < 2; ++j) {
-            wmma::store_matrix_sync(stage[warp], acc[i][j], 16, wmma::mem_row_major);
+            wmma::store_matrix_sync(stage, acc[i][j], 16, wmma::mem_row_major);
             __syncwarp();
             for (int e = lane; e < 256; e += 32) {
                 i64 gr = row0 + wm * 64 + i * 16 + e / 16;
                 i64 gc = col0 + wn * 32 + j * 16 + e % 16;
-                if (gr < row_end && gc < n) out[gr * n + gc] = __float2bfloat16_rn(stage[warp][e]);
+                if (gr < row_end && gc < n) out[gr * n + gc] = __float2bfloat16_rn(stage[e]);
             }
             __syncwarp();
         }
