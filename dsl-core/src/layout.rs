@@ -627,6 +627,14 @@ impl Layout {
         }
     }
 
+    /// The tp×cp group of `rank` (attention mesh): where Megatron-Core
+    /// reduces the MoE balancing statistics and z-loss, since the tokens of a
+    /// micro-batch are spread over the tensor- and context-parallel ranks.
+    pub fn tp_cp_group(&self, rank: usize) -> Vec<usize> {
+        assert!(rank < self.world, "rank {rank} >= world {}", self.world);
+        self.attention_mesh().group(rank, &[S0, S1])
+    }
+
     /// Every group of `kind`, each ascending, ordered by their smallest
     /// rank. For [`GroupKind::Embedding`], only ranks on the first or last
     /// stage belong to a group (other ranks' `group_of` is their pipeline's
@@ -1207,6 +1215,34 @@ fn check_stages(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
     }
 }
 
+/// The two chunks of a sequence cut into `2·cp` that context-parallel rank
+/// `cp_index` holds, in the order it holds them: `cp_index` and `2·cp − 1 −
+/// cp_index`, so that under a causal mask every rank attends over the same
+/// number of key positions (Megatron-Core's load-balanced split).
+pub fn cp_chunks(cp: usize, cp_index: usize) -> [usize; 2] {
+    assert!(cp_index < cp, "cp index {cp_index} >= cp {cp}");
+    [cp_index, 2 * cp - 1 - cp_index]
+}
+
+/// The positions within a sequence of `seq` tokens that context-parallel rank
+/// `cp_index` holds, in its local order (its [`cp_chunks`], each `seq / 2cp`
+/// consecutive positions); `0..seq` for `cp = 1`.
+pub fn cp_positions(seq: usize, cp: usize, cp_index: usize) -> Vec<usize> {
+    if cp == 1 {
+        return (0..seq).collect();
+    }
+    assert!(
+        seq.is_multiple_of(2 * cp),
+        "seq_len {seq} is not a multiple of 2·cp = {}",
+        2 * cp
+    );
+    let chunk = seq / (2 * cp);
+    cp_chunks(cp, cp_index)
+        .iter()
+        .flat_map(|&c| c * chunk..(c + 1) * chunk)
+        .collect()
+}
+
 /// Load-balanced context parallelism cuts each sequence into `2·cp` chunks
 /// (`seq % 2cp == 0`); sequence parallelism splits each rank's `seq/cp`
 /// tokens over tp.
@@ -1535,6 +1571,32 @@ mod tests {
         assert_eq!(l.groups(GroupKind::Edp), [[0, 2], [1, 3]]);
         assert!(!l.sequence_parallel);
         assert_consistent(&l);
+    }
+
+    #[test]
+    fn cp_positions_balance_the_causal_work() {
+        assert_eq!(cp_chunks(2, 0), [0, 3]);
+        assert_eq!(cp_chunks(2, 1), [1, 2]);
+        assert_eq!(cp_positions(8, 2, 0), [0, 1, 6, 7]);
+        assert_eq!(cp_positions(8, 2, 1), [2, 3, 4, 5]);
+        assert_eq!(cp_positions(4, 1, 0), [0, 1, 2, 3]);
+        // Every position held once, and every rank sees the same number of
+        // causal (query, key) pairs.
+        let (seq, cp) = (24, 3);
+        let mut all: Vec<usize> = (0..cp).flat_map(|i| cp_positions(seq, cp, i)).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..seq).collect::<Vec<_>>());
+        let work: Vec<usize> = (0..cp)
+            .map(|i| cp_positions(seq, cp, i).iter().map(|p| p + 1).sum())
+            .collect();
+        assert!(work.iter().all(|&w| w == work[0]), "{work:?}");
+    }
+
+    #[test]
+    fn tp_cp_groups() {
+        let l = ok("world=8,tp=2,cp=2,ep=4", &small());
+        assert_eq!(l.tp_cp_group(5), [4, 5, 6, 7]);
+        assert_eq!(l.tp_cp_group(0), [0, 1, 2, 3]);
     }
 
     #[test]

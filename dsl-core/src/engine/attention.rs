@@ -100,6 +100,26 @@ impl<B: Backend> Attention<B> {
         Ok(())
     }
 
+    /// Query heads held (this rank's under tp).
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// Key/value heads held (this rank's under tp).
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Dimension of a head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// RoPE base.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_theta
+    }
+
     /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of `seq_len`.
     pub fn forward(
         &self,
@@ -181,7 +201,7 @@ impl<B: Backend> Attention<B> {
 
 /// Backward of `d = x·w` seen as heads: accumulates `xᵀ·d` into `w` and
 /// returns this projection's share of `dx`.
-fn project_backward<B: Backend>(
+pub(crate) fn project_backward<B: Backend>(
     b: &B,
     w: &mut Param<B>,
     x_td: &Tensor<B>,

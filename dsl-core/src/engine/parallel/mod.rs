@@ -1,7 +1,7 @@
 //! The engine under a parallel layout (DESIGN §3–§5): N ranks, each holding
 //! its shard of the model, computing together what one rank computes.
 //!
-//! - **Attention mesh** `tp × dp` (cp comes later): attention and the
+//! - **Attention mesh** `tp × cp × dp`: attention and the
 //!   dense MLP are tensor-parallel (column-parallel in, row-parallel out);
 //!   between blocks the hidden states are split along the tokens of the
 //!   micro-batch across the tp group (sequence parallelism), so every
@@ -27,6 +27,7 @@
 //! accumulation over the dp micro-batches gives the same losses and
 //! gradients (`tests/parallel_equivalence.rs`).
 
+pub mod context;
 pub mod model;
 pub mod moe;
 pub mod pipeline;
@@ -57,6 +58,16 @@ pub struct RankLayout {
     pub dp: Group,
     /// Index in the dp group.
     pub dp_index: usize,
+    /// Context-parallel group (the key/value exchange of attention).
+    pub cp: Group,
+    /// Index in the cp group.
+    pub cp_index: usize,
+    /// Data × context parallel group: where dense gradients are reduced and
+    /// the dense optimizer state is sharded (the dp group when cp = 1).
+    pub dp_cp: Group,
+    /// Tensor × context parallel group: where the MoE balancing statistics
+    /// and z-loss are reduced (the tp group when cp = 1).
+    pub tp_cp: Group,
     /// Expert-parallel group (token all-to-all).
     pub ep: Group,
     /// Index in the ep group.
@@ -80,8 +91,7 @@ pub struct RankLayout {
 }
 
 impl RankLayout {
-    /// `rank`'s groups under `layout`; an error for what the runtime does not
-    /// run yet (context parallelism) or a rank outside the world.
+    /// `rank`'s groups under `layout`; an error for a rank outside the world.
     pub fn new(layout: &Layout, rank: usize) -> Result<Self> {
         if rank >= layout.world {
             return Err(EngineError::Invalid(format!(
@@ -89,15 +99,9 @@ impl RankLayout {
                 layout.name, layout.world
             )));
         }
-        if layout.cp > 1 {
-            return Err(EngineError::Invalid(format!(
-                "layout {}: cp = {}; the parallel runtime runs tp, dp, pp, vpp, ep, etp and edp \
-                 for now: use cp = 1",
-                layout.name, layout.cp
-            )));
-        }
         let group = |kind| Group::new(layout.group_of(kind, rank));
         let index = |g: &Group| g.index_of(rank).unwrap_or(0);
+        let cp = group(GroupKind::Cp);
         let (tp, dp, ep, etp, edp, pp) = (
             group(GroupKind::Tp),
             group(GroupKind::Dp),
@@ -115,6 +119,10 @@ impl RankLayout {
             rank,
             tp_index: index(&tp),
             dp_index: index(&dp),
+            cp_index: index(&cp),
+            cp,
+            dp_cp: group(GroupKind::DpCp),
+            tp_cp: Group::new(layout.tp_cp_group(rank)),
             ep_index: index(&ep),
             etp_index: index(&etp),
             tp,
@@ -149,6 +157,12 @@ impl RankLayout {
         // A middle stage takes no part in its pipeline's embedding group.
         .filter(|g| g.index_of(self.rank).is_some())
         .cloned()
+        // Without cp these equal tp and dp: only context parallelism adds groups.
+        .chain(if self.cp.size() > 1 {
+            vec![self.cp.clone(), self.dp_cp.clone(), self.tp_cp.clone()]
+        } else {
+            Vec::new()
+        })
         .collect()
     }
 }

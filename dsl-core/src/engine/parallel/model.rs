@@ -171,6 +171,14 @@ impl<B: Backend> ParallelModel<B> {
             final_norm,
             mut head,
         } = model;
+        if rank.cp.size() > 1 {
+            return Err(EngineError::Invalid(format!(
+                "layout {}: cp = {}; the parallel runtime runs tp, dp, pp, vpp, ep, etp and edp \
+                 for now: use cp = 1",
+                rank.layout.name,
+                rank.cp.size()
+            )));
+        }
         let (tp, tp_i) = (rank.tp.size(), rank.tp_index);
         let vocab_split = vec![Split {
             axis: SplitAxis::Tp,

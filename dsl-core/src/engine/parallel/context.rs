@@ -1,0 +1,421 @@
+//! Context parallelism (cp): the sequence of every micro-batch cut into
+//! `2·cp` chunks, context-parallel rank `i` holding chunks `i` and
+//! `2·cp − 1 − i` (the layout's [`cp_positions`], Megatron-Core's causal load
+//! balance). Everything but attention is per token and runs on the rank's
+//! tokens; attention needs every earlier key.
+//!
+//! **Exchange: all-gather of K and V** over the cp group (not a ring): the
+//! simplest exact scheme, one collective each way, at the cost of holding the
+//! whole sequence's keys and values. Its backward sums every rank's key and
+//! value gradients and gives each owner its rows: a reduce-scatter.
+//!
+//! The backend's attention is causal over a whole `[B, S, H, Hd]` sequence,
+//! so a query chunk `g` (positions `g·c .. (g+1)·c`, `c = S / 2cp`) is run
+//! against the key prefix `0 .. (g+1)·c` with its queries placed at the end of
+//! a zero-padded query block: the diagonal block is then causal and the
+//! earlier blocks fully visible, exactly as in the one-rank attention, and
+//! RoPE sees each token's original position. Padding rows get a zero output
+//! gradient, which makes their contribution to every gradient exactly zero.
+//!
+//! Shapes: B sequences of the micro-batch, S sequence, L = S / cp tokens of
+//! a sequence held here, c = S / 2cp chunk, T = B·L tokens held, D hidden,
+//! Hq / Hkv heads held (under tp), Hd head dim, P = (g+1)·c a key prefix.
+
+use foldmoe_kernels::{Backend, HostData, Tensor};
+
+use super::Ctx;
+use crate::engine::attention::{project_backward, Attention};
+use crate::engine::{EngineError, Result};
+use crate::layout::{cp_chunks, cp_positions};
+
+/// This cp rank's part of `x` (one value per token of sequences of
+/// `seq_len`): its two chunks of every sequence, in its local order.
+pub fn split_sequences<T: Copy>(
+    x: &[T],
+    seq_len: usize,
+    cp: usize,
+    cp_index: usize,
+) -> Result<Vec<T>> {
+    if cp == 1 {
+        return Ok(x.to_vec());
+    }
+    if seq_len == 0 || !seq_len.is_multiple_of(2 * cp) || !x.len().is_multiple_of(seq_len) {
+        return Err(EngineError::Invalid(format!(
+            "context parallel: {} tokens in sequences of {seq_len} do not split into 2·cp = {} \
+             chunks per sequence",
+            x.len(),
+            2 * cp
+        )));
+    }
+    let positions = cp_positions(seq_len, cp, cp_index);
+    Ok(x.chunks(seq_len)
+        .flat_map(|s| positions.iter().map(move |&p| s[p]))
+        .collect())
+}
+
+/// Row indices (for `permute`) of one micro-batch's exchange, built on the host.
+struct CpIndex<B: Backend> {
+    /// `[B·S]`: natural row `bi·S + s` ← row of the cp-gathered `[cp·T]`.
+    natural_src: Tensor<B>,
+    /// `[cp·T]`: gathered row ← natural row (the inverse, for the gradients).
+    gathered_src: Tensor<B>,
+    /// Per held chunk: `(g, prefix_src [B·P] into natural rows, q_pad_src
+    /// [B·P] into [local T rows; a zero row], chunk_src [B·c] into [B·P])`.
+    slots: Vec<Slot<B>>,
+    /// `[T]`: local row ← row of [chunk 0's B·c rows; chunk 1's B·c rows].
+    assemble_src: Tensor<B>,
+    batch: usize,
+    seq: usize,
+}
+
+struct Slot<B: Backend> {
+    prefix: usize,
+    prefix_src: Tensor<B>,
+    q_pad_src: Tensor<B>,
+    chunk_src: Tensor<B>,
+}
+
+fn ids<B: Backend>(b: &B, v: Vec<usize>) -> Result<Tensor<B>> {
+    let n = v.len();
+    Ok(b.upload(
+        HostData::I32(v.into_iter().map(|i| i as i32).collect()),
+        &[n],
+    )?)
+}
+
+impl<B: Backend> CpIndex<B> {
+    fn new(b: &B, batch: usize, seq: usize, cp: usize, cp_index: usize) -> Result<Self> {
+        let local = seq / cp;
+        let chunk = seq / (2 * cp);
+        let t = batch * local;
+        let mut natural = vec![0; batch * seq];
+        let mut gathered = vec![0; cp * t];
+        for r in 0..cp {
+            for (p, &s) in cp_positions(seq, cp, r).iter().enumerate() {
+                for bi in 0..batch {
+                    natural[bi * seq + s] = r * t + bi * local + p;
+                    gathered[r * t + bi * local + p] = bi * seq + s;
+                }
+            }
+        }
+        let mut slots = Vec::with_capacity(2);
+        for (j, &g) in cp_chunks(cp, cp_index).iter().enumerate() {
+            let prefix = (g + 1) * chunk;
+            let mut prefix_src = Vec::with_capacity(batch * prefix);
+            let mut q_pad_src = Vec::with_capacity(batch * prefix);
+            let mut chunk_src = Vec::with_capacity(batch * chunk);
+            for bi in 0..batch {
+                for s in 0..prefix {
+                    prefix_src.push(bi * seq + s);
+                    // Index t is the zero row appended after the local rows.
+                    q_pad_src.push(if s < g * chunk {
+                        t
+                    } else {
+                        bi * local + j * chunk + s - g * chunk
+                    });
+                }
+                chunk_src.extend((g * chunk..prefix).map(|s| bi * prefix + s));
+            }
+            slots.push(Slot {
+                prefix,
+                prefix_src: ids(b, prefix_src)?,
+                q_pad_src: ids(b, q_pad_src)?,
+                chunk_src: ids(b, chunk_src)?,
+            });
+        }
+        let mut assemble = vec![0; t];
+        for j in 0..2 {
+            for bi in 0..batch {
+                for u in 0..chunk {
+                    assemble[bi * local + j * chunk + u] = j * batch * chunk + bi * chunk + u;
+                }
+            }
+        }
+        Ok(CpIndex {
+            natural_src: ids(b, natural)?,
+            gathered_src: ids(b, gathered)?,
+            slots,
+            assemble_src: ids(b, assemble)?,
+            batch,
+            seq,
+        })
+    }
+}
+
+/// What [`backward`] needs from [`forward`].
+pub struct CpAttentionSaved<B: Backend> {
+    x_td: Tensor<B>,
+    /// Rotated keys and values of the whole micro-batch, natural order `[B·S, Hkv·Hd]`.
+    k_rot: Tensor<B>,
+    v_nat: Tensor<B>,
+    /// Per held chunk: the rotated padded queries, their output and log-sum-exp.
+    slots: Vec<(Tensor<B>, Tensor<B>, Tensor<B>)>,
+    o_td: Tensor<B>,
+    index: CpIndex<B>,
+}
+
+/// Rows of `x` with a zero row appended (the padding source of `permute`).
+fn with_zero_row<B: Backend>(b: &B, x: &Tensor<B>) -> Result<Tensor<B>> {
+    let zero = b.zeros(&[1, x.shape()[1]], x.dtype())?;
+    Ok(b.concat(&[x, &zero])?)
+}
+
+/// `x: [T, D]` (this rank's tokens of `T / (S/cp)` sequences of `seq_len` S)
+/// → `[T, D]`: `attn`'s projections on the rank's tokens, the core attention
+/// over the whole sequence's keys.
+pub fn forward<B: Backend>(
+    ctx: &Ctx<B>,
+    attn: &Attention<B>,
+    x_td: &Tensor<B>,
+    seq_len: usize,
+) -> Result<(Tensor<B>, CpAttentionSaved<B>)> {
+    let b = ctx.b;
+    let (cp, cp_i) = (ctx.rank.cp.size(), ctx.rank.cp_index);
+    let (t, _) = x_td.dims2("cp attention")?;
+    let local = seq_len / cp;
+    if !seq_len.is_multiple_of(2 * cp) || !t.is_multiple_of(local) {
+        return Err(EngineError::Invalid(format!(
+            "cp attention: {t} tokens are not whole sequences of {seq_len} / cp = {local}"
+        )));
+    }
+    let batch = t / local;
+    let index = CpIndex::new(b, batch, seq_len, cp, cp_i)?;
+    let (hq, hkv, hd, theta) = (
+        attn.heads(),
+        attn.kv_heads(),
+        attn.head_dim(),
+        attn.rope_theta(),
+    );
+    let q_td = b.matmul(x_td, &attn.wq.value, false, false)?;
+    let k_td = b.matmul(x_td, &attn.wk.value, false, false)?;
+    let v_td = b.matmul(x_td, &attn.wv.value, false, false)?;
+    let natural = |x: &Tensor<B>| -> Result<Tensor<B>> {
+        let all = ctx.comm.all_gather(b, &ctx.rank.cp, x)?;
+        Ok(b.permute(&all, &index.natural_src)?)
+    };
+    let k_rot = b
+        .rope(
+            &natural(&k_td)?.reshape(&[batch, seq_len, hkv, hd])?,
+            theta,
+            false,
+        )?
+        .reshape(&[batch * seq_len, hkv * hd])?;
+    let v_nat = natural(&v_td)?;
+    let q_src = with_zero_row(b, &q_td)?;
+    let mut slots = Vec::with_capacity(2);
+    let mut chunks = Vec::with_capacity(2);
+    for s in &index.slots {
+        let p = s.prefix;
+        let q_pad = b.rope(
+            &b.permute(&q_src, &s.q_pad_src)?
+                .reshape(&[batch, p, hq, hd])?,
+            theta,
+            false,
+        )?;
+        let k = b
+            .permute(&k_rot, &s.prefix_src)?
+            .reshape(&[batch, p, hkv, hd])?;
+        let v = b
+            .permute(&v_nat, &s.prefix_src)?
+            .reshape(&[batch, p, hkv, hd])?;
+        let (o_pad, lse) = b.attention(&q_pad, &k, &v)?;
+        chunks.push(b.permute(&o_pad.clone().reshape(&[batch * p, hq * hd])?, &s.chunk_src)?);
+        slots.push((q_pad, o_pad, lse));
+    }
+    let o_td = b.permute(&b.concat(&[&chunks[0], &chunks[1]])?, &index.assemble_src)?;
+    let y_td = b.matmul(&o_td, &attn.wo.value, false, false)?;
+    Ok((
+        y_td,
+        CpAttentionSaved {
+            x_td: x_td.clone(),
+            k_rot,
+            v_nat,
+            slots,
+            o_td,
+            index,
+        },
+    ))
+}
+
+/// Accumulates `attn`'s projection gradients and returns `dx: [T, D]`; the
+/// key and value gradients of every rank's queries are reduce-scattered
+/// back to the ranks that hold those tokens.
+pub fn backward<B: Backend>(
+    ctx: &Ctx<B>,
+    attn: &mut Attention<B>,
+    dy_td: &Tensor<B>,
+    saved: CpAttentionSaved<B>,
+) -> Result<Tensor<B>> {
+    let b = ctx.b;
+    let CpAttentionSaved {
+        x_td,
+        k_rot,
+        v_nat,
+        slots,
+        o_td,
+        index,
+    } = saved;
+    let (batch, seq) = (index.batch, index.seq);
+    let (hq, hkv, hd, theta) = (
+        attn.heads(),
+        attn.kv_heads(),
+        attn.head_dim(),
+        attn.rope_theta(),
+    );
+    attn.wo
+        .accumulate(b, &b.matmul(&o_td, dy_td, true, false)?)?;
+    let do_src = with_zero_row(b, &b.matmul(dy_td, &attn.wo.value, false, true)?)?;
+    let rows = batch * seq;
+    let mut dk_rot = b.zeros(&[rows, hkv * hd], k_rot.dtype())?;
+    let mut dv_nat = b.zeros(&[rows, hkv * hd], v_nat.dtype())?;
+    let mut dq_chunks = Vec::with_capacity(2);
+    for (s, (q_pad, o_pad, lse)) in index.slots.iter().zip(slots) {
+        let p = s.prefix;
+        let do_pad = b
+            .permute(&do_src, &s.q_pad_src)?
+            .reshape(&[batch, p, hq, hd])?;
+        let k = b
+            .permute(&k_rot, &s.prefix_src)?
+            .reshape(&[batch, p, hkv, hd])?;
+        let v = b
+            .permute(&v_nat, &s.prefix_src)?
+            .reshape(&[batch, p, hkv, hd])?;
+        let (dq_pad, dk, dv) = b.attention_backward(&do_pad, &q_pad, &k, &v, &o_pad, &lse)?;
+        let dq = b
+            .rope(&dq_pad, theta, true)?
+            .reshape(&[batch * p, hq * hd])?;
+        dq_chunks.push(b.permute(&dq, &s.chunk_src)?);
+        let scatter = |d: Tensor<B>| -> Result<Tensor<B>> {
+            Ok(b.permute_backward(&d.reshape(&[batch * p, hkv * hd])?, &s.prefix_src, rows)?)
+        };
+        b.axpy(&mut dk_rot, 1.0, &scatter(dk)?)?;
+        b.axpy(&mut dv_nat, 1.0, &scatter(dv)?)?;
+    }
+    let dq_td = b.permute(
+        &b.concat(&[&dq_chunks[0], &dq_chunks[1]])?,
+        &index.assemble_src,
+    )?;
+    let dk_nat = b
+        .rope(&dk_rot.reshape(&[batch, seq, hkv, hd])?, theta, true)?
+        .reshape(&[rows, hkv * hd])?;
+    let owned = |d: &Tensor<B>| -> Result<Tensor<B>> {
+        let gathered = b.permute(d, &index.gathered_src)?;
+        Ok(ctx.comm.reduce_scatter(b, &ctx.rank.cp, &gathered)?)
+    };
+    let dk_td = owned(&dk_nat)?;
+    let dv_td = owned(&dv_nat)?;
+    let mut dx_td = project_backward(b, &mut attn.wq, &x_td, dq_td)?;
+    b.axpy(
+        &mut dx_td,
+        1.0,
+        &project_backward(b, &mut attn.wk, &x_td, dk_td)?,
+    )?;
+    b.axpy(
+        &mut dx_td,
+        1.0,
+        &project_backward(b, &mut attn.wv, &x_td, dv_td)?,
+    )?;
+    Ok(dx_td)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::DType;
+
+    use super::split_sequences;
+    use crate::engine::attention::Attention;
+    use crate::engine::parallel::run_local_layout;
+    use crate::engine::param::{Module, Param};
+    use crate::engine::testutil::{f64_tensor, small_spec, uniform, values};
+    use crate::layout::{self, LayoutSpec};
+    use crate::spec::FfnSpec;
+
+    #[test]
+    fn split_keeps_chunks_i_and_mirror() {
+        let x: Vec<i32> = (0..16).collect();
+        assert_eq!(
+            split_sequences(&x, 8, 2, 0).unwrap(),
+            [0, 1, 6, 7, 8, 9, 14, 15]
+        );
+        assert_eq!(
+            split_sequences(&x, 8, 2, 1).unwrap(),
+            [2, 3, 4, 5, 10, 11, 12, 13]
+        );
+        assert_eq!(split_sequences(&x, 8, 1, 0).unwrap(), x);
+        let err = split_sequences(&x, 6, 2, 0).unwrap_err();
+        assert!(err.to_string().contains("2·cp = 4"), "{err}");
+    }
+
+    fn grads(a: &Attention<Cpu>) -> Vec<Vec<f64>> {
+        let mut g = Vec::new();
+        a.visit_params(&mut |p: &Param<Cpu>| g.push(values(&p.grad)));
+        g
+    }
+
+    /// The cp attention of every rank's tokens equals the one-rank attention
+    /// of the whole sequences: outputs, input gradients and (summed over the
+    /// ranks) weight gradients, in f64 — for chunks of 2 and of 1 token.
+    #[test]
+    fn cp_attention_equals_one_rank() {
+        let b = Cpu;
+        let mut spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
+        let (batch, seq, d) = (2, 8, spec.hidden);
+        spec.seq_len = seq;
+        let attn_spec = spec.groups[0].attention.clone();
+        let t = batch * seq;
+        let x = uniform(1, t * d, 1.0);
+        let r = uniform(2, t * d, 1.0);
+        let mut reference = Attention::new(&b, "attn", &spec, &attn_spec, 7, DType::F64).unwrap();
+        let (y_ref, saved) = reference
+            .forward(&b, &f64_tensor(x.clone(), &[t, d]), seq)
+            .unwrap();
+        let dx_ref = values(
+            &reference
+                .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved)
+                .unwrap(),
+        );
+        let (y_ref, g_ref) = (values(&y_ref), grads(&reference));
+        for cp in [2, 4] {
+            let text = format!("world={cp},cp={cp}");
+            let l = layout::check(&LayoutSpec::parse(&text).unwrap(), &spec).unwrap();
+            let results = run_local_layout(&b, &l, Duration::from_secs(30), |ctx| {
+                let rows: Vec<usize> = (0..t).collect();
+                let mine = split_sequences(&rows, seq, cp, ctx.rank.cp_index)?;
+                let take = |v: &[f64]| -> Vec<f64> {
+                    mine.iter()
+                        .flat_map(|&i| v[i * d..(i + 1) * d].to_vec())
+                        .collect()
+                };
+                let n = mine.len();
+                let mut attn = Attention::new(ctx.b, "attn", &spec, &attn_spec, 7, DType::F64)?;
+                let (y, saved) = super::forward(ctx, &attn, &f64_tensor(take(&x), &[n, d]), seq)?;
+                let dx = super::backward(ctx, &mut attn, &f64_tensor(take(&r), &[n, d]), saved)?;
+                Ok((mine, values(&y), values(&dx), grads(&attn)))
+            });
+            let mut g_sum: Vec<Vec<f64>> = g_ref.iter().map(|g| vec![0.0; g.len()]).collect();
+            for res in results {
+                let (mine, y, dx, g) = res.unwrap();
+                for (k, &i) in mine.iter().enumerate() {
+                    for c in 0..d {
+                        let (at, want) = (k * d + c, i * d + c);
+                        assert!((y[at] - y_ref[want]).abs() < 1e-12, "cp{cp} y row {i}");
+                        assert!((dx[at] - dx_ref[want]).abs() < 1e-12, "cp{cp} dx row {i}");
+                    }
+                }
+                for (s, g) in g_sum.iter_mut().zip(g) {
+                    for (a, v) in s.iter_mut().zip(g) {
+                        *a += v;
+                    }
+                }
+            }
+            for (p, (s, want)) in g_sum.iter().zip(&g_ref).enumerate() {
+                for (a, w) in s.iter().zip(want) {
+                    assert!((a - w).abs() < 1e-12, "cp{cp} weight {p}: {a} vs {w}");
+                }
+            }
+        }
+    }
+}
