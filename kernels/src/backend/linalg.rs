@@ -1,5 +1,5 @@
 use super::Device;
-use crate::error::Result;
+use crate::error::{shape_err, Result};
 use crate::tensor::Tensor;
 
 /// Dense and grouped matrix products (row-major).
@@ -35,4 +35,31 @@ pub trait LinalgOps: Device {
         dy: &Tensor<Self>,
         group_sizes: &Tensor<Self>,
     ) -> Result<Tensor<Self>>;
+}
+
+/// The sizes of `op(a)·op(b)` after every backend's checks: `(M, K, N)`
+/// and the stored row lengths of `a` and `b`, or an error naming both
+/// shapes when the inner dimensions disagree.
+pub(crate) fn matmul_dims<B: Device>(
+    op: &'static str,
+    a: &Tensor<B>,
+    b: &Tensor<B>,
+    trans_a: bool,
+    trans_b: bool,
+) -> Result<(usize, usize, usize, usize, usize)> {
+    let (ar, ac) = a.dims2(op)?;
+    let (br, bc) = b.dims2(op)?;
+    let (m, ka) = if trans_a { (ac, ar) } else { (ar, ac) };
+    let (kb, n) = if trans_b { (bc, br) } else { (br, bc) };
+    if ka != kb {
+        return Err(shape_err(
+            op,
+            format!(
+                "a {:?} (trans_a = {trans_a}) has inner dimension {ka}, b {:?} (trans_b = {trans_b}) has {kb}",
+                a.shape(),
+                b.shape()
+            ),
+        ));
+    }
+    Ok((m, ka, n, ac, bc))
 }

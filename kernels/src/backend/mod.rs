@@ -24,6 +24,7 @@ pub(crate) use attention::check_qkv;
 pub use attention::AttentionOps;
 pub(crate) use elementwise::rows_cols;
 pub use elementwise::ElementwiseOps;
+pub(crate) use linalg::matmul_dims;
 pub use linalg::LinalgOps;
 pub use loss::LossOps;
 pub(crate) use norm::check_norm_args;

@@ -194,20 +194,7 @@ fn matmul_impl<T: FloatStorage>(
     trans_b: bool,
 ) -> Result<Tensor<Cpu>> {
     const OP: &str = "matmul";
-    let (ar, ac) = a.dims2(OP)?;
-    let (br, bc) = b.dims2(OP)?;
-    let (m, ka) = if trans_a { (ac, ar) } else { (ar, ac) };
-    let (kb, n) = if trans_b { (bc, br) } else { (br, bc) };
-    if ka != kb {
-        return Err(shape_err(
-            OP,
-            format!(
-                "a {:?} (trans_a = {trans_a}) has inner dimension {ka}, b {:?} (trans_b = {trans_b}) has {kb}",
-                a.shape(),
-                b.shape()
-            ),
-        ));
-    }
+    let (m, ka, n, ac, bc) = crate::backend::matmul_dims(OP, a, b, trans_a, trans_b)?;
     let av = T::slice(a, OP)?;
     let bv = T::slice(b, OP)?;
     let mut out = vec![T::ZERO; m * n];

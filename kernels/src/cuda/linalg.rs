@@ -273,22 +273,8 @@ impl LinalgOps for Cuda {
     ) -> Result<Tensor<Self>> {
         const OP: &str = "matmul";
         float_sfx(OP, a.dtype())?;
-        let (ar, ac) = a.dims2(OP)?;
-        let (br, bc) = b.dims2(OP)?;
-        let (m, ka) = if trans_a { (ac, ar) } else { (ar, ac) };
-        let (kb, n) = if trans_b { (bc, br) } else { (br, bc) };
-        if ka != kb {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "a {:?} (trans_a = {trans_a}) has inner dimension {ka}, b {:?} (trans_b = {trans_b}) has {kb}",
-                    a.shape(),
-                    b.shape()
-                ),
-            ));
-        }
+        let (m, k, n, ac, bc) = crate::backend::matmul_dims(OP, a, b, trans_a, trans_b)?;
         b.expect_dtype(OP, a.dtype())?;
-        let k = ka;
         if m * n == 0 || k == 0 {
             return self.zeros(&[m, n], a.dtype());
         }
