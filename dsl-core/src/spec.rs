@@ -56,6 +56,75 @@ impl BlockGroup {
             policy: Policy::default(),
         }
     }
+
+    /// Parameters of one block of the group, by part, for hidden size
+    /// `hidden`: the one count that [`ModelSpec::param_counts`] and the memory
+    /// planner both use. Each SwiGLU MLP is `3·D·F`.
+    pub fn params(&self, hidden: usize) -> BlockParams {
+        let d = hidden as u64;
+        let a = &self.attention;
+        let h = a.heads as u64;
+        let (attention, latent_norms) = match &a.mla {
+            None => (
+                d * h * a.head_dim as u64 * 2 + 2 * d * a.kv_heads as u64 * a.head_dim as u64,
+                0,
+            ),
+            Some(m) => {
+                let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
+                let (ql, kvl) = (m.q_lora_rank as u64, m.kv_lora_rank as u64);
+                let q = if ql == 0 {
+                    d * h * qk
+                } else {
+                    d * ql + ql * h * qk
+                };
+                let kv = d * (kvl + m.qk_rope_head_dim as u64)
+                    + kvl * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
+                (q + kv + h * m.v_head_dim as u64 * d, ql + kvl)
+            }
+        };
+        let mut p = BlockParams {
+            norms: 2 * d + latent_norms,
+            attention,
+            ..BlockParams::default()
+        };
+        match &self.ffn {
+            FfnSpec::Dense { ffn } => p.dense_mlp = 3 * d * *ffn as u64,
+            FfnSpec::Moe(m) => {
+                // The expert bias is a buffer updated from loads, not a
+                // trained parameter: not counted (nor by the engine).
+                let gate = if m.shared_gate && m.shared_ffn > 0 {
+                    d
+                } else {
+                    0
+                };
+                let expert = 3 * d * m.expert_ffn as u64;
+                p.router = d * m.experts as u64;
+                p.shared_experts = 3 * d * m.shared_ffn as u64 + gate;
+                p.routed_experts = m.experts as u64 * expert;
+                p.routed_active = m.top_k as u64 * expert;
+            }
+        }
+        p
+    }
+}
+
+/// Parameters of one block by part (see [`BlockGroup::params`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockParams {
+    /// The two block norms, and MLA's latent norms.
+    pub norms: u64,
+    /// Attention projections (GQA or MLA), norms excluded.
+    pub attention: u64,
+    /// The dense MLP (0 in an MoE block).
+    pub dense_mlp: u64,
+    /// The router's `D×E` weight.
+    pub router: u64,
+    /// All routed experts.
+    pub routed_experts: u64,
+    /// The routed experts one token visits (`top_k` of them).
+    pub routed_active: u64,
+    /// Shared experts and their gate.
+    pub shared_experts: u64,
 }
 
 /// Multi-head / grouped-query attention dims (MHA when `kv_heads == heads`).
@@ -554,50 +623,15 @@ impl ModelSpec {
     /// with its latent norms), the router, routed and shared
     /// experts, or the dense MLP — each SwiGLU MLP is `3·D·F`.
     pub fn param_counts(&self) -> (u64, u64) {
-        let s = self;
-        let d = s.hidden as u64;
-        let embed = s.vocab as u64 * d * if s.tied_embeddings { 1 } else { 2 };
+        let d = self.hidden as u64;
+        let embed = self.vocab as u64 * d * if self.tied_embeddings { 1 } else { 2 };
         let (mut total, mut active) = (embed + d, embed + d);
-        for g in &s.groups {
-            let a = &g.attention;
-            let h = a.heads as u64;
-            let attn = match &a.mla {
-                None => {
-                    d * h * a.head_dim as u64 * 2 + 2 * d * a.kv_heads as u64 * a.head_dim as u64
-                }
-                Some(m) => {
-                    let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
-                    let (ql, kvl) = (m.q_lora_rank as u64, m.kv_lora_rank as u64);
-                    let q = if ql == 0 {
-                        d * h * qk
-                    } else {
-                        d * ql + ql + ql * h * qk
-                    };
-                    let kv = d * (kvl + m.qk_rope_head_dim as u64)
-                        + kvl
-                        + kvl * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
-                    q + kv + h * m.v_head_dim as u64 * d
-                }
-            };
-            let (ffn_total, ffn_active) = match &g.ffn {
-                FfnSpec::Dense { ffn } => (3 * d * *ffn as u64, 3 * d * *ffn as u64),
-                FfnSpec::Moe(m) => {
-                    let e = m.experts as u64;
-                    // The expert bias is a buffer updated from loads, not a
-                    // trained parameter: not counted (nor by the engine).
-                    let gate = if m.shared_gate && m.shared_ffn > 0 {
-                        d
-                    } else {
-                        0
-                    };
-                    let fixed = d * e + 3 * d * m.shared_ffn as u64 + gate;
-                    let expert = 3 * d * m.expert_ffn as u64;
-                    (fixed + e * expert, fixed + m.top_k as u64 * expert)
-                }
-            };
+        for g in &self.groups {
+            let p = g.params(self.hidden);
             let n = g.count as u64;
-            total += n * (2 * d + attn + ffn_total);
-            active += n * (2 * d + attn + ffn_active);
+            let fixed = p.norms + p.attention + p.dense_mlp + p.router + p.shared_experts;
+            total += n * (fixed + p.routed_experts);
+            active += n * (fixed + p.routed_active);
         }
         (total, active)
     }

@@ -1,0 +1,723 @@
+//! Memory per GPU and communication per step of a model under a layout and
+//! its policies, before anything runs: the numbers behind `foldmoe plan`.
+//!
+//! Pure functions of [`ModelSpec`] (with each group's [`Policy`]) and a
+//! checked [`Layout`]; the engine is not involved. Conventions, following
+//! Megatron-Core with its distributed optimizer:
+//! - weights and gradients in bf16 (2 bytes each), an fp32 master copy and
+//!   two fp32 Adam moments (12 bytes) sharded over dp·cp (dense parameters)
+//!   or edp (routed experts); gradients are not sharded (the reduce-scatter
+//!   lands in a full-size buffer);
+//! - tp splits attention, the dense MLP, shared experts and the vocabulary;
+//!   ep·etp split the routed experts; norms and the router are replicated;
+//!   a pipeline rank holds its stage's blocks, the embedding on the first
+//!   stage and the final norm and head on the last (a tied table on both);
+//! - activations per micro-batch follow Korthikanti et al. (2022): bytes per
+//!   token per layer of every tensor a block saves for backward, with flash
+//!   attention (softmax statistics rather than the s×s matrix) and no dropout
+//!   masks (foldmoe has no dropout); tp divides what it splits (heads,
+//!   ffn, vocabulary, and with sequence parallelism the tensors between
+//!   blocks), cp divides the sequence. MTP modules are not counted.
+
+use crate::layout::Layout;
+use crate::spec::{FfnSpec, ModelSpec, OffloadPart, Policy, RecomputePart};
+use serde::Serialize;
+
+/// Bytes in a GiB.
+pub const GIB: f64 = (1u64 << 30) as f64;
+
+/// The parts memory is broken down by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// Embedding table, final norm and LM head (and the logits).
+    EmbeddingHead,
+    /// Block norms (and MLA's latent norms), their inputs and outputs.
+    Norms,
+    /// Attention projections and core.
+    Attention,
+    /// Dense MLPs.
+    DenseMlp,
+    /// MoE routers.
+    Router,
+    /// Routed experts (and the dispatched tokens).
+    RoutedExperts,
+    /// Shared experts.
+    SharedExperts,
+}
+
+impl Part {
+    /// Every part, in table order.
+    pub const ALL: [Part; 7] = [
+        Part::EmbeddingHead,
+        Part::Norms,
+        Part::Attention,
+        Part::DenseMlp,
+        Part::Router,
+        Part::RoutedExperts,
+        Part::SharedExperts,
+    ];
+
+    /// The part's name in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::EmbeddingHead => "embedding_head",
+            Part::Norms => "norms",
+            Part::Attention => "attention",
+            Part::DenseMlp => "dense_mlp",
+            Part::Router => "router",
+            Part::RoutedExperts => "routed_experts",
+            Part::SharedExperts => "shared_experts",
+        }
+    }
+}
+
+/// One part's memory on the rank, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PartMemory {
+    /// The part's name ([`Part::name`]).
+    pub part: &'static str,
+    /// Parameters the rank holds.
+    pub params: u64,
+    /// bf16 weights.
+    pub weights: u64,
+    /// bf16 gradients.
+    pub grads: u64,
+    /// fp32 master weights and Adam moments, this rank's shard.
+    pub optimizer: u64,
+    /// Saved activations of one micro-batch on the device.
+    pub activations_per_micro_batch: u64,
+    /// Saved activations of all in-flight micro-batches on the device.
+    pub activations: u64,
+    /// Saved activations of all in-flight micro-batches moved to host memory.
+    pub offloaded: u64,
+}
+
+/// Communication of one process group per optimizer step, from this rank.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CommVolume {
+    /// Group kind (`tp`, `ep`, `dp_cp`, ...).
+    pub group: &'static str,
+    /// Ranks in the group.
+    pub size: usize,
+    /// Bytes this rank sends per step (ring algorithms).
+    pub bytes_per_step: u64,
+    /// What is exchanged.
+    pub what: &'static str,
+}
+
+/// What [`plan_memory`] is asked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryOptions {
+    /// The rank whose memory is planned.
+    pub rank: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch_size: usize,
+    /// Micro-batches per optimizer step on each dp rank.
+    pub micro_batches: usize,
+}
+
+/// Memory per GPU and communication per step of one rank.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryPlan {
+    /// The rank planned.
+    pub rank: usize,
+    /// Its pipeline stage.
+    pub pp_stage: usize,
+    /// Blocks it holds (all model chunks), as `[start, end)` ranges.
+    pub layers: Vec<(usize, usize)>,
+    /// Sequences per micro-batch.
+    pub micro_batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Micro-batches per step on each dp rank.
+    pub micro_batches: usize,
+    /// Micro-batches whose activations the stage holds at its peak.
+    pub in_flight: f64,
+    /// By part.
+    pub parts: Vec<PartMemory>,
+    /// Send and receive buffers of the largest dispatch and of pipeline p2p.
+    pub comm_buffers: u64,
+    /// Weights, gradients, optimizer state, device activations and buffers.
+    pub total: u64,
+    /// Communication per step, one entry per group with traffic.
+    pub comm: Vec<CommVolume>,
+}
+
+impl MemoryPlan {
+    /// The sum of `field` over the parts.
+    pub fn sum(&self, field: impl Fn(&PartMemory) -> u64) -> u64 {
+        self.parts.iter().map(field).sum()
+    }
+}
+
+/// One tensor a block saves for backward: which part it belongs to, what
+/// frees it, and its bytes per token of the rank's sequence shard.
+struct Saved {
+    part: Part,
+    recompute: Option<RecomputePart>,
+    offload: Option<OffloadPart>,
+    bytes_per_token: f64,
+}
+
+/// The tensors one block of `group` saves, per token of the micro-batch's
+/// `cp` shard (Korthikanti et al. with tp and sequence parallelism).
+fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout) -> Vec<Saved> {
+    use OffloadPart as O;
+    use RecomputePart as R;
+    let g = &spec.groups[gi];
+    let (h, t) = (spec.hidden as f64, layout.tp as f64);
+    // Tensors between blocks are split along the sequence over tp with
+    // sequence parallelism, else replicated.
+    let sp = if layout.sequence_parallel { t } else { 1.0 };
+    let s = |part, recompute, offload, bytes_per_token| Saved {
+        part,
+        recompute,
+        offload,
+        bytes_per_token,
+    };
+    let mut v = vec![
+        // The block's input, kept even under `block` recompute.
+        s(Part::Norms, None, Some(O::AttnNorm), 2.0 * h / sp),
+        s(Part::Norms, Some(R::Norm), None, 2.0 * h / sp),
+        s(Part::Norms, None, Some(O::MlpNorm), 2.0 * h / sp),
+        s(Part::Norms, Some(R::Norm), None, 2.0 * h / sp),
+    ];
+    let a = &g.attention;
+    let heads = a.heads as f64;
+    let v_dim = match &a.mla {
+        None => {
+            // Replicated kv heads (tp > kv_heads) hold one head per rank.
+            let kv = (a.kv_heads as f64 / t).max(1.0) * a.head_dim as f64;
+            let q = heads * a.head_dim as f64 / t;
+            v.push(s(Part::Attention, None, Some(O::Qkv), 2.0 * (q + 2.0 * kv)));
+            a.head_dim as f64
+        }
+        Some(m) => {
+            // The latents are the up-projections' inputs, computed over the
+            // gathered sequence on every tp rank; `mla_up_proj` recomputes
+            // Q, K and V from them.
+            let latents = (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) as f64;
+            v.push(s(Part::Attention, None, None, 2.0 * latents));
+            let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
+            let qkv = heads * (2.0 * qk + m.v_head_dim as f64) / t;
+            v.push(s(
+                Part::Attention,
+                Some(R::MlaUpProj),
+                Some(O::Qkv),
+                2.0 * qkv,
+            ));
+            m.v_head_dim as f64
+        }
+    };
+    // Flash attention saves fp32 log-sum-exp per head; its output is the
+    // output projection's input.
+    v.push(s(
+        Part::Attention,
+        Some(R::CoreAttn),
+        Some(O::CoreAttn),
+        4.0 * heads / t,
+    ));
+    v.push(s(
+        Part::Attention,
+        None,
+        Some(O::AttnProj),
+        2.0 * heads * v_dim / t,
+    ));
+    match &g.ffn {
+        FfnSpec::Dense { ffn } => {
+            let f = *ffn as f64 / t;
+            v.push(s(Part::DenseMlp, None, None, 2.0 * 2.0 * f));
+            v.push(s(Part::DenseMlp, Some(R::MlpAct), None, 2.0 * f));
+        }
+        FfnSpec::Moe(m) => {
+            // fp32 logits and probabilities of the rank's sequence shard.
+            v.push(s(
+                Part::Router,
+                Some(R::Router),
+                None,
+                2.0 * 4.0 * m.experts as f64 / sp,
+            ));
+            // Each token of the shard is dispatched top_k times; on average
+            // a rank receives as many rows as it sends, gathered over etp
+            // (which splits F).
+            let etp = layout.etp as f64;
+            let rows = m.top_k as f64 * etp / sp;
+            let f = m.expert_ffn as f64 / etp;
+            v.push(s(Part::RoutedExperts, None, None, rows * 2.0 * h));
+            v.push(s(
+                Part::RoutedExperts,
+                None,
+                Some(O::ExpertFc1),
+                rows * 2.0 * 2.0 * f,
+            ));
+            v.push(s(
+                Part::RoutedExperts,
+                Some(R::MoeAct),
+                Some(O::MoeAct),
+                rows * 2.0 * f,
+            ));
+            // The experts' outputs, for the routing weights' gradient.
+            v.push(s(Part::RoutedExperts, None, None, rows * 2.0 * h));
+            if m.shared_ffn > 0 {
+                let f = m.shared_ffn as f64 / t;
+                for bytes in [2.0 * 2.0 * f, 2.0 * f] {
+                    v.push(s(Part::SharedExperts, Some(R::SharedExperts), None, bytes));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Bytes of `tensor` kept on the device and moved to the host under `policy`.
+fn placed(tensor: &Saved, policy: &Policy, block_input: bool) -> (f64, f64) {
+    let recomputed = if policy.recompute.contains(&RecomputePart::Block) {
+        !block_input
+    } else {
+        tensor
+            .recompute
+            .is_some_and(|r| policy.recompute.contains(&r))
+    };
+    if recomputed {
+        return (0.0, 0.0);
+    }
+    let mut bytes = tensor.bytes_per_token;
+    if let Some(o) = tensor.offload {
+        // fp8 storage: one byte instead of bf16's two.
+        if policy.store_fp8.contains(&o) {
+            bytes /= 2.0;
+        }
+        if policy.offload.contains(&o) {
+            return (0.0, bytes);
+        }
+    }
+    (bytes, 0.0)
+}
+
+/// Micro-batches of activations a pipeline rank holds at its peak under
+/// Megatron's schedules: 1F1B holds `pp − stage`; the interleaved schedule
+/// (`vpp > 1`) runs `2·(pp − stage − 1) + (vpp − 1)·pp` warm-up forwards of
+/// one model chunk each plus one more, i.e. that many chunks over `vpp`
+/// stages' worth; both capped by the micro-batches of a step.
+pub fn in_flight(layout: &Layout, stage: usize, micro_batches: usize) -> f64 {
+    let (pp, vpp) = (layout.pp, layout.vpp);
+    let chunks = if vpp == 1 {
+        (pp - stage) as f64
+    } else {
+        (2 * (pp - stage - 1) + (vpp - 1) * pp + 1) as f64 / vpp as f64
+    };
+    chunks.min(micro_batches as f64)
+}
+
+/// Ring volume a rank sends in an all-gather or reduce-scatter of `bytes`
+/// over `n` ranks.
+fn ring(bytes: f64, n: usize) -> f64 {
+    bytes * (n - 1) as f64 / n as f64
+}
+
+/// Plans memory per GPU and communication per step for `opts.rank` of
+/// `layout`, each block group under its own policy.
+pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> MemoryPlan {
+    let stage = layout.attention_coords(opts.rank).pp;
+    let ranges = layout.pp_rank_layers(stage, spec.layers());
+    // Group index of every block.
+    let group_of: Vec<usize> = spec
+        .groups
+        .iter()
+        .enumerate()
+        .flat_map(|(i, g)| std::iter::repeat_n(i, g.count))
+        .collect();
+    let mut blocks = vec![0usize; spec.groups.len()];
+    for r in &ranges {
+        for l in r.clone() {
+            blocks[group_of[l]] += 1;
+        }
+    }
+    let (t, d) = (layout.tp as u64, spec.hidden as u64);
+    let mut params = [0u64; 7];
+    let mut expert_params = 0u64;
+    let (first, last) = (stage == 0, stage + 1 == layout.pp);
+    let table = layout.padded_vocab as u64 / t * d;
+    if first {
+        params[0] += table;
+    }
+    if last {
+        params[0] += d + if spec.tied_embeddings && first {
+            0
+        } else {
+            table
+        };
+    }
+    for (g, &n) in spec.groups.iter().zip(&blocks) {
+        let p = g.params(spec.hidden);
+        let n = n as u64;
+        let routed = n * p.routed_experts / (layout.ep * layout.etp) as u64;
+        params[1] += n * p.norms;
+        params[2] += n * p.attention / t;
+        params[3] += n * p.dense_mlp / t;
+        params[4] += n * p.router;
+        params[5] += routed;
+        params[6] += n * p.shared_experts / t;
+        expert_params += routed;
+    }
+    // Activations per micro-batch: tokens of the rank's cp shard.
+    let tokens = (spec.seq_len * opts.micro_batch_size) as f64 / layout.cp as f64;
+    let mut act = [0f64; 7];
+    let mut host = [0f64; 7];
+    for (gi, &n) in blocks.iter().enumerate() {
+        let policy = &spec.groups[gi].policy;
+        for (i, tensor) in saved_tensors(spec, gi, layout).iter().enumerate() {
+            let (dev, off) = placed(tensor, policy, i == 0);
+            let k = Part::ALL
+                .iter()
+                .position(|p| *p == tensor.part)
+                .unwrap_or(0);
+            act[k] += n as f64 * tokens * dev;
+            host[k] += n as f64 * tokens * off;
+        }
+    }
+    let sp = if layout.sequence_parallel { t } else { 1 } as f64;
+    if last {
+        // The head's input and the fp32 logits of the vocabulary-parallel
+        // cross-entropy.
+        act[0] += tokens * (2.0 * d as f64 / sp + 4.0 * layout.padded_vocab as f64 / t as f64);
+    }
+    let flight = in_flight(layout, stage, opts.micro_batches);
+    let dense_shard = (layout.dp * layout.cp) as u64;
+    let parts: Vec<PartMemory> = Part::ALL
+        .iter()
+        .enumerate()
+        .map(|(k, part)| {
+            let shard = if *part == Part::RoutedExperts {
+                layout.edp as u64
+            } else {
+                dense_shard
+            };
+            PartMemory {
+                part: part.name(),
+                params: params[k],
+                weights: 2 * params[k],
+                grads: 2 * params[k],
+                optimizer: (12 * params[k]).div_ceil(shard),
+                activations_per_micro_batch: act[k].round() as u64,
+                activations: (act[k] * flight).round() as u64,
+                offloaded: (host[k] * flight).round() as u64,
+            }
+        })
+        .collect();
+    // Buffers: send and receive of the largest dispatch (tokens of the
+    // sequence shard × top_k × hidden, bf16, gathered over etp) and of the
+    // pipeline's activation send and receive.
+    let shard_tokens = tokens / sp;
+    let top_k = (0..spec.groups.len())
+        .filter(|&gi| blocks[gi] > 0)
+        .filter_map(|gi| match &spec.groups[gi].ffn {
+            FfnSpec::Moe(m) => Some(m.top_k),
+            FfnSpec::Dense { .. } => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let dispatch = shard_tokens * (top_k * layout.etp) as f64 * 2.0 * d as f64;
+    let p2p = if layout.pp > 1 {
+        shard_tokens * 2.0 * d as f64
+    } else {
+        0.0
+    };
+    let comm_buffers = (2.0 * (dispatch + p2p)).round() as u64;
+    let comm = comm_volumes(spec, layout, opts, &blocks, &params, expert_params);
+    let mut plan = MemoryPlan {
+        rank: opts.rank,
+        pp_stage: stage,
+        layers: ranges.iter().map(|r| (r.start, r.end)).collect(),
+        micro_batch_size: opts.micro_batch_size,
+        seq_len: spec.seq_len,
+        micro_batches: opts.micro_batches,
+        in_flight: flight,
+        parts,
+        comm_buffers,
+        total: 0,
+        comm,
+    };
+    plan.total = plan.sum(|p| p.weights + p.grads + p.optimizer + p.activations) + comm_buffers;
+    plan
+}
+
+/// Bytes each group carries per step from this rank (ring algorithms): tp
+/// all-gathers and reduce-scatters activations 4 times forward and 4
+/// backward per block (sequence parallel; the all-reduces without it carry
+/// the same); cp all-gathers K/V forward and reduce-scatters their
+/// gradients backward; ep exchanges top_k copies of each token 4 times per
+/// MoE block (dispatch, combine, and both backward); pp sends activations
+/// and receives gradients at each chunk boundary; dp·cp and edp
+/// reduce-scatter bf16 gradients and all-gather bf16 weights once a step.
+fn comm_volumes(
+    spec: &ModelSpec,
+    layout: &Layout,
+    opts: &MemoryOptions,
+    blocks: &[usize],
+    params: &[u64; 7],
+    expert_params: u64,
+) -> Vec<CommVolume> {
+    let m = opts.micro_batches as f64;
+    let d = spec.hidden as f64;
+    let tokens = (spec.seq_len * opts.micro_batch_size) as f64 / layout.cp as f64;
+    let sp = if layout.sequence_parallel {
+        layout.tp
+    } else {
+        1
+    } as f64;
+    let n_blocks: usize = blocks.iter().sum();
+    let mut out = Vec::new();
+    let mut push = |group, size: usize, bytes: f64, what| {
+        if size > 1 && bytes > 0.0 {
+            out.push(CommVolume {
+                group,
+                size,
+                bytes_per_step: bytes.round() as u64,
+                what,
+            });
+        }
+    };
+    let act = tokens * 2.0 * d;
+    push(
+        "tp",
+        layout.tp,
+        m * n_blocks as f64 * 8.0 * ring(act, layout.tp),
+        "activation all-gather / reduce-scatter, 8 per block",
+    );
+    let kv: f64 = spec
+        .groups
+        .iter()
+        .zip(blocks)
+        .map(|(g, &n)| {
+            let a = &g.attention;
+            let width = match &a.mla {
+                None => 2 * a.kv_heads * a.head_dim,
+                Some(ml) => a.heads * (ml.qk_nope_head_dim + ml.qk_rope_head_dim + ml.v_head_dim),
+            };
+            n as f64 * 2.0 * width as f64 / layout.tp as f64
+        })
+        .sum();
+    push(
+        "cp",
+        layout.cp,
+        m * 2.0 * (layout.cp - 1) as f64 * tokens * kv,
+        "K/V all-gather forward, reduce-scatter backward",
+    );
+    let routed: f64 = spec
+        .groups
+        .iter()
+        .zip(blocks)
+        .filter_map(|(g, &n)| match &g.ffn {
+            FfnSpec::Moe(mo) => Some(n as f64 * mo.top_k as f64),
+            FfnSpec::Dense { .. } => None,
+        })
+        .sum();
+    push(
+        "ep",
+        layout.ep,
+        m * 4.0 * ring(tokens / sp * routed * 2.0 * d, layout.ep),
+        "all-to-all-v of top_k token copies, 4 per MoE block",
+    );
+    push(
+        "etp",
+        layout.etp,
+        m * 4.0
+            * ring(
+                tokens / sp * routed * 2.0 * d * layout.etp as f64,
+                layout.etp,
+            ),
+        "all-gather / reduce-scatter of dispatched tokens, 4 per MoE block",
+    );
+    push(
+        "pp",
+        layout.pp,
+        m * 2.0 * layout.vpp as f64 * tokens / sp * 2.0 * d,
+        "activations forward, gradients backward, per model chunk",
+    );
+    let dense: u64 = params.iter().sum::<u64>() - expert_params;
+    push(
+        "dp_cp",
+        layout.dp * layout.cp,
+        2.0 * ring(2.0 * dense as f64, layout.dp * layout.cp),
+        "gradient reduce-scatter + weight all-gather (distributed optimizer)",
+    );
+    push(
+        "edp",
+        layout.edp,
+        2.0 * ring(2.0 * expert_params as f64, layout.edp),
+        "expert gradient reduce-scatter + weight all-gather",
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{check, LayoutSpec};
+    use crate::spec::{AttentionSpec, BlockGroup, MoeSpec, RouterSpec};
+
+    /// V 100, D 8, S 16; one dense block (4 heads of 2, MHA; ffn 16) and two
+    /// MoE blocks (4 experts, top-2, F 4, shared ffn 4, no gate).
+    fn tiny() -> ModelSpec {
+        let attn = AttentionSpec::gqa(4, 4, 2);
+        let moe = MoeSpec {
+            experts: 4,
+            top_k: 2,
+            expert_ffn: 4,
+            shared_ffn: 4,
+            shared_gate: false,
+            router: RouterSpec::default(),
+            capacity: None,
+        };
+        ModelSpec {
+            name: "t".into(),
+            vocab: 100,
+            hidden: 8,
+            seq_len: 16,
+            norm_eps: 1e-5,
+            rope_theta: 1e4,
+            tied_embeddings: false,
+            init_std: 0.02,
+            groups: vec![
+                BlockGroup::new(1, attn.clone(), FfnSpec::Dense { ffn: 16 }),
+                BlockGroup::new(2, attn, FfnSpec::Moe(moe)),
+            ],
+            mtp_layers: 0,
+        }
+    }
+
+    fn plan(spec: &ModelSpec, layout: &str, rank: usize, mbs: usize) -> MemoryPlan {
+        let l = check(&LayoutSpec::parse(layout).unwrap(), spec).unwrap();
+        let opts = MemoryOptions {
+            rank,
+            micro_batch_size: mbs,
+            micro_batches: 8,
+        };
+        plan_memory(spec, &l, &opts)
+    }
+
+    fn part<'a>(p: &'a MemoryPlan, name: &str) -> &'a PartMemory {
+        p.parts.iter().find(|x| x.part == name).unwrap()
+    }
+
+    #[test]
+    fn one_rank_holds_every_parameter_with_16_bytes_each() {
+        let spec = tiny();
+        let p = plan(&spec, "world=1", 0, 1);
+        // Worked by hand: embedding + head 2·100·8 + final norm 8 = 1608;
+        // norms 3·16 = 48; attention 3·4·8·8 = 768; dense 3·8·16 = 384;
+        // router 2·8·4 = 64; experts 2·4·3·8·4 = 768; shared 2·3·8·4 = 192.
+        let want = [1608, 48, 768, 384, 64, 768, 192];
+        let got: Vec<u64> = p.parts.iter().map(|x| x.params).collect();
+        assert_eq!(got, want);
+        assert_eq!(got.iter().sum::<u64>(), spec.param_counts().0);
+        for x in &p.parts {
+            assert_eq!(x.weights + x.grads + x.optimizer, 16 * x.params);
+        }
+    }
+
+    #[test]
+    fn optimizer_state_shards_over_dp_and_experts_over_ep_and_edp() {
+        let spec = tiny();
+        // world 4: dp 4; ep 2 → edp 2.
+        let p = plan(&spec, "world=4,ep=2", 0, 1);
+        let att = part(&p, "attention");
+        assert_eq!((att.params, att.optimizer), (768, 12 * 768 / 4));
+        let e = part(&p, "routed_experts");
+        assert_eq!(e.params, 768 / 2);
+        assert_eq!(e.optimizer, 12 * 384 / 2);
+        assert_eq!(e.grads, 2 * 384);
+        // tp 2 halves attention and dense weights; norms and router stay.
+        let p = plan(&spec, "world=2,tp=2", 0, 1);
+        assert_eq!(part(&p, "attention").params, 384);
+        assert_eq!(part(&p, "dense_mlp").params, 192);
+        assert_eq!(part(&p, "norms").params, 48);
+        assert_eq!(part(&p, "router").params, 64);
+    }
+
+    #[test]
+    fn a_pipeline_stage_holds_its_layers_and_the_ends_hold_embedding_and_head() {
+        let spec = tiny();
+        // 3 blocks over pp 3: block 0 (dense) on stage 0, block 2 on stage 2.
+        let first = plan(&spec, "world=3,pp=3", 0, 1);
+        assert_eq!(first.layers, vec![(0, 1)]);
+        assert_eq!(part(&first, "embedding_head").params, 800);
+        assert_eq!(part(&first, "dense_mlp").params, 384);
+        assert_eq!(part(&first, "routed_experts").params, 0);
+        let last = plan(&spec, "world=3,pp=3", 2, 1);
+        assert_eq!(part(&last, "embedding_head").params, 808);
+        assert_eq!(part(&last, "routed_experts").params, 384);
+        // 1F1B: stage 0 holds pp = 3 micro-batches, the last one.
+        assert_eq!((first.in_flight, last.in_flight), (3.0, 1.0));
+        let a = part(&first, "attention");
+        assert_eq!(a.activations, 3 * a.activations_per_micro_batch);
+    }
+
+    #[test]
+    fn activations_by_hand_scale_with_seq_and_halve_with_tp() {
+        let spec = tiny();
+        let p = plan(&spec, "world=1", 0, 1);
+        // Per token per block: norms 4·2·8 = 64 B; attention qkv 2·24 +
+        // lse 4·4 + output 2·8 = 80 B; over 16 tokens and 3 blocks.
+        assert_eq!(part(&p, "norms").activations_per_micro_batch, 16 * 3 * 64);
+        assert_eq!(
+            part(&p, "attention").activations_per_micro_batch,
+            16 * 3 * 80
+        );
+        // Routed: 2 rows × (2·8 + 4·4 + 2·4 + 2·8) = 112 B per token, 2 blocks.
+        assert_eq!(
+            part(&p, "routed_experts").activations_per_micro_batch,
+            16 * 2 * 112
+        );
+        // Twice the sequences, twice the bytes.
+        let p2 = plan(&spec, "world=1", 0, 2);
+        for (a, b) in p.parts.iter().zip(&p2.parts) {
+            assert_eq!(
+                b.activations_per_micro_batch,
+                2 * a.activations_per_micro_batch
+            );
+        }
+        // tp 2 (sequence parallel with MoE): norms and attention halve.
+        let t = plan(&spec, "world=2,tp=2", 0, 1);
+        for name in ["norms", "attention", "dense_mlp", "routed_experts"] {
+            assert_eq!(
+                2 * part(&t, name).activations_per_micro_batch,
+                part(&p, name).activations_per_micro_batch,
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn recompute_removes_a_part_and_offload_moves_it_to_the_host() {
+        let mut spec = tiny();
+        let keep = plan(&spec, "world=1", 0, 1);
+        for g in &mut spec.groups {
+            g.policy.recompute = vec![RecomputePart::MoeAct, RecomputePart::Router];
+            g.policy.offload = vec![OffloadPart::Qkv];
+        }
+        let p = plan(&spec, "world=1", 0, 1);
+        assert_eq!(part(&p, "router").activations, 0);
+        // moe_act: 2 rows × 2·4 B per token over 2 blocks.
+        assert_eq!(
+            part(&keep, "routed_experts").activations - part(&p, "routed_experts").activations,
+            16 * 2 * 2 * 8
+        );
+        // qkv (48 B per token per block) moves to the host.
+        assert_eq!(part(&p, "attention").offloaded, 16 * 3 * 48);
+        assert_eq!(
+            part(&keep, "attention").activations - part(&p, "attention").activations,
+            16 * 3 * 48
+        );
+        // `block` keeps only each block's input.
+        for g in &mut spec.groups {
+            g.policy.recompute = vec![RecomputePart::Block];
+            g.policy.offload.clear();
+        }
+        let p = plan(&spec, "world=1", 0, 1);
+        let device: u64 = p.parts.iter().skip(1).map(|x| x.activations).sum();
+        assert_eq!(device, 16 * 3 * 16);
+    }
+}
