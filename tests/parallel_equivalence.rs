@@ -298,6 +298,44 @@ fn pipeline_with_tied_embeddings_matches_one_rank() {
     );
 }
 
+/// Context parallelism: each sequence in 2·cp chunks, keys and values
+/// all-gathered over cp; with tp (sequence parallel within the cp shard),
+/// with dp (dense gradients reduced over dp×cp), and with experts folded
+/// over tp×cp (ep4), and with a pipeline.
+const CP_LAYOUTS: &[&str] = &[
+    "world=2,cp=2",
+    "world=4,tp=2,cp=2",
+    "world=4,cp=2,dp=2",
+    "world=4,tp=2,cp=2,ep=4",
+];
+
+#[test]
+fn context_parallel_layouts_match_one_rank() {
+    check_layouts(None, CP_LAYOUTS);
+}
+
+/// cp with a pipeline and a tied table (the loss on the last stage is summed
+/// over cp; the embedding gradient over the embedding group and dp×cp).
+#[test]
+fn context_parallel_with_pipeline_matches_one_rank() {
+    check_layouts_of(&deep_spec(true), &["world=4,cp=2,pp=2"]);
+}
+
+/// What cp cannot run yet is refused by name, not computed wrongly.
+#[test]
+fn context_parallel_refuses_capacity_mode() {
+    let spec = spec(Some(1.0));
+    let layout = layout::check(&LayoutSpec::parse("world=2,cp=2").unwrap(), &spec).unwrap();
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
+        let full = Model::new(ctx.b, &spec, SEED, DType::F32)?;
+        ParallelModel::from_model(ctx.b, full, RankLayout::new(&layout, ctx.rank.rank)?).map(|_| ())
+    });
+    for r in results {
+        let err = r.expect_err("capacity mode under cp");
+        assert!(err.to_string().contains("cp = 2"), "{err}");
+    }
+}
+
 #[test]
 fn parallel_layouts_match_one_rank_dropless() {
     check_layouts(None, LAYOUTS);

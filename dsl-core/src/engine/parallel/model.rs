@@ -11,14 +11,18 @@
 //! loss  = mean_t (lse_t − z_t), lse and the target logit z combined over tp
 //! ```
 //!
-//! T is the micro-batch's tokens (all tp ranks of a dp rank hold the same
-//! micro-batch); a rank's sequence-parallel shard is rows
-//! `tp_index·T/tp .. (tp_index+1)·T/tp` of the flattened `[B·S]` tokens.
+//! T is the micro-batch's tokens (all tp and cp ranks of a dp rank are given
+//! the same micro-batch); with cp each rank first keeps its two chunks of
+//! every sequence ([`context`]: T/cp tokens, attention exchanging keys and
+//! values over cp, the loss a sum over cp of each rank's share of the mean);
+//! a rank's sequence-parallel shard is rows `tp_index·T/(tp·cp) ..
+//! (tp_index+1)·T/(tp·cp)` of those tokens.
 
 use std::ops::Range;
 
 use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
+use super::context::{self, split_sequences, CpAttentionSaved};
 use super::moe::{ParallelMoe, ParallelMoeSaved};
 use super::shard::{shard_param, upload_as};
 use super::{Ctx, RankLayout, Split, SplitAxis};
@@ -62,9 +66,15 @@ type ParallelBlockOut<B> = (Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>);
 
 struct BlockSaved<B: Backend> {
     attn_norm: NormSaved<B>,
-    attn: AttnSaved<B>,
+    attn: BlockAttnSaved<B>,
     ffn_norm: NormSaved<B>,
     ffn: FfnSaved<B>,
+}
+
+/// The attention's saved state: the plain layer's, or context-parallel.
+enum BlockAttnSaved<B: Backend> {
+    Local(AttnSaved<B>),
+    Cp(Box<CpAttentionSaved<B>>),
 }
 
 /// One rank's shard of a decoder-only MoE language model.
@@ -171,14 +181,6 @@ impl<B: Backend> ParallelModel<B> {
             final_norm,
             mut head,
         } = model;
-        if rank.cp.size() > 1 {
-            return Err(EngineError::Invalid(format!(
-                "layout {}: cp = {}; the parallel runtime runs tp, dp, pp, vpp, ep, etp and edp \
-                 for now: use cp = 1",
-                rank.layout.name,
-                rank.cp.size()
-            )));
-        }
         let (tp, tp_i) = (rank.tp.size(), rank.tp_index);
         let vocab_split = vec![Split {
             axis: SplitAxis::Tp,
@@ -223,17 +225,21 @@ impl<B: Backend> ParallelModel<B> {
         let mut out_blocks = Vec::with_capacity(held.len());
         for (_, (block, ffn_spec)) in held {
             let mut attn = block.attn;
-            if tp > 1 {
-                match &mut attn {
-                    Attn::Gqa(a) => a.shard_heads(b, tp_i, tp)?,
-                    Attn::Mla(_) => {
-                        return Err(EngineError::Invalid(format!(
-                            "model {}: MLA attention under tp = {tp} is not supported by the \
-                             parallel runtime yet; use tp = 1 (ep, etp, dp work)",
-                            spec.name
-                        )))
+            let cp = rank.cp.size();
+            match &mut attn {
+                Attn::Gqa(a) => {
+                    if tp > 1 {
+                        a.shard_heads(b, tp_i, tp)?;
                     }
                 }
+                Attn::Mla(_) if tp > 1 || cp > 1 => {
+                    return Err(EngineError::Invalid(format!(
+                        "model {}: MLA attention under tp = {tp}, cp = {cp} is not supported \
+                         by the parallel runtime yet; use tp = cp = 1 (ep, etp, dp work)",
+                        spec.name
+                    )));
+                }
+                Attn::Mla(_) => {}
             }
             let ffn = match block.ffn {
                 Ffn::Dense(mut mlp) => {
@@ -361,14 +367,21 @@ impl<B: Backend> ParallelModel<B> {
         seq_len: usize,
     ) -> Result<ChunkOut<B>> {
         let b = ctx.b;
-        let t = tokens.len();
         let tp = self.rank.tp.size();
-        if targets.len() != t || seq_len == 0 || !t.is_multiple_of(seq_len) {
+        let (cp, cp_i) = (self.rank.cp.size(), self.rank.cp_index);
+        let micro_tokens = tokens.len();
+        if targets.len() != micro_tokens || seq_len == 0 || !micro_tokens.is_multiple_of(seq_len) {
             return Err(EngineError::Invalid(format!(
-                "parallel forward: {t} tokens and {} targets do not form sequences of {seq_len}",
+                "parallel forward: {micro_tokens} tokens and {} targets do not form sequences of \
+                 {seq_len}",
                 targets.len()
             )));
         }
+        // The mean is over the whole micro-batch, whichever cp rank holds a token.
+        let count = targets.iter().filter(|&&y| y >= 0).count();
+        let tokens = &split_sequences(tokens, seq_len, cp, cp_i)?;
+        let targets = &split_sequences(targets, seq_len, cp, cp_i)?;
+        let t = tokens.len();
         if !t.is_multiple_of(tp) {
             return Err(EngineError::Invalid(format!(
                 "parallel forward: {t} tokens of the micro-batch do not split over tp = {tp} \
@@ -402,7 +415,7 @@ impl<B: Backend> ParallelModel<B> {
         let mut aux_loss = b.zeros(&[1], dtype)?;
         let mut moe_load = Vec::new();
         for block in &self.blocks[self.chunks[chunk].clone()] {
-            let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, t)?;
+            let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, micro_tokens)?;
             if let Some(stats) = stats {
                 aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
                 moe_load.push(stats.load);
@@ -411,7 +424,7 @@ impl<B: Backend> ParallelModel<B> {
             x_td = y;
         }
         let (hidden, loss, head) = if self.is_last(chunk) {
-            let (loss, saved) = self.loss(ctx, &x_td, targets, dtype)?;
+            let (loss, saved) = self.loss(ctx, &x_td, targets, count, dtype)?;
             (None, Some(loss), Some(saved))
         } else {
             (Some(x_td), None, None)
@@ -465,12 +478,15 @@ impl<B: Backend> ParallelModel<B> {
         Ok((x, (embed, Some(mask_t))))
     }
 
-    /// Final norm, head and the mean cross-entropy of the micro-batch.
+    /// Final norm, head and the mean cross-entropy of the micro-batch, whose
+    /// `count` valid targets are spread over the cp ranks (`targets` this
+    /// rank's).
     fn loss(
         &self,
         ctx: &Ctx<B>,
         x_td: &Tensor<B>,
         targets: &[i32],
+        count: usize,
         dtype: DType,
     ) -> Result<(Tensor<B>, LossSaved<B>)> {
         let b = ctx.b;
@@ -487,8 +503,7 @@ impl<B: Backend> ParallelModel<B> {
         let h_full = ctx.gather_tp(&h_td)?;
         let (logits_tv, head) = self.head.forward(b, &self.embed, &h_full)?;
         let valid: Vec<f64> = targets.iter().map(|&y| f64::from(y >= 0)).collect();
-        let count = valid.iter().sum::<f64>();
-        let inv = if count > 0.0 { 1.0 / count } else { 0.0 };
+        let inv = if count > 0 { 1.0 / count as f64 } else { 0.0 };
         let dloss_t = upload_as(b, valid.iter().map(|v| v * inv).collect(), &[t], dtype)?;
         let (loss_t, ce) = if self.rank.tp.size() == 1 {
             let targets_t = b.upload(HostData::I32(targets.to_vec()), &[t])?;
@@ -497,7 +512,8 @@ impl<B: Backend> ParallelModel<B> {
         } else {
             self.vocab_parallel_ce(ctx, &logits_tv, targets, dtype)?
         };
-        let loss = b.sum(&b.mul(&loss_t, &dloss_t)?)?;
+        // Each cp rank's sum is part of the mean; the sum makes it equal on all.
+        let loss = ctx.sum_over(&self.rank.cp, &b.sum(&b.mul(&loss_t, &dloss_t)?)?)?;
         Ok((
             loss,
             LossSaved {
@@ -806,7 +822,17 @@ impl<B: Backend> ParallelBlock<B> {
     ) -> Result<ParallelBlockOut<B>> {
         let b = ctx.b;
         let (h, attn_norm) = self.attn_norm.forward(b, x_td)?;
-        let (a_full, attn) = self.attn.forward(b, &ctx.gather_tp(&h)?, seq_len)?;
+        let h_full = ctx.gather_tp(&h)?;
+        let (a_full, attn) = match &self.attn {
+            Attn::Gqa(a) if ctx.rank.cp.size() > 1 => {
+                let (y, saved) = context::forward(ctx, a, &h_full, seq_len)?;
+                (y, BlockAttnSaved::Cp(Box::new(saved)))
+            }
+            _ => {
+                let (y, saved) = self.attn.forward(b, &h_full, seq_len)?;
+                (y, BlockAttnSaved::Local(saved))
+            }
+        };
         let x1 = b.add(x_td, &ctx.scatter_tp(&a_full)?)?;
         let (h2, ffn_norm) = self.ffn_norm.forward(b, &x1)?;
         let (y, ffn, stats) = match &self.ffn {
@@ -859,7 +885,16 @@ impl<B: Backend> ParallelBlock<B> {
         };
         let mut dx1 = self.ffn_norm.backward(b, &dh2, ffn_norm)?;
         b.axpy(&mut dx1, 1.0, dy_td)?;
-        let da_full = self.attn.backward(b, &ctx.gather_tp(&dx1)?, attn)?;
+        let dx1_full = ctx.gather_tp(&dx1)?;
+        let da_full = match (&mut self.attn, attn) {
+            (Attn::Gqa(a), BlockAttnSaved::Cp(s)) => context::backward(ctx, a, &dx1_full, *s)?,
+            (_, BlockAttnSaved::Local(s)) => self.attn.backward(b, &dx1_full, s)?,
+            _ => {
+                return Err(EngineError::Invalid(
+                    "parallel block backward: context-parallel state of another attention".into(),
+                ))
+            }
+        };
         let dh = ctx.scatter_tp(&da_full)?;
         let mut dx = self.attn_norm.backward(b, &dh, attn_norm)?;
         b.axpy(&mut dx, 1.0, &dx1)?;

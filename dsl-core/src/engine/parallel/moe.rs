@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! route   this rank's sequence-parallel rows (router replicated over tp;
-//!         balancing statistics summed over tp, so the loss is the micro-batch's)
+//!         balancing statistics summed over tp×cp, so the loss is the micro-batch's)
 //! permute copies into expert-major order over all E experts
 //! a2a-v   over ep: rows for experts [j·E/ep, (j+1)·E/ep) go to ep rank j
 //! gather  within etp (the etp ranks hold the same experts, ffn split)
@@ -98,6 +98,15 @@ impl<B: Backend> ParallelMoe<B> {
                 spec.experts, spec.expert_ffn
             )));
         }
+        let cp = rank.cp.size();
+        if cp > 1 && (spec.capacity.is_some() || spec.router.load_balance == LoadBalance::SeqAux) {
+            return Err(EngineError::Invalid(format!(
+                "MoE under cp = {cp}: capacity mode and seq_aux balancing need each token's \
+                 sequence position across the context-parallel ranks, which the runtime does \
+                 not track yet; use dropless routing with aux, global_aux or no balancing loss, \
+                 or cp = 1"
+            )));
+        }
         let split = |axis, dim, index, parts| Split {
             axis,
             dim,
@@ -129,7 +138,8 @@ impl<B: Backend> ParallelMoe<B> {
         })
     }
 
-    /// `x: [T/tp, D]` (this rank's rows of a micro-batch of `tokens`) → `[T/tp, D]`.
+    /// `x: [T/(tp·cp), D]` (this rank's rows of a micro-batch of `tokens`) →
+    /// `[T/(tp·cp), D]`.
     pub fn forward(
         &self,
         ctx: &Ctx<B>,
@@ -140,8 +150,10 @@ impl<B: Backend> ParallelMoe<B> {
         let b = ctx.b;
         let rank = ctx.rank;
         let (t_local, _) = x_td.dims2("ParallelMoe::forward")?;
+        // Under cp the rows are not consecutive tokens, which the balancing
+        // loss over one segment (the only kind allowed with cp) does not see.
         let shard = TokenShard {
-            offset: rank.tp_index * t_local,
+            offset: (rank.cp_index * rank.tp.size() + rank.tp_index) * t_local,
             total: tokens,
             segment: if self.spec.router.load_balance == LoadBalance::SeqAux {
                 seq_len
@@ -149,7 +161,7 @@ impl<B: Backend> ParallelMoe<B> {
                 tokens
             },
         };
-        let reduce = |x: &Tensor<B>| ctx.sum_over(&rank.tp, x);
+        let reduce = |x: &Tensor<B>| ctx.sum_over(&rank.tp_cp, x);
         let (routing, router) = self.router.forward_shard(b, x_td, shard, &reduce)?;
         let plan = match &self.spec.capacity {
             None => b.routing_plan(&routing.idx_tk, self.spec.experts)?,

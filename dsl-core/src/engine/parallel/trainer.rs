@@ -4,14 +4,14 @@
 //! 1. forward/backward of this dp rank's micro-batches;
 //! 2. parameters replicated over tp are summed over tp (sequence parallelism
 //!    gave each tp rank a part of their gradient), all in one all-reduce;
-//! 3. gradients are packed into flat buckets — by data-parallel group (dp for
-//!    dense parameters, edp for experts), weight decay, and tp replication —
+//! 3. gradients are packed into flat buckets — by data-parallel group (dp×cp
+//!    for dense parameters, edp for experts), weight decay, and tp replication —
 //!    each padded to a multiple of its group and reduce-scattered: a rank
 //!    keeps the sum of one chunk of every bucket;
 //! 4. the global norm adds every chunk once (tp-replicated buckets counted on
 //!    tp rank 0 only), clipping scales the chunks;
 //! 5. AdamW updates each chunk with the rank's moments (the optimizer state
-//!    is sharded: 1/dp of the dense moments, 1/edp of the experts'), and the
+//!    is sharded: 1/(dp·cp) of the dense moments, 1/edp of the experts'), and the
 //!    updated chunks are all-gathered back into the parameters. With bf16
 //!    parameters the rank also keeps an f32 master copy of its chunks, with
 //!    f32 moments (Megatron-Core's fp32 main params, sharded the same way):
@@ -175,7 +175,7 @@ impl<B: Backend> ParallelTrainer<B> {
     /// copies of them taken from the parameters where `cfg.master_weights`
     /// applies to the model's dtype.
     pub fn new(b: &B, model: ParallelModel<B>, cfg: TrainConfig) -> Result<Self> {
-        let (dp, edp) = (model.rank.dp.size(), model.rank.edp.size());
+        let (dp_cp, edp) = (model.rank.dp_cp.size(), model.rank.edp.size());
         let dtype = model.embed.table.value.dtype();
         let masters = cfg.master_weights.applies_to(dtype);
         let state = if masters { DType::F32 } else { dtype };
@@ -209,9 +209,9 @@ impl<B: Backend> ParallelTrainer<B> {
             let group = if bk.kind.expert {
                 &model.rank.edp
             } else {
-                &model.rank.dp
+                &model.rank.dp_cp
             };
-            let parts = if bk.kind.expert { edp } else { dp };
+            let parts = if bk.kind.expert { edp } else { dp_cp };
             bk.chunk = bk.len.div_ceil(parts);
             bk.m = b.zeros(&[bk.chunk], state)?;
             bk.v = b.zeros(&[bk.chunk], state)?;
@@ -321,12 +321,12 @@ impl<B: Backend> ParallelTrainer<B> {
         self.buckets.iter().any(|bk| bk.master.is_some())
     }
 
-    /// The data-parallel group of dense (`dp`) or expert (`edp`) parameters.
+    /// The data-parallel group of dense (`dp×cp`) or expert (`edp`) parameters.
     fn group(&self, expert: bool) -> &Group {
         if expert {
             &self.model.rank.edp
         } else {
-            &self.model.rank.dp
+            &self.model.rank.dp_cp
         }
     }
 
@@ -351,6 +351,7 @@ impl<B: Backend> ParallelTrainer<B> {
                 self.step + 1
             )));
         }
+        // Not over cp: a cp rank's loss is already its share of the micro-batch's mean.
         let scale = 1.0 / (micro_batches.len() * ctx.rank.dp.size()) as f64;
         let mut failure = None;
         visit_all_mut(&mut self.model, &mut |p| {
@@ -637,7 +638,7 @@ impl<B: Backend> ParallelTrainer<B> {
             let group = if bk.kind.expert {
                 &ctx.rank.edp
             } else {
-                &ctx.rank.dp
+                &ctx.rank.dp_cp
             };
             let (parts, index) = (group.size(), group.index_of(me).unwrap_or(0));
             let members: Vec<Tensor<B>> = bk
