@@ -222,7 +222,10 @@ fn layouts_are_refused_in_one_line_before_ranks_wait() {
             tiny("256", "0", "1", &["--layout", "tp=3"]),
             "--layout tp=3",
         ),
-        (tiny("256", "0", "1", &["--layout", "cp=2"]), "cp = 2"),
+        (
+            tiny("256", "0", "1", &["--layout", "cp=3"]),
+            "--layout cp=3",
+        ),
         (moe_layer, "moe-layer times one device"),
     ] {
         let o = foldmoe(&strs(&launched(2, &command)));

@@ -376,6 +376,25 @@ fn parallel_run_matches_one_rank_and_resumes_under_another_layout() {
     }
 }
 
+/// Context parallelism under `--layout`: two cp ranks (each holding two of
+/// the four chunks of every sequence) train like one rank.
+#[test]
+fn context_parallel_run_matches_one_rank() {
+    let dir = scratch("cp");
+    let one = train(&dir.join("one"), &["--steps", "2"]);
+    assert!(one.status.success(), "{}", stderr(&one));
+    let cp = train(
+        &dir.join("cp"),
+        &["--steps", "2", "--ranks", "2", "--layout", "cp=2"],
+    );
+    assert!(cp.status.success(), "{}", stderr(&cp));
+    let (want, got) = (losses(&dir.join("one")), losses(&dir.join("cp")));
+    assert_eq!(want.len(), got.len());
+    for (step, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "step {step}: {a} vs {b}");
+    }
+}
+
 #[test]
 fn bad_parallel_flags_give_one_line_errors() {
     let dir = scratch("badranks");
@@ -399,8 +418,8 @@ fn bad_parallel_flags_give_one_line_errors() {
         "capacity-factor",
     );
     assert_fails_with(
-        &train(&dir.join("e"), &["--ranks", "2", "--layout", "cp=2"]),
-        "cp",
+        &train(&dir.join("e"), &["--ranks", "2", "--layout", "cp=3"]),
+        "cp(3)",
     );
     assert_fails_with(
         &train(
