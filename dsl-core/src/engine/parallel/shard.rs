@@ -129,7 +129,8 @@ pub fn upload_as<B: Backend>(
 }
 
 /// Replaces the whole parameter `p` by this rank's shard under `splits`
-/// (start-up only: the values go through the host). The name stays the full
+/// (start-up only: a block of whole rows is copied on the device, other
+/// blocks go through the host). The name stays the full
 /// parameter's, so checkpoints and gradient checks address it globally.
 pub fn shard_param<B: Backend>(b: &B, p: &mut Param<B>, splits: Vec<Split>) -> Result<()> {
     if splits.is_empty() {
@@ -155,10 +156,22 @@ pub fn shard_param<B: Backend>(b: &B, p: &mut Param<B>, splits: Vec<Split>) -> R
         }
     }
     let spec = ShardSpec { full_shape, splits };
-    let full = b.download(&p.value)?.to_f64();
-    let shard_shape: Vec<usize> = spec.ranges().iter().map(|r| r.1).collect();
+    let ranges = spec.ranges();
+    let shard_shape: Vec<usize> = ranges.iter().map(|r| r.1).collect();
     let dtype = p.value.dtype();
-    p.value = upload_as(b, cut_block(&full, &spec), &shard_shape, dtype)?;
+    let whole_below = ranges[1..]
+        .iter()
+        .zip(&spec.full_shape[1..])
+        .all(|(r, &n)| r.1 == n);
+    p.value = if whole_below {
+        // A block of whole rows (the expert dimension of stacked expert
+        // weights, the vocabulary): one copy on the device, so a model of
+        // billions of parameters does not go through the host.
+        b.narrow(&p.value, ranges[0].0, ranges[0].1)?
+    } else {
+        let full = b.download(&p.value)?.to_f64();
+        upload_as(b, cut_block(&full, &spec), &shard_shape, dtype)?
+    };
     p.grad = b.zeros(&shard_shape, dtype)?;
     p.shard = Some(Box::new(spec));
     Ok(())
