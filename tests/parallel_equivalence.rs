@@ -321,6 +321,22 @@ fn context_parallel_with_pipeline_matches_one_rank() {
     check_layouts_of(&deep_spec(true), &["world=4,cp=2,pp=2"]);
 }
 
+/// Per-sequence balancing (`seq_aux`) under cp: every cp rank holds part of
+/// every sequence, so the per-sequence statistics are summed over tp×cp.
+#[test]
+fn context_parallel_with_seq_aux_matches_one_rank() {
+    let mut spec = spec(None);
+    for g in &mut spec.groups {
+        if let FfnSpec::Moe(moe) = &mut g.ffn {
+            moe.router.load_balance = LoadBalance::SeqAux;
+        }
+    }
+    check_layouts_of(
+        &spec,
+        &["world=2,tp=2", "world=2,cp=2", "world=4,tp=2,cp=2,ep=2"],
+    );
+}
+
 /// What cp cannot run yet is refused by name, not computed wrongly.
 #[test]
 fn context_parallel_refuses_capacity_mode() {

@@ -26,6 +26,9 @@ pub struct BalanceSaved<B: Backend> {
 /// each tensor-parallel rank holds `rows` consecutive rows starting at
 /// `offset` of the micro-batch's `total` rows; the losses computed on a shard
 /// are partial sums whose sum over the group is the micro-batch's loss.
+/// Under context parallelism each of `cp` ranks holds `segment / cp` tokens
+/// of every segment (its chunks of every sequence), and rows are numbered
+/// within that rank's `total / cp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TokenShard {
     /// First row of this shard within the micro-batch.
@@ -35,6 +38,8 @@ pub struct TokenShard {
     /// Rows per balancing segment: `total` for `aux`, the sequence length for
     /// `seq_aux`.
     pub segment: usize,
+    /// Context-parallel ranks sharing every segment (1 without cp).
+    pub cp: usize,
 }
 
 impl TokenShard {
@@ -44,6 +49,7 @@ impl TokenShard {
             offset: 0,
             total,
             segment: total / n_seg.max(1),
+            cp: 1,
         }
     }
 }
@@ -70,10 +76,12 @@ pub fn balance_forward<B: Backend>(
     let (t, e) = probs_te.dims2("balance_forward")?;
     let seq = shard.segment;
     let n_seq = shard.total / seq;
-    // Rows of ones marking each segment's tokens: per-segment sums as one product.
+    // Rows of ones marking each segment's tokens: per-segment sums as one
+    // product. Under cp this rank's rows of a segment are `seq / cp` of them.
+    let held = seq / shard.cp.max(1);
     let mut seg = vec![0.0; n_seq * t];
     for (i, v) in seg.iter_mut().enumerate() {
-        if (shard.offset + i % t) / seq == i / t {
+        if (shard.offset + i % t) / held == i / t {
             *v = 1.0;
         }
     }

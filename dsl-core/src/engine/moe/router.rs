@@ -206,15 +206,19 @@ impl<B: Backend> Router<B> {
     ) -> Result<(Routing<B>, RouterSaved<B>)> {
         let (t, _) = x_td.dims2("Router::forward")?;
         let segments_ok = shard.segment > 0
+            && shard.cp > 0
             && shard.total.is_multiple_of(shard.segment)
-            && shard.offset + t <= shard.total;
+            && shard.segment.is_multiple_of(shard.cp)
+            && shard.offset + t <= shard.total / shard.cp;
         if !segments_ok {
             return Err(EngineError::Invalid(format!(
-                "Router::forward: rows {}..{} of a micro-batch of {} do not fit segments of {}",
+                "Router::forward: rows {}..{} of a micro-batch of {} do not fit segments of {} \
+                 (held over cp = {})",
                 shard.offset,
                 shard.offset + t,
                 shard.total,
-                shard.segment
+                shard.segment,
+                shard.cp
             )));
         }
         let (e, k) = (self.experts, self.top_k);

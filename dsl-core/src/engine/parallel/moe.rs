@@ -99,12 +99,11 @@ impl<B: Backend> ParallelMoe<B> {
             )));
         }
         let cp = rank.cp.size();
-        if cp > 1 && (spec.capacity.is_some() || spec.router.load_balance == LoadBalance::SeqAux) {
+        if cp > 1 && spec.capacity.is_some() {
             return Err(EngineError::Invalid(format!(
-                "MoE under cp = {cp}: capacity mode and seq_aux balancing need each token's \
-                 sequence position across the context-parallel ranks, which the runtime does \
-                 not track yet; use dropless routing with aux, global_aux or no balancing loss, \
-                 or cp = 1"
+                "MoE under cp = {cp}: capacity mode plans drops over the micro-batch's tokens \
+                 in order, which the context-parallel ranks do not hold together; the runtime \
+                 does not gather them yet: use dropless routing or cp = 1"
             )));
         }
         let split = |axis, dim, index, parts| Split {
@@ -150,16 +149,16 @@ impl<B: Backend> ParallelMoe<B> {
         let b = ctx.b;
         let rank = ctx.rank;
         let (t_local, _) = x_td.dims2("ParallelMoe::forward")?;
-        // Under cp the rows are not consecutive tokens, which the balancing
-        // loss over one segment (the only kind allowed with cp) does not see.
+        // Rows numbered within this cp rank's tokens: B sequences of S/cp each.
         let shard = TokenShard {
-            offset: (rank.cp_index * rank.tp.size() + rank.tp_index) * t_local,
+            offset: rank.tp_index * t_local,
             total: tokens,
             segment: if self.spec.router.load_balance == LoadBalance::SeqAux {
                 seq_len
             } else {
                 tokens
             },
+            cp: rank.cp.size(),
         };
         let reduce = |x: &Tensor<B>| ctx.sum_over(&rank.tp_cp, x);
         let (routing, router) = self.router.forward_shard(b, x_td, shard, &reduce)?;
