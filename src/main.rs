@@ -36,7 +36,7 @@ enum Command {
     Train(Box<TrainOptions>),
     /// Run a command (`train`) as one process per rank on this node.
     Launch(launch::LaunchOptions),
-    /// Parameters, FLOPs per token and process groups of a model under a layout.
+    /// Parameters, FLOPs per token, process groups, memory per GPU and communication of a model under a layout.
     Plan {
         /// Model name.
         #[arg(long, default_value = "tiny")]
@@ -56,6 +56,18 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Sequences per micro-batch, for the activation estimate.
+        #[arg(long, default_value_t = 1)]
+        micro_batch_size: usize,
+        /// Micro-batches per step on each dp rank (default: pp, the fewest that fill the 1F1B pipeline).
+        #[arg(long)]
+        micro_batches: Option<usize>,
+        /// Recompute these parts in every group (`norm,moe_act`, `block`; `none`: keep all), instead of the declared policy.
+        #[arg(long, value_name = "LIST")]
+        recompute: Option<String>,
+        /// Offload these tensors to host memory in every group (`qkv,expert_fc1`; `none`), instead of the declared policy.
+        #[arg(long, value_name = "LIST")]
+        offload: Option<String>,
     },
     /// Time one MoE layer or a training step; prints JSON (see benchmarks/README.md).
     Bench(bench::BenchOptions),
@@ -132,14 +144,24 @@ fn run(cli: Cli) -> Result<(), CliError> {
             ranks,
             rank,
             json,
+            micro_batch_size,
+            micro_batches,
+            recompute,
+            offload,
         } => {
             let source = match &model_config {
                 Some(path) => plan::ModelSource::Config(path),
                 None => plan::ModelSource::Name(&model),
             };
+            let memory = plan::MemoryFlags {
+                micro_batch_size,
+                micro_batches,
+                recompute: recompute.as_deref(),
+                offload: offload.as_deref(),
+            };
             println!(
                 "{}",
-                plan::run(source, layout.as_deref(), ranks, rank, json)?
+                plan::run(source, layout.as_deref(), ranks, rank, json, &memory)?
             );
             Ok(())
         }

@@ -1,12 +1,14 @@
 //! `foldmoe plan`: what a model costs and how a layout places it, before
-//! anything runs — parameters, training FLOPs per token, and the process
-//! groups of a rank, checked by the same layout rules as `#[moe_model]`.
+//! anything runs — parameters, training FLOPs per token, the process groups
+//! of a rank, checked by the same layout rules as `#[moe_model]`, and the
+//! rank's memory and communication (`foldmoe_core::memory`).
 
 use std::path::Path;
 
 use foldmoe::core::config::ModelConfig;
 use foldmoe::core::layout::{self, GroupKind, LayoutSpec};
-use foldmoe::core::spec::ModelSpec;
+use foldmoe::core::memory::{self, MemoryOptions, MemoryPlan, GIB};
+use foldmoe::core::spec::{keywords, ModelSpec};
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -23,7 +25,44 @@ struct Plan {
     rank: usize,
     groups: Vec<(String, Vec<usize>)>,
     notes: Vec<String>,
+    /// The activation policy planned: `declared` or the flags given.
+    policy: String,
+    memory: MemoryPlan,
+    memory_total_gib: f64,
 }
+
+/// The memory flags of `foldmoe plan`.
+pub struct MemoryFlags<'a> {
+    /// Sequences per micro-batch.
+    pub micro_batch_size: usize,
+    /// Micro-batches per step on each dp rank (`None`: pp).
+    pub micro_batches: Option<usize>,
+    /// `--recompute LIST`, replacing every group's recompute parts.
+    pub recompute: Option<&'a str>,
+    /// `--offload LIST`, replacing every group's offloaded parts.
+    pub offload: Option<&'a str>,
+}
+
+/// The parts `list` names in `table` (the policy keywords the macro and
+/// config files use); `none` or an empty list is no part.
+fn parse_parts<T: Copy>(
+    table: &[(&str, T)],
+    flag: &str,
+    what: &str,
+    list: &str,
+) -> Result<Vec<T>, CliError> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|w| !w.is_empty() && *w != "none")
+        .map(|w| {
+            keywords::lookup(table, what, w).map_err(|e| CliError::usage(format!("{flag}: {e}")))
+        })
+        .collect()
+}
+
+/// Devices the plan's total is compared with, by the memory `nvidia-smi`
+/// reports (81559 MiB and 143771 MiB), in GiB.
+const DEVICES: [(&str, f64); 2] = [("H100 80 GB", 79.6), ("H200 141 GB", 140.4)];
 
 /// Which model to plan.
 pub enum ModelSource<'a> {
@@ -55,8 +94,9 @@ pub fn run(
     ranks: Option<usize>,
     rank: usize,
     json: bool,
+    flags: &MemoryFlags,
 ) -> Result<String, CliError> {
-    let (spec, declared) = model.load()?;
+    let (mut spec, declared) = model.load()?;
     let mut layout_spec = match layout_text {
         Some(text) => {
             LayoutSpec::parse(text).map_err(|e| CliError::usage(format!("--layout: {e}")))?
@@ -76,6 +116,42 @@ pub fn run(
             layout.world
         )));
     }
+    if flags.micro_batch_size == 0 || flags.micro_batches == Some(0) {
+        return Err(CliError::usage(
+            "--micro-batch-size and --micro-batches must be at least 1".to_string(),
+        ));
+    }
+    let mut policy = Vec::new();
+    // A part a group lacks (`moe_act` in a dense block) frees nothing there,
+    // so the lists apply to every group as they are.
+    if let Some(list) = flags.recompute {
+        let parts = parse_parts(keywords::RECOMPUTE, "--recompute", "recompute part", list)?;
+        spec.groups
+            .iter_mut()
+            .for_each(|g| g.policy.recompute = parts.clone());
+        policy.push(format!("--recompute {list}"));
+    }
+    if let Some(list) = flags.offload {
+        let parts = parse_parts(keywords::OFFLOAD, "--offload", "offload part", list)?;
+        spec.groups
+            .iter_mut()
+            .for_each(|g| g.policy.offload = parts.clone());
+        policy.push(format!("--offload {list}"));
+    }
+    let policy = if policy.is_empty() {
+        "declared".to_string()
+    } else {
+        policy.join(" ")
+    };
+    let mem = memory::plan_memory(
+        &spec,
+        &layout,
+        &MemoryOptions {
+            rank,
+            micro_batch_size: flags.micro_batch_size,
+            micro_batches: flags.micro_batches.unwrap_or(layout.pp),
+        },
+    );
     let (params_total, params_active) = spec.param_counts();
     let plan = Plan {
         model: spec.name.clone(),
@@ -90,6 +166,9 @@ pub fn run(
             .map(|&k| (format!("{k:?}").to_lowercase(), layout.group_of(k, rank)))
             .collect(),
         notes: layout.notes.clone(),
+        policy,
+        memory_total_gib: mem.total as f64 / GIB,
+        memory: mem,
     };
     if json {
         return serde_json::to_string_pretty(&plan)
@@ -117,5 +196,146 @@ pub fn run(
     for note in &plan.notes {
         out.push_str(&format!("  note: {note}\n"));
     }
+    out.push_str(&memory_table(&plan, &spec));
     Ok(out)
+}
+
+/// The memory table of the plan's rank and its communication per step.
+fn memory_table(plan: &Plan, spec: &ModelSpec) -> String {
+    let m = &plan.memory;
+    let gib = |b: u64| format!("{:.2}", b as f64 / GIB);
+    let blocks: Vec<String> = m.layers.iter().map(|(a, b)| format!("{a}..{b}")).collect();
+    let mut out = format!(
+        "memory per GPU of rank {} (pp stage {}, blocks {}; micro-batch {} × {} tokens, {} micro-batches per step, {} in flight), GiB:\n  policy: {}{}\n",
+        m.rank,
+        m.pp_stage,
+        blocks.join(", "),
+        m.micro_batch_size,
+        m.seq_len,
+        m.micro_batches,
+        m.in_flight,
+        plan.policy,
+        if plan.policy == "declared" {
+            declared_policies(spec)
+        } else {
+            String::new()
+        },
+    );
+    out.push_str(&format!(
+        "    {:<16}{:>10}{:>9}{:>9}{:>11}{:>11}{:>13}{:>11}\n",
+        "part",
+        "params M",
+        "weights",
+        "grads",
+        "optimizer",
+        "act/µbatch",
+        "activations",
+        "offloaded"
+    ));
+    let row = |name: &str, params: u64, w: u64, g: u64, o: u64, a1: u64, a: u64, h: u64| {
+        format!(
+            "    {name:<16}{:>10.1}{:>9}{:>9}{:>11}{:>11}{:>13}{:>11}\n",
+            params as f64 / 1e6,
+            gib(w),
+            gib(g),
+            gib(o),
+            gib(a1),
+            gib(a),
+            gib(h)
+        )
+    };
+    for p in &m.parts {
+        out.push_str(&row(
+            p.part,
+            p.params,
+            p.weights,
+            p.grads,
+            p.optimizer,
+            p.activations_per_micro_batch,
+            p.activations,
+            p.offloaded,
+        ));
+    }
+    out.push_str(&row(
+        "sum",
+        m.sum(|p| p.params),
+        m.sum(|p| p.weights),
+        m.sum(|p| p.grads),
+        m.sum(|p| p.optimizer),
+        m.sum(|p| p.activations_per_micro_batch),
+        m.sum(|p| p.activations),
+        m.sum(|p| p.offloaded),
+    ));
+    out.push_str(&format!(
+        "    comm buffers {} (send + receive of the largest all-to-all dispatch, tokens·top_k·hidden·2 B, and of pipeline p2p)\n",
+        gib(m.comm_buffers)
+    ));
+    let fits: Vec<String> = DEVICES
+        .iter()
+        .map(|(name, gib_avail)| {
+            let verdict = if (m.total as f64) < *gib_avail * GIB {
+                "fits"
+            } else {
+                "does NOT fit"
+            };
+            format!("{verdict} in an {name} ({gib_avail} GiB)")
+        })
+        .collect();
+    out.push_str(&format!(
+        "  total {} GiB on rank {} ({}; before allocator fragmentation and framework overhead)\n",
+        gib(m.total),
+        m.rank,
+        fits.join(", ")
+    ));
+    out.push_str(&format!("communication per step from rank {}:\n", m.rank));
+    for c in &m.comm {
+        out.push_str(&format!(
+            "    {:<6} ({:>4} ranks) {:>10} GiB  {}\n",
+            c.group,
+            c.size,
+            gib(c.bytes_per_step),
+            c.what
+        ));
+    }
+    out
+}
+
+/// `(recompute …; offload …)` of each group, for the table's policy line.
+fn declared_policies(spec: &ModelSpec) -> String {
+    let groups: Vec<String> = spec
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let names = |v: Vec<&str>| {
+                if v.is_empty() {
+                    "-".to_string()
+                } else {
+                    v.join(",")
+                }
+            };
+            let r = g
+                .policy
+                .recompute
+                .iter()
+                .map(|p| keywords::name_of(keywords::RECOMPUTE, *p));
+            let o = g
+                .policy
+                .offload
+                .iter()
+                .map(|p| keywords::name_of(keywords::OFFLOAD, *p));
+            let f = g
+                .policy
+                .store_fp8
+                .iter()
+                .map(|p| keywords::name_of(keywords::OFFLOAD, *p));
+            format!(
+                "groups[{i}] recompute {} offload {} store_fp8 {}",
+                names(r.collect()),
+                names(o.collect()),
+                names(f.collect())
+            )
+        })
+        .collect();
+    format!(" ({})", groups.join("; "))
 }

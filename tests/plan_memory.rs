@@ -1,0 +1,101 @@
+//! `foldmoe plan` predicts memory per GPU: DeepSeek-V3 on its declared
+//! 1024-GPU layout (pp16·ep64) prints the per-part table, `--json` carries
+//! the same numbers, and `--recompute` / `--offload` move them the way
+//! they should.
+
+use std::process::{Command, Output};
+
+fn foldmoe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_foldmoe"))
+        .args(args)
+        .output()
+        .expect("the foldmoe binary runs")
+}
+
+/// The JSON plan, on the model's declared layout `h100x1024` (pp16·ep64,
+/// uneven pp_layers), of DeepSeek-V3's rank 64 (pp stage 1: four MoE blocks, 15
+/// micro-batches in flight, the stage with the most activations) with `extra` flags.
+fn deepseek(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["plan", "--model", "deepseek-v3", "--rank", "64", "--json"];
+    args.extend_from_slice(extra);
+    let o = foldmoe(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("plan --json parses")
+}
+
+fn part(v: &serde_json::Value, name: &str, field: &str) -> u64 {
+    v["memory"]["parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["part"] == name)
+        .unwrap()[field]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn deepseek_v3_on_1024_gpus_prints_the_memory_table() {
+    let o = foldmoe(&["plan", "--model", "deepseek-v3", "--rank", "64"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    for needle in [
+        "memory per GPU of rank 64 (pp stage 1",
+        "routed_experts",
+        "shared_experts",
+        "embedding_head",
+        "total ",
+        "communication per step from rank 64",
+        "ep     (  64 ranks)",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing in\n{text}");
+    }
+}
+
+#[test]
+fn deepseek_v3_json_total_fits_an_h200_under_its_declared_policy() {
+    let v = deepseek(&[]);
+    let m = &v["memory"];
+    assert_eq!(m["pp_stage"], 1);
+    assert_eq!(m["in_flight"], 15.0);
+    let total = m["total"].as_u64().unwrap() as f64;
+    assert!((v["memory_total_gib"].as_f64().unwrap() - total / (1u64 << 30) as f64).abs() < 1e-9);
+    // Declared policy (mla_up_proj and moe_act recomputed): under an H200's
+    // 140 GiB but over an H100's 80 GiB with 1F1B's 15 micro-batches in flight.
+    let gib = total / (1u64 << 30) as f64;
+    assert!(gib < 140.0 && gib > 80.0, "{gib} GiB");
+    // The distributed optimizer: edp = 1 keeps every expert's 12 bytes,
+    // dp = 64 shards the dense ones.
+    let experts = part(&v, "routed_experts", "params");
+    assert_eq!(part(&v, "routed_experts", "optimizer"), 12 * experts);
+    let attn = part(&v, "attention", "params");
+    assert_eq!(part(&v, "attention", "optimizer"), (12 * attn).div_ceil(64));
+    assert!(m["comm"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["group"] == "ep"));
+}
+
+#[test]
+fn recompute_and_offload_flags_change_the_activations() {
+    let declared = deepseek(&[]);
+    let keep = deepseek(&["--recompute", "none"]);
+    let block = deepseek(&["--recompute", "block"]);
+    let offload = deepseek(&["--recompute", "none", "--offload", "expert_fc1,moe_act"]);
+    let act = |v: &serde_json::Value, p: &str| part(v, p, "activations");
+    assert!(act(&keep, "routed_experts") > act(&declared, "routed_experts"));
+    assert!(act(&block, "routed_experts") == 0 && act(&block, "attention") == 0);
+    assert!(act(&offload, "routed_experts") < act(&keep, "routed_experts"));
+    assert_eq!(
+        act(&keep, "routed_experts") - act(&offload, "routed_experts"),
+        part(&offload, "routed_experts", "offloaded")
+    );
+    assert_eq!(
+        offload["policy"],
+        "--recompute none --offload expert_fc1,moe_act"
+    );
+    let o = foldmoe(&["plan", "--model", "deepseek-v3", "--recompute", "moe_actt"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown recompute part `moe_actt`"));
+}
