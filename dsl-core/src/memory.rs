@@ -96,7 +96,7 @@ pub struct PartMemory {
 /// Communication of one process group per optimizer step, from this rank.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CommVolume {
-    /// Group kind (`tp`, `ep`, `dp_cp`, ...).
+    /// Group kind, named as in the plan's group list (`tp`, `ep`, `dpcp`, ...).
     pub group: &'static str,
     /// Ranks in the group.
     pub size: usize,
@@ -538,7 +538,7 @@ fn comm_volumes(
     );
     let dense: u64 = params.iter().sum::<u64>() - expert_params;
     push(
-        "dp_cp",
+        "dpcp",
         layout.dp * layout.cp,
         2.0 * ring(2.0 * dense as f64, layout.dp * layout.cp),
         "gradient reduce-scatter + weight all-gather (distributed optimizer)",
@@ -653,6 +653,28 @@ mod tests {
         assert_eq!((first.in_flight, last.in_flight), (3.0, 1.0));
         let a = part(&first, "attention");
         assert_eq!(a.activations, 3 * a.activations_per_micro_batch);
+    }
+
+    #[test]
+    fn dp_and_edp_reduce_scatter_and_all_gather_their_bf16_parameters() {
+        let p = plan(&tiny(), "world=4", 0, 1);
+        // dp 4 = edp 4: 2 collectives × 3/4 × 2 B × params (3064 dense, 768 routed).
+        let by = |g: &str| p.comm.iter().find(|c| c.group == g).unwrap().bytes_per_step;
+        assert_eq!(by("dpcp"), 9192);
+        assert_eq!(by("edp"), 2304);
+        assert!(p.comm.iter().all(|c| c.group != "tp" && c.group != "ep"));
+    }
+
+    #[test]
+    fn interleaved_stages_hold_their_warm_up_chunks_plus_one() {
+        let mut spec = tiny();
+        spec.groups[1].count = 3; // 4 blocks over pp 2 · vpp 2
+        let l = check(&LayoutSpec::parse("world=2,pp=2,vpp=2").unwrap(), &spec).unwrap();
+        // Stage 0: (2·1 + 1·2 + 1) / 2 = 2.5; stage 1: (0 + 2 + 1) / 2 = 1.5.
+        assert_eq!(in_flight(&l, 0, 8), 2.5);
+        assert_eq!(in_flight(&l, 1, 8), 1.5);
+        // Fewer micro-batches than the warm-up cap it.
+        assert_eq!(in_flight(&l, 0, 2), 2.0);
     }
 
     #[test]
