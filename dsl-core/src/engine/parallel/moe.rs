@@ -27,7 +27,7 @@
 use foldmoe_kernels::{Backend, DropPolicy, HostData, RoutingPlan, Tensor};
 
 use super::model::shard_mlp;
-use super::shard::shard_param;
+use super::shard::{shard_param, upload_as};
 use super::{Ctx, RankLayout, Split, SplitAxis};
 use crate::engine::moe::dispatcher::Dispatcher;
 use crate::engine::moe::experts::{Experts, ExpertsSaved};
@@ -37,6 +37,7 @@ use crate::engine::moe::shared::{SharedExperts, SharedSaved};
 use crate::engine::moe::{MoeLayer, MoeStats};
 use crate::engine::param::{Module, Param};
 use crate::engine::{EngineError, Result};
+use crate::layout::cp_positions;
 use crate::spec::{DropPolicySpec, LoadBalance, MoeSpec};
 
 /// One rank's part of an MoE layer.
@@ -98,14 +99,6 @@ impl<B: Backend> ParallelMoe<B> {
                 spec.experts, spec.expert_ffn
             )));
         }
-        let cp = rank.cp.size();
-        if cp > 1 && spec.capacity.is_some() {
-            return Err(EngineError::Invalid(format!(
-                "MoE under cp = {cp}: capacity mode plans drops over the micro-batch's tokens \
-                 in order, which the context-parallel ranks do not hold together; the runtime \
-                 does not gather them yet: use dropless routing or cp = 1"
-            )));
-        }
         let split = |axis, dim, index, parts| Split {
             axis,
             dim,
@@ -164,7 +157,9 @@ impl<B: Backend> ParallelMoe<B> {
         let (routing, router) = self.router.forward_shard(b, x_td, shard, &reduce)?;
         let plan = match &self.spec.capacity {
             None => b.routing_plan(&routing.idx_tk, self.spec.experts)?,
-            Some(_) => self.capacity_plan(ctx, &routing.idx_tk, &routing.weights_tk, shard)?,
+            Some(_) => {
+                self.capacity_plan(ctx, &routing.idx_tk, &routing.weights_tk, shard, seq_len)?
+            }
         };
         let x_nd = b.permute(x_td, &plan.row_src)?;
         let (y_nd, exchange, experts) = self.compute(ctx, &x_nd, &plan.counts)?;
@@ -232,13 +227,16 @@ impl<B: Backend> ParallelMoe<B> {
         Ok(dx_td)
     }
 
-    /// Capacity plan of this rank's rows, made over the whole micro-batch.
+    /// Capacity plan of this rank's rows, made over the whole micro-batch in
+    /// its token order (under cp the decisions of every tp×cp rank are put
+    /// back in that order first, so drops by position match one rank's).
     fn capacity_plan(
         &self,
         ctx: &Ctx<B>,
         idx_tk: &Tensor<B>,
         weights_tk: &Tensor<B>,
         shard: TokenShard,
+        seq_len: usize,
     ) -> Result<RoutingPlan<B>> {
         let b = ctx.b;
         let (t_local, k) = idx_tk.dims2("capacity_plan")?;
@@ -250,8 +248,43 @@ impl<B: Backend> ParallelMoe<B> {
             DropPolicySpec::Position => DropPolicy::Position,
         };
         let e = self.spec.experts;
-        let idx_all = ctx.gather_tp(idx_tk)?;
-        let probs_all = ctx.gather_tp(weights_tk)?;
+        let rank = ctx.rank;
+        let cp = rank.cp.size();
+        // The micro-batch token of row `row` of cp rank `cp_i`'s tokens.
+        let token = |cp_i: usize, row: usize| -> usize {
+            let held = seq_len / cp;
+            let positions = cp_positions(seq_len, cp, cp_i);
+            (row / held) * seq_len + positions[row % held]
+        };
+        let (idx_all, probs_all, rows) = if cp == 1 {
+            let rows: Vec<usize> = (0..t_local).map(|t| shard.offset + t).collect();
+            (ctx.gather_tp(idx_tk)?, ctx.gather_tp(weights_tk)?, rows)
+        } else {
+            let idx_g = b
+                .download(&ctx.comm.all_gather(b, &rank.tp_cp, idx_tk)?)?
+                .to_i32()?;
+            let probs_g = b
+                .download(&ctx.comm.all_gather(b, &rank.tp_cp, weights_tk)?)?
+                .to_f64();
+            let (mut idx_n, mut probs_n) = (vec![0i32; idx_g.len()], vec![0.0; probs_g.len()]);
+            for (m, &r) in rank.tp_cp.ranks().iter().enumerate() {
+                let c = rank.layout.attention_coords(r);
+                for t in 0..t_local {
+                    let (from, to) = ((m * t_local + t) * k, token(c.cp, c.tp * t_local + t) * k);
+                    idx_n[to..to + k].copy_from_slice(&idx_g[from..from + k]);
+                    probs_n[to..to + k].copy_from_slice(&probs_g[from..from + k]);
+                }
+            }
+            let n = idx_n.len() / k;
+            let rows: Vec<usize> = (0..t_local)
+                .map(|t| token(rank.cp_index, rank.tp_index * t_local + t))
+                .collect();
+            (
+                b.upload(HostData::I32(idx_n), &[n, k])?,
+                upload_as(b, probs_n, &[n, k], weights_tk.dtype())?,
+                rows,
+            )
+        };
         let capacity = self
             .dispatcher
             .capacity(shard.total)
@@ -262,9 +295,9 @@ impl<B: Backend> ParallelMoe<B> {
         // Kept copies of this rank's rows, sorted by expert, stable in
         // (token, choice) order as the single-rank plan is.
         let mut kept: Vec<(i32, usize, usize)> = Vec::new();
-        for t in 0..t_local {
+        for (t, &row) in rows.iter().enumerate() {
             for j in 0..k {
-                let g = (shard.offset + t) * k + j;
+                let g = row * k + j;
                 if slot[g] >= 0 {
                     kept.push((idx[g], t, j));
                 }
