@@ -14,8 +14,12 @@
 //!   the expert ffn), runs its local experts, and sends the results back.
 //! - **Gradients**: parameters replicated across tp (norms, router, shared
 //!   gate) see only their rank's tokens and are summed over tp; dense
-//!   parameters are then reduced over dp, expert parameters over edp, by the
-//!   distributed optimizer's reduce-scatter ([`trainer`]).
+//!   parameters are then reduced over dp×cp, expert parameters over edp, by
+//!   the distributed optimizer's reduce-scatter ([`trainer`]).
+//! - **Context parallel** (`cp`): each sequence in 2·cp chunks, cp rank i
+//!   holding chunks i and 2·cp−1−i; attention all-gathers keys and values
+//!   over cp ([`context`]), the rest runs on the rank's tokens, the MoE
+//!   balancing statistics are summed over tp×cp.
 //!
 //! - **Pipeline** (`pp`, `vpp`): each stage holds its layers (the layout's
 //!   `pp_rank_layers`) with its own tp×dp and expert meshes; micro-batches

@@ -18,7 +18,7 @@
 //! does before its all-to-all-v: the buffer sizes depend on them.
 //!
 //! Capacity mode keeps, for every micro-batch, exactly the copies one rank
-//! would keep: the router decisions are gathered over tp and the plan is made
+//! would keep: the router decisions are gathered over tp×cp and the plan is made
 //! over the whole micro-batch (Megatron-Core plans per sequence-parallel
 //! shard, so its drops change with tp; ours do not). Padding to capacity is
 //! not applied across ranks: padding rows are zeros and change no output or
