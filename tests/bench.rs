@@ -3,25 +3,10 @@
 //! errors for bad flags. (The GPU figures live in BENCHMARKS.md; no timing
 //! is asserted here.)
 
-use std::process::{Command, Output};
+mod common;
 
+use common::foldmoe;
 use serde_json::Value;
-
-fn foldmoe(args: &[&str]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_foldmoe"));
-    // A test run must not inherit the variables of a launcher around it.
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "FOLDMOE_COMM_TIMEOUT",
-    ] {
-        c.env_remove(var);
-    }
-    c.args(args).output().expect("the foldmoe binary runs")
-}
 
 fn report(args: &[&str]) -> Value {
     let o = foldmoe(args);

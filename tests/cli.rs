@@ -2,22 +2,12 @@
 //! every kind of bad input the train issue lists (one-line error, non-zero
 //! exit, nothing overwritten).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output};
 
-fn foldmoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_foldmoe"))
-        .args(args)
-        .output()
-        .expect("the foldmoe binary runs")
-}
-
-fn scratch(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("foldmoe-cli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use common::{foldmoe, foldmoe_command, scratch};
 
 /// Small, fast training flags (2 sequences of 128 bytes per step).
 const FAST: &[&str] = &[
@@ -272,7 +262,7 @@ fn non_finite_loss_stops_and_keeps_last_good_checkpoint() {
 #[test]
 fn ctrl_c_writes_a_checkpoint_then_exits() {
     let run = scratch("sigint").join("run");
-    let child = Command::new(env!("CARGO_BIN_EXE_foldmoe"))
+    let child = foldmoe_command()
         .args(["train", "--out", run.to_str().unwrap(), "--steps", "100000"])
         .args(FAST)
         .stderr(std::process::Stdio::piped())

@@ -3,15 +3,12 @@
 //! file fails with one error line naming the file, the key path, the value and
 //! the macro's message.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn foldmoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_foldmoe"))
-        .args(args)
-        .output()
-        .expect("the foldmoe binary runs")
-}
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::foldmoe;
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()

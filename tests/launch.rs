@@ -3,36 +3,16 @@
 //! threads, and a rank that dies or never appears must stop the run with an
 //! error naming it, never a hang.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-fn foldmoe() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_foldmoe"));
-    // A test run must not inherit the variables of a launcher around it.
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "FOLDMOE_COMM_TIMEOUT",
-        "FOLDMOE_TEST_EXIT_AT_STEP",
-    ] {
-        c.env_remove(var);
-    }
-    c
-}
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::{foldmoe_command, scratch};
+use std::time::{Duration, Instant};
 
 fn run(c: &mut Command) -> Output {
     c.output().expect("the foldmoe binary runs")
-}
-
-fn scratch(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("foldmoe-launch-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// Small, fast training flags (as tests/cli.rs: 2 sequences of 128 bytes
@@ -119,9 +99,9 @@ fn processes_train_exactly_like_threads() {
         let mut with_ranks = steps.to_vec();
         let ranks = n.to_string();
         with_ranks.extend(["--ranks", &ranks]);
-        let t = run(foldmoe().args(train_args(&threads, &with_ranks)));
+        let t = run(foldmoe_command().args(train_args(&threads, &with_ranks)));
         assert!(t.status.success(), "{}", stderr(&t));
-        let p = run(foldmoe().args(launch_args(n, "60", train_args(&procs, &steps))));
+        let p = run(foldmoe_command().args(launch_args(n, "60", train_args(&procs, &steps))));
         assert!(p.status.success(), "{}", stderr(&p));
         let (want, got) = (losses(&threads), losses(&procs));
         assert_eq!(got.len(), 3);
@@ -145,7 +125,7 @@ fn processes_train_exactly_like_threads() {
 fn a_rank_that_dies_stops_the_run_naming_it() {
     let dir = scratch("dies");
     let start = Instant::now();
-    let o = run(foldmoe()
+    let o = run(foldmoe_command()
         .args(launch_args(
             2,
             "20",
@@ -174,7 +154,7 @@ fn a_rank_that_never_appears_is_named_after_the_timeout() {
     let dir = scratch("absent");
     let port = free_port().to_string();
     let start = Instant::now();
-    let o = run(foldmoe()
+    let o = run(foldmoe_command()
         .args(train_args(
             &dir.join("run"),
             &["--steps", "2", "--layout", "tp=2,ep=2"],
@@ -192,7 +172,7 @@ fn a_rank_that_never_appears_is_named_after_the_timeout() {
         "{line}"
     );
     // A rank whose rank 0 never appears names the address it tried.
-    let o = run(foldmoe()
+    let o = run(foldmoe_command()
         .args(train_args(&dir.join("run1"), &["--steps", "2"]))
         .envs([
             ("RANK", "1"),
@@ -218,7 +198,7 @@ fn a_rank_that_never_appears_is_named_after_the_timeout() {
 #[test]
 fn bad_launch_arguments_and_variables_are_one_line_errors() {
     let dir = scratch("bad");
-    let line = error_line(&run(foldmoe().args([
+    let line = error_line(&run(foldmoe_command().args([
         "launch",
         "--nproc-per-node",
         "0",
@@ -229,34 +209,38 @@ fn bad_launch_arguments_and_variables_are_one_line_errors() {
         line.contains("--nproc-per-node 0: must be at least 1"),
         "{line}"
     );
-    let line = error_line(&run(foldmoe().args(["launch", "--nproc-per-node", "2"])));
+    let line = error_line(&run(foldmoe_command().args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+    ])));
     assert!(
         line.contains("give the foldmoe command after `--`"),
         "{line}"
     );
     // Without `--` the command's words are not taken for launch's own.
-    let line = error_line(&run(foldmoe().args([
+    let line = error_line(&run(foldmoe_command().args([
         "launch",
         "--nproc-per-node",
         "2",
         "train",
     ])));
     assert!(line.contains("train"), "{line}");
-    let line = error_line(&run(foldmoe()
+    let line = error_line(&run(foldmoe_command()
         .args(train_args(&dir.join("a"), &[]))
         .envs([("WORLD_SIZE", "2"), ("RANK", "2")])));
     assert!(
         line.contains("RANK = \"2\" is not below WORLD_SIZE = 2"),
         "{line}"
     );
-    let line = error_line(&run(foldmoe()
+    let line = error_line(&run(foldmoe_command()
         .args(train_args(&dir.join("b"), &[]))
         .envs([("WORLD_SIZE", "two")])));
     assert!(line.contains("WORLD_SIZE = \"two\""), "{line}");
     // --ranks must agree with the processes; every rank says so at once
     // (no waiting for each other), then launch names the first.
     let start = Instant::now();
-    let o = run(foldmoe().args(launch_args(
+    let o = run(foldmoe_command().args(launch_args(
         2,
         "20",
         train_args(&dir.join("c"), &["--ranks", "3"]),
@@ -272,7 +256,7 @@ fn bad_launch_arguments_and_variables_are_one_line_errors() {
 #[test]
 fn interrupting_launch_checkpoints_every_rank_and_exits_130() {
     let run_dir = scratch("sigint").join("run");
-    let child = foldmoe()
+    let child = foldmoe_command()
         .args(launch_args(
             2,
             "30",

@@ -3,14 +3,9 @@
 //! the same numbers, and `--recompute` / `--offload` move them the way
 //! they should.
 
-use std::process::{Command, Output};
+mod common;
 
-fn foldmoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_foldmoe"))
-        .args(args)
-        .output()
-        .expect("the foldmoe binary runs")
-}
+use common::foldmoe;
 
 /// The JSON plan, on the model's declared layout `h100x1024` (pp16·ep64,
 /// uneven pp_layers), of DeepSeek-V3's rank 64 (pp stage 1: four MoE blocks, 15

@@ -1,0 +1,42 @@
+//! Helpers of the tests that run the built `foldmoe` binary. Each test file
+//! uses some of them, hence the `dead_code` allowances.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The built binary, without the variables a launcher around the test run
+/// may have set (a test run must not join someone else's world).
+#[allow(dead_code)]
+pub fn foldmoe_command() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_foldmoe"));
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "FOLDMOE_COMM_TIMEOUT",
+        "FOLDMOE_TEST_EXIT_AT_STEP",
+    ] {
+        c.env_remove(var);
+    }
+    c
+}
+
+/// Runs the binary with `args` to the end.
+#[allow(dead_code)]
+pub fn foldmoe(args: &[&str]) -> Output {
+    foldmoe_command()
+        .args(args)
+        .output()
+        .expect("the foldmoe binary runs")
+}
+
+/// An empty directory of this test process named by `tag`.
+#[allow(dead_code)]
+pub fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("foldmoe-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
