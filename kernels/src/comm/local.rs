@@ -52,7 +52,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{CallSig, Communicator, Group, Op, ReduceOp};
+use super::{wait_for_change, CallSig, Communicator, Group, Op, ReduceOp};
 use crate::backend::Device;
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
@@ -507,19 +507,12 @@ impl LocalComm {
                     "{ctx}: rank {r} dropped its communicator without making this call"
                 )));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.comm_err(format!(
+            st = wait_for_change(st, &self.shared.cv, deadline, || {
+                self.comm_err(format!(
                     "{ctx}: timed out after {:?}: ranks {missing:?} have not arrived",
                     self.timeout
-                )));
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+                ))
+            })?;
         }
     }
 
@@ -887,19 +880,12 @@ impl<B: Device> Communicator<B> for LocalComm {
                     "{ctx}: rank {from} dropped its communicator with nothing left to send"
                 )));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.comm_err(format!(
+            st = wait_for_change(st, &self.shared.cv, deadline, || {
+                self.comm_err(format!(
                     "{ctx}: timed out after {:?}: rank {from} has sent nothing",
                     self.timeout
-                )));
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+                ))
+            })?;
         };
         drop(st);
         upload_as(b, msg.data, &msg.shape, msg.dtype)

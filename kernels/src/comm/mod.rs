@@ -24,8 +24,11 @@ pub mod rendezvous;
 pub mod tcp;
 pub mod timed;
 
+use std::sync::{Condvar, MutexGuard};
+use std::time::Instant;
+
 use crate::backend::Device;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
 /// An ordered set of global ranks that communicate together.
@@ -246,4 +249,23 @@ pub(crate) fn all_to_all_v_args_error(
             None
         }
     })
+}
+
+/// Waits on `cv` for a change of the state `st` guards, until `deadline`;
+/// past it, returns the error `timed_out` builds. The local and TCP
+/// communicators wait for their peers with it.
+pub(crate) fn wait_for_change<'a, S>(
+    st: MutexGuard<'a, S>,
+    cv: &Condvar,
+    deadline: Instant,
+    timed_out: impl FnOnce() -> KernelError,
+) -> Result<MutexGuard<'a, S>> {
+    let now = Instant::now();
+    if now >= deadline {
+        return Err(timed_out());
+    }
+    Ok(cv
+        .wait_timeout(st, deadline - now)
+        .unwrap_or_else(|p| p.into_inner())
+        .0)
 }

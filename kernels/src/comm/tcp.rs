@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use super::local::{concat_host, needs_dim0, reduce_host, upload_as};
 use super::rendezvous::{configure, listen_any, DistEnv, Rendezvous};
-use super::{CallSig, Communicator, Group, Op, ReduceOp};
+use super::{wait_for_change, CallSig, Communicator, Group, Op, ReduceOp};
 use crate::backend::Device;
 use crate::error::{arg_err, KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
@@ -575,19 +575,12 @@ impl TcpComm {
                     self.comm_err(format!("{ctx}: rank {r} {why} without making this call"))
                 );
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.comm_err(format!(
+            st = wait_for_change(st, &self.shared.cv, deadline, || {
+                self.comm_err(format!(
                     "{ctx}: timed out after {:?}: ranks {missing:?} have not arrived",
                     self.timeout
-                )));
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+                ))
+            })?;
         }
     }
 
@@ -1167,19 +1160,12 @@ impl<B: Device> Communicator<B> for TcpComm {
                     "{ctx}: rank {from} {why} with nothing left to send"
                 )));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.comm_err(format!(
+            st = wait_for_change(st, &self.shared.cv, deadline, || {
+                self.comm_err(format!(
                     "{ctx}: timed out after {:?}: rank {from} has sent nothing",
                     self.timeout
-                )));
-            }
-            st = self
-                .shared
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+                ))
+            })?;
         };
         drop(st);
         upload_as(b, msg.data, &msg.shape, msg.dtype)
