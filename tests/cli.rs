@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{foldmoe, foldmoe_command, scratch};
+use common::{foldmoe, foldmoe_command, losses, scratch, stderr};
 
 /// Small, fast training flags (2 sequences of 128 bytes per step).
 const FAST: &[&str] = &[
@@ -26,10 +26,6 @@ fn train(out: &Path, extra: &[&str]) -> Output {
     foldmoe(&args)
 }
 
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 /// Asserts a failed run with a one-line `error:` message containing `needle`.
 fn assert_fails_with(o: &Output, needle: &str) {
     assert!(
@@ -45,17 +41,6 @@ fn assert_fails_with(o: &Output, needle: &str) {
         "error {:?} does not mention {needle:?}",
         lines[0]
     );
-}
-
-fn losses(run: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(run.join("summary.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
 }
 
 #[test]

@@ -8,11 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::foldmoe;
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{foldmoe, stderr};
 
 /// A shipped config file, `models/configs/<name>.toml`.
 fn shipped(name: &str) -> String {

@@ -8,7 +8,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{foldmoe_command, scratch};
+use common::{foldmoe_command, losses, scratch, stderr};
 use std::time::{Duration, Instant};
 
 fn run(c: &mut Command) -> Output {
@@ -52,23 +52,8 @@ fn launch_args(nproc: usize, timeout: &str, train: Vec<String>) -> Vec<String> {
     args
 }
 
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn losses(run: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(run.join("summary.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
 }
 
 /// The `error:` lines of a failed run, with a check that there is one.

@@ -1,7 +1,7 @@
 //! Helpers of the tests that run the built `foldmoe` binary. Each test file
 //! uses some of them, hence the `dead_code` allowances.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// The built binary, without the variables a launcher around the test run
@@ -39,4 +39,23 @@ pub fn scratch(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// The run's stderr as text.
+#[allow(dead_code)]
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The per-step losses a run wrote to its `summary.json`.
+#[allow(dead_code)]
+pub fn losses(run: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(run.join("summary.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
 }

@@ -52,7 +52,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{wait_for_change, CallSig, Communicator, Group, Op, ReduceOp};
+use super::{abort_failure, wait_for_change, CallSig, Communicator, Group, Op, ReduceOp};
 use crate::backend::Device;
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
@@ -373,18 +373,7 @@ impl LocalComm {
 
     /// The error every call returns once some rank has aborted.
     fn failure(&self, st: &State, ctx: &str) -> Option<KernelError> {
-        let (first, reason) = st.aborted.first()?;
-        let who = if *first == self.rank {
-            format!("this rank ({first}) aborted earlier")
-        } else {
-            format!("rank {first} aborted")
-        };
-        let mut detail = format!("{ctx}: {who}: {reason}");
-        if st.aborted.len() > 1 {
-            let later: Vec<usize> = st.aborted[1..].iter().map(|(r, _)| *r).collect();
-            detail.push_str(&format!(" (then ranks {later:?} aborted)"));
-        }
-        Some(self.comm_err(detail))
+        abort_failure(self.rank, &st.aborted, ctx)
     }
 
     /// Checks that `group` is a valid group of this world containing this

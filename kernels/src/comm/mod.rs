@@ -269,3 +269,25 @@ pub(crate) fn wait_for_change<'a, S>(
         .unwrap_or_else(|p| p.into_inner())
         .0)
 }
+
+/// The error every call of rank `rank` returns once some rank has aborted
+/// (`aborted`: the ranks in the order they aborted, with their reasons), or
+/// `None` while none has. The local and TCP communicators share it.
+pub(crate) fn abort_failure(
+    rank: usize,
+    aborted: &[(usize, String)],
+    ctx: &str,
+) -> Option<KernelError> {
+    let (first, reason) = aborted.first()?;
+    let who = if *first == rank {
+        format!("this rank ({first}) aborted earlier")
+    } else {
+        format!("rank {first} aborted")
+    };
+    let mut detail = format!("{ctx}: {who}: {reason}");
+    if aborted.len() > 1 {
+        let later: Vec<usize> = aborted[1..].iter().map(|(r, _)| *r).collect();
+        detail.push_str(&format!(" (then ranks {later:?} aborted)"));
+    }
+    Some(KernelError::Comm { rank, detail })
+}
