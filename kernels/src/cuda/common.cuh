@@ -101,3 +101,64 @@ template <typename A> __device__ __forceinline__ A sigmoid_(A x) {
     A e = exp_(x);
     return e / ((A)1 + e);
 }
+
+// ---- tensor-core building blocks (bf16, sm_80+) ----------------------------------------
+
+// Copies 8 consecutive bf16 (16 bytes) when they are all in bounds and
+// `vec` says rows are 16-byte aligned, else element by element with zeros
+// past `limit` or when `ok` is false.
+__device__ __forceinline__ void load8(bf16* dst, const bf16* src, bool ok, i64 avail, bool vec) {
+    if (ok && vec && avail >= 8) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        return;
+    }
+    bf16 zero = __float2bfloat16_rn(0.0f);
+    for (int i = 0; i < 8; ++i) dst[i] = (ok && i < avail) ? src[i] : zero;
+}
+
+// Like load8, but asynchronous (cp.async, zero-filling what is out of
+// bounds) when rows are 16-byte aligned; `safe` is any valid address, read
+// instead of `src` when nothing is copied. Unaligned rows fall back to load8.
+__device__ __forceinline__ void load8_async(bf16* dst, const bf16* src, const bf16* safe, bool ok, i64 avail, bool vec) {
+    if (!vec) {
+        load8(dst, src, ok, avail, false);
+        return;
+    }
+    int bytes = !ok || avail <= 0 ? 0 : (avail >= 8 ? 16 : (int)avail * 2);
+    unsigned sdst = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst), "l"(bytes ? src : safe), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ldmatrix: four 8 × 8 bf16 matrices from shared memory; lane l gives the
+// address of row l % 8 of matrix l / 8, and register j receives matrix j.
+// With TRANS each matrix arrives transposed.
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const bf16* smem_row) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(smem_row);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// c += a · b on a 16 × 8 × 16 tile: a row-major (4 registers), b
+// column-major (2), c f32 (4), in the fragment layouts of PTX's
+// mma.m16n8k16.
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two floats as a packed bf16 pair (lo in the low half), the register form
+// of an mma operand.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}

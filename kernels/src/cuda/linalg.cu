@@ -112,34 +112,6 @@ FOR_FLOATS(GROUPED_WGRAD)
 
 using namespace nvcuda;
 
-// Copies 8 consecutive bf16 (16 bytes) when they are all in bounds and
-// `vec` says rows are 16-byte aligned, else element by element with zeros
-// past `limit` or when `ok` is false.
-__device__ __forceinline__ void load8(bf16* dst, const bf16* src, bool ok, i64 avail, bool vec) {
-    if (ok && vec && avail >= 8) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        return;
-    }
-    bf16 zero = __float2bfloat16_rn(0.0f);
-    for (int i = 0; i < 8; ++i) dst[i] = (ok && i < avail) ? src[i] : zero;
-}
-
-// Like load8, but asynchronous (cp.async, zero-filling what is out of
-// bounds) when rows are 16-byte aligned; `safe` is any valid address, read
-// instead of `src` when nothing is copied. Unaligned rows fall back to load8.
-__device__ __forceinline__ void load8_async(bf16* dst, const bf16* src, const bf16* safe, bool ok, i64 avail, bool vec) {
-    if (!vec) {
-        load8(dst, src, ok, avail, false);
-        return;
-    }
-    int bytes = !ok || avail <= 0 ? 0 : (avail >= 8 ? 16 : (int)avail * 2);
-    unsigned sdst = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst), "l"(bytes ? src : safe), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // Shared memory of one pipeline stage: the A tile and the B tile.
 #define GM_A_ELEMS (GM_BM * (GM_BK + GM_APAD))
 #define GM_B_ELEMS (GM_BN * (GM_BK + GM_BPAD) > GM_BK * (GM_BN + GM_BPAD) ? GM_BN * (GM_BK + GM_BPAD) : GM_BK * (GM_BN + GM_BPAD))
