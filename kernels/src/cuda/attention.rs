@@ -13,6 +13,12 @@
 //! backward recomputes the probabilities from the saved log-sum-exp, as a
 //! flash-attention backward does; nothing S × S is kept between the passes.
 //!
+//! bf16 with a head dim of 64 or 128 takes the flash kernels of
+//! `attention.cu` instead ([`flash_head_dim`]): tensor-core tiles with an
+//! online softmax, nothing S × S in memory, the causal mask skipping whole
+//! tiles, and q, k, v read in place. Setting `FOLDMOE_ATTENTION=cublas`
+//! forces the cuBLAS path (for comparisons).
+//!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
 //! dim, G = Hq / Hkv.
 
@@ -22,6 +28,7 @@ use super::{dtype_size, float_sfx, grid_for, launch, rows_cfg, Cuda};
 use crate::backend::{AttentionOps, Device};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
+use cudarc::driver::LaunchConfig;
 
 /// Bytes of score matrices (accumulation type) formed at once; kv heads are
 /// processed in chunks that fit (at least one kv head per chunk).
@@ -91,6 +98,24 @@ impl Dims {
         (0..units)
             .step_by(chunk)
             .map(move |u| (u, chunk.min(units - u)))
+    }
+
+    /// The backward's checks of `d_o`, `o` and `lse` against the inputs.
+    fn check_backward(
+        &self,
+        op: &'static str,
+        q: &Tensor<Cuda>,
+        d_o: &Tensor<Cuda>,
+        o: &Tensor<Cuda>,
+        lse: &Tensor<Cuda>,
+    ) -> Result<()> {
+        d_o.expect_shape(op, "d_o", q.shape())?;
+        o.expect_shape(op, "o", q.shape())?;
+        lse.expect_shape(op, "lse", &[self.b, self.hq, self.s])?;
+        for t in [d_o, o, lse] {
+            t.expect_dtype(op, self.dtype)?;
+        }
+        Ok(())
     }
 
     fn scale(&self) -> f64 {
@@ -262,12 +287,7 @@ impl Cuda {
         const OP: &str = "attention_backward";
         let d = Dims::new(OP, q, k, v, budget)?;
         let sfx = float_sfx(OP, d.dtype)?;
-        d_o.expect_shape(OP, "d_o", q.shape())?;
-        o.expect_shape(OP, "o", q.shape())?;
-        lse.expect_shape(OP, "lse", &[d.b, d.hq, d.s])?;
-        for t in [d_o, o, lse] {
-            t.expect_dtype(OP, d.dtype)?;
-        }
+        d.check_backward(OP, q, d_o, o, lse)?;
         if q.numel() == 0 || d.hd == 0 {
             return Ok((
                 self.zeros(q.shape(), d.dtype)?,
@@ -420,6 +440,146 @@ impl Cuda {
     }
 }
 
+/// Threads of a flash-attention block (4 warps).
+const FLASH_THREADS: u32 = 128;
+/// Queries of a forward block, keys of a backward block (`FA_BM`, `FA_BN`).
+const FLASH_TILE: usize = 64;
+/// Queries per step of the backward (`FA_BQ`).
+const FLASH_BWD_QUERIES: usize = 32;
+
+/// The head dim the flash kernels are compiled for, if this problem can use
+/// them: bf16, Hd 64 or 128, and not turned off by `FOLDMOE_ATTENTION=cublas`.
+fn flash_head_dim(d: &Dims) -> Option<usize> {
+    let forced_off = std::env::var("FOLDMOE_ATTENTION").is_ok_and(|v| v == "cublas");
+    (d.dtype == DType::BF16 && matches!(d.hd, 64 | 128) && !forced_off).then_some(d.hd)
+}
+
+/// Dynamic shared memory of the flash backward (`flash_bwd_impl`'s layout):
+/// K and V tiles, two buffers each of Q and dO, the dS tile, and two
+/// buffers each of lse and delta.
+fn flash_bwd_smem(hd: usize) -> u32 {
+    let bf16_elems =
+        2 * FLASH_TILE * hd + 4 * FLASH_BWD_QUERIES * hd + FLASH_TILE * FLASH_BWD_QUERIES;
+    (bf16_elems * 2 + 4 * FLASH_BWD_QUERIES * 4) as u32
+}
+
+impl Cuda {
+    /// The flash forward: `o` and `lse` straight from the `[B, S, H, Hd]`
+    /// inputs.
+    fn flash_attention(
+        &self,
+        d: &Dims,
+        hd: usize,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "attention";
+        let o = self.alloc(OP, q.shape(), d.dtype)?;
+        let lse = self.alloc(OP, &[d.b, d.hq, d.s], d.dtype)?;
+        let f = self.func(ATTENTION, &format!("flash_fwd_bf16_hd{hd}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (d.s.div_ceil(FLASH_TILE) as u32, d.hq as u32, d.b as u32),
+            block_dim: (FLASH_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            q.storage().ptr(),
+            k.storage().ptr(),
+            v.storage().ptr(),
+            o.storage().ptr(),
+            lse.storage().ptr(),
+            d.s as i64,
+            d.hq as i32,
+            d.hkv as i32,
+            (d.scale() * std::f64::consts::LOG2_E) as f32
+        )?;
+        Ok((o, lse))
+    }
+
+    /// The flash backward: delta and a zeroed f32 dQ accumulator, the
+    /// per-key-tile kernel, then dQ scaled and rounded.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        &self,
+        d: &Dims,
+        hd: usize,
+        d_o: &Tensor<Self>,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        o: &Tensor<Self>,
+        lse: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "attention_backward";
+        let rows = d.b * d.hq * d.s;
+        let delta = self.scratch(OP, rows * 4)?;
+        let dq_acc = self.scratch(OP, q.numel() * 4)?;
+        let f = self.func(ATTENTION, "flash_delta_bf16")?;
+        // One warp per row, 8 rows per block.
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            d_o.storage().ptr(),
+            o.storage().ptr(),
+            delta.ptr(),
+            dq_acc.ptr(),
+            d.b as i64,
+            d.s as i64,
+            d.hq as i64,
+            hd as i64
+        )?;
+        let dk = self.alloc(OP, k.shape(), d.dtype)?;
+        let dv = self.alloc(OP, v.shape(), d.dtype)?;
+        let smem = flash_bwd_smem(hd);
+        let f = self.func_smem(ATTENTION, &format!("flash_bwd_bf16_hd{hd}"), smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (d.s.div_ceil(FLASH_TILE) as u32, d.hkv as u32, d.b as u32),
+            block_dim: (FLASH_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            q.storage().ptr(),
+            k.storage().ptr(),
+            v.storage().ptr(),
+            d_o.storage().ptr(),
+            lse.storage().ptr(),
+            delta.ptr(),
+            dq_acc.ptr(),
+            dk.storage().ptr(),
+            dv.storage().ptr(),
+            d.s as i64,
+            d.hq as i32,
+            d.hkv as i32,
+            d.scale() as f32
+        )?;
+        let dq = self.alloc(OP, q.shape(), d.dtype)?;
+        let f = self.func(ATTENTION, "flash_dq_bf16")?;
+        launch!(
+            self,
+            f,
+            grid_for(q.numel()),
+            dq_acc.ptr(),
+            dq.storage().ptr(),
+            q.numel() as i64,
+            d.scale() as f32
+        )?;
+        Ok((dq, dk, dv))
+    }
+}
+
 impl AttentionOps for Cuda {
     fn attention(
         &self,
@@ -427,7 +587,11 @@ impl AttentionOps for Cuda {
         k: &Tensor<Self>,
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        self.attention_chunked(q, k, v, SCORE_BUDGET)
+        let d = Dims::new("attention", q, k, v, SCORE_BUDGET)?;
+        match flash_head_dim(&d) {
+            Some(hd) if q.numel() > 0 => self.flash_attention(&d, hd, q, k, v),
+            _ => self.attention_chunked(q, k, v, SCORE_BUDGET),
+        }
     }
 
     fn attention_backward(
@@ -439,13 +603,22 @@ impl AttentionOps for Cuda {
         o: &Tensor<Self>,
         lse: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
-        self.attention_backward_chunked(d_o, q, k, v, o, lse, SCORE_BUDGET)
+        const OP: &str = "attention_backward";
+        let d = Dims::new(OP, q, k, v, SCORE_BUDGET)?;
+        match flash_head_dim(&d) {
+            Some(hd) if q.numel() > 0 => {
+                d.check_backward(OP, q, d_o, o, lse)?;
+                self.flash_attention_backward(&d, hd, d_o, q, k, v, o, lse)
+            }
+            _ => self.attention_backward_chunked(d_o, q, k, v, o, lse, SCORE_BUDGET),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::ElementwiseOps as _;
     use crate::tensor::HostData;
 
     fn random(d: &Cuda, shape: &[usize], seed: u64) -> Tensor<Cuda> {
@@ -475,6 +648,61 @@ mod tests {
         assert_eq!(a.len(), b.len());
         let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
         a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    /// bf16 tensor of `shape` with entries uniform in [-1, 1).
+    fn random_bf16(d: &Cuda, shape: &[usize], seed: u64) -> Tensor<Cuda> {
+        d.cast(&random(d, shape, seed), DType::BF16).unwrap()
+    }
+
+    fn host_bf16(d: &Cuda, t: &Tensor<Cuda>) -> Vec<f32> {
+        host(d, &d.cast(t, DType::F32).unwrap())
+    }
+
+    /// The flash kernels against the cuBLAS path (itself checked against
+    /// the CPU by the shared test bodies; the backward of both given the
+    /// flash forward's o and lse) in bf16, for both head dims, a
+    /// sequence that is not a multiple of any tile, and grouped queries;
+    /// scaled inputs make the softmax peaked, so a wrong mask or a wrong
+    /// running maximum shows.
+    #[test]
+    fn flash_matches_the_cublas_path() {
+        let Some(d) = crate::cuda::test_device() else {
+            return;
+        };
+        for (b, s, hq, hkv, hd) in [(2, 100, 4, 2, 64), (1, 200, 6, 2, 128), (1, 64, 2, 2, 128)] {
+            let scale = |t: Tensor<Cuda>| d.scale(&t, 3.0).unwrap();
+            let q = scale(random_bf16(&d, &[b, s, hq, hd], 11));
+            let k = scale(random_bf16(&d, &[b, s, hkv, hd], 12));
+            let v = random_bf16(&d, &[b, s, hkv, hd], 13);
+            let d_o = random_bf16(&d, &[b, s, hq, hd], 14);
+            let dims = Dims::new("test", &q, &k, &v, SCORE_BUDGET).unwrap();
+            assert_eq!(flash_head_dim(&dims), Some(hd), "the flash path applies");
+            let (fo, fl) = d.flash_attention(&dims, hd, &q, &k, &v).unwrap();
+            let fg = d
+                .flash_attention_backward(&dims, hd, &d_o, &q, &k, &v, &fo, &fl)
+                .unwrap();
+            // The same inputs through the cuBLAS path (f32 scores).
+            let co = d.attention_chunked(&q, &k, &v, SCORE_BUDGET).unwrap();
+            let cl = d
+                .attention_backward_chunked(&d_o, &q, &k, &v, &fo, &fl, SCORE_BUDGET)
+                .unwrap();
+            let what = format!("B={b} S={s} Hq={hq} Hkv={hkv} Hd={hd}");
+            for (name, got, want, tol) in [
+                ("o", &fo, &co.0, 1e-2),
+                ("lse", &fl, &co.1, 1e-2),
+                ("dq", &fg.0, &cl.0, 2e-2),
+                ("dk", &fg.1, &cl.1, 2e-2),
+                ("dv", &fg.2, &cl.2, 2e-2),
+            ] {
+                let r = rel_diff(&host_bf16(&d, got), &host_bf16(&d, want));
+                println!("flash vs cuBLAS {what} {name}: {r:e}");
+                assert!(
+                    r < tol,
+                    "{what}: flash {name} differs from the cuBLAS path by {r:e}"
+                );
+            }
+        }
     }
 
     /// Chunks of one kv head give the results of one chunk of all (to

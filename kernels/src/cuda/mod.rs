@@ -363,6 +363,25 @@ impl Cuda {
         compile::module(&self.inner.ctx, &self.inner.arch, m)?.function(m.name, name)
     }
 
+    /// Kernel `name` of module `m`, allowed `dynamic_smem` bytes of dynamic
+    /// shared memory: past 48 KiB a kernel must opt in before its launch.
+    pub(crate) fn func_smem(
+        &self,
+        m: Module,
+        name: &str,
+        dynamic_smem: u32,
+    ) -> Result<CudaFunction> {
+        let f = self.func(m, name)?;
+        if dynamic_smem > 48 << 10 {
+            f.set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic_smem as i32,
+            )
+            .map_err(|e| launch_err(&f, e))?;
+        }
+        Ok(f)
+    }
+
     /// An uninitialised tensor of `shape` and `dtype`; `op` names the caller
     /// in an out-of-memory error.
     pub(crate) fn alloc(&self, op: &str, shape: &[usize], dtype: DType) -> Result<Tensor<Self>> {
