@@ -2,11 +2,10 @@
 // (the MoE experts' GEMM), and its weight gradient. Dense GEMMs go through
 // cuBLAS (linalg.rs). Shape letters: M rows, K inner, N columns, G groups.
 //
-// This is the simple, correct version: one thread per output element, the
-// group found by binary search over the offsets. A tensor-core version will
-// replace it; the interface (sizes read on the device, no host sync) stays.
-
-#include <mma.h>
+// f32 and f64 use the simple kernels (one thread per output element, the
+// group found by binary search over the offsets); bf16 uses the tensor-core
+// kernels at the end of this file. Either way the sizes are read on the
+// device, with no host sync.
 
 // Offsets [G + 1] from sizes [G], on one thread (G is the expert count).
 // Negative sizes and a total above M are reported, and the offsets clamped
@@ -93,199 +92,257 @@ __device__ void grouped_wgrad_impl(const T* x, const T* dy, const i64* offs, T* 
         grouped_wgrad_impl<T>(x, dy, offs, dw, k, n); }
 FOR_FLOATS(GROUPED_WGRAD)
 
-// ---- bf16 tensor-core grouped GEMM -------------------------------------------------
+
+// ---- bf16 tensor-core grouped GEMM (mma.sync m16n8k16) ------------------------------
 //
-// A block computes a 128 × 128 tile of one group's rows with 8 warps (2 × 4,
-// 64 × 32 each) on WMMA 16 × 16 × 16 bf16 fragments with f32 accumulation.
-// The grid's x covers the largest possible tile count (M / 128 + G); a block
-// finds its group by binary search over the tile offsets and exits if it is
-// past the last tile, so the launch needs no sizes from the host. Operand
-// tiles are staged in shared memory with zero fill at every edge; results go
-// through a per-warp staging tile so rows of the next group are never
-// written. Rows past the last group are zeroed by the caller.
+// One main loop serves the three products. A block computes a 128 × 256 tile
+// C = A · B with 8 warps (2 × 4, each 64 × 64 = 4 × 8 mma tiles of 16 × 8),
+// stepping the inner dimension 64 at a time through a 4-stage cp.async
+// pipeline in dynamic shared memory (4 × 48 KiB = 192 KiB, see
+// TC_SMEM_BYTES and linalg.rs), with f32 accumulation:
+//   grouped_mm_tc_bf16_nn: A = x rows [128][64 of K], B = w[g] [64 of K][256 of N];
+//   grouped_mm_tc_bf16_nt: A as above,               B = w[g] [256 of N][64 of K];
+//   grouped_wgrad_tc_bf16: A = xᵀ, staged as x [64 rows][128 of K],
+//                          B = dy [64 rows][256 of N] (the reduction runs
+//                          over the group's rows).
+// Every operand tile is stored as it lies in global memory (rows of 16-byte
+// chunks, loaded by cp.async with zero fill past every edge) and swizzled:
+// chunk c of row r sits at chunk c ^ (r % 8) of that row (tc_swz). Rows are
+// 128, 256 or 512 bytes, so the 8 rows an ldmatrix reads at one logical
+// chunk land in 8 different 16-byte bank groups: no bank conflicts, no padding.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 bf16; lane = 4·gid + tig):
+//   A (16 × 16, row): reg0 = (row gid,   k 2tig..+1), reg1 = (row gid+8, k 2tig..+1),
+//                     reg2 = (row gid,   k 2tig+8..+9), reg3 = (row gid+8, k 2tig+8..+9);
+//   B (16 × 8, col):  reg0 = (k 2tig..+1, col gid), reg1 = (k 2tig+8..+9, col gid);
+//   C (16 × 8, f32):  c0, c1 = (row gid, col 2tig..+1), c2, c3 = (row gid+8, same cols).
+// ldmatrix.x4: lane l gives the address of row l % 8 of matrix j = l / 8 and
+// register j receives matrix j; without .trans lane t holds (row t/4, cols
+// 2(t%4)..+1) of each matrix, with .trans (rows 2(t%4)..+1, col t/4). So:
+//   A stored [m][k], no trans: matrices (m0-7,k0-7) (m8-15,k0-7) (m0-7,k8-15)
+//     (m8-15,k8-15) = reg0..3; lane l points at row m = l % 16, k chunk l / 16.
+//   A stored [k][m], .trans: matrix (k rows, m cols) transposed gives (m gid,
+//     k 2tig..): reg0..3 = (k0-7,m0-7) (k0-7,m8-15) (k8-15,m0-7) (k8-15,m8-15);
+//     lane l: k row = l % 8 + 8·(j / 2), m chunk = j % 2.
+//   B stored [n][k], no trans: (n gid, k 2tig..) is B's layout: matrices
+//     (n0-7,k0-7) (n0-7,k8-15) = regs of n-tile 0, (n8-15,k0-7) (n8-15,k8-15)
+//     = n-tile 1; lane l: n row = l % 8 + 8·(j / 2), k chunk = j % 2.
+//   B stored [k][n], .trans: (k 2tig.., n gid) is B's layout: matrices
+//     (k0-7,n0-7) (k8-15,n0-7) = n-tile 0, (k0-7,n8-15) (k8-15,n8-15) = n-tile 1;
+//     lane l: k row = l % 8 + 8·(j % 2), n chunk = j / 2.
+// The result goes through shared memory (bf16, rows padded to 264) so each
+// thread stores 16 bytes at a time, only rows and columns inside the
+// block's bounds (never rows of another group).
 
-#define GM_BM 128
-#define GM_BN 128
-#define GM_BK 32
-#define GM_APAD 8
-#define GM_BPAD 8
+#define TC_BM 128
+#define TC_BN 256
+#define TC_BK 64
+#define TC_STAGES 4
+#define TC_THREADS 256
+#define TC_A_ELEMS (TC_BM * TC_BK)
+#define TC_B_ELEMS (TC_BK * TC_BN)
+#define TC_STAGE_ELEMS (TC_A_ELEMS + TC_B_ELEMS)
+#define TC_OUT_LD (TC_BN + 8)
+// 196608 bytes; linalg.rs's TC_SMEM_BYTES must agree.
+#define TC_SMEM_BYTES (TC_STAGES * TC_STAGE_ELEMS * 2)
 
-using namespace nvcuda;
+// Element offset of chunk c (8 bf16) of row r in a swizzled tile with
+// `chunks` chunks per row (8, 16 or 32).
+__device__ __forceinline__ int tc_swz(int r, int c, int chunks) { return (r * chunks + (c ^ (r & 7))) << 3; }
 
-// Shared memory of one pipeline stage: the A tile and the B tile.
-#define GM_A_ELEMS (GM_BM * (GM_BK + GM_APAD))
-#define GM_B_ELEMS (GM_BN * (GM_BK + GM_BPAD) > GM_BK * (GM_BN + GM_BPAD) ? GM_BN * (GM_BK + GM_BPAD) : GM_BK * (GM_BN + GM_BPAD))
+// Issues the copies of a ROWS × (CHUNKS · 8) tile: row r, column c of the
+// tile is base[(row0 + r) · ld + col0 + c], zero where row0 + r >= row_lim
+// or col0 + c >= col_lim. `vec`: rows are 16-byte aligned (ld % 8 == 0),
+// else element loads.
+template <int ROWS, int CHUNKS>
+__device__ __forceinline__ void tc_load_tile(bf16* s, const bf16* base, i64 ld, i64 row0, i64 row_lim, i64 col0,
+                                             i64 col_lim, bool vec) {
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / TC_THREADS; ++i) {
+        int e = threadIdx.x + i * TC_THREADS;
+        int r = e / CHUNKS, c = e % CHUNKS;
+        i64 gr = row0 + r, gc = col0 + c * 8;
+        load8_async(s + tc_swz(r, c, CHUNKS), base + gr * ld + gc, base, gr < row_lim, col_lim - gc, vec);
+    }
+}
 
-// TRANS = false: w[g] is [K, N], staged row-major [BK][BN]; TRANS = true:
-// w[g] is [N, K], staged as [BN][BK] and read as a column-major operand, so
-// both layouts load 16 bytes at a time along their contiguous dimension.
-// Two stages: the tiles of step k0 + BK are copied (cp.async) while the
-// tensor cores work on those of k0. The output staging tile reuses the
-// operand buffers once the loop is done (static shared memory is 48 KiB).
+// acc += A · B over one stage (64 of the inner dimension). A_KM: A is
+// stored [k][m] (the wgrad's x tile), else [m][k]. B_NK: B is stored [n][k]
+// (w of the nt product), else [k][n].
+template <bool A_KM, bool B_NK>
+__device__ __forceinline__ void tc_compute_stage(const bf16* as, const bf16* bs, float (&acc)[4][8][4], int wm, int wn,
+                                                 int lane) {
+    int j = lane >> 3;
+#pragma unroll
+    for (int ks = 0; ks < TC_BK / 16; ++ks) {
+        unsigned a[4][4], b[8][2];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            if (!A_KM) {
+                int r = wm * 64 + mi * 16 + (lane & 15);
+                ldmatrix_x4<false>(a[mi], as + tc_swz(r, ks * 2 + (lane >> 4), TC_BK / 8));
+            } else {
+                int r = ks * 16 + (lane & 7) + (j >> 1) * 8;
+                ldmatrix_x4<true>(a[mi], as + tc_swz(r, (wm * 64 + mi * 16) / 8 + (j & 1), TC_BM / 8));
+            }
+        }
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            unsigned t[4];
+            int nb = wn * 64 + np * 16;
+            if (B_NK) {
+                int r = nb + (lane & 7) + (j >> 1) * 8;
+                ldmatrix_x4<false>(t, bs + tc_swz(r, ks * 2 + (j & 1), TC_BK / 8));
+            } else {
+                int r = ks * 16 + (lane & 7) + (j & 1) * 8;
+                ldmatrix_x4<true>(t, bs + tc_swz(r, nb / 8 + (j >> 1), TC_BN / 8));
+            }
+            b[2 * np][0] = t[0];
+            b[2 * np][1] = t[1];
+            b[2 * np + 1][0] = t[2];
+            b[2 * np + 1][1] = t[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni) mma_bf16_16816(acc[mi][ni], a[mi], b[ni]);
+    }
+}
+
+// The pipelined main loop over `nk` steps; load(step, stage_ptr) issues the
+// copies of a step's A tile (at stage_ptr) and B tile (at + TC_A_ELEMS).
+// Step kt waits for its own copies (at most STAGES - 2 newer groups pending),
+// then a barrier, after which the stage read at kt - 1 is refilled with step
+// kt + STAGES - 1 while the tensor cores work on step kt. Ends with all
+// copies done and a barrier, so the caller may reuse the shared memory.
+template <bool A_KM, bool B_NK, class Load>
+__device__ __forceinline__ void tc_mainloop(bf16* smem, int nk, Load load, float (&acc)[4][8][4]) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wm = warp >> 2, wn = warp & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][jj][e] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) {
+        if (s < nk) load(s, smem + s * TC_STAGE_ELEMS);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        cp_async_wait<TC_STAGES - 2>();
+        __syncthreads();
+        int nx = kt + TC_STAGES - 1;
+        if (nx < nk) load(nx, smem + (nx % TC_STAGES) * TC_STAGE_ELEMS);
+        cp_async_commit();
+        const bf16* st = smem + (kt % TC_STAGES) * TC_STAGE_ELEMS;
+        tc_compute_stage<A_KM, B_NK>(st, st + TC_A_ELEMS, acc, wm, wn, lane);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// Writes the block's 128 × 256 result: element (r, c) to out[(row0 + r) · ld
+// + col0 + c] where row0 + r < row_lim and col0 + c < col_lim. `vec`: ld % 8
+// == 0 (16-byte stores). `smem` must be free (after tc_mainloop).
+__device__ __forceinline__ void tc_store(bf16* smem, float (&acc)[4][8][4], bf16* out, i64 ld, i64 row0, i64 row_lim,
+                                         i64 col0, i64 col_lim, bool vec) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wm = warp >> 2, wn = warp & 3;
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni) {
+            int r = wm * 64 + mi * 16 + (lane >> 2), c = wn * 64 + ni * 8 + (lane & 3) * 2;
+            *reinterpret_cast<unsigned*>(smem + r * TC_OUT_LD + c) = pack_bf16(acc[mi][ni][0], acc[mi][ni][1]);
+            *reinterpret_cast<unsigned*>(smem + (r + 8) * TC_OUT_LD + c) = pack_bf16(acc[mi][ni][2], acc[mi][ni][3]);
+        }
+    __syncthreads();
+#pragma unroll 4
+    for (int e = threadIdx.x; e < TC_BM * TC_BN / 8; e += TC_THREADS) {
+        int r = e / (TC_BN / 8), c = (e % (TC_BN / 8)) * 8;
+        i64 gr = row0 + r, gc = col0 + c;
+        if (gr >= row_lim || gc >= col_lim) continue;
+        const bf16* s = smem + r * TC_OUT_LD + c;
+        bf16* d = out + gr * ld + gc;
+        if (vec && gc + 8 <= col_lim) {
+            *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
+        } else {
+            for (int q = 0; q < 8 && gc + q < col_lim; ++q) d[q] = s[q];
+        }
+    }
+}
+
+extern __shared__ __align__(128) bf16 tc_smem[];
+
+// out[r, :] = x[r, :] · w[g(r)] for the rows of one 128-row tile of one group
+// (w[g] is [K, N], or [N, K] with TRANS). The 1-d grid covers the largest
+// possible tile count (M / 128 + G) times the column tiles, column tiles
+// fastest (blocks running together share x's rows in L2); a block finds its
+// group by binary search over the tile offsets and exits if it is past the
+// last tile, so the launch needs no sizes from the host. Rows past the last
+// group are zeroed by the caller.
 template <bool TRANS>
-__device__ void grouped_mm_tc_impl(const bf16* __restrict__ x, const bf16* __restrict__ w, const i64* __restrict__ offs,
-                                   const i64* __restrict__ tiles, bf16* __restrict__ out, i64 k, i64 n, int g) {
-    __shared__ __align__(128) bf16 smem[2 * (GM_A_ELEMS + GM_B_ELEMS)];
-    i64 tile = blockIdx.x;
-    if (tile >= tiles[g]) return;
+__device__ __forceinline__ void tc_grouped_mm(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                              const i64* __restrict__ offs, const i64* __restrict__ tiles,
+                                              bf16* __restrict__ out, i64 k, i64 n, int g) {
+    i64 ncol = (n + TC_BN - 1) / TC_BN;
+    i64 tile = (i64)blockIdx.x / ncol;
+    i64 col0 = ((i64)blockIdx.x % ncol) * TC_BN;
+    if (g <= 0 || tile >= tiles[g]) return;
     int lo = 0, hi = g - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) >> 1;
         if (tiles[mid] <= tile) lo = mid; else hi = mid - 1;
     }
     int grp = lo;
-    i64 row0 = offs[grp] + (tile - tiles[grp]) * GM_BM;
+    i64 row0 = offs[grp] + (tile - tiles[grp]) * TC_BM;
     i64 row_end = offs[grp + 1];
-    i64 col0 = (i64)blockIdx.y * GM_BN;
     const bf16* wg = w + (i64)grp * k * n;
     bool vec_k = (k % 8) == 0, vec_n = (n % 8) == 0;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int wm = warp >> 2, wn = warp & 3;  // warp tile: rows wm*64.., cols wn*32..
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
-    for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-    // Issues the copies of the tiles at k0 into stage `st`.
-    auto load_tiles = [&](i64 k0, int st) {
-        bf16* as = smem + st * (GM_A_ELEMS + GM_B_ELEMS);
-        bf16* bsm = as + GM_A_ELEMS;
-        // A: 128 × 32, 8 elements per thread-step along k.
-        for (int e = threadIdx.x; e < GM_BM * GM_BK / 8; e += 256) {
-            int r = e / (GM_BK / 8), c = (e % (GM_BK / 8)) * 8;
-            i64 gr = row0 + r, gc = k0 + c;
-            load8_async(&as[r * (GM_BK + GM_APAD) + c], x + gr * k + gc, x, gr < row_end, k - gc, vec_k);
-        }
-        if (!TRANS) {
-            // B: [BK][BN + pad], 8 elements along n.
-            for (int e = threadIdx.x; e < GM_BK * GM_BN / 8; e += 256) {
-                int r = e / (GM_BN / 8), c = (e % (GM_BN / 8)) * 8;
-                i64 gr = k0 + r, gc = col0 + c;
-                load8_async(&bsm[r * (GM_BN + GM_BPAD) + c], wg + gr * n + gc, w, gr < k, n - gc, vec_n);
-            }
-        } else {
-            // B^T: [BN][BK + pad], 8 elements along k.
-            for (int e = threadIdx.x; e < GM_BN * GM_BK / 8; e += 256) {
-                int c = e / (GM_BK / 8), r = (e % (GM_BK / 8)) * 8;
-                i64 gr = k0 + r, gc = col0 + c;
-                load8_async(&bsm[c * (GM_BK + GM_APAD) + r], wg + gc * k + gr, w, gc < n, k - gr, vec_k);
-            }
-        }
-        cp_async_commit();
-    };
-    load_tiles(0, 0);
-    int st = 0;
-    for (i64 k0 = 0; k0 < k; k0 += GM_BK, st ^= 1) {
-        if (k0 + GM_BK < k) {
-            load_tiles(k0 + GM_BK, st ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const bf16* as = smem + st * (GM_A_ELEMS + GM_B_ELEMS);
-        const bf16* bsm = as + GM_A_ELEMS;
-        for (int kk = 0; kk < GM_BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[4];
-            for (int i = 0; i < 4; ++i)
-                wmma::load_matrix_sync(fa[i], &as[(wm * 64 + i * 16) * (GM_BK + GM_APAD) + kk], GM_BK + GM_APAD);
-            if (!TRANS) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[2];
-                for (int j = 0; j < 2; ++j)
-                    wmma::load_matrix_sync(fb[j], &bsm[kk * (GM_BN + GM_BPAD) + wn * 32 + j * 16], GM_BN + GM_BPAD);
-                for (int i = 0; i < 4; ++i)
-                    for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-            } else {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb[2];
-                for (int j = 0; j < 2; ++j)
-                    wmma::load_matrix_sync(fb[j], &bsm[(wn * 32 + j * 16) * (GM_BK + GM_APAD) + kk], GM_BK + GM_APAD);
-                for (int i = 0; i < 4; ++i)
-                    for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-            }
-        }
-        // The next step's copies go into the stage just read.
-        __syncthreads();
-    }
-    float* stage = reinterpret_cast<float*>(smem) + warp * 256;
-    for (int i = 0; i < 4; ++i) {
-        for (int j = 0; j < 2; ++j) {
-            wmma::store_matrix_sync(stage, acc[i][j], 16, wmma::mem_row_major);
-            __syncwarp();
-            for (int e = lane; e < 256; e += 32) {
-                i64 gr = row0 + wm * 64 + i * 16 + e / 16;
-                i64 gc = col0 + wn * 32 + j * 16 + e % 16;
-                if (gr < row_end && gc < n) out[gr * n + gc] = __float2bfloat16_rn(stage[e]);
-            }
-            __syncwarp();
-        }
-    }
+    float acc[4][8][4];
+    int nk = (int)((k + TC_BK - 1) / TC_BK);
+    tc_mainloop<false, TRANS>(tc_smem, nk, [&](int step, bf16* s) {
+        i64 k0 = (i64)step * TC_BK;
+        tc_load_tile<TC_BM, TC_BK / 8>(s, x, k, row0, row_end, k0, k, vec_k);
+        if (TRANS)
+            tc_load_tile<TC_BN, TC_BK / 8>(s + TC_A_ELEMS, wg, k, col0, n, k0, k, vec_k);
+        else
+            tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, wg, n, k0, k, col0, n, vec_n);
+    }, acc);
+    tc_store(tc_smem, acc, out, n, row0, row_end, col0, n, vec_n);
 }
 
-// One entry point per layout: a runtime switch would inline both and double
-// the static shared memory past the 48 KiB limit.
-extern "C" __global__ void __launch_bounds__(256) grouped_mm_tc_bf16_nn(
+// Two entry points: each inlines one layout. Dynamic shared memory
+// TC_SMEM_BYTES; grid ((M / 128 + G) · ceil(N / 256)), block 256.
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_mm_tc_bf16_nn(
     const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) {
-    grouped_mm_tc_impl<false>(x, w, offs, tiles, out, k, n, g);
+    tc_grouped_mm<false>(x, w, offs, tiles, out, k, n, g);
 }
-extern "C" __global__ void __launch_bounds__(256) grouped_mm_tc_bf16_nt(
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_mm_tc_bf16_nt(
     const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) {
-    grouped_mm_tc_impl<true>(x, w, offs, tiles, out, k, n, g);
+    tc_grouped_mm<true>(x, w, offs, tiles, out, k, n, g);
 }
 
-// ---- bf16 tensor-core grouped weight gradient ----------------------------------------
-//
-// dw[g] = x_gᵀ · dy_g: a block computes a 128 × 128 tile of one group's
-// [K, N] gradient (grid z = group), summing over that group's rows 32 at a
-// time, so the reduction length comes from the device offsets. xᵀ is staged
-// as [rows][K-tile] (16-byte loads along x's contiguous K) and read as a
-// column-major operand; dy as [rows][N-tile], row-major. Rows past the
-// group's end load as zeros, and an empty group writes a zero gradient.
-extern "C" __global__ void __launch_bounds__(256) grouped_wgrad_tc_bf16(
+// dw[g] = x_gᵀ · dy_g: a block computes a 128 × 256 tile of one group's
+// [K, N] gradient (grid x = column tile, y = K tile, z = group), summing over
+// that group's rows 64 at a time, so the reduction length comes from the
+// device offsets. Rows past the group's end load as zeros, and an empty
+// group writes a zero gradient. Dynamic shared memory TC_SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_wgrad_tc_bf16(
     const bf16* __restrict__ x, const bf16* __restrict__ dy, const i64* __restrict__ offs, bf16* __restrict__ dw,
     i64 k, i64 n) {
-    __shared__ __align__(32) bf16 xs[GM_BK][GM_BM + GM_APAD];
-    __shared__ __align__(32) bf16 ds[GM_BK][GM_BN + GM_BPAD];
-    __shared__ __align__(32) float stage[8][16 * 16];
     int grp = blockIdx.z;
-    i64 k0 = (i64)blockIdx.y * GM_BM, col0 = (i64)blockIdx.x * GM_BN;
+    i64 k0 = (i64)blockIdx.y * TC_BM, col0 = (i64)blockIdx.x * TC_BN;
     i64 row_beg = offs[grp], row_end = offs[grp + 1];
     bool vec_k = (k % 8) == 0, vec_n = (n % 8) == 0;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int wm = warp >> 2, wn = warp & 3;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
-    for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-    for (i64 r0 = row_beg; r0 < row_end; r0 += GM_BK) {
-        for (int e = threadIdx.x; e < GM_BK * GM_BM / 8; e += 256) {
-            int r = e / (GM_BM / 8), c = (e % (GM_BM / 8)) * 8;
-            i64 gr = r0 + r, gc = k0 + c;
-            load8(&xs[r][c], x + gr * k + gc, gr < row_end && gc < k, k - gc, vec_k);
-        }
-        for (int e = threadIdx.x; e < GM_BK * GM_BN / 8; e += 256) {
-            int r = e / (GM_BN / 8), c = (e % (GM_BN / 8)) * 8;
-            i64 gr = r0 + r, gc = col0 + c;
-            load8(&ds[r][c], dy + gr * n + gc, gr < row_end && gc < n, n - gc, vec_n);
-        }
-        __syncthreads();
-        for (int kk = 0; kk < GM_BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> fa[4];
-            for (int i = 0; i < 4; ++i) wmma::load_matrix_sync(fa[i], &xs[kk][wm * 64 + i * 16], GM_BM + GM_APAD);
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[2];
-            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], &ds[kk][wn * 32 + j * 16], GM_BN + GM_BPAD);
-            for (int i = 0; i < 4; ++i)
-                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-        }
-        __syncthreads();
-    }
-    bf16* out = dw + (i64)grp * k * n;
-    for (int i = 0; i < 4; ++i) {
-        for (int j = 0; j < 2; ++j) {
-            wmma::store_matrix_sync(stage[warp], acc[i][j], 16, wmma::mem_row_major);
-            __syncwarp();
-            for (int e = lane; e < 256; e += 32) {
-                i64 gr = k0 + wm * 64 + i * 16 + e / 16;
-                i64 gc = col0 + wn * 32 + j * 16 + e % 16;
-                if (gr < k && gc < n) out[gr * n + gc] = __float2bfloat16_rn(stage[warp][e]);
-            }
-            __syncwarp();
-        }
-    }
+    float acc[4][8][4];
+    int nk = row_end > row_beg ? (int)((row_end - row_beg + TC_BK - 1) / TC_BK) : 0;
+    tc_mainloop<true, false>(tc_smem, nk, [&](int step, bf16* s) {
+        i64 r0 = row_beg + (i64)step * TC_BK;
+        tc_load_tile<TC_BK, TC_BM / 8>(s, x, k, r0, row_end, k0, k, vec_k);
+        tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, dy, n, r0, row_end, col0, n, vec_n);
+    }, acc);
+    tc_store(tc_smem, acc, dw + (i64)grp * k * n, n, k0, k, col0, n, vec_n);
 }

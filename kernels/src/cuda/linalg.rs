@@ -1,8 +1,8 @@
 //! CUDA dense and grouped matrix products (row-major). Dense GEMMs run on
-//! cuBLAS; the grouped GEMM is a kernel of `linalg.cu` that reads the group
-//! sizes on the device, so the MoE layer never waits for the host: on bf16
-//! a tensor-core (WMMA) kernel, on f32/f64 a plain one. The weight gradient
-//! is still the plain kernel for every dtype.
+//! cuBLAS; the grouped GEMM and its weight gradient are kernels of
+//! `linalg.cu` that read the group sizes on the device, so the MoE layer
+//! never waits for the host: on bf16 tensor-core kernels (mma.sync, 128 × 256
+//! tiles, a 4-stage cp.async pipeline), on f32/f64 plain ones.
 //!
 //! Shape letters: M rows, K inner dimension, N columns, G groups.
 
@@ -15,9 +15,37 @@ use crate::backend::{Device, LinalgOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
-/// Rows and columns of one tile of the bf16 tensor-core grouped GEMM
-/// (`GM_BM`, `GM_BN` in linalg.cu).
+/// Rows of one tile of the bf16 tensor-core grouped GEMM (`TC_BM` in
+/// linalg.cu; also the wgrad's tile along K).
 const TC_TILE: usize = 128;
+
+/// Columns of one tile of the bf16 tensor-core kernels (`TC_BN`).
+const TC_TILE_N: usize = 256;
+
+/// Dynamic shared memory of the bf16 tensor-core kernels (`TC_SMEM_BYTES`:
+/// 4 stages of a 128 × 64 and a 64 × 256 bf16 tile).
+const TC_SMEM_BYTES: usize = 4 * (128 * 64 + 64 * 256) * 2;
+
+/// Kernel `name` of linalg.cu, allowed `TC_SMEM_BYTES` of dynamic shared
+/// memory (above the default 48 KiB, so it must be asked for).
+fn tc_func(d: &Cuda, name: &str) -> Result<cudarc::driver::CudaFunction> {
+    let f = d.func(LINALG, name)?;
+    d.bind()?;
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        TC_SMEM_BYTES as i32,
+    )
+    .map_err(|e| super::alloc::driver_err("allowing a tensor-core kernel's shared memory", e))?;
+    Ok(f)
+}
+
+/// A 1-d grid of `blocks`, or an error naming `op` past CUDA's limit.
+fn grid_1d(op: &'static str, blocks: usize) -> Result<u32> {
+    u32::try_from(blocks)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| arg_err(op, format!("{blocks} blocks exceed CUDA's grid limit")))
+}
 
 /// Bytes of the cuBLAS workspace (what cuBLAS asks for on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -337,15 +365,14 @@ impl LinalgOps for Cuda {
                 } else {
                     "grouped_mm_tc_bf16_nn"
                 };
-                let f = self.func(LINALG, name)?;
+                let f = tc_func(self, name)?;
+                // Row tiles (at most M / 128 + G) times column tiles, the
+                // column tiles fastest.
+                let blocks = (m.div_ceil(TC_TILE) + g) * n.div_ceil(TC_TILE_N);
                 let cfg = LaunchConfig {
-                    grid_dim: (
-                        (m.div_ceil(TC_TILE) + g) as u32,
-                        n.div_ceil(TC_TILE) as u32,
-                        1,
-                    ),
+                    grid_dim: (grid_1d(OP, blocks)?, 1, 1),
                     block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
+                    shared_mem_bytes: TC_SMEM_BYTES as u32,
                 };
                 launch!(
                     self,
@@ -422,23 +449,24 @@ impl LinalgOps for Cuda {
         let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
         let out = self.alloc(OP, &[g, k, n], x.dtype())?;
         if g * k * n > 0 {
-            let (name, cfg) = if x.dtype() == DType::BF16 {
-                // Tensor cores; one block per 128 × 128 output tile of a group.
+            let (f, cfg) = if x.dtype() == DType::BF16 {
+                // Tensor cores; one block per 128 × 256 output tile of a group.
                 let grid = (
-                    n.div_ceil(TC_TILE) as u32,
+                    n.div_ceil(TC_TILE_N) as u32,
                     k.div_ceil(TC_TILE) as u32,
                     g as u32,
                 );
-                ("grouped_wgrad_tc_bf16".to_string(), (grid, (256, 1, 1)))
+                let f = tc_func(self, "grouped_wgrad_tc_bf16")?;
+                (f, (grid, (256, 1, 1), TC_SMEM_BYTES as u32))
             } else {
                 let grid = (n.div_ceil(32) as u32, k.div_ceil(8) as u32, g as u32);
-                (format!("grouped_wgrad_{sfx}"), (grid, (32, 8, 1)))
+                let f = self.func(LINALG, &format!("grouped_wgrad_{sfx}"))?;
+                (f, (grid, (32, 8, 1), 0))
             };
-            let f = self.func(LINALG, &name)?;
             let cfg = LaunchConfig {
                 grid_dim: cfg.0,
                 block_dim: cfg.1,
-                shared_mem_bytes: 0,
+                shared_mem_bytes: cfg.2,
             };
             launch!(
                 self,
@@ -453,5 +481,99 @@ impl LinalgOps for Cuda {
             )?;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::HostData;
+
+    /// f32 values uniform in [-1, 1) rounded to bf16, as an f32 tensor (the
+    /// reference's input) and a bf16 one (the tensor-core kernels').
+    fn pair(d: &Cuda, shape: &[usize], seed: u64) -> (Tensor<Cuda>, Tensor<Cuda>) {
+        let n: usize = shape.iter().product();
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        let b = d
+            .cast(&d.upload(HostData::F32(v), shape).unwrap(), DType::BF16)
+            .unwrap();
+        (d.cast(&b, DType::F32).unwrap(), b)
+    }
+
+    fn host(d: &Cuda, t: &Tensor<Cuda>) -> Vec<f32> {
+        let t = d.cast(t, DType::F32).unwrap();
+        match d.download(&t).unwrap() {
+            HostData::F32(v) => v,
+            other => panic!("expected f32, got {other:?}"),
+        }
+    }
+
+    /// Asserts every element of `got` is within 1% of `want`'s largest
+    /// magnitude of `want` (bf16 output rounding is 0.4%), naming the worst.
+    fn assert_close(what: &str, got: &[f32], want: &[f32], cols: usize) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+        let (mut worst, mut at) = (0f32, 0);
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            let e = (a - b).abs();
+            if !(e <= worst) {
+                (worst, at) = (e, i);
+            }
+        }
+        assert!(
+            worst <= 1e-2 * scale,
+            "{what}: element ({}, {}) is {} against {} (scale {scale})",
+            at / cols.max(1),
+            at % cols.max(1),
+            got[at],
+            want[at]
+        );
+    }
+
+    /// The bf16 tensor-core grouped GEMMs (both layouts) and weight gradient
+    /// against the f32 kernels on the same bf16-rounded inputs, at the edges
+    /// of their tiles: group ends inside a 128-row tile, empty groups,
+    /// padding rows, N past a 256-column tile, K over more steps than the
+    /// 4-stage pipeline holds (and at the MoE's 2048), K and N not multiples
+    /// of 8 (element loads and stores).
+    #[test]
+    fn tensor_core_grouped_gemms_match_f32() {
+        let Some(d) = crate::cuda::test_device() else {
+            return;
+        };
+        let cases: [(&[i32], usize, usize, usize); 5] = [
+            (&[300, 0, 1, 257, 64, 0, 513], 1200, 320, 520),
+            (&[1024, 1000, 0, 1100], 3200, 2048, 768),
+            (&[5, 130, 0, 70], 210, 77, 203),
+            (&[129, 3], 140, 72, 13),
+            (&[0, 0], 10, 64, 64),
+        ];
+        for (ci, (sizes, m, k, n)) in cases.into_iter().enumerate() {
+            let g = sizes.len();
+            let gs = d.upload(HostData::I32(sizes.to_vec()), &[g]).unwrap();
+            let seed = 10 * ci as u64;
+            let (x32, x16) = pair(&d, &[m, k], seed + 1);
+            for trans_w in [false, true] {
+                let ws = if trans_w { [g, n, k] } else { [g, k, n] };
+                let (w32, w16) = pair(&d, &ws, seed + 2);
+                let want = host(&d, &d.grouped_matmul(&x32, &w32, &gs, trans_w).unwrap());
+                let got = host(&d, &d.grouped_matmul(&x16, &w16, &gs, trans_w).unwrap());
+                let what = format!("grouped_matmul {sizes:?} m={m} k={k} n={n} trans_w={trans_w}");
+                assert_close(&what, &got, &want, n);
+            }
+            let (dy32, dy16) = pair(&d, &[m, n], seed + 3);
+            let want = host(&d, &d.grouped_matmul_weight_grad(&x32, &dy32, &gs).unwrap());
+            let got = host(&d, &d.grouped_matmul_weight_grad(&x16, &dy16, &gs).unwrap());
+            let what = format!("grouped_matmul_weight_grad {sizes:?} m={m} k={k} n={n}");
+            assert_close(&what, &got, &want, n);
+        }
     }
 }
