@@ -7,11 +7,13 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::activations::Slot;
 use super::parallel::shard::shard_param;
 use super::parallel::{Split, SplitAxis};
 use super::param::{Module, Param};
 use super::{EngineError, Result};
-use crate::spec::{AttentionSpec, ModelSpec};
+use crate::memory::Part;
+use crate::spec::{AttentionSpec, ModelSpec, OffloadPart, RecomputePart};
 
 /// The attention projections `wq: [D, Hq·Hd]`, `wk, wv: [D, Hkv·Hd]`,
 /// `wo: [Hq·Hd, D]` and the head layout.
@@ -39,6 +41,30 @@ pub struct AttentionSaved<B: Backend> {
     v_bshd: Tensor<B>,
     o_td: Tensor<B>,
     lse_bhs: Tensor<B>,
+}
+
+impl<B: Backend> AttentionSaved<B> {
+    /// Lists the saved tensors with their slots: the input (the norm's
+    /// output), q, k, v (`qkv`), the output (the projection's input,
+    /// `attn_proj`) and the log-sum-exp (`core_attn`: flash attention keeps
+    /// it rather than the S×S probabilities).
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let qkv = Slot::kept(Part::Attention).offload(OffloadPart::Qkv);
+        f(Slot::NORM_OUT, &mut self.x_td);
+        f(qkv, &mut self.q_bshd);
+        f(qkv, &mut self.k_bshd);
+        f(qkv, &mut self.v_bshd);
+        f(
+            Slot::kept(Part::Attention).offload(OffloadPart::AttnProj),
+            &mut self.o_td,
+        );
+        f(
+            Slot::kept(Part::Attention)
+                .recompute(RecomputePart::CoreAttn)
+                .offload(OffloadPart::CoreAttn),
+            &mut self.lse_bhs,
+        );
+    }
 }
 
 impl<B: Backend> Attention<B> {

@@ -7,6 +7,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::activations::{Held, Ledger, Slot, Stash};
 use super::attention::{Attention, AttentionSaved};
 use super::mla::{Mla, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
@@ -14,7 +15,8 @@ use super::moe::{MoeLayer, MoeSaved, MoeStats};
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Module, Param};
 use super::{EngineError, Result};
-use crate::spec::{BlockGroup, FfnSpec, ModelSpec};
+use crate::memory::Part;
+use crate::spec::{BlockGroup, FfnSpec, ModelSpec, OffloadPart, Policy, RecomputePart};
 
 /// The attention part of a block.
 pub enum Attn<B: Backend> {
@@ -28,6 +30,16 @@ pub enum Attn<B: Backend> {
 pub(crate) enum AttnSaved<B: Backend> {
     Gqa(AttentionSaved<B>),
     Mla(Box<MlaSaved<B>>),
+}
+
+impl<B: Backend> AttnSaved<B> {
+    /// Lists the saved tensors with their slots.
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        match self {
+            AttnSaved::Gqa(s) => s.visit_saved(f),
+            AttnSaved::Mla(s) => s.visit_saved(f),
+        }
+    }
 }
 
 impl<B: Backend> Attn<B> {
@@ -109,14 +121,54 @@ pub struct Block<B: Backend> {
     pub ffn_norm: RmsNorm<B>,
     /// Dense MLP or MoE layer.
     pub ffn: Ffn<B>,
+    /// What the block recomputes, offloads and stores in fp8 (its group's).
+    pub policy: Policy,
+    /// Where the block counts its saved activations (the model's ledger).
+    pub ledger: Ledger,
+    /// The block's parameter prefix (`blocks.3`), its name in the ledger.
+    name: String,
 }
 
-/// What the block's backward needs from its forward.
+/// What the block's backward needs from its forward: the layers' saved
+/// state, and what the block's policy did to it.
 pub struct BlockSaved<B: Backend> {
     attn_norm: NormSaved<B>,
     attn: AttnSaved<B>,
     ffn_norm: NormSaved<B>,
     ffn: FfnSaved<B>,
+    /// Dropped, moved or compressed tensors and the ledger bytes held
+    /// (none for a rerun's state, which lives only inside backward).
+    stash: Option<Stash>,
+    /// Sequence length of the forward, for a rerun.
+    seq_len: usize,
+}
+
+impl<B: Backend> BlockSaved<B> {
+    /// Lists every saved tensor with its slot, in forward order.
+    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        self.attn_norm
+            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm), f);
+        self.attn.visit_saved(f);
+        self.ffn_norm
+            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm), f);
+        match &mut self.ffn {
+            FfnSaved::Dense(s) => {
+                let inner = Slot::kept(Part::DenseMlp);
+                s.visit_saved(
+                    Slot::NORM_OUT,
+                    inner,
+                    inner.recompute(RecomputePart::MlpAct),
+                    f,
+                )
+            }
+            FfnSaved::Moe(s) => s.visit_saved(f),
+        }
+    }
+
+    /// Device bytes this state holds in the ledger.
+    pub fn device_bytes(&self) -> u64 {
+        self.stash.as_ref().map_or(0, |s| s.held().device_bytes())
+    }
 }
 
 impl<B: Backend> Block<B> {
@@ -176,6 +228,9 @@ impl<B: Backend> Block<B> {
             attn,
             ffn_norm: RmsNorm::new(b, &format!("{prefix}.ffn_norm"), d, model.norm_eps, dtype)?,
             ffn,
+            policy: group.policy.clone(),
+            ledger: Ledger::default(),
+            name: prefix.to_string(),
         })
     }
 
@@ -188,8 +243,25 @@ impl<B: Backend> Block<B> {
     }
 
     /// `x: [T, D] -> [T, D]` over sequences of `seq_len`; also the MoE layer's
-    /// losses and loads when the feed-forward is one.
+    /// losses and loads when the feed-forward is one. The saved state is
+    /// under the block's policy and counted in its ledger.
     pub fn forward(&self, b: &B, x_td: &Tensor<B>, seq_len: usize) -> Result<BlockOut<B>> {
+        let (y_td, mut saved, stats) = self.forward_raw(b, x_td, seq_len)?;
+        let stash = Stash::apply(b, &self.policy, &self.ledger, &self.name, |f| {
+            saved.visit_saved(f)
+        })?;
+        saved.stash = Some(stash);
+        Ok((y_td, saved, stats))
+    }
+
+    /// The forward with every saved tensor kept and nothing counted: the
+    /// first half of [`Block::forward`], and the rerun of recompute.
+    pub(crate) fn forward_raw(
+        &self,
+        b: &B,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+    ) -> Result<BlockOut<B>> {
         let (h_td, attn_norm) = self.attn_norm.forward(b, x_td)?;
         let (a_td, attn) = self.attn.forward(b, &h_td, seq_len)?;
         let x_td = b.add(x_td, &a_td)?;
@@ -210,6 +282,8 @@ impl<B: Backend> Block<B> {
             attn,
             ffn_norm,
             ffn,
+            stash: None,
+            seq_len,
         };
         Ok((y_td, saved, stats))
     }
@@ -220,9 +294,11 @@ impl<B: Backend> Block<B> {
         &mut self,
         b: &B,
         dy_td: &Tensor<B>,
-        saved: BlockSaved<B>,
+        mut saved: BlockSaved<B>,
         loss_scale: f64,
     ) -> Result<Tensor<B>> {
+        // Rematerialised tensors count until this backward returns.
+        let _rematerialised = self.restore(b, &mut saved)?;
         // The residual passes dy through unchanged; each branch adds its share.
         let dh_td = match (&mut self.ffn, saved.ffn) {
             (Ffn::Dense(mlp), FfnSaved::Dense(s)) => mlp.backward(b, dy_td, s)?,
@@ -239,6 +315,34 @@ impl<B: Backend> Block<B> {
         let dh_td = self.attn_norm.backward(b, &da_td, saved.attn_norm)?;
         b.axpy(&mut dx_td, 1.0, &dh_td)?;
         Ok(dx_td)
+    }
+}
+
+impl<B: Backend> Block<B> {
+    /// Undoes the policy on `saved` before its backward: fetches offloaded
+    /// and fp8 tensors, then, if any were dropped for recompute, reruns the
+    /// forward from the block's input (always kept) and takes the dropped
+    /// tensors from the rerun. The forward is deterministic, so they are
+    /// bit-identical to those dropped. Returns the ledger bytes of what the
+    /// rerun brought back, held until the caller drops them.
+    ///
+    /// Every recompute part reruns the whole block forward: the memory
+    /// saved is the part's alone (what Megatron-Core drops for it), but the
+    /// extra compute is the block's, not just the part's.
+    fn restore(&self, b: &B, saved: &mut BlockSaved<B>) -> Result<Option<Held>> {
+        let Some(mut stash) = saved.stash.take() else {
+            return Ok(None);
+        };
+        stash.restore(b, None, |f| saved.visit_saved(f))?;
+        if !stash.needs_recompute() {
+            return Ok(None);
+        }
+        let seq_len = saved.seq_len;
+        let (_, mut fresh, _) = self.forward_raw(b, saved.attn_norm.input(), seq_len)?;
+        let mut tensors = Vec::new();
+        fresh.visit_saved(&mut |_, t| tensors.push(t.clone()));
+        let refilled = stash.restore(b, Some(tensors), |f| saved.visit_saved(f))?;
+        Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
     }
 }
 

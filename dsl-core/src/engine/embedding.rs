@@ -92,6 +92,17 @@ pub struct HeadSaved<B: Backend> {
     x_td: Tensor<B>,
 }
 
+impl<B: Backend> HeadSaved<B> {
+    /// Lists the saved input under `slot`.
+    pub(crate) fn visit_saved(
+        &mut self,
+        slot: super::activations::Slot,
+        f: &mut dyn FnMut(super::activations::Slot, &mut Tensor<B>),
+    ) {
+        f(slot, &mut self.x_td);
+    }
+}
+
 impl<B: Backend> LmHead<B> {
     /// A head tied to the embedding table: it owns no parameter.
     pub fn tied() -> Self {

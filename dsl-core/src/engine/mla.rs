@@ -39,10 +39,12 @@
 
 use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
+use super::activations::Slot;
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Module, Param};
 use super::{EngineError, Result};
-use crate::spec::{MlaSpec, ModelSpec};
+use crate::memory::Part;
+use crate::spec::{MlaSpec, ModelSpec, OffloadPart, RecomputePart};
 
 /// The query projection: through a normed low-rank latent, or full rank.
 pub enum QueryProj<B: Backend> {
@@ -227,6 +229,36 @@ pub struct MlaSaved<B: Backend> {
     v_bshd: Tensor<B>,
     o_nd: Tensor<B>,
     lse_bhs: Tensor<B>,
+}
+
+impl<B: Backend> MlaSaved<B> {
+    /// Lists the saved tensors with their slots: the input (the norm's
+    /// output); the latents before and after their norms (kept: the
+    /// up-projections' inputs); the kernel's q, k, v (`qkv`, dropped by
+    /// `mla_up_proj`); the output (`attn_proj`) and log-sum-exp (`core_attn`).
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let latent = Slot::kept(Part::Attention);
+        let qkv = Slot::kept(Part::Attention)
+            .recompute(RecomputePart::MlaUpProj)
+            .offload(OffloadPart::Qkv);
+        f(Slot::NORM_OUT, &mut self.x_td);
+        if let QuerySaved::LowRank { norm, cq_tc } = &mut self.query {
+            norm.visit_saved(latent, f);
+            f(latent, cq_tc);
+        }
+        self.kv_norm.visit_saved(latent, f);
+        f(latent, &mut self.ckv_tl);
+        f(qkv, &mut self.q_bshd);
+        f(qkv, &mut self.k_bshd);
+        f(qkv, &mut self.v_bshd);
+        f(latent.offload(OffloadPart::AttnProj), &mut self.o_nd);
+        f(
+            latent
+                .recompute(RecomputePart::CoreAttn)
+                .offload(OffloadPart::CoreAttn),
+            &mut self.lse_bhs,
+        );
+    }
 }
 
 impl<B: Backend> Mla<B> {

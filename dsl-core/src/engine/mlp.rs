@@ -5,6 +5,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::activations::Slot;
 use super::param::{Module, Param};
 use super::Result;
 
@@ -24,6 +25,25 @@ pub struct MlpSaved<B: Backend> {
     gate_tf: Tensor<B>,
     up_tf: Tensor<B>,
     act_tf: Tensor<B>,
+}
+
+impl<B: Backend> MlpSaved<B> {
+    /// Lists the saved tensors: the input under `input`, the gate and up
+    /// projections and the activation under `part`, the activation dropped
+    /// by `act` recompute (`mlp_act`) or all of them by `all` (the shared
+    /// experts, recomputed whole).
+    pub(crate) fn visit_saved(
+        &mut self,
+        input: Slot,
+        inner: Slot,
+        act: Slot,
+        f: &mut dyn FnMut(Slot, &mut Tensor<B>),
+    ) {
+        f(input, &mut self.x_td);
+        f(inner, &mut self.gate_tf);
+        f(inner, &mut self.up_tf);
+        f(act, &mut self.act_tf);
+    }
 }
 
 impl<B: Backend> SwiGluMlp<B> {

@@ -6,6 +6,7 @@
 //! `backward(&mut self, b, dy, saved) -> dx`, next to each other in the same
 //! file; `backward` accumulates into the layer's parameter gradients.
 
+pub mod activations;
 pub mod attention;
 pub mod block;
 pub mod checkpoint;

@@ -16,11 +16,13 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::activations::{hold_all, Held, Ledger, Slot};
 use super::block::{Block, BlockSaved};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Module, Param};
 use super::{EngineError, Result};
+use crate::memory::Part;
 use crate::spec::{FfnSpec, ModelSpec};
 
 /// Added to the valid-token count before its reciprocal, so a batch whose
@@ -41,6 +43,9 @@ pub struct Model<B: Backend> {
     pub final_norm: RmsNorm<B>,
     /// Output layer, tied to `embed` or not.
     pub head: LmHead<B>,
+    /// Counts of the saved activations of every forward not yet consumed by
+    /// its backward; shared with the blocks.
+    pub ledger: Ledger,
 }
 
 /// What the model's backward needs from its forward.
@@ -54,6 +59,8 @@ pub struct ModelSaved<B: Backend> {
     lse_t: Tensor<B>,
     valid_t: Tensor<B>,
     inv_count_1: Tensor<B>,
+    /// Ledger bytes of the embedding's and head's saved state.
+    _held: Held,
 }
 
 /// The losses and routing statistics of one forward pass, and its saved state.
@@ -93,8 +100,13 @@ impl<B: Backend> Model<B> {
         } else {
             LmHead::untied(b, "head", v, d, spec.init_std, seed, dtype)?
         };
+        let ledger = Ledger::default();
+        for block in &mut blocks {
+            block.ledger = ledger.clone();
+        }
         Ok(Model {
             spec: spec.clone(),
+            ledger,
             embed,
             blocks,
             final_norm,
@@ -156,6 +168,20 @@ impl<B: Backend> Model<B> {
         let inv_count_1 = b.recip(&count_1)?;
         let loss = b.mul(&b.sum(&loss_t)?, &inv_count_1)?;
 
+        let mut final_norm = final_norm;
+        let mut head = head;
+        // The final norm's input and output (the head's input), the logits
+        // and the per-token loss statistics.
+        let held = {
+            let (mut logits_tv, mut lse_t) = (logits_tv.clone(), lse_t.clone());
+            let slot = Slot::kept(Part::EmbeddingHead);
+            hold_all(&self.ledger, "head", |f| {
+                final_norm.visit_saved(slot, f);
+                head.visit_saved(slot, f);
+                f(slot, &mut logits_tv);
+                f(slot, &mut lse_t);
+            })
+        };
         let saved = ModelSaved {
             embed,
             blocks,
@@ -166,6 +192,7 @@ impl<B: Backend> Model<B> {
             lse_t,
             valid_t,
             inv_count_1,
+            _held: held,
         };
         Ok(ForwardOut {
             loss,
@@ -188,6 +215,7 @@ impl<B: Backend> Model<B> {
             lse_t,
             valid_t,
             inv_count_1,
+            _held,
         } = saved;
         // d loss / d loss_t = valid_t / count.
         let t = targets_t.numel();
@@ -211,7 +239,7 @@ impl<B: Backend> Model<B> {
         let ids_t = tokens_bs.clone().reshape(&[batch * seq])?;
         let (mut x_td, _) = self.embed.forward(b, &ids_t)?;
         for block in &self.blocks {
-            x_td = block.forward(b, &x_td, seq)?.0;
+            x_td = block.forward_raw(b, &x_td, seq)?.0;
         }
         let (h_td, _) = self.final_norm.forward(b, &x_td)?;
         Ok(self.head.forward(b, &self.embed, &h_td)?.0)

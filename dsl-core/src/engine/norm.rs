@@ -5,8 +5,10 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::activations::Slot;
 use super::param::{init_const, Module, Param};
 use super::Result;
+use crate::spec::RecomputePart;
 
 /// An RMSNorm over the last dim with a learned scale `w: [D]`.
 pub struct RmsNorm<B: Backend> {
@@ -48,6 +50,21 @@ impl<B: Backend> RmsNorm<B> {
             b.rms_norm_backward(dy_td, &saved.x_td, &self.weight.value, &saved.rstd_t)?;
         self.weight.accumulate(b, &dw_d)?;
         Ok(dx_td)
+    }
+}
+
+impl<B: Backend> NormSaved<B> {
+    /// The norm's input (kept or restored).
+    pub(crate) fn input(&self) -> &Tensor<B> {
+        &self.x_td
+    }
+
+    /// Lists the saved tensors: the input under `input`, and `rstd` with it
+    /// (moved with it), which `norm` recompute drops since a rerun of the
+    /// norm gives it back.
+    pub(crate) fn visit_saved(&mut self, input: Slot, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        f(input, &mut self.x_td);
+        f(input.recompute(RecomputePart::Norm), &mut self.rstd_t);
     }
 }
 

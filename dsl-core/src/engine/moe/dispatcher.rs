@@ -9,7 +9,9 @@
 
 use foldmoe_kernels::{Backend, DropPolicy, RoutingPlan, Tensor};
 
+use crate::engine::activations::Slot;
 use crate::engine::Result;
+use crate::memory::Part;
 use crate::spec::{CapacitySpec, DropPolicySpec, MoeSpec};
 
 /// The token dispatcher of one MoE layer.
@@ -37,6 +39,25 @@ impl<B: Backend> DispatchSaved<B> {
 pub struct CombineSaved<B: Backend> {
     y_nd: Tensor<B>,
     weights_tk: Tensor<B>,
+}
+
+impl<B: Backend> DispatchSaved<B> {
+    /// Lists the routing plan's index tensors (routed experts, kept).
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let s = Slot::kept(Part::RoutedExperts);
+        f(s, &mut self.plan.row_src);
+        f(s, &mut self.plan.slot);
+        f(s, &mut self.plan.counts);
+    }
+}
+
+impl<B: Backend> CombineSaved<B> {
+    /// Lists the experts' outputs (for the routing weights' gradient) and
+    /// the routing weights.
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        f(Slot::kept(Part::RoutedExperts), &mut self.y_nd);
+        f(Slot::kept(Part::Router), &mut self.weights_tk);
+    }
 }
 
 impl Dispatcher {

@@ -8,8 +8,10 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use crate::engine::activations::Slot;
 use crate::engine::{Module, Param, Result};
-use crate::spec::MoeSpec;
+use crate::memory::Part;
+use crate::spec::{MoeSpec, OffloadPart, RecomputePart};
 
 /// The routed experts' weights, stacked over experts.
 pub struct Experts<B: Backend> {
@@ -28,6 +30,24 @@ pub struct ExpertsSaved<B: Backend> {
     gate_nf: Tensor<B>,
     up_nf: Tensor<B>,
     act_nf: Tensor<B>,
+}
+
+impl<B: Backend> ExpertsSaved<B> {
+    /// Lists the saved tensors: the dispatched rows, the group sizes, the
+    /// first projections (`expert_fc1`) and the activation (`moe_act`,
+    /// which recompute drops and offload or fp8 may move).
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let e = Slot::kept(Part::RoutedExperts);
+        f(e, &mut self.x_nd);
+        f(e, &mut self.counts_e);
+        f(e.offload(OffloadPart::ExpertFc1), &mut self.gate_nf);
+        f(e.offload(OffloadPart::ExpertFc1), &mut self.up_nf);
+        f(
+            e.recompute(RecomputePart::MoeAct)
+                .offload(OffloadPart::MoeAct),
+            &mut self.act_nf,
+        );
+    }
 }
 
 impl<B: Backend> Experts<B> {

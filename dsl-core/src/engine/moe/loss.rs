@@ -114,6 +114,18 @@ pub struct ZSaved<B: Backend> {
     total: usize,
 }
 
+impl<B: Backend> ZSaved<B> {
+    /// Lists the saved tensors, all under `slot`.
+    pub(crate) fn visit_saved(
+        &mut self,
+        slot: crate::engine::activations::Slot,
+        f: &mut dyn FnMut(crate::engine::activations::Slot, &mut Tensor<B>),
+    ) {
+        f(slot, &mut self.softmax_te);
+        f(slot, &mut self.lse_t);
+    }
+}
+
 /// z-loss `coef·mean_t(lse_t²)`, `lse_t = logsumexp(logits_t)`: keeps the
 /// router logits small (ST-MoE). The mean is over the `total` rows of the
 /// micro-batch, of which `logits_te` holds a shard (see [`TokenShard`]).

@@ -37,6 +37,7 @@ use self::dispatcher::{CombineSaved, DispatchSaved, Dispatcher};
 use self::experts::{Experts, ExpertsSaved};
 use self::router::{Router, RouterSaved};
 use self::shared::{SharedExperts, SharedSaved};
+use crate::engine::activations::Slot;
 use crate::engine::{EngineError, Module, Param, Result};
 use crate::spec::{LoadBalance, MoeSpec};
 
@@ -73,6 +74,20 @@ pub struct MoeStats<B: Backend> {
     /// `[E]` float: token copies routed to each expert (the router's choice,
     /// before any capacity drop).
     pub load: Tensor<B>,
+}
+
+impl<B: Backend> MoeSaved<B> {
+    /// Lists the saved tensors of the router, dispatcher, experts and shared
+    /// experts, in forward order.
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        self.router.visit_saved(f);
+        self.dispatch.visit_saved(f);
+        self.experts.visit_saved(f);
+        self.combine.visit_saved(f);
+        if let Some(s) = &mut self.shared {
+            s.visit_saved(f);
+        }
+    }
 }
 
 impl<B: Backend> MoeLayer<B> {

@@ -20,8 +20,10 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::loss::{self, BalanceSaved, TokenShard, ZSaved};
 use super::ops::log_sigmoid_backward;
+use crate::engine::activations::Slot;
 use crate::engine::{init_normal, EngineError, Module, Param, Result};
-use crate::spec::{LoadBalance, MoeSpec, RouterSpec, ScoreFunction};
+use crate::memory::Part;
+use crate::spec::{LoadBalance, MoeSpec, RecomputePart, RouterSpec, ScoreFunction};
 
 /// The router: a linear map `Wr: [D, E]` to logits, plus the optional
 /// aux-loss-free expert bias (a buffer, not trained by gradients).
@@ -77,6 +79,40 @@ pub struct RouterSaved<B: Backend> {
     score: ScoreSaved<B>,
     aux: Option<AuxSaved<B>>,
     z: Option<ZSaved<B>>,
+}
+
+impl<B: Backend> RouterSaved<B> {
+    /// Lists the saved tensors: the input (the norm's output, counted here
+    /// for the MoE layer), then the chosen experts, probabilities and the
+    /// losses' state, all dropped by `router` recompute.
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let r = Slot::kept(Part::Router).recompute(RecomputePart::Router);
+        f(Slot::NORM_OUT, &mut self.x_td);
+        f(r, &mut self.idx_tk);
+        match &mut self.score {
+            ScoreSaved::PostSoftmax { probs_tk } => f(r, probs_tk),
+            ScoreSaved::PreSoftmax { probs_te } => f(r, probs_te),
+            ScoreSaved::Sigmoid {
+                scores_te,
+                probs_tk,
+            } => {
+                f(r, scores_te);
+                if let Some(p) = probs_tk {
+                    f(r, p);
+                }
+            }
+        }
+        if let Some(aux) = &mut self.aux {
+            f(r, &mut aux.probs_te);
+            if let Some(s) = &mut aux.sigmoid_te {
+                f(r, s);
+            }
+            f(r, &mut aux.balance.dprobs_te);
+        }
+        if let Some(z) = &mut self.z {
+            z.visit_saved(r, f);
+        }
+    }
 }
 
 impl<B: Backend> Router<B> {

@@ -6,9 +6,11 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use crate::engine::activations::Slot;
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
 use crate::engine::{Module, Param, Result};
-use crate::spec::MoeSpec;
+use crate::memory::Part;
+use crate::spec::{MoeSpec, RecomputePart};
 
 /// The shared experts of an MoE layer.
 pub struct SharedExperts<B: Backend> {
@@ -31,6 +33,20 @@ struct GateSaved<B: Backend> {
 pub struct SharedSaved<B: Backend> {
     mlp: MlpSaved<B>,
     gate: Option<GateSaved<B>>,
+}
+
+impl<B: Backend> SharedSaved<B> {
+    /// Lists the saved tensors: the input (an alias of the norm's output)
+    /// and everything else, which `shared_experts` recompute drops.
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let s = Slot::kept(Part::SharedExperts).recompute(RecomputePart::SharedExperts);
+        self.mlp.visit_saved(Slot::NORM_OUT_ALIAS, s, s, f);
+        if let Some(g) = &mut self.gate {
+            f(Slot::NORM_OUT_ALIAS, &mut g.x_td);
+            f(s, &mut g.g_t);
+            f(s, &mut g.mlp_td);
+        }
+    }
 }
 
 impl<B: Backend> SharedExperts<B> {

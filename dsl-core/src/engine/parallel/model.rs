@@ -180,6 +180,7 @@ impl<B: Backend> ParallelModel<B> {
             blocks,
             final_norm,
             mut head,
+            ledger: _,
         } = model;
         let (tp, tp_i) = (rank.tp.size(), rank.tp_index);
         let vocab_split = vec![Split {
