@@ -166,6 +166,23 @@ __device__ __forceinline__ void tc_load_tile(bf16* s, const bf16* base, i64 ld, 
     }
 }
 
+// The same copies for a tile wholly inside the matrix with 16-byte aligned
+// rows (the common case: no bounds to check). `base` is the tile's corner.
+// Thread t copies chunk t % CHUNKS of rows t / CHUNKS + i · (256 / CHUNKS);
+// 256 / CHUNKS is a multiple of 8, so every row a thread copies has the
+// same swizzle and its shared offsets step by a constant.
+template <int ROWS, int CHUNKS>
+__device__ __forceinline__ void tc_load_tile_full(bf16* s, const bf16* base, i64 ld) {
+    constexpr int STEP = TC_THREADS / CHUNKS;
+    int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+    const bf16* src = base + r * ld + c * 8;
+    unsigned dst = (unsigned)__cvta_generic_to_shared(s + tc_swz(r, c, CHUNKS));
+#pragma unroll
+    for (int i = 0; i < ROWS / STEP; ++i)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + i * STEP * CHUNKS * 16),
+                     "l"(src + i * STEP * ld));
+}
+
 // acc += A · B over one stage (64 of the inner dimension). A_KM: A is
 // stored [k][m] (the wgrad's x tile), else [m][k]. B_NK: B is stored [n][k]
 // (w of the nt product), else [k][n].
@@ -303,14 +320,28 @@ __device__ __forceinline__ void tc_grouped_mm(const bf16* __restrict__ x, const 
     bool vec_k = (k % 8) == 0, vec_n = (n % 8) == 0;
     float acc[4][8][4];
     int nk = (int)((k + TC_BK - 1) / TC_BK);
-    tc_mainloop<false, TRANS>(tc_smem, nk, [&](int step, bf16* s) {
-        i64 k0 = (i64)step * TC_BK;
-        tc_load_tile<TC_BM, TC_BK / 8>(s, x, k, row0, row_end, k0, k, vec_k);
-        if (TRANS)
-            tc_load_tile<TC_BN, TC_BK / 8>(s + TC_A_ELEMS, wg, k, col0, n, k0, k, vec_k);
-        else
-            tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, wg, n, k0, k, col0, n, vec_n);
-    }, acc);
+    bool full = row0 + TC_BM <= row_end && col0 + TC_BN <= n && k % TC_BK == 0 && vec_k && vec_n;
+    if (full) {
+        const bf16* xa = x + row0 * k;
+        const bf16* wb = TRANS ? wg + col0 * k : wg + col0;
+        tc_mainloop<false, TRANS>(tc_smem, nk, [&](int step, bf16* s) {
+            i64 k0 = (i64)step * TC_BK;
+            tc_load_tile_full<TC_BM, TC_BK / 8>(s, xa + k0, k);
+            if (TRANS)
+                tc_load_tile_full<TC_BN, TC_BK / 8>(s + TC_A_ELEMS, wb + k0, k);
+            else
+                tc_load_tile_full<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, wb + k0 * n, n);
+        }, acc);
+    } else {
+        tc_mainloop<false, TRANS>(tc_smem, nk, [&](int step, bf16* s) {
+            i64 k0 = (i64)step * TC_BK;
+            tc_load_tile<TC_BM, TC_BK / 8>(s, x, k, row0, row_end, k0, k, vec_k);
+            if (TRANS)
+                tc_load_tile<TC_BN, TC_BK / 8>(s + TC_A_ELEMS, wg, k, col0, n, k0, k, vec_k);
+            else
+                tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, wg, n, k0, k, col0, n, vec_n);
+        }, acc);
+    }
     tc_store(tc_smem, acc, out, n, row0, row_end, col0, n, vec_n);
 }
 
@@ -339,10 +370,21 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_wgrad_tc_bf1
     bool vec_k = (k % 8) == 0, vec_n = (n % 8) == 0;
     float acc[4][8][4];
     int nk = row_end > row_beg ? (int)((row_end - row_beg + TC_BK - 1) / TC_BK) : 0;
-    tc_mainloop<true, false>(tc_smem, nk, [&](int step, bf16* s) {
-        i64 r0 = row_beg + (i64)step * TC_BK;
-        tc_load_tile<TC_BK, TC_BM / 8>(s, x, k, r0, row_end, k0, k, vec_k);
-        tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, dy, n, r0, row_end, col0, n, vec_n);
-    }, acc);
+    bool full = (row_end - row_beg) % TC_BK == 0 && k0 + TC_BM <= k && col0 + TC_BN <= n && vec_k && vec_n;
+    if (full) {
+        const bf16* xa = x + row_beg * k + k0;
+        const bf16* db = dy + row_beg * n + col0;
+        tc_mainloop<true, false>(tc_smem, nk, [&](int step, bf16* s) {
+            i64 r = (i64)step * TC_BK;
+            tc_load_tile_full<TC_BK, TC_BM / 8>(s, xa + r * k, k);
+            tc_load_tile_full<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, db + r * n, n);
+        }, acc);
+    } else {
+        tc_mainloop<true, false>(tc_smem, nk, [&](int step, bf16* s) {
+            i64 r0 = row_beg + (i64)step * TC_BK;
+            tc_load_tile<TC_BK, TC_BM / 8>(s, x, k, r0, row_end, k0, k, vec_k);
+            tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, dy, n, r0, row_end, col0, n, vec_n);
+        }, acc);
+    }
     tc_store(tc_smem, acc, dw + (i64)grp * k * n, n, k0, k, col0, n, vec_n);
 }
