@@ -15,7 +15,13 @@ pub struct Param<B: Device> {
     /// The current value.
     pub value: Tensor<B>,
     /// Gradient accumulated by backward passes since the last `zero_grad`.
+    /// Code other than [`Param::accumulate`] may replace it only once the
+    /// backward passes of the step are done (reductions, clipping).
     pub grad: Tensor<B>,
+    /// Whether `grad` is still the zeros of `new` / `zero_grad`: the first
+    /// accumulation then takes the incoming gradient as it is (a shared
+    /// handle; copy-on-write keeps both safe) instead of adding it to zeros.
+    grad_is_zero: bool,
     /// Where this tensor sits in the full parameter when it is one rank's
     /// shard (`None`: the whole parameter).
     pub shard: Option<Box<ShardSpec>>,
@@ -29,6 +35,7 @@ impl<B: Backend> Param<B> {
             name: name.into(),
             value,
             grad,
+            grad_is_zero: true,
             shard: None,
         })
     }
@@ -49,13 +56,22 @@ impl<B: Backend> Param<B> {
 
     /// Adds `g` into the gradient.
     pub fn accumulate(&mut self, b: &B, g: &Tensor<B>) -> Result<()> {
-        b.axpy(&mut self.grad, 1.0, g)?;
+        let same_kind = g.shape() == self.grad.shape() && g.dtype() == self.grad.dtype();
+        if self.grad_is_zero && same_kind {
+            // 0 + g is g (up to the sign of a zero): skips a pass over the
+            // gradient.
+            self.grad = g.clone();
+        } else {
+            b.axpy(&mut self.grad, 1.0, g)?;
+        }
+        self.grad_is_zero = false;
         Ok(())
     }
 
     /// Resets the gradient to zero.
     pub fn zero_grad(&mut self, b: &B) -> Result<()> {
         self.grad = b.zeros(self.value.shape(), self.value.dtype())?;
+        self.grad_is_zero = true;
         Ok(())
     }
 }

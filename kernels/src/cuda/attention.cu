@@ -323,8 +323,14 @@ __device__ __forceinline__ int fa_ds_swz(int r, int c) {
 }
 
 // Adds (x, y) to two consecutive floats of global memory in one reduction.
+// (Hopper's vector reduction; two scalar ones before it).
 __device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
 }
 
 // Backward: block (key tile, kv head, batch), heaviest (earliest) key tiles

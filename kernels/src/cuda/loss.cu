@@ -16,19 +16,29 @@ __device__ void ce_fwd_impl(const T* x, const int* tg, T* loss, T* lse, i64 t, i
             if (threadIdx.x == 0) report_err(err, code_target, row, (double)c);
             c = -1;
         }
-        A mx = neg_inf<A>();
+        // One pass with an online softmax: each thread keeps its running
+        // maximum m and Σ exp(x − m); the block merges the pairs.
+        A m = neg_inf<A>(), l = 0;
         for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
             A a = to_acc(xr[j]);
-            if (!isfinite(a)) report_err(err, code_nonfinite, row * v + j, (double)a);
-            mx = fmax(mx, a);
+            if (!isfinite(a)) {
+                report_err(err, code_nonfinite, row * v + j, (double)a);
+                m = fmax(m, a);  // the row's lse becomes non-finite, as before
+                continue;
+            }
+            if (a > m) {
+                l = l * exp_(m - a) + (A)1;
+                m = a;
+            } else {
+                l += exp_(a - m);
+            }
         }
-        mx = block_max(mx, sh);
+        A mx = block_max(m, sh);
         A z;
         if (!isfinite(mx)) {
             z = mx;
         } else {
-            A s = 0;
-            for (i64 j = threadIdx.x; j < v; j += blockDim.x) s += exp_(to_acc(xr[j]) - mx);
+            A s = m == neg_inf<A>() ? (A)0 : l * exp_(m - mx);
             z = mx + log_(block_sum(s, sh));
         }
         if (threadIdx.x == 0) {

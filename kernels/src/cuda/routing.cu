@@ -144,10 +144,13 @@ template <typename T> __device__ void scatter_cols_impl(const T* v, const int* i
 FOR_FLOATS(SCATTER_COLS)
 
 // out[n] = x[src[n]] row by row; 0 where src[n] is -1 (or invalid).
+// One block per output row (a row's elements by the block's threads), so
+// no thread divides by D.
 template <typename T> __device__ void gather_rows_impl(const T* x, const int* src, T* out, i64 n, i64 rows, i64 d) {
-    GRID_LOOP(p, n * d) {
-        i64 s = src[p / d];
-        out[p] = (s >= 0 && s < rows) ? x[s * d + p % d] : from_acc<T>((acc_t<T>)0);
+    for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
+        i64 s = src[row];
+        bool ok = s >= 0 && s < rows;
+        for (i64 c = threadIdx.x; c < d; c += blockDim.x) out[row * d + c] = ok ? x[s * d + c] : from_acc<T>((acc_t<T>)0);
     }
 }
 #define GATHER_ROWS(sfx, T) \
@@ -215,18 +218,21 @@ extern "C" __global__ void inv_sort(const int* offsets, i64 targets, const int* 
 
 // out[i, c] = Σ over the sources r of target i (in order) of
 // scale(r) · src[r / kdiv, c], scale(r) = w[r] when w is given, else 1.
+// One block per target row.
 template <typename T>
 __device__ void seg_sum_impl(const T* src, const T* w, const int* offsets, const int* items, T* out, i64 targets, i64 d, i64 kdiv) {
     typedef acc_t<T> A;
-    GRID_LOOP(p, targets * d) {
-        i64 i = p / d, c = p % d;
-        A s = 0;
-        for (int q = offsets[i]; q < offsets[i + 1]; ++q) {
-            i64 r = items[q];
-            A sc = w ? to_acc(w[r]) : (A)1;
-            s += sc * to_acc(src[(r / kdiv) * d + c]);
+    for (i64 i = blockIdx.x; i < targets; i += gridDim.x) {
+        int lo = offsets[i], hi = offsets[i + 1];
+        for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+            A s = 0;
+            for (int q = lo; q < hi; ++q) {
+                i64 r = items[q];
+                A sc = w ? to_acc(w[r]) : (A)1;
+                s += sc * to_acc(src[(r / kdiv) * d + c]);
+            }
+            out[i * d + c] = from_acc<T>(s);
         }
-        out[p] = from_acc<T>(s);
     }
 }
 #define SEG_SUM(sfx, T) \
@@ -320,15 +326,16 @@ FOR_FLOATS(CAP_PLACE)
 template <typename T>
 __device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, i64 t, i64 k, i64 n, i64 d) {
     typedef acc_t<T> A;
-    GRID_LOOP(p, t * d) {
-        i64 tok = p / d, c = p % d;
-        A s = 0;
-        for (i64 j = 0; j < k; ++j) {
-            i64 r = slot[tok * k + j];
-            if (r < 0 || r >= n) continue;
-            s += to_acc(w[tok * k + j]) * to_acc(y[r * d + c]);
+    for (i64 tok = blockIdx.x; tok < t; tok += gridDim.x) {
+        for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+            A s = 0;
+            for (i64 j = 0; j < k; ++j) {
+                i64 r = slot[tok * k + j];
+                if (r < 0 || r >= n) continue;
+                s += to_acc(w[tok * k + j]) * to_acc(y[r * d + c]);
+            }
+            out[tok * d + c] = from_acc<T>(s);
         }
-        out[p] = from_acc<T>(s);
     }
 }
 #define UNPERMUTE(sfx, T) \
@@ -336,19 +343,23 @@ __device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, 
         unpermute_impl<T>(y, slot, w, out, t, k, n, d); }
 FOR_FLOATS(UNPERMUTE)
 
-// dw[t, j] = dout[t] · y[slot[t, j]], zero for a dropped copy.
+// dw[t, j] = dout[t] · y[slot[t, j]], zero for a dropped copy; one warp per
+// copy, its lanes striding along the row (coalesced), summed by shuffles.
 template <typename T>
 __device__ void unpermute_dw_impl(const T* dout, const T* y, const int* slot, T* dw, i64 t, i64 k, i64 n, i64 d) {
     typedef acc_t<T> A;
-    GRID_LOOP(copy, t * k) {
+    int lane = threadIdx.x & 31;
+    i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 copy = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); copy < t * k; copy += warps) {
         i64 r = slot[copy];
         A s = 0;
         if (r >= 0 && r < n) {
             const T* a = dout + (copy / k) * d;
             const T* b = y + r * d;
-            for (i64 c = 0; c < d; ++c) s += to_acc(a[c]) * to_acc(b[c]);
+            for (i64 c = lane; c < d; c += 32) s += to_acc(a[c]) * to_acc(b[c]);
         }
-        dw[copy] = from_acc<T>(s);
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) dw[copy] = from_acc<T>(s);
     }
 }
 #define UNPERMUTE_DW(sfx, T) \

@@ -189,7 +189,7 @@ impl Cuda {
             launch!(
                 self,
                 f,
-                grid_for(targets * d),
+                rows_cfg(targets, 256),
                 rows.storage().ptr(),
                 w.map_or(0u64, |w| w.storage().ptr()),
                 inv.offsets.ptr(),
@@ -220,7 +220,7 @@ impl Cuda {
             launch!(
                 self,
                 f,
-                grid_for(n * d),
+                rows_cfg(n, 256),
                 x.storage().ptr(),
                 src.storage().ptr(),
                 out.storage().ptr(),
@@ -622,7 +622,7 @@ impl RoutingOps for Cuda {
             launch!(
                 self,
                 f,
-                grid_for(t * d),
+                rows_cfg(t, 256),
                 y.storage().ptr(),
                 slot.storage().ptr(),
                 w.storage().ptr(),
@@ -658,7 +658,8 @@ impl RoutingOps for Cuda {
             launch!(
                 self,
                 f,
-                grid_for(t * k),
+                // One warp per copy, eight per block.
+                rows_cfg((t * k).div_ceil(8), 256),
                 dout.storage().ptr(),
                 y.storage().ptr(),
                 slot.storage().ptr(),
