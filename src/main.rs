@@ -68,6 +68,9 @@ enum Command {
         /// Offload these tensors to host memory in every group (`qkv,expert_fc1`; `none`), instead of the declared policy.
         #[arg(long, value_name = "LIST")]
         offload: Option<String>,
+        /// Store these saved tensors in fp8 (e4m3) in every group (`expert_fc1,moe_act`; `none`), instead of the declared policy.
+        #[arg(long = "store-fp8", value_name = "LIST")]
+        store_fp8: Option<String>,
     },
     /// Time one MoE layer or a training step; prints JSON (see benchmarks/README.md).
     Bench(bench::BenchOptions),
@@ -148,6 +151,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             micro_batches,
             recompute,
             offload,
+            store_fp8,
         } => {
             let source = match &model_config {
                 Some(path) => plan::ModelSource::Config(path),
@@ -158,6 +162,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 micro_batches,
                 recompute: recompute.as_deref(),
                 offload: offload.as_deref(),
+                store_fp8: store_fp8.as_deref(),
             };
             println!(
                 "{}",

@@ -8,7 +8,7 @@ use std::path::Path;
 use foldmoe::core::config::ModelConfig;
 use foldmoe::core::layout::{self, GroupKind, LayoutSpec};
 use foldmoe::core::memory::{self, MemoryOptions, MemoryPlan, GIB};
-use foldmoe::core::spec::{keywords, ModelSpec};
+use foldmoe::core::spec::{keywords, ModelSpec, PolicyOverride};
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -41,23 +41,8 @@ pub struct MemoryFlags<'a> {
     pub recompute: Option<&'a str>,
     /// `--offload LIST`, replacing every group's offloaded parts.
     pub offload: Option<&'a str>,
-}
-
-/// The parts `list` names in `table` (the policy keywords the macro and
-/// config files use); `none` or an empty list is no part.
-fn parse_parts<T: Copy>(
-    table: &[(&str, T)],
-    flag: &str,
-    what: &str,
-    list: &str,
-) -> Result<Vec<T>, CliError> {
-    list.split(',')
-        .map(str::trim)
-        .filter(|w| !w.is_empty() && *w != "none")
-        .map(|w| {
-            keywords::lookup(table, what, w).map_err(|e| CliError::usage(format!("{flag}: {e}")))
-        })
-        .collect()
+    /// `--store-fp8 LIST`, replacing every group's fp8-stored parts.
+    pub store_fp8: Option<&'a str>,
 }
 
 /// Devices the plan's total is compared with, by the memory `nvidia-smi`
@@ -121,27 +106,22 @@ pub fn run(
             "--micro-batch-size and --micro-batches must be at least 1".to_string(),
         ));
     }
-    let mut policy = Vec::new();
-    // A part a group lacks (`moe_act` in a dense block) frees nothing there,
-    // so the lists apply to every group as they are.
-    if let Some(list) = flags.recompute {
-        let parts = parse_parts(keywords::RECOMPUTE, "--recompute", "recompute part", list)?;
-        spec.groups
-            .iter_mut()
-            .for_each(|g| g.policy.recompute = parts.clone());
-        policy.push(format!("--recompute {list}"));
-    }
-    if let Some(list) = flags.offload {
-        let parts = parse_parts(keywords::OFFLOAD, "--offload", "offload part", list)?;
-        spec.groups
-            .iter_mut()
-            .for_each(|g| g.policy.offload = parts.clone());
-        policy.push(format!("--offload {list}"));
-    }
-    let policy = if policy.is_empty() {
+    // The same lists and rules as `foldmoe train`'s flags.
+    let over = PolicyOverride::parse(flags.recompute, flags.offload, flags.store_fp8)
+        .map_err(CliError::usage)?;
+    over.apply(&mut spec);
+    let given: Vec<String> = [
+        ("--recompute", flags.recompute),
+        ("--offload", flags.offload),
+        ("--store-fp8", flags.store_fp8),
+    ]
+    .iter()
+    .filter_map(|(flag, list)| list.map(|l| format!("{flag} {l}")))
+    .collect();
+    let policy = if given.is_empty() {
         "declared".to_string()
     } else {
-        policy.join(" ")
+        given.join(" ")
     };
     let mem = memory::plan_memory(
         &spec,

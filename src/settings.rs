@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use foldmoe::core::spec::PolicyOverride;
+
 use crate::error::CliError;
 
 /// The options of `foldmoe train`, as flags or as keys of a `--config` file
@@ -63,6 +65,19 @@ pub struct TrainOptions {
     /// (tokens over capacity dropped by lowest probability).
     #[arg(long)]
     pub capacity_factor: Option<f64>,
+    /// Recompute these parts in backward in every block group, replacing
+    /// the model's policy: `norm,core_attn,mlp_act,moe_act,router,shared_experts,mla_up_proj`
+    /// or `block`; `none` keeps everything.
+    #[arg(long, value_name = "LIST")]
+    pub recompute: Option<String>,
+    /// Offload these saved tensors to host memory between forward and
+    /// backward in every group: `attn_norm,qkv,core_attn,attn_proj,mlp_norm,expert_fc1,moe_act`; `none`.
+    #[arg(long, value_name = "LIST")]
+    pub offload: Option<String>,
+    /// Store these saved tensors in fp8 (e4m3, one scale per tensor) in
+    /// every group; the same parts as --offload.
+    #[arg(long, value_name = "LIST")]
+    pub store_fp8: Option<String>,
     /// Continue the run whose directory (or checkpoint directory) is given.
     #[arg(long)]
     #[serde(skip)]
@@ -112,6 +127,15 @@ pub struct TrainSettings {
     /// Capacity factor of every MoE layer (`None`: the model's own setting).
     #[serde(default)]
     pub capacity_factor: Option<f64>,
+    /// Recompute list of every group (`None`: the model's own policy).
+    #[serde(default)]
+    pub recompute: Option<String>,
+    /// Offload list of every group (`None`: the model's own policy).
+    #[serde(default)]
+    pub offload: Option<String>,
+    /// fp8-storage list of every group (`None`: the model's own policy).
+    #[serde(default)]
+    pub store_fp8: Option<String>,
 }
 
 /// Serde default of [`TrainSettings::ranks`] (checkpoints written before it existed).
@@ -136,6 +160,9 @@ impl Default for TrainSettings {
             ranks: 1,
             layout: None,
             capacity_factor: None,
+            recompute: None,
+            offload: None,
+            store_fp8: None,
         }
     }
 }
@@ -172,6 +199,9 @@ impl TrainOptions {
             ranks: self.ranks.or(file.ranks),
             layout: self.layout.or(file.layout),
             capacity_factor: self.capacity_factor.or(file.capacity_factor),
+            recompute: self.recompute.or(file.recompute),
+            offload: self.offload.or(file.offload),
+            store_fp8: self.store_fp8.or(file.store_fp8),
             resume: self.resume,
             config: self.config,
             exit_after: self.exit_after,
@@ -203,6 +233,9 @@ impl TrainOptions {
             ranks: opts.ranks.unwrap_or(base.ranks),
             layout: opts.layout.clone().or(base.layout),
             capacity_factor: opts.capacity_factor.or(base.capacity_factor),
+            recompute: opts.recompute.clone().or(base.recompute),
+            offload: opts.offload.clone().or(base.offload),
+            store_fp8: opts.store_fp8.clone().or(base.store_fp8),
         };
         s.validate()?;
         Ok((s, opts))
@@ -248,7 +281,19 @@ impl TrainSettings {
                 return bad("capacity-factor", &f, "must be a positive finite number");
             }
         }
+        self.policy_override()?;
         Ok(())
+    }
+
+    /// The `--recompute`, `--offload` and `--store-fp8` lists, parsed by the
+    /// policy keywords the macro, config files and `foldmoe plan` use.
+    pub fn policy_override(&self) -> Result<PolicyOverride, CliError> {
+        PolicyOverride::parse(
+            self.recompute.as_deref(),
+            self.offload.as_deref(),
+            self.store_fp8.as_deref(),
+        )
+        .map_err(CliError::usage)
     }
 
     /// Sequences per micro-batch for a model of sequence length `seq_len`.

@@ -2,6 +2,7 @@
 //! showing progress and writing metrics, a checkpoint, a loss plot and a
 //! generated sample under the run directory.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use foldmoe::core::config::ModelConfig;
+use foldmoe::core::engine::activations::Counts;
 use foldmoe::core::engine::checkpoint::{self, NamedTensor};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
@@ -80,6 +82,14 @@ struct Summary<'a> {
     params_active: u64,
     wall_s: f64,
     seed: u64,
+    /// The most bytes of saved activations on the device at once (the
+    /// engine's ledger, one-rank runs; `null` for parallel runs, whose
+    /// runtime does not count them yet).
+    peak_activation_bytes: Option<u64>,
+    /// Those bytes by part, at that moment.
+    peak_activation_bytes_by_part: Option<BTreeMap<&'static str, u64>>,
+    /// The most bytes of saved activations offloaded to the host at once.
+    peak_offloaded_bytes: Option<u64>,
 }
 
 /// The checkpoint directory inside a run directory, or `path` itself if it is one.
@@ -197,6 +207,10 @@ trait StepEngine {
     fn comm_seconds(&self) -> Option<f64> {
         None
     }
+    /// The engine's saved-activation counts (`None`: not counted).
+    fn activations(&self) -> Option<Counts> {
+        None
+    }
 }
 
 /// One rank, no communicator.
@@ -218,8 +232,17 @@ impl<B: Backend> StepEngine for SingleRank<'_, B> {
 
     fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
         let (x, y) = upload_batch(self.b, batch.clone(), VAL_WINDOWS, self.seq_len)?;
-        let out = self.trainer.model.forward(self.b, &x, &y)?;
-        Ok(self.b.download(&out.loss)?.to_f64()[0])
+        // An evaluation saves for a backward that never comes; it is not
+        // training's peak.
+        let model = &self.trainer.model;
+        model.ledger.outside_peak(|| {
+            let out = model.forward(self.b, &x, &y)?;
+            Ok(self.b.download(&out.loss)?.to_f64()[0])
+        })
+    }
+
+    fn activations(&self) -> Option<Counts> {
+        Some(self.trainer.model.ledger.counts())
     }
 
     fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError> {
@@ -388,6 +411,17 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         spec.check().map_err(|errors| {
             let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
             CliError::usage(format!("--capacity-factor {factor}: {}", msgs.join("; ")))
+        })?;
+    }
+    let policy = settings.policy_override()?;
+    if !policy.is_empty() {
+        policy.apply(&mut spec);
+        spec.check().map_err(|errors| {
+            let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            CliError::usage(format!(
+                "--recompute / --offload / --store-fp8: {}",
+                msgs.join("; ")
+            ))
         })?;
     }
     let (params_total, _) = spec.param_counts();
@@ -778,6 +812,7 @@ fn train_loop<B: Backend, E: StepEngine>(
     }
     checkpoint::save(&checkpoint_dir(out), &tensors, &meta)?;
     pb.finish();
+    let activations = engine.activations();
     let tokens_this_session = (meta.step - first_step) as f64 * settings.batch_tokens as f64;
     let summary = Summary {
         model: &spec.name,
@@ -791,6 +826,9 @@ fn train_loop<B: Backend, E: StepEngine>(
         params_active,
         wall_s: meta.train_seconds,
         seed: settings.seed,
+        peak_activation_bytes: activations.as_ref().map(|c| c.peak_device),
+        peak_activation_bytes_by_part: activations.as_ref().map(Counts::peak_parts),
+        peak_offloaded_bytes: activations.as_ref().map(|c| c.peak_host),
     };
     let summary_path = out.join("summary.json");
     let json = serde_json::to_string_pretty(&summary)

@@ -427,6 +427,21 @@ pub mod keywords {
         prev[b.len()]
     }
 
+    /// The values of a comma-separated `list` (`norm, moe_act`; empty or
+    /// `none` for no part), each looked up in `table`: the one parser of the
+    /// `--recompute`, `--offload` and `--store-fp8` flags.
+    pub fn parse_list<T: Copy>(
+        table: &[(&str, T)],
+        what: &str,
+        list: &str,
+    ) -> Result<Vec<T>, String> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|w| !w.is_empty() && *w != "none")
+            .map(|w| lookup(table, what, w))
+            .collect()
+    }
+
     /// The value spelled `word` in `table`, or an error listing the choices.
     pub fn lookup<T: Copy>(table: &[(&str, T)], what: &str, word: &str) -> Result<T, String> {
         table
@@ -790,13 +805,124 @@ fn check_mla(m: &MlaSpec, p: &str, err: &mut impl FnMut(String, String)) {
     }
 }
 
+/// What a group must have for recompute part `part` to name something in
+/// it (`None`: every group has it).
+fn recompute_needs(g: &BlockGroup, part: RecomputePart) -> Option<&'static str> {
+    let is_moe = matches!(g.ffn, FfnSpec::Moe(_));
+    let has_shared = matches!(&g.ffn, FfnSpec::Moe(m) if m.shared_ffn > 0);
+    match part {
+        RecomputePart::MoeAct | RecomputePart::Router if !is_moe => Some("an MoE layer"),
+        RecomputePart::SharedExperts if !has_shared => Some("shared experts"),
+        RecomputePart::MlpAct if is_moe => Some("a dense MLP"),
+        RecomputePart::MlaUpProj if g.attention.mla.is_none() => Some("MLA attention"),
+        _ => None,
+    }
+}
+
+/// What a group must have for offload (or fp8) part `part` to name
+/// something in it.
+fn offload_needs(g: &BlockGroup, part: OffloadPart) -> Option<&'static str> {
+    let is_moe = matches!(g.ffn, FfnSpec::Moe(_));
+    match part {
+        OffloadPart::ExpertFc1 | OffloadPart::MoeAct if !is_moe => Some("an MoE layer"),
+        _ => None,
+    }
+}
+
+/// Policy lists given for a whole model (`--recompute`, `--offload`,
+/// `--store-fp8`, as keyword lists), replacing every group's.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PolicyOverride {
+    /// Recompute parts, if given.
+    pub recompute: Option<Vec<RecomputePart>>,
+    /// Offload parts, if given.
+    pub offload: Option<Vec<OffloadPart>>,
+    /// fp8-storage parts, if given.
+    pub store_fp8: Option<Vec<OffloadPart>>,
+}
+
+impl PolicyOverride {
+    /// Parses the three keyword lists (each optional), naming the flag in
+    /// an error: `--offload: unknown offload part `qk`; choose one of ...`.
+    pub fn parse(
+        recompute: Option<&str>,
+        offload: Option<&str>,
+        store_fp8: Option<&str>,
+    ) -> Result<Self, String> {
+        fn parse<T: Copy>(
+            list: Option<&str>,
+            table: &[(&str, T)],
+            flag: &str,
+            what: &str,
+        ) -> Result<Option<Vec<T>>, String> {
+            list.map(|l| keywords::parse_list(table, what, l).map_err(|e| format!("{flag}: {e}")))
+                .transpose()
+        }
+        Ok(PolicyOverride {
+            recompute: parse(
+                recompute,
+                keywords::RECOMPUTE,
+                "--recompute",
+                "recompute part",
+            )?,
+            offload: parse(offload, keywords::OFFLOAD, "--offload", "offload part")?,
+            store_fp8: parse(
+                store_fp8,
+                keywords::OFFLOAD,
+                "--store-fp8",
+                "fp8-storage part",
+            )?,
+        })
+    }
+
+    /// Whether no list was given.
+    pub fn is_empty(&self) -> bool {
+        self.recompute.is_none() && self.offload.is_none() && self.store_fp8.is_none()
+    }
+
+    /// Replaces every group's lists with the given ones. A part a group
+    /// lacks (`moe_act` in a dense block) names nothing there and is left
+    /// out of that group's list, so one list serves a mixed model; with
+    /// `block`, the other recompute parts are covered and left out too.
+    pub fn apply(&self, spec: &mut ModelSpec) {
+        for g in &mut spec.groups {
+            if let Some(parts) = &self.recompute {
+                let block = parts.contains(&RecomputePart::Block);
+                let mut kept: Vec<RecomputePart> = Vec::new();
+                for &p in parts {
+                    let covered = block && p != RecomputePart::Block;
+                    if !covered && recompute_needs(g, p).is_none() && !kept.contains(&p) {
+                        kept.push(p);
+                    }
+                }
+                g.policy.recompute = kept;
+            }
+            let offload_parts = |parts: &[OffloadPart]| {
+                let mut kept: Vec<OffloadPart> = Vec::new();
+                for &p in parts {
+                    if offload_needs(g, p).is_none() && !kept.contains(&p) {
+                        kept.push(p);
+                    }
+                }
+                kept
+            };
+            let offload = self.offload.as_deref().map(offload_parts);
+            let store_fp8 = self.store_fp8.as_deref().map(offload_parts);
+            if let Some(parts) = offload {
+                g.policy.offload = parts;
+            }
+            if let Some(parts) = store_fp8 {
+                g.policy.store_fp8 = parts;
+            }
+        }
+    }
+}
+
 /// Policies name only parts the group has, each once (`block` alone, since
 /// it already covers every part), and fp8 GEMMs need dims that are multiples
 /// of 16 (DESIGN §3, precision). A part's error blames its place in the list
 /// (`policy.recompute[1]`), so a front end points at the word, not the key.
 fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(String, String)) {
-    let is_moe = matches!(g.ffn, FfnSpec::Moe(_));
-    let has_shared = matches!(&g.ffn, FfnSpec::Moe(m) if m.shared_ffn > 0);
     let recompute = &g.policy.recompute;
     for (i, part) in recompute.iter().enumerate() {
         let name = keywords::name_of(keywords::RECOMPUTE, *part);
@@ -815,13 +941,7 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
             );
             continue;
         }
-        let missing = match part {
-            RecomputePart::MoeAct | RecomputePart::Router if !is_moe => Some("an MoE layer"),
-            RecomputePart::SharedExperts if !has_shared => Some("shared experts"),
-            RecomputePart::MlpAct if is_moe => Some("a dense MLP"),
-            RecomputePart::MlaUpProj if g.attention.mla.is_none() => Some("MLA attention"),
-            _ => None,
-        };
+        let missing = recompute_needs(g, *part);
         if let Some(what) = missing {
             err(
                 at,
@@ -843,7 +963,7 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
                     at,
                     format!("{key} part `{name}` is listed twice; list it once"),
                 );
-            } else if matches!(part, OffloadPart::ExpertFc1 | OffloadPart::MoeAct) && !is_moe {
+            } else if offload_needs(g, *part).is_some() {
                 err(
                     at,
                     format!(
@@ -1096,6 +1216,42 @@ mod tests {
         assert!(
             errs[1].message.contains("qk_rope_head_dim = 3 is odd"),
             "{errs:?}"
+        );
+    }
+
+    #[test]
+    fn policy_lists_apply_to_every_group_that_has_the_part() {
+        let mut spec = spec_with(moe_group());
+        let mut dense = spec.groups[0].clone();
+        dense.ffn = FfnSpec::Dense { ffn: 64 };
+        spec.groups.push(dense);
+        let over = PolicyOverride::parse(
+            Some("norm, moe_act,mlp_act"),
+            Some("expert_fc1,qkv"),
+            Some("none"),
+        )
+        .unwrap();
+        over.apply(&mut spec);
+        assert_eq!(
+            spec.groups[0].policy.recompute,
+            [RecomputePart::Norm, RecomputePart::MoeAct]
+        );
+        assert_eq!(
+            spec.groups[1].policy.recompute,
+            [RecomputePart::Norm, RecomputePart::MlpAct]
+        );
+        assert_eq!(spec.groups[1].policy.offload, [OffloadPart::Qkv]);
+        assert!(spec.groups[0].policy.store_fp8.is_empty());
+        assert!(spec.check().is_ok(), "{:?}", spec.check());
+        // `block` covers the rest.
+        PolicyOverride::parse(Some("norm,block"), None, None)
+            .unwrap()
+            .apply(&mut spec);
+        assert_eq!(spec.groups[1].policy.recompute, [RecomputePart::Block]);
+        let err = PolicyOverride::parse(None, None, Some("qk")).unwrap_err();
+        assert!(
+            err.starts_with("--store-fp8: unknown fp8-storage part `qk`; choose one of attn_norm"),
+            "{err}"
         );
     }
 

@@ -164,6 +164,24 @@ impl Ledger {
         });
     }
 
+    /// Runs `f` (an evaluation forward, say) without letting it raise the
+    /// peaks: what it saves is counted while alive but not remembered.
+    pub fn outside_peak<R>(&self, f: impl FnOnce() -> R) -> R {
+        let (peak_device, peak_host, peak_by_part) =
+            self.with(|c| (c.peak_device, c.peak_host, c.peak_by_part));
+        let r = f();
+        self.with(|c| {
+            c.peak_device = peak_device.max(c.device);
+            c.peak_host = peak_host.max(c.host);
+            c.peak_by_part = if c.device > peak_device {
+                c.device_by_part
+            } else {
+                peak_by_part
+            };
+        });
+        r
+    }
+
     /// Registers `device` and `host` bytes of `layer`; they are released
     /// when the returned [`Held`] is dropped.
     pub fn hold(&self, layer: &str, device: ByPart, host: u64) -> Held {
