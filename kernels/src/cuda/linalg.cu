@@ -321,6 +321,11 @@ __device__ __forceinline__ void tc_grouped_mm(const bf16* __restrict__ x, const 
     float acc[4][8][4];
     int nk = (int)((k + TC_BK - 1) / TC_BK);
     bool full = row0 + TC_BM <= row_end && col0 + TC_BN <= n && k % TC_BK == 0 && vec_k && vec_n;
+    // nn only: in a group's last, partial row tile the w tiles still lie
+    // wholly inside w[g] when the column tile does, so they load without
+    // bounds checks (for nt the extra path made ptxas spill, and nt with
+    // uneven groups measured as fast as with uniform ones).
+    bool b_in = !TRANS && col0 + TC_BN <= n && k % TC_BK == 0 && vec_n;
     if (full) {
         const bf16* xa = x + row0 * k;
         const bf16* wb = TRANS ? wg + col0 * k : wg + col0;
@@ -336,7 +341,9 @@ __device__ __forceinline__ void tc_grouped_mm(const bf16* __restrict__ x, const 
         tc_mainloop<false, TRANS>(tc_smem, nk, [&](int step, bf16* s) {
             i64 k0 = (i64)step * TC_BK;
             tc_load_tile<TC_BM, TC_BK / 8>(s, x, k, row0, row_end, k0, k, vec_k);
-            if (TRANS)
+            if (b_in)
+                tc_load_tile_full<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, wg + k0 * n + col0, n);
+            else if (TRANS)
                 tc_load_tile<TC_BN, TC_BK / 8>(s + TC_A_ELEMS, wg, k, col0, n, k0, k, vec_k);
             else
                 tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, wg, n, k0, k, col0, n, vec_n);
@@ -361,30 +368,33 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_mm_tc_bf16_n
 // that group's rows 64 at a time, so the reduction length comes from the
 // device offsets. Rows past the group's end load as zeros, and an empty
 // group writes a zero gradient. Dynamic shared memory TC_SMEM_BYTES.
+// The bounds checks are per step: when the block's K × N tile lies inside
+// the matrices, every step of 64 rows wholly inside the group loads without
+// them and only the group's last, partial step (size % 64 rows) checks its
+// rows (group sizes are rarely multiples of 64 after routing).
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_wgrad_tc_bf16(
     const bf16* __restrict__ x, const bf16* __restrict__ dy, const i64* __restrict__ offs, bf16* __restrict__ dw,
     i64 k, i64 n) {
     int grp = blockIdx.z;
     i64 k0 = (i64)blockIdx.y * TC_BM, col0 = (i64)blockIdx.x * TC_BN;
     i64 row_beg = offs[grp], row_end = offs[grp + 1];
+    i64 rows = row_end > row_beg ? row_end - row_beg : 0;
     bool vec_k = (k % 8) == 0, vec_n = (n % 8) == 0;
     float acc[4][8][4];
-    int nk = row_end > row_beg ? (int)((row_end - row_beg + TC_BK - 1) / TC_BK) : 0;
-    bool full = (row_end - row_beg) % TC_BK == 0 && k0 + TC_BM <= k && col0 + TC_BN <= n && vec_k && vec_n;
-    if (full) {
-        const bf16* xa = x + row_beg * k + k0;
-        const bf16* db = dy + row_beg * n + col0;
-        tc_mainloop<true, false>(tc_smem, nk, [&](int step, bf16* s) {
-            i64 r = (i64)step * TC_BK;
+    int nk = (int)((rows + TC_BK - 1) / TC_BK);
+    bool tile_in = k0 + TC_BM <= k && col0 + TC_BN <= n && vec_k && vec_n;
+    int nfull = tile_in ? (int)(rows / TC_BK) : 0;
+    const bf16* xa = x + row_beg * k + k0;
+    const bf16* db = dy + row_beg * n + col0;
+    tc_mainloop<true, false>(tc_smem, nk, [&](int step, bf16* s) {
+        i64 r = (i64)step * TC_BK;
+        if (step < nfull) {
             tc_load_tile_full<TC_BK, TC_BM / 8>(s, xa + r * k, k);
             tc_load_tile_full<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, db + r * n, n);
-        }, acc);
-    } else {
-        tc_mainloop<true, false>(tc_smem, nk, [&](int step, bf16* s) {
-            i64 r0 = row_beg + (i64)step * TC_BK;
-            tc_load_tile<TC_BK, TC_BM / 8>(s, x, k, r0, row_end, k0, k, vec_k);
-            tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, dy, n, r0, row_end, col0, n, vec_n);
-        }, acc);
-    }
+        } else {
+            tc_load_tile<TC_BK, TC_BM / 8>(s, x, k, row_beg + r, row_end, k0, k, vec_k);
+            tc_load_tile<TC_BK, TC_BN / 8>(s + TC_A_ELEMS, dy, n, row_beg + r, row_end, col0, n, vec_n);
+        }
+    }, acc);
     tc_store(tc_smem, acc, dw + (i64)grp * k * n, n, k0, k, col0, n, vec_n);
 }

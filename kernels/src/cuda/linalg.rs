@@ -537,15 +537,18 @@ mod tests {
     /// of their tiles: group ends inside a 128-row tile, empty groups,
     /// padding rows, N past a 256-column tile, K over more steps than the
     /// 4-stage pipeline holds (and at the MoE's 2048), K and N not multiples
-    /// of 8 (element loads and stores).
+    /// of 8 (element loads and stores), and the fc2 shape K = 768, N = 2048
+    /// with groups of 64·n + 1, 64·n and 64·n - 1 rows (the weight gradient
+    /// loads whole 64-row steps unchecked and checks only a group's last).
     #[test]
     fn tensor_core_grouped_gemms_match_f32() {
         let Some(d) = crate::cuda::test_device() else {
             return;
         };
-        let cases: [(&[i32], usize, usize, usize); 5] = [
+        let cases: [(&[i32], usize, usize, usize); 6] = [
             (&[300, 0, 1, 257, 64, 0, 513], 1200, 320, 520),
             (&[1024, 1000, 0, 1100], 3200, 2048, 768),
+            (&[129, 1024, 0, 63, 640, 65], 2000, 768, 2048),
             (&[5, 130, 0, 70], 210, 77, 203),
             (&[129, 3], 140, 72, 13),
             (&[0, 0], 10, 64, 64),
