@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
+use foldmoe::core::engine::param::Module as _;
 use foldmoe::core::engine::parallel::model::ParallelModel;
 use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::trainer::{TrainConfig, Trainer};
@@ -341,6 +342,15 @@ fn moe_layer<B: BenchDevice>(
     let x = random(b, &[t, d], 1.0, 2, dtype)?;
     let dy = random(b, &[t, d], 1e-3, 3, dtype)?;
     let mut step = || -> Result<(), CliError> {
+        // As in a training step (and the peer's `grad = None`): gradients
+        // start from zero, not from the last iteration's.
+        let mut zeroed = Ok(());
+        layer.visit_params_mut(&mut |p| {
+            if zeroed.is_ok() {
+                zeroed = p.zero_grad(b);
+            }
+        });
+        zeroed?;
         let (_y, saved, _stats) = layer.forward(b, &x, seq_len)?;
         layer.backward(b, &dy, saved, 1.0)?;
         Ok(())

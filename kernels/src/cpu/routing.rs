@@ -1492,108 +1492,112 @@ mod tests {
     fn routing_matches_cpu<B: TestOps>(d: &B) {
         for dtype in Compare::precisions(d) {
             let mut c = Compare::new(d, dtype, 90);
-            let (t, e, k, dim, v) = (300, 64, 6, 48, 50);
-            let (x, xc) = c.rand(&[t, e], 3.0);
-            for (groups, gk) in [(1, 1), (8, 3)] {
-                let got = d.hi32(&d.topk(&x, k, groups, gk).unwrap());
-                let want = Cpu
-                    .download(&Cpu.topk(&xc, k, groups, gk).unwrap())
-                    .unwrap();
-                assert_eq!(
-                    got,
-                    want.to_i32().unwrap(),
-                    "topk groups={groups} ({dtype:?})"
-                );
-            }
-            let idx_h = Cpu
-                .download(&Cpu.topk(&xc, k, 1, 1).unwrap())
-                .unwrap()
-                .to_i32()
-                .unwrap();
-            let (idx, idxc) = c.idx(&idx_h, &[t, k]);
-            c.check(
-                "gather_cols",
-                &d.gather_cols(&x, &idx).unwrap(),
-                &Cpu.gather_cols(&xc, &idxc).unwrap(),
-            );
-            let (pv, pvc) = c.rand(&[t, k], 1.0);
-            c.check(
-                "scatter_cols",
-                &d.scatter_cols(&pv, &idx, e).unwrap(),
-                &Cpu.scatter_cols(&pvc, &idxc, e).unwrap(),
-            );
-            let ids_h: Vec<i32> = (0..t).map(|i| ((i * i * 7 + 3) % v) as i32).collect();
-            let (ids, idsc) = c.idx(&ids_h, &[t]);
-            let (table, tablec) = c.rand(&[v, dim], 1.0);
-            c.check(
-                "embedding",
-                &d.embedding(&table, &ids).unwrap(),
-                &Cpu.embedding(&tablec, &idsc).unwrap(),
-            );
-            let (dy, dyc) = c.rand(&[t, dim], 1.0);
-            c.check(
-                "embedding_backward",
-                &d.embedding_backward(&dy, &ids, v).unwrap(),
-                &Cpu.embedding_backward(&dyc, &idsc, v).unwrap(),
-            );
-            let plan_eq = |what: &str, a: &RoutingPlan<B>, b: &RoutingPlan<Cpu>| {
-                let h = |t: &Tensor<Cpu>| Cpu.download(t).unwrap().to_i32().unwrap();
-                assert_eq!(d.hi32(&a.row_src), h(&b.row_src), "{what} row_src");
-                assert_eq!(d.hi32(&a.slot), h(&b.slot), "{what} slot");
-                assert_eq!(d.hi32(&a.counts), h(&b.counts), "{what} counts");
-            };
-            plan_eq(
-                "routing_plan",
-                &d.routing_plan(&idx, e).unwrap(),
-                &Cpu.routing_plan(&idxc, e).unwrap(),
-            );
-            let (probs, probsc) = c.rand(&[t, k], 1.0);
-            let cap = t * k / e * 3 / 4;
-            for policy in [DropPolicy::Probs, DropPolicy::Position] {
-                for pad in [false, true] {
-                    plan_eq(
-                        &format!("capacity_plan {policy:?} pad={pad}"),
-                        &d.capacity_plan(&idx, &probs, e, cap, policy, pad).unwrap(),
-                        &Cpu.capacity_plan(&idxc, &probsc, e, cap, policy, pad)
-                            .unwrap(),
+            // Rows of a multiple of 8 (the vector paths of the CUDA kernels)
+            // and rows that are not.
+            for dim in [48, 13] {
+                let (t, e, k, v) = (300, 64, 6, 50);
+                let (x, xc) = c.rand(&[t, e], 3.0);
+                for (groups, gk) in [(1, 1), (8, 3)] {
+                    let got = d.hi32(&d.topk(&x, k, groups, gk).unwrap());
+                    let want = Cpu
+                        .download(&Cpu.topk(&xc, k, groups, gk).unwrap())
+                        .unwrap();
+                    assert_eq!(
+                        got,
+                        want.to_i32().unwrap(),
+                        "topk groups={groups} ({dtype:?})"
                     );
                 }
+                let idx_h = Cpu
+                    .download(&Cpu.topk(&xc, k, 1, 1).unwrap())
+                    .unwrap()
+                    .to_i32()
+                    .unwrap();
+                let (idx, idxc) = c.idx(&idx_h, &[t, k]);
+                c.check(
+                    "gather_cols",
+                    &d.gather_cols(&x, &idx).unwrap(),
+                    &Cpu.gather_cols(&xc, &idxc).unwrap(),
+                );
+                let (pv, pvc) = c.rand(&[t, k], 1.0);
+                c.check(
+                    "scatter_cols",
+                    &d.scatter_cols(&pv, &idx, e).unwrap(),
+                    &Cpu.scatter_cols(&pvc, &idxc, e).unwrap(),
+                );
+                let ids_h: Vec<i32> = (0..t).map(|i| ((i * i * 7 + 3) % v) as i32).collect();
+                let (ids, idsc) = c.idx(&ids_h, &[t]);
+                let (table, tablec) = c.rand(&[v, dim], 1.0);
+                c.check(
+                    "embedding",
+                    &d.embedding(&table, &ids).unwrap(),
+                    &Cpu.embedding(&tablec, &idsc).unwrap(),
+                );
+                let (dy, dyc) = c.rand(&[t, dim], 1.0);
+                c.check(
+                    "embedding_backward",
+                    &d.embedding_backward(&dy, &ids, v).unwrap(),
+                    &Cpu.embedding_backward(&dyc, &idsc, v).unwrap(),
+                );
+                let plan_eq = |what: &str, a: &RoutingPlan<B>, b: &RoutingPlan<Cpu>| {
+                    let h = |t: &Tensor<Cpu>| Cpu.download(t).unwrap().to_i32().unwrap();
+                    assert_eq!(d.hi32(&a.row_src), h(&b.row_src), "{what} row_src");
+                    assert_eq!(d.hi32(&a.slot), h(&b.slot), "{what} slot");
+                    assert_eq!(d.hi32(&a.counts), h(&b.counts), "{what} counts");
+                };
+                plan_eq(
+                    "routing_plan",
+                    &d.routing_plan(&idx, e).unwrap(),
+                    &Cpu.routing_plan(&idxc, e).unwrap(),
+                );
+                let (probs, probsc) = c.rand(&[t, k], 1.0);
+                let cap = t * k / e * 3 / 4;
+                for policy in [DropPolicy::Probs, DropPolicy::Position] {
+                    for pad in [false, true] {
+                        plan_eq(
+                            &format!("capacity_plan {policy:?} pad={pad}"),
+                            &d.capacity_plan(&idx, &probs, e, cap, policy, pad).unwrap(),
+                            &Cpu.capacity_plan(&idxc, &probsc, e, cap, policy, pad)
+                                .unwrap(),
+                        );
+                    }
+                }
+                // The dispatcher chain on a padded capacity plan (padding rows
+                // and dropped copies included).
+                let plan = d
+                    .capacity_plan(&idx, &probs, e, cap, DropPolicy::Probs, true)
+                    .unwrap();
+                let planc = Cpu
+                    .capacity_plan(&idxc, &probsc, e, cap, DropPolicy::Probs, true)
+                    .unwrap();
+                let n = plan.row_src.numel();
+                let (h, hc) = c.rand(&[t, dim], 1.0);
+                c.check(
+                    "permute",
+                    &d.permute(&h, &plan.row_src).unwrap(),
+                    &Cpu.permute(&hc, &planc.row_src).unwrap(),
+                );
+                let (dp, dpc) = c.rand(&[n, dim], 1.0);
+                c.check(
+                    "permute_backward",
+                    &d.permute_backward(&dp, &plan.row_src, t).unwrap(),
+                    &Cpu.permute_backward(&dpc, &planc.row_src, t).unwrap(),
+                );
+                let (y, yc) = c.rand(&[n, dim], 1.0);
+                let (w, wc) = c.rand(&[t, k], 1.0);
+                c.check(
+                    "unpermute",
+                    &d.unpermute(&y, &plan.slot, &w).unwrap(),
+                    &Cpu.unpermute(&yc, &planc.slot, &wc).unwrap(),
+                );
+                let (dout, doutc) = c.rand(&[t, dim], 1.0);
+                let (dy, dw) = d.unpermute_backward(&dout, &y, &plan.slot, &w).unwrap();
+                let (dyc, dwc) = Cpu
+                    .unpermute_backward(&doutc, &yc, &planc.slot, &wc)
+                    .unwrap();
+                c.check("unpermute_backward dy", &dy, &dyc);
+                c.check("unpermute_backward dw", &dw, &dwc);
             }
-            // The dispatcher chain on a padded capacity plan (padding rows
-            // and dropped copies included).
-            let plan = d
-                .capacity_plan(&idx, &probs, e, cap, DropPolicy::Probs, true)
-                .unwrap();
-            let planc = Cpu
-                .capacity_plan(&idxc, &probsc, e, cap, DropPolicy::Probs, true)
-                .unwrap();
-            let n = plan.row_src.numel();
-            let (h, hc) = c.rand(&[t, dim], 1.0);
-            c.check(
-                "permute",
-                &d.permute(&h, &plan.row_src).unwrap(),
-                &Cpu.permute(&hc, &planc.row_src).unwrap(),
-            );
-            let (dp, dpc) = c.rand(&[n, dim], 1.0);
-            c.check(
-                "permute_backward",
-                &d.permute_backward(&dp, &plan.row_src, t).unwrap(),
-                &Cpu.permute_backward(&dpc, &planc.row_src, t).unwrap(),
-            );
-            let (y, yc) = c.rand(&[n, dim], 1.0);
-            let (w, wc) = c.rand(&[t, k], 1.0);
-            c.check(
-                "unpermute",
-                &d.unpermute(&y, &plan.slot, &w).unwrap(),
-                &Cpu.unpermute(&yc, &planc.slot, &wc).unwrap(),
-            );
-            let (dout, doutc) = c.rand(&[t, dim], 1.0);
-            let (dy, dw) = d.unpermute_backward(&dout, &y, &plan.slot, &w).unwrap();
-            let (dyc, dwc) = Cpu
-                .unpermute_backward(&doutc, &yc, &planc.slot, &wc)
-                .unwrap();
-            c.check("unpermute_backward dy", &dy, &dyc);
-            c.check("unpermute_backward dw", &dw, &dwc);
             c.report("routing");
         }
     }

@@ -162,3 +162,20 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
 }
+
+// Eight consecutive bf16 (16-byte aligned) as floats, in one load; and back.
+__device__ __forceinline__ void load8f(const bf16* p, float f[8]) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    for (int u = 0; u < 4; ++u) {
+        float2 t = __bfloat1622float2(h[u]);
+        f[2 * u] = t.x;
+        f[2 * u + 1] = t.y;
+    }
+}
+__device__ __forceinline__ void store8f(bf16* p, const float f[8]) {
+    uint4 raw;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+    for (int u = 0; u < 4; ++u) h[u] = __floats2bfloat162_rn(f[2 * u], f[2 * u + 1]);
+    *reinterpret_cast<uint4*>(p) = raw;
+}

@@ -16,9 +16,10 @@
 //! the CPU.
 //!
 //! Every op area is implemented, so `Cuda` is a [`crate::Backend`]. Dense
-//! products and attention's products run on cuBLAS; the grouped GEMMs are
-//! WMMA tensor-core kernels of our own on bf16 (group sizes read on the
-//! device), plain kernels on f32/f64.
+//! products run on cuBLAS; the grouped GEMMs are mma.sync tensor-core
+//! kernels of our own on bf16 (group sizes read on the device), plain
+//! kernels on f32/f64; bf16 attention with a head dim of 64 or 128 is a
+//! flash kernel of our own, other attention runs its products on cuBLAS.
 
 mod alloc;
 mod attention;
@@ -875,7 +876,7 @@ mod tests {
         let kv = bf16(&[b, s, hkv, hd]);
         let causal = 2.0 * (b * hq * s * s * hd) as f64;
         time(
-            "attention bf16 fwd (cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
+            "attention bf16 fwd (flash; FOLDMOE_ATTENTION=cublas: cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
             causal,
             &|| {
                 d.attention(&q, &kv, &kv).unwrap();
@@ -883,7 +884,7 @@ mod tests {
         );
         let (o, lse) = d.attention(&q, &kv, &kv).unwrap();
         time(
-            "attention bf16 bwd (cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
+            "attention bf16 bwd (flash; FOLDMOE_ATTENTION=cublas: cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
             2.0 * causal,
             &|| {
                 d.attention_backward(&q, &q, &kv, &kv, &o, &lse).unwrap();

@@ -150,6 +150,14 @@ template <typename T> __device__ void gather_rows_impl(const T* x, const int* sr
     for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
         i64 s = src[row];
         bool ok = s >= 0 && s < rows;
+        if constexpr (sizeof(T) == 2) {
+            if (d % 8 == 0) {  // 16-byte copies (rows are 16-byte aligned)
+                const uint4* from = reinterpret_cast<const uint4*>(x + (ok ? s : 0) * d);
+                uint4* to = reinterpret_cast<uint4*>(out + row * d);
+                for (i64 c = threadIdx.x; c < d / 8; c += blockDim.x) to[c] = ok ? from[c] : make_uint4(0, 0, 0, 0);
+                continue;
+            }
+        }
         for (i64 c = threadIdx.x; c < d; c += blockDim.x) out[row * d + c] = ok ? x[s * d + c] : from_acc<T>((acc_t<T>)0);
     }
 }
@@ -218,20 +226,53 @@ extern "C" __global__ void inv_sort(const int* offsets, i64 targets, const int* 
 
 // out[i, c] = Σ over the sources r of target i (in order) of
 // scale(r) · src[r / kdiv, c], scale(r) = w[r] when w is given, else 1.
-// One block per target row.
+// One block per target row. A row's sources (up to SEG_CACHE, the common
+// case: top-k copies or one) have their row offsets and scales staged in
+// shared memory once, so the column loop does no index arithmetic.
+#define SEG_CACHE 64
 template <typename T>
 __device__ void seg_sum_impl(const T* src, const T* w, const int* offsets, const int* items, T* out, i64 targets, i64 d, i64 kdiv) {
     typedef acc_t<T> A;
+    __shared__ i64 base[SEG_CACHE];
+    __shared__ A scl[SEG_CACHE];
     for (i64 i = blockIdx.x; i < targets; i += gridDim.x) {
-        int lo = offsets[i], hi = offsets[i + 1];
-        for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-            A s = 0;
-            for (int q = lo; q < hi; ++q) {
-                i64 r = items[q];
-                A sc = w ? to_acc(w[r]) : (A)1;
-                s += sc * to_acc(src[(r / kdiv) * d + c]);
+        int lo = offsets[i], len = offsets[i + 1] - lo;
+        if (len <= SEG_CACHE) {
+            __syncthreads();  // the previous row's readers are done
+            for (int q = threadIdx.x; q < len; q += blockDim.x) {
+                i64 r = items[lo + q];
+                base[q] = (r / kdiv) * d;
+                scl[q] = w ? to_acc(w[r]) : (A)1;
             }
-            out[i * d + c] = from_acc<T>(s);
+            __syncthreads();
+            if constexpr (sizeof(T) == 2) {
+                if (d % 8 == 0) {  // eight columns per thread, 16-byte accesses
+                    for (i64 c = threadIdx.x * 8; c < d; c += blockDim.x * 8) {
+                        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0}, v[8];
+                        for (int q = 0; q < len; ++q) {
+                            load8f(src + base[q] + c, v);
+                            for (int u = 0; u < 8; ++u) s[u] += scl[q] * v[u];
+                        }
+                        store8f(out + i * d + c, s);
+                    }
+                    continue;
+                }
+            }
+            for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+                A s = 0;
+                for (int q = 0; q < len; ++q) s += scl[q] * to_acc(src[base[q] + c]);
+                out[i * d + c] = from_acc<T>(s);
+            }
+        } else {
+            for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+                A s = 0;
+                for (int q = lo; q < lo + len; ++q) {
+                    i64 r = items[q];
+                    A sc = w ? to_acc(w[r]) : (A)1;
+                    s += sc * to_acc(src[(r / kdiv) * d + c]);
+                }
+                out[i * d + c] = from_acc<T>(s);
+            }
         }
     }
 }
@@ -327,6 +368,22 @@ template <typename T>
 __device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, i64 t, i64 k, i64 n, i64 d) {
     typedef acc_t<T> A;
     for (i64 tok = blockIdx.x; tok < t; tok += gridDim.x) {
+        if constexpr (sizeof(T) == 2) {
+            if (d % 8 == 0) {  // eight columns per thread, 16-byte accesses
+                for (i64 c = threadIdx.x * 8; c < d; c += blockDim.x * 8) {
+                    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0}, v[8];
+                    for (i64 j = 0; j < k; ++j) {
+                        i64 r = slot[tok * k + j];
+                        if (r < 0 || r >= n) continue;
+                        float wj = to_acc(w[tok * k + j]);
+                        load8f(y + r * d + c, v);
+                        for (int u = 0; u < 8; ++u) s[u] += wj * v[u];
+                    }
+                    store8f(out + tok * d + c, s);
+                }
+                continue;
+            }
+        }
         for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
             A s = 0;
             for (i64 j = 0; j < k; ++j) {
