@@ -126,11 +126,11 @@ pub fn run(
     let mem = memory::plan_memory(
         &spec,
         &layout,
-        &MemoryOptions {
+        &MemoryOptions::new(
             rank,
-            micro_batch_size: flags.micro_batch_size,
-            micro_batches: flags.micro_batches.unwrap_or(layout.pp),
-        },
+            flags.micro_batch_size,
+            flags.micro_batches.unwrap_or(layout.pp),
+        ),
     );
     let (params_total, params_active) = spec.param_counts();
     let plan = Plan {

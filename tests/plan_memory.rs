@@ -79,8 +79,12 @@ fn recompute_and_offload_flags_change_the_activations() {
     let block = deepseek(&["--recompute", "block"]);
     let offload = deepseek(&["--recompute", "none", "--offload", "expert_fc1,moe_act"]);
     let act = |v: &serde_json::Value, p: &str| part(v, p, "activations");
+    let per_mb = |v: &serde_json::Value, p: &str| part(v, p, "activations_per_micro_batch");
     assert!(act(&keep, "routed_experts") > act(&declared, "routed_experts"));
-    assert!(act(&block, "routed_experts") == 0 && act(&block, "attention") == 0);
+    // `block` keeps only block inputs; one block's tensors come back during
+    // its backward, a fraction of a micro-batch in flight.
+    assert!(per_mb(&block, "routed_experts") == 0 && per_mb(&block, "attention") == 0);
+    assert!(act(&block, "routed_experts") < per_mb(&keep, "routed_experts"));
     assert!(act(&offload, "routed_experts") < act(&keep, "routed_experts"));
     assert_eq!(
         act(&keep, "routed_experts") - act(&offload, "routed_experts"),
