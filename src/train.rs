@@ -83,8 +83,7 @@ struct Summary<'a> {
     wall_s: f64,
     seed: u64,
     /// The most bytes of saved activations on the device at once (the
-    /// engine's ledger, one-rank runs; `null` for parallel runs, whose
-    /// runtime does not count them yet).
+    /// engine's ledger; of rank 0 in a parallel run).
     peak_activation_bytes: Option<u64>,
     /// Those bytes by part, at that moment.
     peak_activation_bytes_by_part: Option<BTreeMap<&'static str, u64>>,
@@ -281,9 +280,17 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
     }
 
     fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
-        Ok(self
-            .trainer
-            .evaluate(self.ctx, &batch.0, &batch.1, self.seq_len)?)
+        // An evaluation is not training's peak.
+        let t = &self.trainer;
+        Ok(t.model
+            .ledger
+            .outside_peak(|| t.evaluate(self.ctx, &batch.0, &batch.1, self.seq_len))?)
+    }
+
+    /// This rank's counts: the main rank's, which writes the summary
+    /// (pipeline stage 0, holding the most micro-batches in flight).
+    fn activations(&self) -> Option<Counts> {
+        Some(self.trainer.model.ledger.counts())
     }
 
     fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError> {

@@ -758,4 +758,67 @@ mod tests {
             assert!(rel <= FP8_TOL, "{part:?}: relative gradient error {rel}");
         }
     }
+
+    /// Losses and every rank's gradients of one forward and backward of
+    /// the parallel model under `layout`, every group under `policy`.
+    fn run_parallel(layout: &str, policy: &Policy) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
+        use crate::engine::parallel::model::ParallelModel;
+        use crate::engine::parallel::{run_local_layout, RankLayout};
+        use crate::layout::{check, LayoutSpec};
+        let b = Cpu;
+        let mut spec = small_spec(&[small_moe(), FfnSpec::Dense { ffn: 6 }], false);
+        crate::spec::PolicyOverride {
+            recompute: Some(policy.recompute.clone()),
+            offload: Some(policy.offload.clone()),
+            store_fp8: Some(policy.store_fp8.clone()),
+        }
+        .apply(&mut spec);
+        let l = check(&LayoutSpec::parse(layout).unwrap(), &spec).unwrap();
+        let tokens = [3, 0, 6, 1, 7, 2, 5, 4];
+        let targets = [0, 6, 1, 5, 2, 5, 4, 3];
+        let results = run_local_layout(&b, &l, std::time::Duration::from_secs(30), |ctx| {
+            let model = Model::new(&b, &spec, 5, DType::F64)?;
+            let mut m = ParallelModel::from_model(&b, model, RankLayout::new(&l, ctx.rank.rank)?)?;
+            let out = m.forward(ctx, &tokens, &targets, 4)?;
+            let loss = vec![values(&out.loss)[0], values(&out.aux_loss)[0]];
+            m.backward(ctx, out.saved, 1.0)?;
+            let mut grads = Vec::new();
+            m.visit_dense(&mut |p| grads.push(values(&p.grad)));
+            m.visit_experts(&mut |p| grads.push(values(&p.grad)));
+            let c = m.ledger.counts();
+            assert!(c.peak_device > 0 && c.device == 0, "{layout}: {c:?}");
+            Ok((loss, grads))
+        });
+        results.into_iter().map(|r| r.unwrap()).collect()
+    }
+
+    #[test]
+    fn policies_are_bit_identical_under_parallel_layouts() {
+        let policies = [
+            policy(&[R::Block], &[O::AttnNorm], &[]),
+            policy(
+                &[
+                    R::Norm,
+                    R::CoreAttn,
+                    R::MlpAct,
+                    R::MoeAct,
+                    R::Router,
+                    R::SharedExperts,
+                ],
+                &[],
+                &[],
+            ),
+            policy(&[], &keywords_offload(), &[]),
+        ];
+        for layout in ["world=2,tp=2", "world=2,cp=2", "world=2,ep=2"] {
+            let keep = run_parallel(layout, &Policy::default());
+            for p in &policies {
+                let got = run_parallel(layout, p);
+                for (rank, (g, k)) in got.iter().zip(&keep).enumerate() {
+                    assert_eq!(g.0, k.0, "{layout} rank {rank} {p:?}: losses");
+                    assert!(g.1 == k.1, "{layout} rank {rank} {p:?}: gradients differ");
+                }
+            }
+        }
+    }
 }

@@ -126,7 +126,7 @@ pub struct Block<B: Backend> {
     /// Where the block counts its saved activations (the model's ledger).
     pub ledger: Ledger,
     /// The block's parameter prefix (`blocks.3`), its name in the ledger.
-    name: String,
+    pub(crate) name: String,
 }
 
 /// What the block's backward needs from its forward: the layers' saved

@@ -154,6 +154,39 @@ pub struct CpAttentionSaved<B: Backend> {
     index: CpIndex<B>,
 }
 
+impl<B: Backend> CpAttentionSaved<B> {
+    /// Lists the saved tensors with the slots of the plain attention's:
+    /// the input, the gathered keys and values (`qkv`), each held chunk's
+    /// queries (`qkv`), output (`attn_proj`) and log-sum-exp (`core_attn`),
+    /// the assembled output, and the int32 row maps.
+    pub(crate) fn visit_saved(
+        &mut self,
+        f: &mut dyn FnMut(crate::engine::activations::Slot, &mut Tensor<B>),
+    ) {
+        use crate::engine::activations::Slot as S;
+        use crate::memory::Part;
+        use crate::spec::{OffloadPart as O, RecomputePart as R};
+        let qkv = S::kept(Part::Attention).offload(O::Qkv);
+        let out = S::kept(Part::Attention).offload(O::AttnProj);
+        let core = S::kept(Part::Attention)
+            .recompute(R::CoreAttn)
+            .offload(O::CoreAttn);
+        f(S::NORM_OUT, &mut self.x_td);
+        f(qkv, &mut self.k_rot);
+        f(qkv, &mut self.v_nat);
+        for (q, o, lse) in &mut self.slots {
+            f(qkv, q);
+            f(out, o);
+            f(core, lse);
+        }
+        f(out, &mut self.o_td);
+        let index = S::kept(Part::Attention);
+        f(index, &mut self.index.natural_src);
+        f(index, &mut self.index.gathered_src);
+        f(index, &mut self.index.assemble_src);
+    }
+}
+
 /// Rows of `x` with a zero row appended (the padding source of `permute`).
 fn with_zero_row<B: Backend>(b: &B, x: &Tensor<B>) -> Result<Tensor<B>> {
     let zero = b.zeros(&[1, x.shape()[1]], x.dtype())?;

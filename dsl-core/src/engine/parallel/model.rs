@@ -26,6 +26,7 @@ use super::context::{self, split_sequences, CpAttentionSaved};
 use super::moe::{ParallelMoe, ParallelMoeSaved};
 use super::shard::{shard_param, upload_as};
 use super::{Ctx, RankLayout, Split, SplitAxis};
+use crate::engine::activations::{Held, Ledger, Slot, Stash};
 use crate::engine::block::{Attn, AttnSaved, Ffn};
 use crate::engine::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
@@ -34,7 +35,8 @@ use crate::engine::moe::MoeStats;
 use crate::engine::norm::{NormSaved, RmsNorm};
 use crate::engine::param::{Module, Param};
 use crate::engine::{EngineError, Result};
-use crate::spec::{FfnSpec, ModelSpec};
+use crate::memory::Part;
+use crate::spec::{FfnSpec, ModelSpec, OffloadPart, Policy, RecomputePart};
 
 /// The feed-forward part of a parallel block.
 pub enum ParallelFfn<B: Backend> {
@@ -59,6 +61,12 @@ pub struct ParallelBlock<B: Backend> {
     pub ffn_norm: RmsNorm<B>,
     /// Dense MLP shard or MoE layer.
     pub ffn: ParallelFfn<B>,
+    /// What the block recomputes, offloads and stores in fp8 (its group's).
+    pub policy: Policy,
+    /// Where the block counts its saved activations (the model's ledger).
+    pub ledger: Ledger,
+    /// The block's parameter prefix (`blocks.3`), its name in the ledger.
+    name: String,
 }
 
 /// A parallel block's output, saved state and MoE statistics (if any).
@@ -69,6 +77,39 @@ struct BlockSaved<B: Backend> {
     attn: BlockAttnSaved<B>,
     ffn_norm: NormSaved<B>,
     ffn: FfnSaved<B>,
+    /// What the policy did (none for a rerun's state).
+    stash: Option<Stash>,
+    /// Sequence length and micro-batch tokens of the forward, for a rerun.
+    seq_len: usize,
+    tokens: usize,
+}
+
+impl<B: Backend> BlockSaved<B> {
+    /// Lists every saved tensor with its slot, in forward order (the
+    /// single-rank block's list, with the context-parallel attention's and
+    /// the expert-parallel MoE layer's own state).
+    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        self.attn_norm
+            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm), f);
+        match &mut self.attn {
+            BlockAttnSaved::Local(s) => s.visit_saved(f),
+            BlockAttnSaved::Cp(s) => s.visit_saved(f),
+        }
+        self.ffn_norm
+            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm), f);
+        match &mut self.ffn {
+            FfnSaved::Dense(s) => {
+                let inner = Slot::kept(Part::DenseMlp);
+                s.visit_saved(
+                    Slot::NORM_OUT,
+                    inner,
+                    inner.recompute(RecomputePart::MlpAct),
+                    f,
+                )
+            }
+            FfnSaved::Moe(s) => s.visit_saved(f),
+        }
+    }
 }
 
 /// The attention's saved state: the plain layer's, or context-parallel.
@@ -91,6 +132,8 @@ pub struct ParallelModel<B: Backend> {
     pub final_norm: RmsNorm<B>,
     /// The head's vocabulary shard (or tied to `embed`).
     pub head: LmHead<B>,
+    /// Counts of this rank's saved activations (its blocks'), shared with them.
+    pub ledger: Ledger,
     vocab_start: usize,
     /// Indices into `blocks` of each model chunk (virtual stage) of this rank.
     chunks: Vec<Range<usize>>,
@@ -180,7 +223,7 @@ impl<B: Backend> ParallelModel<B> {
             blocks,
             final_norm,
             mut head,
-            ledger: _,
+            ledger,
         } = model;
         let (tp, tp_i) = (rank.tp.size(), rank.tp_index);
         let vocab_split = vec![Split {
@@ -262,10 +305,14 @@ impl<B: Backend> ParallelModel<B> {
                 attn,
                 ffn_norm: block.ffn_norm,
                 ffn,
+                policy: block.policy,
+                name: block.name,
+                ledger: ledger.clone(),
             });
         }
         Ok(ParallelModel {
             vocab_start: tp_i * spec.vocab / tp,
+            ledger,
             spec,
             rank,
             embed,
@@ -814,7 +861,46 @@ pub(crate) fn shard_mlp<B: Backend>(
 }
 
 impl<B: Backend> ParallelBlock<B> {
+    /// The block's forward, its saved state under its policy and counted in
+    /// its ledger (as [`super::super::block::Block::forward`]).
     fn forward(
+        &self,
+        ctx: &Ctx<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+    ) -> Result<ParallelBlockOut<B>> {
+        let (y, mut saved, stats) = self.forward_raw(ctx, x_td, seq_len, tokens)?;
+        let stash = Stash::apply(ctx.b, &self.policy, &self.ledger, &self.name, |f| {
+            saved.visit_saved(f)
+        })?;
+        saved.stash = Some(stash);
+        Ok((y, saved, stats))
+    }
+
+    /// Undoes the policy before backward: fetches stashed tensors and, if
+    /// any were dropped, reruns the forward from the kept block input. The
+    /// rerun's collectives (tp gathers, the ep exchange) pair up because
+    /// every rank of a group runs the same block's backward at the same
+    /// point of the schedule.
+    fn restore(&self, ctx: &Ctx<B>, saved: &mut BlockSaved<B>) -> Result<Option<Held>> {
+        let Some(mut stash) = saved.stash.take() else {
+            return Ok(None);
+        };
+        stash.restore(ctx.b, None, |f| saved.visit_saved(f))?;
+        if !stash.needs_recompute() {
+            return Ok(None);
+        }
+        let (seq_len, tokens) = (saved.seq_len, saved.tokens);
+        let (_, mut fresh, _) = self.forward_raw(ctx, saved.attn_norm.input(), seq_len, tokens)?;
+        let mut tensors = Vec::new();
+        fresh.visit_saved(&mut |_, t| tensors.push(t.clone()));
+        let refilled = stash.restore(ctx.b, Some(tensors), |f| saved.visit_saved(f))?;
+        Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
+    }
+
+    /// The forward with every saved tensor kept and nothing counted.
+    fn forward_raw(
         &self,
         ctx: &Ctx<B>,
         x_td: &Tensor<B>,
@@ -852,6 +938,9 @@ impl<B: Backend> ParallelBlock<B> {
             attn,
             ffn_norm,
             ffn,
+            stash: None,
+            seq_len,
+            tokens,
         };
         Ok((out, saved, stats))
     }
@@ -860,15 +949,18 @@ impl<B: Backend> ParallelBlock<B> {
         &mut self,
         ctx: &Ctx<B>,
         dy_td: &Tensor<B>,
-        saved: BlockSaved<B>,
+        mut saved: BlockSaved<B>,
         loss_scale: f64,
     ) -> Result<Tensor<B>> {
         let b = ctx.b;
+        // Rematerialised tensors count until this backward returns.
+        let _rematerialised = self.restore(ctx, &mut saved)?;
         let BlockSaved {
             attn_norm,
             attn,
             ffn_norm,
             ffn,
+            ..
         } = saved;
         let dh2 = match (&mut self.ffn, ffn) {
             (ParallelFfn::Dense(mlp), FfnSaved::Dense(s)) => {

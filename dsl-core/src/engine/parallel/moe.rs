@@ -76,6 +76,35 @@ pub struct ParallelMoeSaved<B: Backend> {
     shared: Option<SharedSaved<B>>,
 }
 
+impl<B: Backend> ParallelMoeSaved<B> {
+    /// Lists the saved tensors with the single-rank layer's slots, in
+    /// forward order: router, routing plan, exchange order, experts,
+    /// expert outputs, routing weights, shared experts.
+    pub(crate) fn visit_saved(
+        &mut self,
+        f: &mut dyn FnMut(crate::engine::activations::Slot, &mut Tensor<B>),
+    ) {
+        use crate::engine::activations::Slot as S;
+        use crate::memory::Part;
+        self.router.visit_saved(f);
+        let e = S::kept(Part::RoutedExperts);
+        f(e, &mut self.plan.row_src);
+        f(e, &mut self.plan.slot);
+        f(e, &mut self.plan.counts);
+        if let Some(x) = &mut self.exchange {
+            f(e, &mut x.order);
+        }
+        if let Some(x) = &mut self.experts {
+            x.visit_saved(f);
+        }
+        f(e, &mut self.y_nd);
+        f(S::kept(Part::Router), &mut self.weights_tk);
+        if let Some(s) = &mut self.shared {
+            s.visit_saved(f);
+        }
+    }
+}
+
 impl<B: Backend> ParallelMoe<B> {
     /// Cuts this rank's experts and shared-expert shard out of a full layer.
     pub fn from_layer(
