@@ -119,8 +119,21 @@ impl<B: Backend> AdamW<B> {
     /// Applies one update at learning rate `lr` to every parameter of `model`
     /// from its accumulated gradient (through its master copy where it has one).
     pub fn step(&mut self, b: &B, model: &mut impl Module<B>, lr: f64) -> Result<()> {
+        self.step_scaled(b, model, lr, 1.0)
+    }
+
+    /// [`AdamW::step`] on gradients multiplied by `grad_scale` (the clipping
+    /// coefficient of [`clip_coefficient`]), applied inside the update.
+    pub fn step_scaled(
+        &mut self,
+        b: &B,
+        model: &mut impl Module<B>,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
         let cfg = AdamWConfig {
             lr,
+            grad_scale,
             beta1: self.hyper.beta1,
             beta2: self.hyper.beta2,
             eps: self.hyper.eps,
@@ -264,31 +277,15 @@ pub fn global_grad_norm<B: Backend>(b: &B, model: &impl Module<B>) -> Result<f64
     Ok(sum.first().copied().unwrap_or(0.0).sqrt())
 }
 
-/// Scales every gradient by `max_norm / (norm + 1e-6)` when `norm > max_norm`
-/// (Megatron's `clip_grad_norm`); returns the factor applied (1 if none).
-/// `max_norm ≤ 0` turns clipping off.
-pub fn clip_grad_norm<B: Backend>(
-    b: &B,
-    model: &mut impl Module<B>,
-    norm: f64,
-    max_norm: f64,
-) -> Result<f64> {
+/// The factor that clips gradients of global norm `norm` to `max_norm`:
+/// `max_norm / (norm + 1e-6)` when `norm > max_norm` (Megatron's
+/// `clip_grad_norm`), else 1; `max_norm ≤ 0` turns clipping off. The
+/// optimizer applies it inside its update ([`AdamW::step_scaled`]).
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
     if max_norm <= 0.0 || norm <= max_norm {
-        return Ok(1.0);
-    }
-    let coef = max_norm / (norm + 1e-6);
-    let mut failure = None;
-    model.visit_params_mut(&mut |p| {
-        if failure.is_none() {
-            match b.scale(&p.grad, coef) {
-                Ok(g) => p.grad = g,
-                Err(e) => failure = Some(e),
-            }
-        }
-    });
-    match failure {
-        Some(e) => Err(e.into()),
-        None => Ok(coef),
+        1.0
+    } else {
+        max_norm / (norm + 1e-6)
     }
 }
 
@@ -297,12 +294,12 @@ mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::DType;
 
-    use super::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams, MasterWeights};
+    use super::{clip_coefficient, global_grad_norm, AdamW, AdamWParams, MasterWeights};
     use crate::engine::model::Model;
     use crate::engine::param::Module;
     use crate::engine::testutil::{f64_tensor, small_spec, uniform, values};
     use crate::spec::FfnSpec;
-    use foldmoe_kernels::{Device, HostData};
+    use foldmoe_kernels::{Device, ElementwiseOps as _, HostData};
 
     /// A small f64 model whose gradients are set to known values.
     fn model_with_grads() -> Model<Cpu> {
@@ -325,26 +322,37 @@ mod tests {
     #[test]
     fn clip_scales_to_the_max_norm() {
         let b = Cpu;
-        let mut model = model_with_grads();
+        let model = model_with_grads();
         let norm = global_grad_norm(&b, &model).unwrap();
         assert!((norm - host_norm(&model)).abs() < 1e-9 * norm);
         assert!(norm > 2.0);
-        let before: Vec<f64> = values(&model.embed.table.grad);
-        let coef = clip_grad_norm(&b, &mut model, norm, 1.0).unwrap();
+        let coef = clip_coefficient(norm, 1.0);
         assert!(
-            (host_norm(&model) - 1.0).abs() < 1e-5,
-            "{}",
-            host_norm(&model)
+            (coef * host_norm(&model) - 1.0).abs() < 1e-5,
+            "{coef} · {norm} is not 1"
         );
-        // Every gradient scaled by the same factor: the direction is kept.
-        let after = values(&model.embed.table.grad);
-        for (a, b) in after.iter().zip(&before) {
-            assert!((a - coef * b).abs() < 1e-12);
-        }
-        // Below the limit, or with clipping off, nothing changes.
-        assert_eq!(clip_grad_norm(&b, &mut model, 1.0, 2.0).unwrap(), 1.0);
-        assert_eq!(clip_grad_norm(&b, &mut model, 5.0, 0.0).unwrap(), 1.0);
-        assert_eq!(values(&model.embed.table.grad), after);
+        // Below the limit, or with clipping off, no scaling.
+        assert_eq!(clip_coefficient(1.0, 2.0), 1.0);
+        assert_eq!(clip_coefficient(5.0, 0.0), 1.0);
+        // The optimizer's scaled step equals a step on scaled gradients,
+        // exactly (the same f64 products), for every parameter.
+        let hyper = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let mut folded = model_with_grads();
+        let mut opt = AdamW::new(&b, &folded, hyper).unwrap();
+        opt.step_scaled(&b, &mut folded, 1e-2, coef).unwrap();
+        let mut scaled = model_with_grads();
+        scaled.visit_params_mut(&mut |p| p.grad = b.scale(&p.grad, coef).unwrap());
+        let mut opt = AdamW::new(&b, &scaled, hyper).unwrap();
+        opt.step(&b, &mut scaled, 1e-2).unwrap();
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        folded.visit_params(&mut |p| got.push(values(&p.value)));
+        scaled.visit_params(&mut |p| want.push(values(&p.value)));
+        assert_eq!(got, want);
     }
 
     #[test]

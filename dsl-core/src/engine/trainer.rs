@@ -8,7 +8,7 @@
 use foldmoe_kernels::{Backend, KernelError, Tensor};
 
 use super::model::Model;
-use super::optim::{clip_grad_norm, global_grad_norm, AdamW, AdamWParams, MasterWeights};
+use super::optim::{clip_coefficient, global_grad_norm, AdamW, AdamWParams, MasterWeights};
 use super::param::Module;
 use super::schedule::WarmupCosine;
 use super::{EngineError, Result};
@@ -176,11 +176,11 @@ impl<B: Backend> Trainer<B> {
                 "step {step}: gradient norm is {grad_norm}; the update was not applied"
             )));
         }
-        clip_grad_norm(b, &mut self.model, grad_norm, self.cfg.grad_clip)?;
+        let grad_scale = clip_coefficient(grad_norm, self.cfg.grad_clip);
         let lr = self.cfg.schedule().lr_at(step);
         // cfg is public: pick up any change to the AdamW settings since the last step.
         self.opt.hyper = self.cfg.adamw();
-        self.opt.step(b, &mut self.model, lr)?;
+        self.opt.step_scaled(b, &mut self.model, lr, grad_scale)?;
         self.model.update_expert_biases(b, &loads)?;
         let load_imbalance = load_imbalance(b, &loads)?;
         Ok(StepStats {

@@ -17,6 +17,10 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
     /// 1-based step number, for bias correction.
     pub step: u64,
+    /// Factor applied to every gradient before the update: the clipping
+    /// coefficient, folded into the step so clipping costs no pass of its
+    /// own (1 for none).
+    pub grad_scale: f64,
 }
 
 /// Optimizer kernels.
@@ -68,6 +72,7 @@ fn check_adamw_cfg(op: &'static str, cfg: &AdamWConfig) -> Result<()> {
         ("lr", cfg.lr),
         ("eps", cfg.eps),
         ("weight_decay", cfg.weight_decay),
+        ("grad_scale", cfg.grad_scale),
     ] {
         if !(x.is_finite() && x >= 0.0) {
             return Err(arg_err(op, format!("{name} = {x} must be finite and >= 0")));

@@ -23,6 +23,7 @@ struct Coeffs<A> {
     step: A,
     inv_bc2: A,
     eps: A,
+    grad_scale: A,
 }
 
 impl<A: Float> Coeffs<A> {
@@ -38,6 +39,7 @@ impl<A: Float> Coeffs<A> {
             step: A::from_f64(cfg.lr / bc1),
             inv_bc2: A::from_f64(1.0 / bc2),
             eps: A::from_f64(cfg.eps),
+            grad_scale: A::from_f64(cfg.grad_scale),
         }
     }
 }
@@ -45,6 +47,7 @@ impl<A: Float> Coeffs<A> {
 /// One element's AdamW update: the moments in place; returns the new weight.
 #[inline(always)]
 fn update<A: Float>(k: &Coeffs<A>, p: A, g: A, m: &mut A, v: &mut A) -> A {
+    let g = g * k.grad_scale;
     *m = k.b1 * *m + k.c1 * g;
     *v = k.b2 * *v + k.c2 * g * g;
     // Decoupled decay scales p by (1 - lr·wd) before the Adam step; the two
@@ -151,6 +154,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.01,
             step,
+            grad_scale: 1.0,
         }
     }
 
@@ -183,6 +187,23 @@ mod tests {
         d.adamw_step(&mut p, &d.t32(&[3.0, -0.001], &[2]), &mut m, &mut v, &c)
             .unwrap();
         assert!(max_diff(&d.h64(&p), &[0.9, -0.9]) < 1e-5, "{:?}", d.h64(&p));
+        // grad_scale multiplies the gradient first: 0.5 through a scale of
+        // 0.5 is the step on 0.25, exactly.
+        let run = |g: f64, grad_scale: f64| {
+            let (mut p, mut m, mut v) = (
+                d.t64(&[1.0], &[1]),
+                d.t64(&[0.2], &[1]),
+                d.t64(&[0.04], &[1]),
+            );
+            let c = AdamWConfig {
+                grad_scale,
+                ..cfg(2)
+            };
+            d.adamw_step(&mut p, &d.t64(&[g], &[1]), &mut m, &mut v, &c)
+                .unwrap();
+            (d.h64(&p), d.h64(&m), d.h64(&v))
+        };
+        assert_eq!(run(0.5, 0.5), run(0.25, 1.0));
     }
 
     fn adamw_bad_inputs<B: TestOps>(d: &B) {

@@ -49,29 +49,43 @@ __device__ void rmsnorm_dx_impl(const T* dy, const T* x, const T* w, const T* rs
         rmsnorm_dx_impl<T>(dy, x, w, rstd, dx, r, d); }
 FOR_FLOATS(RMSNORM_DX)
 
-// dw[j] = Σ_rows dy[r, j]·x[r, j]·rstd[r]: a (32, 8) block owns 32 columns,
-// its 8 row lanes are added in lane order (deterministic).
+// dw[c] = Σ_rows dy·x·rstd, in two deterministic passes so the rows spread
+// over many blocks: block (column tile, chunk) writes the partial sum of its
+// chunk of `per` rows, then the finish adds the chunks in order.
 template <typename T>
-__device__ void rmsnorm_dw_impl(const T* dy, const T* x, const T* rstd, T* dw, i64 r, i64 d) {
+__device__ void rmsnorm_dw_part_impl(const T* dy, const T* x, const T* rstd, acc_t<T>* part, i64 r, i64 d, i64 per) {
     typedef acc_t<T> A;
     __shared__ A sh[8][33];
     i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    i64 lo = (i64)blockIdx.y * per, hi = lo + per < r ? lo + per : r;
     A s = 0;
     if (col < d)
-        for (i64 row = threadIdx.y; row < r; row += 8)
+        for (i64 row = lo + threadIdx.y; row < hi; row += 8)
             s += to_acc(dy[row * d + col]) * to_acc(x[row * d + col]) * to_acc(rstd[row]);
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < d) {
         A t = 0;
         for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
+        part[(i64)blockIdx.y * d + col] = t;
+    }
+}
+#define RMSNORM_DW_PART(sfx, T) \
+    extern "C" __global__ void rmsnorm_dw_part_##sfx(const T* dy, const T* x, const T* rstd, acc_t<T>* part, i64 r, i64 d, i64 per) { \
+        rmsnorm_dw_part_impl<T>(dy, x, rstd, part, r, d, per); }
+FOR_FLOATS(RMSNORM_DW_PART)
+
+template <typename T> __device__ void rmsnorm_dw_finish_impl(const acc_t<T>* part, T* dw, i64 chunks, i64 d) {
+    GRID_LOOP(col, d) {
+        acc_t<T> t = 0;
+        for (i64 c = 0; c < chunks; ++c) t += part[c * d + col];
         dw[col] = from_acc<T>(t);
     }
 }
-#define RMSNORM_DW(sfx, T) \
-    extern "C" __global__ void rmsnorm_dw_##sfx(const T* dy, const T* x, const T* rstd, T* dw, i64 r, i64 d) { \
-        rmsnorm_dw_impl<T>(dy, x, rstd, dw, r, d); }
-FOR_FLOATS(RMSNORM_DW)
+#define RMSNORM_DW_FINISH(sfx, T) \
+    extern "C" __global__ void rmsnorm_dw_finish_##sfx(const acc_t<T>* part, T* dw, i64 chunks, i64 d) { \
+        rmsnorm_dw_finish_impl<T>(part, dw, chunks, d); }
+FOR_FLOATS(RMSNORM_DW_FINISH)
 
 // Rotate-half RoPE: one thread per (b, s, h, i < Hd/2) pair; channel i pairs
 // with i + Hd/2 and both turn by pos·θ^(−2i/Hd), the angle formed in f64.
@@ -80,9 +94,19 @@ __device__ void rope_impl(const T* x, T* out, i64 s, i64 h, i64 hd, double theta
     typedef acc_t<T> A;
     i64 half = hd / 2;
     GRID_LOOP(p, pairs) {
-        i64 i = p % half;
-        i64 bsh = p / half;  // (b, s, h) flattened
-        i64 pos = (bsh / h) % s;
+        i64 i, bsh, pos;  // bsh: (b, s, h) flattened
+        if (pairs <= 0x7fffffffLL) {
+            // 32-bit division where it fits: 64-bit division is a long
+            // software sequence, the bulk of this kernel's time.
+            unsigned pu = (unsigned)p, hu = (unsigned)half, bu = pu / hu;
+            i = pu - bu * hu;
+            bsh = bu;
+            pos = (bu / (unsigned)h) % (unsigned)s;
+        } else {
+            i = p % half;
+            bsh = p / half;
+            pos = (bsh / h) % s;
+        }
         double a = (double)pos * pow(theta, -2.0 * (double)i / (double)hd);
         A c = (A)cos(a), sn = (A)(sign * sin(a));
         i64 at = bsh * hd;

@@ -10,7 +10,7 @@ use super::compile::NORM;
 use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
 use crate::backend::NormOps;
 use crate::error::{arg_err, shape_err, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 use crate::backend::check_norm_args;
 
@@ -91,9 +91,17 @@ impl NormOps for Cuda {
                 d as i64
             )?;
         }
-        let f = self.func(NORM, &format!("rmsnorm_dw_{sfx}"))?;
+        // Chunks of `per` rows (DW_ROWS, more past 65535 chunks, the grid's
+        // y limit) each give one partial per column, so the sum spreads over
+        // many blocks; the finish adds them in order.
+        const DW_ROWS: usize = 256;
+        let per = DW_ROWS.max(r.div_ceil(65535));
+        let chunks = r.div_ceil(per).max(1);
+        let acc = if x.dtype() == DType::F64 { 8 } else { 4 };
+        let part = self.scratch(OP, chunks * d * acc)?;
+        let f = self.func(NORM, &format!("rmsnorm_dw_part_{sfx}"))?;
         let cfg = LaunchConfig {
-            grid_dim: (d.div_ceil(32) as u32, 1, 1),
+            grid_dim: (d.div_ceil(32) as u32, chunks as u32, 1),
             block_dim: (32, 8, 1),
             shared_mem_bytes: 0,
         };
@@ -104,8 +112,19 @@ impl NormOps for Cuda {
             dy.storage().ptr(),
             x.storage().ptr(),
             rstd.storage().ptr(),
-            dw.storage().ptr(),
+            part.ptr(),
             r as i64,
+            d as i64,
+            per as i64
+        )?;
+        let f = self.func(NORM, &format!("rmsnorm_dw_finish_{sfx}"))?;
+        launch!(
+            self,
+            f,
+            grid_for(d),
+            part.ptr(),
+            dw.storage().ptr(),
+            chunks as i64,
             d as i64
         )?;
         Ok((dx, dw))

@@ -3,18 +3,20 @@
 // (`adamw_master_*`). Both call `adamw_update`, the one statement of the
 // arithmetic, as the CPU's two paths share `update` in cpu/optim.rs.
 
-// Scalars (bias corrections, step sizes) arrive formed in f64 by the host,
-// as on the CPU, and are rounded once to the compute type.
+// Scalars (bias corrections, step sizes, the gradient scale) arrive formed
+// in f64 by the host, as on the CPU, in one by-value struct (`Scalars` in
+// optim.rs, same layout), and are rounded once to the compute type.
+struct AdamwScalars {
+    double b1, b2, c1, c2, decay, step, inv_bc2, eps, gscale;
+};
 template <typename A> struct AdamwCoeffs {
-    A b1, b2, c1, c2, decay, step, inv_bc2, eps;
+    A b1, b2, c1, c2, decay, step, inv_bc2, eps, gscale;
 };
 
-template <typename A>
-__device__ __forceinline__ AdamwCoeffs<A> adamw_coeffs(double b1, double b2, double c1, double c2, double decay,
-                                                       double step, double inv_bc2, double eps) {
+template <typename A> __device__ __forceinline__ AdamwCoeffs<A> adamw_coeffs(const AdamwScalars& s) {
     AdamwCoeffs<A> k;
-    k.b1 = (A)b1; k.b2 = (A)b2; k.c1 = (A)c1; k.c2 = (A)c2;
-    k.decay = (A)decay; k.step = (A)step; k.inv_bc2 = (A)inv_bc2; k.eps = (A)eps;
+    k.b1 = (A)s.b1; k.b2 = (A)s.b2; k.c1 = (A)s.c1; k.c2 = (A)s.c2;
+    k.decay = (A)s.decay; k.step = (A)s.step; k.inv_bc2 = (A)s.inv_bc2; k.eps = (A)s.eps; k.gscale = (A)s.gscale;
     return k;
 }
 
@@ -22,13 +24,12 @@ __device__ __forceinline__ AdamwCoeffs<A> adamw_coeffs(double b1, double b2, dou
 // Decoupled decay scales p by (1 − lr·wd) before the Adam step.
 template <typename A>
 __device__ __forceinline__ A adamw_update(const AdamwCoeffs<A>& k, A p, A g, A& m, A& v) {
+    g *= k.gscale;
     m = k.b1 * m + k.c1 * g;
     v = k.b2 * v + k.c2 * g * g;
     return p * k.decay - k.step * m / (sqrt_(v * k.inv_bc2) + k.eps);
 }
 
-#define ADAMW_SCALARS double b1, double b2, double c1, double c2, double decay, double step, double inv_bc2, double eps
-#define ADAMW_COEFFS(A) adamw_coeffs<A>(b1, b2, c1, c2, decay, step, inv_bc2, eps)
 
 // Parameter, gradient and moments all of type T, computed in acc_t<T>.
 template <typename T>
@@ -43,8 +44,8 @@ __device__ void adamw_impl(T* p, const T* g, T* m, T* v, i64 n, AdamwCoeffs<acc_
     }
 }
 #define ADAMW(sfx, T) \
-    extern "C" __global__ void adamw_##sfx(T* p, const T* g, T* m, T* v, i64 n, ADAMW_SCALARS) { \
-        adamw_impl<T>(p, g, m, v, n, ADAMW_COEFFS(acc_t<T>)); }
+    extern "C" __global__ void adamw_##sfx(T* p, const T* g, T* m, T* v, i64 n, AdamwScalars s) { \
+        adamw_impl<T>(p, g, m, v, n, adamw_coeffs<acc_t<T> >(s)); }
 FOR_FLOATS(ADAMW)
 
 // Parameter and gradient of type T (bf16 or f32); master and moments f32,
@@ -61,7 +62,7 @@ __device__ void adamw_master_impl(T* p, const T* g, float* w, float* m, float* v
     }
 }
 #define ADAMW_MASTER(sfx, T) \
-    extern "C" __global__ void adamw_master_##sfx(T* p, const T* g, float* w, float* m, float* v, i64 n, ADAMW_SCALARS) { \
-        adamw_master_impl<T>(p, g, w, m, v, n, ADAMW_COEFFS(float)); }
+    extern "C" __global__ void adamw_master_##sfx(T* p, const T* g, float* w, float* m, float* v, i64 n, AdamwScalars s) { \
+        adamw_master_impl<T>(p, g, w, m, v, n, adamw_coeffs<float>(s)); }
 ADAMW_MASTER(f32, float)
 ADAMW_MASTER(bf16, bf16)

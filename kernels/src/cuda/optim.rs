@@ -8,23 +8,45 @@ use crate::backend::{check_adamw_args, check_adamw_master_args, AdamWConfig, Opt
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// The kernels' trailing scalars, formed in f64 (rounded once in the kernel):
-/// `(β1, β2, 1 − β1, 1 − β2, 1 − lr·wd, lr / bc1, 1 / bc2, eps)`.
-type Scalars = (f64, f64, f64, f64, f64, f64, f64, f64);
+/// The kernels' trailing argument (`AdamwScalars` in `optim.cu`, same
+/// layout): the step's scalars formed in f64, rounded once in the kernel.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Scalars {
+    b1: f64,
+    b2: f64,
+    /// 1 − β1.
+    c1: f64,
+    /// 1 − β2.
+    c2: f64,
+    /// 1 − lr·wd.
+    decay: f64,
+    /// lr / bc1.
+    step: f64,
+    /// 1 / bc2.
+    inv_bc2: f64,
+    eps: f64,
+    grad_scale: f64,
+}
+
+// SAFETY: a plain `repr(C)` struct of f64, passed by value as the kernel's
+// `AdamwScalars`, whose fields are the same nine doubles in the same order.
+unsafe impl cudarc::driver::DeviceRepr for Scalars {}
 
 fn scalars(cfg: &AdamWConfig) -> Scalars {
     let bc1 = 1.0 - cfg.beta1.powf(cfg.step as f64);
     let bc2 = 1.0 - cfg.beta2.powf(cfg.step as f64);
-    (
-        cfg.beta1,
-        cfg.beta2,
-        1.0 - cfg.beta1,
-        1.0 - cfg.beta2,
-        1.0 - cfg.lr * cfg.weight_decay,
-        cfg.lr / bc1,
-        1.0 / bc2,
-        cfg.eps,
-    )
+    Scalars {
+        b1: cfg.beta1,
+        b2: cfg.beta2,
+        c1: 1.0 - cfg.beta1,
+        c2: 1.0 - cfg.beta2,
+        decay: 1.0 - cfg.lr * cfg.weight_decay,
+        step: cfg.lr / bc1,
+        inv_bc2: 1.0 / bc2,
+        eps: cfg.eps,
+        grad_scale: cfg.grad_scale,
+    }
 }
 
 impl OptimOps for Cuda {
@@ -46,7 +68,6 @@ impl OptimOps for Cuda {
         if n == 0 {
             return Ok(());
         }
-        let (b1, b2, c1, c2, decay, step, inv_bc2, eps) = scalars(cfg);
         let f = self.func(OPTIM, &format!("adamw_{sfx}"))?;
         launch!(
             self,
@@ -57,14 +78,7 @@ impl OptimOps for Cuda {
             m.storage().ptr(),
             v.storage().ptr(),
             n as i64,
-            b1,
-            b2,
-            c1,
-            c2,
-            decay,
-            step,
-            inv_bc2,
-            eps
+            scalars(cfg)
         )
     }
 
@@ -88,7 +102,6 @@ impl OptimOps for Cuda {
         if n == 0 {
             return Ok(());
         }
-        let (b1, b2, c1, c2, decay, step, inv_bc2, eps) = scalars(cfg);
         let f = self.func(OPTIM, &format!("adamw_master_{sfx}"))?;
         launch!(
             self,
@@ -100,14 +113,7 @@ impl OptimOps for Cuda {
             m.storage().ptr(),
             v.storage().ptr(),
             n as i64,
-            b1,
-            b2,
-            c1,
-            c2,
-            decay,
-            step,
-            inv_bc2,
-            eps
+            scalars(cfg)
         )
     }
 }

@@ -9,7 +9,7 @@
 //!    each padded to a multiple of its group and reduce-scattered: a rank
 //!    keeps the sum of one chunk of every bucket;
 //! 4. the global norm adds every chunk once (tp-replicated buckets counted on
-//!    tp rank 0 only), clipping scales the chunks;
+//!    tp rank 0 only), the clipping factor is applied inside AdamW;
 //! 5. AdamW updates each chunk with the rank's moments (the optimizer state
 //!    is sharded: 1/(dp·cp) of the dense moments, 1/edp of the experts'), and the
 //!    updated chunks are all-gathered back into the parameters. With bf16
@@ -28,7 +28,7 @@ use super::model::{ParallelFfn, ParallelModel};
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{cut_block, place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::{Ctx, RankLayout};
-use crate::engine::optim::MASTER_SUFFIX;
+use crate::engine::optim::{clip_coefficient, MASTER_SUFFIX};
 use crate::engine::param::Param;
 use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig, Trainer};
 use crate::engine::{EngineError, Result};
@@ -583,21 +583,16 @@ impl<B: Backend> ParallelTrainer<B> {
                 "step {step}: loss is {loss} (aux loss {aux_loss}); the update was not applied"
             )));
         }
-        let mut grads = self.reduce_gradients(ctx)?;
+        let grads = self.reduce_gradients(ctx)?;
         let grad_norm = self.grad_norm(ctx, &grads)?;
         if !grad_norm.is_finite() {
             return Err(EngineError::Invalid(format!(
                 "step {step}: gradient norm is {grad_norm}; the update was not applied"
             )));
         }
-        if self.cfg.grad_clip > 0.0 && grad_norm > self.cfg.grad_clip {
-            let coef = self.cfg.grad_clip / (grad_norm + 1e-6);
-            for g in &mut grads.chunks {
-                *g = b.scale(g, coef)?;
-            }
-        }
+        let grad_scale = clip_coefficient(grad_norm, self.cfg.grad_clip);
         let lr = self.cfg.schedule().lr_at(step);
-        self.apply(ctx, &grads, lr)?;
+        self.apply(ctx, &grads, lr, grad_scale)?;
         for load in &mut loads {
             *load = ctx.sum_over(&rank.stage, load)?;
         }
@@ -620,10 +615,17 @@ impl<B: Backend> ParallelTrainer<B> {
 
     /// Step 5: AdamW on this rank's chunk of every bucket, then all-gathers
     /// the buckets back into the parameters.
-    fn apply(&mut self, ctx: &Ctx<B>, grads: &GradChunks<B>, lr: f64) -> Result<()> {
+    fn apply(
+        &mut self,
+        ctx: &Ctx<B>,
+        grads: &GradChunks<B>,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
         let b = ctx.b;
         let base = AdamWConfig {
             lr,
+            grad_scale,
             beta1: self.cfg.beta1,
             beta2: self.cfg.beta2,
             eps: self.cfg.eps,
