@@ -397,4 +397,35 @@ mod tests {
         };
         assert_eq!(s.sequences_per_micro_batch(128).unwrap(), 2);
     }
+
+    #[test]
+    fn policy_lists_come_from_flags_or_the_file_and_bad_parts_are_named() {
+        let cfg = write("policy.toml", "recompute = \"block\"\noffload = \"qkv\"\n");
+        let opts = TrainOptions {
+            offload: Some("expert_fc1".into()),
+            store_fp8: Some("moe_act".into()),
+            config: Some(cfg),
+            ..Default::default()
+        };
+        let (s, _) = opts.resolve(TrainSettings::default()).unwrap();
+        assert_eq!(
+            (
+                s.recompute.as_deref(),
+                s.offload.as_deref(),
+                s.store_fp8.as_deref()
+            ),
+            (Some("block"), Some("expert_fc1"), Some("moe_act"))
+        );
+        let err = TrainOptions {
+            recompute: Some("moe_actt".into()),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("--recompute: unknown recompute part `moe_actt`; choose one of norm"),
+            "{err}"
+        );
+    }
 }

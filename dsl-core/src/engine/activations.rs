@@ -346,8 +346,9 @@ enum Action {
     Keep,
     /// Dropped by recompute; refilled from a rerun of the forward.
     Dropped,
-    /// Moved into `Stash::stored[i]`, with its shape.
-    Stored(usize, Vec<usize>),
+    /// Moved into `Stash::stored[i]`, with its shape and dtype (the host
+    /// copy may be wider: bf16 downloads as f32).
+    Stored(usize, Vec<usize>, DType),
 }
 
 /// A block's saved state under its policy: which slots were dropped, which
@@ -383,17 +384,12 @@ impl Stash {
         let (mut device, mut host) = ([0u64; 7], 0u64);
         let mut failure = None;
         visit(&mut |slot, t| {
-            let action = match place(b, policy, slot, t, &mut stored) {
-                Ok(a) => a,
+            let (action, bytes) = match place(b, policy, slot, t, &mut stored) {
+                Ok(placed) => placed,
                 Err(e) => {
                     failure.get_or_insert(e);
-                    Action::Keep
+                    (Action::Keep, 0)
                 }
-            };
-            let bytes = match (&action, stored.last()) {
-                (Action::Stored(..), _) => tensor_bytes_of(&stored),
-                (Action::Dropped, _) => 0,
-                (Action::Keep, _) => tensor_bytes(t),
             };
             let offloaded = matches!(action, Action::Stored(..))
                 && slot.offload.is_some_and(|o| policy.offload.contains(&o));
@@ -460,13 +456,21 @@ impl Stash {
                          recompute but the rerun did not provide it"
                     ))),
                 },
-                Some(Action::Stored(k, shape)) => {
-                    match self.stored.get_mut(*k).and_then(Option::take) {
-                        Some(Stored::Host(data)) => b.upload(data, shape).map(|x| *t = x),
-                        Some(Stored::Fp8(f)) => b.upload(f.decode(), shape).map(|x| *t = x),
-                        None => Ok(()),
-                    }
-                    .map_err(Into::into)
+                Some(Action::Stored(k, shape, dtype)) => {
+                    let data = match self.stored.get_mut(*k).and_then(Option::take) {
+                        Some(Stored::Host(data)) => Some(data),
+                        Some(Stored::Fp8(f)) => Some(f.decode()),
+                        None => None,
+                    };
+                    data.map_or(Ok(()), |data| {
+                        let x = b.upload(data, shape)?;
+                        *t = if x.dtype() == *dtype {
+                            x
+                        } else {
+                            b.cast(&x, *dtype)?
+                        };
+                        Ok(())
+                    })
                 }
             };
             if let Err(e) = result {
@@ -481,23 +485,24 @@ impl Stash {
     }
 }
 
-/// Bytes of the last stored host tensor.
-fn tensor_bytes_of(stored: &[Option<Stored>]) -> u64 {
-    match stored.last() {
-        Some(Some(Stored::Host(d))) => d.len() as u64 * dtype_bytes(d.dtype()),
-        Some(Some(Stored::Fp8(f))) => f.codes.len() as u64,
-        _ => 0,
-    }
+/// An empty stand-in for a tensor that was dropped or moved: zero
+/// elements of its dtype, or, where a backend cannot make that (the CPU has
+/// no bf16 storage), one f32 element. Restore replaces it before use.
+fn placeholder<B: Backend>(b: &B, dtype: DType) -> Result<Tensor<B>> {
+    Ok(b.zeros(&[0], dtype)
+        .or_else(|_| b.zeros(&[1], DType::F32))?)
 }
 
-/// Applies `policy` to one slot: drop, store (host and/or fp8) or keep.
+/// Applies `policy` to one slot: drop, store (host and/or fp8) or keep;
+/// returns what it did and the bytes the slot now holds (on the device, or
+/// in the host pool when offloaded), counted in the tensor's own dtype.
 fn place<B: Backend>(
     b: &B,
     policy: &Policy,
     slot: Slot,
     t: &mut Tensor<B>,
     stored: &mut Vec<Option<Stored>>,
-) -> Result<Action> {
+) -> Result<(Action, u64)> {
     // `block` recompute keeps only the block's input (the attention norm's
     // input, offloadable as `attn_norm`); everything else comes back from
     // the rerun.
@@ -509,25 +514,30 @@ fn place<B: Backend>(
             .is_some_and(|r| policy.recompute.contains(&r))
     };
     if dropped {
-        *t = b.zeros(&[0], t.dtype())?;
-        return Ok(Action::Dropped);
+        *t = placeholder(b, t.dtype())?;
+        return Ok((Action::Dropped, 0));
     }
     let Some(o) = slot.offload else {
-        return Ok(Action::Keep);
+        return Ok((Action::Keep, tensor_bytes(t)));
     };
     let (offload, fp8) = (policy.offload.contains(&o), policy.store_fp8.contains(&o));
     if slot.alias || !(offload || fp8) || !t.dtype().is_float() {
-        return Ok(Action::Keep);
+        return Ok((Action::Keep, tensor_bytes(t)));
     }
-    let shape = t.shape().to_vec();
+    let (shape, dtype) = (t.shape().to_vec(), t.dtype());
+    let bytes = if fp8 {
+        t.numel() as u64
+    } else {
+        tensor_bytes(t)
+    };
     let data = b.download(t)?;
     stored.push(Some(if fp8 {
         Stored::Fp8(Fp8::encode(&data))
     } else {
         Stored::Host(data)
     }));
-    *t = b.zeros(&[0], t.dtype())?;
-    Ok(Action::Stored(stored.len() - 1, shape))
+    *t = placeholder(b, dtype)?;
+    Ok((Action::Stored(stored.len() - 1, shape, dtype), bytes))
 }
 
 #[cfg(test)]
