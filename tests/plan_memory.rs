@@ -94,6 +94,19 @@ fn recompute_and_offload_flags_change_the_activations() {
         offload["policy"],
         "--recompute none --offload expert_fc1,moe_act"
     );
+    // fp8 storage: one byte per element instead of bf16's two (the declared
+    // fp8 storage of moe_act replaced by none in the reference).
+    let plain = |extra: &[&str]| {
+        let mut args = vec!["--recompute", "none", "--store-fp8", "none"];
+        args.extend_from_slice(extra);
+        deepseek(&args)
+    };
+    let (bf16, moved) = (plain(&[]), plain(&["--offload", "expert_fc1,moe_act"]));
+    let fp8 = deepseek(&["--recompute", "none", "--store-fp8", "expert_fc1,moe_act"]);
+    assert_eq!(
+        2 * (per_mb(&bf16, "routed_experts") - per_mb(&fp8, "routed_experts")),
+        per_mb(&bf16, "routed_experts") - per_mb(&moved, "routed_experts")
+    );
     let o = foldmoe(&["plan", "--model", "deepseek-v3", "--recompute", "moe_actt"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown recompute part `moe_actt`"));
