@@ -418,25 +418,33 @@ impl Stash {
         self.actions.iter().any(|a| matches!(a, Action::Dropped))
     }
 
+    /// Whether any slot of `range` (positions in the visit order) was dropped.
+    pub fn dropped_in(&self, range: std::ops::Range<usize>) -> bool {
+        self.actions
+            .get(range)
+            .is_some_and(|a| a.iter().any(|a| matches!(a, Action::Dropped)))
+    }
+
     /// Bytes this state holds on the device and in the host pool.
     pub fn held(&self) -> &Held {
         &self.held
     }
 
     /// Brings every stashed tensor back to the device (decoding fp8) and,
-    /// given `fresh` — the tensors of a rerun of the same forward, listed in
-    /// the same order — refills the dropped ones (without it they stay
+    /// given `fresh` — the tensors of a rerun of the same forward (at
+    /// least of the dropped positions), listed in the same order — refills
+    /// the dropped ones (without it they stay
     /// dropped); `visit` lists the saved state the stash was applied to.
     /// Returns the bytes refilled (rematerialised by recompute) by part.
     pub fn restore<B: Backend>(
         &mut self,
         b: &B,
-        fresh: Option<Vec<Tensor<B>>>,
+        fresh: Option<Vec<Option<Tensor<B>>>>,
         visit: impl FnOnce(&mut dyn FnMut(Slot, &mut Tensor<B>)),
     ) -> Result<ByPart> {
         let mut i = 0;
         let refill = fresh.is_some();
-        let mut fresh = fresh.map(|v| v.into_iter().map(Some).collect::<Vec<_>>());
+        let mut fresh = fresh;
         let mut failure = None;
         let mut refilled = [0u64; 7];
         visit(&mut |slot, t| {

@@ -143,15 +143,15 @@ pub struct BlockSaved<B: Backend> {
     seq_len: usize,
 }
 
-impl<B: Backend> BlockSaved<B> {
-    /// Lists every saved tensor with its slot, in forward order.
+/// The input slots of the attention norm (the block's input) and of the
+/// feed-forward's norm.
+const ATTN_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm);
+const MLP_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm);
+
+impl<B: Backend> FfnSaved<B> {
+    /// Lists the feed-forward's saved tensors with their slots.
     fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
-        self.attn_norm
-            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm), f);
-        self.attn.visit_saved(f);
-        self.ffn_norm
-            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm), f);
-        match &mut self.ffn {
+        match self {
             FfnSaved::Dense(s) => {
                 let inner = Slot::kept(Part::DenseMlp);
                 s.visit_saved(
@@ -163,6 +163,34 @@ impl<B: Backend> BlockSaved<B> {
             }
             FfnSaved::Moe(s) => s.visit_saved(f),
         }
+    }
+}
+
+impl<B: Backend> BlockSaved<B> {
+    /// Lists every saved tensor with its slot, in forward order.
+    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        self.attn_norm.visit_saved(ATTN_NORM_IN, f);
+        self.attn.visit_saved(f);
+        self.ffn_norm.visit_saved(MLP_NORM_IN, f);
+        self.ffn.visit_saved(f);
+    }
+
+    /// Where each layer's tensors sit in [`BlockSaved::visit_saved`]'s list:
+    /// attention norm, attention, feed-forward norm, feed-forward.
+    fn ranges(&mut self) -> [std::ops::Range<usize>; 4] {
+        let mut n = [0usize; 4];
+        self.attn_norm
+            .visit_saved(ATTN_NORM_IN, &mut |_, _| n[0] += 1);
+        self.attn.visit_saved(&mut |_, _| n[1] += 1);
+        self.ffn_norm
+            .visit_saved(MLP_NORM_IN, &mut |_, _| n[2] += 1);
+        self.ffn.visit_saved(&mut |_, _| n[3] += 1);
+        let mut start = 0;
+        n.map(|len| {
+            let r = start..start + len;
+            start += len;
+            r
+        })
     }
 
     /// Device bytes this state holds in the ledger.
@@ -326,9 +354,11 @@ impl<B: Backend> Block<B> {
     /// bit-identical to those dropped. Returns the ledger bytes of what the
     /// rerun brought back, held until the caller drops them.
     ///
-    /// Every recompute part reruns the whole block forward: the memory
-    /// saved is the part's alone (what Megatron-Core drops for it), but the
-    /// extra compute is the block's, not just the part's.
+    /// `block` reruns the whole forward; a selective part reruns only the
+    /// layers that dropped something (a norm, the attention, the
+    /// feed-forward), each from its kept input: the memory saved is the
+    /// part's (what Megatron-Core drops for it), the extra compute its
+    /// layer's forward.
     fn restore(&self, b: &B, saved: &mut BlockSaved<B>) -> Result<Option<Held>> {
         let Some(mut stash) = saved.stash.take() else {
             return Ok(None);
@@ -338,11 +368,54 @@ impl<B: Backend> Block<B> {
             return Ok(None);
         }
         let seq_len = saved.seq_len;
-        let (_, mut fresh, _) = self.forward_raw(b, saved.attn_norm.input(), seq_len)?;
-        let mut tensors = Vec::new();
-        fresh.visit_saved(&mut |_, t| tensors.push(t.clone()));
-        let refilled = stash.restore(b, Some(tensors), |f| saved.visit_saved(f))?;
+        let ranges = saved.ranges();
+        let mut fresh: Vec<Option<Tensor<B>>> = vec![None; ranges[3].end];
+        if self.policy.recompute.contains(&RecomputePart::Block) {
+            let (_, mut all, _) = self.forward_raw(b, saved.attn_norm.input(), seq_len)?;
+            all.visit_saved(&mut take(&mut fresh, 0));
+        } else {
+            let dropped = ranges.clone().map(|r| stash.dropped_in(r));
+            if dropped[0] || dropped[1] {
+                let (h_td, mut norm) = self.attn_norm.forward(b, saved.attn_norm.input())?;
+                if dropped[0] {
+                    norm.visit_saved(ATTN_NORM_IN, &mut take(&mut fresh, ranges[0].start));
+                }
+                if dropped[1] {
+                    let (_, mut attn) = self.attn.forward(b, &h_td, seq_len)?;
+                    attn.visit_saved(&mut take(&mut fresh, ranges[1].start));
+                }
+            }
+            if dropped[2] || dropped[3] {
+                let (h_td, mut norm) = self.ffn_norm.forward(b, saved.ffn_norm.input())?;
+                if dropped[2] {
+                    norm.visit_saved(MLP_NORM_IN, &mut take(&mut fresh, ranges[2].start));
+                }
+                if dropped[3] {
+                    let mut ffn = match &self.ffn {
+                        Ffn::Dense(mlp) => FfnSaved::Dense(mlp.forward(b, &h_td)?.1),
+                        Ffn::Moe(moe) => FfnSaved::Moe(Box::new(moe.forward(b, &h_td, seq_len)?.1)),
+                    };
+                    ffn.visit_saved(&mut take(&mut fresh, ranges[3].start));
+                }
+            }
+        }
+        let refilled = stash.restore(b, Some(fresh), |f| saved.visit_saved(f))?;
         Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
+    }
+}
+
+/// A visitor that stores the tensors it is shown into `fresh`, from
+/// position `start` on.
+fn take<B: Backend>(
+    fresh: &mut [Option<Tensor<B>>],
+    start: usize,
+) -> impl FnMut(Slot, &mut Tensor<B>) + '_ {
+    let mut i = start;
+    move |_, t| {
+        if let Some(f) = fresh.get_mut(i) {
+            *f = Some(t.clone());
+        }
+        i += 1;
     }
 }
 

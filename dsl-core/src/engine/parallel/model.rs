@@ -894,7 +894,7 @@ impl<B: Backend> ParallelBlock<B> {
         let (seq_len, tokens) = (saved.seq_len, saved.tokens);
         let (_, mut fresh, _) = self.forward_raw(ctx, saved.attn_norm.input(), seq_len, tokens)?;
         let mut tensors = Vec::new();
-        fresh.visit_saved(&mut |_, t| tensors.push(t.clone()));
+        fresh.visit_saved(&mut |_, t| tensors.push(Some(t.clone())));
         let refilled = stash.restore(ctx.b, Some(tensors), |f| saved.visit_saved(f))?;
         Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
     }
