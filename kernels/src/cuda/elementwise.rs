@@ -297,7 +297,7 @@ impl Cuda {
         launch!(
             self,
             f,
-            rows_cfg(1, 32),
+            rows_cfg(1, 256),
             partials.ptr(),
             out.storage().ptr(),
             blocks as i32
