@@ -24,9 +24,9 @@ use std::time::Instant;
 
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
-use foldmoe::core::engine::param::Module as _;
 use foldmoe::core::engine::parallel::model::ParallelModel;
 use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::param::Module as _;
 use foldmoe::core::engine::trainer::{TrainConfig, Trainer};
 use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{FfnSpec, ModelSpec, MoeSpec};

@@ -14,7 +14,8 @@ use crate::error::CliError;
 #[derive(clap::Args, Deserialize, Debug, Clone, Default)]
 #[serde(deny_unknown_fields)]
 pub struct TrainOptions {
-    /// Model to train (see `foldmoe models`).
+    /// Model to train, by name (`tiny`, `qwen3-30b-a3b-small`, …; an unknown
+    /// name lists them all).
     #[arg(long)]
     pub model: Option<String>,
     /// Model config file (TOML, the macro's keys) to train instead of a
