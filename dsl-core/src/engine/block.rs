@@ -145,22 +145,14 @@ pub struct BlockSaved<B: Backend> {
 
 /// The input slots of the attention norm (the block's input) and of the
 /// feed-forward's norm.
-const ATTN_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm);
-const MLP_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm);
+pub(crate) const ATTN_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm);
+pub(crate) const MLP_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm);
 
 impl<B: Backend> FfnSaved<B> {
     /// Lists the feed-forward's saved tensors with their slots.
     fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         match self {
-            FfnSaved::Dense(s) => {
-                let inner = Slot::kept(Part::DenseMlp);
-                s.visit_saved(
-                    Slot::NORM_OUT,
-                    inner,
-                    inner.recompute(RecomputePart::MlpAct),
-                    f,
-                )
-            }
+            FfnSaved::Dense(s) => s.visit_saved_as_block_ffn(f),
             FfnSaved::Moe(s) => s.visit_saved(f),
         }
     }

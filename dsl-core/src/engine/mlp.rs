@@ -8,6 +8,8 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 use super::activations::Slot;
 use super::param::{Module, Param};
 use super::Result;
+use crate::memory::Part;
+use crate::spec::RecomputePart;
 
 /// A SwiGLU MLP with weights `w1, w3: [D, F]`, `w2: [F, D]`.
 pub struct SwiGluMlp<B: Backend> {
@@ -43,6 +45,19 @@ impl<B: Backend> MlpSaved<B> {
         f(inner, &mut self.gate_tf);
         f(inner, &mut self.up_tf);
         f(act, &mut self.act_tf);
+    }
+
+    /// [`MlpSaved::visit_saved`] for a block's dense feed-forward: the input
+    /// is the norm's output, the rest counted under `dense_mlp`, the
+    /// activation dropped by `mlp_act` recompute.
+    pub(crate) fn visit_saved_as_block_ffn(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let inner = Slot::kept(Part::DenseMlp);
+        self.visit_saved(
+            Slot::NORM_OUT,
+            inner,
+            inner.recompute(RecomputePart::MlpAct),
+            f,
+        )
     }
 }
 

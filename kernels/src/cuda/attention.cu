@@ -217,8 +217,7 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
             for (int nt = 0; nt < FA_BN / 8; nt += 2) {
                 unsigned bk[4];
                 fa_ldb_nk<HD>(bk, sk, nt * 8, kk * 16);
-                mma_bf16_16816(s[nt], qf[kk], bk);
-                mma_bf16_16816(s[nt + 1], qf[kk], bk + 2);
+                mma_bf16_16816_x2(&s[nt], qf[kk], bk);
             }
         __syncthreads();  // every warp is done with sk
         bool more = j + 1 < nkt;
@@ -263,8 +262,7 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
             for (int dt = 0; dt < HD / 8; dt += 2) {
                 unsigned bv[4];
                 fa_ldb_kn<HD>(bv, sv, kk * 16, dt * 8);
-                mma_bf16_16816(acc[dt], pa, bv);
-                mma_bf16_16816(acc[dt + 1], pa, bv + 2);
+                mma_bf16_16816_x2(&acc[dt], pa, bv);
             }
         }
         __syncthreads();  // sv is free for the next step's copy
@@ -412,10 +410,8 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
                 unsigned bq[4], bd[4];
                 fa_ldb_nk<HD>(bq, tq, nt * 8, kk * 16);
                 fa_ldb_nk<HD>(bd, tdo, nt * 8, kk * 16);
-                mma_bf16_16816(st[nt], ak, bq);
-                mma_bf16_16816(st[nt + 1], ak, bq + 2);
-                mma_bf16_16816(dpt[nt], av, bd);
-                mma_bf16_16816(dpt[nt + 1], av, bd + 2);
+                mma_bf16_16816_x2(&st[nt], ak, bq);
+                mma_bf16_16816_x2(&dpt[nt], av, bd);
             }
         }
         // Pᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − delta) (unscaled), masked where query < key.
@@ -436,10 +432,8 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
                 unsigned bd[4], bq[4];
                 fa_ldb_kn<HD>(bd, tdo, kq * 16, dt * 8);
                 fa_ldb_kn<HD>(bq, tq, kq * 16, dt * 8);
-                mma_bf16_16816(dv_acc[dt], pa, bd);
-                mma_bf16_16816(dv_acc[dt + 1], pa, bd + 2);
-                mma_bf16_16816(dk_acc[dt], da, bq);
-                mma_bf16_16816(dk_acc[dt + 1], da, bq + 2);
+                mma_bf16_16816_x2(&dv_acc[dt], pa, bd);
+                mma_bf16_16816_x2(&dk_acc[dt], da, bq);
             }
         }
         // dSᵀ to shared memory as bf16, the operand of dQ.
@@ -464,8 +458,7 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
                 for (int dt = 0; dt < HD / 16; dt += 2) {
                     unsigned bk[4];
                     fa_ldb_kn<HD>(bk, sk, kk * 16, d0 + dt * 8);
-                    mma_bf16_16816(dq[dt], a, bk);
-                    mma_bf16_16816(dq[dt + 1], a, bk + 2);
+                    mma_bf16_16816_x2(&dq[dt], a, bk);
                 }
             }
             for (int hr = 0; hr < 2; ++hr) {

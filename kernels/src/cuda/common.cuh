@@ -156,6 +156,13 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// c[0] += a · b[0..1] and c[1] += a · b[2..3]: the two n-tiles of one
+// ldmatrix_x4 load of B.
+__device__ __forceinline__ void mma_bf16_16816_x2(float (*c)[4], const unsigned a[4], const unsigned b[4]) {
+    mma_bf16_16816(c[0], a, b);
+    mma_bf16_16816(c[1], a, b + 2);
+}
+
 // Two floats as a packed bf16 pair (lo in the low half), the register form
 // of an mma operand.
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {

@@ -27,7 +27,7 @@ use super::moe::{ParallelMoe, ParallelMoeSaved};
 use super::shard::{shard_param, upload_as};
 use super::{Ctx, RankLayout, Split, SplitAxis};
 use crate::engine::activations::{Held, Ledger, Slot, Stash};
-use crate::engine::block::{Attn, AttnSaved, Ffn};
+use crate::engine::block::{Attn, AttnSaved, Ffn, ATTN_NORM_IN, MLP_NORM_IN};
 use crate::engine::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
 use crate::engine::model::Model;
@@ -35,8 +35,7 @@ use crate::engine::moe::MoeStats;
 use crate::engine::norm::{NormSaved, RmsNorm};
 use crate::engine::param::{Module, Param};
 use crate::engine::{EngineError, Result};
-use crate::memory::Part;
-use crate::spec::{FfnSpec, ModelSpec, OffloadPart, Policy, RecomputePart};
+use crate::spec::{FfnSpec, ModelSpec, Policy};
 
 /// The feed-forward part of a parallel block.
 pub enum ParallelFfn<B: Backend> {
@@ -89,24 +88,14 @@ impl<B: Backend> BlockSaved<B> {
     /// single-rank block's list, with the context-parallel attention's and
     /// the expert-parallel MoE layer's own state).
     fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
-        self.attn_norm
-            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm), f);
+        self.attn_norm.visit_saved(ATTN_NORM_IN, f);
         match &mut self.attn {
             BlockAttnSaved::Local(s) => s.visit_saved(f),
             BlockAttnSaved::Cp(s) => s.visit_saved(f),
         }
-        self.ffn_norm
-            .visit_saved(Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm), f);
+        self.ffn_norm.visit_saved(MLP_NORM_IN, f);
         match &mut self.ffn {
-            FfnSaved::Dense(s) => {
-                let inner = Slot::kept(Part::DenseMlp);
-                s.visit_saved(
-                    Slot::NORM_OUT,
-                    inner,
-                    inner.recompute(RecomputePart::MlpAct),
-                    f,
-                )
-            }
+            FfnSaved::Dense(s) => s.visit_saved_as_block_ffn(f),
             FfnSaved::Moe(s) => s.visit_saved(f),
         }
     }
