@@ -16,7 +16,7 @@ pub mod tensor;
 
 pub use backend::{
     AdamWConfig, AttentionOps, Backend, Device, DropPolicy, ElementwiseOps, LinalgOps, LossOps,
-    NormOps, OptimOps, RoutingOps, RoutingPlan,
+    NormOps, OffloadOps, OptimOps, RoutingOps, RoutingPlan,
 };
 pub use comm::{Communicator, Group, ReduceOp};
 pub use error::{KernelError, Result};

@@ -332,12 +332,22 @@ impl Fp8 {
 }
 
 /// Where a stashed tensor waits for its backward.
-#[derive(Debug)]
 enum Stored {
-    /// In the host buffer pool, as it was.
-    Host(HostData),
+    /// Offloaded by the backend (`OffloadOps::Offloaded` of the backend
+    /// that stashed it): a host copy on the CPU, pinned memory filled on a
+    /// copy stream on CUDA.
+    Offloaded(Box<dyn std::any::Any + Send + Sync>),
     /// Compressed to fp8 (on the device, or in the host pool when also offloaded).
     Fp8(Fp8),
+}
+
+impl std::fmt::Debug for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stored::Offloaded(_) => write!(f, "Offloaded"),
+            Stored::Fp8(x) => write!(f, "{x:?}"),
+        }
+    }
 }
 
 /// What the policy did to one slot.
@@ -346,20 +356,19 @@ enum Action {
     Keep,
     /// Dropped by recompute; refilled from a rerun of the forward.
     Dropped,
-    /// Moved into `Stash::stored[i]`, with its shape and dtype (the host
-    /// copy may be wider: bf16 downloads as f32).
+    /// Moved into `Stash::stored[i]`, with its shape and dtype (an fp8
+    /// copy decodes to a wider dtype: bf16 downloads as f32).
     Stored(usize, Vec<usize>, DType),
 }
 
 /// A block's saved state under its policy: which slots were dropped, which
 /// moved to the host pool or compressed, and the ledger bytes held.
 ///
-/// On the CPU backend the host pool is ordinary `Vec`s and fp8 compression
-/// is a host round trip (download, quantise, upload in backward), since the
-/// `Backend` trait has no fp8 cast. On CUDA the same generic
-/// `download`/`upload` pair is what moves a tensor; a pinned pool on a
-/// separate copy stream, fetched ahead of the backward, belongs behind those
-/// ops in the backend, not here.
+/// Offload goes through the backend's `OffloadOps`: on the CPU a copy into
+/// a buffer of its own, on CUDA pinned host memory filled and emptied on a
+/// copy stream, with [`Stash::prefetch`] starting the way back one block
+/// ahead of the backward. fp8 compression is a host round trip (download,
+/// quantise, upload in backward), since the `Backend` trait has no fp8 cast.
 #[derive(Debug)]
 pub struct Stash {
     actions: Vec<Action>,
@@ -430,6 +439,20 @@ impl Stash {
         &self.held
     }
 
+    /// Starts bringing the offloaded tensors back to the device, so their
+    /// copies overlap the work queued before [`Stash::restore`] (the
+    /// backward of the block after this one).
+    pub fn prefetch<B: Backend>(&mut self, b: &B) -> Result<()> {
+        for stored in self.stored.iter_mut().flatten() {
+            if let Stored::Offloaded(h) = stored {
+                if let Some(h) = h.downcast_mut::<B::Offloaded>() {
+                    b.prefetch(h)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Brings every stashed tensor back to the device (decoding fp8) and,
     /// given `fresh` — the tensors of a rerun of the same forward (at
     /// least of the dropped positions), listed in the same order — refills
@@ -465,20 +488,27 @@ impl Stash {
                     ))),
                 },
                 Some(Action::Stored(k, shape, dtype)) => {
-                    let data = match self.stored.get_mut(*k).and_then(Option::take) {
-                        Some(Stored::Host(data)) => Some(data),
-                        Some(Stored::Fp8(f)) => Some(f.decode()),
-                        None => None,
-                    };
-                    data.map_or(Ok(()), |data| {
-                        let x = b.upload(data, shape)?;
-                        *t = if x.dtype() == *dtype {
-                            x
-                        } else {
-                            b.cast(&x, *dtype)?
-                        };
-                        Ok(())
-                    })
+                    match self.stored.get_mut(*k).and_then(Option::take) {
+                        Some(Stored::Offloaded(h)) => match h.downcast::<B::Offloaded>() {
+                            Ok(h) => b.reload(*h).map(|x| *t = x).map_err(Into::into),
+                            Err(_) => Err(super::EngineError::Invalid(format!(
+                                "restoring saved activations: slot {i} was offloaded by \
+                                 another backend"
+                            ))),
+                        },
+                        Some(Stored::Fp8(f)) => b
+                            .upload(f.decode(), shape)
+                            .and_then(|x| {
+                                *t = if x.dtype() == *dtype {
+                                    x
+                                } else {
+                                    b.cast(&x, *dtype)?
+                                };
+                                Ok(())
+                            })
+                            .map_err(Into::into),
+                        None => Ok(()),
+                    }
                 }
             };
             if let Err(e) = result {
@@ -538,11 +568,10 @@ fn place<B: Backend>(
     } else {
         tensor_bytes(t)
     };
-    let data = b.download(t)?;
     stored.push(Some(if fp8 {
-        Stored::Fp8(Fp8::encode(&data))
+        Stored::Fp8(Fp8::encode(&b.download(t)?))
     } else {
-        Stored::Host(data)
+        Stored::Offloaded(Box::new(b.offload(t)?))
     }));
     *t = placeholder(b, dtype)?;
     Ok((Action::Stored(stored.len() - 1, shape, dtype), bytes))

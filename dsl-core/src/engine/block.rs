@@ -143,6 +143,14 @@ pub struct BlockSaved<B: Backend> {
     seq_len: usize,
 }
 
+impl<B: Backend> BlockSaved<B> {
+    /// Starts bringing this block's offloaded tensors back (see
+    /// [`Stash::prefetch`]), one block ahead of its backward.
+    pub fn prefetch(&mut self, b: &B) -> Result<()> {
+        self.stash.as_mut().map_or(Ok(()), |s| s.prefetch(b))
+    }
+}
+
 /// The input slots of the attention norm (the block's input) and of the
 /// feed-forward's norm.
 pub(crate) const ATTN_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm);

@@ -226,7 +226,21 @@ impl<B: Backend> Model<B> {
         let dlogits_tv = b.cross_entropy_backward(&logits_tv, &targets_t, &lse_t, &dloss_t)?;
         let dh_td = self.head.backward(b, &mut self.embed, &dlogits_tv, head)?;
         let mut dx_td = self.final_norm.backward(b, &dh_td, final_norm)?;
-        for (block, saved) in self.blocks.iter_mut().zip(blocks).rev() {
+        let mut blocks = blocks;
+        if blocks.len() != self.blocks.len() {
+            return Err(EngineError::Invalid(format!(
+                "model backward: saved state of {} blocks for a model of {}",
+                blocks.len(),
+                self.blocks.len()
+            )));
+        }
+        while let Some(saved) = blocks.pop() {
+            // The next block's offloaded tensors come back while this one's
+            // backward runs.
+            if let Some(next) = blocks.last_mut() {
+                next.prefetch(b)?;
+            }
+            let block = &mut self.blocks[blocks.len()];
             dx_td = block.backward(b, &dx_td, saved, loss_scale)?;
         }
         self.embed.backward(b, &dx_td, embed)

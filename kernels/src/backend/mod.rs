@@ -17,6 +17,7 @@ mod elementwise;
 mod linalg;
 mod loss;
 mod norm;
+mod offload;
 mod optim;
 mod routing;
 
@@ -29,6 +30,7 @@ pub use linalg::LinalgOps;
 pub use loss::LossOps;
 pub(crate) use norm::check_norm_args;
 pub use norm::NormOps;
+pub use offload::OffloadOps;
 pub(crate) use optim::{check_adamw_args, check_adamw_master_args};
 pub use optim::{AdamWConfig, OptimOps};
 pub(crate) use routing::{check_topk_args, GroupLimit};
@@ -173,7 +175,15 @@ pub(crate) fn concat_shape<D: Device>(parts: &[&Tensor<D>]) -> Result<(Vec<usize
 /// The whole kernel backend: every area of operations on one device.
 /// Implemented automatically for any type that implements all areas.
 pub trait Backend:
-    Device + ElementwiseOps + LinalgOps + NormOps + AttentionOps + RoutingOps + LossOps + OptimOps
+    Device
+    + ElementwiseOps
+    + LinalgOps
+    + NormOps
+    + AttentionOps
+    + RoutingOps
+    + LossOps
+    + OptimOps
+    + OffloadOps
 {
 }
 
@@ -186,6 +196,7 @@ impl<T> Backend for T where
         + RoutingOps
         + LossOps
         + OptimOps
+        + OffloadOps
 {
 }
 

@@ -9,6 +9,7 @@ mod elementwise;
 mod linalg;
 mod loss;
 mod norm;
+mod offload;
 mod optim;
 mod routing;
 #[cfg(test)]

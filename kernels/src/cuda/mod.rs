@@ -30,6 +30,7 @@ mod linalg;
 mod loss;
 pub mod nccl;
 mod norm;
+mod offload;
 mod optim;
 mod routing;
 
@@ -45,6 +46,7 @@ use crate::tensor::{DType, HostData, StorageInfo, Tensor};
 use alloc::{driver_err, Block, Pool};
 use compile::Module;
 pub use graph::CudaGraphExec;
+pub use offload::CudaOffloaded;
 
 /// The oldest architecture accepted: Ampere, the first with native bf16.
 const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
@@ -90,6 +92,8 @@ struct Inner {
     blas: Mutex<Option<linalg::Blas>>,
     /// Host waits on the stream so far (downloads, synchronize).
     syncs: AtomicU64,
+    /// Activation offload's copy stream and pinned buffers (at first use).
+    offload: Mutex<Option<offload::OffloadState>>,
 }
 
 /// Device memory of a tensor: a pooled block shared by clones (copied before
@@ -282,6 +286,7 @@ impl Cuda {
                 checks: Mutex::new(Checks::default()),
                 blas: Mutex::new(None),
                 syncs: AtomicU64::new(0),
+                offload: Mutex::new(None),
             })
         });
         match opened {

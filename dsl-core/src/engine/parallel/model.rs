@@ -87,6 +87,12 @@ impl<B: Backend> BlockSaved<B> {
     /// Lists every saved tensor with its slot, in forward order (the
     /// single-rank block's list, with the context-parallel attention's and
     /// the expert-parallel MoE layer's own state).
+    /// Starts bringing this block's offloaded tensors back, one block ahead
+    /// of its backward.
+    fn prefetch(&mut self, b: &B) -> Result<()> {
+        self.stash.as_mut().map_or(Ok(()), |s| s.prefetch(b))
+    }
+
     fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         self.attn_norm.visit_saved(ATTN_NORM_IN, f);
         match &mut self.attn {
@@ -687,8 +693,22 @@ impl<B: Backend> ParallelModel<B> {
             }
         };
         let range = self.chunks[chunk].clone();
-        for (block, saved) in self.blocks[range].iter_mut().zip(blocks).rev() {
-            dx_td = block.backward(ctx, &dx_td, saved, loss_scale)?;
+        let mut blocks = blocks;
+        if blocks.len() != range.len() {
+            return Err(EngineError::Invalid(format!(
+                "parallel backward: saved state of {} blocks for a chunk of {}",
+                blocks.len(),
+                range.len()
+            )));
+        }
+        while let Some(saved) = blocks.pop() {
+            // The next block's offloaded tensors come back while this one's
+            // backward runs.
+            if let Some(next) = blocks.last_mut() {
+                next.prefetch(ctx.b)?;
+            }
+            dx_td =
+                self.blocks[range.start + blocks.len()].backward(ctx, &dx_td, saved, loss_scale)?;
         }
         let Some((embed, embed_mask_t)) = embed else {
             return Ok(Some(dx_td));
