@@ -75,7 +75,7 @@ pub struct TrainOptions {
     /// backward in every group: `attn_norm,qkv,core_attn,attn_proj,mlp_norm,expert_fc1,moe_act`; `none`.
     #[arg(long, value_name = "LIST")]
     pub offload: Option<String>,
-    /// Store these saved tensors in fp8 (e4m3, one scale per tensor) in
+    /// Store these saved tensors in fp8 (e4m3, one scale per 1×128 block) in
     /// every group; the same parts as --offload.
     #[arg(long, value_name = "LIST")]
     pub store_fp8: Option<String>,
