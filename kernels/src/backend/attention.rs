@@ -8,7 +8,9 @@ pub trait AttentionOps: Device {
     /// `q: [B, S, Hq, Hd]`, `k, v: [B, S, Hkv, Hd]` with `Hq % Hkv == 0` (query
     /// head `h` reads kv head `h / (Hq / Hkv)`); scores scaled by `1/sqrt(Hd)`.
     /// Returns `(o: [B, S, Hq, Hd], lse: [B, Hq, S])`, `lse` the log-sum-exp of
-    /// each query's scaled scores (kept for the backward).
+    /// each query's scaled scores (kept for the backward) in the accumulation
+    /// type: f32 for bf16 inputs, so the backward's probabilities are not
+    /// recomputed from a rounded lse.
     fn attention(
         &self,
         q: &Tensor<Self>,

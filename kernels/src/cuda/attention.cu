@@ -1,7 +1,8 @@
 // Causal grouped-query attention, forward and backward: the elementwise
 // kernels around the cuBLAS products of attention.rs.
 // Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
-// dim, G = Hq / Hkv. Tensors are [B, S, H, Hd]; lse and delta are [B, Hq, S].
+// dim, G = Hq / Hkv. Tensors are [B, S, H, Hd]; lse and delta are [B, Hq, S],
+// lse in the accumulation type (f32 for bf16, as flash attention keeps it).
 //
 // attention.rs copies q, k, v (and dO) into head-major [B, H, S, Hd], so a
 // kv head's G query heads are G·S consecutive rows; the scores of a chunk of
@@ -34,7 +35,7 @@ FOR_FLOATS(ATTN_HEADS)
 // Forward softmax, one block per score row: lse = log Σ_{j<=i} exp(scale·s_j)
 // and p_j = exp(scale·s_j − lse) for j <= i, 0 past the diagonal.
 template <typename T>
-__device__ void attn_softmax_impl(const acc_t<T>* scores, T* p, T* lse, i64 rows, i64 S, double scale_d) {
+__device__ void attn_softmax_impl(const acc_t<T>* scores, T* p, acc_t<T>* lse, i64 rows, i64 S, double scale_d) {
     typedef acc_t<T> A;
     __shared__ A sh[32];
     A scale = (A)scale_d;
@@ -50,60 +51,60 @@ __device__ void attn_softmax_impl(const acc_t<T>* scores, T* p, T* lse, i64 rows
         A ls = m + log_(l);
         T* pr = p + r * S;
         for (i64 j = threadIdx.x; j < S; j += blockDim.x) pr[j] = from_acc<T>(j <= i ? exp_(sr[j] * scale - ls) : (A)0);
-        if (threadIdx.x == 0) lse[r] = from_acc<T>(ls);
+        if (threadIdx.x == 0) lse[r] = ls;
     }
 }
 #define ATTN_SOFTMAX(sfx, T) \
-    extern "C" __global__ void attn_softmax_##sfx(const acc_t<T>* scores, T* p, T* lse, i64 rows, i64 S, double scale) { \
+    extern "C" __global__ void attn_softmax_##sfx(const acc_t<T>* scores, T* p, acc_t<T>* lse, i64 rows, i64 S, double scale) { \
         attn_softmax_impl<T>(scores, p, lse, rows, S, scale); }
 FOR_FLOATS(ATTN_SOFTMAX)
 
 // Backward: the forward's probabilities again, from the saved lse.
 template <typename T>
-__device__ void attn_probs_impl(const acc_t<T>* scores, T* p, const T* lse, i64 rows, i64 S, double scale_d) {
+__device__ void attn_probs_impl(const acc_t<T>* scores, T* p, const acc_t<T>* lse, i64 rows, i64 S, double scale_d) {
     typedef acc_t<T> A;
     A scale = (A)scale_d;
     GRID_LOOP(idx, rows * S) {
         i64 r = idx / S, j = idx % S, i = r % S;
-        p[idx] = from_acc<T>(j <= i ? exp_(scores[idx] * scale - to_acc(lse[r])) : (A)0);
+        p[idx] = from_acc<T>(j <= i ? exp_(scores[idx] * scale - lse[r]) : (A)0);
     }
 }
 #define ATTN_PROBS(sfx, T) \
-    extern "C" __global__ void attn_probs_##sfx(const acc_t<T>* scores, T* p, const T* lse, i64 rows, i64 S, double scale) { \
+    extern "C" __global__ void attn_probs_##sfx(const acc_t<T>* scores, T* p, const acc_t<T>* lse, i64 rows, i64 S, double scale) { \
         attn_probs_impl<T>(scores, p, lse, rows, S, scale); }
 FOR_FLOATS(ATTN_PROBS)
 
 // Score gradients, in place over the probabilities: ds = p·(dp − delta)·scale
 // (zero past the diagonal, where p is).
 template <typename T>
-__device__ void attn_dscores_impl(const acc_t<T>* dp, T* p_ds, const T* delta, i64 rows, i64 S, double scale_d) {
+__device__ void attn_dscores_impl(const acc_t<T>* dp, T* p_ds, const acc_t<T>* delta, i64 rows, i64 S, double scale_d) {
     typedef acc_t<T> A;
     A scale = (A)scale_d;
     GRID_LOOP(idx, rows * S) {
         i64 r = idx / S;
-        A ds = to_acc(p_ds[idx]) * (dp[idx] - to_acc(delta[r]));
+        A ds = to_acc(p_ds[idx]) * (dp[idx] - delta[r]);
         p_ds[idx] = from_acc<T>(ds * scale);
     }
 }
 #define ATTN_DSCORES(sfx, T) \
-    extern "C" __global__ void attn_dscores_##sfx(const acc_t<T>* dp, T* p_ds, const T* delta, i64 rows, i64 S, double scale) { \
+    extern "C" __global__ void attn_dscores_##sfx(const acc_t<T>* dp, T* p_ds, const acc_t<T>* delta, i64 rows, i64 S, double scale) { \
         attn_dscores_impl<T>(dp, p_ds, delta, rows, S, scale); }
 FOR_FLOATS(ATTN_DSCORES)
 
 // delta[b, h, i] = dO_i · O_i.
 template <typename T>
-__device__ void attn_delta_impl(const T* d_o, const T* o, T* delta, i64 B, i64 S, i64 HQ, i64 HD) {
+__device__ void attn_delta_impl(const T* d_o, const T* o, acc_t<T>* delta, i64 B, i64 S, i64 HQ, i64 HD) {
     typedef acc_t<T> A;
     GRID_LOOP(row, B * HQ * S) {
         i64 i = row % S, h = (row / S) % HQ, b = row / (S * HQ);
         i64 at = at4(b, i, h, S, HQ, HD);
         A s = 0;
         for (i64 d = 0; d < HD; ++d) s += to_acc(d_o[at + d]) * to_acc(o[at + d]);
-        delta[row] = from_acc<T>(s);
+        delta[row] = s;
     }
 }
 #define ATTN_DELTA(sfx, T) \
-    extern "C" __global__ void attn_delta_##sfx(const T* d_o, const T* o, T* delta, i64 B, i64 S, i64 HQ, i64 HD) { \
+    extern "C" __global__ void attn_delta_##sfx(const T* d_o, const T* o, acc_t<T>* delta, i64 B, i64 S, i64 HQ, i64 HD) { \
         attn_delta_impl<T>(d_o, o, delta, B, S, HQ, HD); }
 FOR_FLOATS(ATTN_DELTA)
 
@@ -181,7 +182,7 @@ __device__ __forceinline__ void fa_c_to_a(unsigned a[4], const float (*c)[4], in
 // shared memory, the next K copied while P·V runs.
 template <int HD>
 __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                               bf16* __restrict__ o, bf16* __restrict__ lse, i64 S, int HQ, int HKV, float scale_log2) {
+                               bf16* __restrict__ o, float* __restrict__ lse, i64 S, int HQ, int HKV, float scale_log2) {
     __shared__ __align__(128) bf16 sq[FA_BM * HD];
     __shared__ __align__(128) bf16 sk[FA_BN * HD];
     __shared__ __align__(128) bf16 sv[FA_BN * HD];
@@ -278,13 +279,13 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
         for (int dt = 0; dt < HD / 8; ++dt)
             *reinterpret_cast<__nv_bfloat162*>(&orow[dt * 8 + (lane & 3) * 2]) =
                 __floats2bfloat162_rn(acc[dt][hr * 2] * inv, acc[dt][hr * 2 + 1] * inv);
-        if ((lane & 3) == 0) lse[((i64)b * HQ + h) * S + qi] = __float2bfloat16_rn(FA_LN2 * (m_row[hr] + log2f(l)));
+        if ((lane & 3) == 0) lse[((i64)b * HQ + h) * S + qi] = FA_LN2 * (m_row[hr] + log2f(l));
     }
 }
 
 #define FLASH_FWD(HD) \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_fwd_bf16_hd##HD( \
-        const bf16* q, const bf16* k, const bf16* v, bf16* o, bf16* lse, i64 S, int HQ, int HKV, float scale_log2) { \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, i64 S, int HQ, int HKV, float scale_log2) { \
         flash_fwd_impl<HD>(q, k, v, o, lse, S, HQ, HKV, scale_log2); }
 FLASH_FWD(64)
 FLASH_FWD(128)
@@ -342,7 +343,7 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 // flash_dq_bf16.
 template <int HD>
 __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                               const bf16* __restrict__ d_o, const bf16* __restrict__ lse, const float* __restrict__ delta,
+                               const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ delta,
                                float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv, i64 S, int HQ,
                                int HKV, float scale) {
     extern __shared__ __align__(128) unsigned char fa_dyn[];
@@ -377,7 +378,7 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
         // Queries past S: lse = +inf makes their probabilities 0.
         for (int e = threadIdx.x; e < FA_BQ; e += FA_THREADS) {
             i64 qi = q0 + e, row = ((i64)b * HQ + h) * S + qi;
-            slse[buf * FA_BQ + e] = qi < S ? __bfloat162float(lse[row]) * LOG2E : -neg_inf<float>();
+            slse[buf * FA_BQ + e] = qi < S ? lse[row] * LOG2E : -neg_inf<float>();
             sdelta[buf * FA_BQ + e] = qi < S ? delta[row] : 0.f;
         }
     };
@@ -485,7 +486,7 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
 
 #define FLASH_BWD(HD) \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_bf16_hd##HD( \
-        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const bf16* lse, const float* delta, \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* delta, \
         float* dq_acc, bf16* dk, bf16* dv, i64 S, int HQ, int HKV, float scale) { \
         flash_bwd_impl<HD>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, S, HQ, HKV, scale); }
 FLASH_BWD(64)

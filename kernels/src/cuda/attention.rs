@@ -112,9 +112,10 @@ impl Dims {
         d_o.expect_shape(op, "d_o", q.shape())?;
         o.expect_shape(op, "o", q.shape())?;
         lse.expect_shape(op, "lse", &[self.b, self.hq, self.s])?;
-        for t in [d_o, o, lse] {
+        for t in [d_o, o] {
             t.expect_dtype(op, self.dtype)?;
         }
+        lse.expect_dtype(op, acc_type(self.dtype))?;
         Ok(())
     }
 
@@ -216,7 +217,7 @@ impl Cuda {
         const OP: &str = "attention";
         let d = Dims::new(OP, q, k, v, budget)?;
         let sfx = float_sfx(OP, d.dtype)?;
-        let lse = self.alloc(OP, &[d.b, d.hq, d.s], d.dtype)?;
+        let lse = self.alloc(OP, &[d.b, d.hq, d.s], acc_type(d.dtype))?;
         if q.numel() == 0 || d.hd == 0 {
             let o = self.zeros(q.shape(), d.dtype)?;
             return Ok((o, lse));
@@ -240,7 +241,7 @@ impl Cuda {
                 rows_cfg(n * rows, SOFTMAX_THREADS),
                 scores.ptr(),
                 p.ptr(),
-                at(lse.storage().ptr(), u0 * rows, d.elem()),
+                at(lse.storage().ptr(), u0 * rows, d.acc_elem()),
                 (n * rows) as i64,
                 s as i64,
                 d.scale()
@@ -295,7 +296,7 @@ impl Cuda {
                 self.zeros(v.shape(), d.dtype)?,
             ));
         }
-        let delta = self.alloc(OP, &[d.b, d.hq, d.s], d.dtype)?;
+        let delta = self.alloc(OP, &[d.b, d.hq, d.s], acc_type(d.dtype))?;
         let f = self.func(ATTENTION, &format!("attn_delta_{sfx}"))?;
         launch!(
             self,
@@ -360,8 +361,8 @@ impl Cuda {
         let (e, acc) = (d.elem(), acc_type(d.dtype));
         for (u0, n) in d.chunks() {
             let elems = n * rows * s;
-            let lse_at = at(lse.storage().ptr(), u0 * rows, e);
-            let delta_at = at(delta.storage().ptr(), u0 * rows, e);
+            let lse_at = at(lse.storage().ptr(), u0 * rows, d.acc_elem());
+            let delta_at = at(delta.storage().ptr(), u0 * rows, d.acc_elem());
             let (q_u, do_u) = (at(qp, u0 * rows * hd, e), at(dop, u0 * rows * hd, e));
             let (k_u, v_u) = (at(kp, u0 * s * hd, e), at(vp, u0 * s * hd, e));
             self.attn_scores(OP, &d, (u0, n), qp, kp, scores.ptr())?;
@@ -476,7 +477,7 @@ impl Cuda {
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention";
         let o = self.alloc(OP, q.shape(), d.dtype)?;
-        let lse = self.alloc(OP, &[d.b, d.hq, d.s], d.dtype)?;
+        let lse = self.alloc(OP, &[d.b, d.hq, d.s], acc_type(d.dtype))?;
         let f = self.func(ATTENTION, &format!("flash_fwd_bf16_hd{hd}"))?;
         let cfg = LaunchConfig {
             grid_dim: (d.s.div_ceil(FLASH_TILE) as u32, d.hq as u32, d.b as u32),
