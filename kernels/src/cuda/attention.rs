@@ -451,7 +451,10 @@ const FLASH_BWD_QUERIES: usize = 32;
 /// The head dim the flash kernels are compiled for, if this problem can use
 /// them: bf16, Hd 64 or 128, and not turned off by `FOLDMOE_ATTENTION=cublas`.
 fn flash_head_dim(d: &Dims) -> Option<usize> {
-    let forced_off = std::env::var("FOLDMOE_ATTENTION").is_ok_and(|v| v == "cublas");
+    // Read once: this runs on every attention call.
+    static FORCED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let forced_off =
+        *FORCED_OFF.get_or_init(|| std::env::var("FOLDMOE_ATTENTION").is_ok_and(|v| v == "cublas"));
     (d.dtype == DType::BF16 && matches!(d.hd, 64 | 128) && !forced_off).then_some(d.hd)
 }
 

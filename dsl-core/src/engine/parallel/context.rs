@@ -75,6 +75,23 @@ struct Slot<B: Backend> {
     chunk_src: Tensor<B>,
 }
 
+impl<B: Backend> Slot<B> {
+    /// The chunk's key prefix of `x` (`[B·S, Hkv·Hd]` in natural rows, K or
+    /// V) as attention input `[B, P, Hkv, Hd]`; the forward and the
+    /// backward both gather it (the backward again rather than keeping it).
+    fn prefix(
+        &self,
+        b: &B,
+        x: &Tensor<B>,
+        batch: usize,
+        hkv: usize,
+        hd: usize,
+    ) -> Result<Tensor<B>> {
+        Ok(b.permute(x, &self.prefix_src)?
+            .reshape(&[batch, self.prefix, hkv, hd])?)
+    }
+}
+
 fn ids<B: Backend>(b: &B, v: Vec<usize>) -> Result<Tensor<B>> {
     let n = v.len();
     Ok(b.upload(
@@ -245,12 +262,8 @@ pub fn forward<B: Backend>(
             theta,
             false,
         )?;
-        let k = b
-            .permute(&k_rot, &s.prefix_src)?
-            .reshape(&[batch, p, hkv, hd])?;
-        let v = b
-            .permute(&v_nat, &s.prefix_src)?
-            .reshape(&[batch, p, hkv, hd])?;
+        let k = s.prefix(b, &k_rot, batch, hkv, hd)?;
+        let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
         let (o_pad, lse) = b.attention(&q_pad, &k, &v)?;
         chunks.push(b.permute(&o_pad.clone().reshape(&[batch * p, hq * hd])?, &s.chunk_src)?);
         slots.push((q_pad, o_pad, lse));
@@ -307,12 +320,8 @@ pub fn backward<B: Backend>(
         let do_pad = b
             .permute(&do_src, &s.q_pad_src)?
             .reshape(&[batch, p, hq, hd])?;
-        let k = b
-            .permute(&k_rot, &s.prefix_src)?
-            .reshape(&[batch, p, hkv, hd])?;
-        let v = b
-            .permute(&v_nat, &s.prefix_src)?
-            .reshape(&[batch, p, hkv, hd])?;
+        let k = s.prefix(b, &k_rot, batch, hkv, hd)?;
+        let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
         let (dq_pad, dk, dv) = b.attention_backward(&do_pad, &q_pad, &k, &v, &o_pad, &lse)?;
         let dq = b
             .rope(&dq_pad, theta, true)?
