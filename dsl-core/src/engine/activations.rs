@@ -908,6 +908,12 @@ mod tests {
                 &[],
             ),
             policy(&[], &keywords_offload(), &[]),
+            // One layer rerun at a time: the norms only, the attention
+            // only (cp's key/value gather inside it), the feed-forward only
+            // (the ep exchange inside it).
+            policy(&[R::Norm], &[], &[]),
+            policy(&[R::CoreAttn], &[O::Qkv], &[]),
+            policy(&[R::MoeAct, R::MlpAct], &[], &[]),
         ];
         for layout in ["world=2,tp=2", "world=2,cp=2", "world=2,ep=2"] {
             let keep = run_parallel(layout, &Policy::default());

@@ -185,12 +185,7 @@ impl<B: Backend> BlockSaved<B> {
         self.ffn_norm
             .visit_saved(MLP_NORM_IN, &mut |_, _| n[2] += 1);
         self.ffn.visit_saved(&mut |_, _| n[3] += 1);
-        let mut start = 0;
-        n.map(|len| {
-            let r = start..start + len;
-            start += len;
-            r
-        })
+        layer_ranges(n)
     }
 
     /// Device bytes this state holds in the ledger.
@@ -404,9 +399,21 @@ impl<B: Backend> Block<B> {
     }
 }
 
+/// Consecutive ranges of a block's saved-tensor list from the counts of
+/// its four layers (attention norm, attention, feed-forward norm,
+/// feed-forward).
+pub(crate) fn layer_ranges(counts: [usize; 4]) -> [std::ops::Range<usize>; 4] {
+    let mut start = 0;
+    counts.map(|len| {
+        let r = start..start + len;
+        start += len;
+        r
+    })
+}
+
 /// A visitor that stores the tensors it is shown into `fresh`, from
 /// position `start` on.
-fn take<B: Backend>(
+pub(crate) fn take<B: Backend>(
     fresh: &mut [Option<Tensor<B>>],
     start: usize,
 ) -> impl FnMut(Slot, &mut Tensor<B>) + '_ {

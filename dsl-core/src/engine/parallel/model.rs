@@ -27,7 +27,7 @@ use super::moe::{ParallelMoe, ParallelMoeSaved};
 use super::shard::{shard_param, upload_as};
 use super::{Ctx, RankLayout, Split, SplitAxis};
 use crate::engine::activations::{Held, Ledger, Slot, Stash};
-use crate::engine::block::{Attn, AttnSaved, Ffn, ATTN_NORM_IN, MLP_NORM_IN};
+use crate::engine::block::{layer_ranges, take, Attn, AttnSaved, Ffn, ATTN_NORM_IN, MLP_NORM_IN};
 use crate::engine::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
 use crate::engine::model::Model;
@@ -35,7 +35,7 @@ use crate::engine::moe::MoeStats;
 use crate::engine::norm::{NormSaved, RmsNorm};
 use crate::engine::param::{Module, Param};
 use crate::engine::{EngineError, Result};
-use crate::spec::{FfnSpec, ModelSpec, Policy};
+use crate::spec::{FfnSpec, ModelSpec, Policy, RecomputePart};
 
 /// The feed-forward part of a parallel block.
 pub enum ParallelFfn<B: Backend> {
@@ -84,23 +84,47 @@ struct BlockSaved<B: Backend> {
 }
 
 impl<B: Backend> BlockSaved<B> {
-    /// Lists every saved tensor with its slot, in forward order (the
-    /// single-rank block's list, with the context-parallel attention's and
-    /// the expert-parallel MoE layer's own state).
     /// Starts bringing this block's offloaded tensors back, one block ahead
     /// of its backward.
     fn prefetch(&mut self, b: &B) -> Result<()> {
         self.stash.as_mut().map_or(Ok(()), |s| s.prefetch(b))
     }
 
+    /// Lists every saved tensor with its slot, in forward order (the
+    /// single-rank block's list, with the context-parallel attention's and
+    /// the expert-parallel MoE layer's own state).
     fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         self.attn_norm.visit_saved(ATTN_NORM_IN, f);
-        match &mut self.attn {
+        self.attn.visit_saved(f);
+        self.ffn_norm.visit_saved(MLP_NORM_IN, f);
+        self.ffn.visit_saved(f);
+    }
+
+    /// Where each layer's tensors sit in [`BlockSaved::visit_saved`]'s list.
+    fn ranges(&mut self) -> [Range<usize>; 4] {
+        let mut n = [0usize; 4];
+        self.attn_norm
+            .visit_saved(ATTN_NORM_IN, &mut |_, _| n[0] += 1);
+        self.attn.visit_saved(&mut |_, _| n[1] += 1);
+        self.ffn_norm
+            .visit_saved(MLP_NORM_IN, &mut |_, _| n[2] += 1);
+        self.ffn.visit_saved(&mut |_, _| n[3] += 1);
+        layer_ranges(n)
+    }
+}
+
+impl<B: Backend> BlockAttnSaved<B> {
+    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        match self {
             BlockAttnSaved::Local(s) => s.visit_saved(f),
             BlockAttnSaved::Cp(s) => s.visit_saved(f),
         }
-        self.ffn_norm.visit_saved(MLP_NORM_IN, f);
-        match &mut self.ffn {
+    }
+}
+
+impl<B: Backend> FfnSaved<B> {
+    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        match self {
             FfnSaved::Dense(s) => s.visit_saved_as_block_ffn(f),
             FfnSaved::Moe(s) => s.visit_saved(f),
         }
@@ -888,24 +912,84 @@ impl<B: Backend> ParallelBlock<B> {
     }
 
     /// Undoes the policy before backward: fetches stashed tensors and, if
-    /// any were dropped, reruns the forward from the kept block input. The
-    /// rerun's collectives (tp gathers, the ep exchange) pair up because
-    /// every rank of a group runs the same block's backward at the same
-    /// point of the schedule.
+    /// any were dropped, reruns what dropped them, as the single-rank
+    /// block does (`block`: the whole forward from the kept block input; a
+    /// selective part: only its layer, from the layer's kept input). The
+    /// rerun's collectives (tp gathers, cp's key/value gather, the ep
+    /// exchange) pair up because every rank of a group has the same policy
+    /// and runs the same block's backward at the same point of the schedule.
     fn restore(&self, ctx: &Ctx<B>, saved: &mut BlockSaved<B>) -> Result<Option<Held>> {
+        let b = ctx.b;
         let Some(mut stash) = saved.stash.take() else {
             return Ok(None);
         };
-        stash.restore(ctx.b, None, |f| saved.visit_saved(f))?;
+        stash.restore(b, None, |f| saved.visit_saved(f))?;
         if !stash.needs_recompute() {
             return Ok(None);
         }
         let (seq_len, tokens) = (saved.seq_len, saved.tokens);
-        let (_, mut fresh, _) = self.forward_raw(ctx, saved.attn_norm.input(), seq_len, tokens)?;
-        let mut tensors = Vec::new();
-        fresh.visit_saved(&mut |_, t| tensors.push(Some(t.clone())));
-        let refilled = stash.restore(ctx.b, Some(tensors), |f| saved.visit_saved(f))?;
+        let ranges = saved.ranges();
+        let mut fresh: Vec<Option<Tensor<B>>> = vec![None; ranges[3].end];
+        if self.policy.recompute.contains(&RecomputePart::Block) {
+            let (_, mut all, _) =
+                self.forward_raw(ctx, saved.attn_norm.input(), seq_len, tokens)?;
+            all.visit_saved(&mut take(&mut fresh, 0));
+        } else {
+            let dropped = ranges.clone().map(|r| stash.dropped_in(r));
+            if dropped[0] || dropped[1] {
+                let (h, mut norm) = self.attn_norm.forward(b, saved.attn_norm.input())?;
+                if dropped[0] {
+                    norm.visit_saved(ATTN_NORM_IN, &mut take(&mut fresh, ranges[0].start));
+                }
+                if dropped[1] {
+                    let (_, mut attn) = self.attn_forward(ctx, &h, seq_len)?;
+                    attn.visit_saved(&mut take(&mut fresh, ranges[1].start));
+                }
+            }
+            if dropped[2] || dropped[3] {
+                let (h2, mut norm) = self.ffn_norm.forward(b, saved.ffn_norm.input())?;
+                if dropped[2] {
+                    norm.visit_saved(MLP_NORM_IN, &mut take(&mut fresh, ranges[2].start));
+                }
+                if dropped[3] {
+                    // Only the saved state is wanted: the dense MLP's output
+                    // need not be scattered over tp.
+                    let mut ffn = match &self.ffn {
+                        ParallelFfn::Dense(mlp) => {
+                            FfnSaved::Dense(mlp.forward(b, &ctx.gather_tp(&h2)?)?.1)
+                        }
+                        ParallelFfn::Moe(moe) => {
+                            FfnSaved::Moe(Box::new(moe.forward(ctx, &h2, seq_len, tokens)?.1))
+                        }
+                    };
+                    ffn.visit_saved(&mut take(&mut fresh, ranges[3].start));
+                }
+            }
+        }
+        let refilled = stash.restore(b, Some(fresh), |f| saved.visit_saved(f))?;
         Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
+    }
+
+    /// Attention from this rank's sequence shard `h` of the normed input:
+    /// gathered over tp, then the local layer or, under cp, its
+    /// context-parallel form. Returns the tp-full output and the state.
+    fn attn_forward(
+        &self,
+        ctx: &Ctx<B>,
+        h: &Tensor<B>,
+        seq_len: usize,
+    ) -> Result<(Tensor<B>, BlockAttnSaved<B>)> {
+        let h_full = ctx.gather_tp(h)?;
+        Ok(match &self.attn {
+            Attn::Gqa(a) if ctx.rank.cp.size() > 1 => {
+                let (y, saved) = context::forward(ctx, a, &h_full, seq_len)?;
+                (y, BlockAttnSaved::Cp(Box::new(saved)))
+            }
+            _ => {
+                let (y, saved) = self.attn.forward(ctx.b, &h_full, seq_len)?;
+                (y, BlockAttnSaved::Local(saved))
+            }
+        })
     }
 
     /// The forward with every saved tensor kept and nothing counted.
@@ -918,17 +1002,7 @@ impl<B: Backend> ParallelBlock<B> {
     ) -> Result<ParallelBlockOut<B>> {
         let b = ctx.b;
         let (h, attn_norm) = self.attn_norm.forward(b, x_td)?;
-        let h_full = ctx.gather_tp(&h)?;
-        let (a_full, attn) = match &self.attn {
-            Attn::Gqa(a) if ctx.rank.cp.size() > 1 => {
-                let (y, saved) = context::forward(ctx, a, &h_full, seq_len)?;
-                (y, BlockAttnSaved::Cp(Box::new(saved)))
-            }
-            _ => {
-                let (y, saved) = self.attn.forward(b, &h_full, seq_len)?;
-                (y, BlockAttnSaved::Local(saved))
-            }
-        };
+        let (a_full, attn) = self.attn_forward(ctx, &h, seq_len)?;
         let x1 = b.add(x_td, &ctx.scatter_tp(&a_full)?)?;
         let (h2, ffn_norm) = self.ffn_norm.forward(b, &x1)?;
         let (y, ffn, stats) = match &self.ffn {
