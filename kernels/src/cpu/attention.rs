@@ -188,7 +188,9 @@ fn attention_t<T: FloatStorage>(
             });
     }
     let o = from_head_major(&oh, s, hq, hd);
-    Ok((T::tensor(o, q.shape())?, T::tensor(lse, &[b, hq, s])?))
+    // lse stays in the accumulation type (f32 for bf16), as on CUDA.
+    let lse: Vec<T::Acc> = lse.into_iter().map(T::to_acc).collect();
+    Ok((T::tensor(o, q.shape())?, T::Acc::tensor(lse, &[b, hq, s])?))
 }
 
 /// Read-only head-major operands of the backward.
@@ -285,7 +287,10 @@ fn attention_backward_t<T: FloatStorage>(
     d_o.expect_shape(OP, "d_o", q.shape())?;
     o.expect_shape(OP, "o", q.shape())?;
     lse.expect_shape(OP, "lse", &[b, hq, s])?;
-    let (dos, os, lses) = (T::slice(d_o, OP)?, T::slice(o, OP)?, T::slice(lse, OP)?);
+    let (dos, os) = (T::slice(d_o, OP)?, T::slice(o, OP)?);
+    let lses: Vec<T> = (T::Acc::slice(lse, OP)?.iter())
+        .map(|&x| T::from_acc(x))
+        .collect();
 
     // D_i = dO_i · O_i, the softmax-backward row term, stored like lse.
     let mut delta = vec![T::ZERO; b * hq * s];
@@ -310,7 +315,7 @@ fn attention_backward_t<T: FloatStorage>(
         k: &kh,
         v: &vh,
         d_o: &doh,
-        lse: lses,
+        lse: &lses,
         delta: &delta,
     };
     let mut dq = vec![T::ZERO; qh.len()];

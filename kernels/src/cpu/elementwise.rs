@@ -193,11 +193,19 @@ fn fill_t(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor<Cpu>> {
             }
             index_tensor(vec![value as i32; n], shape)
         }
-        DType::BF16 => Err(KernelError::UnsupportedDType {
-            op: OP,
-            dtype,
-            backend: "cpu",
-        }),
+        DType::BF16 => {
+            let v = super::bf16::round_f64(value);
+            if value.is_finite() && !v.is_finite() {
+                return Err(arg_err(
+                    OP,
+                    format!(
+                        "value {value:e} is beyond BF16's range (±{:e}); use F64 or pass ±inf explicitly",
+                        half::bf16::MAX.to_f64()
+                    ),
+                ));
+            }
+            super::Bf16::tensor(vec![super::Bf16::round(v); n], shape)
+        }
     }
 }
 
@@ -308,7 +316,7 @@ pub(crate) trait RoundBf16: FloatStorage {
 /// kept LSB carries into the kept bits exactly when the dropped half is above
 /// the tie, or at the tie with an odd kept LSB. A carry out of the mantissa
 /// bumps the exponent, which is also right (up to infinity on overflow).
-fn f32_to_bf16_bits(x: f32) -> u32 {
+pub(crate) fn f32_to_bf16_bits(x: f32) -> u32 {
     let bits = x.to_bits();
     if x.is_nan() {
         // Truncating could clear every mantissa bit and turn NaN into infinity.
@@ -329,7 +337,7 @@ impl RoundBf16 for f32 {
 /// than the final one (24 ≥ 8 + 2) makes the second, nearest-even, rounding
 /// correct, where f64 → f32 → bf16 with nearest-even twice could round a value
 /// just above a bf16 tie down to the tie and then to even.
-fn f64_to_f32_odd(x: f64) -> f32 {
+pub(crate) fn f64_to_f32_odd(x: f64) -> f32 {
     let f = x as f32;
     if x.is_nan() || f as f64 == x {
         return f;
@@ -340,6 +348,13 @@ fn f64_to_f32_odd(x: f64) -> f32 {
         bits -= 1;
     }
     f32::from_bits(bits | 1)
+}
+
+impl RoundBf16 for super::Bf16 {
+    fn round_bf16(self) -> Self {
+        // Stored bf16 values are representable already: the identity there.
+        self.stored()
+    }
 }
 
 impl RoundBf16 for f64 {
@@ -519,7 +534,7 @@ fn axpy_t<T: FloatStorage>(y: &mut Tensor<Cpu>, alpha: f64, x: &Tensor<Cpu>) -> 
     ys.par_iter_mut()
         .zip(xs.par_iter())
         .with_min_len(GRAIN)
-        .for_each(|(y, &x)| *y += a * x);
+        .for_each(|(y, &x)| *y = (*y + a * x).stored());
     Ok(())
 }
 
@@ -1146,18 +1161,15 @@ mod tests {
                 "{bad}: {err:?}"
             );
         }
-        // bf16 is storage the CPU does not have; where it exists, fill works.
-        match d.fill(&[2], 1.0, DType::BF16) {
-            Ok(t) => assert_eq!(d.h64(&t), vec![1.0; 2]),
-            Err(e) => assert_eq!(
-                e,
-                KernelError::UnsupportedDType {
-                    op: "fill",
-                    dtype: DType::BF16,
-                    backend: B::NAME
-                }
-            ),
-        }
+        // bf16 (emulated on the CPU): rounded to nearest even, range-checked.
+        let t = d.fill(&[2], 1.0 / 3.0, DType::BF16).unwrap();
+        assert_eq!(t.dtype(), DType::BF16);
+        assert_eq!(d.h64(&t), vec![half::bf16::from_f64(1.0 / 3.0).to_f64(); 2]);
+        let err = d.fill(&[2], 1e39, DType::BF16).unwrap_err();
+        assert!(
+            matches!(&err, KernelError::InvalidArgument { op: "fill", detail } if detail.contains("BF16")),
+            "{err:?}"
+        );
     }
 
     fn softmax_rows_sum_to_one_and_resist_overflow<B: TestOps>(d: &B) {

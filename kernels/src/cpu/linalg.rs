@@ -93,23 +93,26 @@ fn gemm_into<T: FloatStorage>(
     // SAFETY: `covers` checked that every element the product reads lies in
     // `a.data` / `b.data`, and `dst` holds `m·n` row-major elements; the
     // output does not alias the inputs (it is a distinct `&mut`).
+    // `T` and `T::Gemm` have one layout (the same type, or `Bf16`, a
+    // `repr(transparent)` f32), so the pointer casts reinterpret nothing.
+    let (zero, one) = (T::to_gemm(T::ZERO), T::to_gemm(T::ONE));
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst.as_mut_ptr().cast::<T::Gemm>(),
             1,
             n as isize,
             false,
-            a.data.as_ptr(),
+            a.data.as_ptr().cast::<T::Gemm>(),
             a.cs as isize,
             a.rs as isize,
-            b.data.as_ptr(),
+            b.data.as_ptr().cast::<T::Gemm>(),
             b.cs as isize,
             b.rs as isize,
-            T::ZERO,
-            T::ONE,
+            zero,
+            one,
             false,
             false,
             false,

@@ -145,6 +145,7 @@ impl LossOps for Cpu {
         match dtype {
             DType::F32 => valid_mask_t::<f32>(targets),
             DType::F64 => valid_mask_t::<f64>(targets),
+            DType::BF16 => valid_mask_t::<super::Bf16>(targets),
             other => Err(KernelError::UnsupportedDType {
                 op: "valid_mask",
                 dtype: other,

@@ -1,10 +1,11 @@
 //! The CPU backend: the numerical reference and the default device.
 //!
 //! Storage is a plain `Vec` per dtype; every op is written once, generic over
-//! [`Float`] (f32 and f64), and dispatched on the dtype here. Large loops run
-//! on rayon's pool.
+//! [`Float`] (f32, f64 and the bf16 emulation [`Bf16`]), and dispatched on
+//! the dtype here. Large loops run on rayon's pool.
 
 mod attention;
+mod bf16;
 mod elementwise;
 mod linalg;
 mod loss;
@@ -14,6 +15,10 @@ mod optim;
 mod routing;
 #[cfg(test)]
 pub(crate) mod test_util;
+
+use rayon::prelude::*;
+
+pub use bf16::Bf16;
 
 use crate::backend::Device;
 use crate::error::{KernelError, Result};
@@ -30,6 +35,8 @@ pub enum CpuStorage {
     F32(Vec<f32>),
     /// f64 values.
     F64(Vec<f64>),
+    /// bf16 values, emulated: f32s that are exactly representable in bf16.
+    BF16(Vec<Bf16>),
     /// i32 values.
     I32(Vec<i32>),
 }
@@ -39,6 +46,7 @@ impl StorageInfo for CpuStorage {
         match self {
             CpuStorage::F32(_) => DType::F32,
             CpuStorage::F64(_) => DType::F64,
+            CpuStorage::BF16(_) => DType::BF16,
             CpuStorage::I32(_) => DType::I32,
         }
     }
@@ -46,6 +54,7 @@ impl StorageInfo for CpuStorage {
         match self {
             CpuStorage::F32(v) => v.len(),
             CpuStorage::F64(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
             CpuStorage::I32(v) => v.len(),
         }
     }
@@ -126,17 +135,47 @@ impl_float!(f64);
 
 /// Float-typed views of CPU storage, so generic kernels can borrow their inputs.
 pub trait FloatStorage: Float {
+    /// The accumulation type: statistics a GPU keeps in it for this dtype
+    /// (attention's log-sum-exp) are stored in it. f32 for bf16, else `Self`.
+    type Acc: FloatStorage;
+    /// The element type the `gemm` crate sees: `Self`, or f32 for [`Bf16`]
+    /// (same layout), which the crate does not know.
+    type Gemm: Copy + 'static;
+    /// The value as the `gemm` crate's element type (exact).
+    fn to_gemm(self) -> Self::Gemm;
     /// The values of `t` if it holds this float type.
     fn slice<'a>(t: &'a Tensor<Cpu>, op: &'static str) -> Result<&'a [Self]>;
-    /// The values of `t`, mutably, if it holds this float type.
+    /// The values of `t`, mutably, if it holds this float type. A kernel
+    /// writing through it stores [`FloatStorage::stored`] values.
     fn slice_mut<'a>(t: &'a mut Tensor<Cpu>, op: &'static str) -> Result<&'a mut [Self]>;
-    /// Wraps values into a tensor of `shape`.
+    /// Wraps values into a tensor of `shape`, each rounded to the dtype
+    /// ([`FloatStorage::stored`]): a kernel's one rounding of its outputs.
     fn tensor(v: Vec<Self>, shape: &[usize]) -> Result<Tensor<Cpu>>;
+    /// The value as the dtype stores it: itself, or rounded to nearest even
+    /// for bf16.
+    fn stored(self) -> Self {
+        self
+    }
+    /// Widens to the accumulation type (exact).
+    fn to_acc(self) -> Self::Acc;
+    /// A value of the accumulation type as a kernel intermediate (exact).
+    fn from_acc(a: Self::Acc) -> Self;
 }
 
 macro_rules! impl_float_storage {
     ($t:ty, $variant:ident, $dtype:ident) => {
         impl FloatStorage for $t {
+            type Acc = $t;
+            type Gemm = $t;
+            fn to_gemm(self) -> Self {
+                self
+            }
+            fn to_acc(self) -> Self {
+                self
+            }
+            fn from_acc(a: Self) -> Self {
+                a
+            }
             fn slice<'a>(t: &'a Tensor<Cpu>, op: &'static str) -> Result<&'a [Self]> {
                 match t.storage() {
                     CpuStorage::$variant(v) => Ok(v),
@@ -167,6 +206,50 @@ macro_rules! impl_float_storage {
 impl_float_storage!(f32, F32, F32);
 impl_float_storage!(f64, F64, F64);
 
+impl FloatStorage for Bf16 {
+    type Acc = f32;
+    type Gemm = f32;
+    fn to_gemm(self) -> f32 {
+        self.to_f32()
+    }
+    fn slice<'a>(t: &'a Tensor<Cpu>, op: &'static str) -> Result<&'a [Self]> {
+        match t.storage() {
+            CpuStorage::BF16(v) => Ok(v),
+            other => Err(KernelError::DTypeMismatch {
+                op,
+                expected: DType::BF16,
+                got: other.dtype(),
+            }),
+        }
+    }
+    fn slice_mut<'a>(t: &'a mut Tensor<Cpu>, op: &'static str) -> Result<&'a mut [Self]> {
+        let got = t.dtype();
+        match t.storage_mut() {
+            CpuStorage::BF16(v) => Ok(v),
+            _ => Err(KernelError::DTypeMismatch {
+                op,
+                expected: DType::BF16,
+                got,
+            }),
+        }
+    }
+    fn tensor(mut v: Vec<Self>, shape: &[usize]) -> Result<Tensor<Cpu>> {
+        v.par_iter_mut()
+            .with_min_len(elementwise::GRAIN)
+            .for_each(|x| *x = x.stored());
+        Tensor::from_storage(CpuStorage::BF16(v), shape)
+    }
+    fn stored(self) -> Self {
+        Bf16::round(self.to_f32())
+    }
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(a: f32) -> Self {
+        Bf16::raw(a)
+    }
+}
+
 /// The i32 values of an index tensor, or a dtype error naming `op`.
 pub fn index_slice<'a>(t: &'a Tensor<Cpu>, op: &'static str) -> Result<&'a [i32]> {
     match t.storage() {
@@ -193,6 +276,7 @@ macro_rules! cpu_float_dispatch {
         match $t.dtype() {
             $crate::tensor::DType::F32 => $f::<f32>($($arg),*),
             $crate::tensor::DType::F64 => $f::<f64>($($arg),*),
+            $crate::tensor::DType::BF16 => $f::<$crate::cpu::Bf16>($($arg),*),
             other => Err($crate::error::KernelError::UnsupportedDType {
                 op: $op,
                 dtype: other,
@@ -219,6 +303,8 @@ impl Device for Cpu {
         Ok(match t.storage() {
             CpuStorage::F32(v) => HostData::F32(v.clone()),
             CpuStorage::F64(v) => HostData::F64(v.clone()),
+            // Exact, as on CUDA: the host side has no bf16 type.
+            CpuStorage::BF16(v) => HostData::F32(v.iter().map(|x| x.to_f32()).collect()),
             CpuStorage::I32(v) => HostData::I32(v.clone()),
         })
     }
@@ -229,13 +315,7 @@ impl Device for Cpu {
             DType::F32 => CpuStorage::F32(vec![0.0; n]),
             DType::F64 => CpuStorage::F64(vec![0.0; n]),
             DType::I32 => CpuStorage::I32(vec![0; n]),
-            DType::BF16 => {
-                return Err(KernelError::UnsupportedDType {
-                    op: "zeros",
-                    dtype,
-                    backend: "cpu",
-                })
-            }
+            DType::BF16 => CpuStorage::BF16(vec![Bf16::default(); n]),
         };
         Tensor::from_storage(storage, shape)
     }
@@ -247,11 +327,14 @@ impl Device for Cpu {
             DType::F64 => HostData::F64(host.to_f64()),
             DType::I32 => HostData::I32(host.to_f64().iter().map(|&x| x as i32).collect()),
             DType::BF16 => {
-                return Err(KernelError::UnsupportedDType {
-                    op: "cast",
-                    dtype,
-                    backend: "cpu",
-                })
+                // One rounding from the source's own values (f64 included).
+                let v: Vec<Bf16> = match host {
+                    HostData::F32(v) => v.into_iter().map(Bf16::round).collect(),
+                    other => (other.to_f64().into_iter())
+                        .map(|x| Bf16::raw(bf16::round_f64(x)))
+                        .collect(),
+                };
+                return Tensor::from_storage(CpuStorage::BF16(v), t.shape());
             }
         };
         self.upload(data, t.shape())

@@ -5,12 +5,14 @@
 use super::Cpu;
 use crate::backend::{Device, OffloadOps};
 use crate::error::Result;
-use crate::tensor::{HostData, Tensor};
+use crate::tensor::{DType, HostData, Tensor};
 
 /// An offloaded CPU tensor: its values in a buffer of their own.
 #[derive(Debug)]
 pub struct CpuOffloaded {
     data: HostData,
+    /// The tensor's dtype: bf16 travels as (exact) f32 host data.
+    dtype: DType,
     shape: Vec<usize>,
 }
 
@@ -20,6 +22,7 @@ impl OffloadOps for Cpu {
     fn offload(&self, t: &Tensor<Self>) -> Result<CpuOffloaded> {
         Ok(CpuOffloaded {
             data: self.download(t)?,
+            dtype: t.dtype(),
             shape: t.shape().to_vec(),
         })
     }
@@ -29,13 +32,20 @@ impl OffloadOps for Cpu {
     }
 
     fn reload(&self, h: CpuOffloaded) -> Result<Tensor<Self>> {
-        self.upload(h.data, &h.shape)
+        let t = self.upload(h.data, &h.shape)?;
+        if t.dtype() == h.dtype {
+            Ok(t)
+        } else {
+            // Exact: the values were bf16 already.
+            self.cast(&t, h.dtype)
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use crate::cpu::test_util::*;
+    use crate::tensor::DType;
 
     /// Offloaded tensors come back bit for bit, in their dtype and shape,
     /// whatever happens to the original meanwhile, prefetched or not.
@@ -45,6 +55,13 @@ mod tests {
             let n: usize = shape.iter().product();
             let v: Vec<f64> = (0..n).map(|j| (j as f64 * 0.37 + i as f64).sin()).collect();
             let t = d.t32(&v.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape);
+            // Every other tensor in bf16, which both backends store.
+            let t = if i == 1 {
+                d.cast(&t, DType::BF16).unwrap()
+            } else {
+                t
+            };
+            let dtype = t.dtype();
             let want = d.h64(&t);
             let mut h = d.offload(&t).unwrap();
             drop(t);
@@ -54,7 +71,7 @@ mod tests {
                 d.prefetch(&mut h).unwrap();
             }
             let back = d.reload(h).unwrap();
-            assert_eq!(back.shape(), *shape);
+            assert_eq!((back.shape(), back.dtype()), (*shape, dtype));
             assert_eq!(d.h64(&back), want, "shape {shape:?}");
             assert_eq!(d.h64(&other), vec![7.0; n]);
         }

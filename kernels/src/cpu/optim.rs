@@ -8,8 +8,8 @@ use super::elementwise::GRAIN;
 use super::{Cpu, Float, FloatStorage};
 use crate::backend::{check_adamw_args, check_adamw_master_args, AdamWConfig, OptimOps};
 use crate::cpu_float_dispatch;
-use crate::error::{KernelError, Result};
-use crate::tensor::{DType, Tensor};
+use crate::error::Result;
+use crate::tensor::Tensor;
 
 /// The scalars of one step in the compute type `A`: bias corrections and
 /// step sizes are formed in f64, then rounded once (as the CUDA kernel does).
@@ -73,13 +73,19 @@ fn adamw_t<T: FloatStorage>(
         .zip(gs.par_iter())
         .zip(ms.par_iter_mut().zip(vs.par_iter_mut()))
         .with_min_len(GRAIN)
-        .for_each(|((p, &g), (m, v))| *p = update(&k, *p, g, m, v));
+        .for_each(|((p, &g), (m, v))| {
+            // Computed in f32 for bf16, each stored value rounded once.
+            *p = update(&k, *p, g, m, v).stored();
+            *m = m.stored();
+            *v = v.stored();
+        });
     Ok(())
 }
 
-/// The master path. CPU parameters are f32 (the CPU stores no bf16), so the
-/// rounding of the master to the parameter's dtype is exact here.
-fn adamw_master(
+/// The master path, for f32 or bf16 parameters (`T`): the update runs in f32
+/// on the master, which is then rounded to the parameter's dtype (exact for
+/// f32, nearest even for bf16).
+fn adamw_master_t<T: FloatStorage>(
     param: &mut Tensor<Cpu>,
     grad: &Tensor<Cpu>,
     master: &mut Tensor<Cpu>,
@@ -89,26 +95,20 @@ fn adamw_master(
 ) -> Result<()> {
     const OP: &str = "adamw_step_master";
     check_adamw_master_args(OP, param, grad, master, m, v, cfg)?;
-    if param.dtype() != DType::F32 {
-        return Err(KernelError::UnsupportedDType {
-            op: OP,
-            dtype: param.dtype(),
-            backend: "cpu",
-        });
-    }
     let k = Coeffs::<f32>::new(cfg);
-    let gs = f32::slice(grad, OP)?;
+    let gs = T::slice(grad, OP)?;
     let ws = f32::slice_mut(master, OP)?;
     let ms = f32::slice_mut(m, OP)?;
     let vs = f32::slice_mut(v, OP)?;
-    let ps = f32::slice_mut(param, OP)?;
+    let ps = T::slice_mut(param, OP)?;
     ps.par_iter_mut()
         .zip(ws.par_iter_mut())
         .zip(gs.par_iter().zip(ms.par_iter_mut().zip(vs.par_iter_mut())))
         .with_min_len(GRAIN)
         .for_each(|((p, w), (&g, (m, v)))| {
-            *w = update(&k, *w, g, m, v);
-            *p = *w;
+            // `as f32` is exact: `g` is an f32 or a bf16 value.
+            *w = update(&k, *w, g.to_f64() as f32, m, v);
+            *p = T::from_f64(*w as f64).stored();
         });
     Ok(())
 }
@@ -134,7 +134,12 @@ impl OptimOps for Cpu {
         v: &mut Tensor<Self>,
         cfg: &AdamWConfig,
     ) -> Result<()> {
-        adamw_master(param, grad, master, m, v, cfg)
+        // f64 parameters were refused by the argument check.
+        cpu_float_dispatch!(
+            "adamw_step_master",
+            param,
+            adamw_master_t(param, grad, master, m, v, cfg)
+        )
     }
 }
 
@@ -281,9 +286,9 @@ mod tests {
         }
     }
 
-    /// The dtype whose parameters need a master copy: bf16 where the device
-    /// stores it; f32 on the CPU, where the master path is still the one
-    /// taken (and the rounding to the parameter is exact).
+    /// The dtype whose parameters need a master copy: bf16 (native on CUDA,
+    /// emulated on the CPU); f32 on a device that stored no bf16, where the
+    /// master path is still the one taken (and the rounding is exact).
     fn master_param_dtype<B: TestOps>(d: &B) -> DType {
         *Compare::precisions(d).last().expect("f32 at least")
     }

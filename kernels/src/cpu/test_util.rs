@@ -132,8 +132,8 @@ pub(crate) fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 /// Runs each op on a device and on the CPU reference with the same inputs
 /// and compares: f32 within 1e-5, bf16 within 1e-2 (relative, norm-wise). For
 /// bf16 the device gets bf16 tensors and the CPU the same values, rounded to
-/// bf16, in f32. The CPU compared with itself passes trivially; the body
-/// is written for the GPU.
+/// bf16, in f32. The CPU compared with itself in f32 passes trivially; in
+/// bf16 it tests the CPU's bf16 emulation.
 pub(crate) struct Compare<'a, B: Device> {
     /// The device under test.
     pub(crate) d: &'a B,
@@ -147,7 +147,8 @@ pub(crate) struct Compare<'a, B: Device> {
 
 impl<'a, B: Device> Compare<'a, B> {
     /// The precisions `d` can be compared in: F32 always, BF16 where `d`
-    /// stores it (not the CPU).
+    /// stores it (natively on CUDA, emulated on the CPU, where the
+    /// comparison checks the emulation against the f32 reference).
     pub(crate) fn precisions(d: &B) -> Vec<DType> {
         let probe = d.upload(HostData::F32(vec![1.0]), &[1]).unwrap();
         match d.cast(&probe, DType::BF16) {
