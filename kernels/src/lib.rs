@@ -11,6 +11,7 @@ pub mod comm;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+pub mod fp8;
 pub mod gradcheck;
 pub mod tensor;
 

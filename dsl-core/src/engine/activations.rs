@@ -17,7 +17,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use foldmoe_kernels::{Backend, DType, HostData, Tensor};
+use foldmoe_kernels::fp8::Fp8Tensor;
+use foldmoe_kernels::{Backend, DType, Tensor};
 use serde::Serialize;
 
 use super::Result;
@@ -261,119 +262,85 @@ pub fn hold_all<B: Backend>(
     ledger.hold(layer, device, 0)
 }
 
-/// The largest finite e4m3 (OCP `E4M3FN`) value.
-pub const E4M3_MAX: f64 = 448.0;
-
-/// The e4m3 code of `v` (already scaled into range), rounded to nearest
-/// even and saturated at ±448.
-pub fn e4m3_encode(v: f64) -> u8 {
-    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
-    let a = v.abs().min(E4M3_MAX);
-    if a.is_nan() {
-        return 0x7f;
-    }
-    // The exponent of `a` (subnormals below 2^-6 share exponent -6); a
-    // quantum of 2^(e-3) gives the three mantissa bits.
-    let e = if a > 0.0 {
-        a.log2().floor().max(-6.0)
-    } else {
-        -6.0
-    };
-    let quantum = (e - 3.0).exp2();
-    let q = (a / quantum).round_ties_even() * quantum;
-    let q = q.min(E4M3_MAX);
-    if q < (-6f64).exp2() {
-        return sign | (q / (-9f64).exp2()) as u8;
-    }
-    let e = q.log2().floor();
-    let m = (q / e.exp2() * 8.0 - 8.0) as u8;
-    sign | (((e as i32 + 7) as u8) << 3) | m
-}
-
-/// The value of e4m3 code `c`.
-pub fn e4m3_decode(c: u8) -> f64 {
-    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = (((c >> 3) & 0xf) as i32, (c & 7) as f64);
-    let mag = if e == 0 {
-        m * (-9f64).exp2()
-    } else {
-        (1.0 + m / 8.0) * ((e - 7) as f64).exp2()
-    };
-    sign * mag
-}
-
-/// Elements per fp8 scaling block: 1 × 128 along the last dimension
-/// (DESIGN §5's activation blocks).
-pub const FP8_BLOCK: usize = 128;
-
-/// A tensor compressed to e4m3 with one scale (`amax / 448`) per block of
-/// [`FP8_BLOCK`] consecutive elements of a row (the last block of a row may
-/// be shorter), so one large value costs precision only in its block. The
-/// ledger counts one byte per element; the scales (one f64 per block,
-/// host-side) are not counted.
-#[derive(Debug)]
-struct Fp8 {
-    codes: Vec<u8>,
-    scales: Vec<f64>,
-    /// Elements per row (the last dimension).
-    row: usize,
-    dtype: DType,
-}
-
-impl Fp8 {
-    fn encode(data: &HostData, shape: &[usize]) -> Fp8 {
-        let v = data.to_f64();
-        let row = shape.last().copied().unwrap_or(1).max(1);
-        let mut scales = Vec::with_capacity(v.len().div_ceil(FP8_BLOCK));
-        let mut codes = Vec::with_capacity(v.len());
-        for r in v.chunks(row) {
-            for block in r.chunks(FP8_BLOCK) {
-                let amax = block.iter().fold(0f64, |m, x| m.max(x.abs()));
-                let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-                codes.extend(block.iter().map(|x| e4m3_encode(x / scale)));
-                scales.push(scale);
-            }
-        }
-        Fp8 {
-            codes,
-            scales,
-            row,
-            dtype: data.dtype(),
-        }
-    }
-
-    fn decode(&self) -> HostData {
-        let mut v = Vec::with_capacity(self.codes.len());
-        let mut scales = self.scales.iter();
-        for r in self.codes.chunks(self.row) {
-            for block in r.chunks(FP8_BLOCK) {
-                let scale = scales.next().copied().unwrap_or(1.0);
-                v.extend(block.iter().map(|&c| e4m3_decode(c) * scale));
-            }
-        }
-        match self.dtype {
-            DType::F64 => HostData::F64(v),
-            _ => HostData::F32(v.into_iter().map(|x| x as f32).collect()),
-        }
-    }
-}
-
-/// Where a stashed tensor waits for its backward.
+/// Where a stashed tensor waits for its backward. The handles are the
+/// stashing backend's types, boxed so a stash need not name its backend.
 enum Stored {
-    /// Offloaded by the backend (`OffloadOps::Offloaded` of the backend
-    /// that stashed it): a host copy on the CPU, pinned memory filled on a
-    /// copy stream on CUDA.
-    Offloaded(Box<dyn std::any::Any + Send + Sync>),
-    /// Compressed to fp8 (on the device, or in the host pool when also offloaded).
-    Fp8(Fp8),
+    /// Offloaded by the backend (`OffloadOps::Offloaded`): a host copy on
+    /// the CPU, pinned memory filled on a copy stream on CUDA.
+    Offloaded(Handle),
+    /// Compressed to fp8 on the device (an [`Fp8Tensor`]).
+    Fp8(Handle),
+    /// Compressed to fp8 on the device, then the codes and the scales
+    /// offloaded.
+    Fp8Offloaded {
+        codes: Handle,
+        scales: Handle,
+        shape: Vec<usize>,
+        dtype: DType,
+    },
 }
+
+/// A backend-typed value behind a type-erased box.
+type Handle = Box<dyn std::any::Any + Send + Sync>;
 
 impl std::fmt::Debug for Stored {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Stored::Offloaded(_) => write!(f, "Offloaded"),
-            Stored::Fp8(x) => write!(f, "{x:?}"),
+            Stored::Fp8(_) => write!(f, "Fp8"),
+            Stored::Fp8Offloaded { shape, dtype, .. } => {
+                write!(f, "Fp8Offloaded({shape:?}, {dtype:?})")
+            }
         }
+    }
+}
+
+/// `h` as the value `B` stashed, or an error naming `what` if another
+/// backend stashed it.
+fn unbox<T: 'static>(h: Handle, what: &str) -> Result<T> {
+    h.downcast::<T>().map(|b| *b).map_err(|_| {
+        super::EngineError::Invalid(format!(
+            "restoring saved activations: {what} was stashed by another backend"
+        ))
+    })
+}
+
+impl Stored {
+    /// The tensor back on the device (reloaded, expanded from fp8).
+    fn restore<B: Backend>(self, b: &B) -> Result<Tensor<B>> {
+        Ok(match self {
+            Stored::Offloaded(h) => b.reload(unbox::<B::Offloaded>(h, "an offloaded tensor")?)?,
+            Stored::Fp8(h) => b.expand_fp8(&unbox::<Fp8Tensor<B>>(h, "an fp8 tensor")?)?,
+            Stored::Fp8Offloaded {
+                codes,
+                scales,
+                shape,
+                dtype,
+            } => {
+                let f = Fp8Tensor {
+                    codes: b.reload(unbox::<B::Offloaded>(codes, "offloaded fp8 codes")?)?,
+                    scales: b.reload(unbox::<B::Offloaded>(scales, "offloaded fp8 scales")?)?,
+                    shape,
+                    dtype,
+                };
+                b.expand_fp8(&f)?
+            }
+        })
+    }
+
+    /// Starts the way back of whatever of it was offloaded.
+    fn prefetch<B: Backend>(&mut self, b: &B) -> Result<()> {
+        let handles = match self {
+            Stored::Offloaded(h) => vec![h],
+            Stored::Fp8Offloaded { codes, scales, .. } => vec![codes, scales],
+            Stored::Fp8(_) => Vec::new(),
+        };
+        for h in handles {
+            if let Some(h) = h.downcast_mut::<B::Offloaded>() {
+                b.prefetch(h)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -383,9 +350,8 @@ enum Action {
     Keep,
     /// Dropped by recompute; refilled from a rerun of the forward.
     Dropped,
-    /// Moved into `Stash::stored[i]`, with its shape and dtype (an fp8
-    /// copy decodes to a wider dtype: bf16 downloads as f32).
-    Stored(usize, Vec<usize>, DType),
+    /// Moved into `Stash::stored[i]`.
+    Stored(usize),
 }
 
 /// A block's saved state under its policy: which slots were dropped, which
@@ -394,8 +360,9 @@ enum Action {
 /// Offload goes through the backend's `OffloadOps`: on the CPU a copy into
 /// a buffer of its own, on CUDA pinned host memory filled and emptied on a
 /// copy stream, with [`Stash::prefetch`] starting the way back one block
-/// ahead of the backward. fp8 compression is a host round trip (download,
-/// quantise, upload in backward), since the `Backend` trait has no fp8 cast.
+/// ahead of the backward. fp8 compression goes through the backend too
+/// (`OffloadOps::compress_fp8`, on the device on CUDA); a part both
+/// compressed and offloaded has its codes and scales offloaded.
 #[derive(Debug)]
 pub struct Stash {
     actions: Vec<Action>,
@@ -471,11 +438,7 @@ impl Stash {
     /// backward of the block after this one).
     pub fn prefetch<B: Backend>(&mut self, b: &B) -> Result<()> {
         for stored in self.stored.iter_mut().flatten() {
-            if let Stored::Offloaded(h) = stored {
-                if let Some(h) = h.downcast_mut::<B::Offloaded>() {
-                    b.prefetch(h)?;
-                }
-            }
+            stored.prefetch(b)?;
         }
         Ok(())
     }
@@ -514,29 +477,10 @@ impl Stash {
                          recompute but the rerun did not provide it"
                     ))),
                 },
-                Some(Action::Stored(k, shape, dtype)) => {
-                    match self.stored.get_mut(*k).and_then(Option::take) {
-                        Some(Stored::Offloaded(h)) => match h.downcast::<B::Offloaded>() {
-                            Ok(h) => b.reload(*h).map(|x| *t = x).map_err(Into::into),
-                            Err(_) => Err(super::EngineError::Invalid(format!(
-                                "restoring saved activations: slot {i} was offloaded by \
-                                 another backend"
-                            ))),
-                        },
-                        Some(Stored::Fp8(f)) => b
-                            .upload(f.decode(), shape)
-                            .and_then(|x| {
-                                *t = if x.dtype() == *dtype {
-                                    x
-                                } else {
-                                    b.cast(&x, *dtype)?
-                                };
-                                Ok(())
-                            })
-                            .map_err(Into::into),
-                        None => Ok(()),
-                    }
-                }
+                Some(Action::Stored(k)) => match self.stored.get_mut(*k).and_then(Option::take) {
+                    Some(stored) => stored.restore(b).map(|x| *t = x),
+                    None => Ok(()),
+                },
             };
             if let Err(e) = result {
                 failure.get_or_insert(e);
@@ -589,68 +533,30 @@ fn place<B: Backend>(
     if slot.alias || !(offload || fp8) || !t.dtype().is_float() {
         return Ok((Action::Keep, tensor_bytes(t)));
     }
-    let (shape, dtype) = (t.shape().to_vec(), t.dtype());
-    let bytes = if fp8 {
-        t.numel() as u64
-    } else {
-        tensor_bytes(t)
+    // fp8 is counted at a byte per element; its scales (4 bytes per 128
+    // elements) are not, as the planner does not count them either.
+    let (bytes, entry) = match (fp8, offload) {
+        (true, false) => (t.numel() as u64, Stored::Fp8(Box::new(b.compress_fp8(t)?))),
+        (true, true) => {
+            let f = b.compress_fp8(t)?;
+            let entry = Stored::Fp8Offloaded {
+                codes: Box::new(b.offload(&f.codes)?),
+                scales: Box::new(b.offload(&f.scales)?),
+                shape: f.shape,
+                dtype: f.dtype,
+            };
+            (t.numel() as u64, entry)
+        }
+        _ => (tensor_bytes(t), Stored::Offloaded(Box::new(b.offload(t)?))),
     };
-    stored.push(Some(if fp8 {
-        Stored::Fp8(Fp8::encode(&b.download(t)?, &shape))
-    } else {
-        Stored::Offloaded(Box::new(b.offload(t)?))
-    }));
-    *t = placeholder(b, dtype)?;
-    Ok((Action::Stored(stored.len() - 1, shape, dtype), bytes))
+    stored.push(Some(entry));
+    *t = placeholder(b, t.dtype())?;
+    Ok((Action::Stored(stored.len() - 1), bytes))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn e4m3_round_trips_its_codes_and_rounds_to_nearest() {
-        for c in 0u8..=0xff {
-            // 0x7f / 0xff are NaN in E4M3FN.
-            if c & 0x7f == 0x7f {
-                continue;
-            }
-            let v = e4m3_decode(c);
-            let back = e4m3_encode(v);
-            // ±0 both decode to 0.
-            assert!(back == c || v == 0.0, "code {c:#x} → {v} → {back:#x}");
-        }
-        assert_eq!(e4m3_decode(e4m3_encode(448.0)), 448.0);
-        assert_eq!(e4m3_decode(e4m3_encode(1000.0)), 448.0);
-        assert_eq!(e4m3_decode(e4m3_encode(1.0 + 1.0 / 32.0)), 1.0);
-        assert_eq!(e4m3_decode(e4m3_encode(-0.3)), -0.3125);
-        // Smallest subnormal 2^-9.
-        assert_eq!(e4m3_decode(1), (-9f64).exp2());
-    }
-
-    /// Each 1×128 block has its own scale: small values next to an outlier
-    /// in another block keep e4m3's relative precision (3 mantissa bits);
-    /// under one scale per tensor they would flush to zero.
-    #[test]
-    fn fp8_blocks_scale_separately() {
-        let mut v: Vec<f64> = (0..300).map(|i| (i as f64 * 0.1).sin() * 1e-2).collect();
-        v[200] = 1e4;
-        let f = Fp8::encode(&HostData::F64(v.clone()), &[1, 300]);
-        assert_eq!(f.scales.len(), 3, "blocks of 128, 128 and 44");
-        let back = f.decode().to_f64();
-        for (range, what) in [(0..128, "first"), (256..300, "last, short")] {
-            let amax = v[range.clone()].iter().fold(0f64, |m, x| m.max(x.abs()));
-            for i in range {
-                assert!(
-                    (back[i] - v[i]).abs() <= amax / 16.0,
-                    "{what} block, element {i}: {} for {}",
-                    back[i],
-                    v[i]
-                );
-            }
-        }
-        assert_eq!(back[200], 1e4);
-    }
 
     #[test]
     fn ledger_peaks_and_releases_on_drop() {
@@ -669,10 +575,11 @@ mod tests {
     }
 
     use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::HostData;
 
     use crate::engine::model::Model;
     use crate::engine::param::Module;
-    use crate::engine::testutil::{i32_tensor, small_moe, small_spec, values};
+    use crate::engine::testutil::{small_moe, small_spec, values};
     use crate::spec::{FfnSpec, MlaSpec, ModelSpec, OffloadPart as O, RecomputePart as R};
 
     /// An MoE block with MLA attention, a dense block and an MoE block (shared
@@ -707,7 +614,11 @@ mod tests {
     /// One forward and backward of `spec` (every group under `policy`) in
     /// `dtype`; the ledger must be empty afterwards.
     fn run(spec: &ModelSpec, policy: &Policy, dtype: DType) -> Run {
-        let b = Cpu;
+        run_on(&Cpu, spec, policy, dtype)
+    }
+
+    /// [`run`] on any backend.
+    fn run_on<B: Backend>(b: &B, spec: &ModelSpec, policy: &Policy, dtype: DType) -> Run {
         let mut spec = spec.clone();
         for g in &mut spec.groups {
             g.policy = policy.clone();
@@ -724,14 +635,16 @@ mod tests {
                 list.retain(|o| is_moe || !matches!(o, O::ExpertFc1 | O::MoeAct));
             }
         }
-        let mut model = Model::new(&b, &spec, 5, dtype).unwrap();
-        let tokens = i32_tensor(vec![3, 0, 6, 1, 7, 2, 5, 4], &[2, 4]);
-        let targets = i32_tensor(vec![0, 6, 1, 5, 2, 5, 4, 3], &[2, 4]);
-        let out = model.forward(&b, &tokens, &targets).unwrap();
-        let loss = vec![values(&out.loss)[0], values(&out.aux_loss)[0]];
-        model.backward(&b, out.saved, 1.0).unwrap();
+        let mut model = Model::new(b, &spec, 5, dtype).unwrap();
+        let ids = |v: Vec<i32>| b.upload(HostData::I32(v), &[2, 4]).unwrap();
+        let tokens = ids(vec![3, 0, 6, 1, 7, 2, 5, 4]);
+        let targets = ids(vec![0, 6, 1, 5, 2, 5, 4, 3]);
+        let out = model.forward(b, &tokens, &targets).unwrap();
+        let host = |t: &Tensor<B>| b.download(t).unwrap().to_f64();
+        let loss = vec![host(&out.loss)[0], host(&out.aux_loss)[0]];
+        model.backward(b, out.saved, 1.0).unwrap();
         let mut grads = Vec::new();
-        model.visit_params(&mut |p| grads.push(values(&p.grad)));
+        model.visit_params(&mut |p| grads.push(host(&p.grad)));
         let c = model.ledger.counts();
         assert_eq!((c.device, c.host), (0, 0), "backward releases everything");
         Run {
@@ -844,18 +757,23 @@ mod tests {
                 "{part:?}: fp8 in the host pool"
             );
             assert_eq!(on_device.loss, keep.loss, "{part:?}: forward unchanged");
-            // Gradients near keep's: relative L2 error over all parameters.
-            let (mut err, mut norm) = (0f64, 0f64);
-            for (g, k) in on_device.grads.iter().zip(&keep.grads) {
-                for (a, b) in g.iter().zip(k) {
-                    err += (a - b) * (a - b);
-                    norm += b * b;
-                }
-            }
-            let rel = (err / norm).sqrt();
+            let rel = grad_error(&on_device, &keep);
             eprintln!("fp8 {part:?}: relative L2 gradient error {rel:.2e}");
             assert!(rel <= FP8_TOL, "{part:?}: relative gradient error {rel}");
         }
+    }
+
+    /// Relative L2 distance of `got`'s gradients from `want`'s, over all
+    /// parameters together.
+    fn grad_error(got: &Run, want: &Run) -> f64 {
+        let (mut err, mut norm) = (0f64, 0f64);
+        for (g, w) in got.grads.iter().zip(&want.grads) {
+            for (a, b) in g.iter().zip(w) {
+                err += (a - b) * (a - b);
+                norm += b * b;
+            }
+        }
+        (err / norm).sqrt()
     }
 
     /// Losses and every rank's gradients of one forward and backward of

@@ -52,7 +52,16 @@ pub(crate) const OPTIM: Module = Module {
 
 /// Every module, for checks that compile them all.
 #[cfg(test)]
-pub(crate) const ALL: [Module; 7] = [ELEMENTWISE, LINALG, NORM, LOSS, OPTIM, ATTENTION, ROUTING];
+pub(crate) const ALL: [Module; 8] = [
+    ELEMENTWISE,
+    LINALG,
+    NORM,
+    LOSS,
+    OPTIM,
+    ATTENTION,
+    ROUTING,
+    FP8,
+];
 
 /// Causal grouped-query attention, forward and backward.
 pub(crate) const ATTENTION: Module = Module {
@@ -63,6 +72,12 @@ pub(crate) const ATTENTION: Module = Module {
 pub(crate) const ROUTING: Module = Module {
     name: "routing.cu",
     src: include_str!("routing.cu"),
+};
+
+/// fp8 (e4m3) compression of saved activations, 1×128 block scales.
+pub(crate) const FP8: Module = Module {
+    name: "fp8.cu",
+    src: include_str!("fp8.cu"),
 };
 
 /// A compiled module and the kernels looked up in it so far.
