@@ -39,7 +39,7 @@ pub enum MasterWeights {
     Bf16,
     /// bf16 and f32 parameters. On f32 the master equals the parameter after
     /// every step, bit for bit, so this only changes the path the update
-    /// takes: it is how the CPU, which stores no bf16, tests that path.
+    /// takes: it tests that path on f32 parameters.
     Bf16AndF32,
 }
 
@@ -461,8 +461,8 @@ mod tests {
         assert_eq!(MasterWeights::default(), MasterWeights::Bf16);
     }
 
-    /// The CPU stores no bf16, so the master path is tested on f32
-    /// parameters: f32 master copies and moments, named `.fp32_param`, and
+    /// The master path on f32 parameters (bf16 ones: the tests below):
+    /// f32 master copies and moments, named `.fp32_param`, and
     /// updates bit-identical to the plain path's (one update per backend).
     #[test]
     fn master_copies_of_f32_params_change_only_the_path() {
@@ -519,25 +519,33 @@ mod tests {
         }
     }
 
-    /// bf16 parameters on CUDA (skipped, printing why, without a GPU): f32
-    /// masters and moments by default; with a constant gradient of 1 each
-    /// step is `w ← w·(1 − lr·wd) − lr/(1 + eps)`, worked on the host from
-    /// the initial weights, and every parameter is its master rounded to
-    /// bf16; a checkpoint of the state restores exactly.
+    /// bf16 parameters on the CPU (emulated bf16).
+    #[test]
+    fn bf16_params_on_cpu_keep_f32_masters() {
+        bf16_params_keep_f32_masters(&Cpu);
+    }
+
+    /// bf16 parameters on CUDA (skipped, printing why, without a GPU).
     #[test]
     fn bf16_params_on_cuda_keep_f32_masters() {
+        match foldmoe_kernels::cuda::Cuda::new(0) {
+            Ok(b) => bf16_params_keep_f32_masters(&b),
+            Err(e) => eprintln!("skipping CUDA test: {e}"),
+        }
+    }
+
+    /// bf16 parameters get f32 masters and moments by default; with a
+    /// constant gradient of 1 each step is `w ← w·(1 − lr·wd) − lr/(1 + eps)`,
+    /// worked on the host from the initial weights, and every parameter is
+    /// its master rounded to bf16; a checkpoint of the state restores exactly.
+    fn bf16_params_keep_f32_masters<B: foldmoe_kernels::Backend>(b: &B) {
         use crate::engine::checkpoint::{restore_trainer, trainer_tensors};
         use crate::engine::trainer::{TrainConfig, Trainer};
-        use foldmoe_kernels::cuda::Cuda;
         use foldmoe_kernels::ElementwiseOps;
-        let b = match Cuda::new(0) {
-            Ok(b) => b,
-            Err(e) => return eprintln!("skipping CUDA test: {e}"),
-        };
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
         let new = |seed| {
-            let model = Model::new(&b, &spec, seed, DType::BF16).unwrap();
-            Trainer::new(&b, model, TrainConfig::default()).unwrap()
+            let model = Model::new(b, &spec, seed, DType::BF16).unwrap();
+            Trainer::new(b, model, TrainConfig::default()).unwrap()
         };
         let mut trainer = new(3);
         assert!(trainer.opt.has_masters());
@@ -555,7 +563,7 @@ mod tests {
                 let ones = b.upload(HostData::F32(vec![1.0; p.grad.numel()]), p.grad.shape());
                 p.grad = b.cast(&ones.unwrap(), DType::BF16).unwrap();
             });
-            trainer.opt.step(&b, &mut trainer.model, lr).unwrap();
+            trainer.opt.step(b, &mut trainer.model, lr).unwrap();
             for (matrix, w) in &mut want {
                 let decay = if *matrix { 1.0 - lr * wd } else { 1.0 };
                 w.iter_mut()
@@ -591,10 +599,10 @@ mod tests {
             );
             i += 1;
         });
-        let saved = trainer_tensors(&b, &trainer).unwrap();
+        let saved = trainer_tensors(b, &trainer).unwrap();
         let mut fresh = new(4);
-        restore_trainer(&b, &mut fresh, saved.clone()).unwrap();
-        let mut got = trainer_tensors(&b, &fresh).unwrap();
+        restore_trainer(b, &mut fresh, saved.clone()).unwrap();
+        let mut got = trainer_tensors(b, &fresh).unwrap();
         let mut saved = saved;
         got.sort_by(|x, y| x.name.cmp(&y.name));
         saved.sort_by(|x, y| x.name.cmp(&y.name));
