@@ -78,7 +78,8 @@ pub struct BenchOptions {
     #[arg(long, default_value_t = 16384)]
     pub tokens: usize,
     /// Element type of parameters and activations: `bf16` or `f32`
-    /// (default: bf16 on cuda, f32 on the cpu, which has no bf16 kernels).
+    /// (default: bf16 on cuda, f32 on the cpu, whose bf16 is an emulation in
+    /// f32 for tests, not faster).
     #[arg(long)]
     pub dtype: Option<String>,
     /// Untimed iterations first (kernel compilation, allocator warm-up).

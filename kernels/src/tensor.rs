@@ -13,7 +13,9 @@ pub enum DType {
     F32,
     /// 64-bit float: used by gradient checks against finite differences.
     F64,
-    /// bfloat16 storage (CUDA); the CPU emulates it with `round_bf16` on f32.
+    /// bfloat16: native on CUDA; emulated on the CPU as bf16-representable
+    /// f32 values, computed in f32 and rounded once per output
+    /// ([`crate::cpu::Bf16`]).
     BF16,
     /// 32-bit signed integer: token ids, expert indices, counts.
     I32,
