@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use foldmoe::core::spec::PolicyOverride;
+use foldmoe::kernels::DType;
 
 use crate::error::CliError;
 
@@ -79,6 +80,11 @@ pub struct TrainOptions {
     /// every group; the same parts as --offload.
     #[arg(long, value_name = "LIST")]
     pub store_fp8: Option<String>,
+    /// Parameter and activation dtype: `f32`, or `bf16` (Megatron's
+    /// `--bf16`: bf16 weights and compute, f32 master weights and AdamW
+    /// moments; emulated on the CPU).
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Continue the run whose directory (or checkpoint directory) is given.
     #[arg(long)]
     #[serde(skip)]
@@ -137,6 +143,14 @@ pub struct TrainSettings {
     /// fp8-storage list of every group (`None`: the model's own policy).
     #[serde(default)]
     pub store_fp8: Option<String>,
+    /// Model dtype, `f32` or `bf16`.
+    #[serde(default = "f32_name")]
+    pub dtype: String,
+}
+
+/// Serde default of [`TrainSettings::dtype`] (checkpoints written before it existed).
+fn f32_name() -> String {
+    "f32".into()
 }
 
 /// Serde default of [`TrainSettings::ranks`] (checkpoints written before it existed).
@@ -164,6 +178,7 @@ impl Default for TrainSettings {
             recompute: None,
             offload: None,
             store_fp8: None,
+            dtype: f32_name(),
         }
     }
 }
@@ -203,6 +218,7 @@ impl TrainOptions {
             recompute: self.recompute.or(file.recompute),
             offload: self.offload.or(file.offload),
             store_fp8: self.store_fp8.or(file.store_fp8),
+            dtype: self.dtype.or(file.dtype),
             resume: self.resume,
             config: self.config,
             exit_after: self.exit_after,
@@ -237,6 +253,7 @@ impl TrainOptions {
             recompute: opts.recompute.clone().or(base.recompute),
             offload: opts.offload.clone().or(base.offload),
             store_fp8: opts.store_fp8.clone().or(base.store_fp8),
+            dtype: opts.dtype.clone().unwrap_or(base.dtype),
         };
         s.validate()?;
         Ok((s, opts))
@@ -283,7 +300,19 @@ impl TrainSettings {
             }
         }
         self.policy_override()?;
+        self.model_dtype()?;
         Ok(())
+    }
+
+    /// The model's dtype from `--dtype`.
+    pub fn model_dtype(&self) -> Result<DType, CliError> {
+        match self.dtype.as_str() {
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::BF16),
+            other => Err(CliError::usage(format!(
+                "--dtype {other}: must be `f32` or `bf16`"
+            ))),
+        }
     }
 
     /// The `--recompute`, `--offload` and `--store-fp8` lists, parsed by the

@@ -22,9 +22,7 @@ use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec};
 use foldmoe::kernels::comm::local::run_local;
 use foldmoe::kernels::comm::rendezvous::DistEnv;
 use foldmoe::kernels::comm::timed::TimedComm;
-use foldmoe::kernels::{
-    Backend, Communicator, DType, Group, HostData, KernelError, ReduceOp, Tensor,
-};
+use foldmoe::kernels::{Backend, Communicator, Group, HostData, KernelError, ReduceOp, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
@@ -116,7 +114,12 @@ pub fn load_trainer<B: Backend>(
     meta: &RunMeta,
     tensors: Vec<NamedTensor>,
 ) -> Result<Trainer<B>, CliError> {
-    let model = Model::new(b, &meta.spec, meta.settings.seed, DType::F32)?;
+    let model = Model::new(
+        b,
+        &meta.spec,
+        meta.settings.seed,
+        meta.settings.model_dtype()?,
+    )?;
     let mut trainer = Trainer::new(b, model, trainer_config(&meta.settings))?;
     checkpoint::restore_trainer(b, &mut trainer, tensors)?;
     trainer.opt.set_step_count(meta.step);
@@ -356,7 +359,12 @@ fn build_trainer<B: Backend>(
         Some(t) => load_trainer(b, meta, t.to_vec())?,
         None => Trainer::new(
             b,
-            Model::new(b, &meta.spec, meta.settings.seed, DType::F32)?,
+            Model::new(
+                b,
+                &meta.spec,
+                meta.settings.seed,
+                meta.settings.model_dtype()?,
+            )?,
             trainer_config(&meta.settings),
         )?,
     };
@@ -696,10 +704,13 @@ fn train_loop<B: Backend, E: StepEngine>(
         .expect("static template"),
     );
     pb.set_position(meta.step);
-    let layout_note = match &prep.layout {
+    let mut layout_note = match &prep.layout {
         Some(l) => format!(" on {} ranks ({})", l.world, l.spec()),
         None => String::new(),
     };
+    if settings.dtype != "f32" {
+        layout_note += &format!(" in {} (f32 master weights)", settings.dtype);
+    }
     if main {
         say(&pb, format!(
             "foldmoe: training `{}` ({:.2} M parameters, {:.2} M active per token) on {}{layout_note}, {} tokens/step, run directory {}",

@@ -99,6 +99,31 @@ fn same_seed_same_losses_and_resume_is_exact() {
     );
 }
 
+/// `--dtype bf16`: bf16 weights and compute (emulated on the CPU) with f32
+/// masters; the loss falls, the dtype is kept in the checkpoint, and a
+/// resumed run continues the uninterrupted one exactly.
+#[test]
+fn bf16_training_falls_and_resumes_exactly() {
+    let dir = scratch("bf16");
+    let (a, c) = (dir.join("a"), dir.join("c"));
+    let bf16 = ["--steps", "6", "--seed", "5", "--dtype", "bf16"];
+    let o = train(&a, &bf16);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("in bf16 (f32 master weights)"), "{stdout}");
+    let l = losses(&a);
+    assert!(l[5] < l[0] - 0.3, "loss did not fall: {l:?}");
+    let first = train(&c, &[&bf16[..], &["--exit-after", "3"]].concat());
+    assert!(first.status.success(), "{}", stderr(&first));
+    let resumed = foldmoe(&["train", "--resume", c.to_str().unwrap()]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert_eq!(losses(&c), l, "resumed bf16 run differs");
+    assert_fails_with(
+        &train(&dir.join("never"), &["--dtype", "f16"]),
+        "--dtype f16: must be `f32` or `bf16`",
+    );
+}
+
 #[test]
 fn generate_continues_the_prompt() {
     let out = scratch("gen").join("run");
