@@ -91,7 +91,11 @@ pub fn row_len(shape: &[usize]) -> usize {
 /// Number of scaling blocks of a tensor of `shape`.
 pub fn block_count(shape: &[usize]) -> usize {
     let row = row_len(shape);
-    let rows = shape.iter().product::<usize>().checked_div(row).unwrap_or(0);
+    let rows = shape
+        .iter()
+        .product::<usize>()
+        .checked_div(row)
+        .unwrap_or(0);
     rows * row.div_ceil(FP8_BLOCK)
 }
 
