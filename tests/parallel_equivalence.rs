@@ -368,8 +368,8 @@ fn checkpoint_written_under_one_layout_resumes_under_another() {
     resume_across_layouts(config());
 }
 
-/// The same with f32 master copies of the (f32) parameters: the CPU stores
-/// no bf16, so this forces the master path that bf16 models take on CUDA —
+/// The same with f32 master copies of the (f32) parameters: this forces the
+/// master path that bf16 models take —
 /// masters sharded over dp/edp, gathered into checkpoints, resharded on
 /// resume — whose updates on f32 equal the plain path's.
 #[test]

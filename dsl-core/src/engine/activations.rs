@@ -495,8 +495,8 @@ impl Stash {
 }
 
 /// An empty stand-in for a tensor that was dropped or moved: zero
-/// elements of its dtype, or, where a backend cannot make that (the CPU has
-/// no bf16 storage), one f32 element. Restore replaces it before use.
+/// elements of its dtype, or, where a backend cannot make that, one f32
+/// element. Restore replaces it before use.
 fn placeholder<B: Backend>(b: &B, dtype: DType) -> Result<Tensor<B>> {
     Ok(b.zeros(&[0], dtype)
         .or_else(|_| b.zeros(&[1], DType::F32))?)

@@ -513,8 +513,9 @@ mod tests {
         assert_eq!(meta, 9);
     }
 
-    /// A one-rank trainer with f32 master copies (forced on f32 parameters:
-    /// the CPU stores no bf16) after three updates.
+    /// A one-rank trainer with f32 master copies (forced on f32 parameters,
+    /// so the master path is checked against exact f32 values) after three
+    /// updates.
     fn trained_with_masters(seed: u64) -> Trainer<foldmoe_kernels::cpu::Cpu> {
         use super::super::optim::MasterWeights;
         use super::super::trainer::TrainConfig;
