@@ -111,9 +111,9 @@ fn config() -> TrainConfig {
 
 /// The reference: gradients of the first global batch, and the losses of
 /// `STEPS` steps, on one rank.
-fn reference(spec: &ModelSpec) -> (HashMap<String, Vec<f64>>, Vec<f64>) {
+fn reference(spec: &ModelSpec, dtype: DType) -> (HashMap<String, Vec<f64>>, Vec<f64>) {
     let b = Cpu;
-    let mut model = Model::new(&b, spec, SEED, DType::F32).unwrap();
+    let mut model = Model::new(&b, spec, SEED, dtype).unwrap();
     let batch = global_batch(0);
     for (tokens, targets) in &batch {
         let out = model
@@ -127,12 +127,8 @@ fn reference(spec: &ModelSpec) -> (HashMap<String, Vec<f64>>, Vec<f64>) {
     model.visit_params(&mut |p| {
         grads.insert(p.name.clone(), b.download(&p.grad).unwrap().to_f64());
     });
-    let mut trainer = Trainer::new(
-        &b,
-        Model::new(&b, spec, SEED, DType::F32).unwrap(),
-        config(),
-    )
-    .unwrap();
+    let mut trainer =
+        Trainer::new(&b, Model::new(&b, spec, SEED, dtype).unwrap(), config()).unwrap();
     let losses = (0..STEPS)
         .map(|step| {
             let micro: Vec<_> = global_batch(step)
@@ -149,13 +145,13 @@ fn reference(spec: &ModelSpec) -> (HashMap<String, Vec<f64>>, Vec<f64>) {
 /// losses of `STEPS` steps, as rank 0 of `layout` sees them.
 type RankRun = (Vec<(String, Vec<usize>, Vec<f64>)>, Vec<f64>);
 
-fn parallel(spec: &ModelSpec, layout_text: &str) -> RankRun {
+fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
     let layout_spec = LayoutSpec::parse(layout_text).unwrap();
     let layout =
         layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let full = Model::new(ctx.b, spec, SEED, DType::F32)?;
+        let full = Model::new(ctx.b, spec, SEED, dtype)?;
         let model = ParallelModel::from_model(ctx.b, full, rank)?;
         let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
         let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
@@ -169,7 +165,7 @@ fn parallel(spec: &ModelSpec, layout_text: &str) -> RankRun {
         let grads = trainer.reduce_gradients(ctx)?;
         let gathered = trainer.gather_full(ctx, Gather::Grads(&grads))?;
         // A fresh trainer for the losses (the accumulation above is discarded).
-        let full = Model::new(ctx.b, spec, SEED, DType::F32)?;
+        let full = Model::new(ctx.b, spec, SEED, dtype)?;
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let mut trainer = ParallelTrainer::new(
             ctx.b,
@@ -215,16 +211,29 @@ fn check_layouts(capacity: Option<f64>, layouts: &[&str]) {
 }
 
 fn check_layouts_of(spec: &ModelSpec, layouts: &[&str]) {
+    check_layouts_in(spec, layouts, DType::F32, 1e-5, 1e-4);
+}
+
+/// Every layout's losses (relative error `loss_tol` at each step) and
+/// first-batch gradients (relative L2 `grad_tol` per parameter) against one
+/// rank's, the model in `dtype`.
+fn check_layouts_in(
+    spec: &ModelSpec,
+    layouts: &[&str],
+    dtype: DType,
+    loss_tol: f64,
+    grad_tol: f64,
+) {
     let spec = spec.clone();
-    let (ref_grads, ref_losses) = reference(&spec);
+    let (ref_grads, ref_losses) = reference(&spec, dtype);
     let mut failures = Vec::new();
     for &text in layouts {
-        let (grads, losses) = parallel(&spec, text);
+        let (grads, losses) = parallel(&spec, text, dtype);
         let (mut worst_loss, mut worst_grad) = (0.0f64, 0.0f64);
         for (step, (got, want)) in losses.iter().zip(&ref_losses).enumerate() {
             let rel = (got - want).abs() / want.abs();
             worst_loss = worst_loss.max(rel);
-            if rel > 1e-5 {
+            if rel > loss_tol {
                 failures.push(format!(
                     "{text}: step {step} loss {got} vs {want} (rel {rel:.2e})"
                 ));
@@ -241,7 +250,7 @@ fn check_layouts_of(spec: &ModelSpec, layouts: &[&str]) {
             let norm: f64 = want.iter().map(|b| b * b).sum::<f64>();
             let rel = (diff / norm.max(1e-30)).sqrt();
             worst_grad = worst_grad.max(rel);
-            if rel > 1e-4 {
+            if rel > grad_tol {
                 failures.push(format!(
                     "{text}: gradient of {name}: relative error {rel:.2e}"
                 ));
@@ -278,6 +287,57 @@ const PIPELINE_LAYOUTS: &[&str] = &[
     "world=4,dp=2,pp=2",
     "world=8,tp=2,pp=2,ep=4",
 ];
+
+/// bf16 models (emulated on the CPU, f32 masters) train under tp, cp, pp
+/// and dp as on one rank, within bf16's rounding: the layouts sum in other
+/// orders and round each partial sum (tp's reduce-scatter) to bf16. Dense
+/// blocks only, so no routing decision can change (measured: losses within
+/// 6.8e-3, gradients 3.5e-2 under tp=2, 5e-3 under dp=2).
+#[test]
+fn bf16_dense_layouts_match_one_rank_within_bf16_rounding() {
+    let mut spec = deep_spec(false);
+    for g in &mut spec.groups {
+        g.ffn = FfnSpec::Dense { ffn: 32 };
+    }
+    check_layouts_in(
+        &spec,
+        &[
+            "world=2,dp=2",
+            "world=2,tp=2",
+            "world=2,cp=2",
+            "world=2,pp=2",
+        ],
+        DType::BF16,
+        BF16_LOSS_TOL,
+        5e-2,
+    );
+}
+
+/// The same with MoE blocks, under ep and folded layouts too. A token
+/// whose top-k scores are within bf16 rounding of each other may route
+/// differently under another layout, which moves the MoE gradients by a
+/// tenth or more (measured: losses within 6.9e-3; gradients 5e-3 under ep=2
+/// and dp=2, 1.2e-2 under cp=2, 1.7e-1 under tp=2), so the gradient bound
+/// only catches gross errors; the losses stay tight.
+#[test]
+fn bf16_moe_layouts_match_one_rank_within_bf16_rounding() {
+    check_layouts_in(
+        &deep_spec(false),
+        &[
+            "world=2,ep=2",
+            "world=2,tp=2",
+            "world=2,cp=2",
+            "world=2,pp=2",
+            "world=4,tp=2,ep=4",
+        ],
+        DType::BF16,
+        BF16_LOSS_TOL,
+        0.25,
+    );
+}
+
+/// Relative loss error allowed in bf16 at every step (a few bf16 ulps).
+const BF16_LOSS_TOL: f64 = 2e-2;
 
 #[test]
 fn pipeline_layouts_match_one_rank() {
@@ -413,7 +473,7 @@ fn resume_across_layouts(cfg: TrainConfig) {
 fn resume_across(cfg: TrainConfig, spec: &ModelSpec, runs: &[(&str, std::ops::Range<usize>)]) {
     use foldmoe_core::engine::checkpoint::{parallel_trainer_tensors, restore_trainer};
     let spec = spec.clone();
-    let (_, ref_losses) = reference(&spec);
+    let (_, ref_losses) = reference(&spec, DType::F32);
     let masters = cfg.master_weights == MasterWeights::Bf16AndF32;
     let run = |layout_text: &str,
                start: Option<Vec<foldmoe_core::engine::checkpoint::NamedTensor>>,
