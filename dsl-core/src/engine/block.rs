@@ -369,34 +369,60 @@ impl<B: Backend> Block<B> {
             let (_, mut all, _) = self.forward_raw(b, saved.attn_norm.input(), seq_len)?;
             all.visit_saved(&mut take(&mut fresh, 0));
         } else {
-            let dropped = ranges.clone().map(|r| stash.dropped_in(r));
-            if dropped[0] || dropped[1] {
-                let (h_td, mut norm) = self.attn_norm.forward(b, saved.attn_norm.input())?;
-                if dropped[0] {
-                    norm.visit_saved(ATTN_NORM_IN, &mut take(&mut fresh, ranges[0].start));
-                }
-                if dropped[1] {
-                    let (_, mut attn) = self.attn.forward(b, &h_td, seq_len)?;
-                    attn.visit_saved(&mut take(&mut fresh, ranges[1].start));
-                }
-            }
-            if dropped[2] || dropped[3] {
-                let (h_td, mut norm) = self.ffn_norm.forward(b, saved.ffn_norm.input())?;
-                if dropped[2] {
-                    norm.visit_saved(MLP_NORM_IN, &mut take(&mut fresh, ranges[2].start));
-                }
-                if dropped[3] {
+            let norms = [
+                (&self.attn_norm, saved.attn_norm.input(), ATTN_NORM_IN),
+                (&self.ffn_norm, saved.ffn_norm.input(), MLP_NORM_IN),
+            ];
+            rerun_dropped_layers(b, &stash, &ranges, norms, &mut fresh, |layer, h_td, f| {
+                if layer == 0 {
+                    self.attn.forward(b, h_td, seq_len)?.1.visit_saved(f);
+                } else {
                     let mut ffn = match &self.ffn {
-                        Ffn::Dense(mlp) => FfnSaved::Dense(mlp.forward(b, &h_td)?.1),
-                        Ffn::Moe(moe) => FfnSaved::Moe(Box::new(moe.forward(b, &h_td, seq_len)?.1)),
+                        Ffn::Dense(mlp) => FfnSaved::Dense(mlp.forward(b, h_td)?.1),
+                        Ffn::Moe(moe) => FfnSaved::Moe(Box::new(moe.forward(b, h_td, seq_len)?.1)),
                     };
-                    ffn.visit_saved(&mut take(&mut fresh, ranges[3].start));
+                    ffn.visit_saved(f);
                 }
-            }
+                Ok(())
+            })?;
         }
         let refilled = stash.restore(b, Some(fresh), |f| saved.visit_saved(f))?;
         Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
     }
+}
+
+/// Selective recompute of a pre-norm block, shared by the single-rank and
+/// the parallel block: for each half (attention, then feed-forward) that
+/// dropped something, reruns its norm from the norm's kept input, and, if
+/// the half's layer dropped something, `layer(0 | 1, normed, visit)`,
+/// which reruns the attention or the feed-forward and lists its saved
+/// tensors. What the reruns list lands in `fresh` at the dropped tensors'
+/// positions (`ranges`, as [`layer_ranges`] gives them).
+pub(crate) fn rerun_dropped_layers<B: Backend>(
+    b: &B,
+    stash: &Stash,
+    ranges: &[std::ops::Range<usize>; 4],
+    norms: [(&RmsNorm<B>, &Tensor<B>, Slot); 2],
+    fresh: &mut [Option<Tensor<B>>],
+    mut layer: impl FnMut(usize, &Tensor<B>, &mut dyn FnMut(Slot, &mut Tensor<B>)) -> Result<()>,
+) -> Result<()> {
+    for (half, (norm, input, slot)) in norms.into_iter().enumerate() {
+        let (norm_dropped, layer_dropped) = (
+            stash.dropped_in(ranges[2 * half].clone()),
+            stash.dropped_in(ranges[2 * half + 1].clone()),
+        );
+        if !(norm_dropped || layer_dropped) {
+            continue;
+        }
+        let (h_td, mut state) = norm.forward(b, input)?;
+        if norm_dropped {
+            state.visit_saved(slot, &mut take(fresh, ranges[2 * half].start));
+        }
+        if layer_dropped {
+            layer(half, &h_td, &mut take(fresh, ranges[2 * half + 1].start))?;
+        }
+    }
+    Ok(())
 }
 
 /// Consecutive ranges of a block's saved-tensor list from the counts of
