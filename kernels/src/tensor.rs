@@ -26,6 +26,17 @@ impl DType {
     pub fn is_float(self) -> bool {
         !matches!(self, DType::I32)
     }
+
+    /// The accumulation type of a float dtype: F64 for F64, else F32. Kernels
+    /// compute bf16 in f32, and row statistics that a backward reads again
+    /// (attention's and cross-entropy's log-sum-exp, the per-token loss) are
+    /// kept in it rather than rounded back to bf16.
+    pub fn acc(self) -> DType {
+        match self {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        }
+    }
 }
 
 /// What a backend's storage reports about itself.

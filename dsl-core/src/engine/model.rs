@@ -65,9 +65,11 @@ pub struct ModelSaved<B: Backend> {
 
 /// The losses and routing statistics of one forward pass, and its saved state.
 pub struct ForwardOut<B: Backend> {
-    /// Mean cross-entropy over the non-ignored tokens, `[1]`.
+    /// Mean cross-entropy over the non-ignored tokens, `[1]`, in the model
+    /// dtype's accumulation type ([`DType::acc`]: F32 for a BF16 model).
     pub loss: Tensor<B>,
-    /// Sum of the MoE layers' load-balancing and z-losses (coefficients applied), `[1]`.
+    /// Sum of the MoE layers' load-balancing and z-losses (coefficients
+    /// applied), `[1]`, in the model's dtype (the routers compute them in it).
     pub aux_loss: Tensor<B>,
     /// Token copies routed to each expert, `[E]` per MoE layer in block order.
     pub moe_load: Vec<Tensor<B>>,
@@ -161,10 +163,13 @@ impl<B: Backend> Model<B> {
         let (logits_tv, head) = self.head.forward(b, &self.embed, &h_td)?;
 
         // Mean over the non-ignored tokens, counted on the device (ignored
-        // tokens already have loss 0).
+        // tokens already have loss 0). The cross-entropy's loss and lse come
+        // in the accumulation type (f32 for bf16, as Megatron-Core upcasts
+        // its logits), so the mean and its gradient stay in it too.
         let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
-        let valid_t = b.valid_mask(&targets_t, dtype)?;
-        let count_1 = b.add(&b.sum(&valid_t)?, &b.fill(&[1], COUNT_EPS, dtype)?)?;
+        let acc = dtype.acc();
+        let valid_t = b.valid_mask(&targets_t, acc)?;
+        let count_1 = b.add(&b.sum(&valid_t)?, &b.fill(&[1], COUNT_EPS, acc)?)?;
         let inv_count_1 = b.recip(&count_1)?;
         let loss = b.mul(&b.sum(&loss_t)?, &inv_count_1)?;
 
@@ -217,7 +222,8 @@ impl<B: Backend> Model<B> {
             inv_count_1,
             _held,
         } = saved;
-        // d loss / d loss_t = valid_t / count.
+        // d loss / d loss_t = valid_t / count, in the accumulation type the
+        // cross-entropy's backward takes.
         let t = targets_t.numel();
         let valid_t1 = valid_t.reshape(&[t, 1])?;
         let dloss_t = b
@@ -543,7 +549,7 @@ mod tests {
         let run = |dtype| {
             let mut model = Model::new(&b, &spec, 11, dtype).unwrap();
             let out = model.forward(&b, &tokens, &targets).unwrap();
-            assert_eq!(out.loss.dtype(), dtype);
+            assert_eq!(out.loss.dtype(), dtype.acc());
             let losses = (values(&out.loss)[0], values(&out.aux_loss)[0]);
             model.backward(&b, out.saved, 1.0).unwrap();
             let mut grads = Vec::new();
@@ -562,7 +568,8 @@ mod tests {
         let ((loss16, aux16), g16) = run(DType::BF16);
         // A bf16 value is within 2^-9 relative of its f32 origin; a dozen
         // roundings along the forward, partly cancelling, stay under 1%
-        // (measured 4.8e-3).
+        // (measured 1.4e-3 with the loss in f32; 4.8e-3 when the
+        // cross-entropy rounded it to bf16).
         let rel = (loss16 - loss32).abs() / loss32;
         println!(
             "bf16 vs f32 loss: {loss16} vs {loss32} (relative {rel:.2e}), aux {aux16} vs {aux32}"
@@ -588,11 +595,59 @@ mod tests {
             worst.0, worst.1
         );
         // bf16 activations and weights (8 significant bits) through two blocks
-        // and back: measured 1.2e-2 over all and 2.8e-2 for the worst
+        // and back: measured 1.1e-2 over all and 2.7e-2 for the worst
         // parameter (a norm weight, whose gradient sums many rounded
         // products); a wrong gradient would be O(1).
         assert!(total < 5e-2, "gradients off by {total:.2e}");
         assert!(worst.0 < 0.1, "{} off by {:.2e}", worst.1, worst.0);
+    }
+
+    /// A BF16 model's loss is F32, as Megatron-Core's fp32 cross-entropy:
+    /// it is the f32 mean of the cross-entropy of the model's own bf16
+    /// logits, not rounded to bf16, so it tracks the F32 model's loss more
+    /// closely than one bf16 ulp of it; the backward takes the f32 lse.
+    #[test]
+    fn bf16_model_loss_is_f32_not_bf16_quantised() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let (tokens, targets) = batch();
+        let tokens_bs = i32_tensor(tokens, &[2, 4]);
+        let targets_bs = i32_tensor(targets.clone(), &[2, 4]);
+        let loss_of = |dtype| {
+            let mut model = Model::new(&b, &spec, 11, dtype).unwrap();
+            let out = model.forward(&b, &tokens_bs, &targets_bs).unwrap();
+            assert_eq!(out.loss.dtype(), dtype.acc(), "{dtype:?}");
+            let loss = values(&out.loss)[0];
+            let logits = model.logits(&b, &tokens_bs).unwrap();
+            assert_eq!(logits.dtype(), dtype);
+            model.backward(&b, out.saved, 1.0).unwrap();
+            (loss, values(&logits))
+        };
+        let (loss32, _) = loss_of(DType::F32);
+        let (loss16, logits16) = loss_of(DType::BF16);
+        // The mean cross-entropy of the bf16 logits, in f64 on the host.
+        let v = spec.vocab;
+        let (mut sum, mut n) = (0.0, 0);
+        for (t, &target) in targets.iter().enumerate() {
+            if target >= 0 {
+                let row = &logits16[t * v..(t + 1) * v];
+                let max = row.iter().cloned().fold(f64::MIN, f64::max);
+                let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+                sum += lse - row[target as usize];
+                n += 1;
+            }
+        }
+        let exact = sum / n as f64;
+        // One bf16 ulp of the loss: 8 significant bits.
+        let ulp = 2f64.powi(loss32.log2().floor() as i32 - 7);
+        println!(
+            "bf16 model loss {loss16} (f32 model {loss32}, |diff| {:.2e}; f64 CE of the bf16 \
+             logits {exact}, |diff| {:.2e}; one bf16 ulp {ulp:.2e})",
+            (loss16 - loss32).abs(),
+            (loss16 - exact).abs()
+        );
+        assert!((loss16 - exact).abs() < 1e-5 * exact, "{loss16} vs {exact}");
+        assert!((loss16 - loss32).abs() < ulp, "{loss16} vs {loss32}");
     }
 
     /// A BF16 trainer on the CPU keeps f32 master weights and moments, its

@@ -144,7 +144,8 @@ mod tests {
     /// The emulation's contract, bit for bit: a bf16 op computes in f32 from
     /// the bf16 values and rounds each output once (so it equals the f32 op
     /// on the same values, rounded), in-place ops included; the output
-    /// dtypes are CUDA's (attention's log-sum-exp stays f32, unrounded).
+    /// dtypes are CUDA's (attention's log-sum-exp and cross-entropy's loss
+    /// and log-sum-exp stay f32, unrounded).
     #[test]
     fn ops_are_f32_ops_rounded_once() {
         let (a, af) = inputs(1, &[37, 70]);
@@ -180,10 +181,23 @@ mod tests {
         rounded_once("axpy (in place)", &acc, &accf);
 
         let targets = ti32(&(0..37).map(|i| i % 70 - 1).collect::<Vec<_>>(), &[37]);
+        // Cross-entropy: loss and lse in f32 (not rounded); the backward
+        // reads them in f32 and rounds only dlogits.
         let (loss, lse) = Cpu.cross_entropy(&a, &targets).unwrap();
         let (lossf, lsef) = Cpu.cross_entropy(&af, &targets).unwrap();
-        rounded_once("cross_entropy loss", &loss, &lossf);
-        rounded_once("cross_entropy lse", &lse, &lsef);
+        assert_eq!((loss.dtype(), h64(&loss)), (DType::F32, h64(&lossf)));
+        assert_eq!((lse.dtype(), h64(&lse)), (DType::F32, h64(&lsef)));
+        let dloss = t32(
+            &(0..37).map(|i| 0.1 + i as f32 / 7.0).collect::<Vec<_>>(),
+            &[37],
+        );
+        rounded_once(
+            "cross_entropy_backward",
+            &Cpu.cross_entropy_backward(&a, &targets, &lse, &dloss)
+                .unwrap(),
+            &Cpu.cross_entropy_backward(&af, &targets, &lsef, &dloss)
+                .unwrap(),
+        );
         let mask = Cpu.valid_mask(&targets, DType::BF16).unwrap();
         rounded_once(
             "valid_mask",

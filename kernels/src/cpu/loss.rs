@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::{row_logsumexp, rows_per_task, GRAIN};
-use super::{index_slice, Cpu, FloatStorage};
+use super::{index_slice, Cpu, Float, FloatStorage};
 use crate::backend::LossOps;
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -67,23 +67,27 @@ fn cross_entropy_t<T: FloatStorage>(
             value: xs[i].to_f64(),
         });
     }
-    let mut loss = vec![T::ZERO; t];
-    let mut lse = vec![T::ZERO; t];
+    // Both outputs stay in the accumulation type (f32 for bf16, unrounded),
+    // as on CUDA: a bf16 loss would quantise the reported loss, and a bf16
+    // lse the backward's softmax.
+    let mut loss = vec![<T::Acc as Float>::ZERO; t];
+    let mut lse = vec![<T::Acc as Float>::ZERO; t];
     if t > 0 {
         loss.par_iter_mut()
             .zip(lse.par_iter_mut())
             .zip(xs.par_chunks(v).zip(tg.par_iter()))
             .with_min_len(rows_per_task(v))
             .for_each(|((l, z), (row, &c))| {
-                *z = row_logsumexp(row);
+                let zr = row_logsumexp(row);
+                *z = zr.to_acc();
                 *l = if c == IGNORE {
-                    T::ZERO
+                    <T::Acc as Float>::ZERO
                 } else {
-                    *z - row[c as usize]
+                    (zr - row[c as usize]).to_acc()
                 };
             });
     }
-    Ok((T::tensor(loss, &[t])?, T::tensor(lse, &[t])?))
+    Ok((T::Acc::tensor(loss, &[t])?, T::Acc::tensor(lse, &[t])?))
 }
 
 fn cross_entropy_backward_t<T: FloatStorage>(
@@ -97,8 +101,10 @@ fn cross_entropy_backward_t<T: FloatStorage>(
     lse.expect_shape(OP, "lse", &[t])?;
     dloss.expect_shape(OP, "dloss", &[t])?;
     let xs = T::slice(logits, OP)?;
-    let zs = T::slice(lse, OP)?;
-    let ds = T::slice(dloss, OP)?;
+    // `lse` and `dloss` come in the accumulation type (what `cross_entropy`
+    // returns); only `dlogits` is rounded, once, to the logits' dtype.
+    let zs = T::Acc::slice(lse, OP)?;
+    let ds = T::Acc::slice(dloss, OP)?;
     let mut dx = vec![T::ZERO; xs.len()];
     if t > 0 {
         dx.par_chunks_mut(v)
@@ -109,6 +115,7 @@ fn cross_entropy_backward_t<T: FloatStorage>(
                 if c == IGNORE {
                     return;
                 }
+                let (z, d) = (T::from_acc(z), T::from_acc(d));
                 for (o, &x) in o.iter_mut().zip(row) {
                     *o = d * (x - z).exp();
                 }
@@ -196,11 +203,13 @@ mod tests {
         let tg = d.ti32(&targets, &[T]);
         let xt = d.t64(&x, &[T, V]);
         let (loss, lse) = d.cross_entropy(&xt, &tg).unwrap();
+        assert_eq!((loss.dtype(), lse.dtype()), (DType::F64, DType::F64));
         assert_eq!(d.h64(&loss)[1], 0.0);
-        let dx = d.h64(
-            &d.cross_entropy_backward(&xt, &tg, &lse, &d.t64(&w, &[T]))
-                .unwrap(),
-        );
+        let dx = d
+            .cross_entropy_backward(&xt, &tg, &lse, &d.t64(&w, &[T]))
+            .unwrap();
+        assert_eq!(dx.dtype(), DType::F64);
+        let dx = d.h64(&dx);
         assert!(dx[V..2 * V].iter().all(|&v| v == 0.0));
         check("cross_entropy", &x, &dx, |v| {
             let (l, _) = d.cross_entropy(&d.t64(v, &[T, V]), &tg).unwrap();
@@ -226,7 +235,8 @@ mod tests {
         let base: Vec<f32> = x.iter().map(|&v| v as f32).collect();
         let tg = d.ti32(&targets, &[T]);
         let (ls, _) = d.cross_entropy(&d.t32(&shifted, &[T, V]), &tg).unwrap();
-        let (lb, _) = d.cross_entropy(&d.t32(&base, &[T, V]), &tg).unwrap();
+        let (lb, lse) = d.cross_entropy(&d.t32(&base, &[T, V]), &tg).unwrap();
+        assert_eq!((lb.dtype(), lse.dtype()), (DType::F32, DType::F32));
         assert!(max_diff(&d.h64(&ls), &d.h64(&lb)) < 5e-3);
         assert!(d.h64(&ls).iter().all(|v| v.is_finite()));
     }
@@ -319,12 +329,55 @@ mod tests {
                 ..
             }
         ));
+        // lse and dloss must be in the logits' accumulation type: F32 for
+        // F32 and BF16 logits (where the device stores bf16).
+        let tg = d.ti32(&[0; T], &[T]);
+        let x32 = d.t32(&[0.0; T * V], &[T, V]);
+        let (_, lse32) = d.cross_entropy(&x32, &tg).unwrap();
+        let ones64 = d.t64(&[1.0; T], &[T]);
+        let ones32 = d.t32(&[1.0; T], &[T]);
+        let want = |got| KernelError::DTypeMismatch {
+            op: "cross_entropy_backward",
+            expected: DType::F32,
+            got,
+        };
+        assert_eq!(
+            d.cross_entropy_backward(&x32, &tg, &lse32, &ones64)
+                .unwrap_err(),
+            want(DType::F64)
+        );
+        assert_eq!(
+            d.cross_entropy_backward(&x32, &tg, &ones64, &ones32)
+                .unwrap_err(),
+            want(DType::F64)
+        );
+        if let Ok(x16) = d.cast(&x32, DType::BF16) {
+            let (loss16, lse16) = d.cross_entropy(&x16, &tg).unwrap();
+            assert_eq!((loss16.dtype(), lse16.dtype()), (DType::F32, DType::F32));
+            let as16 = |t| d.cast(t, DType::BF16).unwrap();
+            assert_eq!(
+                d.cross_entropy_backward(&x16, &tg, &as16(&lse16), &ones32)
+                    .unwrap_err(),
+                want(DType::BF16)
+            );
+            assert_eq!(
+                d.cross_entropy_backward(&x16, &tg, &lse16, &as16(&ones32))
+                    .unwrap_err(),
+                want(DType::BF16)
+            );
+            let dx = d
+                .cross_entropy_backward(&x16, &tg, &lse16, &ones32)
+                .unwrap();
+            assert_eq!(dx.dtype(), DType::BF16);
+        }
     }
 
     /// Cross-entropy forward and backward over a vocabulary longer than a
     /// block, with ignored tokens, on random f32 (and bf16 where the device
     /// stores it) against the CPU; the backward gets the device's own `lse`
-    /// on both sides.
+    /// on both sides. Loss and lse are f32 for both (the accumulation type),
+    /// so they match the f32 reference on the same (bf16-representable)
+    /// logits to f32 summation error, not to bf16's 1e-2.
     fn loss_matches_cpu<B: TestOps>(d: &B) {
         for dtype in Compare::precisions(d) {
             let mut c = Compare::new(d, dtype, 70);
@@ -338,14 +391,27 @@ mod tests {
                 let (tg, tgc) = c.idx(&tg, &[t]);
                 let (loss, lse) = d.cross_entropy(&x, &tg).unwrap();
                 let (lossc, lsec) = Cpu.cross_entropy(&xc, &tgc).unwrap();
+                assert_eq!((loss.dtype(), lse.dtype()), (DType::F32, DType::F32));
                 c.check("cross_entropy loss", &loss, &lossc);
                 c.check("cross_entropy lse", &lse, &lsec);
-                let (dl, dlc) = c.rand(&[t], 1.0);
+                for (what, got, want) in [("loss", &loss, &lossc), ("lse", &lse, &lsec)] {
+                    let e = rel_err(&d.h64(got), &h64(want));
+                    assert!(
+                        e < 1e-5,
+                        "cross_entropy {what} in {dtype:?}: {e:.2e} from f32"
+                    );
+                }
+                // dloss in f32 on both sides, whatever the logits' dtype.
+                let dl: Vec<f32> = uniform(&mut c.g, t).iter().map(|&u| u as f32).collect();
                 let same: Vec<f32> = d.h64(&lse).iter().map(|&z| z as f32).collect();
+                let dx = d
+                    .cross_entropy_backward(&x, &tg, &lse, &d.t32(&dl, &[t]))
+                    .unwrap();
+                assert_eq!(dx.dtype(), dtype);
                 c.check(
                     "cross_entropy_backward",
-                    &d.cross_entropy_backward(&x, &tg, &lse, &dl).unwrap(),
-                    &Cpu.cross_entropy_backward(&xc, &tgc, &t32(&same, &[t]), &dlc)
+                    &dx,
+                    &Cpu.cross_entropy_backward(&xc, &tgc, &t32(&same, &[t]), &t32(&dl, &[t]))
                         .unwrap(),
                 );
                 c.check(

@@ -19,10 +19,11 @@ template <typename T, typename F> __device__ __forceinline__ void row_for_each(c
 }
 
 // loss[t] = lse(x[t]) − x[t, target[t]], lse[t] = log Σ exp(x[t]); one block
-// per token. A target outside [-1, V) and a non-finite logit are reported;
+// per token. Both are stored in the accumulation type (f32 for bf16 logits),
+// unrounded. A target outside [-1, V) and a non-finite logit are reported;
 // the token then counts as ignored so nothing is read out of bounds.
 template <typename T>
-__device__ void ce_fwd_impl(const T* x, const int* tg, T* loss, T* lse, i64 t, i64 v, ErrRec* err,
+__device__ void ce_fwd_impl(const T* x, const int* tg, acc_t<T>* loss, acc_t<T>* lse, i64 t, i64 v, ErrRec* err,
                             unsigned int code_target, unsigned int code_nonfinite) {
     typedef acc_t<T> A;
     __shared__ A sh[32];
@@ -58,22 +59,23 @@ __device__ void ce_fwd_impl(const T* x, const int* tg, T* loss, T* lse, i64 t, i
             z = mx + log_(block_sum(s, sh));
         }
         if (threadIdx.x == 0) {
-            lse[row] = from_acc<T>(z);
-            loss[row] = from_acc<T>(c == -1 ? (A)0 : z - to_acc(xr[c]));
+            lse[row] = z;
+            loss[row] = c == -1 ? (A)0 : z - to_acc(xr[c]);
         }
     }
 }
 #define CE_FWD(sfx, T) \
-    extern "C" __global__ void ce_fwd_##sfx(const T* x, const int* tg, T* loss, T* lse, i64 t, i64 v, ErrRec* err, \
-                                            unsigned int code_target, unsigned int code_nonfinite) { \
+    extern "C" __global__ void ce_fwd_##sfx(const T* x, const int* tg, acc_t<T>* loss, acc_t<T>* lse, i64 t, i64 v, \
+                                            ErrRec* err, unsigned int code_target, unsigned int code_nonfinite) { \
         ce_fwd_impl<T>(x, tg, loss, lse, t, v, err, code_target, code_nonfinite); }
 FOR_FLOATS(CE_FWD)
 
 // dx[t] = dloss[t]·(exp(x[t] − lse[t]) − onehot(target[t])), zero for ignored
-// (or invalid, reported) targets; one block per token.
+// (or invalid, reported) targets; one block per token. lse and dloss are in
+// the accumulation type (as ce_fwd stores them); only dx is rounded to T.
 template <typename T>
-__device__ void ce_bwd_impl(const T* x, const int* tg, const T* lse, const T* dloss, T* dx, i64 t, i64 v, ErrRec* err,
-                            unsigned int code_target) {
+__device__ void ce_bwd_impl(const T* x, const int* tg, const acc_t<T>* lse, const acc_t<T>* dloss, T* dx, i64 t, i64 v,
+                            ErrRec* err, unsigned int code_target) {
     typedef acc_t<T> A;
     for (i64 row = blockIdx.x; row < t; row += gridDim.x) {
         const T* xr = x + row * v;
@@ -87,7 +89,7 @@ __device__ void ce_bwd_impl(const T* x, const int* tg, const T* lse, const T* dl
             for (i64 j = threadIdx.x; j < v; j += blockDim.x) o[j] = from_acc<T>((A)0);
             continue;
         }
-        A z = to_acc(lse[row]), d = to_acc(dloss[row]);
+        A z = lse[row], d = dloss[row];
         if constexpr (sizeof(T) == 2) {
             if (v % 8 == 0) {
                 // 16-byte loads and stores (see row_for_each).
@@ -113,8 +115,8 @@ __device__ void ce_bwd_impl(const T* x, const int* tg, const T* lse, const T* dl
     }
 }
 #define CE_BWD(sfx, T) \
-    extern "C" __global__ void ce_bwd_##sfx(const T* x, const int* tg, const T* lse, const T* dloss, T* dx, i64 t, i64 v, \
-                                            ErrRec* err, unsigned int code_target) { \
+    extern "C" __global__ void ce_bwd_##sfx(const T* x, const int* tg, const acc_t<T>* lse, const acc_t<T>* dloss, T* dx, \
+                                            i64 t, i64 v, ErrRec* err, unsigned int code_target) { \
         ce_bwd_impl<T>(x, tg, lse, dloss, dx, t, v, err, code_target); }
 FOR_FLOATS(CE_BWD)
 

@@ -90,8 +90,10 @@ impl LossOps for Cuda {
             what: "logits",
             value,
         })?;
-        let loss = self.alloc(OP, &[t], logits.dtype())?;
-        let lse = self.alloc(OP, &[t], logits.dtype())?;
+        // Loss and lse in the accumulation type (f32 for bf16), unrounded.
+        let acc = logits.dtype().acc();
+        let loss = self.alloc(OP, &[t], acc)?;
+        let lse = self.alloc(OP, &[t], acc)?;
         if t > 0 {
             let f = self.func(LOSS, &format!("ce_fwd_{sfx}"))?;
             launch!(
@@ -124,8 +126,9 @@ impl LossOps for Cuda {
         let (t, v, code_target) = check_ce(self, OP, logits, targets)?;
         lse.expect_shape(OP, "lse", &[t])?;
         dloss.expect_shape(OP, "dloss", &[t])?;
-        lse.expect_dtype(OP, logits.dtype())?;
-        dloss.expect_dtype(OP, logits.dtype())?;
+        // `cross_entropy`'s outputs: the accumulation type, not the logits'.
+        lse.expect_dtype(OP, logits.dtype().acc())?;
+        dloss.expect_dtype(OP, logits.dtype().acc())?;
         let dx = self.alloc(OP, logits.shape(), logits.dtype())?;
         if t > 0 {
             let f = self.func(LOSS, &format!("ce_bwd_{sfx}"))?;

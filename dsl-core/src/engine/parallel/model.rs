@@ -183,7 +183,8 @@ struct LossSaved<B: Backend> {
     head: HeadSaved<B>,
     logits_tv: Tensor<B>,
     ce: CeSaved<B>,
-    /// `[T]`: valid / count, the gradient of the mean loss per token.
+    /// `[T]`: valid / count, the gradient of the mean loss per token (in
+    /// the accumulation type, as the cross-entropy's backward takes it).
     dloss_t: Tensor<B>,
 }
 
@@ -191,7 +192,9 @@ struct LossSaved<B: Backend> {
 pub struct ChunkOut<B: Backend> {
     /// The output for the next virtual stage (none on the last).
     pub hidden: Option<Tensor<B>>,
-    /// Mean cross-entropy of the micro-batch, `[1]`, on the last virtual stage.
+    /// Mean cross-entropy of the micro-batch, `[1]`, on the last virtual
+    /// stage; in the model dtype's accumulation type ([`DType::acc`]: F32
+    /// for a BF16 model), the aux loss in the model's dtype.
     pub loss: Option<Tensor<B>>,
     /// This rank's part of the chunk's MoE losses, `[1]`.
     pub aux_loss: Tensor<B>,
@@ -211,7 +214,7 @@ enum CeSaved<B: Backend> {
     /// Vocabulary-parallel: local targets (`-1` outside the shard), the
     /// global log-sum-exp, and `outside_share_t = (1 − in_shard)·Σ_{v in
     /// shard} softmax`, which scales the local softmax for rows whose target
-    /// lives on another rank.
+    /// lives on another rank (both in the accumulation type).
     Vocab {
         local_targets_t: Tensor<B>,
         lse_t: Tensor<B>,
@@ -221,7 +224,8 @@ enum CeSaved<B: Backend> {
 
 /// A forward's losses (this rank's parts) and routing loads.
 pub struct ParallelOut<B: Backend> {
-    /// Mean cross-entropy of the micro-batch, `[1]` (equal on the tp ranks).
+    /// Mean cross-entropy of the micro-batch, `[1]` (equal on the tp ranks),
+    /// in the accumulation type of the model's dtype ([`DType::acc`]).
     pub loss: Tensor<B>,
     /// This rank's part of the MoE losses, `[1]`: their sum over tp is the
     /// micro-batch's aux + z loss.
@@ -571,7 +575,10 @@ impl<B: Backend> ParallelModel<B> {
         let (logits_tv, head) = self.head.forward(b, &self.embed, &h_full)?;
         let valid: Vec<f64> = targets.iter().map(|&y| f64::from(y >= 0)).collect();
         let inv = if count > 0 { 1.0 / count as f64 } else { 0.0 };
-        let dloss_t = upload_as(b, valid.iter().map(|v| v * inv).collect(), &[t], dtype)?;
+        // The per-token loss comes in the accumulation type (f32 for bf16,
+        // as Megatron-Core's fp32 cross-entropy), and so does the mean.
+        let acc = dtype.acc();
+        let dloss_t = upload_as(b, valid.iter().map(|v| v * inv).collect(), &[t], acc)?;
         let (loss_t, ce) = if self.rank.tp.size() == 1 {
             let targets_t = b.upload(HostData::I32(targets.to_vec()), &[t])?;
             let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
@@ -596,6 +603,9 @@ impl<B: Backend> ParallelModel<B> {
     /// Per-token cross-entropy with the vocabulary split over tp:
     /// `lse = log Σ_r exp(lse_r)` and the target logit summed from the rank
     /// that holds it. Returns the loss per token (`0` for ignored targets).
+    /// Everything after the local logits is in the accumulation type of
+    /// `dtype` (f32 for bf16), as the single-rank kernel's loss and lse; for
+    /// f32 and f64 that is `dtype` itself and no cast is made.
     fn vocab_parallel_ce(
         &self,
         ctx: &Ctx<B>,
@@ -617,11 +627,13 @@ impl<B: Backend> ParallelModel<B> {
             .map(|(&y, &inside)| if inside { y - v0 } else { -1 })
             .collect();
         let clamped: Vec<i32> = local_targets.iter().map(|&y| y.max(0)).collect();
+        let local_targets_t = b.upload(HostData::I32(local_targets), &[t])?;
+        let acc = dtype.acc();
         let inside_t = upload_as(
             b,
             in_shard.iter().map(|&i| f64::from(i)).collect(),
             &[t],
-            dtype,
+            acc,
         )?;
         let outside_t = upload_as(
             b,
@@ -631,18 +643,26 @@ impl<B: Backend> ParallelModel<B> {
                 .map(|(&i, &y)| f64::from(!i && y >= 0))
                 .collect(),
             &[t],
-            dtype,
+            acc,
         )?;
 
+        // This rank's lse in the accumulation type: `logsumexp` returns the
+        // logits' dtype, which would round a bf16 lse, so bf16 logits take
+        // the cross-entropy kernel's f32 lse (its loss is not used).
+        let lse_local_t = if dtype == acc {
+            b.logsumexp(logits_tv)?
+        } else {
+            b.cross_entropy(logits_tv, &local_targets_t)?.1
+        };
         // Every rank's lse, as columns [T, tp]: the transpose is a product
         // with the identity, which is exact.
-        let lse_local_1t = b.logsumexp(logits_tv)?.reshape(&[1, t])?;
+        let lse_local_1t = lse_local_t.reshape(&[1, t])?;
         let lse_all_rt = ctx.comm.all_gather(b, &self.rank.tp, &lse_local_1t)?;
         let mut eye = vec![0.0; tp * tp];
         for i in 0..tp {
             eye[i * tp + i] = 1.0;
         }
-        let eye = upload_as(b, eye, &[tp, tp], dtype)?;
+        let eye = upload_as(b, eye, &[tp, tp], acc)?;
         let lse_tr = b.matmul(&lse_all_rt, &eye, true, false)?;
         let lse_t = b.logsumexp(&lse_tr)?;
         // Σ_{v in this shard} softmax(logits_t)_v = softmax over ranks' lse.
@@ -653,19 +673,17 @@ impl<B: Backend> ParallelModel<B> {
         let outside_share_t = b.mul(&share_t, &outside_t)?;
 
         let clamped_t1 = b.upload(HostData::I32(clamped), &[t, 1])?;
-        let z_local_t = b.mul(
-            &b.gather_cols(logits_tv, &clamped_t1)?.reshape(&[t])?,
-            &inside_t,
-        )?;
+        // The target logit, widened exactly to the accumulation type.
+        let z_sel_t = b.gather_cols(logits_tv, &clamped_t1)?.reshape(&[t])?;
+        let z_local_t = b.mul(&in_dtype(b, z_sel_t, acc)?, &inside_t)?;
         let z_t = ctx.sum_over(&self.rank.tp, &z_local_t)?;
         let valid_t = upload_as(
             b,
             targets.iter().map(|&y| f64::from(y >= 0)).collect(),
             &[t],
-            dtype,
+            acc,
         )?;
         let loss_t = b.mul(&b.sub(&lse_t, &z_t)?, &valid_t)?;
-        let local_targets_t = b.upload(HostData::I32(local_targets), &[t])?;
         Ok((
             loss_t,
             CeSaved::Vocab {
@@ -774,8 +792,12 @@ impl<B: Backend> ParallelModel<B> {
                 // Rows whose target is here: the kernel, with the global lse.
                 let mut d =
                     b.cross_entropy_backward(&logits_tv, &local_targets_t, &lse_t, &dloss_t)?;
-                // Rows whose target is elsewhere: dloss · exp(logits − lse).
+                // Rows whose target is elsewhere: dloss · exp(logits − lse),
+                // as the local softmax times the shard's share (in the
+                // logits' dtype: for bf16 a few roundings of the gradient,
+                // which is stored in bf16 anyway).
                 let scale_t = b.mul(&dloss_t, &outside_share_t)?;
+                let scale_t = in_dtype(b, scale_t, logits_tv.dtype())?;
                 b.axpy(&mut d, 1.0, &b.mul_rows(&b.softmax(&logits_tv)?, &scale_t)?)?;
                 d
             }
@@ -860,6 +882,16 @@ impl<B: Backend> ParallelModel<B> {
             }
         }
     }
+}
+
+/// `x` in `dtype`: itself when it already is (no op, so f32 and f64 models
+/// run the ops they always did), else cast.
+fn in_dtype<B: Backend>(b: &B, x: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
+    Ok(if x.dtype() == dtype {
+        x
+    } else {
+        b.cast(&x, dtype)?
+    })
 }
 
 /// Column-parallel `w1`, `w3` and row-parallel `w2` of a SwiGLU MLP.
@@ -1075,5 +1107,81 @@ impl<B: Backend> ParallelBlock<B> {
         let mut dx = self.attn_norm.backward(b, &dh, attn_norm)?;
         b.axpy(&mut dx, 1.0, &dx1)?;
         Ok(dx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::DType;
+
+    use super::ParallelModel;
+    use crate::engine::model::Model;
+    use crate::engine::parallel::{run_local_layout, RankLayout};
+    use crate::engine::testutil::{i32_tensor, small_moe, small_spec, values};
+    use crate::layout::{check, LayoutSpec};
+    use crate::spec::FfnSpec;
+
+    /// Relative L2 error `‖got − want‖ / ‖want‖`.
+    fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
+        let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        (num / den).sqrt()
+    }
+
+    /// The vocabulary-parallel cross-entropy of a BF16 model at tp = 2 on the
+    /// CPU: the loss is F32 (lse combined over tp in f32), close to the F32
+    /// model's, and the head's gradient (both vocabulary shards, rows whose
+    /// target is on the other rank included) matches the one-rank BF16
+    /// model's to bf16 accuracy; a wrong share would be O(1) off.
+    #[test]
+    fn bf16_vocab_parallel_loss_is_f32_at_tp2() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let tokens = [3, 0, 6, 1, 7, 2, 5, 4];
+        let targets = [0, 6, 1, -1, 2, 5, 4, 3];
+        // One rank: the loss and the head's gradient.
+        let one = |dtype| {
+            let mut m = Model::new(&b, &spec, 11, dtype).unwrap();
+            let (tk, tg) = (
+                i32_tensor(tokens.to_vec(), &[2, 4]),
+                i32_tensor(targets.to_vec(), &[2, 4]),
+            );
+            let out = m.forward(&b, &tk, &tg).unwrap();
+            let loss = values(&out.loss)[0];
+            m.backward(&b, out.saved, 1.0).unwrap();
+            let head = m.head.weight.as_ref().unwrap();
+            (loss, values(&head.grad))
+        };
+        let (loss32, _) = one(DType::F32);
+        let (loss16, head16) = one(DType::BF16);
+        let l = check(&LayoutSpec::parse("world=2,tp=2").unwrap(), &spec).unwrap();
+        let results = run_local_layout(&b, &l, Duration::from_secs(30), |ctx| {
+            let model = Model::new(&b, &spec, 11, DType::BF16)?;
+            let mut m = ParallelModel::from_model(&b, model, RankLayout::new(&l, ctx.rank.rank)?)?;
+            let out = m.forward(ctx, &tokens, &targets, 4)?;
+            assert_eq!(out.loss.dtype(), DType::F32);
+            let loss = values(&out.loss)[0];
+            m.backward(ctx, out.saved, 1.0)?;
+            let head = m.head.weight.as_ref().unwrap();
+            assert_eq!(head.grad.dtype(), DType::BF16);
+            Ok((loss, values(&head.grad)))
+        });
+        let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+        let loss_tp = results[0].0;
+        assert_eq!(loss_tp, results[1].0, "the tp ranks report one loss");
+        // Rank r holds vocabulary rows r·V/2 .. (r+1)·V/2: concatenated in
+        // rank order they are the whole head.
+        let head_tp: Vec<f64> = results.iter().flat_map(|r| r.1.clone()).collect();
+        let rel = (loss_tp - loss32).abs() / loss32;
+        let grad = rel_l2(&head_tp, &head16);
+        println!(
+            "tp=2 bf16 loss {loss_tp} (one rank bf16 {loss16}, f32 {loss32}; relative to f32 \
+             {rel:.2e}); head gradient relative L2 to one rank bf16 {grad:.2e}"
+        );
+        assert!(rel < 1e-2, "{loss_tp} vs {loss32}");
+        assert!(grad < 5e-2, "head gradient off by {grad:.2e}");
     }
 }
