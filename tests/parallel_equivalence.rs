@@ -292,7 +292,7 @@ const PIPELINE_LAYOUTS: &[&str] = &[
 /// and dp as on one rank, within bf16's rounding: the layouts sum in other
 /// orders and round each partial sum (tp's reduce-scatter) to bf16. Dense
 /// blocks only, so no routing decision can change (measured: losses within
-/// 6.8e-3, gradients 3.5e-2 under tp=2, 5e-3 under dp=2).
+/// 9.2e-4, gradients 3.3e-2 under tp=2, 4.9e-3 under dp=2).
 #[test]
 fn bf16_dense_layouts_match_one_rank_within_bf16_rounding() {
     let mut spec = deep_spec(false);
@@ -316,9 +316,9 @@ fn bf16_dense_layouts_match_one_rank_within_bf16_rounding() {
 /// The same with MoE blocks, under ep and folded layouts too. A token
 /// whose top-k scores are within bf16 rounding of each other may route
 /// differently under another layout, which moves the MoE gradients by a
-/// tenth or more (measured: losses within 6.9e-3; gradients 5e-3 under ep=2
-/// and dp=2, 1.2e-2 under cp=2, 1.7e-1 under tp=2), so the gradient bound
-/// only catches gross errors; the losses stay tight.
+/// tenth or more (measured: losses within 2.3e-3; gradients 5.4e-3 under
+/// ep=2, 1.3e-2 under cp=2, 1.7e-1 under tp=2), so the gradient bound only
+/// catches gross errors; the losses stay tight.
 #[test]
 fn bf16_moe_layouts_match_one_rank_within_bf16_rounding() {
     check_layouts_in(
@@ -336,8 +336,9 @@ fn bf16_moe_layouts_match_one_rank_within_bf16_rounding() {
     );
 }
 
-/// Relative loss error allowed in bf16 at every step (a few bf16 ulps).
-const BF16_LOSS_TOL: f64 = 2e-2;
+/// Relative loss error allowed in bf16 at every step (the loss itself is
+/// f32; the logits it comes from are bf16).
+const BF16_LOSS_TOL: f64 = 5e-3;
 
 #[test]
 fn pipeline_layouts_match_one_rank() {

@@ -27,7 +27,9 @@ use super::moe::{ParallelMoe, ParallelMoeSaved};
 use super::shard::{shard_param, upload_as};
 use super::{Ctx, RankLayout, Split, SplitAxis};
 use crate::engine::activations::{Held, Ledger, Slot, Stash};
-use crate::engine::block::{layer_ranges, take, Attn, AttnSaved, Ffn, ATTN_NORM_IN, MLP_NORM_IN};
+use crate::engine::block::{
+    layer_ranges, rerun_dropped_layers, take, Attn, AttnSaved, Ffn, ATTN_NORM_IN, MLP_NORM_IN,
+};
 use crate::engine::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
 use crate::engine::model::Model;
@@ -967,36 +969,28 @@ impl<B: Backend> ParallelBlock<B> {
                 self.forward_raw(ctx, saved.attn_norm.input(), seq_len, tokens)?;
             all.visit_saved(&mut take(&mut fresh, 0));
         } else {
-            let dropped = ranges.clone().map(|r| stash.dropped_in(r));
-            if dropped[0] || dropped[1] {
-                let (h, mut norm) = self.attn_norm.forward(b, saved.attn_norm.input())?;
-                if dropped[0] {
-                    norm.visit_saved(ATTN_NORM_IN, &mut take(&mut fresh, ranges[0].start));
-                }
-                if dropped[1] {
-                    let (_, mut attn) = self.attn_forward(ctx, &h, seq_len)?;
-                    attn.visit_saved(&mut take(&mut fresh, ranges[1].start));
-                }
-            }
-            if dropped[2] || dropped[3] {
-                let (h2, mut norm) = self.ffn_norm.forward(b, saved.ffn_norm.input())?;
-                if dropped[2] {
-                    norm.visit_saved(MLP_NORM_IN, &mut take(&mut fresh, ranges[2].start));
-                }
-                if dropped[3] {
+            let norms = [
+                (&self.attn_norm, saved.attn_norm.input(), ATTN_NORM_IN),
+                (&self.ffn_norm, saved.ffn_norm.input(), MLP_NORM_IN),
+            ];
+            rerun_dropped_layers(b, &stash, &ranges, norms, &mut fresh, |layer, h, f| {
+                if layer == 0 {
+                    self.attn_forward(ctx, h, seq_len)?.1.visit_saved(f);
+                } else {
                     // Only the saved state is wanted: the dense MLP's output
                     // need not be scattered over tp.
                     let mut ffn = match &self.ffn {
                         ParallelFfn::Dense(mlp) => {
-                            FfnSaved::Dense(mlp.forward(b, &ctx.gather_tp(&h2)?)?.1)
+                            FfnSaved::Dense(mlp.forward(b, &ctx.gather_tp(h)?)?.1)
                         }
                         ParallelFfn::Moe(moe) => {
-                            FfnSaved::Moe(Box::new(moe.forward(ctx, &h2, seq_len, tokens)?.1))
+                            FfnSaved::Moe(Box::new(moe.forward(ctx, h, seq_len, tokens)?.1))
                         }
                     };
-                    ffn.visit_saved(&mut take(&mut fresh, ranges[3].start));
+                    ffn.visit_saved(f);
                 }
-            }
+                Ok(())
+            })?;
         }
         let refilled = stash.restore(b, Some(fresh), |f| saved.visit_saved(f))?;
         Ok(Some(self.ledger.hold(&self.name, refilled, 0)))

@@ -363,7 +363,7 @@ impl<B: Backend> ParallelTrainer<B> {
             return Err(e);
         }
         let dtype = self.model.embed.table.value.dtype();
-        let mut loss = b.zeros(&[1], dtype)?;
+        let mut loss = b.zeros(&[1], dtype.acc())?;
         let mut aux = b.zeros(&[1], dtype)?;
         let mut loads: Vec<Option<Tensor<B>>> = Vec::new();
         let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
@@ -472,7 +472,7 @@ impl<B: Backend> ParallelTrainer<B> {
         let b = ctx.b;
         let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
         let pp_ranks = ctx.rank.pp.ranks();
-        let mut loss = b.zeros(&[1], self.model.embed.table.value.dtype())?;
+        let mut loss = b.zeros(&[1], self.model.embed.table.value.dtype().acc())?;
         for chunk in 0..vpp {
             let stage = self.model.virtual_stage(chunk);
             let input = if stage == 0 {
