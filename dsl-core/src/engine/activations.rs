@@ -819,9 +819,10 @@ mod tests {
     /// How far past bf16 compute's own gradient error fp8 storage may go:
     /// e4m3 keeps 3 mantissa bits to bf16's 7. Measured in a bf16 model:
     /// on the CPU's emulation (bf16 4.2e-2) the worst part is mlp_norm,
-    /// 1.49x; on the H200 (bf16 3.1e-2) qkv, whose rounding enters the
-    /// attention logits, is 1.76x (5.5e-2).
-    const BF16_LEVEL: f64 = 2.0;
+    /// 1.49x; on the H200 (run 23: bf16 3.0e-2) mlp_norm is 1.98x and qkv,
+    /// whose rounding enters the attention logits, 1.80x; every other part
+    /// 1.08x or less. The bound leaves room for another GPU's rounding.
+    const BF16_LEVEL: f64 = 2.5;
 
     #[test]
     fn fp8_storage_is_within_bf16_level_on_cuda() {
