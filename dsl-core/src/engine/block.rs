@@ -166,28 +166,43 @@ impl<B: Backend> FfnSaved<B> {
     }
 }
 
-impl<B: Backend> BlockSaved<B> {
+/// A pre-norm block's saved state as its four layers' lists (attention
+/// norm, attention, feed-forward norm, feed-forward): the single-rank and
+/// the parallel block list theirs in the same order, which recompute and
+/// the stash rely on.
+pub(crate) trait BlockLayers<B: Backend> {
+    /// Lists layer `layer`'s (0..4) saved tensors with their slots.
+    fn visit_layer(&mut self, layer: usize, f: &mut dyn FnMut(Slot, &mut Tensor<B>));
+
     /// Lists every saved tensor with its slot, in forward order.
     fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
-        self.attn_norm.visit_saved(ATTN_NORM_IN, f);
-        self.attn.visit_saved(f);
-        self.ffn_norm.visit_saved(MLP_NORM_IN, f);
-        self.ffn.visit_saved(f);
+        for layer in 0..4 {
+            self.visit_layer(layer, f);
+        }
     }
 
-    /// Where each layer's tensors sit in [`BlockSaved::visit_saved`]'s list:
-    /// attention norm, attention, feed-forward norm, feed-forward.
+    /// Where each layer's tensors sit in [`BlockLayers::visit_saved`]'s list.
     fn ranges(&mut self) -> [std::ops::Range<usize>; 4] {
         let mut n = [0usize; 4];
-        self.attn_norm
-            .visit_saved(ATTN_NORM_IN, &mut |_, _| n[0] += 1);
-        self.attn.visit_saved(&mut |_, _| n[1] += 1);
-        self.ffn_norm
-            .visit_saved(MLP_NORM_IN, &mut |_, _| n[2] += 1);
-        self.ffn.visit_saved(&mut |_, _| n[3] += 1);
+        for (layer, count) in n.iter_mut().enumerate() {
+            self.visit_layer(layer, &mut |_, _| *count += 1);
+        }
         layer_ranges(n)
     }
+}
 
+impl<B: Backend> BlockLayers<B> for BlockSaved<B> {
+    fn visit_layer(&mut self, layer: usize, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        match layer {
+            0 => self.attn_norm.visit_saved(ATTN_NORM_IN, f),
+            1 => self.attn.visit_saved(f),
+            2 => self.ffn_norm.visit_saved(MLP_NORM_IN, f),
+            _ => self.ffn.visit_saved(f),
+        }
+    }
+}
+
+impl<B: Backend> BlockSaved<B> {
     /// Device bytes this state holds in the ledger.
     pub fn device_bytes(&self) -> u64 {
         self.stash.as_ref().map_or(0, |s| s.held().device_bytes())

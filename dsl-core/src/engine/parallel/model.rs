@@ -28,7 +28,7 @@ use super::shard::{shard_param, upload_as};
 use super::{Ctx, RankLayout, Split, SplitAxis};
 use crate::engine::activations::{Held, Ledger, Slot, Stash};
 use crate::engine::block::{
-    layer_ranges, rerun_dropped_layers, take, Attn, AttnSaved, Ffn, ATTN_NORM_IN, MLP_NORM_IN,
+    rerun_dropped_layers, take, Attn, AttnSaved, BlockLayers, Ffn, ATTN_NORM_IN, MLP_NORM_IN,
 };
 use crate::engine::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
@@ -91,27 +91,18 @@ impl<B: Backend> BlockSaved<B> {
     fn prefetch(&mut self, b: &B) -> Result<()> {
         self.stash.as_mut().map_or(Ok(()), |s| s.prefetch(b))
     }
+}
 
-    /// Lists every saved tensor with its slot, in forward order (the
-    /// single-rank block's list, with the context-parallel attention's and
-    /// the expert-parallel MoE layer's own state).
-    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
-        self.attn_norm.visit_saved(ATTN_NORM_IN, f);
-        self.attn.visit_saved(f);
-        self.ffn_norm.visit_saved(MLP_NORM_IN, f);
-        self.ffn.visit_saved(f);
-    }
-
-    /// Where each layer's tensors sit in [`BlockSaved::visit_saved`]'s list.
-    fn ranges(&mut self) -> [Range<usize>; 4] {
-        let mut n = [0usize; 4];
-        self.attn_norm
-            .visit_saved(ATTN_NORM_IN, &mut |_, _| n[0] += 1);
-        self.attn.visit_saved(&mut |_, _| n[1] += 1);
-        self.ffn_norm
-            .visit_saved(MLP_NORM_IN, &mut |_, _| n[2] += 1);
-        self.ffn.visit_saved(&mut |_, _| n[3] += 1);
-        layer_ranges(n)
+/// The single-rank block's list, with the context-parallel attention's and
+/// the expert-parallel MoE layer's own state.
+impl<B: Backend> BlockLayers<B> for BlockSaved<B> {
+    fn visit_layer(&mut self, layer: usize, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        match layer {
+            0 => self.attn_norm.visit_saved(ATTN_NORM_IN, f),
+            1 => self.attn.visit_saved(f),
+            2 => self.ffn_norm.visit_saved(MLP_NORM_IN, f),
+            _ => self.ffn.visit_saved(f),
+        }
     }
 }
 
