@@ -1,4 +1,4 @@
-//! `foldmoe launch`: one process per rank on this node (DESIGN §7).
+//! `foldmoe launch`: one process per rank on this node (docs/ARCHITECTURE.md §7).
 //!
 //! Starts `--nproc-per-node` copies of this executable with the
 //! torchrun-style variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,

@@ -87,7 +87,7 @@ pub struct PassMoe {
 
 /// A model declared in place: its spec, typed layout enum and group accessors.
 /// Its vocabulary (31) does not divide tp = 2: that is padded, not refused
-/// (DESIGN §3), and the checked layout says so. The single-rank layout builds
+/// (docs/ARCHITECTURE.md §3), and the checked layout says so. The single-rank layout builds
 /// the whole model with `new`; a multi-rank layout is refused by `new` (a rank
 /// holds a shard) and built rank by rank by `shard`.
 #[test]

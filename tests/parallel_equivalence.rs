@@ -1,4 +1,4 @@
-//! Parallel equivalence (DESIGN §6): under every layout of the matrix, N ranks
+//! Parallel equivalence (docs/ARCHITECTURE.md §6): under every layout of the matrix, N ranks
 //! as threads compute what one rank computes — the same loss at every step
 //! and the same gradient of every parameter, gathered from the shards.
 //!

@@ -1,5 +1,5 @@
 //! Parallel layouts: the two meshes of Parallel Folding, their rank maps and
-//! process groups, and the layout rules of DESIGN §3, held once.
+//! process groups, and the layout rules of docs/ARCHITECTURE.md §3, held once.
 //!
 //! Both front ends call this module: the `#[moe_model]` macro at compile time
 //! (so it must build without the `engine` feature) and the runtime when a
@@ -397,7 +397,7 @@ pub struct Layout {
     /// Expert data-parallel size.
     pub edp: usize,
     /// Hidden states between blocks are split along the sequence over the tp
-    /// group: on exactly when the model has MoE layers and `tp > 1` (DESIGN
+    /// group: on exactly when the model has MoE layers and `tp > 1` (docs/ARCHITECTURE.md
     /// §3; Megatron-Core requires it for MoE with tp).
     pub sequence_parallel: bool,
     /// Rank order, fastest-varying first.
@@ -814,7 +814,7 @@ impl Report {
     }
 }
 
-/// Checks every layout rule of DESIGN §3 against `model` and resolves the
+/// Checks every layout rule of docs/ARCHITECTURE.md §3 against `model` and resolves the
 /// derived sizes; returns all violations, each naming the key to fix.
 ///
 /// The model's own rules are [`ModelSpec::check`]'s; model dimensions that
@@ -1115,7 +1115,7 @@ fn check_model_dims(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
 }
 
 /// fp8 GEMMs need every dimension a multiple of 16 on each rank, not only in
-/// the whole model (DESIGN §3, precision): tp splits dense and shared-expert
+/// the whole model (docs/ARCHITECTURE.md §3, precision): tp splits dense and shared-expert
 /// FFNs and etp splits expert FFNs, and a split can break the multiple.
 /// Attention needs no check here: `head_dim` is itself a multiple of 16 when
 /// the model passes its own fp8 rule, and tp splits whole heads. A dim that

@@ -1,7 +1,7 @@
 //! The model IR: what a model is, independent of how it is laid out or run.
 //!
 //! Both front ends (the `#[moe_model]` macro and config files) produce a
-//! [`ModelSpec`]; [`ModelSpec::check`] holds the model rules (DESIGN §3,
+//! [`ModelSpec`]; [`ModelSpec::check`] holds the model rules (docs/ARCHITECTURE.md §3,
 //! routing) once, returning every violation with its values and a fix.
 
 use serde::{Deserialize, Serialize};
@@ -41,7 +41,7 @@ pub struct BlockGroup {
     pub attention: AttentionSpec,
     /// The feed-forward part of every block.
     pub ffn: FfnSpec,
-    /// Recompute, offload and precision choices of the group (DESIGN §5–§6).
+    /// Recompute, offload and precision choices of the group (docs/ARCHITECTURE.md §5–§6).
     #[serde(default)]
     pub policy: Policy,
 }
@@ -171,7 +171,7 @@ pub struct MlaSpec {
 }
 
 /// Saved-activation parts that may be dropped after forward and recomputed
-/// in backward (DESIGN §5).
+/// in backward (docs/ARCHITECTURE.md §5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum RecomputePart {
     /// The RMSNorms.
@@ -193,7 +193,7 @@ pub enum RecomputePart {
 }
 
 /// Saved activations that may be moved to host memory between forward and
-/// backward (DESIGN §5); also the parts that may be stored in fp8.
+/// backward (docs/ARCHITECTURE.md §5); also the parts that may be stored in fp8.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum OffloadPart {
     /// Input of the attention norm.
@@ -212,7 +212,7 @@ pub enum OffloadPart {
     MoeAct,
 }
 
-/// Number format of the GEMMs of a group (DESIGN §6).
+/// Number format of the GEMMs of a group (docs/ARCHITECTURE.md §6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum GemmPrecision {
     /// fp32 GEMMs (the CPU reference).
@@ -550,7 +550,7 @@ impl LoadBalance {
     }
 }
 
-/// Router configuration (DESIGN §4, Route).
+/// Router configuration (docs/ARCHITECTURE.md §4, Route).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterSpec {
     /// Score function.
@@ -920,7 +920,7 @@ impl PolicyOverride {
 
 /// Policies name only parts the group has, each once (`block` alone, since
 /// it already covers every part), and fp8 GEMMs need dims that are multiples
-/// of 16 (DESIGN §3, precision). A part's error blames its place in the list
+/// of 16 (docs/ARCHITECTURE.md §3, precision). A part's error blames its place in the list
 /// (`policy.recompute[1]`), so a front end points at the word, not the key.
 fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(String, String)) {
     let recompute = &g.policy.recompute;
@@ -996,7 +996,7 @@ fn gemm_dims(g: &BlockGroup, spec: &ModelSpec) -> Vec<(&'static str, usize)> {
     dims
 }
 
-/// The routing rules of DESIGN §3.
+/// The routing rules of docs/ARCHITECTURE.md §3.
 fn check_moe(m: &MoeSpec, p: &str, err: &mut impl FnMut(String, String)) {
     let r = &m.router;
     if m.experts == 0 || m.expert_ffn == 0 {

@@ -1,5 +1,5 @@
 //! fp8 (e4m3) storage of saved activations, with one scale per 1×128 block
-//! of a row (DESIGN §5–§6): the codec, the compressed tensor, and the host
+//! of a row (docs/ARCHITECTURE.md §2, §5): the codec, the compressed tensor, and the host
 //! reference that [`crate::OffloadOps::compress_fp8`] provides and the CUDA
 //! backend reproduces bit for bit on the device.
 //!

@@ -3,7 +3,7 @@
 //! on the device and offloaded to the host, by part and by layer), and the
 //! [`Stash`] that applies a block group's memory [`Policy`] to them — drop
 //! for recompute, move to a host buffer pool for offload, compress to fp8
-//! (DESIGN §5).
+//! (docs/ARCHITECTURE.md §5).
 //!
 //! Every `*Saved` struct of a layer lists its tensors through a
 //! `visit_saved(&mut self, f)` method, in a fixed order, each with its

@@ -1,5 +1,5 @@
 //! The training engine for one rank: layers with explicit forward/backward
-//! pairs (DESIGN §5), the model built from a [`crate::spec::ModelSpec`], and
+//! pairs (docs/ARCHITECTURE.md §5), the model built from a [`crate::spec::ModelSpec`], and
 //! the optimizer and trainer around it.
 //!
 //! Convention for every layer: `forward(&self, b, x) -> (y, Saved)` and

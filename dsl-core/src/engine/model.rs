@@ -1,6 +1,6 @@
 //! The whole language model built from a [`ModelSpec`]: embedding, blocks,
 //! final norm, LM head and the cross-entropy loss (Megatron-Core's `GPTModel`;
-//! the MoE blocks follow DESIGN §4).
+//! the MoE blocks follow docs/ARCHITECTURE.md §4).
 //!
 //! ```text
 //! x = embed(tokens)
@@ -537,7 +537,7 @@ mod tests {
         (num / den).sqrt()
     }
 
-    /// The CPU's bf16 emulation (DESIGN §6) runs the engine unchanged: the
+    /// The CPU's bf16 emulation (docs/ARCHITECTURE.md §6) runs the engine unchanged: the
     /// dense + MoE model built in BF16 gives the loss of the F32 model of
     /// the same seed within bf16 rounding, and gradients close to its.
     #[test]

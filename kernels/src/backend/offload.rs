@@ -22,7 +22,7 @@ pub trait OffloadOps: Device {
     fn reload(&self, h: Self::Offloaded) -> Result<Tensor<Self>>;
 
     /// Compresses a saved float tensor to e4m3 with one f32 scale per 1×128
-    /// block of a row (DESIGN §5; the rules are in [`crate::fp8`]), to keep
+    /// block of a row (docs/ARCHITECTURE.md §5; the rules are in [`crate::fp8`]), to keep
     /// it at a quarter of f32's bytes until its backward. Provided through
     /// the host (the CPU's own); CUDA overrides it with a kernel that gives
     /// the same codes and scales without leaving the device.

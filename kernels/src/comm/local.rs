@@ -1,5 +1,5 @@
 //! N ranks as threads of one process, exchanging through shared memory
-//! (DESIGN §7): the communicator of tests and CPU runs.
+//! (docs/ARCHITECTURE.md §7): the communicator of tests and CPU runs.
 //!
 //! [`LocalWorld::comms`] makes one [`LocalComm`] per rank, all sharing one
 //! state behind a mutex and a condition variable; [`run_local`] runs a

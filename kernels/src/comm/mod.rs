@@ -1,5 +1,5 @@
 //! Collectives between ranks: the [`Communicator`] trait and its
-//! implementations (DESIGN §7).
+//! implementations (docs/ARCHITECTURE.md §7).
 //!
 //! - [`local`]: N ranks as threads of one process, exchanging through shared
 //!   memory (tests and CPU runs);

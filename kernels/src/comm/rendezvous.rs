@@ -1,4 +1,4 @@
-//! How the processes of a multi-process run find each other (DESIGN §7):
+//! How the processes of a multi-process run find each other (docs/ARCHITECTURE.md §7):
 //! torchrun/Slurm-style variables ([`DistEnv`]) and a small TCP rendezvous
 //! on `MASTER_ADDR:MASTER_PORT` ([`Rendezvous`]).
 //!

@@ -1,4 +1,4 @@
-//! One process per rank, exchanging over TCP (DESIGN §7): the communicator
+//! One process per rank, exchanging over TCP (docs/ARCHITECTURE.md §7): the communicator
 //! of multi-process CPU runs (`foldmoe launch`), and of any device whose
 //! tensors can be copied to the host.
 //!

@@ -1,4 +1,4 @@
-//! bf16 emulation on the CPU (DESIGN §6): a bf16 tensor holds f32 values that
+//! bf16 emulation on the CPU (docs/ARCHITECTURE.md §2): a bf16 tensor holds f32 values that
 //! are exactly representable in bf16. Kernels read them as [`Bf16`], whose
 //! arithmetic is plain f32 (a GPU kernel also accumulates bf16 inputs in f32),
 //! and every bf16 output is rounded once, to nearest even, where the kernel

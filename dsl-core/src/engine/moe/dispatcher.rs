@@ -1,4 +1,4 @@
-//! Dispatch and combine (DESIGN §4; Megatron-Core `moe/token_dispatcher.py`):
+//! Dispatch and combine (docs/ARCHITECTURE.md §4; Megatron-Core `moe/token_dispatcher.py`):
 //! dispatch permutes the token copies into expert-major rows, combine brings
 //! the expert outputs back and sums them weighted by the routing weights.
 //!

@@ -1,5 +1,5 @@
 //! Compute: the routed experts, each a SwiGLU FFN `(silu(x·W1) ⊙ (x·W3))·W2`,
-//! all run at once as grouped GEMMs over the expert-major rows (DESIGN §4;
+//! all run at once as grouped GEMMs over the expert-major rows (docs/ARCHITECTURE.md §4;
 //! Megatron-Core `moe/experts.py`, `GroupedMLP`).
 //!
 //! Shapes: E experts, D hidden, F expert ffn, N permuted rows; group `e` is

@@ -1,4 +1,4 @@
-//! The router's auxiliary losses (DESIGN §4; Megatron-Core `moe_utils.py`):
+//! The router's auxiliary losses (docs/ARCHITECTURE.md §4; Megatron-Core `moe_utils.py`):
 //! the load-balancing loss `coef·E·Σ_e f_e·P_e` and the z-loss
 //! `coef·mean_t(logsumexp(logits_t)²)`, each forward next to its backward.
 //!

@@ -1,4 +1,4 @@
-//! The Mixture-of-Experts layer (DESIGN §4; Megatron-Core `moe/moe_layer.py`):
+//! The Mixture-of-Experts layer (docs/ARCHITECTURE.md §4; Megatron-Core `moe/moe_layer.py`):
 //! route → dispatch → compute → combine, plus the shared experts.
 //!
 //! Shapes: T tokens (`batch·seq_len`, each sequence's tokens consecutive),

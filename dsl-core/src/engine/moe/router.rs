@@ -1,5 +1,5 @@
 //! Route: score every token against every expert, choose its top-k experts
-//! and their weights, and compute the router's auxiliary losses (DESIGN §4;
+//! and their weights, and compute the router's auxiliary losses (docs/ARCHITECTURE.md §4;
 //! Megatron-Core `moe/router.py`, `topk_softmax_with_capacity`).
 //!
 //! Shapes: T tokens, D hidden, E experts, K top-k.

@@ -1,5 +1,5 @@
 //! Shared experts: a dense SwiGLU MLP every token passes through, its output
-//! optionally scaled by a per-token gate `sigmoid(x·w_gate)` (DESIGN §4;
+//! optionally scaled by a per-token gate `sigmoid(x·w_gate)` (docs/ARCHITECTURE.md §4;
 //! Megatron-Core `moe/shared_experts.py`).
 //!
 //! Shapes: T tokens, D hidden.

@@ -1,4 +1,4 @@
-//! The engine under a parallel layout (DESIGN §3–§5): N ranks, each holding
+//! The engine under a parallel layout (docs/ARCHITECTURE.md §3, §8): N ranks, each holding
 //! its shard of the model, computing together what one rank computes.
 //!
 //! - **Attention mesh** `tp × cp × dp`: attention and the

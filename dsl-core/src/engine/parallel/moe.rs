@@ -1,4 +1,4 @@
-//! The MoE layer over the folded expert mesh (DESIGN §4; Megatron-Core's
+//! The MoE layer over the folded expert mesh (docs/ARCHITECTURE.md §4; Megatron-Core's
 //! `MoEAlltoAllTokenDispatcher`).
 //!
 //! ```text
