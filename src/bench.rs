@@ -26,7 +26,7 @@ use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
 use foldmoe::core::engine::parallel::model::ParallelModel;
 use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
-use foldmoe::core::engine::param::Module as _;
+use foldmoe::core::engine::param::{Init, Module as _};
 use foldmoe::core::engine::trainer::{TrainConfig, Trainer};
 use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{FfnSpec, ModelSpec, MoeSpec};
@@ -339,7 +339,7 @@ fn moe_layer<B: BenchDevice>(
             "--tokens {t}: not a multiple of the sequence length {seq_len}"
         )));
     }
-    let mut layer = MoeLayer::new(b, "bench.moe", d, &moe, spec.init_std, 1, dtype)?;
+    let mut layer = MoeLayer::new(b, "bench.moe", d, &moe, spec.init_std, Init::full(1), dtype)?;
     let x = random(b, &[t, d], 1.0, 2, dtype)?;
     let dy = random(b, &[t, d], 1e-3, 3, dtype)?;
     let mut step = || -> Result<(), CliError> {
@@ -500,13 +500,7 @@ fn rank_step<B: BenchDevice>(
     // A fresh trainer's moments are zero, so the shards start from
     // `ParallelTrainer::new` rather than from a full trainer's state.
     let t0 = Instant::now();
-    let full = Model::new(b, spec, 1, dtype)?;
-    eprintln!(
-        "bench: rank {}: model built in {:.1} s",
-        rank.rank,
-        t0.elapsed().as_secs_f64()
-    );
-    let model = ParallelModel::from_model(b, full, rank.clone())?;
+    let model = ParallelModel::new(b, spec, rank.clone(), 1, dtype)?;
     let mut trainer = ParallelTrainer::new(b, model, TrainConfig::default())?;
     eprintln!(
         "bench: rank {}: shard and optimizer ready at {:.1} s",

@@ -1,6 +1,5 @@
 //! Text generation from a trained model, byte by byte.
 
-use foldmoe::core::engine::checkpoint;
 use foldmoe::core::engine::data::ByteTokenizer;
 use foldmoe::core::engine::model::Model;
 use foldmoe::kernels::{Backend, HostData};
@@ -8,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::CliError;
-use crate::train::{checkpoint_dir, load_trainer};
+use crate::train::load_model;
 
 /// Samples `count` tokens after `prompt` (temperature 0: greedy), feeding the
 /// last `seq_len` tokens as context each time (no KV cache: the model is small).
@@ -76,13 +75,11 @@ pub fn run<B: Backend>(
             "--temperature {temperature}: must be a finite number ≥ 0"
         )));
     }
-    let dir = checkpoint_dir(checkpoint);
-    let (tensors, meta) = checkpoint::load(&dir)?;
-    let trainer = load_trainer(b, &meta, tensors)?;
+    let (model, _) = load_model(b, checkpoint)?;
     let tok = ByteTokenizer;
     let out = sample(
         b,
-        &trainer.model,
+        &model,
         &tok.encode(prompt),
         tokens,
         temperature,

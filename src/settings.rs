@@ -85,6 +85,15 @@ pub struct TrainOptions {
     /// moments; emulated on the CPU).
     #[arg(long)]
     pub dtype: Option<String>,
+    /// Checkpoints kept in the run directory (the newest; older ones are
+    /// removed once a new one is complete).
+    #[arg(long)]
+    pub keep_checkpoints: Option<usize>,
+    /// Start even when the memory planner's estimate for a rank exceeds the
+    /// memory the device or host has available.
+    #[arg(long)]
+    #[serde(default)]
+    pub force: bool,
     /// Continue the run whose directory (or checkpoint directory) is given.
     #[arg(long)]
     #[serde(skip)]
@@ -146,6 +155,14 @@ pub struct TrainSettings {
     /// Model dtype, `f32` or `bf16`.
     #[serde(default = "f32_name")]
     pub dtype: String,
+    /// Checkpoints kept.
+    #[serde(default = "two")]
+    pub keep_checkpoints: usize,
+}
+
+/// Serde default of [`TrainSettings::keep_checkpoints`].
+fn two() -> usize {
+    2
 }
 
 /// Serde default of [`TrainSettings::dtype`] (checkpoints written before it existed).
@@ -179,6 +196,7 @@ impl Default for TrainSettings {
             offload: None,
             store_fp8: None,
             dtype: f32_name(),
+            keep_checkpoints: two(),
         }
     }
 }
@@ -219,6 +237,8 @@ impl TrainOptions {
             offload: self.offload.or(file.offload),
             store_fp8: self.store_fp8.or(file.store_fp8),
             dtype: self.dtype.or(file.dtype),
+            keep_checkpoints: self.keep_checkpoints.or(file.keep_checkpoints),
+            force: self.force || file.force,
             resume: self.resume,
             config: self.config,
             exit_after: self.exit_after,
@@ -254,6 +274,7 @@ impl TrainOptions {
             offload: opts.offload.clone().or(base.offload),
             store_fp8: opts.store_fp8.clone().or(base.store_fp8),
             dtype: opts.dtype.clone().unwrap_or(base.dtype),
+            keep_checkpoints: opts.keep_checkpoints.unwrap_or(base.keep_checkpoints),
         };
         s.validate()?;
         Ok((s, opts))
@@ -293,6 +314,13 @@ impl TrainSettings {
         }
         if self.ranks == 0 {
             return bad("ranks", &self.ranks, "must be at least 1");
+        }
+        if self.keep_checkpoints == 0 {
+            return bad(
+                "keep-checkpoints",
+                &self.keep_checkpoints,
+                "must be at least 1",
+            );
         }
         if let Some(f) = self.capacity_factor {
             if !(f.is_finite() && f > 0.0) {

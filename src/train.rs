@@ -11,18 +11,18 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::activations::Counts;
-use foldmoe::core::engine::checkpoint::{self, NamedTensor};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
-use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
-use foldmoe::core::engine::trainer::{StepStats, TrainConfig, Trainer};
+use foldmoe::core::engine::checkpoint::{self, Source};
+use foldmoe::core::engine::parallel::{Ctx, ParallelModel, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec};
 use foldmoe::kernels::comm::local::run_local;
 use foldmoe::kernels::comm::rendezvous::DistEnv;
 use foldmoe::kernels::comm::timed::TimedComm;
-use foldmoe::kernels::{Backend, Communicator, Group, HostData, KernelError, ReduceOp, Tensor};
+use foldmoe::kernels::{Backend, Communicator, Group, HostData, KernelError, ReduceOp};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
@@ -33,9 +33,6 @@ use crate::settings::{TrainOptions, TrainSettings};
 /// The bundled corpus (public domain; see data/NOTICE).
 const TRAIN_TEXT: &str = include_str!("../data/train.txt");
 const VAL_TEXT: &str = include_str!("../data/val.txt");
-/// Largest model (parameters) a CPU run accepts: full-size published models
-/// are declared for planning and GPU clusters, not for this backend.
-const CPU_PARAM_LIMIT: u64 = 500_000_000;
 /// Windows in the fixed validation batch.
 const VAL_WINDOWS: usize = 16;
 /// How long a rank of a threads run waits for a silent peer before failing.
@@ -87,15 +84,18 @@ struct Summary<'a> {
     peak_activation_bytes_by_part: Option<BTreeMap<&'static str, u64>>,
     /// The most bytes of saved activations offloaded to the host at once.
     peak_offloaded_bytes: Option<u64>,
+    /// Bytes the backend allocated, at most, while rank 0 built its model
+    /// shard and optimizer state.
+    startup_peak_bytes: u64,
+    /// Bytes rank 0 keeps of parameters, gradients and optimizer state.
+    shard_bytes: u64,
+    /// Seconds from the start of the run to the end of the first step.
+    first_step_s: f64,
 }
 
-/// The checkpoint directory inside a run directory, or `path` itself if it is one.
-pub fn checkpoint_dir(path: &Path) -> PathBuf {
-    if path.join(checkpoint::CONFIG_FILE).exists() {
-        path.to_path_buf()
-    } else {
-        path.join("checkpoint")
-    }
+/// The checkpoint root of a run directory (`checkpoints/`, with `latest`).
+pub fn checkpoint_root(out: &Path) -> PathBuf {
+    out.join("checkpoints")
 }
 
 fn trainer_config(s: &TrainSettings) -> TrainConfig {
@@ -108,22 +108,13 @@ fn trainer_config(s: &TrainSettings) -> TrainConfig {
     }
 }
 
-/// Rebuilds a trainer from a checkpoint's meta and tensors.
-pub fn load_trainer<B: Backend>(
-    b: &B,
-    meta: &RunMeta,
-    tensors: Vec<NamedTensor>,
-) -> Result<Trainer<B>, CliError> {
-    let model = Model::new(
-        b,
-        &meta.spec,
-        meta.settings.seed,
-        meta.settings.model_dtype()?,
-    )?;
-    let mut trainer = Trainer::new(b, model, trainer_config(&meta.settings))?;
-    checkpoint::restore_trainer(b, &mut trainer, tensors)?;
-    trainer.opt.set_step_count(meta.step);
-    Ok(trainer)
+/// The whole model of a checkpoint on one rank (generation, the sample at
+/// the end of training), read slice by slice from whatever layout wrote it.
+pub fn load_model<B: Backend>(b: &B, path: &Path) -> Result<(Model<B>, RunMeta), CliError> {
+    let (source, meta): (Source, RunMeta) = Source::open(path)?;
+    let mut model = Model::new(b, &meta.spec, meta.settings.seed, meta.settings.model_dtype()?)?;
+    checkpoint::load_model(b, &source, &mut model)?;
+    Ok((model, meta))
 }
 
 /// `runs/<UTC timestamp>`.
@@ -154,7 +145,9 @@ fn default_out_dir() -> PathBuf {
 /// Creates the run directory and proves it writable, refusing to overwrite
 /// another run's results.
 fn prepare_out(out: &Path, resuming: bool) -> Result<(), CliError> {
-    if !resuming && (out.join("summary.json").exists() || checkpoint_dir(out).exists()) {
+    let holds_checkpoint =
+        checkpoint_root(out).exists() || out.join("checkpoint").exists();
+    if !resuming && (out.join("summary.json").exists() || holds_checkpoint) {
         return Err(CliError::usage(format!(
             "--out {}: already holds a run; choose another directory or --resume it",
             out.display()
@@ -167,18 +160,6 @@ fn prepare_out(out: &Path, resuming: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-fn upload_batch<B: Backend>(
-    b: &B,
-    (x, y): (Vec<i32>, Vec<i32>),
-    seqs: usize,
-    seq: usize,
-) -> Result<(Tensor<B>, Tensor<B>), CliError> {
-    Ok((
-        b.upload(HostData::I32(x), &[seqs, seq])?,
-        b.upload(HostData::I32(y), &[seqs, seq])?,
-    ))
-}
-
 /// Prints a line above the progress bar, or plainly when the bar is hidden
 /// (output not a terminal), so logs still show progress.
 fn say(pb: &ProgressBar, line: impl AsRef<str>) {
@@ -189,91 +170,25 @@ fn say(pb: &ProgressBar, line: impl AsRef<str>) {
     }
 }
 
-/// What the training loop drives: one rank's trainer, or one rank of a
-/// parallel run (whose calls are collectives: every rank makes them).
-trait StepEngine {
-    /// One optimizer step over the global batch's `micro_batches`.
-    fn step(&mut self, micro_batches: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError>;
-    /// Mean loss of the validation batch.
-    fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError>;
-    /// Every tensor of a checkpoint (full tensors, whatever the layout).
-    fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError>;
-    /// Whether to stop now: `local` is this rank's Ctrl-C flag; every rank
-    /// must give the same answer.
-    fn agree_stop(&mut self, local: bool) -> Result<bool, CliError>;
-    /// Whether this rank writes files and prints.
-    fn is_main(&self) -> bool;
-    /// This rank's global index (0 for a one-rank run).
-    fn rank(&self) -> usize;
-    /// Seconds this rank has spent in collectives so far (`None`: no communicator).
-    fn comm_seconds(&self) -> Option<f64> {
-        None
-    }
-    /// The engine's saved-activation counts (`None`: not counted).
-    fn activations(&self) -> Option<Counts> {
-        None
-    }
-}
-
-/// One rank, no communicator.
-struct SingleRank<'a, B: Backend> {
-    b: &'a B,
-    trainer: Trainer<B>,
-    seqs: usize,
-    seq_len: usize,
-}
-
-impl<B: Backend> StepEngine for SingleRank<'_, B> {
-    fn step(&mut self, micro_batches: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError> {
-        let micro = micro_batches
-            .iter()
-            .map(|batch| upload_batch(self.b, batch.clone(), self.seqs, self.seq_len))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(self.trainer.step(self.b, &micro)?)
-    }
-
-    fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
-        let (x, y) = upload_batch(self.b, batch.clone(), VAL_WINDOWS, self.seq_len)?;
-        // An evaluation saves for a backward that never comes; it is not
-        // training's peak.
-        let model = &self.trainer.model;
-        model.ledger.outside_peak(|| {
-            let out = model.forward(self.b, &x, &y)?;
-            Ok(self.b.download(&out.loss)?.to_f64()[0])
-        })
-    }
-
-    fn activations(&self) -> Option<Counts> {
-        Some(self.trainer.model.ledger.counts())
-    }
-
-    fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError> {
-        Ok(checkpoint::trainer_tensors(self.b, &self.trainer)?)
-    }
-
-    fn agree_stop(&mut self, local: bool) -> Result<bool, CliError> {
-        Ok(local)
-    }
-
-    fn is_main(&self) -> bool {
-        true
-    }
-
-    fn rank(&self) -> usize {
-        0
-    }
-}
-
-/// One rank of a parallel run (a thread or a process).
+/// One rank of a run (a thread or a process; the only one at world = 1),
+/// driven by the training loop: its calls are collectives, every rank makes
+/// them.
 struct ParallelRank<'a, 'c, B: Backend> {
     ctx: &'a Ctx<'c, B>,
     /// The communicator of `ctx`, measuring its time.
     timed: &'a TimedComm<'c, B>,
     trainer: ParallelTrainer<B>,
     seq_len: usize,
+    /// Bytes allocated at most while the shard and optimizer were built.
+    startup_peak_bytes: u64,
+    /// Bytes of parameters, gradients and optimizer state the rank keeps.
+    shard_bytes: u64,
+    /// When the rank started building its shard.
+    built_from: Instant,
 }
 
-impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
+impl<B: Backend> ParallelRank<'_, '_, B> {
+    /// One optimizer step over the global batch's `micro_batches`.
     fn step(&mut self, micro_batches: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError> {
         // This dp rank's share of the global batch's micro-batches.
         let (dp, dp_i) = (self.ctx.rank.dp.size(), self.ctx.rank.dp_index);
@@ -282,6 +197,7 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
         Ok(self.trainer.step(self.ctx, mine, self.seq_len)?)
     }
 
+    /// Mean loss of the validation batch.
     fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
         // An evaluation is not training's peak.
         let t = &self.trainer;
@@ -296,13 +212,20 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
         Some(self.trainer.model.ledger.counts())
     }
 
-    fn checkpoint_tensors(&mut self) -> Result<Vec<NamedTensor>, CliError> {
-        Ok(checkpoint::parallel_trainer_tensors(
+    /// Writes this rank's part of a checkpoint of the run (every rank calls
+    /// it); returns the checkpoint's directory.
+    fn save(&self, out: &Path, meta: &RunMeta) -> Result<PathBuf, CliError> {
+        Ok(checkpoint::save(
             self.ctx,
-            &mut self.trainer,
+            &self.trainer,
+            &checkpoint_root(out),
+            meta,
+            meta.settings.keep_checkpoints,
         )?)
     }
 
+    /// Whether to stop now: `local` is this rank's Ctrl-C flag; every rank
+    /// gives the same answer.
     fn agree_stop(&mut self, local: bool) -> Result<bool, CliError> {
         let b = self.ctx.b;
         let flag = b.upload(HostData::F32(vec![f32::from(u8::from(local))]), &[1])?;
@@ -313,16 +236,20 @@ impl<B: Backend> StepEngine for ParallelRank<'_, '_, B> {
         Ok(b.download(&any)?.to_f64()[0] > 0.0)
     }
 
+    /// Whether this rank writes files and prints.
     fn is_main(&self) -> bool {
         self.ctx.rank.rank == 0
     }
 
+    /// This rank's global index.
     fn rank(&self) -> usize {
         self.ctx.rank.rank
     }
 
+    /// Seconds this rank has spent in collectives so far (`None` at world =
+    /// 1, which has nothing to exchange).
     fn comm_seconds(&self) -> Option<f64> {
-        Some(self.timed.elapsed().as_secs_f64())
+        (self.ctx.rank.world.size() > 1).then(|| self.timed.elapsed().as_secs_f64())
     }
 }
 
@@ -333,14 +260,14 @@ struct Prepared {
     opts: TrainOptions,
     spec: ModelSpec,
     out: PathBuf,
-    /// Tensors of the resumed checkpoint.
-    resumed: Option<Vec<NamedTensor>>,
+    /// The resumed checkpoint.
+    resumed: Option<Source>,
     meta: RunMeta,
     /// Sequences per micro-batch, and micro-batches per step.
     seqs: usize,
     micro_batches: usize,
-    /// The checked layout of a parallel run.
-    layout: Option<Layout>,
+    /// The checked layout (world = 1 for a one-rank run).
+    layout: Layout,
 }
 
 /// The layout of `settings` over its ranks (dp over all ranks by default),
@@ -349,35 +276,12 @@ fn resolve_layout(settings: &TrainSettings, spec: &ModelSpec) -> Result<Option<L
     crate::dist::resolve_layout(settings.layout.as_deref(), settings.ranks, "--ranks", spec)
 }
 
-/// A one-rank trainer: fresh from the seed, or restored from `tensors`.
-fn build_trainer<B: Backend>(
-    b: &B,
-    meta: &RunMeta,
-    tensors: Option<&[NamedTensor]>,
-) -> Result<Trainer<B>, CliError> {
-    let mut trainer = match tensors {
-        Some(t) => load_trainer(b, meta, t.to_vec())?,
-        None => Trainer::new(
-            b,
-            Model::new(
-                b,
-                &meta.spec,
-                meta.settings.seed,
-                meta.settings.model_dtype()?,
-            )?,
-            trainer_config(&meta.settings),
-        )?,
-    };
-    trainer.cfg = trainer_config(&meta.settings);
-    Ok(trainer)
-}
-
 /// Validates everything and prepares the run's state; the run directory is
 /// left to [`prepare_out`] (only the main rank of a multi-process run
 /// touches it).
 fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
     let resumed = match &opts.resume {
-        Some(dir) => Some(checkpoint::load::<RunMeta>(&checkpoint_dir(dir))?),
+        Some(dir) => Some(Source::open::<RunMeta>(dir)?),
         None => None,
     };
     let base = resumed
@@ -439,16 +343,6 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             ))
         })?;
     }
-    let (params_total, _) = spec.param_counts();
-    if params_total > CPU_PARAM_LIMIT {
-        return Err(CliError::usage(format!(
-            "--model {}: {:.1} B parameters is too large to train on the CPU (limit {:.1} B); train `{}-small` instead",
-            settings.model,
-            params_total as f64 / 1e9,
-            CPU_PARAM_LIMIT as f64 / 1e9,
-            settings.model
-        )));
-    }
     if settings.device != backend {
         return Err(CliError::usage(format!(
             "device `{}` (from the config file or the resumed run) but this run was started on \
@@ -456,10 +350,16 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             settings.device, settings.device
         )));
     }
-    let layout = resolve_layout(&settings, &spec)?;
+    let layout = match resolve_layout(&settings, &spec)? {
+        Some(l) => l,
+        None => foldmoe::core::layout::check(&Default::default(), &spec).map_err(|errors| {
+            let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            CliError::usage(format!("model {}: {}", spec.name, msgs.join("; ")))
+        })?,
+    };
     // A parallel run splits each step's micro-batches over dp; one
     // micro-batch (the default) becomes one per dp rank.
-    let dp = layout.as_ref().map_or(1, |l| l.dp);
+    let dp = layout.dp;
     let micro_batches = match settings.micro_batches {
         m if m.is_multiple_of(dp) => m,
         1 => dp,
@@ -469,7 +369,7 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             )))
         }
     };
-    if let Some(l) = layout.as_ref().filter(|l| l.pp > 1) {
+    if let Some(l) = Some(&layout).filter(|l| l.pp > 1) {
         // The schedule's own check, before the run directory is made.
         foldmoe::core::engine::parallel::pipeline::schedule(l.pp, l.vpp, micro_batches / dp, 0)
             .map_err(|e| CliError::usage(format!("--micro-batches {micro_batches}: {e}")))?;
@@ -485,10 +385,10 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         .or_else(|| opts.resume.clone())
         .unwrap_or_else(default_out_dir);
     let (resumed, meta) = match resumed {
-        Some((tensors, mut meta)) => {
+        Some((source, mut meta)) => {
             meta.settings = settings.clone();
             meta.spec = spec.clone();
-            (Some(tensors), meta)
+            (Some(source), meta)
         }
         None => (
             None,
@@ -521,9 +421,7 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
 pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Result<(), CliError> {
     let prep = prepare(opts, B::NAME)?;
     prepare_out(&prep.out, prep.resumed.is_some())?;
-    let Some(layout) = prep.layout.clone() else {
-        return run_single(b, &prep, &stop);
-    };
+    let layout = prep.layout.clone();
     let results = run_local(layout.world, RANK_TIMEOUT, |comm| {
         Ok(run_rank(b, &comm, &layout, &prep, &stop))
     });
@@ -577,7 +475,7 @@ pub fn run_process<B: ProcessComm>(
         _ => opts.ranks = Some(env.world),
     }
     let prep = prepare(opts, B::NAME)?;
-    let comm = crate::dist::connect(b, env, timeout, prep.layout.as_ref())?;
+    let comm = crate::dist::connect(b, env, timeout, Some(&prep.layout))?;
     let world = Group::new((0..env.world).collect());
     // Rank 0 alone prepares the run directory; if it cannot, it aborts, so
     // the others stop at the barrier with its reason instead of waiting.
@@ -588,23 +486,7 @@ pub fn run_process<B: ProcessComm>(
         }
     }
     comm.barrier(&world)?;
-    match &prep.layout {
-        Some(layout) => run_rank(b, comm.as_ref(), layout, &prep, &stop),
-        // One process alone: nobody to exchange with.
-        None => run_single(b, &prep, &stop),
-    }
-}
-
-/// A one-rank run.
-fn run_single<B: Backend>(b: &B, prep: &Prepared, stop: &AtomicBool) -> Result<(), CliError> {
-    let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
-    let mut engine = SingleRank {
-        b,
-        trainer,
-        seqs: prep.seqs,
-        seq_len: prep.spec.seq_len,
-    };
-    train_loop(b, &mut engine, prep, stop)
+    run_rank(b, comm.as_ref(), &prep.layout, &prep, &stop)
 }
 
 /// One rank of a parallel run on `comm`, whichever communicator it is (a
@@ -626,14 +508,33 @@ fn run_rank<B: Backend>(
             comm: &timed,
             rank: &rank,
         };
-        let trainer = build_trainer(b, &prep.meta, prep.resumed.as_deref())?;
-        let trainer =
-            ParallelTrainer::from_trainer(b, trainer, RankLayout::new(layout, comm.rank())?)?;
+        // Shard first: the rank draws only its blocks of the weights, and
+        // a resumed run reads only its slices of the checkpoint.
+        let built_from = Instant::now();
+        b.reset_peak_memory();
+        let (before, _) = b.memory_in_use();
+        let meta = &prep.meta;
+        let model = ParallelModel::new(
+            b,
+            &meta.spec,
+            rank.clone(),
+            meta.settings.seed,
+            meta.settings.model_dtype()?,
+        )?;
+        let mut trainer = ParallelTrainer::new(b, model, trainer_config(&meta.settings))?;
+        if let Some(source) = &prep.resumed {
+            checkpoint::load(b, source, &mut trainer)?;
+            trainer.set_step_count(meta.step);
+        }
+        let (after, peak) = b.memory_in_use();
         let mut engine = ParallelRank {
             ctx: &ctx,
             timed: &timed,
             trainer,
             seq_len: prep.spec.seq_len,
+            startup_peak_bytes: peak.saturating_sub(before) as u64,
+            shard_bytes: after.saturating_sub(before) as u64,
+            built_from,
         };
         train_loop(b, &mut engine, prep, stop)
     })();
@@ -667,9 +568,9 @@ fn test_exit_step(rank: usize) -> Result<Option<u64>, CliError> {
 /// The training loop of one rank (or the only one): the main rank shows
 /// progress and writes the run's files; every rank takes part in the steps,
 /// evaluations and checkpoint gathers.
-fn train_loop<B: Backend, E: StepEngine>(
+fn train_loop<B: Backend>(
     b: &B,
-    engine: &mut E,
+    engine: &mut ParallelRank<'_, '_, B>,
     prep: &Prepared,
     stop: &AtomicBool,
 ) -> Result<(), CliError> {
@@ -704,9 +605,11 @@ fn train_loop<B: Backend, E: StepEngine>(
         .expect("static template"),
     );
     pb.set_position(meta.step);
-    let mut layout_note = match &prep.layout {
-        Some(l) => format!(" on {} ranks ({})", l.world, l.spec()),
-        None => String::new(),
+    let l = &prep.layout;
+    let mut layout_note = if l.world > 1 {
+        format!(" on {} ranks ({})", l.world, l.spec())
+    } else {
+        String::new()
     };
     if settings.dtype != "f32" {
         layout_note += &format!(" in {} (f32 master weights)", settings.dtype);
@@ -724,6 +627,7 @@ fn train_loop<B: Backend, E: StepEngine>(
     }
 
     let started = Instant::now();
+    let mut first_step_s = f64::NAN;
     let first_step = meta.step;
     // Time in steps, and in collectives within them (parallel runs).
     let (mut step_seconds, mut comm_in_steps) = (0.0f64, 0.0f64);
@@ -740,14 +644,11 @@ fn train_loop<B: Backend, E: StepEngine>(
         }
         if engine.agree_stop(stop.load(Ordering::SeqCst))? {
             meta.train_seconds += started.elapsed().as_secs_f64();
-            let tensors = engine.checkpoint_tensors()?;
-            if main {
-                checkpoint::save(&checkpoint_dir(out), &tensors, &meta)?;
-            }
+            let dir = engine.save(out, &meta)?;
             pb.abandon();
             return Err(CliError::Interrupted {
                 step: meta.step,
-                dir: checkpoint_dir(out).display().to_string(),
+                dir: dir.display().to_string(),
             });
         }
         if prep
@@ -778,12 +679,23 @@ fn train_loop<B: Backend, E: StepEngine>(
                 return Err(CliError::usage(format!(
                     "training stopped at step {}: {e}; the last good checkpoint is kept in {}",
                     meta.step + 1,
-                    checkpoint_dir(out).display()
+                    checkpoint_root(out).display()
                 )));
             }
         };
         meta.step += 1;
         meta.losses.push(stats.loss);
+        if meta.step == first_step + 1 {
+            first_step_s = engine.built_from.elapsed().as_secs_f64();
+            if main {
+                say(&pb, format!(
+                    "startup: shard {:.1} MB (peak {:.1} MB while building it and its optimizer state), first step done {:.2} s after the build began",
+                    engine.shard_bytes as f64 / 1e6,
+                    engine.startup_peak_bytes as f64 / 1e6,
+                    first_step_s
+                ));
+            }
+        }
         let tokens_per_s = settings.batch_tokens as f64 / step_start.elapsed().as_secs_f64();
         let eval_now = meta.step.is_multiple_of(settings.eval_every) || meta.step == settings.steps;
         if eval_now {
@@ -816,19 +728,15 @@ fn train_loop<B: Backend, E: StepEngine>(
         if meta.step.is_multiple_of(settings.checkpoint_every) {
             let mut snapshot = meta.clone();
             snapshot.train_seconds += started.elapsed().as_secs_f64();
-            let tensors = engine.checkpoint_tensors()?;
-            if main {
-                checkpoint::save(&checkpoint_dir(out), &tensors, &snapshot)?;
-            }
+            engine.save(out, &snapshot)?;
         }
     }
     let session_seconds = started.elapsed().as_secs_f64();
     meta.train_seconds += session_seconds;
-    let tensors = engine.checkpoint_tensors()?;
+    let saved = engine.save(out, &meta)?;
     if !main {
         return Ok(());
     }
-    checkpoint::save(&checkpoint_dir(out), &tensors, &meta)?;
     pb.finish();
     let activations = engine.activations();
     let tokens_this_session = (meta.step - first_step) as f64 * settings.batch_tokens as f64;
@@ -847,6 +755,9 @@ fn train_loop<B: Backend, E: StepEngine>(
         peak_activation_bytes: activations.as_ref().map(|c| c.peak_device),
         peak_activation_bytes_by_part: activations.as_ref().map(Counts::peak_parts),
         peak_offloaded_bytes: activations.as_ref().map(|c| c.peak_host),
+        startup_peak_bytes: engine.startup_peak_bytes,
+        shard_bytes: engine.shard_bytes,
+        first_step_s,
     };
     let summary_path = out.join("summary.json");
     let json = serde_json::to_string_pretty(&summary)
@@ -857,7 +768,7 @@ fn train_loop<B: Backend, E: StepEngine>(
     if settings.sample_tokens > 0 && meta.step == settings.steps {
         // The sample comes from the full model, rebuilt from the checkpoint's
         // tensors whatever the layout.
-        let model = load_trainer(b, &meta, tensors)?.model;
+        let (model, _) = load_model(b, &saved)?;
         let prompt = "And God said";
         let tok = ByteTokenizer;
         let ids = crate::generate::sample(

@@ -404,9 +404,11 @@ pub struct Layout {
     pub order: [Axis; 5],
     /// The declared uneven split over the `pp·vpp` virtual stages, if any.
     pub pp_layers: Option<Vec<usize>>,
-    /// The vocabulary rounded up to a multiple of `tp`, so the embedding and
-    /// LM head split evenly: a vocab not divisible by tp is accepted and
-    /// padded (Megatron pads too), the extra rows never being targets.
+    /// The vocabulary rounded up to a multiple of `tp`: the rows of the
+    /// largest vocabulary shard times tp. A vocab not divisible by tp is
+    /// accepted: the embedding and LM head split into balanced parts (the
+    /// first `vocab % tp` ranks hold one row more), which computes what
+    /// Megatron's padding with never-targeted rows does, without pad logits.
     pub padded_vocab: usize,
     /// What the layout changes without being an error (kv-head replication,
     /// vocab padding, sequence parallelism, folding), one sentence each.
@@ -1108,8 +1110,11 @@ fn check_model_dims(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
     let v = model.vocab;
     if !v.is_multiple_of(tp) {
         r.note(format!(
-            "vocab = {v} is padded to {}, the next multiple of tp = {tp}, so the embedding and LM head split evenly",
-            v.div_ceil(tp) * tp
+            "vocab = {v} is padded to {} for the memory plan (tp = {tp} does not divide it): \
+             the embedding and LM head split into parts of {} and {} rows",
+            v.div_ceil(tp) * tp,
+            v.div_ceil(tp),
+            v / tp
         ));
     }
 }

@@ -632,6 +632,18 @@ impl ModelSpec {
         self.groups.iter().map(|g| g.count).sum()
     }
 
+    /// The group of block `layer` (none past the last block).
+    pub fn group_of_layer(&self, layer: usize) -> Option<&BlockGroup> {
+        let mut first = 0;
+        for g in &self.groups {
+            if layer < first + g.count {
+                return Some(g);
+            }
+            first += g.count;
+        }
+        None
+    }
+
     /// `(total, active per token)` parameters of the main model (MTP modules not
     /// counted, as in the published totals), from the spec alone: embedding, head
     /// (if untied), final norm, and per block two norms, attention (GQA or MLA

@@ -37,6 +37,14 @@ impl DType {
             _ => DType::F32,
         }
     }
+
+    /// Bytes of one element in a host buffer (the CPU's emulated bf16 is an f32).
+    pub fn host_size(self) -> usize {
+        match self {
+            DType::F64 => 8,
+            _ => 4,
+        }
+    }
 }
 
 /// What a backend's storage reports about itself.
@@ -123,12 +131,73 @@ pub struct Tensor<B: Device> {
     shape: Vec<usize>,
 }
 
+/// Bytes of host memory a tensor's storage holds, for devices whose storage
+/// is host memory owned by the tensor ([`Device::HOST_METERED`]).
+fn metered_bytes<B: Device>(storage: &B::Storage) -> usize {
+    if B::HOST_METERED {
+        storage.len() * storage.dtype().host_size()
+    } else {
+        0
+    }
+}
+
 impl<B: Device> Clone for Tensor<B> {
     fn clone(&self) -> Self {
+        // A clone of host storage is a copy: it is counted again.
+        meter::add(metered_bytes::<B>(&self.storage));
         Tensor {
             storage: self.storage.clone(),
             shape: self.shape.clone(),
         }
+    }
+}
+
+impl<B: Device> Drop for Tensor<B> {
+    fn drop(&mut self) {
+        meter::sub(metered_bytes::<B>(&self.storage));
+    }
+}
+
+/// Host memory held by the tensors of metered devices (the CPU backend),
+/// counted per thread: each rank of a local run is one thread, so a rank's
+/// allocation peak is its own.
+pub mod meter {
+    use std::cell::Cell;
+
+    thread_local! {
+        static IN_USE: Cell<i64> = const { Cell::new(0) };
+        static PEAK: Cell<i64> = const { Cell::new(0) };
+    }
+
+    pub(crate) fn add(bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        IN_USE.with(|u| {
+            let now = u.get() + bytes as i64;
+            u.set(now);
+            PEAK.with(|p| p.set(p.get().max(now)));
+        });
+    }
+
+    pub(crate) fn sub(bytes: usize) {
+        if bytes > 0 {
+            IN_USE.with(|u| u.set(u.get() - bytes as i64));
+        }
+    }
+
+    /// `(in use, peak)` bytes of this thread's tensors (a tensor dropped
+    /// on another thread than the one that made it moves bytes between
+    /// threads; both figures are clamped at zero).
+    pub fn usage() -> (usize, usize) {
+        let now = IN_USE.with(Cell::get).max(0) as usize;
+        (now, PEAK.with(Cell::get).max(0) as usize)
+    }
+
+    /// Starts a new peak measurement from the current use.
+    pub fn reset_peak() {
+        let now = IN_USE.with(Cell::get);
+        PEAK.with(|p| p.set(now));
     }
 }
 
@@ -152,6 +221,7 @@ impl<B: Device> Tensor<B> {
                 ),
             ));
         }
+        meter::add(metered_bytes::<B>(&storage));
         Ok(Tensor {
             storage,
             shape: shape.to_vec(),

@@ -8,9 +8,7 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::activations::Slot;
-use super::parallel::shard::shard_param;
-use super::parallel::{Split, SplitAxis};
-use super::param::{Module, Param};
+use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
 use crate::spec::{AttentionSpec, ModelSpec, OffloadPart, RecomputePart};
@@ -75,14 +73,14 @@ impl<B: Backend> Attention<B> {
         prefix: &str,
         model: &ModelSpec,
         spec: &AttentionSpec,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         let (hidden, std) = (model.hidden, model.init_std);
         let q_dim = spec.heads * spec.head_dim;
         let kv_dim = spec.kv_heads * spec.head_dim;
         let mk = |name: &str, shape: &[usize]| {
-            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
+            init.normal(b, format!("{prefix}.{name}"), shape, std, dtype)
         };
         Ok(Attention {
             wq: mk("wq", &[hidden, q_dim])?,
@@ -96,11 +94,13 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    /// Keeps tensor-parallel part `index` of `parts`: its query and key/value
-    /// heads (column-parallel `wq`, `wk`, `wv`) and the matching rows of `wo`
-    /// (row-parallel: the output becomes a partial sum over the tp group).
-    /// Key/value heads must split evenly (`kv_heads % parts == 0`).
-    pub fn shard_heads(&mut self, b: &B, index: usize, parts: usize) -> Result<()> {
+    /// Makes the layer one rank's of `parts` tensor-parallel ranks: its
+    /// projections are already that rank's columns / rows of heads (drawn by
+    /// the shard plan), so only the head counts it computes with change.
+    pub fn take_heads(&mut self, parts: usize) -> Result<()> {
+        if parts == 1 {
+            return Ok(());
+        }
         if !self.heads.is_multiple_of(parts) || !self.kv_heads.is_multiple_of(parts) {
             return Err(EngineError::Invalid(format!(
                 "attention {}: {} query and {} key/value heads do not split over tp = {parts}; \
@@ -109,18 +109,15 @@ impl<B: Backend> Attention<B> {
                 self.wq.name, self.heads, self.kv_heads
             )));
         }
-        let split = |dim| {
-            vec![Split {
-                axis: SplitAxis::Tp,
-                dim,
-                index,
-                parts,
-            }]
-        };
-        shard_param(b, &mut self.wq, split(1))?;
-        shard_param(b, &mut self.wk, split(1))?;
-        shard_param(b, &mut self.wv, split(1))?;
-        shard_param(b, &mut self.wo, split(0))?;
+        let q_cols = self.heads / parts * self.head_dim;
+        if self.wq.value.shape()[1] != q_cols {
+            return Err(EngineError::Invalid(format!(
+                "attention {}: holds {} query columns, a tp = {parts} shard has {q_cols}; build \
+                 the layer under the rank's shard plan",
+                self.wq.name,
+                self.wq.value.shape()[1]
+            )));
+        }
         self.heads /= parts;
         self.kv_heads /= parts;
         Ok(())

@@ -13,7 +13,7 @@ use super::mla::{Mla, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
 use super::moe::{MoeLayer, MoeSaved, MoeStats};
 use super::norm::{NormSaved, RmsNorm};
-use super::param::{Module, Param};
+use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
 use crate::spec::{BlockGroup, FfnSpec, ModelSpec, OffloadPart, Policy, RecomputePart};
@@ -216,7 +216,7 @@ impl<B: Backend> Block<B> {
         prefix: &str,
         model: &ModelSpec,
         group: &BlockGroup,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         let d = model.hidden;
@@ -227,7 +227,7 @@ impl<B: Backend> Block<B> {
                 d,
                 *ffn,
                 model.init_std,
-                seed,
+                init,
                 dtype,
             )?)),
             FfnSpec::Moe(moe) => Ffn::Moe(Box::new(MoeLayer::new(
@@ -236,7 +236,7 @@ impl<B: Backend> Block<B> {
                 d,
                 moe,
                 model.init_std,
-                seed,
+                init,
                 dtype,
             )?)),
         };
@@ -248,7 +248,7 @@ impl<B: Backend> Block<B> {
                 &attn_prefix,
                 model,
                 spec,
-                seed,
+                init,
                 dtype,
             )?)),
             Some(mla) => Attn::Mla(Box::new(Mla::new(
@@ -257,7 +257,7 @@ impl<B: Backend> Block<B> {
                 model,
                 spec.heads,
                 mla,
-                seed,
+                init,
                 dtype,
             )?)),
         };

@@ -1,67 +1,170 @@
-//! Checkpoints on disk: tensors in safetensors, everything else in a JSON
-//! config that carries the SHA-256 of the tensor file.
+//! Distributed checkpoints: each rank writes only what it owns; any layout,
+//! or one rank, reads back only the slices it needs.
 //!
-//! A checkpoint is a directory holding `model.safetensors` and `config.json`.
-//! Writes are atomic at the directory level: the new checkpoint is written
-//! and fsynced under `<dir>.tmp`, the old one moved to `<dir>.old`, the new
-//! one renamed into place, the old one removed. A crash at any point leaves
-//! either the old or the new checkpoint loadable ([`load`] falls back to
-//! `<dir>.old` when `<dir>` is missing). Loading verifies the checksum, so a
-//! truncated or altered tensor file is an error, never silent corruption.
+//! A checkpoint is a directory `step-00000100/` under a checkpoint root
+//! (`<run>/checkpoints/`), holding:
+//! - `rank-00003.safetensors`: rank 3's pieces as 1-d tensors, streamed one
+//!   piece at a time (parameters in their training dtype, f32 masters and
+//!   AdamW moments in the optimizer's state dtype);
+//! - `rank-00003.json`: rank 3's list of [`Piece`]s;
+//! - `index.json`, written last by rank 0: every global tensor's shape and
+//!   dtype, every piece (tensor, block, flat range, file, byte range,
+//!   SHA-256), the step and the caller's metadata.
+//!
+//! A piece is a contiguous range of the row-major flattening of one block
+//! of a global tensor: the distributed optimizer's chunk of a rank cuts its
+//! blocks so (Megatron-Core's flattened ranges). Reading a region (a block
+//! and a flat range of it, under the new layout) intersects it with the
+//! stored pieces run by run ([`for_each_run`]), so no rank ever assembles a
+//! whole tensor it does not own.
+//!
+//! Writes are atomic: everything goes to `step-N.tmp/`, every file is
+//! fsynced, the directory renamed, then `latest` (a one-line file naming the
+//! newest complete checkpoint) replaced by rename; older checkpoints beyond
+//! `keep` are removed after. A crash at any moment leaves `latest` naming a
+//! complete checkpoint. Every piece's SHA-256 is verified when it is read.
+//!
+//! The single-file format of earlier versions (`checkpoint/model.safetensors`
+//! and `config.json`) is read as a source of whole-tensor pieces.
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
-use foldmoe_kernels::{Backend, DType, HostData, Tensor};
-use safetensors::tensor::{Dtype, TensorView};
-use serde::{de::DeserializeOwned, Serialize};
+use foldmoe_kernels::{Backend, DType, HostData, ReduceOp, Tensor};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::block::Ffn;
-use super::optim::MASTER_SUFFIX;
 use super::parallel::model::ParallelFfn;
-use super::parallel::trainer::exchange_over_pp;
-use super::parallel::trainer::Gather;
-use super::parallel::{Ctx, ParallelTrainer};
-use super::param::Module;
-use super::trainer::Trainer;
-use super::{EngineError, Result};
+use super::parallel::shard::for_each_run;
+use super::parallel::trainer::ParallelTrainer;
+use super::parallel::Ctx;
+use crate::engine::model::Model;
+use crate::engine::param::Module;
+use crate::engine::{EngineError, Result};
 
-/// File name of the tensors inside a checkpoint directory.
-pub const TENSOR_FILE: &str = "model.safetensors";
-/// File name of the JSON config inside a checkpoint directory.
-pub const CONFIG_FILE: &str = "config.json";
+/// Format name in `index.json`.
+pub const FORMAT: &str = "foldmoe-dist-checkpoint-1";
+/// The index file of a checkpoint directory.
+pub const INDEX_FILE: &str = "index.json";
+/// The file naming the newest complete checkpoint of a root.
+pub const LATEST_FILE: &str = "latest";
+/// Files of the single-file format of earlier versions.
+const LEGACY_TENSORS: &str = "model.safetensors";
+const LEGACY_CONFIG: &str = "config.json";
 
-/// One named tensor as stored: shape and host values (f32, f64 or i32).
-#[derive(Clone, Debug, PartialEq)]
-pub struct NamedTensor {
-    /// Stable dotted name.
-    pub name: String,
-    /// Dimensions.
-    pub shape: Vec<usize>,
-    /// Values.
-    pub data: HostData,
+/// What part of the training state a piece holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateKind {
+    /// The parameter itself (training dtype).
+    Param,
+    /// Its f32 master copy.
+    Master,
+    /// AdamW first moment.
+    ExpAvg,
+    /// AdamW second moment.
+    ExpAvgSq,
+    /// A buffer that is not trained (the routers' expert biases).
+    Buffer,
 }
 
-#[derive(Serialize, serde::Deserialize)]
-struct Envelope<M> {
+/// Element type of a stored piece.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StoredDType {
+    /// f32.
+    F32,
+    /// f64 (gradient-check models).
+    F64,
+    /// bf16 (the upper half of an f32).
+    BF16,
+}
+
+impl StoredDType {
+    fn of(dtype: DType) -> Result<Self> {
+        match dtype {
+            DType::F32 => Ok(StoredDType::F32),
+            DType::F64 => Ok(StoredDType::F64),
+            DType::BF16 => Ok(StoredDType::BF16),
+            DType::I32 => Err(EngineError::Invalid(
+                "checkpoints store float tensors only".into(),
+            )),
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            StoredDType::F32 => 4,
+            StoredDType::F64 => 8,
+            StoredDType::BF16 => 2,
+        }
+    }
+
+    fn safetensors_name(self) -> &'static str {
+        match self {
+            StoredDType::F32 => "F32",
+            StoredDType::F64 => "F64",
+            StoredDType::BF16 => "BF16",
+        }
+    }
+}
+
+/// One stored piece: elements `flat.0..flat.1` of block `block` of the
+/// global tensor `tensor`, in file `file` at bytes `bytes.0..bytes.1`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Piece {
+    /// The global tensor's name (`blocks.3.moe.experts.w1`).
+    pub tensor: String,
+    /// What of it.
+    pub kind: StateKind,
+    /// The global tensor's shape.
+    pub full_shape: Vec<usize>,
+    /// `(start, len)` of the block along every dimension.
+    pub block: Vec<(usize, usize)>,
+    /// Range of the block's row-major elements held.
+    pub flat: (usize, usize),
+    /// Element type stored.
+    pub dtype: StoredDType,
+    /// File (in the checkpoint directory) holding it.
+    pub file: String,
+    /// Byte range in the file.
+    pub bytes: (u64, u64),
+    /// SHA-256 of those bytes.
+    pub sha256: String,
+}
+
+/// A global tensor of the index.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TensorInfo {
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// The dtype its pieces are stored in.
+    pub dtype: StoredDType,
+}
+
+/// `index.json`.
+#[derive(Serialize, Deserialize)]
+struct Index<M> {
     format: String,
-    tensors_sha256: String,
+    step: u64,
+    /// World size of the layout that wrote it.
+    world: usize,
+    tensors: BTreeMap<String, TensorInfo>,
+    /// Bytes of every rank file.
+    files: BTreeMap<String, u64>,
+    pieces: Vec<Piece>,
     meta: M,
 }
-
-const FORMAT: &str = "foldmoe-checkpoint-1";
 
 fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> EngineError {
     EngineError::Invalid(format!("{what} {}: {e}", path.display()))
 }
 
-fn hex_sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -71,547 +174,864 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(|e| io_err("cannot sync", path, e))
 }
 
-fn sibling(dir: &Path, suffix: &str) -> PathBuf {
-    let mut name = dir
-        .file_name()
-        .map(|n| n.to_os_string())
-        .unwrap_or_default();
-    name.push(suffix);
-    dir.with_file_name(name)
+fn sync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io_err("cannot sync directory", dir, e))
 }
 
-/// Serialises the tensors to safetensors bytes.
-fn tensor_bytes(tensors: &[NamedTensor]) -> Result<Vec<u8>> {
-    let raw: Vec<(Dtype, Vec<u8>)> = tensors
-        .iter()
-        .map(|t| match &t.data {
-            HostData::F32(v) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            HostData::F64(v) => (Dtype::F64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            HostData::I32(v) => (Dtype::I32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        })
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&raw)
-        .map(|(t, (dtype, bytes))| {
-            TensorView::new(*dtype, t.shape.clone(), bytes)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| {
-                    EngineError::Invalid(format!("tensor {} cannot be stored: {e}", t.name))
-                })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize(views, None)
-        .map_err(|e| EngineError::Invalid(format!("cannot serialise checkpoint tensors: {e}")))
+/// A world-wide barrier through a one-element all-reduce (every
+/// communicator has one).
+fn barrier<B: Backend>(ctx: &Ctx<B>) -> Result<()> {
+    if ctx.rank.world.size() > 1 {
+        let one = ctx.b.upload(HostData::F32(vec![1.0]), &[1])?;
+        ctx.comm
+            .all_reduce(ctx.b, &ctx.rank.world, &one, ReduceOp::Sum)?;
+    }
+    Ok(())
 }
 
-/// Writes `tensors` and `meta` as the checkpoint directory `dir`, atomically.
-pub fn save<M: Serialize>(dir: &Path, tensors: &[NamedTensor], meta: &M) -> Result<()> {
-    let bytes = tensor_bytes(tensors)?;
-    let envelope = Envelope {
+/// `step-00000100`.
+fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// Bytes of host values as stored in `dtype`.
+fn stored_bytes(data: &HostData, dtype: StoredDType) -> Vec<u8> {
+    match (data, dtype) {
+        (HostData::F64(v), StoredDType::F64) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (HostData::F64(v), StoredDType::F32) => {
+            v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect()
+        }
+        (d, StoredDType::F64) => d.to_f64().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (d, StoredDType::F32) => d.to_f32().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        // A bf16 tensor downloads as f32s that are bf16 values: the upper
+        // half of each is the bf16, exactly.
+        (d, StoredDType::BF16) => d
+            .to_f32()
+            .iter()
+            .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// What one rank writes: a piece's description and where its values are.
+struct Planned<'a, B: Backend> {
+    piece: Piece,
+    source: &'a Tensor<B>,
+    /// Offset of the piece's first element in `source` (flattened).
+    offset: usize,
+}
+
+/// Writes this rank's part of the trainer's state as checkpoint step
+/// `trainer.step_count()` under `root`, with `meta` in the index; keeps the
+/// newest `keep` checkpoints. A collective: every rank of the world calls
+/// it; it returns once the checkpoint is complete. Returns its directory.
+pub fn save<B: Backend, M: Serialize>(
+    ctx: &Ctx<B>,
+    trainer: &ParallelTrainer<B>,
+    root: &Path,
+    meta: &M,
+    keep: usize,
+) -> Result<PathBuf> {
+    let b = ctx.b;
+    let (me, world) = (ctx.rank.rank, ctx.rank.world.size());
+    let step = trainer.step_count();
+    let name = step_dir_name(step);
+    let (dir, tmp) = (root.join(&name), root.join(format!("{name}.tmp")));
+    if me == 0 {
+        fs::create_dir_all(root).map_err(|e| io_err("cannot create", root, e))?;
+        if tmp.exists() {
+            fs::remove_dir_all(&tmp).map_err(|e| io_err("cannot clear", &tmp, e))?;
+        }
+        fs::create_dir_all(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
+    }
+    barrier(ctx)?;
+    let file = format!("rank-{me:05}.safetensors");
+    let planned = plan_pieces(ctx, trainer, &file)?;
+    let pieces = write_rank_file(b, &tmp.join(&file), planned)?;
+    let list = serde_json::to_vec(&pieces)
+        .map_err(|e| EngineError::Invalid(format!("cannot encode the piece list: {e}")))?;
+    write_synced(&tmp.join(format!("rank-{me:05}.json")), &list)?;
+    barrier(ctx)?;
+    if me == 0 {
+        finish(&tmp, &dir, root, &name, step, world, meta, keep)?;
+    }
+    barrier(ctx)?;
+    Ok(dir)
+}
+
+/// Rank 0's part of a save: the index from every rank's list, the renames,
+/// `latest`, and the removal of older checkpoints.
+#[allow(clippy::too_many_arguments)]
+fn finish<M: Serialize>(
+    tmp: &Path,
+    dir: &Path,
+    root: &Path,
+    name: &str,
+    step: u64,
+    world: usize,
+    meta: &M,
+    keep: usize,
+) -> Result<()> {
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut files = BTreeMap::new();
+    for r in 0..world {
+        let list_path = tmp.join(format!("rank-{r:05}.json"));
+        let text = fs::read(&list_path).map_err(|e| io_err("cannot read", &list_path, e))?;
+        let list: Vec<Piece> = serde_json::from_slice(&text)
+            .map_err(|e| io_err("malformed piece list", &list_path, e))?;
+        let file = format!("rank-{r:05}.safetensors");
+        let len = fs::metadata(tmp.join(&file))
+            .map_err(|e| io_err("cannot stat", &tmp.join(&file), e))?
+            .len();
+        files.insert(file, len);
+        pieces.extend(list);
+    }
+    let mut tensors = BTreeMap::new();
+    for p in &pieces {
+        tensors.entry(p.tensor.clone()).or_insert(TensorInfo {
+            shape: p.full_shape.clone(),
+            dtype: if p.kind == StateKind::Param {
+                p.dtype
+            } else {
+                StoredDType::F32
+            },
+        });
+    }
+    let index = Index {
         format: FORMAT.to_string(),
-        tensors_sha256: hex_sha256(&bytes),
+        step,
+        world,
+        tensors,
+        files,
+        pieces,
         meta,
     };
-    let json = serde_json::to_vec_pretty(&envelope)
-        .map_err(|e| EngineError::Invalid(format!("cannot serialise checkpoint config: {e}")))?;
-    let tmp = sibling(dir, ".tmp");
-    let old = sibling(dir, ".old");
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io_err("cannot clear", &tmp, e))?;
-    }
-    fs::create_dir_all(&tmp).map_err(|e| io_err("cannot create checkpoint directory", &tmp, e))?;
-    write_synced(&tmp.join(TENSOR_FILE), &bytes)?;
-    write_synced(&tmp.join(CONFIG_FILE), &json)?;
+    let json = serde_json::to_vec_pretty(&index)
+        .map_err(|e| EngineError::Invalid(format!("cannot encode the checkpoint index: {e}")))?;
+    write_synced(&tmp.join(INDEX_FILE), &json)?;
+    sync_dir(tmp)?;
+    // A checkpoint of this step already there (a resumed run saving again)
+    // moves aside until the new one is in place.
+    let old = root.join(format!("{name}.old"));
     if dir.exists() {
         if old.exists() {
             fs::remove_dir_all(&old).map_err(|e| io_err("cannot clear", &old, e))?;
         }
         fs::rename(dir, &old).map_err(|e| io_err("cannot move aside", dir, e))?;
     }
-    fs::rename(&tmp, dir).map_err(|e| io_err("cannot move into place", dir, e))?;
+    fs::rename(tmp, dir).map_err(|e| io_err("cannot move into place", dir, e))?;
+    sync_dir(root)?;
+    let latest_tmp = root.join(format!("{LATEST_FILE}.tmp"));
+    write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
+    fs::rename(&latest_tmp, root.join(LATEST_FILE))
+        .map_err(|e| io_err("cannot update", &root.join(LATEST_FILE), e))?;
+    sync_dir(root)?;
     if old.exists() {
         fs::remove_dir_all(&old).map_err(|e| io_err("cannot remove", &old, e))?;
+    }
+    prune(root, name, keep.max(1))
+}
+
+/// Removes complete checkpoints older than the newest `keep` (never
+/// `current`) and leftovers of interrupted saves.
+fn prune(root: &Path, current: &str, keep: usize) -> Result<()> {
+    let mut steps = Vec::new();
+    let entries = fs::read_dir(root).map_err(|e| io_err("cannot list", root, e))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let Some(rest) = name.strip_prefix("step-") else {
+            continue;
+        };
+        if rest.ends_with(".tmp") || rest.ends_with(".old") {
+            fs::remove_dir_all(entry.path()).map_err(|e| io_err("cannot remove", &entry.path(), e))?;
+        } else if let Ok(step) = rest.parse::<u64>() {
+            steps.push((step, name));
+        }
+    }
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    for (_, name) in steps.into_iter().take(excess) {
+        if name != current {
+            let path = root.join(&name);
+            fs::remove_dir_all(&path).map_err(|e| io_err("cannot remove", &path, e))?;
+        }
     }
     Ok(())
 }
 
-/// Reads and verifies the checkpoint `dir`: its tensors (in stored order) and meta.
-pub fn load<M: DeserializeOwned>(dir: &Path) -> Result<(Vec<NamedTensor>, M)> {
-    let dir = if !dir.exists() && sibling(dir, ".old").exists() {
-        sibling(dir, ".old")
-    } else {
-        dir.to_path_buf()
-    };
-    if !dir.is_dir() {
-        return Err(EngineError::Invalid(format!(
-            "checkpoint {} not found (expected a directory with {TENSOR_FILE} and {CONFIG_FILE})",
-            dir.display()
-        )));
-    }
-    let cfg_path = dir.join(CONFIG_FILE);
-    let json =
-        fs::read(&cfg_path).map_err(|e| io_err("cannot read checkpoint config", &cfg_path, e))?;
-    let envelope: Envelope<M> = serde_json::from_slice(&json)
-        .map_err(|e| io_err("malformed checkpoint config", &cfg_path, e))?;
-    if envelope.format != FORMAT {
-        return Err(EngineError::Invalid(format!(
-            "checkpoint {} has format `{}`, expected `{FORMAT}`",
-            cfg_path.display(),
-            envelope.format
-        )));
-    }
-    let tpath = dir.join(TENSOR_FILE);
-    let bytes =
-        fs::read(&tpath).map_err(|e| io_err("cannot read checkpoint tensors", &tpath, e))?;
-    let sum = hex_sha256(&bytes);
-    if sum != envelope.tensors_sha256 {
-        return Err(EngineError::Invalid(format!(
-            "checkpoint {} is corrupt or truncated: SHA-256 {sum} ({} bytes) does not match {} recorded in {CONFIG_FILE}",
-            tpath.display(),
-            bytes.len(),
-            envelope.tensors_sha256
-        )));
-    }
-    let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| io_err("malformed checkpoint tensors", &tpath, e))?;
-    // safetensors sorts by name; keep that order, callers look tensors up by name.
-    let mut tensors = Vec::new();
-    for (name, view) in st.tensors() {
-        let b = view.data();
-        let data = match view.dtype() {
-            Dtype::F32 => HostData::F32(
-                b.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            ),
-            Dtype::I32 => HostData::I32(
-                b.chunks_exact(4)
-                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            ),
-            Dtype::F64 => HostData::F64(
-                b.chunks_exact(8)
-                    .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                    .collect(),
-            ),
-            other => {
-                return Err(EngineError::Invalid(format!(
-                    "checkpoint tensor {name} has unsupported dtype {other:?}"
-                )))
-            }
-        };
-        tensors.push(NamedTensor {
-            name,
-            shape: view.shape().to_vec(),
-            data,
-        });
-    }
-    Ok((tensors, envelope.meta))
-}
-
-/// Prefix of model parameters in a checkpoint.
-const PARAM_PREFIX: &str = "param.";
-/// Prefix of optimizer state in a checkpoint.
-const OPT_PREFIX: &str = "optim.";
-/// Prefix of expert-bias buffers (one per block with a biased router).
-const BIAS_PREFIX: &str = "expert_bias.";
-
-/// Everything a trainer needs to continue exactly: parameters, AdamW moments
-/// and expert biases, read to the host.
-pub fn trainer_tensors<B: Backend>(b: &B, trainer: &Trainer<B>) -> Result<Vec<NamedTensor>> {
-    let mut out = Vec::new();
-    let mut first_err = None;
-    let mut push = |name: String, t: &Tensor<B>| match b.download(t) {
-        Ok(data) => out.push(NamedTensor {
-            name,
-            shape: t.shape().to_vec(),
-            data,
-        }),
-        Err(e) => {
-            first_err.get_or_insert(e);
-        }
-    };
-    trainer
-        .model
-        .visit_params(&mut |p| push(format!("{PARAM_PREFIX}{}", p.name), &p.value));
-    trainer
-        .opt
-        .visit_state(&mut |name, t| push(format!("{OPT_PREFIX}{name}"), t));
-    for (i, block) in trainer.model.blocks.iter().enumerate() {
-        if let Ffn::Moe(moe) = &block.ffn {
-            if let Some(bias) = moe.expert_bias() {
-                push(format!("{BIAS_PREFIX}{i}"), bias);
-            }
-        }
-    }
-    match first_err {
-        Some(e) => Err(e.into()),
-        None => Ok(out),
-    }
-}
-
-/// [`trainer_tensors`] of one rank of a parallel run: the full tensors,
-/// gathered from every rank's shards (a collective: every rank calls it), under
-/// the same names, so the checkpoint resumes under any layout or on one rank.
-pub fn parallel_trainer_tensors<B: Backend>(
+/// The pieces this rank owns: for every bucket it writes, each part of a
+/// parameter its optimizer chunk holds, as the parameter, its master (if
+/// kept) and its two moments; plus, on the first rank of each stage's
+/// attention group, the routers' expert biases.
+fn plan_pieces<'a, B: Backend>(
     ctx: &Ctx<B>,
-    trainer: &mut ParallelTrainer<B>,
-) -> Result<Vec<NamedTensor>> {
-    let dtype = trainer.model.embed.table.value.dtype();
-    let host = |vals: Vec<f64>| match dtype {
-        DType::F64 => HostData::F64(vals),
-        _ => HostData::F32(vals.into_iter().map(|x| x as f32).collect()),
-    };
+    trainer: &'a ParallelTrainer<B>,
+    file: &str,
+) -> Result<Vec<Planned<'a, B>>> {
+    let mut info: Vec<(String, Vec<usize>, Vec<(usize, usize)>, DType)> = Vec::new();
+    trainer.try_visit_params(&mut |_, p| {
+        let (full_shape, block) = match &p.shard {
+            Some(s) => (s.full_shape.clone(), s.ranges()),
+            None => (
+                p.value.shape().to_vec(),
+                p.value.shape().iter().map(|&n| (0, n)).collect(),
+            ),
+        };
+        info.push((p.name.clone(), full_shape, block, p.value.dtype()));
+        Ok(())
+    })?;
+    let mut values: Vec<Option<&'a Tensor<B>>> = vec![None; info.len()];
+    let mut refs: Vec<*const Tensor<B>> = Vec::new();
+    trainer.try_visit_params(&mut |_, p| {
+        refs.push(&p.value as *const Tensor<B>);
+        Ok(())
+    })?;
+    for (slot, r) in values.iter_mut().zip(refs) {
+        // SAFETY: `r` points into `trainer.model`, borrowed immutably for
+        // `'a` by the caller; the trainer is not mutated during the save.
+        *slot = Some(unsafe { &*r });
+    }
     let mut out = Vec::new();
-    for (name, shape, vals) in trainer.gather_full(ctx, Gather::Values)? {
-        out.push(NamedTensor {
-            name: format!("{PARAM_PREFIX}{name}"),
-            shape,
-            data: host(vals),
+    let piece = |tensor: &str, kind, full_shape: &[usize], block: &[(usize, usize)], lo, hi, dtype| -> Result<Piece> {
+        Ok(Piece {
+            tensor: tensor.to_string(),
+            kind,
+            full_shape: full_shape.to_vec(),
+            block: block.to_vec(),
+            flat: (lo, hi),
+            dtype: StoredDType::of(dtype)?,
+            file: file.to_string(),
+            bytes: (0, 0),
+            sha256: String::new(),
+        })
+    };
+    for part in trainer.chunk_parts() {
+        if !trainer.writes_bucket(part.bucket) {
+            continue;
+        }
+        let (name, full_shape, block, dtype) = &info[part.param];
+        let value = values[part.param].expect("every parameter visited");
+        out.push(Planned {
+            piece: piece(name, StateKind::Param, full_shape, block, part.lo, part.hi, *dtype)?,
+            source: value,
+            offset: part.lo,
         });
-    }
-    let mut state = vec![
-        (Gather::ExpAvg, "exp_avg"),
-        (Gather::ExpAvgSq, "exp_avg_sq"),
-    ];
-    if trainer.has_masters() {
-        state.push((Gather::Master, MASTER_SUFFIX));
-    }
-    // f32 holds bf16 parameters, and their f32 moments and masters, exactly.
-    for (what, suffix) in state {
-        for (name, shape, vals) in trainer.gather_full(ctx, what)? {
-            out.push(NamedTensor {
-                name: format!("{OPT_PREFIX}{name}.{suffix}"),
-                shape,
-                data: host(vals),
+        let (m, v, master) = trainer.bucket_state(part.bucket);
+        let mut state = vec![(StateKind::ExpAvg, m), (StateKind::ExpAvgSq, v)];
+        if let Some(w) = master {
+            state.insert(0, (StateKind::Master, w));
+        }
+        for (kind, t) in state {
+            out.push(Planned {
+                piece: piece(name, kind, full_shape, block, part.lo, part.hi, t.dtype())?,
+                source: t,
+                offset: part.at,
             });
         }
     }
-    // Each stage holds its layers' biases, named by the full model's index.
-    let mut biases = Vec::new();
-    let layers = trainer.model.global_layers();
-    for (block, &i) in trainer.model.blocks.iter().zip(layers) {
-        if let ParallelFfn::Moe(moe) = &block.ffn {
-            if let Some(bias) = moe.router.expert_bias() {
-                let vals = ctx.b.download(bias)?.to_f64();
-                biases.push((format!("{BIAS_PREFIX}{i}"), bias.shape().to_vec(), vals));
+    let rank = ctx.rank;
+    if rank.tp_index == 0 && rank.dp_index == 0 && rank.cp_index == 0 {
+        let layers = trainer.model.global_layers();
+        for (block, &layer) in trainer.model.blocks.iter().zip(layers) {
+            if let ParallelFfn::Moe(moe) = &block.ffn {
+                if let Some(bias) = moe.router.expert_bias() {
+                    let n = bias.numel();
+                    out.push(Planned {
+                        piece: piece(
+                            &format!("blocks.{layer}.moe.router.expert_bias"),
+                            StateKind::Buffer,
+                            &[n],
+                            &[(0, n)],
+                            0,
+                            n,
+                            bias.dtype(),
+                        )?,
+                        source: bias,
+                        offset: 0,
+                    });
+                }
             }
         }
-    }
-    for (name, shape, vals) in exchange_over_pp(ctx, biases)? {
-        out.push(NamedTensor {
-            name,
-            shape,
-            data: HostData::F32(vals.into_iter().map(|x| x as f32).collect()),
-        });
     }
     Ok(out)
 }
 
-/// Makes the f32 master copies of a checkpoint fit the trainer's optimizer:
-/// - a master the trainer keeps but the checkpoint lacks (written before
-///   master copies, or by a run without them) starts as the checkpointed
-///   parameter, as a fresh optimizer's would;
-/// - a master the checkpoint has but the trainer keeps none of (a bf16 run
-///   resumed in f32) becomes the parameter's value: it is the exact weight,
-///   the stored parameter only its rounding.
-fn reconcile_masters<B: Backend>(
-    trainer: &Trainer<B>,
-    by_name: &mut std::collections::HashMap<String, NamedTensor>,
-) {
-    let suffix = format!(".{MASTER_SUFFIX}");
-    let mut kept = std::collections::HashSet::new();
-    trainer.opt.visit_state(&mut |name, _| {
-        if let Some(param) = name.strip_suffix(&suffix) {
-            kept.insert(param.to_string());
-        }
-    });
-    let mut params = Vec::new();
-    trainer
-        .model
-        .visit_params(&mut |p| params.push(p.name.clone()));
-    for param in params {
-        let (pkey, mkey) = (
-            format!("{PARAM_PREFIX}{param}"),
-            format!("{OPT_PREFIX}{param}{suffix}"),
+/// Writes `planned` as one safetensors file at `path`: the header first
+/// (every piece's size is known), then each piece downloaded and written in
+/// turn, so the host holds one piece at a time. Returns the pieces with
+/// their byte ranges and checksums.
+fn write_rank_file<B: Backend>(b: &B, path: &Path, planned: Vec<Planned<'_, B>>) -> Result<Vec<Piece>> {
+    let mut header = serde_json::Map::new();
+    let mut at = 0u64;
+    let mut pieces = Vec::with_capacity(planned.len());
+    for (i, p) in planned.iter().enumerate() {
+        let n = p.piece.flat.1 - p.piece.flat.0;
+        let len = (n * p.piece.dtype.size()) as u64;
+        header.insert(
+            format!("{i:06}.{}.{:?}", p.piece.tensor, p.piece.kind),
+            serde_json::json!({
+                "dtype": p.piece.dtype.safetensors_name(),
+                "shape": [n],
+                "data_offsets": [at, at + len],
+            }),
         );
-        if kept.contains(&param) {
-            if !by_name.contains_key(&mkey) {
-                if let Some(p) = by_name.get(&pkey) {
-                    let copy = NamedTensor {
-                        name: mkey.clone(),
-                        ..p.clone()
+        let mut piece = p.piece.clone();
+        piece.bytes = (at, at + len);
+        pieces.push(piece);
+        at += len;
+    }
+    header.insert(
+        "__metadata__".into(),
+        serde_json::json!({ "format": FORMAT }),
+    );
+    let mut head = serde_json::to_vec(&header)
+        .map_err(|e| EngineError::Invalid(format!("cannot encode a shard header: {e}")))?;
+    // safetensors pads the header with spaces to a multiple of 8 bytes.
+    while head.len() % 8 != 0 {
+        head.push(b' ');
+    }
+    let start = 8 + head.len() as u64;
+    let mut f = fs::File::create(path).map_err(|e| io_err("cannot create", path, e))?;
+    let mut w = std::io::BufWriter::new(&mut f);
+    w.write_all(&(head.len() as u64).to_le_bytes())
+        .and_then(|_| w.write_all(&head))
+        .map_err(|e| io_err("cannot write", path, e))?;
+    for (p, piece) in planned.iter().zip(&mut pieces) {
+        let n = piece.flat.1 - piece.flat.0;
+        let flat = p.source.clone().reshape(&[p.source.numel()])?;
+        let part = b.narrow(&flat, p.offset, n)?;
+        let bytes = stored_bytes(&b.download(&part)?, piece.dtype);
+        piece.sha256 = hex(&Sha256::digest(&bytes));
+        piece.bytes = (start + piece.bytes.0, start + piece.bytes.1);
+        w.write_all(&bytes)
+            .map_err(|e| io_err("cannot write", path, e))?;
+    }
+    w.flush().map_err(|e| io_err("cannot write", path, e))?;
+    drop(w);
+    f.sync_all().map_err(|e| io_err("cannot sync", path, e))?;
+    Ok(pieces)
+}
+
+/// A checkpoint opened for reading: its pieces by tensor and kind, its files
+/// memory-mapped, each piece verified the first time it is read.
+pub struct Source {
+    dir: PathBuf,
+    step: u64,
+    tensors: BTreeMap<String, TensorInfo>,
+    pieces: HashMap<(String, StateKind), Vec<Piece>>,
+    files: HashMap<String, memmap2::Mmap>,
+    verified: Mutex<HashSet<(String, u64)>>,
+}
+
+/// Finds the checkpoint `path` names: a checkpoint directory (with
+/// `index.json`), a root or run directory whose `latest` names one, or a
+/// checkpoint of the earlier single-file format.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    for root in [path.to_path_buf(), path.join("checkpoints")] {
+        if root.join(INDEX_FILE).exists() || root.join(LEGACY_CONFIG).exists() {
+            return Ok(root);
+        }
+        let latest = root.join(LATEST_FILE);
+        if latest.exists() {
+            let name = fs::read_to_string(&latest).map_err(|e| io_err("cannot read", &latest, e))?;
+            let dir = root.join(name.trim());
+            if dir.join(INDEX_FILE).exists() {
+                return Ok(dir);
+            }
+            // A save interrupted between moving a same-step checkpoint aside
+            // and renaming the new one into place.
+            let old = root.join(format!("{}.old", name.trim()));
+            if old.join(INDEX_FILE).exists() {
+                return Ok(old);
+            }
+            return Err(EngineError::Invalid(format!(
+                "{} names checkpoint {}, which is missing or incomplete (no {INDEX_FILE})",
+                latest.display(),
+                dir.display()
+            )));
+        }
+    }
+    for legacy in [path.to_path_buf(), path.join("checkpoint"), path.join("checkpoint.old")] {
+        if legacy.join(LEGACY_CONFIG).exists() && legacy.join(LEGACY_TENSORS).exists() {
+            return Ok(legacy);
+        }
+    }
+    Err(EngineError::Invalid(format!(
+        "no checkpoint in {} (expected {INDEX_FILE}, a {LATEST_FILE} file, or checkpoint/)",
+        path.display()
+    )))
+}
+
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let f = fs::File::open(path).map_err(|e| io_err("cannot open checkpoint file", path, e))?;
+    // SAFETY: checkpoint files are not modified while a run reads them (a
+    // save writes a new directory); every piece read is verified anyway.
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io_err("cannot map checkpoint file", path, e))
+}
+
+impl Source {
+    /// Opens the checkpoint `path` names ([`resolve`]) and returns it with
+    /// its step and metadata.
+    pub fn open<M: DeserializeOwned>(path: &Path) -> Result<(Self, M)> {
+        let dir = resolve(path)?;
+        if dir.join(INDEX_FILE).exists() {
+            Self::open_index(&dir)
+        } else {
+            Self::open_legacy(&dir)
+        }
+    }
+
+    /// The step the checkpoint was written at.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Every global tensor, with its shape and stored dtype.
+    pub fn tensors(&self) -> &BTreeMap<String, TensorInfo> {
+        &self.tensors
+    }
+
+    fn open_index<M: DeserializeOwned>(dir: &Path) -> Result<(Self, M)> {
+        let path = dir.join(INDEX_FILE);
+        let text = fs::read(&path).map_err(|e| io_err("cannot read", &path, e))?;
+        let index: Index<M> = serde_json::from_slice(&text)
+            .map_err(|e| io_err("malformed checkpoint index", &path, e))?;
+        if index.format != FORMAT {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint index {} has format `{}`, expected `{FORMAT}`",
+                path.display(),
+                index.format
+            )));
+        }
+        let mut files = HashMap::new();
+        for (name, &len) in &index.files {
+            let fpath = dir.join(name);
+            if !fpath.exists() {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint file {} is missing ({} lists it)",
+                    fpath.display(),
+                    path.display()
+                )));
+            }
+            let map = map_file(&fpath)?;
+            if map.len() as u64 != len {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint file {} has {} bytes, the index records {len}: truncated or altered",
+                    fpath.display(),
+                    map.len()
+                )));
+            }
+            files.insert(name.clone(), map);
+        }
+        let mut pieces: HashMap<(String, StateKind), Vec<Piece>> = HashMap::new();
+        for p in index.pieces {
+            let Some(map) = files.get(&p.file) else {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint index {} names tensor {} in file {}, which it does not list",
+                    path.display(),
+                    p.tensor,
+                    p.file
+                )));
+            };
+            let size = (p.flat.1 - p.flat.0) * p.dtype.size();
+            if p.bytes.1 > map.len() as u64 || p.bytes.1 - p.bytes.0 != size as u64 {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint file {}: tensor {} ({:?}) at bytes {}..{} does not fit the file \
+                     of {} bytes or its {} elements",
+                    p.file,
+                    p.tensor,
+                    p.kind,
+                    p.bytes.0,
+                    p.bytes.1,
+                    map.len(),
+                    p.flat.1 - p.flat.0
+                )));
+            }
+            pieces.entry((p.tensor.clone(), p.kind)).or_default().push(p);
+        }
+        Ok((
+            Source {
+                dir: dir.to_path_buf(),
+                step: index.step,
+                tensors: index.tensors,
+                pieces,
+                files,
+                verified: Mutex::new(HashSet::new()),
+            },
+            index.meta,
+        ))
+    }
+
+    /// The single-file format: `config.json` (`{format, tensors_sha256,
+    /// meta}`, the meta holding `step`) and `model.safetensors` with
+    /// `param.<name>`, `optim.<name>.{exp_avg, exp_avg_sq, master}` and
+    /// `expert_bias.<layer>` whole tensors.
+    fn open_legacy<M: DeserializeOwned>(dir: &Path) -> Result<(Self, M)> {
+        #[derive(Deserialize)]
+        struct Envelope {
+            tensors_sha256: String,
+            meta: serde_json::Value,
+        }
+        let cfg_path = dir.join(LEGACY_CONFIG);
+        let text = fs::read(&cfg_path).map_err(|e| io_err("cannot read", &cfg_path, e))?;
+        let envelope: Envelope = serde_json::from_slice(&text)
+            .map_err(|e| io_err("malformed checkpoint config", &cfg_path, e))?;
+        let tpath = dir.join(LEGACY_TENSORS);
+        let map = map_file(&tpath)?;
+        let sum = hex(&Sha256::digest(&map[..]));
+        if sum != envelope.tensors_sha256 {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint {} is corrupt or truncated: SHA-256 {sum} ({} bytes) does not match \
+                 {} recorded in {LEGACY_CONFIG}",
+                tpath.display(),
+                map.len(),
+                envelope.tensors_sha256
+            )));
+        }
+        let step = envelope.meta.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+        let meta: M = serde_json::from_value(envelope.meta)
+            .map_err(|e| io_err("malformed checkpoint meta", &cfg_path, e))?;
+        let st = safetensors::SafeTensors::deserialize(&map[..])
+            .map_err(|e| io_err("malformed checkpoint tensors", &tpath, e))?;
+        let data_start = 8 + u64::from_le_bytes(map[..8].try_into().expect("8 bytes")) as usize;
+        let mut pieces: HashMap<(String, StateKind), Vec<Piece>> = HashMap::new();
+        let mut tensors = BTreeMap::new();
+        let base = map.as_ptr() as usize;
+        for (key, view) in st.tensors() {
+            let (tensor, kind) = if let Some(n) = key.strip_prefix("param.") {
+                (n.to_string(), StateKind::Param)
+            } else if let Some(n) = key.strip_prefix("expert_bias.") {
+                (format!("blocks.{n}.moe.router.expert_bias"), StateKind::Buffer)
+            } else if let Some(rest) = key.strip_prefix("optim.") {
+                let (n, suffix) = rest.rsplit_once('.').unwrap_or((rest, ""));
+                let kind = match suffix {
+                    "exp_avg" => StateKind::ExpAvg,
+                    "exp_avg_sq" => StateKind::ExpAvgSq,
+                    "master" => StateKind::Master,
+                    _ => continue,
+                };
+                (n.to_string(), kind)
+            } else {
+                continue;
+            };
+            let dtype = match view.dtype() {
+                safetensors::Dtype::F32 => StoredDType::F32,
+                safetensors::Dtype::F64 => StoredDType::F64,
+                other => {
+                    return Err(EngineError::Invalid(format!(
+                        "checkpoint tensor {key} has unsupported dtype {other:?}"
+                    )))
+                }
+            };
+            let data = view.data();
+            let begin = (data.as_ptr() as usize - base) as u64;
+            debug_assert!(begin as usize >= data_start);
+            let shape = view.shape().to_vec();
+            let n: usize = shape.iter().product();
+            if kind == StateKind::Param || kind == StateKind::Buffer {
+                tensors.insert(tensor.clone(), TensorInfo { shape: shape.clone(), dtype });
+            }
+            pieces.entry((tensor.clone(), kind)).or_default().push(Piece {
+                tensor,
+                kind,
+                block: shape.iter().map(|&d| (0, d)).collect(),
+                full_shape: shape,
+                flat: (0, n),
+                dtype,
+                file: LEGACY_TENSORS.into(),
+                bytes: (begin, begin + data.len() as u64),
+                // The whole file's checksum was verified above.
+                sha256: String::new(),
+            });
+        }
+        let mut files = HashMap::new();
+        files.insert(LEGACY_TENSORS.to_string(), map);
+        Ok((
+            Source {
+                dir: dir.to_path_buf(),
+                step,
+                tensors,
+                pieces,
+                files,
+                verified: Mutex::new(HashSet::new()),
+            },
+            meta,
+        ))
+    }
+
+    /// Whether the checkpoint holds any `kind` piece of `tensor`.
+    pub fn has(&self, tensor: &str, kind: StateKind) -> bool {
+        self.pieces.contains_key(&(tensor.to_string(), kind))
+    }
+
+    /// The bytes of `piece`, verified against its checksum once.
+    fn piece_bytes(&self, piece: &Piece) -> Result<&[u8]> {
+        let map = &self.files[&piece.file];
+        let bytes = &map[piece.bytes.0 as usize..piece.bytes.1 as usize];
+        if !piece.sha256.is_empty() {
+            let key = (piece.file.clone(), piece.bytes.0);
+            let mut verified = self.verified.lock().expect("not poisoned");
+            if !verified.contains(&key) {
+                let sum = hex(&Sha256::digest(bytes));
+                if sum != piece.sha256 {
+                    return Err(EngineError::Invalid(format!(
+                        "checkpoint file {} is corrupt: tensor {} ({:?}) at bytes {}..{} has \
+                         SHA-256 {sum}, the index records {}",
+                        self.dir.join(&piece.file).display(),
+                        piece.tensor,
+                        piece.kind,
+                        piece.bytes.0,
+                        piece.bytes.1,
+                        piece.sha256
+                    )));
+                }
+                verified.insert(key);
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// Elements `flat.0..flat.1` of block `block` of the global tensor
+    /// `tensor` (`kind`), as f64 or f32 (`wide`), assembled from every
+    /// stored piece that overlaps them; an error names the tensor when the
+    /// checkpoint lacks it, or part of it, or has it in another shape.
+    pub fn read_region(
+        &self,
+        tensor: &str,
+        kind: StateKind,
+        full_shape: &[usize],
+        block: &[(usize, usize)],
+        flat: (usize, usize),
+        wide: bool,
+    ) -> Result<HostData> {
+        let pieces = self.pieces.get(&(tensor.to_string(), kind)).ok_or_else(|| {
+            EngineError::Invalid(format!(
+                "checkpoint {} holds no {kind:?} of tensor {tensor}; was it written for another \
+                 model?",
+                self.dir.display()
+            ))
+        })?;
+        let n = flat.1 - flat.0;
+        let mut out64 = if wide { vec![0.0f64; n] } else { Vec::new() };
+        let mut out32 = if wide { Vec::new() } else { vec![0.0f32; n] };
+        let mut covered = 0usize;
+        let want = runs_in(full_shape, block, flat);
+        for piece in pieces {
+            if piece.full_shape != full_shape {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint tensor {tensor} has shape {:?}, the model expects {full_shape:?}",
+                    piece.full_shape
+                )));
+            }
+            let have = runs_in(full_shape, &piece.block, piece.flat);
+            let mut bytes: Option<&[u8]> = None;
+            let size = piece.dtype.size();
+            // Both run lists ascend in global offset: merge them.
+            let (mut i, mut j) = (0, 0);
+            while i < want.len() && j < have.len() {
+                let (wg, wl, wn) = want[i];
+                let (hg, hl, hn) = have[j];
+                let lo = wg.max(hg);
+                let hi = (wg + wn).min(hg + hn);
+                if lo < hi {
+                    let src = match bytes {
+                        Some(b) => b,
+                        None => *bytes.insert(self.piece_bytes(piece)?),
                     };
-                    by_name.insert(mkey, copy);
+                    let (dst, from) = (wl + (lo - wg), hl + (lo - hg));
+                    for k in 0..hi - lo {
+                        let at = (from + k) * size;
+                        let x = &src[at..at + size];
+                        let v = match piece.dtype {
+                            StoredDType::F32 => f32::from_le_bytes(x.try_into().expect("4")) as f64,
+                            StoredDType::F64 => f64::from_le_bytes(x.try_into().expect("8")),
+                            StoredDType::BF16 => {
+                                let bits = u16::from_le_bytes(x.try_into().expect("2"));
+                                f32::from_bits(u32::from(bits) << 16) as f64
+                            }
+                        };
+                        if wide {
+                            out64[dst + k] = v;
+                        } else {
+                            out32[dst + k] = v as f32;
+                        }
+                    }
+                    covered += hi - lo;
+                }
+                if wg + wn <= hg + hn {
+                    i += 1;
+                } else {
+                    j += 1;
                 }
             }
-        } else if let Some(master) = by_name.remove(&mkey) {
-            if by_name.contains_key(&pkey) {
-                by_name.insert(
-                    pkey.clone(),
-                    NamedTensor {
-                        name: pkey,
-                        ..master
-                    },
-                );
-            }
         }
+        if covered != n {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint {} holds {covered} of the {n} elements of {kind:?} of tensor {tensor} \
+                 this rank needs (block {block:?}); a rank file is missing from the index?",
+                self.dir.display()
+            )));
+        }
+        Ok(if wide {
+            HostData::F64(out64)
+        } else {
+            HostData::F32(out32)
+        })
     }
 }
 
-/// Loads tensors written by [`trainer_tensors`] into `trainer`; every tensor
-/// the trainer has must be present with the same shape, and none may be left
-/// over, except f32 master copies, which [`reconcile_masters`] fits to the
-/// trainer's optimizer (so checkpoints from before master copies load).
-pub fn restore_trainer<B: Backend>(
-    b: &B,
-    trainer: &mut Trainer<B>,
-    tensors: Vec<NamedTensor>,
-) -> Result<()> {
-    let mut by_name: std::collections::HashMap<String, NamedTensor> =
-        tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
-    reconcile_masters(trainer, &mut by_name);
-    let mut take = |name: String, into: &mut Tensor<B>| -> Result<()> {
-        let t = by_name
-            .remove(&name)
-            .ok_or_else(|| EngineError::Invalid(format!("checkpoint has no tensor {name}")))?;
-        if t.shape != into.shape() {
-            return Err(EngineError::Invalid(format!(
-                "checkpoint tensor {name} has shape {:?}, the model expects {:?}",
-                t.shape,
-                into.shape()
-            )));
+/// The runs of elements `flat` of block `block` of a tensor of
+/// `full_shape`: `(global offset, offset in flat range, len)`, ascending.
+fn runs_in(
+    full_shape: &[usize],
+    block: &[(usize, usize)],
+    flat: (usize, usize),
+) -> Vec<(usize, usize, usize)> {
+    let mut out = Vec::new();
+    for_each_run(full_shape, block, |g, local, len| {
+        let (lo, hi) = (local.max(flat.0), (local + len).min(flat.1));
+        if lo < hi {
+            out.push((g + (lo - local), lo - flat.0, hi - lo));
         }
-        let dtype = into.dtype();
-        let loaded = b.upload(t.data, &t.shape)?;
-        *into = if loaded.dtype() == dtype {
-            loaded
-        } else {
-            b.cast(&loaded, dtype)?
+    });
+    out
+}
+
+/// Loads `source` into a freshly built trainer of any layout: every
+/// parameter's block, this rank's chunks of the moments and masters, the
+/// expert biases and the step. A master the checkpoint lacks starts as the
+/// parameter (as a fresh optimizer's would); a master the trainer keeps
+/// none of replaces the parameter (it is the exact weight). Not a
+/// collective: each rank reads its own slices.
+pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>) -> Result<()> {
+    let b_keeps_masters = trainer.has_masters();
+    let mut blocks: Vec<(String, Vec<usize>, Vec<(usize, usize)>, DType, Vec<usize>)> = Vec::new();
+    trainer.try_visit_params(&mut |_, p| {
+        let (full_shape, block) = match &p.shard {
+            Some(s) => (s.full_shape.clone(), s.ranges()),
+            None => (
+                p.value.shape().to_vec(),
+                p.value.shape().iter().map(|&n| (0, n)).collect(),
+            ),
         };
+        blocks.push((p.name.clone(), full_shape, block, p.value.dtype(), p.value.shape().to_vec()));
         Ok(())
+    })?;
+    let read = |i: usize, kind: StateKind, flat: (usize, usize), wide: bool| -> Result<HostData> {
+        let (name, full_shape, block, _, _) = &blocks[i];
+        let kind = match kind {
+            StateKind::Param if !b_keeps_masters && source.has(name, StateKind::Master) => {
+                StateKind::Master
+            }
+            StateKind::Master if !source.has(name, StateKind::Master) => StateKind::Param,
+            k => k,
+        };
+        source.read_region(name, kind, full_shape, block, flat, wide)
     };
-    let mut result = Ok(());
-    trainer.model.visit_params_mut(&mut |p| {
-        if result.is_ok() {
-            result = take(format!("{PARAM_PREFIX}{}", p.name), &mut p.value);
+    for (i, (_, _, _, dtype, shape)) in blocks.iter().enumerate() {
+        let n: usize = shape.iter().product();
+        let vals = read(i, StateKind::Param, (0, n), *dtype == DType::F64)?;
+        let t = upload_host(b, vals, shape, *dtype)?;
+        trainer.set_param_value(i, t)?;
+    }
+    let parts = trainer.chunk_parts();
+    let buckets: HashSet<usize> = parts.iter().map(|p| p.bucket).collect();
+    for bucket in buckets {
+        let (m, _, master) = trainer.bucket_state(bucket);
+        let dtype = m.dtype();
+        let with_master = master.is_some();
+        let chunk = trainer.bucket_chunk(bucket);
+        let wide = dtype == DType::F64;
+        let kinds = [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master];
+        let mut state = Vec::new();
+        // One state tensor at a time on the host, in its own width.
+        for &kind in &kinds[..if with_master { 3 } else { 2 }] {
+            let mut host = if wide {
+                HostData::F64(vec![0.0; chunk])
+            } else {
+                HostData::F32(vec![0.0; chunk])
+            };
+            for part in parts.iter().filter(|p| p.bucket == bucket) {
+                let vals = read(part.param, kind, (part.lo, part.hi), wide)?;
+                let at = part.at..part.at + (part.hi - part.lo);
+                match (&mut host, vals) {
+                    (HostData::F64(h), HostData::F64(v)) => h[at].copy_from_slice(&v),
+                    (HostData::F32(h), HostData::F32(v)) => h[at].copy_from_slice(&v),
+                    _ => unreachable!("read_region returns the width asked for"),
+                }
+            }
+            state.push(upload_host(b, host, &[chunk], dtype)?);
         }
-    });
-    trainer.opt.visit_state_mut(&mut |name, t| {
-        if result.is_ok() {
-            result = take(format!("{OPT_PREFIX}{name}"), t);
-        }
-    });
-    result?;
-    for (i, block) in trainer.model.blocks.iter_mut().enumerate() {
-        if let Some(moe) = block.moe_mut() {
-            if let Some(bias) = moe.expert_bias() {
-                let mut bias = bias.clone();
-                take(format!("{BIAS_PREFIX}{i}"), &mut bias)?;
-                moe.set_expert_bias(bias)?;
+        let mut state = state.into_iter();
+        let (m, v) = (state.next().expect("m"), state.next().expect("v"));
+        let master = state.next();
+        trainer.set_bucket_state(bucket, m, v, master)?;
+    }
+    let layers = trainer.model.global_layers().to_vec();
+    for (block, layer) in trainer.model.blocks.iter_mut().zip(layers) {
+        if let ParallelFfn::Moe(moe) = &mut block.ffn {
+            if let Some(bias) = moe.router.expert_bias() {
+                let n = bias.numel();
+                let dtype = bias.dtype();
+                let name = format!("blocks.{layer}.moe.router.expert_bias");
+                let vals = source.read_region(&name, StateKind::Buffer, &[n], &[(0, n)], (0, n), dtype == DType::F64)?;
+                let t = upload_host(b, vals, &[n], dtype)?;
+                moe.router.set_expert_bias(t)?;
             }
         }
     }
-    if let Some(extra) = by_name.keys().next() {
-        return Err(EngineError::Invalid(format!(
-            "checkpoint tensor {extra} does not belong to this model ({} unused tensors); was it written for another model?",
-            by_name.len()
-        )));
-    }
+    trainer.set_step_count(source.step());
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Host values uploaded as `dtype`.
+fn upload_host<B: Backend>(b: &B, vals: HostData, shape: &[usize], dtype: DType) -> Result<Tensor<B>> {
+    let t = b.upload(vals, shape)?;
+    Ok(if t.dtype() == dtype { t } else { b.cast(&t, dtype)? })
+}
 
-    fn tmpdir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("foldmoe-ckpt-{tag}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        fs::create_dir_all(&d).unwrap();
-        d
-    }
-
-    fn sample() -> Vec<NamedTensor> {
-        vec![
-            NamedTensor {
-                name: "a.w".into(),
-                shape: vec![2, 3],
-                data: HostData::F32(vec![1.0, -2.0, 3.5, 0.0, 1e-8, 7.0]),
-            },
-            NamedTensor {
-                name: "b.bias".into(),
-                shape: vec![2],
-                data: HostData::F64(vec![0.25, -1.0]),
-            },
-            NamedTensor {
-                name: "c.ids".into(),
-                shape: vec![1],
-                data: HostData::I32(vec![-7]),
-            },
-        ]
-    }
-
-    #[test]
-    fn checkpoint_round_trips_and_replaces_atomically() {
-        let dir = tmpdir("rt").join("ckpt");
-        save(&dir, &sample(), &serde_json::json!({"step": 3})).unwrap();
-        save(&dir, &sample(), &serde_json::json!({"step": 4})).unwrap();
-        let (mut t, meta): (Vec<NamedTensor>, serde_json::Value) = load(&dir).unwrap();
-        t.sort_by(|a, b| a.name.cmp(&b.name));
-        assert_eq!(t, sample());
-        assert_eq!(meta["step"], 4);
-        assert!(!sibling(&dir, ".tmp").exists() && !sibling(&dir, ".old").exists());
-    }
-
-    #[test]
-    fn truncated_checkpoint_is_detected() {
-        let dir = tmpdir("trunc").join("ckpt");
-        save(&dir, &sample(), &1u32).unwrap();
-        let p = dir.join(TENSOR_FILE);
-        let bytes = fs::read(&p).unwrap();
-        fs::write(&p, &bytes[..bytes.len() - 5]).unwrap();
-        let err = load::<u32>(&dir).unwrap_err().to_string();
-        assert!(
-            err.contains("corrupt or truncated") && err.contains(TENSOR_FILE),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn altered_checkpoint_is_detected() {
-        let dir = tmpdir("flip").join("ckpt");
-        save(&dir, &sample(), &1u32).unwrap();
-        let p = dir.join(TENSOR_FILE);
-        let mut bytes = fs::read(&p).unwrap();
-        let n = bytes.len();
-        bytes[n - 2] ^= 0x10;
-        fs::write(&p, &bytes).unwrap();
-        assert!(load::<u32>(&dir)
-            .unwrap_err()
-            .to_string()
-            .contains("does not match"));
-    }
-
-    #[test]
-    fn missing_checkpoint_names_the_path() {
-        let dir = tmpdir("missing").join("nothing-here");
-        let err = load::<u32>(&dir).unwrap_err().to_string();
-        assert!(
-            err.contains("nothing-here") && err.contains("not found"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn interrupted_swap_falls_back_to_old() {
-        let dir = tmpdir("swap").join("ckpt");
-        save(&dir, &sample(), &9u32).unwrap();
-        fs::rename(&dir, sibling(&dir, ".old")).unwrap();
-        let (_, meta): (_, u32) = load(&dir).unwrap();
-        assert_eq!(meta, 9);
-    }
-
-    /// A one-rank trainer with f32 master copies (forced on f32 parameters,
-    /// so the master path is checked against exact f32 values) after three
-    /// updates.
-    fn trained_with_masters(seed: u64) -> Trainer<foldmoe_kernels::cpu::Cpu> {
-        use super::super::optim::MasterWeights;
-        use super::super::trainer::TrainConfig;
-        use crate::engine::model::Model;
-        use crate::engine::testutil::{small_spec, uniform};
-        use crate::spec::FfnSpec;
-        use foldmoe_kernels::cpu::Cpu;
-        use foldmoe_kernels::Device;
-        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
-        let cfg = TrainConfig {
-            master_weights: MasterWeights::Bf16AndF32,
-            ..TrainConfig::default()
-        };
-        let model = Model::new(&Cpu, &spec, seed, DType::F32).unwrap();
-        let mut trainer = Trainer::new(&Cpu, model, cfg).unwrap();
-        for step in 0..3 {
-            let mut s = step * 100;
-            trainer.model.visit_params_mut(&mut |p| {
-                s += 1;
-                let g = uniform(s, p.grad.numel(), 1.0)
-                    .iter()
-                    .map(|&x| x as f32)
-                    .collect();
-                p.grad = Cpu.upload(HostData::F32(g), p.grad.shape()).unwrap();
-            });
-            trainer.opt.step(&Cpu, &mut trainer.model, 1e-2).unwrap();
+/// Loads every parameter of the whole `model` (one rank, all layers:
+/// generation) and the routers' expert biases from `source`, whatever
+/// layout wrote it; bf16 weights come from the f32 masters when the
+/// checkpoint keeps them (they are the exact weights).
+pub fn load_model<B: Backend>(b: &B, source: &Source, model: &mut Model<B>) -> Result<()> {
+    let mut outcome: Result<()> = Ok(());
+    model.visit_params_mut(&mut |p| {
+        if outcome.is_err() {
+            return;
         }
-        trainer
-    }
-
-    fn sorted(mut t: Vec<NamedTensor>) -> Vec<NamedTensor> {
-        t.sort_by(|a, b| a.name.cmp(&b.name));
-        t
-    }
-
-    #[test]
-    fn master_copies_are_saved_and_restored() {
-        use foldmoe_kernels::cpu::Cpu;
-        let saved = trainer_tensors(&Cpu, &trained_with_masters(3)).unwrap();
-        assert!(saved
-            .iter()
-            .any(|t| t.name == "optim.embed.weight.fp32_param"));
-        let mut fresh = trained_with_masters(4);
-        restore_trainer(&Cpu, &mut fresh, saved.clone()).unwrap();
-        assert_eq!(
-            sorted(trainer_tensors(&Cpu, &fresh).unwrap()),
-            sorted(saved)
-        );
-    }
-
-    /// A checkpoint without master copies (written before them) loads: each
-    /// master starts as its parameter. One with masters loads into a trainer
-    /// that keeps none: the masters become the parameters.
-    #[test]
-    fn checkpoints_without_masters_load_and_masters_load_without_them() {
-        use foldmoe_kernels::cpu::Cpu;
-        let saved = trainer_tensors(&Cpu, &trained_with_masters(3)).unwrap();
-        let old: Vec<NamedTensor> = saved
-            .iter()
-            .filter(|t| !t.name.ends_with(".fp32_param"))
-            .cloned()
-            .collect();
-        assert!(old.len() < saved.len());
-        let mut fresh = trained_with_masters(4);
-        restore_trainer(&Cpu, &mut fresh, old).unwrap();
-        assert_eq!(
-            sorted(trainer_tensors(&Cpu, &fresh).unwrap()),
-            sorted(saved.clone())
-        );
-
-        let mut shifted = saved;
-        for t in &mut shifted {
-            if t.name == "optim.embed.weight.fp32_param" {
-                t.data = HostData::F32(t.data.to_f32().iter().map(|x| x + 0.5).collect());
+        outcome = (|| {
+            let shape = p.value.shape().to_vec();
+            let whole: Vec<(usize, usize)> = shape.iter().map(|&n| (0, n)).collect();
+            let n = p.value.numel();
+            let kind = if source.has(&p.name, StateKind::Master) {
+                StateKind::Master
+            } else {
+                StateKind::Param
+            };
+            let dtype = p.value.dtype();
+            let vals = source.read_region(&p.name, kind, &shape, &whole, (0, n), dtype == DType::F64)?;
+            p.value = upload_host(b, vals, &shape, dtype)?;
+            Ok(())
+        })();
+    });
+    outcome?;
+    for (layer, block) in model.blocks.iter_mut().enumerate() {
+        if let Some(moe) = block.moe_mut() {
+            if let Some(bias) = moe.expert_bias() {
+                let (n, dtype) = (bias.numel(), bias.dtype());
+                let name = format!("blocks.{layer}.moe.router.expert_bias");
+                let vals = source.read_region(&name, StateKind::Buffer, &[n], &[(0, n)], (0, n), dtype == DType::F64)?;
+                moe.set_expert_bias(upload_host(b, vals, &[n], dtype)?)?;
             }
         }
-        let want = shifted
-            .iter()
-            .find(|t| t.name == "optim.embed.weight.fp32_param")
-            .unwrap()
-            .data
-            .clone();
-        let cfg = super::super::trainer::TrainConfig::default();
-        let model = crate::engine::model::Model::new(
-            &Cpu,
-            &crate::engine::testutil::small_spec(&[crate::spec::FfnSpec::Dense { ffn: 6 }], false),
-            4,
-            DType::F32,
-        )
-        .unwrap();
-        let mut plain = Trainer::new(&Cpu, model, cfg).unwrap();
-        assert!(!plain.opt.has_masters());
-        restore_trainer(&Cpu, &mut plain, shifted).unwrap();
-        let got = trainer_tensors(&Cpu, &plain).unwrap();
-        assert!(got.iter().all(|t| !t.name.ends_with(".fp32_param")));
-        let embed = got.iter().find(|t| t.name == "param.embed.weight").unwrap();
-        assert_eq!(embed.data, want);
     }
+    Ok(())
 }

@@ -136,8 +136,8 @@ pub fn build<B: Backend>(
 }
 
 /// Checks `layout` against `spec` like [`build`] and builds the shard rank
-/// `rank` owns, cut from the full model initialised from `seed` (so every
-/// rank's shard is a block of the same weights).
+/// `rank` owns, shard first: the rank draws only its blocks of the weights
+/// one rank would draw from `seed` (see [`ParallelModel::new`]).
 pub fn build_shard<B: Backend>(
     b: &B,
     spec: &ModelSpec,
@@ -148,7 +148,7 @@ pub fn build_shard<B: Backend>(
 ) -> Result<ParallelModel<B>> {
     let checked = checked_layout(spec, layout, rank)?;
     let rank_layout = RankLayout::new(&checked, rank)?;
-    ParallelModel::from_model(b, Model::new(b, spec, seed, dtype)?, rank_layout)
+    ParallelModel::new(b, spec, rank_layout, seed, dtype)
 }
 
 /// The spec and layout checked (every rule, every violation in the error)

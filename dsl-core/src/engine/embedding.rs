@@ -11,7 +11,7 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use super::param::{Module, Param};
+use super::param::{Init, Module, Param};
 use super::Result;
 
 /// The token embedding table `[V, D]`.
@@ -33,18 +33,11 @@ impl<B: Backend> Embedding<B> {
         vocab: usize,
         hidden: usize,
         std: f64,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         Ok(Embedding {
-            table: Param::normal(
-                b,
-                format!("{prefix}.weight"),
-                &[vocab, hidden],
-                std,
-                seed,
-                dtype,
-            )?,
+            table: init.normal(b, format!("{prefix}.weight"), &[vocab, hidden], std, dtype)?,
         })
     }
 
@@ -116,17 +109,10 @@ impl<B: Backend> LmHead<B> {
         vocab: usize,
         hidden: usize,
         std: f64,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
-        let weight = Param::normal(
-            b,
-            format!("{prefix}.weight"),
-            &[vocab, hidden],
-            std,
-            seed,
-            dtype,
-        )?;
+        let weight = init.normal(b, format!("{prefix}.weight"), &[vocab, hidden], std, dtype)?;
         Ok(LmHead {
             weight: Some(weight),
         })

@@ -41,7 +41,7 @@ use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::activations::Slot;
 use super::norm::{NormSaved, RmsNorm};
-use super::param::{Module, Param};
+use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
 use crate::spec::{MlaSpec, ModelSpec, OffloadPart, RecomputePart};
@@ -272,7 +272,7 @@ impl<B: Backend> Mla<B> {
         model: &ModelSpec,
         heads: usize,
         mla: &MlaSpec,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         let (d, std, eps) = (model.hidden, model.init_std, model.norm_eps);
@@ -280,7 +280,7 @@ impl<B: Backend> Mla<B> {
         let (p, r, v) = (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim);
         let (q, hd) = (p + r, (p + r).max(v));
         let mk = |name: &str, shape: &[usize]| {
-            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
+            init.normal(b, format!("{prefix}.{name}"), shape, std, dtype)
         };
         let query = if c > 0 {
             QueryProj::LowRank {

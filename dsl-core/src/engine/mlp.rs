@@ -6,7 +6,7 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::activations::Slot;
-use super::param::{Module, Param};
+use super::param::{Init, Module, Param};
 use super::Result;
 use crate::memory::Part;
 use crate::spec::RecomputePart;
@@ -69,11 +69,11 @@ impl<B: Backend> SwiGluMlp<B> {
         hidden: usize,
         ffn: usize,
         std: f64,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         let mk = |name: &str, shape: &[usize]| {
-            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
+            init.normal(b, format!("{prefix}.{name}"), shape, std, dtype)
         };
         Ok(SwiGluMlp {
             w1: mk("w1", &[hidden, ffn])?,

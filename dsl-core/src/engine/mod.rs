@@ -24,7 +24,7 @@ pub mod param;
 pub mod schedule;
 pub mod trainer;
 
-pub use param::{init_normal, Module, Param};
+pub use param::{init_normal, Init, Module, Param};
 
 /// Errors of the engine: kernel failures and invalid configurations.
 #[derive(Debug, thiserror::Error)]

@@ -20,7 +20,7 @@ use super::activations::{hold_all, Held, Ledger, Slot};
 use super::block::{Block, BlockSaved};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use super::norm::{NormSaved, RmsNorm};
-use super::param::{Module, Param};
+use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
 use crate::spec::{FfnSpec, ModelSpec};
@@ -81,6 +81,22 @@ impl<B: Backend> Model<B> {
     /// Builds the model after checking the spec (every violated rule is
     /// returned as [`EngineError::Spec`]); weights depend only on `(seed, name)`.
     pub fn new(b: &B, spec: &ModelSpec, seed: u64, dtype: DType) -> Result<Self> {
+        let all: Vec<usize> = (0..spec.layers()).collect();
+        Self::build(b, spec, Init::full(seed), &all, true, dtype)
+    }
+
+    /// The blocks `layers` (indices of the full model, ascending) with
+    /// parameters drawn by `init` (a rank's blocks under its shard plan);
+    /// without `embed_and_head` the embedding table and an untied head are
+    /// empty (`[0, D]`: a pipeline stage that does not train them).
+    pub(crate) fn build(
+        b: &B,
+        spec: &ModelSpec,
+        init: Init<'_>,
+        layers: &[usize],
+        embed_and_head: bool,
+        dtype: DType,
+    ) -> Result<Self> {
         spec.check().map_err(EngineError::Spec)?;
         if !dtype.is_float() {
             return Err(EngineError::Invalid(format!(
@@ -88,19 +104,33 @@ impl<B: Backend> Model<B> {
             )));
         }
         let (v, d) = (spec.vocab, spec.hidden);
-        let embed = Embedding::new(b, "embed", v, d, spec.init_std, seed, dtype)?;
-        let mut blocks = Vec::with_capacity(spec.layers());
-        for group in &spec.groups {
-            for _ in 0..group.count {
-                let prefix = format!("blocks.{}", blocks.len());
-                blocks.push(Block::new(b, &prefix, spec, group, seed, dtype)?);
+        let absent = |name: &str| -> Result<Param<B>> { Param::new(b, name, b.zeros(&[0, d], dtype)?) };
+        let embed = if embed_and_head {
+            Embedding::new(b, "embed", v, d, spec.init_std, init, dtype)?
+        } else {
+            Embedding {
+                table: absent("embed.weight")?,
             }
+        };
+        let mut blocks = Vec::with_capacity(layers.len());
+        for &layer in layers {
+            let group = spec.group_of_layer(layer).ok_or_else(|| {
+                EngineError::Invalid(format!(
+                    "layer {layer} is outside model {} of {} layers",
+                    spec.name,
+                    spec.layers()
+                ))
+            })?;
+            let prefix = format!("blocks.{layer}");
+            blocks.push(Block::new(b, &prefix, spec, group, init, dtype)?);
         }
         let final_norm = RmsNorm::new(b, "final_norm", d, spec.norm_eps, dtype)?;
-        let head = if spec.tied_embeddings {
-            LmHead::tied()
-        } else {
-            LmHead::untied(b, "head", v, d, spec.init_std, seed, dtype)?
+        let head = match (spec.tied_embeddings, embed_and_head) {
+            (true, _) => LmHead::tied(),
+            (false, true) => LmHead::untied(b, "head", v, d, spec.init_std, init, dtype)?,
+            (false, false) => LmHead {
+                weight: Some(absent("head.weight")?),
+            },
         };
         let ledger = Ledger::default();
         for block in &mut blocks {

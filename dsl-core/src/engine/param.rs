@@ -5,7 +5,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use super::parallel::ShardSpec;
+use super::parallel::shard::for_each_run;
+use super::parallel::{ShardPlan, ShardSpec};
 use super::Result;
 
 /// A trainable tensor and the gradient accumulated into it.
@@ -40,20 +41,6 @@ impl<B: Backend> Param<B> {
         })
     }
 
-    /// A parameter named `name` drawn from normal(0, `std`) by [`init_normal`]
-    /// (its values depend only on `seed` and the name).
-    pub fn normal(
-        b: &B,
-        name: String,
-        shape: &[usize],
-        std: f64,
-        seed: u64,
-        dtype: DType,
-    ) -> Result<Self> {
-        let value = init_normal(b, shape, std, seed, &name, dtype)?;
-        Param::new(b, name, value)
-    }
-
     /// Adds `g` into the gradient.
     pub fn accumulate(&mut self, b: &B, g: &Tensor<B>) -> Result<()> {
         let same_kind = g.shape() == self.grad.shape() && g.dtype() == self.grad.dtype();
@@ -84,6 +71,66 @@ pub trait Module<B: Device> {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>));
 }
 
+/// Where parameters' initial values come from: the run's seed and, for one
+/// rank of a layout, the shard plan saying which block of each global tensor
+/// the rank draws. Element `i` of a global tensor is the same number whatever
+/// block it falls in (the generator is counter-based), so every layout, and
+/// one rank, start from the same global weights, and no rank ever holds more
+/// than its blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct Init<'a> {
+    /// Seed of the generator (with each tensor's name).
+    pub seed: u64,
+    plan: Option<&'a ShardPlan>,
+}
+
+impl Init<'static> {
+    /// Whole tensors (one rank holding the whole model, layer tests).
+    pub fn full(seed: u64) -> Self {
+        Init { seed, plan: None }
+    }
+}
+
+impl<'a> Init<'a> {
+    /// The blocks `plan` gives its rank.
+    pub fn sharded(seed: u64, plan: &'a ShardPlan) -> Self {
+        Init {
+            seed,
+            plan: Some(plan),
+        }
+    }
+
+    /// The block of the global tensor `name` of `full_shape` this rank
+    /// holds (none: the whole tensor).
+    pub fn shard_of(&self, name: &str, full_shape: &[usize]) -> Result<Option<ShardSpec>> {
+        Ok(match self.plan {
+            Some(plan) => Some(plan.shard_of(name, full_shape)?).filter(|s| !s.splits.is_empty()),
+            None => None,
+        })
+    }
+
+    /// The parameter `name` of global shape `full_shape` drawn from
+    /// normal(0, `std`): this rank's block of it.
+    pub fn normal<B: Backend>(
+        &self,
+        b: &B,
+        name: String,
+        full_shape: &[usize],
+        std: f64,
+        dtype: DType,
+    ) -> Result<Param<B>> {
+        let shard = self.shard_of(&name, full_shape)?;
+        let ranges: Vec<(usize, usize)> = match &shard {
+            Some(s) => s.ranges(),
+            None => full_shape.iter().map(|&n| (0, n)).collect(),
+        };
+        let value = init_normal_block(b, full_shape, &ranges, std, self.seed, &name, dtype)?;
+        let mut p = Param::new(b, name, value)?;
+        p.shard = shard.map(Box::new);
+        Ok(p)
+    }
+}
+
 /// A normal(0, std) tensor whose values depend only on `(seed, name)`, so a
 /// parameter's initial value does not change when other parameters are added
 /// or when it is built on another device.
@@ -95,9 +142,42 @@ pub fn init_normal<B: Backend>(
     name: &str,
     dtype: DType,
 ) -> Result<Tensor<B>> {
+    let whole: Vec<(usize, usize)> = shape.iter().map(|&n| (0, n)).collect();
+    init_normal_block(b, shape, &whole, std, seed, name, dtype)
+}
+
+/// The block `ranges` of the tensor [`init_normal`] would draw for
+/// `full_shape`: each run of the block is drawn from the generator moved to
+/// the run's global offset (ChaCha is counter-based), so the values are
+/// those of the whole tensor, without drawing the rest.
+fn init_normal_block<B: Backend>(
+    b: &B,
+    full_shape: &[usize],
+    ranges: &[(usize, usize)],
+    std: f64,
+    seed: u64,
+    name: &str,
+    dtype: DType,
+) -> Result<Tensor<B>> {
     let rng = ChaCha8Rng::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
+    let shape: Vec<usize> = ranges.iter().map(|r| r.1).collect();
     let n: usize = shape.iter().product();
-    let vals = normal_samples(&rng, n, std);
+    let mut runs = Vec::new();
+    for_each_run(full_shape, ranges, |full, block, len| {
+        runs.push((full, block, len))
+    });
+    let mut vals = vec![0.0; n];
+    let mut rest: &mut [f64] = &mut vals;
+    let mut pieces = Vec::with_capacity(runs.len());
+    for &(full, _, len) in &runs {
+        let (piece, tail) = rest.split_at_mut(len);
+        pieces.push((full, piece));
+        rest = tail;
+    }
+    pieces
+        .into_par_iter()
+        .for_each(|(full, piece)| normal_samples_at(&rng, full, piece, std));
+    let shape = &shape[..];
     let data = match dtype {
         DType::F64 => HostData::F64(vals),
         _ => HostData::F32(vals.iter().map(|&x| x as f32).collect()),
@@ -140,21 +220,20 @@ const INIT_CHUNK: usize = 1 << 16;
 /// (a uniform in `[MIN_POSITIVE, 1)` takes one u64 and never retries).
 const WORDS_PER_SAMPLE: u128 = 4;
 
-/// `n` samples of normal(0, `std`): the sequence `rng` would give drawn one
-/// after another.
-fn normal_samples(rng: &ChaCha8Rng, n: usize, std: f64) -> Vec<f64> {
+/// Samples `offset .. offset + out.len()` of the normal(0, `std`) sequence
+/// `rng` gives drawn one after another, in parallel by chunks.
+fn normal_samples_at(rng: &ChaCha8Rng, offset: usize, out: &mut [f64], std: f64) {
     let start = rng.get_word_pos();
-    let mut vals = vec![0.0; n];
-    vals.par_chunks_mut(INIT_CHUNK)
+    out.par_chunks_mut(INIT_CHUNK)
         .enumerate()
         .for_each(|(c, chunk)| {
             let mut rng = rng.clone();
-            rng.set_word_pos(start + (c * INIT_CHUNK) as u128 * WORDS_PER_SAMPLE);
+            let at = (offset + c * INIT_CHUNK) as u128;
+            rng.set_word_pos(start + at * WORDS_PER_SAMPLE);
             for x in chunk {
                 *x = std * standard_normal(&mut rng);
             }
         });
-    vals
 }
 
 /// Box–Muller standard normal sample.

@@ -45,6 +45,21 @@ pub trait Device: Clone + Send + Sync + 'static {
     const NAME: &'static str;
     /// The device buffer behind a tensor.
     type Storage: StorageInfo + Clone + Send + Sync;
+    /// Whether tensors own host memory that [`crate::tensor::meter`]
+    /// counts (the CPU); a device with its own allocator reports through
+    /// [`Device::memory_in_use`] instead.
+    const HOST_METERED: bool = false;
+
+    /// `(in use, peak)` bytes held by this device's tensors (on the CPU:
+    /// this thread's), peak since the last [`Device::reset_peak_memory`].
+    fn memory_in_use(&self) -> (usize, usize) {
+        crate::tensor::meter::usage()
+    }
+
+    /// Starts a new peak-memory measurement from the current use.
+    fn reset_peak_memory(&self) {
+        crate::tensor::meter::reset_peak()
+    }
 
     /// Copies host values onto the device as a tensor of `shape`.
     fn upload(&self, data: HostData, shape: &[usize]) -> Result<Tensor<Self>>;

@@ -289,6 +289,7 @@ macro_rules! cpu_float_dispatch {
 impl Device for Cpu {
     const NAME: &'static str = "cpu";
     type Storage = CpuStorage;
+    const HOST_METERED: bool = true;
 
     fn upload(&self, data: HostData, shape: &[usize]) -> Result<Tensor<Self>> {
         let storage = match data {

@@ -9,7 +9,7 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use crate::engine::activations::Slot;
-use crate::engine::{Module, Param, Result};
+use crate::engine::{Init, Module, Param, Result};
 use crate::memory::Part;
 use crate::spec::{MoeSpec, OffloadPart, RecomputePart};
 
@@ -59,12 +59,12 @@ impl<B: Backend> Experts<B> {
         hidden: usize,
         moe: &MoeSpec,
         std: f64,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         let (experts, ffn) = (moe.experts, moe.expert_ffn);
         let mk = |name: &str, shape: &[usize]| {
-            Param::normal(b, format!("{prefix}.{name}"), shape, std, seed, dtype)
+            init.normal(b, format!("{prefix}.{name}"), shape, std, dtype)
         };
         Ok(Experts {
             w1: mk("w1", &[experts, hidden, ffn])?,

@@ -38,7 +38,7 @@ use self::experts::{Experts, ExpertsSaved};
 use self::router::{Router, RouterSaved};
 use self::shared::{SharedExperts, SharedSaved};
 use crate::engine::activations::Slot;
-use crate::engine::{EngineError, Module, Param, Result};
+use crate::engine::{EngineError, Init, Module, Param, Result};
 use crate::spec::{LoadBalance, MoeSpec};
 
 /// An MoE layer: router, dispatcher, routed experts, optional shared experts.
@@ -99,7 +99,7 @@ impl<B: Backend> MoeLayer<B> {
         hidden: usize,
         spec: &MoeSpec,
         init_std: f64,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         if hidden == 0 || spec.experts == 0 || spec.top_k == 0 || spec.top_k > spec.experts {
@@ -112,7 +112,7 @@ impl<B: Backend> MoeLayer<B> {
         let shared = if spec.shared_ffn > 0 {
             let p = format!("{prefix}.shared_experts");
             Some(SharedExperts::new(
-                b, &p, hidden, spec, init_std, seed, dtype,
+                b, &p, hidden, spec, init_std, init, dtype,
             )?)
         } else {
             None
@@ -124,7 +124,7 @@ impl<B: Backend> MoeLayer<B> {
                 hidden,
                 spec,
                 init_std,
-                seed,
+                init,
                 dtype,
             )?,
             dispatcher: Dispatcher::new(spec),
@@ -134,7 +134,7 @@ impl<B: Backend> MoeLayer<B> {
                 hidden,
                 spec,
                 init_std,
-                seed,
+                init,
                 dtype,
             )?,
             shared,

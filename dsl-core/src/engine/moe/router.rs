@@ -21,7 +21,7 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 use super::loss::{self, BalanceSaved, TokenShard, ZSaved};
 use super::ops::log_sigmoid_backward;
 use crate::engine::activations::Slot;
-use crate::engine::{init_normal, EngineError, Module, Param, Result};
+use crate::engine::{EngineError, Init, Module, Param, Result};
 use crate::memory::Part;
 use crate::spec::{LoadBalance, MoeSpec, RecomputePart, RouterSpec, ScoreFunction};
 
@@ -124,18 +124,18 @@ impl<B: Backend> Router<B> {
         hidden: usize,
         moe: &MoeSpec,
         init_std: f64,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         let (spec, experts, top_k) = (&moe.router, moe.experts, moe.top_k);
         let name = format!("{prefix}.weight");
-        let value = init_normal(b, &[hidden, experts], init_std, seed, &name, dtype)?;
+        let weight = init.normal(b, name, &[hidden, experts], init_std, dtype)?;
         let expert_bias_e = match spec.expert_bias_rate {
             Some(_) => Some(b.zeros(&[experts], dtype)?),
             None => None,
         };
         Ok(Router {
-            weight: Param::new(b, name, value)?,
+            weight,
             expert_bias_e,
             spec: spec.clone(),
             experts,

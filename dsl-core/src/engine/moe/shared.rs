@@ -8,7 +8,7 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 
 use crate::engine::activations::Slot;
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
-use crate::engine::{Module, Param, Result};
+use crate::engine::{Init, Module, Param, Result};
 use crate::memory::Part;
 use crate::spec::{MoeSpec, RecomputePart};
 
@@ -58,14 +58,14 @@ impl<B: Backend> SharedExperts<B> {
         hidden: usize,
         moe: &MoeSpec,
         std: f64,
-        seed: u64,
+        init: Init<'_>,
         dtype: DType,
     ) -> Result<Self> {
         let (ffn, gated) = (moe.shared_ffn, moe.shared_gate);
-        let mlp = SwiGluMlp::new(b, prefix, hidden, ffn, std, seed, dtype)?;
+        let mlp = SwiGluMlp::new(b, prefix, hidden, ffn, std, init, dtype)?;
         let gate = if gated {
             let name = format!("{prefix}.gate");
-            Some(Param::normal(b, name, &[hidden, 1], std, seed, dtype)?)
+            Some(init.normal(b, name, &[hidden, 1], std, dtype)?)
         } else {
             None
         };

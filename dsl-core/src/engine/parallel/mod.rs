@@ -35,10 +35,12 @@ pub mod context;
 pub mod model;
 pub mod moe;
 pub mod pipeline;
+pub mod plan;
 pub mod shard;
 pub mod trainer;
 
 pub use model::ParallelModel;
+pub use plan::ShardPlan;
 pub use shard::{ShardSpec, Split, SplitAxis};
 pub use trainer::ParallelTrainer;
 

@@ -24,8 +24,8 @@ use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::context::{self, split_sequences, CpAttentionSaved};
 use super::moe::{ParallelMoe, ParallelMoeSaved};
-use super::shard::{shard_param, upload_as};
-use super::{Ctx, RankLayout, Split, SplitAxis};
+use super::shard::upload_as;
+use super::{Ctx, RankLayout, ShardPlan};
 use crate::engine::activations::{Held, Ledger, Slot, Stash};
 use crate::engine::block::{
     rerun_dropped_layers, take, Attn, AttnSaved, BlockLayers, Ffn, ATTN_NORM_IN, MLP_NORM_IN,
@@ -35,7 +35,7 @@ use crate::engine::mlp::{MlpSaved, SwiGluMlp};
 use crate::engine::model::Model;
 use crate::engine::moe::MoeStats;
 use crate::engine::norm::{NormSaved, RmsNorm};
-use crate::engine::param::{Module, Param};
+use crate::engine::param::{Init, Module, Param};
 use crate::engine::{EngineError, Result};
 use crate::spec::{FfnSpec, ModelSpec, Policy, RecomputePart};
 
@@ -230,68 +230,44 @@ pub struct ParallelOut<B: Backend> {
 }
 
 impl<B: Backend> ParallelModel<B> {
-    /// Cuts `rank`'s shard out of the full `model` (built with the run's seed,
-    /// so every rank cuts from the same weights).
-    pub fn from_model(b: &B, model: Model<B>, rank: RankLayout) -> Result<Self> {
+    /// Builds `rank`'s shard of the model `spec` describes, shard first:
+    /// only the stage's layers, each parameter drawn as the block the
+    /// [`ShardPlan`] gives the rank (the same values as those of one rank's
+    /// whole model of `seed`), the embedding and head only where the stage
+    /// trains them.
+    pub fn new(b: &B, spec: &ModelSpec, rank: RankLayout, seed: u64, dtype: DType) -> Result<Self> {
+        let plan = ShardPlan::new(spec, &rank);
+        let last = rank.pp_index + 1 == rank.pp.size();
+        let embed_and_head = rank.pp_index == 0 || last;
+        let model = Model::build(
+            b,
+            spec,
+            Init::sharded(seed, &plan),
+            plan.layers(),
+            embed_and_head,
+            dtype,
+        )?;
+        Self::from_plan(b, model, plan)
+    }
+
+    /// The parallel form of `model`, whose parameters are already the
+    /// blocks `plan` gives (built by [`Model::build`] under it).
+    fn from_plan(b: &B, model: Model<B>, plan: ShardPlan) -> Result<Self> {
         let Model {
             spec,
-            mut embed,
+            embed,
             blocks,
             final_norm,
-            mut head,
+            head,
             ledger,
         } = model;
-        let (tp, tp_i) = (rank.tp.size(), rank.tp_index);
-        let vocab_split = vec![Split {
-            axis: SplitAxis::Tp,
-            dim: 0,
-            index: tp_i,
-            parts: tp,
-        }];
-        if tp > 1 {
-            if !spec.vocab.is_multiple_of(tp) {
-                return Err(EngineError::Invalid(format!(
-                    "vocab {} does not split over tp = {tp}; pad the vocabulary to a multiple of tp",
-                    spec.vocab
-                )));
-            }
-            shard_param(b, &mut embed.table, vocab_split.clone())?;
-            if let Some(w) = head.weight.as_mut() {
-                shard_param(b, w, vocab_split)?;
-            }
-        }
-        let ffn_specs: Vec<FfnSpec> = spec
-            .groups
-            .iter()
-            .flat_map(|g| std::iter::repeat_n(g.ffn.clone(), g.count))
-            .collect();
-        // This rank's layers, chunk by chunk (the layout's stage assignment).
-        let ranges = rank.layout.pp_rank_layers(rank.pp_index, ffn_specs.len());
-        let layers: Vec<usize> = ranges.iter().flat_map(|r| r.clone()).collect();
-        let mut chunks = Vec::with_capacity(ranges.len());
-        let mut start = 0;
-        for r in &ranges {
-            chunks.push(start..start + r.len());
-            start += r.len();
-        }
-        let mut held: Vec<_> = blocks
-            .into_iter()
-            .zip(ffn_specs)
-            .enumerate()
-            .filter(|(i, _)| layers.contains(i))
-            .map(|(i, pair)| (layers.iter().position(|l| *l == i), pair))
-            .collect();
-        held.sort_by_key(|(at, _)| *at);
-        let mut out_blocks = Vec::with_capacity(held.len());
-        for (_, (block, ffn_spec)) in held {
+        let rank = plan.rank().clone();
+        let (tp, cp) = (rank.tp.size(), rank.cp.size());
+        let mut out_blocks = Vec::with_capacity(blocks.len());
+        for (block, &layer) in blocks.into_iter().zip(plan.layers()) {
             let mut attn = block.attn;
-            let cp = rank.cp.size();
             match &mut attn {
-                Attn::Gqa(a) => {
-                    if tp > 1 {
-                        a.shard_heads(b, tp_i, tp)?;
-                    }
-                }
+                Attn::Gqa(a) => a.take_heads(tp)?,
                 Attn::Mla(_) if tp > 1 || cp > 1 => {
                     return Err(EngineError::Invalid(format!(
                         "model {}: MLA attention under tp = {tp}, cp = {cp} is not supported \
@@ -302,18 +278,16 @@ impl<B: Backend> ParallelModel<B> {
                 Attn::Mla(_) => {}
             }
             let ffn = match block.ffn {
-                Ffn::Dense(mut mlp) => {
-                    shard_mlp(b, &mut mlp, tp_i, tp)?;
-                    ParallelFfn::Dense(mlp)
-                }
+                Ffn::Dense(mlp) => ParallelFfn::Dense(mlp),
                 Ffn::Moe(moe) => {
-                    let FfnSpec::Moe(moe_spec) = &ffn_spec else {
+                    let Some(FfnSpec::Moe(moe_spec)) = spec.group_of_layer(layer).map(|g| &g.ffn)
+                    else {
                         return Err(EngineError::Invalid(format!(
                             "model {}: an MoE block where the spec declares a dense one",
                             spec.name
                         )));
                     };
-                    ParallelFfn::Moe(Box::new(ParallelMoe::from_layer(b, *moe, moe_spec, &rank)?))
+                    ParallelFfn::Moe(Box::new(ParallelMoe::from_layer(*moe, moe_spec)))
                 }
             };
             out_blocks.push(ParallelBlock {
@@ -326,8 +300,9 @@ impl<B: Backend> ParallelModel<B> {
                 ledger: ledger.clone(),
             });
         }
+        let _ = b;
         Ok(ParallelModel {
-            vocab_start: tp_i * spec.vocab / tp,
+            vocab_start: plan.vocab_rows().0,
             ledger,
             spec,
             rank,
@@ -335,8 +310,8 @@ impl<B: Backend> ParallelModel<B> {
             blocks: out_blocks,
             final_norm,
             head,
-            chunks,
-            layers,
+            chunks: plan.chunks().to_vec(),
+            layers: plan.layers().to_vec(),
         })
     }
 
@@ -885,37 +860,6 @@ fn in_dtype<B: Backend>(b: &B, x: Tensor<B>, dtype: DType) -> Result<Tensor<B>> 
     } else {
         b.cast(&x, dtype)?
     })
-}
-
-/// Column-parallel `w1`, `w3` and row-parallel `w2` of a SwiGLU MLP.
-pub(crate) fn shard_mlp<B: Backend>(
-    b: &B,
-    mlp: &mut SwiGluMlp<B>,
-    index: usize,
-    parts: usize,
-) -> Result<()> {
-    if parts == 1 {
-        return Ok(());
-    }
-    let split = |dim| {
-        vec![Split {
-            axis: SplitAxis::Tp,
-            dim,
-            index,
-            parts,
-        }]
-    };
-    let ffn = mlp.w1.value.shape()[1];
-    if !ffn.is_multiple_of(parts) {
-        return Err(EngineError::Invalid(format!(
-            "MLP {}: ffn {ffn} does not split over tp = {parts}",
-            mlp.w1.name
-        )));
-    }
-    shard_param(b, &mut mlp.w1, split(1))?;
-    shard_param(b, &mut mlp.w3, split(1))?;
-    shard_param(b, &mut mlp.w2, split(0))?;
-    Ok(())
 }
 
 impl<B: Backend> ParallelBlock<B> {

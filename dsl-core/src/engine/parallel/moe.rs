@@ -26,9 +26,8 @@
 
 use foldmoe_kernels::{Backend, DropPolicy, HostData, RoutingPlan, Tensor};
 
-use super::model::shard_mlp;
-use super::shard::{shard_param, upload_as};
-use super::{Ctx, RankLayout, Split, SplitAxis};
+use super::shard::upload_as;
+use super::Ctx;
 use crate::engine::moe::dispatcher::Dispatcher;
 use crate::engine::moe::experts::{Experts, ExpertsSaved};
 use crate::engine::moe::loss::TokenShard;
@@ -106,57 +105,23 @@ impl<B: Backend> ParallelMoeSaved<B> {
 }
 
 impl<B: Backend> ParallelMoe<B> {
-    /// Cuts this rank's experts and shared-expert shard out of a full layer.
-    pub fn from_layer(
-        b: &B,
-        layer: MoeLayer<B>,
-        spec: &MoeSpec,
-        rank: &RankLayout,
-    ) -> Result<Self> {
+    /// The expert-mesh form of `layer`, whose experts and shared experts are
+    /// already this rank's blocks (drawn under its shard plan).
+    pub fn from_layer(layer: MoeLayer<B>, spec: &MoeSpec) -> Self {
         let MoeLayer {
             router,
             dispatcher,
-            mut experts,
-            mut shared,
+            experts,
+            shared,
             ..
         } = layer;
-        let spec = spec.clone();
-        let (ep, etp) = (rank.ep.size(), rank.etp.size());
-        if !spec.experts.is_multiple_of(ep) || !spec.expert_ffn.is_multiple_of(etp) {
-            return Err(EngineError::Invalid(format!(
-                "{} experts of ffn {} do not split over ep = {ep}, etp = {etp}",
-                spec.experts, spec.expert_ffn
-            )));
-        }
-        let split = |axis, dim, index, parts| Split {
-            axis,
-            dim,
-            index,
-            parts,
-        };
-        let cut = |p: &mut Param<B>, ffn_dim| {
-            let mut splits = Vec::new();
-            if ep > 1 {
-                splits.push(split(SplitAxis::Ep, 0, rank.ep_index, ep));
-            }
-            if etp > 1 {
-                splits.push(split(SplitAxis::Etp, ffn_dim, rank.etp_index, etp));
-            }
-            shard_param(b, p, splits)
-        };
-        cut(&mut experts.w1, 2)?;
-        cut(&mut experts.w3, 2)?;
-        cut(&mut experts.w2, 1)?;
-        if let Some(s) = shared.as_mut() {
-            shard_mlp(b, &mut s.mlp, rank.tp_index, rank.tp.size())?;
-        }
-        Ok(ParallelMoe {
+        ParallelMoe {
             router,
             experts,
             shared,
             dispatcher,
-            spec,
-        })
+            spec: spec.clone(),
+        }
     }
 
     /// `x: [T/(tp·cp), D]` (this rank's rows of a micro-batch of `tokens`) →

@@ -22,7 +22,9 @@ pub enum SplitAxis {
     Etp,
 }
 
-/// One split of a parameter: part `index` of `parts` equal parts of `dim`.
+/// One split of a parameter: part `index` of `parts` parts of `dim`. The
+/// parts are equal when `parts` divides the dimension; otherwise (the
+/// vocabulary under tp) the first `len % parts` parts hold one row more.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Split {
     /// The mesh axis the parts follow.
@@ -49,16 +51,28 @@ impl ShardSpec {
     pub fn ranges(&self) -> Vec<(usize, usize)> {
         let mut ranges: Vec<(usize, usize)> = self.full_shape.iter().map(|&n| (0, n)).collect();
         for s in &self.splits {
-            let len = self.full_shape[s.dim] / s.parts;
-            ranges[s.dim] = (s.index * len, len);
+            ranges[s.dim] = part_range(self.full_shape[s.dim], s.index, s.parts);
         }
         ranges
+    }
+
+    /// The shard's shape.
+    pub fn shape(&self) -> Vec<usize> {
+        self.ranges().iter().map(|r| r.1).collect()
     }
 
     /// Whether the parameter is split over `axis`.
     pub fn split_over(&self, axis: SplitAxis) -> bool {
         self.splits.iter().any(|s| s.axis == axis)
     }
+}
+
+/// `(start, len)` of part `index` of `len` rows cut into `parts` balanced
+/// parts (equal when `parts` divides `len`, else the first `len % parts`
+/// one longer).
+pub fn part_range(len: usize, index: usize, parts: usize) -> (usize, usize) {
+    let (base, extra) = (len / parts, len % parts);
+    (index * base + index.min(extra), base + usize::from(index < extra))
 }
 
 /// Row-major strides of `shape`.
@@ -72,7 +86,7 @@ fn strides(shape: &[usize]) -> Vec<usize> {
 
 /// Calls `f(full_offset, shard_offset)` for every element of the block
 /// `ranges` of a row-major tensor of `full_shape`.
-fn for_each_in_block(
+pub(crate) fn for_each_in_block(
     full_shape: &[usize],
     ranges: &[(usize, usize)],
     mut f: impl FnMut(usize, usize),
@@ -88,6 +102,46 @@ fn for_each_in_block(
             full += (ranges[d].0 + idx) * full_st[d];
         }
         f(full, i);
+    }
+}
+
+/// Calls `f(full_offset, block_offset, len)` for every contiguous run of the
+/// block `ranges` of a row-major tensor of `full_shape`: the block's rows
+/// along its last dimension, in block order (one run for a block of whole
+/// rows). What reads and writes blocks by slices (initialisation,
+/// checkpoints) iterates.
+pub fn for_each_run(
+    full_shape: &[usize],
+    ranges: &[(usize, usize)],
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    // Trailing dimensions the block holds whole merge into one run.
+    let mut merged = full_shape.len();
+    while merged > 1 && ranges[merged - 1] == (0, full_shape[merged - 1]) {
+        merged -= 1;
+    }
+    if full_shape.is_empty() {
+        f(0, 0, 1);
+        return;
+    }
+    let inner: usize = full_shape[merged..].iter().product();
+    let run = ranges[merged - 1].1 * inner;
+    if run == 0 {
+        return;
+    }
+    let outer_ranges = &ranges[..merged - 1];
+    let outer_full: Vec<usize> = full_shape[..merged].to_vec();
+    let full_st = strides(&outer_full);
+    let outer_shape: Vec<usize> = outer_ranges.iter().map(|r| r.1).collect();
+    let n_runs: usize = outer_shape.iter().product();
+    let outer_st = strides(&outer_shape);
+    for i in 0..n_runs {
+        let mut full = ranges[merged - 1].0 * full_st[merged - 1];
+        for d in 0..outer_shape.len() {
+            let idx = (i / outer_st[d]) % outer_shape[d];
+            full += (outer_ranges[d].0 + idx) * full_st[d];
+        }
+        f(full * inner, i * run, run);
     }
 }
 
@@ -180,6 +234,30 @@ pub fn shard_param<B: Backend>(b: &B, p: &mut Param<B>, splits: Vec<Split>) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The runs of a block cover exactly its elements, in block order, with
+    /// the full offsets `for_each_in_block` gives; uneven parts tile the
+    /// dimension.
+    #[test]
+    fn runs_match_elements_and_uneven_parts_tile() {
+        for (shape, ranges) in [
+            (vec![4, 2, 6], vec![(2, 2), (0, 2), (2, 2)]),
+            (vec![4, 2, 6], vec![(1, 2), (0, 2), (0, 6)]),
+            (vec![5, 3], vec![(0, 5), (1, 1)]),
+            (vec![7], vec![(3, 4)]),
+        ] {
+            let mut want = Vec::new();
+            for_each_in_block(&shape, &ranges, |fo, so| want.push((fo, so)));
+            let mut got = Vec::new();
+            for_each_run(&shape, &ranges, |fo, so, len| {
+                got.extend((0..len).map(|k| (fo + k, so + k)))
+            });
+            assert_eq!(got, want, "{shape:?} {ranges:?}");
+        }
+        let parts: Vec<_> = (0..4).map(|i| part_range(10, i, 4)).collect();
+        assert_eq!(parts, vec![(0, 3), (3, 3), (6, 2), (8, 2)]);
+        assert_eq!(part_range(12, 2, 4), (6, 3));
+    }
 
     #[test]
     fn cut_and_place_round_trip_over_two_axes() {

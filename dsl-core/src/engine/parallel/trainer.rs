@@ -26,11 +26,11 @@ use foldmoe_kernels::{AdamWConfig, Backend, DType, Group, HostData, ReduceOp, Te
 
 use super::model::{ParallelFfn, ParallelModel};
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
-use super::shard::{cut_block, place_block, upload_as, ShardSpec, Split, SplitAxis};
-use super::{Ctx, RankLayout};
-use crate::engine::optim::{clip_coefficient, MASTER_SUFFIX};
+use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
+use super::Ctx;
+use crate::engine::optim::clip_coefficient;
 use crate::engine::param::Param;
-use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig, Trainer};
+use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig};
 use crate::engine::{EngineError, Result};
 
 /// How a parameter is reduced and updated.
@@ -62,6 +62,17 @@ struct Bucket<B: Backend> {
     /// f32 master copy of this rank's chunk (bf16 parameters), or none when
     /// the parameters are their own master.
     master: Option<Tensor<B>>,
+}
+
+/// A contiguous part of one parameter's block held by this rank's chunk of
+/// a bucket: block elements `lo..hi` (row-major, flattened) at offset `at`
+/// of the chunk.
+pub(crate) struct ChunkPart {
+    pub bucket: usize,
+    pub param: usize,
+    pub lo: usize,
+    pub hi: usize,
+    pub at: usize,
 }
 
 /// `(loss, aux loss, loads per MoE layer)` of [`ParallelTrainer::accumulate`].
@@ -236,84 +247,133 @@ impl<B: Backend> ParallelTrainer<B> {
         })
     }
 
-    /// Shards a one-rank trainer (model, AdamW moments and master copies,
-    /// step count) for `rank`: how a run starts from a seed or resumes from
-    /// any checkpoint, whatever layout wrote it. Master copies the one-rank
-    /// trainer lacks are taken from the parameters.
-    pub fn from_trainer(b: &B, trainer: Trainer<B>, rank: RankLayout) -> Result<Self> {
-        let Trainer { model, opt, cfg } = trainer;
-        let step = opt.step_count();
-        let mut moments: HashMap<String, Tensor<B>> = HashMap::new();
-        opt.visit_state(&mut |name, t| {
-            moments.insert(name.to_string(), t.clone());
-        });
-        let model = ParallelModel::from_model(b, model, rank)?;
-        let mut sharded = ParallelTrainer::new(b, model, cfg)?;
-        sharded.step = step;
-        let mut params = Vec::new();
-        sharded
-            .model
-            .visit_dense(&mut |p| params.push((p.name.clone(), p.shard.clone())));
-        sharded
-            .model
-            .visit_experts(&mut |p| params.push((p.name.clone(), p.shard.clone())));
-        let me = sharded.model.rank.rank;
-        for bi in 0..sharded.buckets.len() {
-            let group = sharded.group(sharded.buckets[bi].kind.expert).clone();
-            let index = group.index_of(me).unwrap_or(0);
-            for suffix in ["exp_avg", "exp_avg_sq", MASTER_SUFFIX] {
-                let bk = &sharded.buckets[bi];
-                let dtype = bk.m.dtype();
-                if suffix == MASTER_SUFFIX {
-                    let stored = |&(i, _, _): &(usize, usize, usize)| {
-                        moments.contains_key(&format!("{}.{suffix}", params[i].0))
-                    };
-                    // Keep the masters `new` took from the parameters when
-                    // the one-rank state has none; refuse a partial set.
-                    match bk.members.iter().filter(|m| stored(m)).count() {
-                        0 => continue,
-                        n if n == bk.members.len() && bk.master.is_some() => {}
-                        n => {
-                            return Err(EngineError::Invalid(format!(
-                                "optimizer state has {n} of the {} master copies of a bucket \
-                                 starting with {}, and this trainer keeps {} for it",
-                                bk.members.len(),
-                                params[bk.members[0].0].0,
-                                if bk.master.is_some() { "them" } else { "none" }
-                            )))
-                        }
-                    }
-                }
-                let mut flat = Vec::with_capacity(bk.chunk * group.size());
-                for &(i, _, _) in &bk.members {
-                    let (name, shard) = &params[i];
-                    let key = format!("{name}.{suffix}");
-                    let full = moments.get(&key).ok_or_else(|| {
-                        EngineError::Invalid(format!("optimizer state has no tensor {key}"))
-                    })?;
-                    let vals = b.download(full)?.to_f64();
-                    flat.extend(match shard {
-                        Some(spec) => cut_block(&vals, spec),
-                        None => vals,
-                    });
-                }
-                flat.resize(bk.chunk * group.size(), 0.0);
-                let chunk = flat[index * bk.chunk..(index + 1) * bk.chunk].to_vec();
-                let t = upload_as(b, chunk, &[bk.chunk], dtype)?;
-                let bk = &mut sharded.buckets[bi];
-                match suffix {
-                    "exp_avg" => bk.m = t,
-                    "exp_avg_sq" => bk.v = t,
-                    _ => bk.master = Some(t),
-                }
-            }
-        }
-        Ok(sharded)
-    }
-
     /// Updates applied so far.
     pub fn step_count(&self) -> u64 {
         self.step
+    }
+
+    /// Sets the updates applied so far (a resumed run's step).
+    pub fn set_step_count(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Calls `f` on every parameter this rank trains with its index in
+    /// optimizer order (what [`ChunkPart::param`] names); stops at the first
+    /// error.
+    pub(crate) fn try_visit_params(
+        &self,
+        f: &mut dyn FnMut(usize, &Param<B>) -> Result<()>,
+    ) -> Result<()> {
+        let mut i = 0;
+        let mut outcome = Ok(());
+        let mut visit = |p: &Param<B>| {
+            if outcome.is_ok() {
+                outcome = f(i, p);
+            }
+            i += 1;
+        };
+        self.model.visit_dense(&mut visit);
+        self.model.visit_experts(&mut visit);
+        outcome
+    }
+
+    /// The parts of parameters that this rank's optimizer chunks hold, bucket
+    /// by bucket: what it owns of the distributed optimizer's state.
+    pub(crate) fn chunk_parts(&self) -> Vec<ChunkPart> {
+        let me = self.model.rank.rank;
+        let mut out = Vec::new();
+        for (bucket, bk) in self.buckets.iter().enumerate() {
+            let index = self.group(bk.kind.expert).index_of(me).unwrap_or(0);
+            let (c0, c1) = (index * bk.chunk, (index + 1) * bk.chunk);
+            for &(param, offset, n) in &bk.members {
+                let (lo, hi) = (offset.max(c0), (offset + n).min(c1));
+                if lo < hi {
+                    out.push(ChunkPart {
+                        bucket,
+                        param,
+                        lo: lo - offset,
+                        hi: hi - offset,
+                        at: lo - c0,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether this rank is the one that writes bucket `bucket` to a
+    /// checkpoint: a tp-replicated bucket is identical on every tp rank (tp
+    /// rank 0 writes it), the last stage's copy of a tied embedding is the
+    /// first stage's.
+    pub(crate) fn writes_bucket(&self, bucket: usize) -> bool {
+        let kind = self.buckets[bucket].kind;
+        !(kind.tp_replicated && self.model.rank.tp_index != 0) && !kind.pp_copy
+    }
+
+    /// Bucket `bucket`'s chunk of AdamW moments and f32 master (if kept).
+    pub(crate) fn bucket_state(&self, bucket: usize) -> (&Tensor<B>, &Tensor<B>, Option<&Tensor<B>>) {
+        let bk = &self.buckets[bucket];
+        (&bk.m, &bk.v, bk.master.as_ref())
+    }
+
+    /// Elements of bucket `bucket`'s chunk.
+    pub(crate) fn bucket_chunk(&self, bucket: usize) -> usize {
+        self.buckets[bucket].chunk
+    }
+
+    /// Replaces bucket `bucket`'s moments and master (`[chunk]` each, in the
+    /// state's dtype).
+    pub(crate) fn set_bucket_state(
+        &mut self,
+        bucket: usize,
+        m: Tensor<B>,
+        v: Tensor<B>,
+        master: Option<Tensor<B>>,
+    ) -> Result<()> {
+        let bk = &mut self.buckets[bucket];
+        for t in [Some(&m), Some(&v), master.as_ref()].into_iter().flatten() {
+            if t.shape() != [bk.chunk] || t.dtype() != bk.m.dtype() {
+                return Err(EngineError::Invalid(format!(
+                    "optimizer state of bucket {bucket}: got {:?} {:?}, expected [{}] {:?}",
+                    t.dtype(),
+                    t.shape(),
+                    bk.chunk,
+                    bk.m.dtype()
+                )));
+            }
+        }
+        bk.m = m;
+        bk.v = v;
+        if master.is_some() {
+            bk.master = master;
+        }
+        Ok(())
+    }
+
+    /// Replaces parameter `param`'s value (optimizer order), same shape.
+    pub(crate) fn set_param_value(&mut self, param: usize, value: Tensor<B>) -> Result<()> {
+        let mut i = 0;
+        let mut outcome = Ok(());
+        let mut value = Some(value);
+        visit_all_mut(&mut self.model, &mut |p| {
+            if i == param {
+                let v = value.take().expect("one parameter matches");
+                if v.shape() != p.value.shape() || v.dtype() != p.value.dtype() {
+                    outcome = Err(EngineError::Invalid(format!(
+                        "parameter {}: loaded {:?} {:?}, the shard is {:?} {:?}",
+                        p.name,
+                        v.dtype(),
+                        v.shape(),
+                        p.value.dtype(),
+                        p.value.shape()
+                    )));
+                } else {
+                    p.value = v;
+                }
+            }
+            i += 1;
+        });
+        outcome
     }
 
     /// Whether this rank keeps f32 master copies of its chunks.
