@@ -242,7 +242,9 @@ impl<'a, B: Device> Compare<'a, B> {
 
 /// Declares, for each named generic body `fn name<B: TestOps>(d: &B)`, a
 /// `#[test]` on the CPU (`on_cpu::name`) and one on CUDA (`on_cuda::name`);
-/// the CUDA tests return early, printing why, where no GPU is found.
+/// the CUDA tests are ignored unless built with `--cfg foldmoe_gpu_tests`
+/// (or run with `--ignored`), and then fail where no GPU is found
+/// ([`crate::cuda::require_test_device`]).
 macro_rules! device_tests {
     ($($name:ident),* $(,)?) => {
         mod on_cpu {
@@ -256,10 +258,12 @@ macro_rules! device_tests {
         mod on_cuda {
             $(
                 #[test]
+                #[cfg_attr(
+                    not(foldmoe_gpu_tests),
+                    ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+                )]
                 fn $name() {
-                    if let Some(d) = $crate::cuda::test_device() {
-                        super::$name(&d)
-                    }
+                    super::$name(&$crate::cuda::require_test_device())
                 }
             )*
         }

@@ -670,10 +670,12 @@ mod tests {
     /// scaled inputs make the softmax peaked, so a wrong mask or a wrong
     /// running maximum shows.
     #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
     fn flash_matches_the_cublas_path() {
-        let Some(d) = crate::cuda::test_device() else {
-            return;
-        };
+        let d = crate::cuda::require_test_device();
         for (b, s, hq, hkv, hd) in [(2, 100, 4, 2, 64), (1, 200, 6, 2, 128), (1, 64, 2, 2, 128)] {
             let scale = |t: Tensor<Cuda>| d.scale(&t, 3.0).unwrap();
             let q = scale(random_bf16(&d, &[b, s, hq, hd], 11));
@@ -714,10 +716,12 @@ mod tests {
     /// count), so the chunk offsets of every operand and of lse and delta
     /// are right.
     #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
     fn chunked_equals_unchunked() {
-        let Some(d) = crate::cuda::test_device() else {
-            return;
-        };
+        let d = crate::cuda::require_test_device();
         let (b, s, hq, hkv, hd) = (2, 37, 6, 3, 16);
         let q = random(&d, &[b, s, hq, hd], 1);
         let k = random(&d, &[b, s, hkv, hd], 2);
