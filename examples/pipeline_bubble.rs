@@ -7,7 +7,6 @@
 
 use std::time::{Duration, Instant};
 
-use foldmoe_core::engine::model::Model;
 use foldmoe_core::engine::parallel::{
     run_local_layout, ParallelModel, ParallelTrainer, RankLayout,
 };
@@ -76,8 +75,7 @@ fn main() {
         let layout = layout::check(&LayoutSpec::parse(&text).unwrap(), &spec).unwrap();
         let results = run_local_layout(&Cpu, &layout, Duration::from_secs(600), |ctx| {
             let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-            let full = Model::new(ctx.b, &spec, 1, DType::F32)?;
-            let model = ParallelModel::from_model(ctx.b, full, rank)?;
+            let model = ParallelModel::new(ctx.b, &spec, rank, 1, DType::F32)?;
             let mut trainer = ParallelTrainer::new(ctx.b, model, TrainConfig::default())?;
             let (mut busy, mut wait) = (Duration::ZERO, Duration::ZERO);
             for step in 0..STEPS {

@@ -77,14 +77,7 @@ pub fn run<B: Backend>(
     }
     let (model, _) = load_model(b, checkpoint)?;
     let tok = ByteTokenizer;
-    let out = sample(
-        b,
-        &model,
-        &tok.encode(prompt),
-        tokens,
-        temperature,
-        seed,
-    )?;
+    let out = sample(b, &model, &tok.encode(prompt), tokens, temperature, seed)?;
     Ok(format!("{prompt}{}", tok.decode(&out)))
 }
 

@@ -11,14 +11,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::activations::Counts;
+use foldmoe::core::engine::checkpoint::{self, Source};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
-use foldmoe::core::engine::checkpoint::{self, Source};
 use foldmoe::core::engine::parallel::{Ctx, ParallelModel, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
-use foldmoe::core::layout::Layout;
-use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec};
+use foldmoe::core::layout::{Layout, LayoutSpec};
+use foldmoe::core::memory::{self, MemoryOptions};
+use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec, PolicyOverride};
 use foldmoe::kernels::comm::local::run_local;
 use foldmoe::kernels::comm::rendezvous::DistEnv;
 use foldmoe::kernels::comm::timed::TimedComm;
@@ -112,7 +113,12 @@ fn trainer_config(s: &TrainSettings) -> TrainConfig {
 /// the end of training), read slice by slice from whatever layout wrote it.
 pub fn load_model<B: Backend>(b: &B, path: &Path) -> Result<(Model<B>, RunMeta), CliError> {
     let (source, meta): (Source, RunMeta) = Source::open(path)?;
-    let mut model = Model::new(b, &meta.spec, meta.settings.seed, meta.settings.model_dtype()?)?;
+    let mut model = Model::new(
+        b,
+        &meta.spec,
+        meta.settings.seed,
+        meta.settings.model_dtype()?,
+    )?;
     checkpoint::load_model(b, &source, &mut model)?;
     Ok((model, meta))
 }
@@ -145,8 +151,7 @@ fn default_out_dir() -> PathBuf {
 /// Creates the run directory and proves it writable, refusing to overwrite
 /// another run's results.
 fn prepare_out(out: &Path, resuming: bool) -> Result<(), CliError> {
-    let holds_checkpoint =
-        checkpoint_root(out).exists() || out.join("checkpoint").exists();
+    let holds_checkpoint = checkpoint_root(out).exists() || out.join("checkpoint").exists();
     if !resuming && (out.join("summary.json").exists() || holds_checkpoint) {
         return Err(CliError::usage(format!(
             "--out {}: already holds a run; choose another directory or --resume it",
@@ -416,10 +421,121 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
     })
 }
 
+/// The memory planner's estimate for `ranks` of the run (weights,
+/// gradients, optimizer state, activations under the run's policies,
+/// communication buffers), summed: what this process will hold.
+fn estimate(
+    spec: &ModelSpec,
+    layout: &Layout,
+    prep: &Prepared,
+    ranks: &[usize],
+    act_bytes: f64,
+) -> u64 {
+    let per_dp = (prep.micro_batches / layout.dp.max(1)).max(1);
+    ranks
+        .iter()
+        .map(|&r| {
+            let mut opts = MemoryOptions::new(r, prep.seqs, per_dp);
+            opts.activation_bytes = act_bytes;
+            memory::plan_memory(spec, layout, &opts).total
+        })
+        .sum()
+}
+
+/// Admission by memory: refuses a run whose estimate exceeds what the
+/// device (or host) has available, naming both and what would fit;
+/// `--force` skips the check, and so does a device that cannot say.
+fn admit<B: Backend>(b: &B, prep: &Prepared, ranks: &[usize]) -> Result<(), CliError> {
+    if prep.opts.force {
+        return Ok(());
+    }
+    let Some(available) = b.memory_available() else {
+        return Ok(());
+    };
+    // Saved activations are f32 on the CPU (bf16 is emulated in f32).
+    let act_bytes = if B::NAME == "cuda" && prep.settings.dtype == "bf16" {
+        2.0
+    } else {
+        4.0
+    };
+    let need = estimate(&prep.spec, &prep.layout, prep, ranks, act_bytes);
+    if need <= available {
+        return Ok(());
+    }
+    let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
+    let mut fits = Vec::new();
+    let mut block = prep.spec.clone();
+    PolicyOverride::parse(Some("block"), None, None)
+        .map_err(CliError::usage)?
+        .apply(&mut block);
+    let with_block = estimate(&block, &prep.layout, prep, ranks, act_bytes);
+    if with_block <= available {
+        fits.push(format!("--recompute block ({:.1} GiB)", gib(with_block)));
+    }
+    // The most experts ep may split (every MoE group's count a multiple).
+    let experts = prep
+        .spec
+        .groups
+        .iter()
+        .filter_map(|g| match &g.ffn {
+            FfnSpec::Moe(m) => Some(m.experts),
+            FfnSpec::Dense { .. } => None,
+        })
+        .min();
+    // Spread over more processes (one rank each, as `foldmoe launch` runs
+    // them): the smallest world, under ep = world for an MoE model, whose
+    // rank 0 fits.
+    let mut world = prep.layout.world.max(1) * 2;
+    while world <= 4096 {
+        let text = match experts {
+            Some(e) => {
+                let mut ep = world.min(e);
+                while ep > 1 && !(e.is_multiple_of(ep) && world.is_multiple_of(ep)) {
+                    ep -= 1;
+                }
+                format!("world={world},ep={ep}")
+            }
+            None => format!("world={world}"),
+        };
+        let parsed = LayoutSpec::parse(&text).map_err(|e| CliError::usage(e.to_string()))?;
+        if let Ok(l) = foldmoe::core::layout::check(&parsed, &prep.spec) {
+            let per_rank = estimate(&prep.spec, &l, prep, &[0], act_bytes);
+            if per_rank <= available {
+                fits.push(format!(
+                    "{world} processes of --layout {text} ({:.1} GiB each, under foldmoe launch)",
+                    gib(per_rank)
+                ));
+                break;
+            }
+        }
+        world *= 2;
+    }
+    let fit = if fits.is_empty() {
+        "neither --recompute block nor up to 4096 ranks would fit".to_string()
+    } else {
+        format!("would fit: {}", fits.join("; "))
+    };
+    Err(CliError::usage(format!(
+        "model {}: the memory planner estimates {:.1} GiB for {} rank{} of layout {} on {} \
+         ({:.1} B parameters), but {:.1} GiB is available; {fit}; --force starts anyway",
+        prep.spec.name,
+        gib(need),
+        ranks.len(),
+        if ranks.len() == 1 { "" } else { "s" },
+        prep.layout.spec(),
+        B::NAME,
+        prep.spec.param_counts().0 as f64 / 1e9,
+        gib(available)
+    )))
+}
+
 /// Runs `foldmoe train` on backend `b`: one rank, or `--ranks N` ranks as
 /// threads under `--layout`.
 pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Result<(), CliError> {
     let prep = prepare(opts, B::NAME)?;
+    // The ranks are threads of this process: they share its memory.
+    let ranks: Vec<usize> = (0..prep.layout.world).collect();
+    admit(b, &prep, &ranks)?;
     prepare_out(&prep.out, prep.resumed.is_some())?;
     let layout = prep.layout.clone();
     let results = run_local(layout.world, RANK_TIMEOUT, |comm| {
@@ -475,6 +591,7 @@ pub fn run_process<B: ProcessComm>(
         _ => opts.ranks = Some(env.world),
     }
     let prep = prepare(opts, B::NAME)?;
+    admit(b, &prep, &[env.rank])?;
     let comm = crate::dist::connect(b, env, timeout, Some(&prep.layout))?;
     let world = Group::new((0..env.world).collect());
     // Rank 0 alone prepares the run directory; if it cannot, it aborts, so

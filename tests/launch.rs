@@ -102,7 +102,7 @@ fn processes_train_exactly_like_threads() {
         assert_eq!(out.matches("foldmoe: training").count(), 1, "{out}");
         assert_eq!(out.matches("done:").count(), 1, "{out}");
         assert!(out.contains(&format!("on {n} ranks")), "{out}");
-        assert!(procs.join("checkpoint/model.safetensors").exists());
+        assert!(procs.join("checkpoints/latest").exists());
     }
 }
 
@@ -271,5 +271,5 @@ fn interrupting_launch_checkpoints_every_rank_and_exits_130() {
         err.contains("launch: interrupted (SIGINT forwarded"),
         "{err}"
     );
-    assert!(run_dir.join("checkpoint/model.safetensors").exists());
+    assert!(run_dir.join("checkpoints/latest").exists());
 }

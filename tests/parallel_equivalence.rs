@@ -11,13 +11,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use foldmoe_core::engine::model::Model;
+use foldmoe_core::engine::checkpoint::{self, Source, StateKind};
 use foldmoe_core::engine::optim::MasterWeights;
 use foldmoe_core::engine::parallel::trainer::Gather;
 use foldmoe_core::engine::parallel::{
     run_local_layout, ParallelModel, ParallelTrainer, RankLayout,
 };
-use foldmoe_core::engine::trainer::{TrainConfig, Trainer};
+use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
 use foldmoe_core::spec::{
@@ -25,7 +25,7 @@ use foldmoe_core::spec::{
     MoeSpec, RouterSpec,
 };
 use foldmoe_kernels::cpu::Cpu;
-use foldmoe_kernels::{DType, Device, HostData, Tensor};
+use foldmoe_kernels::{DType, Device};
 
 const SEQ: usize = 16;
 const SEQS_PER_MICRO: usize = 2;
@@ -93,11 +93,6 @@ fn global_batch(step: usize) -> Vec<(Vec<i32>, Vec<i32>)> {
         .collect()
 }
 
-fn upload(ids: &[i32]) -> Tensor<Cpu> {
-    Cpu.upload(HostData::I32(ids.to_vec()), &[SEQS_PER_MICRO, SEQ])
-        .unwrap()
-}
-
 fn config() -> TrainConfig {
     TrainConfig {
         lr: 1e-2,
@@ -110,35 +105,10 @@ fn config() -> TrainConfig {
 }
 
 /// The reference: gradients of the first global batch, and the losses of
-/// `STEPS` steps, on one rank.
+/// `STEPS` steps, from the same engine at world = 1.
 fn reference(spec: &ModelSpec, dtype: DType) -> (HashMap<String, Vec<f64>>, Vec<f64>) {
-    let b = Cpu;
-    let mut model = Model::new(&b, spec, SEED, dtype).unwrap();
-    let batch = global_batch(0);
-    for (tokens, targets) in &batch {
-        let out = model
-            .forward(&b, &upload(tokens), &upload(targets))
-            .unwrap();
-        model
-            .backward(&b, out.saved, 1.0 / MICRO_BATCHES as f64)
-            .unwrap();
-    }
-    let mut grads = HashMap::new();
-    model.visit_params(&mut |p| {
-        grads.insert(p.name.clone(), b.download(&p.grad).unwrap().to_f64());
-    });
-    let mut trainer =
-        Trainer::new(&b, Model::new(&b, spec, SEED, dtype).unwrap(), config()).unwrap();
-    let losses = (0..STEPS)
-        .map(|step| {
-            let micro: Vec<_> = global_batch(step)
-                .iter()
-                .map(|(x, y)| (upload(x), upload(y)))
-                .collect();
-            trainer.step(&b, &micro).unwrap().loss
-        })
-        .collect();
-    (grads, losses)
+    let (grads, losses) = parallel(spec, "world=1", dtype);
+    (grads.into_iter().map(|(n, _, g)| (n, g)).collect(), losses)
 }
 
 /// Gradients of the first global batch gathered from the shards, and the
@@ -151,8 +121,7 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
         layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let full = Model::new(ctx.b, spec, SEED, dtype)?;
-        let model = ParallelModel::from_model(ctx.b, full, rank)?;
+        let model = ParallelModel::new(ctx.b, spec, rank, SEED, dtype)?;
         let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
         let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
         let mine = |step: usize| -> Vec<(Vec<i32>, Vec<i32>)> {
@@ -165,11 +134,10 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
         let grads = trainer.reduce_gradients(ctx)?;
         let gathered = trainer.gather_full(ctx, Gather::Grads(&grads))?;
         // A fresh trainer for the losses (the accumulation above is discarded).
-        let full = Model::new(ctx.b, spec, SEED, dtype)?;
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let mut trainer = ParallelTrainer::new(
             ctx.b,
-            ParallelModel::from_model(ctx.b, full, rank)?,
+            ParallelModel::new(ctx.b, spec, rank, SEED, dtype)?,
             config(),
         )?;
         let mut losses = Vec::new();
@@ -469,49 +437,70 @@ fn resume_across_layouts(cfg: TrainConfig) {
     );
 }
 
+/// Runs steps `steps` of `spec` under `layout_text`, starting fresh or from
+/// the checkpoint `start`, and writes a checkpoint under `root` at the end;
+/// returns rank 0's losses and the checkpoint's directory.
+fn run_and_save(
+    cfg: TrainConfig,
+    spec: &ModelSpec,
+    layout_text: &str,
+    start: Option<&std::path::Path>,
+    steps: std::ops::Range<usize>,
+    root: &std::path::Path,
+) -> (Vec<f64>, std::path::PathBuf) {
+    let layout = layout::check(&LayoutSpec::parse(layout_text).unwrap(), spec).unwrap();
+    let source = start.map(|dir| Source::open::<serde_json::Value>(dir).unwrap().0);
+    let mut results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let model = ParallelModel::new(ctx.b, spec, rank, SEED, DType::F32)?;
+        let mut trainer = ParallelTrainer::new(ctx.b, model, cfg)?;
+        if let Some(source) = &source {
+            checkpoint::load(ctx.b, source, &mut trainer)?;
+            assert_eq!(trainer.step_count(), steps.start as u64);
+        }
+        let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
+        let per = MICRO_BATCHES / dp;
+        let mut losses = Vec::new();
+        for step in steps.clone() {
+            let batch = global_batch(step);
+            losses.push(
+                trainer
+                    .step(ctx, &batch[dp_i * per..(dp_i + 1) * per], SEQ)?
+                    .loss,
+            );
+        }
+        let dir = checkpoint::save(ctx, &trainer, root, &serde_json::json!({}), 2)?;
+        Ok::<_, EngineError>((losses, dir))
+    });
+    results.remove(0).unwrap()
+}
+
+/// A fresh directory under the system's temporary one.
+fn tmp_root(tag: &str) -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("foldmoe-eq-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
 /// Trains `spec` through `runs` (layout, steps), each resuming from the
-/// previous one's gathered checkpoint, and compares the losses with one rank.
+/// previous one's distributed checkpoint, and compares the losses with one
+/// rank's uninterrupted run.
 fn resume_across(cfg: TrainConfig, spec: &ModelSpec, runs: &[(&str, std::ops::Range<usize>)]) {
-    use foldmoe_core::engine::checkpoint::{parallel_trainer_tensors, restore_trainer};
     let spec = spec.clone();
     let (_, ref_losses) = reference(&spec, DType::F32);
     let masters = cfg.master_weights == MasterWeights::Bf16AndF32;
-    let run = |layout_text: &str,
-               start: Option<Vec<foldmoe_core::engine::checkpoint::NamedTensor>>,
-               steps: std::ops::Range<usize>| {
-        let layout = layout::check(&LayoutSpec::parse(layout_text).unwrap(), &spec).unwrap();
-        let mut results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
-            let mut one = Trainer::new(ctx.b, Model::new(ctx.b, &spec, SEED, DType::F32)?, cfg)?;
-            if let Some(tensors) = &start {
-                restore_trainer(ctx.b, &mut one, tensors.clone())?;
-                one.opt.set_step_count(steps.start as u64);
-            }
-            let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-            let mut trainer = ParallelTrainer::from_trainer(ctx.b, one, rank)?;
-            assert_eq!(trainer.has_masters(), masters);
-            let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
-            let per = MICRO_BATCHES / dp;
-            let mut losses = Vec::new();
-            for step in steps.clone() {
-                let batch = global_batch(step);
-                losses.push(
-                    trainer
-                        .step(ctx, &batch[dp_i * per..(dp_i + 1) * per], SEQ)?
-                        .loss,
-                );
-            }
-            let tensors = parallel_trainer_tensors(ctx, &mut trainer)?;
-            Ok::<_, EngineError>((losses, tensors))
-        });
-        results.remove(0).unwrap()
-    };
+    let root = tmp_root(&format!("resume-{}", runs[0].0));
     let mut losses = Vec::new();
-    let mut tensors = None;
-    for (layout_text, steps) in runs {
-        let (got, written) = run(layout_text, tensors.take(), steps.clone());
+    let mut dir: Option<std::path::PathBuf> = None;
+    for (i, (layout_text, steps)) in runs.iter().enumerate() {
+        let sub = root.join(i.to_string());
+        let (got, written) =
+            run_and_save(cfg, &spec, layout_text, dir.as_deref(), steps.clone(), &sub);
         check_masters(&written, masters);
         losses.extend(got);
-        tensors = Some(written);
+        dir = Some(written);
     }
     for (step, (got, want)) in losses.iter().zip(&ref_losses).enumerate() {
         assert!(
@@ -519,28 +508,96 @@ fn resume_across(cfg: TrainConfig, spec: &ModelSpec, runs: &[(&str, std::ops::Ra
             "step {step}: resumed loss {got}, uninterrupted {want}"
         );
     }
+    let _ = std::fs::remove_dir_all(&root);
 }
 
-/// A gathered checkpoint holds a master copy of every parameter exactly
-/// when the run keeps masters, and on f32 parameters each equals its
-/// parameter bit for bit.
-fn check_masters(tensors: &[foldmoe_core::engine::checkpoint::NamedTensor], masters: bool) {
-    let by_name: HashMap<&str, &HostData> =
-        tensors.iter().map(|t| (t.name.as_str(), &t.data)).collect();
-    let params: Vec<&str> = by_name
+/// A checkpoint holds a master copy of every parameter exactly when the run
+/// keeps masters.
+fn check_masters(dir: &std::path::Path, masters: bool) {
+    let (source, _) = Source::open::<serde_json::Value>(dir).unwrap();
+    let params: Vec<&String> = source
+        .tensors()
         .keys()
-        .filter_map(|n| n.strip_prefix("param."))
+        .filter(|n| !n.contains("expert_bias"))
         .collect();
     assert!(!params.is_empty());
     for p in params {
-        match by_name.get(format!("optim.{p}.fp32_param").as_str()) {
-            Some(w) => {
-                assert!(masters, "{p}: a master copy in a run without them");
-                assert_eq!(*w, by_name[format!("param.{p}").as_str()], "{p}");
-            }
-            None => assert!(!masters, "{p}: no master copy in the checkpoint"),
-        }
+        assert_eq!(
+            source.has(p, StateKind::Master),
+            masters,
+            "{p}: master copy"
+        );
     }
+}
+
+/// The resharding matrix: a checkpoint written under one layout after 2
+/// steps and read under another gives, for the remaining steps, the losses
+/// of an uninterrupted run under the reading layout (within 1e-6 relative:
+/// the two layouts round their sums differently in the first steps), and
+/// exactly them when the layout is unchanged.
+#[test]
+fn resharding_matrix_resumes_every_pair_exactly() {
+    let spec = spec(None);
+    let deep = deep_spec(true);
+    let pairs: &[(&ModelSpec, &str, &str)] = &[
+        (&spec, "world=1", "world=4,tp=2,ep=4"),
+        (&spec, "world=4,tp=2,ep=4", "world=1"),
+        (&spec, "world=2,dp=2", "world=2,tp=2"),
+        (&spec, "world=2,tp=2,etp=2", "world=4,ep=2"),
+        (&spec, "world=4,tp=2,cp=2", "world=2,ep=2"),
+        (&spec, "world=8,tp=4,etp=2,ep=4", "world=2,cp=2"),
+        (&spec, "world=4,ep=2", "world=4,ep=2"),
+        (&deep, "world=4,tp=2,pp=2,vpp=2", "world=1"),
+        (&deep, "world=2,pp=2", "world=4,pp=4"),
+        (&deep, "world=1", "world=4,pp=2,vpp=2,dp=2"),
+        (&deep, "world=4,pp=2,vpp=2,dp=2", "world=4,pp=2,vpp=2,dp=2"),
+    ];
+    let cfg = config();
+    let root = tmp_root("matrix");
+    let mut failures = Vec::new();
+    for (i, &(spec, save, load)) in pairs.iter().enumerate() {
+        let (_, written) = run_and_save(cfg, spec, save, None, 0..2, &root.join(format!("{i}a")));
+        let (resumed, _) = run_and_save(
+            cfg,
+            spec,
+            load,
+            Some(&written),
+            2..STEPS,
+            &root.join(format!("{i}b")),
+        );
+        let (whole, _) = run_and_save(cfg, spec, load, None, 0..STEPS, &root.join(format!("{i}c")));
+        let mut worst = 0.0f64;
+        for (got, want) in resumed.iter().zip(&whole[2..]) {
+            let rel = (got - want).abs() / want.abs();
+            worst = worst.max(rel);
+            if save == load && got != want {
+                failures.push(format!(
+                    "{save} -> {load}: {got} != {want} (same layout: bit for bit)"
+                ));
+            } else if rel > 1e-6 {
+                failures.push(format!("{save} -> {load}: {got} vs {want} (rel {rel:.2e})"));
+            }
+        }
+        println!("{save:<28} -> {load:<28} worst loss rel {worst:.1e}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Layouts whose tp does not divide the vocabulary (65 rows): the embedding
+/// and head split into balanced parts, and every layout computes what one
+/// rank does.
+#[test]
+fn layouts_whose_tp_does_not_divide_the_vocabulary_match_one_rank() {
+    let mut odd = spec(None);
+    odd.vocab = 65;
+    let mut deep = deep_spec(true);
+    deep.vocab = 65;
+    check_layouts_of(
+        &odd,
+        &["world=2,tp=2", "world=4,tp=4,ep=4", "world=4,tp=2,cp=2"],
+    );
+    check_layouts_of(&deep, &["world=4,tp=2,pp=2"]);
 }
 
 /// A rank that fails — an error or a panic in the middle of a step — makes
@@ -554,11 +611,7 @@ fn a_failing_rank_stops_every_rank_with_an_error() {
         let started = std::time::Instant::now();
         let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
             let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-            let model = ParallelModel::from_model(
-                ctx.b,
-                Model::new(ctx.b, &spec, SEED, DType::F32)?,
-                rank,
-            )?;
+            let model = ParallelModel::new(ctx.b, &spec, rank, SEED, DType::F32)?;
             let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
             let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
             let per = MICRO_BATCHES / dp;
@@ -630,8 +683,7 @@ fn out_of_vocabulary_ids_are_named_errors() {
     let layout = layout::check(&LayoutSpec::parse("world=2,tp=2").unwrap(), &spec).unwrap();
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let model =
-            ParallelModel::from_model(ctx.b, Model::new(ctx.b, &spec, SEED, DType::F32)?, rank)?;
+        let model = ParallelModel::new(ctx.b, &spec, rank, SEED, DType::F32)?;
         let (tokens, mut targets) = global_batch(0).remove(0);
         targets[3] = 64;
         model.forward(ctx, &tokens, &targets, SEQ).map(|_| ())

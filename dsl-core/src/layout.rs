@@ -1904,7 +1904,7 @@ mod tests {
         );
         let l = ok("world=3,tp=3", &m);
         assert_eq!(l.padded_vocab, 102);
-        assert!(l.notes.contains(&"vocab = 100 is padded to 102, the next multiple of tp = 3, so the embedding and LM head split evenly".to_string()), "{:?}", l.notes);
+        assert!(l.notes.contains(&"vocab = 100 is padded to 102 for the memory plan (tp = 3 does not divide it): the embedding and LM head split into parts of 34 and 33 rows".to_string()), "{:?}", l.notes);
         assert_eq!(ok("world=2,tp=2", &m).padded_vocab, 100);
     }
 

@@ -856,8 +856,8 @@ mod tests {
         let tokens = [3, 0, 6, 1, 7, 2, 5, 4];
         let targets = [0, 6, 1, 5, 2, 5, 4, 3];
         let results = run_local_layout(&b, &l, std::time::Duration::from_secs(30), |ctx| {
-            let model = Model::new(&b, &spec, 5, DType::F64)?;
-            let mut m = ParallelModel::from_model(&b, model, RankLayout::new(&l, ctx.rank.rank)?)?;
+            let rank = RankLayout::new(&l, ctx.rank.rank)?;
+            let mut m = ParallelModel::new(&b, &spec, rank, 5, DType::F64)?;
             let out = m.forward(ctx, &tokens, &targets, 4)?;
             let loss = vec![values(&out.loss)[0], values(&out.aux_loss)[0]];
             m.backward(ctx, out.saved, 1.0)?;

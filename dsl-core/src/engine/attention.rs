@@ -270,7 +270,15 @@ mod tests {
         let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
         let attn_spec = &spec.groups[0].attention;
         assert!(attn_spec.kv_heads < attn_spec.heads, "the check covers GQA");
-        let mut attn = Attention::new(&b, "attn", &spec, attn_spec, 7, DType::F64).unwrap();
+        let mut attn = Attention::new(
+            &b,
+            "attn",
+            &spec,
+            attn_spec,
+            crate::engine::Init::full(7),
+            DType::F64,
+        )
+        .unwrap();
         let (batch, seq, d) = (2, 3, spec.hidden);
         let t = batch * seq;
         let x = uniform(1, t * d, 1.0);
@@ -296,8 +304,15 @@ mod tests {
         // Changing the last token must not change any earlier output.
         let b = Cpu;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
-        let attn =
-            Attention::new(&b, "attn", &spec, &spec.groups[0].attention, 7, DType::F64).unwrap();
+        let attn = Attention::new(
+            &b,
+            "attn",
+            &spec,
+            &spec.groups[0].attention,
+            crate::engine::Init::full(7),
+            DType::F64,
+        )
+        .unwrap();
         let (seq, d) = (4, spec.hidden);
         let mut x = uniform(1, seq * d, 1.0);
         let y1 = values(
@@ -318,8 +333,15 @@ mod tests {
     fn attention_rejects_ragged_sequences() {
         let b = Cpu;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
-        let attn =
-            Attention::new(&b, "attn", &spec, &spec.groups[0].attention, 7, DType::F64).unwrap();
+        let attn = Attention::new(
+            &b,
+            "attn",
+            &spec,
+            &spec.groups[0].attention,
+            crate::engine::Init::full(7),
+            DType::F64,
+        )
+        .unwrap();
         let x = f64_tensor(vec![0.0; 5 * spec.hidden], &[5, spec.hidden]);
         let err = attn
             .forward(&b, &x, 2)

@@ -508,7 +508,15 @@ mod tests {
     /// As [`check_block`], for the first group of any spec.
     fn check_block_spec(spec: ModelSpec, what: &str) {
         let b = Cpu;
-        let mut block = Block::new(&b, "blocks.0", &spec, &spec.groups[0], 5, DType::F64).unwrap();
+        let mut block = Block::new(
+            &b,
+            "blocks.0",
+            &spec,
+            &spec.groups[0],
+            crate::engine::Init::full(5),
+            DType::F64,
+        )
+        .unwrap();
         let (seq, d) = (3, spec.hidden);
         let t = 2 * seq;
         let x = uniform(1, t * d, 1.0);
@@ -549,7 +557,15 @@ mod tests {
             qk_rope_head_dim: 4,
             v_head_dim: 3,
         });
-        let block = Block::new(&Cpu, "blocks.0", &spec, &spec.groups[0], 5, DType::F64).unwrap();
+        let block = Block::new(
+            &Cpu,
+            "blocks.0",
+            &spec,
+            &spec.groups[0],
+            crate::engine::Init::full(5),
+            DType::F64,
+        )
+        .unwrap();
         assert!(matches!(block.attn, Attn::Mla(_)), "the spec asks for MLA");
         check_block_spec(spec, "mla block");
     }

@@ -56,6 +56,9 @@ pub const LATEST_FILE: &str = "latest";
 const LEGACY_TENSORS: &str = "model.safetensors";
 const LEGACY_CONFIG: &str = "config.json";
 
+/// `(start, len)` along every dimension: a block of a global tensor.
+type Block = Vec<(usize, usize)>;
+
 /// What part of the training state a piece holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -345,7 +348,8 @@ fn prune(root: &Path, current: &str, keep: usize) -> Result<()> {
             continue;
         };
         if rest.ends_with(".tmp") || rest.ends_with(".old") {
-            fs::remove_dir_all(entry.path()).map_err(|e| io_err("cannot remove", &entry.path(), e))?;
+            fs::remove_dir_all(entry.path())
+                .map_err(|e| io_err("cannot remove", &entry.path(), e))?;
         } else if let Ok(step) = rest.parse::<u64>() {
             steps.push((step, name));
         }
@@ -370,7 +374,7 @@ fn plan_pieces<'a, B: Backend>(
     trainer: &'a ParallelTrainer<B>,
     file: &str,
 ) -> Result<Vec<Planned<'a, B>>> {
-    let mut info: Vec<(String, Vec<usize>, Vec<(usize, usize)>, DType)> = Vec::new();
+    let mut info: Vec<(String, Vec<usize>, Block, DType)> = Vec::new();
     trainer.try_visit_params(&mut |_, p| {
         let (full_shape, block) = match &p.shard {
             Some(s) => (s.full_shape.clone(), s.ranges()),
@@ -394,7 +398,14 @@ fn plan_pieces<'a, B: Backend>(
         *slot = Some(unsafe { &*r });
     }
     let mut out = Vec::new();
-    let piece = |tensor: &str, kind, full_shape: &[usize], block: &[(usize, usize)], lo, hi, dtype| -> Result<Piece> {
+    let piece = |tensor: &str,
+                 kind,
+                 full_shape: &[usize],
+                 block: &[(usize, usize)],
+                 lo,
+                 hi,
+                 dtype|
+     -> Result<Piece> {
         Ok(Piece {
             tensor: tensor.to_string(),
             kind,
@@ -414,7 +425,15 @@ fn plan_pieces<'a, B: Backend>(
         let (name, full_shape, block, dtype) = &info[part.param];
         let value = values[part.param].expect("every parameter visited");
         out.push(Planned {
-            piece: piece(name, StateKind::Param, full_shape, block, part.lo, part.hi, *dtype)?,
+            piece: piece(
+                name,
+                StateKind::Param,
+                full_shape,
+                block,
+                part.lo,
+                part.hi,
+                *dtype,
+            )?,
             source: value,
             offset: part.lo,
         });
@@ -462,7 +481,11 @@ fn plan_pieces<'a, B: Backend>(
 /// (every piece's size is known), then each piece downloaded and written in
 /// turn, so the host holds one piece at a time. Returns the pieces with
 /// their byte ranges and checksums.
-fn write_rank_file<B: Backend>(b: &B, path: &Path, planned: Vec<Planned<'_, B>>) -> Result<Vec<Piece>> {
+fn write_rank_file<B: Backend>(
+    b: &B,
+    path: &Path,
+    planned: Vec<Planned<'_, B>>,
+) -> Result<Vec<Piece>> {
     let mut header = serde_json::Map::new();
     let mut at = 0u64;
     let mut pieces = Vec::with_capacity(planned.len());
@@ -535,7 +558,8 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         }
         let latest = root.join(LATEST_FILE);
         if latest.exists() {
-            let name = fs::read_to_string(&latest).map_err(|e| io_err("cannot read", &latest, e))?;
+            let name =
+                fs::read_to_string(&latest).map_err(|e| io_err("cannot read", &latest, e))?;
             let dir = root.join(name.trim());
             if dir.join(INDEX_FILE).exists() {
                 return Ok(dir);
@@ -553,7 +577,11 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
             )));
         }
     }
-    for legacy in [path.to_path_buf(), path.join("checkpoint"), path.join("checkpoint.old")] {
+    for legacy in [
+        path.to_path_buf(),
+        path.join("checkpoint"),
+        path.join("checkpoint.old"),
+    ] {
         if legacy.join(LEGACY_CONFIG).exists() && legacy.join(LEGACY_TENSORS).exists() {
             return Ok(legacy);
         }
@@ -654,7 +682,10 @@ impl Source {
                     p.flat.1 - p.flat.0
                 )));
             }
-            pieces.entry((p.tensor.clone(), p.kind)).or_default().push(p);
+            pieces
+                .entry((p.tensor.clone(), p.kind))
+                .or_default()
+                .push(p);
         }
         Ok((
             Source {
@@ -671,7 +702,7 @@ impl Source {
 
     /// The single-file format: `config.json` (`{format, tensors_sha256,
     /// meta}`, the meta holding `step`) and `model.safetensors` with
-    /// `param.<name>`, `optim.<name>.{exp_avg, exp_avg_sq, master}` and
+    /// `param.<name>`, `optim.<name>.{exp_avg, exp_avg_sq, fp32_param}` and
     /// `expert_bias.<layer>` whole tensors.
     fn open_legacy<M: DeserializeOwned>(dir: &Path) -> Result<(Self, M)> {
         #[derive(Deserialize)]
@@ -695,7 +726,11 @@ impl Source {
                 envelope.tensors_sha256
             )));
         }
-        let step = envelope.meta.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+        let step = envelope
+            .meta
+            .get("step")
+            .and_then(|s| s.as_u64())
+            .unwrap_or(0);
         let meta: M = serde_json::from_value(envelope.meta)
             .map_err(|e| io_err("malformed checkpoint meta", &cfg_path, e))?;
         let st = safetensors::SafeTensors::deserialize(&map[..])
@@ -708,13 +743,16 @@ impl Source {
             let (tensor, kind) = if let Some(n) = key.strip_prefix("param.") {
                 (n.to_string(), StateKind::Param)
             } else if let Some(n) = key.strip_prefix("expert_bias.") {
-                (format!("blocks.{n}.moe.router.expert_bias"), StateKind::Buffer)
+                (
+                    format!("blocks.{n}.moe.router.expert_bias"),
+                    StateKind::Buffer,
+                )
             } else if let Some(rest) = key.strip_prefix("optim.") {
                 let (n, suffix) = rest.rsplit_once('.').unwrap_or((rest, ""));
                 let kind = match suffix {
                     "exp_avg" => StateKind::ExpAvg,
                     "exp_avg_sq" => StateKind::ExpAvgSq,
-                    "master" => StateKind::Master,
+                    "fp32_param" => StateKind::Master,
                     _ => continue,
                 };
                 (n.to_string(), kind)
@@ -736,20 +774,29 @@ impl Source {
             let shape = view.shape().to_vec();
             let n: usize = shape.iter().product();
             if kind == StateKind::Param || kind == StateKind::Buffer {
-                tensors.insert(tensor.clone(), TensorInfo { shape: shape.clone(), dtype });
+                tensors.insert(
+                    tensor.clone(),
+                    TensorInfo {
+                        shape: shape.clone(),
+                        dtype,
+                    },
+                );
             }
-            pieces.entry((tensor.clone(), kind)).or_default().push(Piece {
-                tensor,
-                kind,
-                block: shape.iter().map(|&d| (0, d)).collect(),
-                full_shape: shape,
-                flat: (0, n),
-                dtype,
-                file: LEGACY_TENSORS.into(),
-                bytes: (begin, begin + data.len() as u64),
-                // The whole file's checksum was verified above.
-                sha256: String::new(),
-            });
+            pieces
+                .entry((tensor.clone(), kind))
+                .or_default()
+                .push(Piece {
+                    tensor,
+                    kind,
+                    block: shape.iter().map(|&d| (0, d)).collect(),
+                    full_shape: shape,
+                    flat: (0, n),
+                    dtype,
+                    file: LEGACY_TENSORS.into(),
+                    bytes: (begin, begin + data.len() as u64),
+                    // The whole file's checksum was verified above.
+                    sha256: String::new(),
+                });
         }
         let mut files = HashMap::new();
         files.insert(LEGACY_TENSORS.to_string(), map);
@@ -811,13 +858,16 @@ impl Source {
         flat: (usize, usize),
         wide: bool,
     ) -> Result<HostData> {
-        let pieces = self.pieces.get(&(tensor.to_string(), kind)).ok_or_else(|| {
-            EngineError::Invalid(format!(
+        let pieces = self
+            .pieces
+            .get(&(tensor.to_string(), kind))
+            .ok_or_else(|| {
+                EngineError::Invalid(format!(
                 "checkpoint {} holds no {kind:?} of tensor {tensor}; was it written for another \
                  model?",
                 self.dir.display()
             ))
-        })?;
+            })?;
         let n = flat.1 - flat.0;
         let mut out64 = if wide { vec![0.0f64; n] } else { Vec::new() };
         let mut out32 = if wide { Vec::new() } else { vec![0.0f32; n] };
@@ -912,7 +962,9 @@ fn runs_in(
 /// collective: each rank reads its own slices.
 pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>) -> Result<()> {
     let b_keeps_masters = trainer.has_masters();
-    let mut blocks: Vec<(String, Vec<usize>, Vec<(usize, usize)>, DType, Vec<usize>)> = Vec::new();
+    // (name, full shape, block, dtype, shard shape) of every parameter.
+    type Held = (String, Vec<usize>, Block, DType, Vec<usize>);
+    let mut blocks: Vec<Held> = Vec::new();
     trainer.try_visit_params(&mut |_, p| {
         let (full_shape, block) = match &p.shard {
             Some(s) => (s.full_shape.clone(), s.ranges()),
@@ -921,7 +973,13 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
                 p.value.shape().iter().map(|&n| (0, n)).collect(),
             ),
         };
-        blocks.push((p.name.clone(), full_shape, block, p.value.dtype(), p.value.shape().to_vec()));
+        blocks.push((
+            p.name.clone(),
+            full_shape,
+            block,
+            p.value.dtype(),
+            p.value.shape().to_vec(),
+        ));
         Ok(())
     })?;
     let read = |i: usize, kind: StateKind, flat: (usize, usize), wide: bool| -> Result<HostData> {
@@ -981,7 +1039,14 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
                 let n = bias.numel();
                 let dtype = bias.dtype();
                 let name = format!("blocks.{layer}.moe.router.expert_bias");
-                let vals = source.read_region(&name, StateKind::Buffer, &[n], &[(0, n)], (0, n), dtype == DType::F64)?;
+                let vals = source.read_region(
+                    &name,
+                    StateKind::Buffer,
+                    &[n],
+                    &[(0, n)],
+                    (0, n),
+                    dtype == DType::F64,
+                )?;
                 let t = upload_host(b, vals, &[n], dtype)?;
                 moe.router.set_expert_bias(t)?;
             }
@@ -992,9 +1057,18 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
 }
 
 /// Host values uploaded as `dtype`.
-fn upload_host<B: Backend>(b: &B, vals: HostData, shape: &[usize], dtype: DType) -> Result<Tensor<B>> {
+fn upload_host<B: Backend>(
+    b: &B,
+    vals: HostData,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor<B>> {
     let t = b.upload(vals, shape)?;
-    Ok(if t.dtype() == dtype { t } else { b.cast(&t, dtype)? })
+    Ok(if t.dtype() == dtype {
+        t
+    } else {
+        b.cast(&t, dtype)?
+    })
 }
 
 /// Loads every parameter of the whole `model` (one rank, all layers:
@@ -1017,7 +1091,8 @@ pub fn load_model<B: Backend>(b: &B, source: &Source, model: &mut Model<B>) -> R
                 StateKind::Param
             };
             let dtype = p.value.dtype();
-            let vals = source.read_region(&p.name, kind, &shape, &whole, (0, n), dtype == DType::F64)?;
+            let vals =
+                source.read_region(&p.name, kind, &shape, &whole, (0, n), dtype == DType::F64)?;
             p.value = upload_host(b, vals, &shape, dtype)?;
             Ok(())
         })();
@@ -1028,7 +1103,14 @@ pub fn load_model<B: Backend>(b: &B, source: &Source, model: &mut Model<B>) -> R
             if let Some(bias) = moe.expert_bias() {
                 let (n, dtype) = (bias.numel(), bias.dtype());
                 let name = format!("blocks.{layer}.moe.router.expert_bias");
-                let vals = source.read_region(&name, StateKind::Buffer, &[n], &[(0, n)], (0, n), dtype == DType::F64)?;
+                let vals = source.read_region(
+                    &name,
+                    StateKind::Buffer,
+                    &[n],
+                    &[(0, n)],
+                    (0, n),
+                    dtype == DType::F64,
+                )?;
                 moe.set_expert_bias(upload_host(b, vals, &[n], dtype)?)?;
             }
         }

@@ -176,7 +176,16 @@ mod tests {
     #[test]
     fn embedding_layer_grad() {
         let b = Cpu;
-        let mut emb = Embedding::new(&b, "embed", V, D, 0.5, 1, DType::F64).unwrap();
+        let mut emb = Embedding::new(
+            &b,
+            "embed",
+            V,
+            D,
+            0.5,
+            crate::engine::Init::full(1),
+            DType::F64,
+        )
+        .unwrap();
         // Repeated ids: their rows' gradients must add up.
         let ids = i32_tensor(vec![0, 3, 1, 3, 4, 2, 0], &[7]);
         let r = uniform(2, 7 * D, 1.0);
@@ -207,11 +216,29 @@ mod tests {
     /// tied or untied head.
     fn check_head(tied: bool) {
         let b = Cpu;
-        let mut emb = Embedding::new(&b, "embed", V, D, 0.5, 1, DType::F64).unwrap();
+        let mut emb = Embedding::new(
+            &b,
+            "embed",
+            V,
+            D,
+            0.5,
+            crate::engine::Init::full(1),
+            DType::F64,
+        )
+        .unwrap();
         let mut head = if tied {
             LmHead::tied()
         } else {
-            LmHead::untied(&b, "head", V, D, 0.5, 2, DType::F64).unwrap()
+            LmHead::untied(
+                &b,
+                "head",
+                V,
+                D,
+                0.5,
+                crate::engine::Init::full(2),
+                DType::F64,
+            )
+            .unwrap()
         };
         let t = 4;
         let ids = i32_tensor(vec![1, 4, 0, 2], &[t]);

@@ -552,7 +552,16 @@ mod tests {
     fn new_mla(mla: &MlaSpec) -> (Mla<Cpu>, ModelSpec) {
         let spec = mla_spec(mla.clone(), FfnSpec::Dense { ffn: 4 });
         let heads = spec.groups[0].attention.heads;
-        let layer = Mla::new(&Cpu, "attn", &spec, heads, mla, 7, DType::F64).unwrap();
+        let layer = Mla::new(
+            &Cpu,
+            "attn",
+            &spec,
+            heads,
+            mla,
+            crate::engine::Init::full(7),
+            DType::F64,
+        )
+        .unwrap();
         (layer, spec)
     }
 

@@ -149,7 +149,16 @@ mod tests {
     fn swiglu_mlp_grad() {
         let b = Cpu;
         let (t, d, f) = (4, 5, 6);
-        let mut mlp = SwiGluMlp::new(&b, "mlp", d, f, 0.5, 3, DType::F64).unwrap();
+        let mut mlp = SwiGluMlp::new(
+            &b,
+            "mlp",
+            d,
+            f,
+            0.5,
+            crate::engine::Init::full(3),
+            DType::F64,
+        )
+        .unwrap();
         let x = uniform(1, t * d, 1.0);
         let r = uniform(2, t * d, 1.0);
         let x_td = f64_tensor(x.clone(), &[t, d]);

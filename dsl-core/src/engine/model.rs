@@ -104,7 +104,8 @@ impl<B: Backend> Model<B> {
             )));
         }
         let (v, d) = (spec.vocab, spec.hidden);
-        let absent = |name: &str| -> Result<Param<B>> { Param::new(b, name, b.zeros(&[0, d], dtype)?) };
+        let absent =
+            |name: &str| -> Result<Param<B>> { Param::new(b, name, b.zeros(&[0, d], dtype)?) };
         let embed = if embed_and_head {
             Embedding::new(b, "embed", v, d, spec.init_std, init, dtype)?
         } else {

@@ -539,9 +539,8 @@ mod tests {
     /// bf16 parameters get f32 masters and moments by default; with a
     /// constant gradient of 1 each step is `w ← w·(1 − lr·wd) − lr/(1 + eps)`,
     /// worked on the host from the initial weights, and every parameter is
-    /// its master rounded to bf16; a checkpoint of the state restores exactly.
+    /// its master rounded to bf16.
     fn bf16_params_keep_f32_masters<B: foldmoe_kernels::Backend>(b: &B) {
-        use crate::engine::checkpoint::{restore_trainer, trainer_tensors};
         use crate::engine::trainer::{TrainConfig, Trainer};
         use foldmoe_kernels::ElementwiseOps;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
@@ -601,13 +600,5 @@ mod tests {
             );
             i += 1;
         });
-        let saved = trainer_tensors(b, &trainer).unwrap();
-        let mut fresh = new(4);
-        restore_trainer(b, &mut fresh, saved.clone()).unwrap();
-        let mut got = trainer_tensors(b, &fresh).unwrap();
-        let mut saved = saved;
-        got.sort_by(|x, y| x.name.cmp(&y.name));
-        saved.sort_by(|x, y| x.name.cmp(&y.name));
-        assert_eq!(got, saved);
     }
 }

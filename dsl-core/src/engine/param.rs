@@ -266,11 +266,38 @@ mod tests {
         use rand::SeedableRng;
         let rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let n = 2 * super::INIT_CHUNK + 123;
-        let fast = super::normal_samples(&rng, n, 0.5);
+        let mut fast = vec![0.0; n];
+        super::normal_samples_at(&rng, 0, &mut fast, 0.5);
         let mut serial = rng.clone();
         for (i, &x) in fast.iter().enumerate() {
             let want = 0.5 * super::standard_normal(&mut serial);
             assert_eq!(x.to_bits(), want.to_bits(), "sample {i}");
+        }
+    }
+
+    /// A block drawn alone (a rank's shard) is, bit for bit, that block of
+    /// the whole tensor, for blocks of whole rows and of column ranges.
+    #[test]
+    fn a_block_drawn_alone_is_that_block_of_the_whole_tensor() {
+        use crate::engine::parallel::shard::{cut_block, ShardSpec, Split, SplitAxis};
+        let b = Cpu;
+        let shape = [6, 5, 8];
+        let whole = vals(&init_normal(&b, &shape, 0.02, 7, "w", DType::F64).unwrap());
+        for (dim, index, parts) in [(0, 1, 3), (2, 3, 4), (1, 0, 5)] {
+            let spec = ShardSpec {
+                full_shape: shape.to_vec(),
+                splits: vec![Split {
+                    axis: SplitAxis::Tp,
+                    dim,
+                    index,
+                    parts,
+                }],
+            };
+            let block =
+                super::init_normal_block(&b, &shape, &spec.ranges(), 0.02, 7, "w", DType::F64)
+                    .unwrap();
+            assert_eq!(block.shape(), spec.shape().as_slice());
+            assert_eq!(vals(&block), cut_block(&whole, &spec), "dim {dim}");
         }
     }
 

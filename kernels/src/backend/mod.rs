@@ -39,6 +39,14 @@ pub use routing::{DropPolicy, RoutingOps, RoutingPlan};
 use crate::error::Result;
 use crate::tensor::{DType, HostData, StorageInfo, Tensor};
 
+/// `MemAvailable` of `/proc/meminfo` in bytes (Linux), else `None`.
+pub fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Allocation and transfers: what every device provides.
 pub trait Device: Clone + Send + Sync + 'static {
     /// Short name used in messages (`"cpu"`, `"cuda"`).
@@ -59,6 +67,13 @@ pub trait Device: Clone + Send + Sync + 'static {
     /// Starts a new peak-memory measurement from the current use.
     fn reset_peak_memory(&self) {
         crate::tensor::meter::reset_peak()
+    }
+
+    /// Bytes a run could still allocate: the host's available memory (the
+    /// CPU), or the device's free memory plus what its pool caches (CUDA);
+    /// `None` when it cannot be read.
+    fn memory_available(&self) -> Option<u64> {
+        host_memory_available()
     }
 
     /// Copies host values onto the device as a tensor of `shape`.

@@ -515,6 +515,20 @@ impl Device for Cuda {
     const NAME: &'static str = "cuda";
     type Storage = CudaStorage;
 
+    fn memory_in_use(&self) -> (usize, usize) {
+        self.inner.pool.usage()
+    }
+
+    fn reset_peak_memory(&self) {
+        self.inner.pool.reset_peak()
+    }
+
+    fn memory_available(&self) -> Option<u64> {
+        self.bind().ok()?;
+        let (free, _) = cudarc::driver::result::mem_get_info().ok()?;
+        Some((free + self.inner.pool.cached_bytes()) as u64)
+    }
+
     fn upload(&self, data: HostData, shape: &[usize]) -> Result<Tensor<Self>> {
         let n: usize = shape.iter().product();
         if n != data.len() {

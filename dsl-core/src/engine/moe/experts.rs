@@ -152,7 +152,16 @@ mod tests {
 
     fn check_experts(what: &str, counts: Vec<i32>, rows: usize) {
         let e = counts.len();
-        let mut m = Experts::new(&Cpu, "x", D, &moe_spec(e, 1, 5, 0), 0.6, 9, DType::F64).unwrap();
+        let mut m = Experts::new(
+            &Cpu,
+            "x",
+            D,
+            &moe_spec(e, 1, 5, 0),
+            0.6,
+            crate::engine::Init::full(9),
+            DType::F64,
+        )
+        .unwrap();
         let counts_e = ti32(counts, &[e]);
         let x = uniform(21, rows * D, 1.0);
         let r = uniform(22, rows * D, 1.0);

@@ -312,7 +312,16 @@ mod tests {
     }
 
     fn layer(moe: &MoeSpec, dtype: DType) -> MoeLayer<Cpu> {
-        MoeLayer::new(&Cpu, "moe", D, moe, 0.6, 7, dtype).unwrap()
+        MoeLayer::new(
+            &Cpu,
+            "moe",
+            D,
+            moe,
+            0.6,
+            crate::engine::Init::full(7),
+            dtype,
+        )
+        .unwrap()
     }
 
     /// `Σ y ⊙ R + aux + z`.

@@ -443,7 +443,16 @@ mod tests {
     const D: usize = 5;
 
     fn router(moe: &MoeSpec, d: usize) -> Router<Cpu> {
-        Router::new(&Cpu, "r", d, moe, 0.8, 3, DType::F64).unwrap()
+        Router::new(
+            &Cpu,
+            "r",
+            d,
+            moe,
+            0.8,
+            crate::engine::Init::full(3),
+            DType::F64,
+        )
+        .unwrap()
     }
 
     /// `Σ weights ⊙ R + aux + z`: the objective of every router gradient check.

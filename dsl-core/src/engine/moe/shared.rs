@@ -147,7 +147,16 @@ mod tests {
     fn check_shared(what: &str, gated: bool) {
         let mut moe = moe_spec(4, 2, 3, 5);
         moe.shared_gate = gated;
-        let mut m = SharedExperts::new(&Cpu, "s", D, &moe, 0.6, 4, DType::F64).unwrap();
+        let mut m = SharedExperts::new(
+            &Cpu,
+            "s",
+            D,
+            &moe,
+            0.6,
+            crate::engine::Init::full(4),
+            DType::F64,
+        )
+        .unwrap();
         assert_eq!(m.gate.is_some(), gated);
         let x = uniform(31, T * D, 1.0);
         let r = uniform(32, T * D, 1.0);

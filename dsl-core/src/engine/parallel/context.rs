@@ -410,7 +410,15 @@ mod tests {
         let t = batch * seq;
         let x = uniform(1, t * d, 1.0);
         let r = uniform(2, t * d, 1.0);
-        let mut reference = Attention::new(&b, "attn", &spec, &attn_spec, 7, DType::F64).unwrap();
+        let mut reference = Attention::new(
+            &b,
+            "attn",
+            &spec,
+            &attn_spec,
+            crate::engine::Init::full(7),
+            DType::F64,
+        )
+        .unwrap();
         let (y_ref, saved) = reference
             .forward(&b, &f64_tensor(x.clone(), &[t, d]), seq)
             .unwrap();
@@ -432,7 +440,14 @@ mod tests {
                         .collect()
                 };
                 let n = mine.len();
-                let mut attn = Attention::new(ctx.b, "attn", &spec, &attn_spec, 7, DType::F64)?;
+                let mut attn = Attention::new(
+                    ctx.b,
+                    "attn",
+                    &spec,
+                    &attn_spec,
+                    crate::engine::Init::full(7),
+                    DType::F64,
+                )?;
                 let (y, saved) = super::forward(ctx, &attn, &f64_tensor(take(&x), &[n, d]), seq)?;
                 let dx = super::backward(ctx, &mut attn, &f64_tensor(take(&r), &[n, d]), saved)?;
                 Ok((mine, values(&y), values(&dx), grads(&attn)))

@@ -1088,8 +1088,8 @@ mod tests {
         let (loss16, head16) = one(DType::BF16);
         let l = check(&LayoutSpec::parse("world=2,tp=2").unwrap(), &spec).unwrap();
         let results = run_local_layout(&b, &l, Duration::from_secs(30), |ctx| {
-            let model = Model::new(&b, &spec, 11, DType::BF16)?;
-            let mut m = ParallelModel::from_model(&b, model, RankLayout::new(&l, ctx.rank.rank)?)?;
+            let rank = RankLayout::new(&l, ctx.rank.rank)?;
+            let mut m = ParallelModel::new(&b, &spec, rank, 11, DType::BF16)?;
             let out = m.forward(ctx, &tokens, &targets, 4)?;
             assert_eq!(out.loss.dtype(), DType::F32);
             let loss = values(&out.loss)[0];

@@ -176,7 +176,13 @@ mod tests {
             assert_eq!(p.vocab_rows(), rows[r]);
         }
         assert_eq!(rows, vec![(0, 5), (5, 4)]);
-        let err = p.shard_of("blocks.0.mlp.w1", &[8, 5]).unwrap_err().to_string();
-        assert!(err.contains("blocks.0.mlp.w1") && err.contains("(5)"), "{err}");
+        let err = p
+            .shard_of("blocks.0.mlp.w1", &[8, 5])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("blocks.0.mlp.w1") && err.contains("(5)"),
+            "{err}"
+        );
     }
 }

@@ -72,7 +72,10 @@ impl ShardSpec {
 /// one longer).
 pub fn part_range(len: usize, index: usize, parts: usize) -> (usize, usize) {
     let (base, extra) = (len / parts, len % parts);
-    (index * base + index.min(extra), base + usize::from(index < extra))
+    (
+        index * base + index.min(extra),
+        base + usize::from(index < extra),
+    )
 }
 
 /// Row-major strides of `shape`.

@@ -307,11 +307,14 @@ impl<B: Backend> ParallelTrainer<B> {
     /// first stage's.
     pub(crate) fn writes_bucket(&self, bucket: usize) -> bool {
         let kind = self.buckets[bucket].kind;
-        !(kind.tp_replicated && self.model.rank.tp_index != 0) && !kind.pp_copy
+        !(kind.pp_copy || kind.tp_replicated && self.model.rank.tp_index != 0)
     }
 
     /// Bucket `bucket`'s chunk of AdamW moments and f32 master (if kept).
-    pub(crate) fn bucket_state(&self, bucket: usize) -> (&Tensor<B>, &Tensor<B>, Option<&Tensor<B>>) {
+    pub(crate) fn bucket_state(
+        &self,
+        bucket: usize,
+    ) -> (&Tensor<B>, &Tensor<B>, Option<&Tensor<B>>) {
         let bk = &self.buckets[bucket];
         (&bk.m, &bk.v, bk.master.as_ref())
     }
@@ -787,30 +790,51 @@ impl<B: Backend> ParallelTrainer<B> {
                 out.push((name, full_shape, b.download(&local)?.to_f64()));
                 continue;
             };
+            let layout = &ctx.rank.layout;
+            // Every stage rank's block (uneven for a vocabulary tp does not
+            // divide): the gather is padded to the largest.
+            let specs: Vec<ShardSpec> = ctx
+                .rank
+                .stage
+                .ranks()
+                .iter()
+                .map(|&r| {
+                    let (att, exp) = (layout.attention_coords(r), layout.expert_coords(r));
+                    let splits = spec
+                        .splits
+                        .iter()
+                        .map(|s| Split {
+                            index: match s.axis {
+                                SplitAxis::Tp => att.tp,
+                                SplitAxis::Ep => exp.ep,
+                                SplitAxis::Etp => exp.etp,
+                            },
+                            ..*s
+                        })
+                        .collect();
+                    ShardSpec {
+                        full_shape: full_shape.clone(),
+                        splits,
+                    }
+                })
+                .collect();
+            let most = specs
+                .iter()
+                .map(|s| s.shape().iter().product::<usize>())
+                .max()
+                .unwrap_or(0);
+            let local = if most > numel {
+                pack(b, &[local], most)?
+            } else {
+                local
+            };
             let all = b
                 .download(&ctx.comm.all_gather(b, &ctx.rank.stage, &local)?)?
                 .to_f64();
             let mut full = vec![0.0; full_shape.iter().product()];
-            let layout = &ctx.rank.layout;
-            for (&r, block) in ctx.rank.stage.ranks().iter().zip(all.chunks(numel)) {
-                let (att, exp) = (layout.attention_coords(r), layout.expert_coords(r));
-                let splits = spec
-                    .splits
-                    .iter()
-                    .map(|s| Split {
-                        index: match s.axis {
-                            SplitAxis::Tp => att.tp,
-                            SplitAxis::Ep => exp.ep,
-                            SplitAxis::Etp => exp.etp,
-                        },
-                        ..*s
-                    })
-                    .collect();
-                let spec_r = ShardSpec {
-                    full_shape: full_shape.clone(),
-                    splits,
-                };
-                place_block(&mut full, &spec_r, block);
+            for (spec_r, block) in specs.iter().zip(all.chunks(most)) {
+                let n: usize = spec_r.shape().iter().product();
+                place_block(&mut full, spec_r, &block[..n]);
             }
             out.push((name, full_shape, full));
         }

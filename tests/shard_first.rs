@@ -1,0 +1,115 @@
+//! Shard-first start-up: a rank of a layout allocates only its shard while it
+//! builds its model and optimizer state, and the shards are blocks of exactly
+//! the weights one rank draws.
+
+use std::collections::HashMap;
+
+use foldmoe_core::engine::parallel::shard::place_block;
+use foldmoe_core::engine::parallel::{ParallelModel, ParallelTrainer, RankLayout};
+use foldmoe_core::engine::trainer::TrainConfig;
+use foldmoe_core::engine::{model::Model, Module};
+use foldmoe_core::layout::{self, LayoutSpec};
+use foldmoe_core::spec::{AttentionSpec, BlockGroup, FfnSpec, ModelSpec, MoeSpec, RouterSpec};
+use foldmoe_kernels::cpu::Cpu;
+use foldmoe_kernels::{DType, Device};
+
+/// A model whose weight is almost all routed experts: 32 experts of ffn 128
+/// in two MoE blocks, a small dense part.
+fn wide_experts() -> ModelSpec {
+    let moe = MoeSpec {
+        experts: 32,
+        top_k: 2,
+        expert_ffn: 128,
+        shared_ffn: 0,
+        shared_gate: false,
+        router: RouterSpec::default(),
+        capacity: None,
+    };
+    ModelSpec {
+        name: "wide-experts".into(),
+        vocab: 64,
+        hidden: 32,
+        seq_len: 16,
+        norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        tied_embeddings: true,
+        init_std: 0.02,
+        groups: vec![BlockGroup::new(
+            2,
+            AttentionSpec::gqa(4, 2, 8),
+            FfnSpec::Moe(moe),
+        )],
+        mtp_layers: 0,
+    }
+}
+
+#[test]
+fn every_rank_allocates_only_its_shard_and_shards_are_the_one_rank_weights() {
+    let spec = wide_experts();
+    let layout = layout::check(&LayoutSpec::parse("world=16,ep=8").unwrap(), &spec).unwrap();
+    // Parameters, f32 masters and two moments of the whole model, f32.
+    let (params, _) = spec.param_counts();
+    let full_bytes = params * 4 * 4;
+    let one = Model::new(&Cpu, &spec, 11, DType::F32).unwrap();
+    let mut want = HashMap::new();
+    one.visit_params(&mut |p| {
+        want.insert(p.name.clone(), Cpu.download(&p.value).unwrap().to_f64());
+    });
+    drop(one);
+    let mut rebuilt: HashMap<String, Vec<f64>> = HashMap::new();
+    for rank in 0..16 {
+        // The allocation meter counts this thread's tensors: build each rank
+        // here, one after another.
+        Cpu.reset_peak_memory();
+        let (before, _) = Cpu.memory_in_use();
+        let model = ParallelModel::new(
+            &Cpu,
+            &spec,
+            RankLayout::new(&layout, rank).unwrap(),
+            11,
+            DType::F32,
+        )
+        .unwrap();
+        let trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default()).unwrap();
+        let (after, peak) = Cpu.memory_in_use();
+        let (shard, startup_peak) = ((after - before) as u64, (peak - before) as u64);
+        println!("rank {rank}: shard {shard} B, start-up peak {startup_peak} B, whole model {full_bytes} B");
+        assert!(
+            full_bytes >= 8 * shard,
+            "rank {rank}: shard {shard} B of {full_bytes} B"
+        );
+        assert!(
+            startup_peak as f64 <= 1.05 * shard as f64,
+            "rank {rank}: start-up peak {startup_peak} B over its shard of {shard} B"
+        );
+        let mut place = |p: &foldmoe_core::engine::Param<Cpu>| {
+            let vals = Cpu.download(&p.value).unwrap().to_f64();
+            match &p.shard {
+                Some(s) => {
+                    let full = rebuilt
+                        .entry(p.name.clone())
+                        .or_insert_with(|| vec![f64::NAN; s.full_shape.iter().product()]);
+                    place_block(full, s, &vals);
+                }
+                None => {
+                    let prev = rebuilt.insert(p.name.clone(), vals.clone());
+                    assert!(
+                        prev.is_none_or(|v| v == vals),
+                        "{}: replicas differ",
+                        p.name
+                    );
+                }
+            }
+        };
+        trainer.model.visit_dense(&mut place);
+        trainer.model.visit_experts(&mut place);
+    }
+    assert_eq!(rebuilt.len(), want.len());
+    for (name, vals) in &rebuilt {
+        let w = &want[name];
+        assert!(
+            vals.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: the shards do not rebuild the one-rank weights bit for bit"
+        );
+    }
+}
