@@ -21,6 +21,7 @@
 
 pub mod local;
 pub mod rendezvous;
+pub mod solo;
 pub mod tcp;
 pub mod timed;
 

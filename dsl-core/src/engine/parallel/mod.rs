@@ -212,8 +212,9 @@ impl<B: Backend> Ctx<'_, B> {
 }
 
 /// Runs `f` on every rank of `layout` as threads of this process (the local
-/// communicator), each with its [`Ctx`]; returns the ranks' results in rank
-/// order. A rank that fails aborts the world, so the others return an error
+/// communicator), each with its [`Ctx`] — a world of one on the caller's
+/// thread with [`foldmoe_kernels::comm::solo::SoloComm`]; returns the ranks'
+/// results in rank order. A rank that fails aborts the world, so the others return an error
 /// within `timeout` instead of waiting for it.
 pub fn run_local_layout<B, T, F>(
     b: &B,
@@ -226,6 +227,18 @@ where
     T: Send,
     F: Fn(&Ctx<B>) -> Result<T> + Sync,
 {
+    if layout.world == 1 {
+        // One rank: the caller's thread, collectives that return at once.
+        let comm = foldmoe_kernels::comm::solo::SoloComm;
+        let outcome = RankLayout::new(layout, 0).and_then(|rl| {
+            f(&Ctx {
+                b,
+                comm: &comm,
+                rank: &rl,
+            })
+        });
+        return vec![outcome];
+    }
     let results = foldmoe_kernels::comm::local::run_local(layout.world, timeout, |comm| {
         let rank = Communicator::<B>::rank(&comm);
         let outcome = RankLayout::new(layout, rank).and_then(|rl| {

@@ -345,6 +345,33 @@ impl<B: Backend> ParallelModel<B> {
         })
     }
 
+    /// Inference logits `[T, V]` of `tokens` (sequences of `seq_len`, host
+    /// ids) on a rank that holds the whole model (no tp, cp or pp: one rank,
+    /// or data parallel only); nothing is kept for a backward.
+    pub fn logits(&self, ctx: &Ctx<B>, tokens: &[i32], seq_len: usize) -> Result<Tensor<B>> {
+        let r = &self.rank;
+        if r.tp.size() > 1 || r.cp.size() > 1 || r.pp.size() > 1 {
+            return Err(EngineError::Invalid(format!(
+                "logits on rank {} of layout {}: generation needs the whole model on a rank \
+                 (tp = cp = pp = 1)",
+                r.rank, r.layout.name
+            )));
+        }
+        if seq_len == 0 || !tokens.len().is_multiple_of(seq_len) {
+            return Err(EngineError::Invalid(format!(
+                "logits: {} tokens do not form sequences of {seq_len}",
+                tokens.len()
+            )));
+        }
+        let b = ctx.b;
+        let (mut x_td, _) = self.embed_tokens(ctx, tokens)?;
+        for block in &self.blocks {
+            x_td = block.forward_raw(ctx, &x_td, seq_len, tokens.len())?.0;
+        }
+        let (h_td, _) = self.final_norm.forward(b, &x_td)?;
+        Ok(self.head.forward(b, &self.embed, &h_td)?.0)
+    }
+
     /// Model chunks this rank holds (`vpp`).
     pub fn chunk_count(&self) -> usize {
         self.chunks.len()
