@@ -215,23 +215,10 @@ fn run_on<B: BenchDevice + ProcessComm>(
 
 /// The named model cut to `--layers` blocks, at `--seq-len`.
 fn bench_spec(o: &BenchOptions) -> Result<ModelSpec, CliError> {
-    let mut spec = foldmoe::models::by_name(&o.model).map_err(CliError::usage)?;
-    if o.layers == 0 || o.layers > spec.layers() {
-        return Err(CliError::usage(format!(
-            "--layers {}: {} has {} blocks; keep between 1 and {}",
-            o.layers,
-            o.model,
-            spec.layers(),
-            spec.layers()
-        )));
-    }
-    let mut left = o.layers;
-    spec.groups.retain_mut(|g| {
-        g.count = g.count.min(left);
-        left -= g.count;
-        g.count > 0
-    });
-    spec.mtp_layers = 0;
+    let mut spec = foldmoe::models::by_name(&o.model)
+        .map_err(CliError::usage)?
+        .first_layers(o.layers)
+        .map_err(|e| CliError::usage(format!("--layers {}: {e}", o.layers)))?;
     if let Some(s) = o.seq_len {
         if s == 0 {
             return Err(CliError::usage("--seq-len 0: give at least one token"));

@@ -23,6 +23,10 @@ pub struct TrainOptions {
     /// named model; the model's name is the file's `name`.
     #[arg(long, conflicts_with = "model")]
     pub model_config: Option<PathBuf>,
+    /// Keep only the model's first N blocks (in declaration order, without
+    /// MTP modules), e.g. to fit a large model on one device.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
     /// Optimizer steps to run in total.
     #[arg(long)]
     pub steps: Option<u64>,
@@ -114,6 +118,9 @@ pub struct TrainOptions {
 pub struct TrainSettings {
     /// Model name.
     pub model: String,
+    /// Blocks kept of the model (`None`: all of them).
+    #[serde(default)]
+    pub layers: Option<usize>,
     /// Total optimizer steps.
     pub steps: u64,
     /// Seed.
@@ -179,6 +186,7 @@ impl Default for TrainSettings {
     fn default() -> Self {
         TrainSettings {
             model: "tiny".into(),
+            layers: None,
             steps: 250,
             seed: 1234,
             batch_tokens: 4096,
@@ -219,6 +227,7 @@ impl TrainOptions {
         TrainOptions {
             model: self.model.or(file.model),
             model_config: self.model_config.or(file.model_config),
+            layers: self.layers.or(file.layers),
             steps: self.steps.or(file.steps),
             seed: self.seed.or(file.seed),
             batch_tokens: self.batch_tokens.or(file.batch_tokens),
@@ -257,6 +266,7 @@ impl TrainOptions {
         };
         let s = TrainSettings {
             model: opts.model.clone().unwrap_or(base.model),
+            layers: opts.layers.or(base.layers),
             steps: opts.steps.unwrap_or(base.steps),
             seed: opts.seed.unwrap_or(base.seed),
             batch_tokens: opts.batch_tokens.unwrap_or(base.batch_tokens),

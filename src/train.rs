@@ -190,6 +190,8 @@ struct ParallelRank<'a, 'c, B: Backend> {
     shard_bytes: u64,
     /// When the rank started building its shard.
     built_from: Instant,
+    /// Seconds reading the resumed checkpoint's slices (none on a fresh run).
+    load_s: Option<f64>,
 }
 
 impl<B: Backend> ParallelRank<'_, '_, B> {
@@ -227,6 +229,29 @@ impl<B: Backend> ParallelRank<'_, '_, B> {
             meta,
             meta.settings.keep_checkpoints,
         )?)
+    }
+
+    /// [`Self::save`], telling on the main rank how long the save took.
+    fn save_timed(
+        &self,
+        out: &Path,
+        meta: &RunMeta,
+        pb: &ProgressBar,
+    ) -> Result<PathBuf, CliError> {
+        let t0 = Instant::now();
+        let dir = self.save(out, meta)?;
+        if self.is_main() {
+            say(
+                pb,
+                format!(
+                    "checkpoint: step {} written in {:.2} s to {}",
+                    meta.step,
+                    t0.elapsed().as_secs_f64(),
+                    dir.display()
+                ),
+            );
+        }
+        Ok(dir)
     }
 
     /// Whether to stop now: `local` is this rank's Ctrl-C flag; every rank
@@ -302,6 +327,18 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                     meta.settings.model, meta.settings.seed
                 )));
             }
+            if meta.settings.layers != settings.layers {
+                let kept = match meta.settings.layers {
+                    Some(n) => format!("{n} blocks"),
+                    None => "all its blocks".into(),
+                };
+                return Err(CliError::usage(format!(
+                    "--layers {}: the checkpoint trains `{}` with {kept}; --layers cannot change on resume",
+                    settings.layers.map_or("(all)".into(), |n| n.to_string()),
+                    meta.settings.model
+                )));
+            }
+            // The stored spec is already cut to the run's --layers.
             meta.spec.clone()
         }
         None => match &opts.model_config {
@@ -314,6 +351,11 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                 .map_err(|e| CliError::usage(format!("--model {}: {e}", settings.model)))?,
         },
     };
+    if let (Some(n), None) = (settings.layers, &resumed) {
+        spec = spec
+            .first_layers(n)
+            .map_err(|e| CliError::usage(format!("--layers {n}: {e}")))?;
+    }
     // A config file names its model; the run records that name.
     let settings = match &opts.model_config {
         Some(_) if resumed.is_none() => TrainSettings {
@@ -639,9 +681,12 @@ fn run_rank<B: Backend>(
             meta.settings.model_dtype()?,
         )?;
         let mut trainer = ParallelTrainer::new(b, model, trainer_config(&meta.settings))?;
+        let mut load_s = None;
         if let Some(source) = &prep.resumed {
+            let t0 = Instant::now();
             checkpoint::load(b, source, &mut trainer)?;
             trainer.set_step_count(meta.step);
+            load_s = Some(t0.elapsed().as_secs_f64());
         }
         let (after, peak) = b.memory_in_use();
         let mut engine = ParallelRank {
@@ -652,6 +697,7 @@ fn run_rank<B: Backend>(
             startup_peak_bytes: peak.saturating_sub(before) as u64,
             shard_bytes: after.saturating_sub(before) as u64,
             built_from,
+            load_s,
         };
         train_loop(b, &mut engine, prep, stop)
     })();
@@ -750,6 +796,9 @@ fn train_loop<B: Backend>(
     let (mut step_seconds, mut comm_in_steps) = (0.0f64, 0.0f64);
     let mut last_val = meta.val_losses.last().map(|&(_, v)| v).unwrap_or(f64::NAN);
     let exit_at = test_exit_step(engine.rank())?;
+    // The step of the last periodic checkpoint and its directory: a run
+    // ending on that step does not write it again.
+    let mut saved_at: Option<(u64, PathBuf)> = None;
     while meta.step < settings.steps {
         if exit_at == Some(meta.step + 1) {
             eprintln!(
@@ -805,8 +854,11 @@ fn train_loop<B: Backend>(
         if meta.step == first_step + 1 {
             first_step_s = engine.built_from.elapsed().as_secs_f64();
             if main {
+                let read = engine
+                    .load_s
+                    .map_or(String::new(), |s| format!(" (checkpoint read in {s:.2} s)"));
                 say(&pb, format!(
-                    "startup: shard {:.1} MB (peak {:.1} MB while building it and its optimizer state), first step done {:.2} s after the build began",
+                    "startup: shard {:.1} MB (peak {:.1} MB while building it and its optimizer state), first step done {:.2} s after the build began{read}",
                     engine.shard_bytes as f64 / 1e6,
                     engine.startup_peak_bytes as f64 / 1e6,
                     first_step_s
@@ -845,12 +897,15 @@ fn train_loop<B: Backend>(
         if meta.step.is_multiple_of(settings.checkpoint_every) {
             let mut snapshot = meta.clone();
             snapshot.train_seconds += started.elapsed().as_secs_f64();
-            engine.save(out, &snapshot)?;
+            saved_at = Some((meta.step, engine.save_timed(out, &snapshot, &pb)?));
         }
     }
     let session_seconds = started.elapsed().as_secs_f64();
     meta.train_seconds += session_seconds;
-    let saved = engine.save(out, &meta)?;
+    let saved = match saved_at {
+        Some((step, dir)) if step == meta.step => dir,
+        _ => engine.save_timed(out, &meta, &pb)?,
+    };
     if !main {
         return Ok(());
     }

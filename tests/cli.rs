@@ -516,3 +516,41 @@ fn a_device_from_the_config_file_is_never_silently_the_cpu() {
     assert_fails_with(&o, "--device cuda");
     assert!(!out.exists(), "nothing is created for a refused run");
 }
+
+/// `--layers N` keeps the model's first N blocks: the run trains fewer
+/// parameters, keeps the cut on resume, and a bad N is a one-line error.
+#[test]
+fn layers_cuts_the_model_and_is_kept_on_resume() {
+    let dir = scratch("layers");
+    let params = |run: &Path| {
+        let s: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap())
+                .unwrap();
+        s["params_total"].as_u64().unwrap()
+    };
+    let (full, cut) = (dir.join("full"), dir.join("cut"));
+    let o = train(&full, &["--model", "tiny", "--steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = train(&cut, &["--model", "tiny", "--layers", "2", "--steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        params(&cut) < params(&full),
+        "--layers 2: {} parameters, the whole model {}",
+        params(&cut),
+        params(&full)
+    );
+    let cut_params = params(&cut);
+    let resumed = foldmoe(&["train", "--resume", cut.to_str().unwrap(), "--steps", "3"]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert_eq!(params(&cut), cut_params, "the resumed run keeps the cut");
+    assert_eq!(losses(&cut).len(), 3);
+    assert_fails_with(
+        &foldmoe(&["train", "--resume", cut.to_str().unwrap(), "--layers", "3"]),
+        "--layers 3",
+    );
+    for bad in ["0", "9"] {
+        let out = dir.join(format!("bad{bad}"));
+        assert_fails_with(&train(&out, &["--layers", bad]), &format!("--layers {bad}"));
+        assert!(!out.exists(), "nothing is created for a refused run");
+    }
+}

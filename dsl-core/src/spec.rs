@@ -632,6 +632,29 @@ impl ModelSpec {
         self.groups.iter().map(|g| g.count).sum()
     }
 
+    /// The model cut to its first `n` blocks (in declaration order, the
+    /// groups shortened or dropped as needed), without MTP modules; the
+    /// rest of the spec is unchanged. `n` must be in `1..=self.layers()`;
+    /// the error says so, naming the model and its block count.
+    pub fn first_layers(&self, n: usize) -> Result<ModelSpec, String> {
+        let total = self.layers();
+        if n == 0 || n > total {
+            return Err(format!(
+                "{} has {total} blocks; keep between 1 and {total}",
+                self.name
+            ));
+        }
+        let mut spec = self.clone();
+        let mut left = n;
+        spec.groups.retain_mut(|g| {
+            g.count = g.count.min(left);
+            left -= g.count;
+            g.count > 0
+        });
+        spec.mtp_layers = 0;
+        Ok(spec)
+    }
+
     /// The group of block `layer` (none past the last block).
     pub fn group_of_layer(&self, layer: usize) -> Option<&BlockGroup> {
         let mut first = 0;
@@ -1150,6 +1173,35 @@ mod tests {
             init_std: 0.02,
             groups: vec![group],
             mtp_layers: 0,
+        }
+    }
+
+    #[test]
+    fn first_layers_cuts_groups_in_order() {
+        let mut spec = spec_with(moe_group());
+        spec.groups[0].count = 2;
+        let mut dense = spec.groups[0].clone();
+        dense.ffn = FfnSpec::Dense { ffn: 64 };
+        dense.count = 3;
+        spec.groups.push(dense);
+        spec.mtp_layers = 1;
+        let cut = spec.first_layers(3).unwrap();
+        assert_eq!(cut.layers(), 3);
+        assert_eq!(
+            cut.groups.iter().map(|g| g.count).collect::<Vec<_>>(),
+            [2, 1]
+        );
+        assert_eq!(cut.groups[1].ffn, FfnSpec::Dense { ffn: 64 });
+        assert_eq!(cut.mtp_layers, 0);
+        assert!(cut.param_counts().0 < spec.param_counts().0);
+        let one = spec.first_layers(1).unwrap();
+        assert_eq!((one.groups.len(), one.groups[0].count), (1, 1));
+        assert_eq!(spec.first_layers(5).unwrap().groups, spec.groups);
+        for bad in [0, 6] {
+            assert_eq!(
+                spec.first_layers(bad).unwrap_err(),
+                "t has 5 blocks; keep between 1 and 5"
+            );
         }
     }
 
