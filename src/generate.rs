@@ -1,8 +1,9 @@
 //! Text generation from a trained model, byte by byte.
 
 use foldmoe::core::engine::data::ByteTokenizer;
-use foldmoe::core::engine::model::Model;
-use foldmoe::kernels::{Backend, HostData};
+use foldmoe::core::engine::parallel::{Ctx, ParallelModel};
+use foldmoe::kernels::comm::solo::SoloComm;
+use foldmoe::kernels::Backend;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -13,7 +14,7 @@ use crate::train::load_model;
 /// last `seq_len` tokens as context each time (no KV cache: the model is small).
 pub fn sample<B: Backend>(
     b: &B,
-    model: &Model<B>,
+    model: &ParallelModel<B>,
     prompt: &[i32],
     count: usize,
     temperature: f64,
@@ -26,11 +27,17 @@ pub fn sample<B: Backend>(
     if ids.is_empty() {
         ids.push(i32::from(b'\n'));
     }
+    let ctx = Ctx {
+        b,
+        comm: &SoloComm,
+        rank: &model.rank,
+    };
     for _ in 0..count {
-        let ctx = &ids[ids.len().saturating_sub(seq)..];
-        let tokens = b.upload(HostData::I32(ctx.to_vec()), &[1, ctx.len()])?;
-        let logits = b.download(&model.logits(b, &tokens)?)?.to_f64();
-        let last = &logits[(ctx.len() - 1) * vocab..ctx.len() * vocab];
+        let window = &ids[ids.len().saturating_sub(seq)..];
+        let logits = b
+            .download(&model.logits(&ctx, window, window.len())?)?
+            .to_f64();
+        let last = &logits[(window.len() - 1) * vocab..window.len() * vocab];
         ids.push(pick(last, temperature, &mut rng) as i32);
     }
     Ok(ids[prompt.len().max(1).min(ids.len())..].to_vec())

@@ -250,6 +250,10 @@ fn memory_table(plan: &Plan, spec: &ModelSpec) -> String {
         "    comm buffers {} (send + receive of the largest all-to-all dispatch, tokens·top_k·hidden·2 B, and of pipeline p2p)\n",
         gib(m.comm_buffers)
     ));
+    out.push_str(&format!(
+        "    step buffers {} (the optimizer step's flat copies of the largest bucket: gradients, then values)\n",
+        gib(m.step_buffers)
+    ));
     let fits: Vec<String> = DEVICES
         .iter()
         .map(|(name, gib_avail)| {

@@ -13,7 +13,6 @@ use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::activations::Counts;
 use foldmoe::core::engine::checkpoint::{self, Source};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
-use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::parallel::{Ctx, ParallelModel, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
@@ -110,16 +109,23 @@ fn trainer_config(s: &TrainSettings) -> TrainConfig {
 }
 
 /// The whole model of a checkpoint on one rank (generation, the sample at
-/// the end of training), read slice by slice from whatever layout wrote it.
-pub fn load_model<B: Backend>(b: &B, path: &Path) -> Result<(Model<B>, RunMeta), CliError> {
+/// the end of training), read slice by slice from whatever layout wrote it:
+/// the one engine at world = 1.
+pub fn load_model<B: Backend>(b: &B, path: &Path) -> Result<(ParallelModel<B>, RunMeta), CliError> {
     let (source, meta): (Source, RunMeta) = Source::open(path)?;
-    let mut model = Model::new(
+    let one =
+        foldmoe::core::layout::check(&LayoutSpec::default(), &meta.spec).map_err(|errors| {
+            let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            CliError::usage(format!("model {}: {}", meta.spec.name, msgs.join("; ")))
+        })?;
+    let mut model = ParallelModel::new(
         b,
         &meta.spec,
+        RankLayout::new(&one, 0)?,
         meta.settings.seed,
         meta.settings.model_dtype()?,
     )?;
-    checkpoint::load_model(b, &source, &mut model)?;
+    checkpoint::load_params(b, &source, &mut model, true)?;
     Ok((model, meta))
 }
 
@@ -479,6 +485,11 @@ fn estimate(
         .map(|&r| {
             let mut opts = MemoryOptions::new(r, prep.seqs, per_dp);
             opts.activation_bytes = act_bytes;
+            opts.weight_bytes = if prep.settings.dtype == "bf16" {
+                2.0
+            } else {
+                4.0
+            };
             memory::plan_memory(spec, layout, &opts).total
         })
         .sum()
@@ -580,6 +591,11 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
     admit(b, &prep, &ranks)?;
     prepare_out(&prep.out, prep.resumed.is_some())?;
     let layout = prep.layout.clone();
+    if layout.world == 1 {
+        // One rank: this thread, collectives that return at once.
+        let solo = foldmoe::kernels::comm::solo::SoloComm;
+        return run_rank(b, &solo, &layout, &prep, &stop);
+    }
     let results = run_local(layout.world, RANK_TIMEOUT, |comm| {
         Ok(run_rank(b, &comm, &layout, &prep, &stop))
     });

@@ -113,3 +113,92 @@ fn every_rank_allocates_only_its_shard_and_shards_are_the_one_rank_weights() {
         );
     }
 }
+
+/// Saving and loading a distributed checkpoint allocate, on every rank, at
+/// most one tensor of its shard beyond the shard (a parameter or an
+/// optimizer chunk): nothing is gathered, and pieces stream one at a time.
+#[test]
+fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
+    use foldmoe_core::engine::checkpoint::{self, Source};
+    use foldmoe_core::engine::parallel::run_local_layout;
+    use std::time::Duration;
+    let spec = wide_experts();
+    let root = std::env::temp_dir().join(format!("foldmoe-alloc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let layout = layout::check(&LayoutSpec::parse("world=4,tp=2,ep=4").unwrap(), &spec).unwrap();
+    let batch: Vec<(Vec<i32>, Vec<i32>)> = (0..4)
+        .map(|m| {
+            let ids: Vec<i32> = (0..33).map(|i| ((i * 7 + m * 3) % 64) as i32).collect();
+            (ids[..32].to_vec(), ids[1..].to_vec())
+        })
+        .collect();
+    let largest = |t: &ParallelTrainer<Cpu>| {
+        let mut most = 0usize;
+        t.model
+            .visit_dense(&mut |p| most = most.max(p.value.numel() * 4));
+        t.model
+            .visit_experts(&mut |p| most = most.max(p.value.numel() * 4));
+        most
+    };
+    // Save: every rank measures its own allocation while it writes.
+    let saved = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let model = ParallelModel::new(&Cpu, &spec, rank, 3, DType::F32)?;
+        let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
+        let per = 4 / ctx.rank.dp.size();
+        let dp_i = ctx.rank.dp_index;
+        trainer.step(ctx, &batch[dp_i * per..(dp_i + 1) * per], 16)?;
+        Cpu.reset_peak_memory();
+        let (before, _) = Cpu.memory_in_use();
+        let dir = checkpoint::save(ctx, &trainer, &root, &serde_json::json!({}), 2)?;
+        let (_, peak) = Cpu.memory_in_use();
+        Ok((dir, peak.saturating_sub(before), largest(&trainer), before))
+    });
+    let mut dir = None;
+    for (r, result) in saved.into_iter().enumerate() {
+        let (d, extra, one, shard) = result.unwrap();
+        println!(
+            "save: rank {r}: shard {shard} B, {extra} B more at most (largest parameter {one} B)"
+        );
+        assert!(
+            extra <= one.max(1),
+            "rank {r}: save allocated {extra} B beyond the shard"
+        );
+        dir = Some(d);
+    }
+    let source = Source::open::<serde_json::Value>(&dir.unwrap()).unwrap().0;
+    // Load under another layout.
+    let other = layout::check(&LayoutSpec::parse("world=2,ep=2").unwrap(), &spec).unwrap();
+    let loaded = run_local_layout(&Cpu, &other, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&other, ctx.rank.rank)?;
+        let model = ParallelModel::new(&Cpu, &spec, rank, 3, DType::F32)?;
+        let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
+        // The largest optimizer chunk is the largest tensor a load replaces.
+        let (mut chunk, mut total) = (0usize, 0usize);
+        trainer.model.visit_dense(&mut |p| total += p.value.numel());
+        let dense = total;
+        trainer
+            .model
+            .visit_experts(&mut |p| total += p.value.numel());
+        chunk = chunk.max(dense.max(total - dense) * 4);
+        Cpu.reset_peak_memory();
+        let (before, _) = Cpu.memory_in_use();
+        checkpoint::load(&Cpu, &source, &mut trainer)?;
+        let (_, peak) = Cpu.memory_in_use();
+        assert_eq!(trainer.step_count(), 1);
+        Ok((
+            peak.saturating_sub(before),
+            chunk.max(largest(&trainer)),
+            before,
+        ))
+    });
+    for (r, result) in loaded.into_iter().enumerate() {
+        let (extra, one, shard) = result.unwrap();
+        println!("load: rank {r}: shard {shard} B, {extra} B more at most (largest parameter or optimizer chunk {one} B)");
+        assert!(
+            extra <= one,
+            "rank {r}: load allocated {extra} B beyond the shard"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -128,6 +128,9 @@ pub struct MemoryOptions {
     /// GPUs; 4 for the CPU engine's f32. fp32 statistics and int32 indices
     /// are 4 either way.
     pub activation_bytes: f64,
+    /// Bytes per weight and per gradient element: 2 (bf16, the default), 4
+    /// for an f32 model.
+    pub weight_bytes: f64,
 }
 
 impl MemoryOptions {
@@ -138,6 +141,7 @@ impl MemoryOptions {
             micro_batch_size,
             micro_batches,
             activation_bytes: 2.0,
+            weight_bytes: 2.0,
         }
     }
 }
@@ -163,6 +167,12 @@ pub struct MemoryPlan {
     pub parts: Vec<PartMemory>,
     /// Send and receive buffers of the largest dispatch and of pipeline p2p.
     pub comm_buffers: u64,
+    /// Flat copies the engine's distributed optimizer makes during a step:
+    /// its largest bucket (the routed experts, or the dense parameters)
+    /// packed once as gradients for the reduce-scatter and once as values
+    /// for the update (Megatron-Core keeps persistent contiguous buffers
+    /// instead; foldmoe does not yet).
+    pub step_buffers: u64,
     /// Weights, gradients, optimizer state, device activations and buffers.
     pub total: u64,
     /// Communication per step, one entry per group with traffic.
@@ -538,11 +548,12 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
             } else {
                 dense_shard
             };
+            let wb = opts.weight_bytes;
             PartMemory {
                 part: part.name(),
                 params: params[k],
-                weights: 2 * params[k],
-                grads: 2 * params[k],
+                weights: (wb * params[k] as f64).round() as u64,
+                grads: (wb * params[k] as f64).round() as u64,
                 optimizer: (12 * params[k]).div_ceil(shard),
                 activations_per_micro_batch: act[k].round() as u64,
                 activations: (act[k] * flight + remat[k]).round() as u64,
@@ -570,6 +581,9 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     };
     let comm_buffers = (2.0 * (dispatch + p2p)).round() as u64;
     let comm = comm_volumes(spec, layout, opts, &blocks, &params, expert_params);
+    let dense_params = params.iter().sum::<u64>() - expert_params;
+    let step_buffers =
+        (2.0 * opts.weight_bytes * expert_params.max(dense_params) as f64).round() as u64;
     let mut plan = MemoryPlan {
         rank: opts.rank,
         pp_stage: stage,
@@ -580,10 +594,13 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         in_flight: flight,
         parts,
         comm_buffers,
+        step_buffers,
         total: 0,
         comm,
     };
-    plan.total = plan.sum(|p| p.weights + p.grads + p.optimizer + p.activations) + comm_buffers;
+    plan.total = plan.sum(|p| p.weights + p.grads + p.optimizer + p.activations)
+        + comm_buffers
+        + step_buffers;
     plan
 }
 

@@ -42,8 +42,8 @@ use super::parallel::model::ParallelFfn;
 use super::parallel::shard::for_each_run;
 use super::parallel::trainer::ParallelTrainer;
 use super::parallel::Ctx;
-use crate::engine::model::Model;
-use crate::engine::param::Module;
+use super::parallel::ParallelModel;
+use crate::engine::param::Param;
 use crate::engine::{EngineError, Result};
 
 /// Format name in `index.json`.
@@ -523,9 +523,16 @@ fn write_rank_file<B: Backend>(
         .map_err(|e| io_err("cannot write", path, e))?;
     for (p, piece) in planned.iter().zip(&mut pieces) {
         let n = piece.flat.1 - piece.flat.0;
-        let flat = p.source.clone().reshape(&[p.source.numel()])?;
-        let part = b.narrow(&flat, p.offset, n)?;
-        let bytes = stored_bytes(&b.download(&part)?, piece.dtype);
+        // A 1-d source (an optimizer chunk) gives its piece by a copy of the
+        // piece alone; a parameter (one piece per rank: its chunk overlap)
+        // is read whole to the host and cut there, so the device allocates
+        // nothing beyond one piece.
+        let host = if p.source.shape().len() == 1 {
+            b.download(&b.narrow(p.source, p.offset, n)?)?
+        } else {
+            slice_host(b.download(p.source)?, p.offset, n)
+        };
+        let bytes = stored_bytes(&host, piece.dtype);
         piece.sha256 = hex(&Sha256::digest(&bytes));
         piece.bytes = (start + piece.bytes.0, start + piece.bytes.1);
         w.write_all(&bytes)
@@ -993,12 +1000,7 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
         };
         source.read_region(name, kind, full_shape, block, flat, wide)
     };
-    for (i, (_, _, _, dtype, shape)) in blocks.iter().enumerate() {
-        let n: usize = shape.iter().product();
-        let vals = read(i, StateKind::Param, (0, n), *dtype == DType::F64)?;
-        let t = upload_host(b, vals, shape, *dtype)?;
-        trainer.set_param_value(i, t)?;
-    }
+    load_params(b, source, &mut trainer.model, !b_keeps_masters)?;
     let parts = trainer.chunk_parts();
     let buckets: HashSet<usize> = parts.iter().map(|p| p.bucket).collect();
     for bucket in buckets {
@@ -1008,9 +1010,9 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
         let chunk = trainer.bucket_chunk(bucket);
         let wide = dtype == DType::F64;
         let kinds = [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master];
-        let mut state = Vec::new();
-        // One state tensor at a time on the host, in its own width.
-        for &kind in &kinds[..if with_master { 3 } else { 2 }] {
+        // One state tensor at a time on the host, in its own width, and on
+        // the device: each replaces its fresh counterpart before the next.
+        for (slot, &kind) in kinds[..if with_master { 3 } else { 2 }].iter().enumerate() {
             let mut host = if wide {
                 HostData::F64(vec![0.0; chunk])
             } else {
@@ -1025,35 +1027,21 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
                     _ => unreachable!("read_region returns the width asked for"),
                 }
             }
-            state.push(upload_host(b, host, &[chunk], dtype)?);
-        }
-        let mut state = state.into_iter();
-        let (m, v) = (state.next().expect("m"), state.next().expect("v"));
-        let master = state.next();
-        trainer.set_bucket_state(bucket, m, v, master)?;
-    }
-    let layers = trainer.model.global_layers().to_vec();
-    for (block, layer) in trainer.model.blocks.iter_mut().zip(layers) {
-        if let ParallelFfn::Moe(moe) = &mut block.ffn {
-            if let Some(bias) = moe.router.expert_bias() {
-                let n = bias.numel();
-                let dtype = bias.dtype();
-                let name = format!("blocks.{layer}.moe.router.expert_bias");
-                let vals = source.read_region(
-                    &name,
-                    StateKind::Buffer,
-                    &[n],
-                    &[(0, n)],
-                    (0, n),
-                    dtype == DType::F64,
-                )?;
-                let t = upload_host(b, vals, &[n], dtype)?;
-                moe.router.set_expert_bias(t)?;
-            }
+            let t = upload_host(b, host, &[chunk], dtype)?;
+            trainer.set_bucket_state(bucket, slot, t)?;
         }
     }
     trainer.set_step_count(source.step());
     Ok(())
+}
+
+/// Elements `offset .. offset + n` of host values.
+fn slice_host(data: HostData, offset: usize, n: usize) -> HostData {
+    match data {
+        HostData::F32(v) => HostData::F32(v[offset..offset + n].to_vec()),
+        HostData::F64(v) => HostData::F64(v[offset..offset + n].to_vec()),
+        HostData::I32(v) => HostData::I32(v[offset..offset + n].to_vec()),
+    }
 }
 
 /// Host values uploaded as `dtype`.
@@ -1071,36 +1059,55 @@ fn upload_host<B: Backend>(
     })
 }
 
-/// Loads every parameter of the whole `model` (one rank, all layers:
-/// generation) and the routers' expert biases from `source`, whatever
-/// layout wrote it; bf16 weights come from the f32 masters when the
-/// checkpoint keeps them (they are the exact weights).
-pub fn load_model<B: Backend>(b: &B, source: &Source, model: &mut Model<B>) -> Result<()> {
+/// Loads into `model` (any layout) every parameter's block and the routers'
+/// expert biases from `source`. With `prefer_masters`, a parameter whose f32
+/// master the checkpoint keeps is read from it (the exact weight of a bf16
+/// run: what generation and a trainer without masters want).
+pub fn load_params<B: Backend>(
+    b: &B,
+    source: &Source,
+    model: &mut ParallelModel<B>,
+    prefer_masters: bool,
+) -> Result<()> {
     let mut outcome: Result<()> = Ok(());
-    model.visit_params_mut(&mut |p| {
+    let mut visit = |p: &mut Param<B>| {
         if outcome.is_err() {
             return;
         }
         outcome = (|| {
-            let shape = p.value.shape().to_vec();
-            let whole: Vec<(usize, usize)> = shape.iter().map(|&n| (0, n)).collect();
-            let n = p.value.numel();
-            let kind = if source.has(&p.name, StateKind::Master) {
+            let (full_shape, block) = match &p.shard {
+                Some(s) => (s.full_shape.clone(), s.ranges()),
+                None => (
+                    p.value.shape().to_vec(),
+                    p.value.shape().iter().map(|&n| (0, n)).collect(),
+                ),
+            };
+            let kind = if prefer_masters && source.has(&p.name, StateKind::Master) {
                 StateKind::Master
             } else {
                 StateKind::Param
             };
-            let dtype = p.value.dtype();
-            let vals =
-                source.read_region(&p.name, kind, &shape, &whole, (0, n), dtype == DType::F64)?;
+            let (dtype, shape) = (p.value.dtype(), p.value.shape().to_vec());
+            let n = p.value.numel();
+            let vals = source.read_region(
+                &p.name,
+                kind,
+                &full_shape,
+                &block,
+                (0, n),
+                dtype == DType::F64,
+            )?;
             p.value = upload_host(b, vals, &shape, dtype)?;
             Ok(())
         })();
-    });
+    };
+    model.visit_dense_mut(&mut visit);
+    model.visit_experts_mut(&mut visit);
     outcome?;
-    for (layer, block) in model.blocks.iter_mut().enumerate() {
-        if let Some(moe) = block.moe_mut() {
-            if let Some(bias) = moe.expert_bias() {
+    let layers = model.global_layers().to_vec();
+    for (block, layer) in model.blocks.iter_mut().zip(layers) {
+        if let ParallelFfn::Moe(moe) = &mut block.ffn {
+            if let Some(bias) = moe.router.expert_bias() {
                 let (n, dtype) = (bias.numel(), bias.dtype());
                 let name = format!("blocks.{layer}.moe.router.expert_bias");
                 let vals = source.read_region(
@@ -1111,7 +1118,8 @@ pub fn load_model<B: Backend>(b: &B, source: &Source, model: &mut Model<B>) -> R
                     (0, n),
                     dtype == DType::F64,
                 )?;
-                moe.set_expert_bias(upload_host(b, vals, &[n], dtype)?)?;
+                moe.router
+                    .set_expert_bias(upload_host(b, vals, &[n], dtype)?)?;
             }
         }
     }

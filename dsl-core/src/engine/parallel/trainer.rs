@@ -324,59 +324,32 @@ impl<B: Backend> ParallelTrainer<B> {
         self.buckets[bucket].chunk
     }
 
-    /// Replaces bucket `bucket`'s moments and master (`[chunk]` each, in the
-    /// state's dtype).
+    /// Replaces one of bucket `bucket`'s state tensors (`slot` 0: first
+    /// moment, 1: second moment, 2: f32 master), `[chunk]` in the state's
+    /// dtype; a master is only replaced where the trainer keeps one.
     pub(crate) fn set_bucket_state(
         &mut self,
         bucket: usize,
-        m: Tensor<B>,
-        v: Tensor<B>,
-        master: Option<Tensor<B>>,
+        slot: usize,
+        t: Tensor<B>,
     ) -> Result<()> {
         let bk = &mut self.buckets[bucket];
-        for t in [Some(&m), Some(&v), master.as_ref()].into_iter().flatten() {
-            if t.shape() != [bk.chunk] || t.dtype() != bk.m.dtype() {
-                return Err(EngineError::Invalid(format!(
-                    "optimizer state of bucket {bucket}: got {:?} {:?}, expected [{}] {:?}",
-                    t.dtype(),
-                    t.shape(),
-                    bk.chunk,
-                    bk.m.dtype()
-                )));
-            }
+        if t.shape() != [bk.chunk] || t.dtype() != bk.m.dtype() {
+            return Err(EngineError::Invalid(format!(
+                "optimizer state of bucket {bucket}: got {:?} {:?}, expected [{}] {:?}",
+                t.dtype(),
+                t.shape(),
+                bk.chunk,
+                bk.m.dtype()
+            )));
         }
-        bk.m = m;
-        bk.v = v;
-        if master.is_some() {
-            bk.master = master;
+        match slot {
+            0 => bk.m = t,
+            1 => bk.v = t,
+            _ if bk.master.is_some() => bk.master = Some(t),
+            _ => {}
         }
         Ok(())
-    }
-
-    /// Replaces parameter `param`'s value (optimizer order), same shape.
-    pub(crate) fn set_param_value(&mut self, param: usize, value: Tensor<B>) -> Result<()> {
-        let mut i = 0;
-        let mut outcome = Ok(());
-        let mut value = Some(value);
-        visit_all_mut(&mut self.model, &mut |p| {
-            if i == param {
-                let v = value.take().expect("one parameter matches");
-                if v.shape() != p.value.shape() || v.dtype() != p.value.dtype() {
-                    outcome = Err(EngineError::Invalid(format!(
-                        "parameter {}: loaded {:?} {:?}, the shard is {:?} {:?}",
-                        p.name,
-                        v.dtype(),
-                        v.shape(),
-                        p.value.dtype(),
-                        p.value.shape()
-                    )));
-                } else {
-                    p.value = v;
-                }
-            }
-            i += 1;
-        });
-        outcome
     }
 
     /// Whether this rank keeps f32 master copies of its chunks.
