@@ -2,15 +2,21 @@
 //! architecture table, checked when this file compiles (a layout whose `ep`
 //! did not divide `experts` would not build). One rank's shard of its cluster
 //! layout is built, then the whole model is built on the CPU under its
-//! single-rank layout and trained a few steps on the bundled text.
+//! single-rank layout, and the shard of that layout (the whole model at
+//! world = 1) is trained a few steps on the bundled text by the parallel
+//! trainer.
 //!
 //! Run with `cargo run --release --example custom_model`.
 
+use std::time::Duration;
+
 use foldmoe_core::engine::data::{BatchSampler, TextDataset};
 use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
-use foldmoe_core::engine::trainer::{TrainConfig, Trainer};
+use foldmoe_core::engine::parallel::{run_local_layout, ParallelTrainer};
+use foldmoe_core::engine::trainer::TrainConfig;
+use foldmoe_core::layout;
 use foldmoe_kernels::cpu::Cpu;
-use foldmoe_kernels::{DType, Device, HostData};
+use foldmoe_kernels::DType;
 use foldmoe_macros::moe_model;
 
 #[moe_model(name = "byte-moe", vocab = 256, hidden = 64, seq_len = 64, norm_eps = 1e-5,
@@ -78,19 +84,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         total_steps: 10,
         ..TrainConfig::default()
     };
-    let mut trainer = Trainer::new(&b, model.into_model(), cfg)?;
     let data = TextDataset::from_text(TEXT);
-    let mut sampler = BatchSampler::new(42);
     let (batch, seq) = (4, spec.seq_len);
-    for step in 1..=10 {
-        let (tokens, targets) = sampler.next_batch(&data, batch, seq)?;
-        let tokens = b.upload(HostData::I32(tokens), &[batch, seq])?;
-        let targets = b.upload(HostData::I32(targets), &[batch, seq])?;
-        let stats = trainer.step(&b, &[(tokens, targets)])?;
-        println!(
-            "step {step:2}: loss {:.4}, aux {:.4}, lr {:.2e}",
-            stats.loss, stats.aux_loss, stats.lr
-        );
+    let laptop = layout::check(&ByteMoeLayout::Laptop.spec(), &spec)
+        .map_err(|errs| format!("layout laptop: {errs:?}"))?;
+    let results = run_local_layout(&b, &laptop, Duration::from_secs(600), |ctx| {
+        let shard = ByteMoe::shard(ctx.b, ByteMoeLayout::Laptop, 0, 42, DType::F32)?;
+        let mut trainer = ParallelTrainer::new(ctx.b, shard, cfg)?;
+        let mut sampler = BatchSampler::new(42);
+        for step in 1..=10 {
+            let micro_batch = sampler.next_batch(&data, batch, seq)?;
+            let stats = trainer.step(ctx, &[micro_batch], seq)?;
+            println!(
+                "step {step:2}: loss {:.4}, aux {:.4}, lr {:.2e}",
+                stats.loss, stats.aux_loss, stats.lr
+            );
+        }
+        Ok(())
+    });
+    for result in results {
+        result?;
     }
     Ok(())
 }

@@ -8,11 +8,13 @@
 //! throughput formula ([`ModelSpec::flops_per_token`]): the reported TFLOP/s
 //! are the model's useful work, not what the kernels happen to execute.
 //!
-//! Under `foldmoe launch` (`launch --nproc-per-node N -- bench model
-//! --layout ep=N`), each process is one rank of a parallel training step
-//! (the engine's [`ParallelTrainer`] on the communicator `train` uses), and
-//! the run scales weakly: every dp rank takes its own micro-batch of
-//! `--tokens` tokens, so the step's global batch is dp · `--tokens`.
+//! `bench model` times the engine's one training step, [`ParallelTrainer`]:
+//! on one device at world = 1 (on this thread with the communicator of a
+//! world of one, as `foldmoe train` runs one rank). Under `foldmoe launch`
+//! (`launch --nproc-per-node N -- bench model --layout ep=N`), each process
+//! is one rank of a parallel training step (on the communicator `train`
+//! uses), and the run scales weakly: every dp rank takes its own micro-batch
+//! of `--tokens` tokens, so the step's global batch is dp · `--tokens`.
 //! Every iteration ends with a device synchronisation and a barrier over all
 //! ranks, so rank 0's time of an iteration is that of the slowest rank
 //! (plus the barrier); rank 0 alone prints the report, with its median.
@@ -22,15 +24,15 @@
 
 use std::time::Instant;
 
-use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
 use foldmoe::core::engine::parallel::model::ParallelModel;
 use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::param::{Init, Module as _};
-use foldmoe::core::engine::trainer::{TrainConfig, Trainer};
+use foldmoe::core::engine::trainer::TrainConfig;
 use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{FfnSpec, ModelSpec, MoeSpec};
 use foldmoe::kernels::comm::rendezvous::DistEnv;
+use foldmoe::kernels::comm::solo::SoloComm;
 use foldmoe::kernels::comm::timed::TimedComm;
 use foldmoe::kernels::cpu::Cpu;
 use foldmoe::kernels::cuda::Cuda;
@@ -400,50 +402,21 @@ fn random_tokens(n: usize, vocab: usize) -> (Vec<i32>, Vec<i32>) {
     (tokens(), tokens())
 }
 
+/// `model` on one device: the engine's one-rank run, the layout `world = 1`
+/// on this thread ([`SoloComm`], as `foldmoe train` runs one rank), through
+/// the same [`rank_step`] as a rank of [`model_step_ranks`].
 fn model_step<B: BenchDevice>(
     b: &B,
     o: &BenchOptions,
     spec: &ModelSpec,
     dtype: DType,
 ) -> Result<Value, CliError> {
-    let seqs = checked_model(o, spec)?;
-    let (t, s) = (o.tokens, spec.seq_len);
-    let t0 = Instant::now();
-    let model = Model::new(b, spec, 1, dtype)?;
-    eprintln!("bench: model built in {:.1} s", t0.elapsed().as_secs_f64());
-    let (params, active) = spec.param_counts();
-    let mut trainer = Trainer::new(b, model, TrainConfig::default())?;
-    let (x, y) = random_tokens(t, spec.vocab);
-    let batch = [(
-        b.upload(HostData::I32(x), &[seqs, s])?,
-        b.upload(HostData::I32(y), &[seqs, s])?,
-    )];
-    let mut last_loss = f64::NAN;
-    b.reset_peak();
-    let mut step = || -> Result<(), CliError> {
-        last_loss = trainer.step(b, &batch)?.loss;
-        Ok(())
-    };
-    let times = time_iters(o, &mut step, &|| b.finish())?;
-    let (median, min) = median_min(&times);
-    let flops = spec.flops_per_token() as f64 * t as f64;
-    let tflops = flops / median / 1e12;
-    Ok(json!({
-        "bench": "model",
-        "dims": {
-            "layers": spec.layers(), "hidden": spec.hidden, "vocab": spec.vocab,
-            "seq_len": s, "tokens": t, "params": params, "active_params": active,
-        },
-        "flops_per_step": flops,
-        "time_ms": median * 1e3,
-        "time_ms_min": min * 1e3,
-        "tokens_per_s": t as f64 / median,
-        "tflops": tflops,
-        "mfu": b.peak_flops().map(|p| tflops * 1e12 / p),
-        "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
-        "last_loss": last_loss,
-        "iters": o.iters,
-    }))
+    checked_model(o, spec)?;
+    let layout = dist::resolve_layout(Some(""), 1, "one device:", spec)?
+        .expect("a layout text always resolves to a layout");
+    let rank = RankLayout::new(&layout, 0)?;
+    let report = rank_step(b, o, spec, dtype, &SoloComm, &layout, rank)?;
+    Ok(report.expect("rank 0 reports"))
 }
 
 /// `model` as rank `env.rank` of a multi-process run under `--layout`
@@ -471,7 +444,7 @@ fn model_step_ranks<B: BenchDevice + ProcessComm>(
     outcome
 }
 
-/// One rank's share of [`model_step_ranks`], on `comm`.
+/// One rank's share of [`model_step_ranks`] (or [`model_step`]'s only rank), on `comm`.
 fn rank_step<B: BenchDevice>(
     b: &B,
     o: &BenchOptions,

@@ -83,10 +83,11 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
     /// The engine model.
     fn model(&self) -> &Model<B>;
 
-    /// The engine model, mutably (optimizer steps, checkpoint loads).
+    /// The engine model, mutably (its backward, loaded weights).
     fn model_mut(&mut self) -> &mut Model<B>;
 
-    /// The engine model by value (what `Trainer::new` takes).
+    /// The engine model by value (its forward and backward, or generation,
+    /// without the wrapper).
     fn into_model(self) -> Model<B>;
 
     /// Loss of a batch; see [`Model::forward`].

@@ -517,12 +517,11 @@ mod tests {
     use foldmoe_kernels::DType;
 
     use super::{Mla, QueryProj};
-    use crate::engine::model::Model;
-    use crate::engine::optim::{AdamW, AdamWParams};
     use crate::engine::param::Module;
     use crate::engine::testutil::{
-        check_param_grads, dot, f64_tensor, i32_tensor, small_moe, small_spec, uniform, values,
+        check_param_grads, dot, f64_tensor, one_rank, small_moe, small_spec, uniform, values,
     };
+    use crate::engine::trainer::TrainConfig;
     use crate::spec::{FfnSpec, MlaSpec, ModelSpec};
 
     /// Low-rank query; V = 3 below Q = 6, so v is padded.
@@ -777,27 +776,23 @@ mod tests {
     #[test]
     fn mla_moe_model_trains() {
         // A fixed batch memorised by a small MLA + MoE model: the loss falls.
-        let b = Cpu;
         let mut spec = mla_spec(LOW_RANK, small_moe());
         spec.init_std = 0.1;
-        let mut model = Model::new(&b, &spec, 3, DType::F32).unwrap();
-        let tokens = i32_tensor(vec![3, 0, 6, 1, 7, 2, 5, 4], &[2, 4]);
-        let targets = i32_tensor(vec![0, 6, 1, 7, 2, 5, 4, 3], &[2, 4]);
-        let hyper = AdamWParams {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
+        // Plain AdamW steps: a constant learning rate, no clipping, no decay.
+        let cfg = TrainConfig {
+            lr: 1e-2,
+            min_lr: 1e-2,
+            warmup_steps: 0,
             weight_decay: 0.0,
+            grad_clip: 0.0,
+            ..TrainConfig::default()
         };
-        let mut opt = AdamW::new(&b, &model, hyper).unwrap();
-        let mut losses = Vec::new();
-        for _ in 0..30 {
-            model.visit_params_mut(&mut |p| p.zero_grad(&b).unwrap());
-            let out = model.forward(&b, &tokens, &targets).unwrap();
-            losses.push(values(&out.loss)[0]);
-            model.backward(&b, out.saved, 1.0).unwrap();
-            opt.step(&b, &mut model, 1e-2).unwrap();
-        }
+        let batch = [(vec![3, 0, 6, 1, 7, 2, 5, 4], vec![0, 6, 1, 7, 2, 5, 4, 3])];
+        let losses = one_rank(&Cpu, &spec, 3, DType::F32, cfg, |ctx, trainer| {
+            (0..30)
+                .map(|_| Ok(trainer.step(ctx, &batch, 4)?.loss))
+                .collect::<crate::engine::Result<Vec<f64>>>()
+        });
         let (first, last) = (losses[0], losses[losses.len() - 1]);
         assert!(
             last < 0.5 * first,

@@ -1,6 +1,7 @@
-//! The training engine for one rank: layers with explicit forward/backward
-//! pairs (docs/ARCHITECTURE.md §5), the model built from a [`crate::spec::ModelSpec`], and
-//! the optimizer and trainer around it.
+//! The training engine: layers with explicit forward/backward pairs
+//! (docs/ARCHITECTURE.md §5), the model built from a [`crate::spec::ModelSpec`], and
+//! [`parallel`], the one trainer (a rank's shard under a layout, `world = 1`
+//! included) with its distributed optimizer.
 //!
 //! Convention for every layer: `forward(&self, b, x) -> (y, Saved)` and
 //! `backward(&mut self, b, dy, saved) -> dx`, next to each other in the same
@@ -43,17 +44,23 @@ pub enum EngineError {
 /// Result of an engine call.
 pub type Result<T> = std::result::Result<T, EngineError>;
 
-/// Helpers shared by the engine's gradient checks: f64 tensors on the CPU and a
-/// finite-difference check of every parameter of a module.
+/// Helpers shared by the engine's tests: f64 tensors on the CPU, a
+/// finite-difference check of every parameter of a module, and a trainer on
+/// the one rank of the `world = 1` layout.
 #[cfg(test)]
 pub(crate) mod testutil {
+    use std::time::Duration;
+
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::gradcheck::assert_grad;
-    use foldmoe_kernels::{Device, HostData, Tensor};
+    use foldmoe_kernels::{Backend, DType, Device, HostData, Tensor};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    use super::{Module, Param};
+    use super::parallel::{run_local_layout, Ctx, ParallelModel, ParallelTrainer};
+    use super::trainer::TrainConfig;
+    use super::{Module, Param, Result};
+    use crate::layout::LayoutSpec;
     use crate::spec::{AttentionSpec, BlockGroup, FfnSpec, ModelSpec, MoeSpec, RouterSpec};
 
     /// A small model spec: vocab 8, hidden 8, heads 4 / kv 2 of dim 4, one
@@ -130,6 +137,26 @@ pub(crate) mod testutil {
             }
             i += 1;
         });
+    }
+
+    /// Runs `f` on the one rank of the `world = 1` layout (through
+    /// [`run_local_layout`]) with a fresh [`ParallelTrainer`] of `spec`,
+    /// weights from `seed`, and returns what it returns.
+    pub fn one_rank<B: Backend, T: Send>(
+        b: &B,
+        spec: &ModelSpec,
+        seed: u64,
+        dtype: DType,
+        cfg: TrainConfig,
+        f: impl Fn(&Ctx<B>, &mut ParallelTrainer<B>) -> Result<T> + Sync,
+    ) -> T {
+        let layout = crate::layout::check(&LayoutSpec::default(), spec).unwrap();
+        let mut results = run_local_layout(b, &layout, Duration::from_secs(60), |ctx| {
+            let model = ParallelModel::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
+            let mut trainer = ParallelTrainer::new(ctx.b, model, cfg)?;
+            f(ctx, &mut trainer)
+        });
+        results.pop().expect("one rank").unwrap()
     }
 
     /// Checks the accumulated gradient of every parameter of `m` (at most

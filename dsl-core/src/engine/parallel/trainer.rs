@@ -22,7 +22,9 @@
 
 use std::collections::HashMap;
 
-use foldmoe_kernels::{AdamWConfig, Backend, DType, Group, HostData, ReduceOp, Tensor};
+use foldmoe_kernels::{
+    AdamWConfig, Backend, DType, Group, HostData, KernelError, ReduceOp, Tensor,
+};
 
 use super::model::{ParallelFfn, ParallelModel};
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
@@ -596,6 +598,9 @@ impl<B: Backend> ParallelTrainer<B> {
 
     /// One optimizer step over this rank's micro-batches: the same update on
     /// every parameter as one rank training on all dp ranks' micro-batches.
+    /// A non-finite loss or gradient norm (or a kernel meeting a NaN) is an
+    /// error naming the step and leaves the parameters, the optimizer state
+    /// and the expert biases unchanged.
     pub fn step(
         &mut self,
         ctx: &Ctx<B>,
@@ -604,7 +609,17 @@ impl<B: Backend> ParallelTrainer<B> {
     ) -> Result<StepStats> {
         let b = ctx.b;
         let step = self.step + 1;
-        let (loss, aux, mut loads) = self.accumulate(ctx, micro_batches, seq_len)?;
+        // A kernel that meets a NaN or inf reports it; name the step as for a
+        // non-finite loss below.
+        let non_finite = |e: EngineError| match e {
+            EngineError::Kernel(k @ KernelError::NonFinite { .. }) => {
+                EngineError::Invalid(format!("step {step}: {k}; the update was not applied"))
+            }
+            other => other,
+        };
+        let (loss, aux, mut loads) = self
+            .accumulate(ctx, micro_batches, seq_len)
+            .map_err(non_finite)?;
         let rank = ctx.rank;
         // The last stage's loss, summed over dp, reaches every stage
         // (the others add zeros), so every rank reports it.
@@ -899,4 +914,577 @@ pub fn exchange_over_pp<B: Backend>(
         }
     }
     Ok(out)
+}
+
+/// The trainer at `world = 1` (through `run_local_layout`): what
+/// every one-rank run is. The update from given gradients is
+/// [`ParallelTrainer::apply`] on the chunks of
+/// [`ParallelTrainer::reduce_gradients`] (at world = 1, each bucket's whole
+/// buffer).
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::{Backend, DType, Device, ElementwiseOps as _, HostData};
+
+    use super::{visit_all_mut, Gather, GradChunks, ParallelTrainer};
+    use crate::engine::optim::{clip_coefficient, MasterWeights};
+    use crate::engine::parallel::shard::upload_as;
+    use crate::engine::parallel::{Ctx, ParallelModel};
+    use crate::engine::param::Param;
+    use crate::engine::testutil::{one_rank, small_moe, small_spec, uniform, values};
+    use crate::engine::trainer::TrainConfig;
+    use crate::engine::{EngineError, Result};
+    use crate::spec::{FfnSpec, LoadBalance, ModelSpec};
+
+    fn visit<B: Backend>(m: &ParallelModel<B>, f: &mut dyn FnMut(&Param<B>)) {
+        m.visit_dense(f);
+        m.visit_experts(f);
+    }
+
+    fn all_values(m: &ParallelModel<Cpu>) -> Vec<Vec<f64>> {
+        let mut v = Vec::new();
+        visit(m, &mut |p| v.push(values(&p.value)));
+        v
+    }
+
+    fn all_grads(m: &ParallelModel<Cpu>) -> Vec<Vec<f64>> {
+        let mut v = Vec::new();
+        visit(m, &mut |p| v.push(values(&p.grad)));
+        v
+    }
+
+    /// Every bucket's moments and master, bit for bit.
+    fn all_state(t: &ParallelTrainer<Cpu>) -> Vec<Vec<u64>> {
+        t.buckets
+            .iter()
+            .flat_map(|bk| [&bk.m, &bk.v].into_iter().chain(bk.master.as_ref()))
+            .map(|s| values(s).iter().map(|x| x.to_bits()).collect())
+            .collect()
+    }
+
+    /// `(tokens, targets)` rows `rows` of a fixed `[4, 4]` batch.
+    fn rows(rows: std::ops::Range<usize>) -> (Vec<i32>, Vec<i32>) {
+        let tokens = [3, 0, 6, 1, 7, 2, 5, 4, 1, 1, 0, 6, 2, 7, 7, 3];
+        let targets = [0, 6, 1, 5, 2, 5, 4, 3, 1, 0, 6, 6, 7, 7, 3, 2];
+        let r = rows.start * 4..rows.end * 4;
+        (tokens[r.clone()].to_vec(), targets[r].to_vec())
+    }
+
+    /// A second trainer on the same rank.
+    fn fresh<B: Backend>(
+        ctx: &Ctx<B>,
+        spec: &ModelSpec,
+        seed: u64,
+        dtype: DType,
+        cfg: TrainConfig,
+    ) -> Result<ParallelTrainer<B>> {
+        let model = ParallelModel::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
+        ParallelTrainer::new(ctx.b, model, cfg)
+    }
+
+    /// Sets every gradient to values uniform in `[-1, 1]` drawn from `seed`,
+    /// in the parameter's dtype.
+    fn set_grads<B: Backend>(b: &B, t: &mut ParallelTrainer<B>, seed: u64) -> Result<()> {
+        let (mut s, mut outcome) = (seed * 1000, Ok(()));
+        visit_all_mut(&mut t.model, &mut |p| {
+            s += 1;
+            let g = uniform(s, p.grad.numel(), 1.0);
+            match upload_as(b, g, p.grad.shape(), p.grad.dtype()) {
+                Ok(g) => p.grad = g,
+                Err(e) => outcome = Err(e),
+            }
+        });
+        outcome
+    }
+
+    /// One update at `lr`, unclipped, from the gradients the parameters hold.
+    fn update<B: Backend>(ctx: &Ctx<B>, t: &mut ParallelTrainer<B>, lr: f64) -> Result<()> {
+        let grads = t.reduce_gradients(ctx)?;
+        t.apply(ctx, &grads, lr, 1.0)
+    }
+
+    #[test]
+    fn grad_accumulation_matches_one_batch() {
+        // A micro-batch load-balancing loss is not additive over micro-batches
+        // (Megatron's neither), so it is off here; the z-loss, a token mean, stays.
+        let mut moe = small_moe();
+        if let FfnSpec::Moe(m) = &mut moe {
+            m.router.load_balance = LoadBalance::None;
+        }
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, moe], false);
+        let cfg = TrainConfig {
+            grad_clip: 0.0,
+            ..TrainConfig::default()
+        };
+        one_rank(&Cpu, &spec, 5, DType::F64, cfg, |ctx, trainer| {
+            // The same weights, the whole batch in one forward and backward.
+            let mut big = ParallelModel::new(ctx.b, &spec, ctx.rank.clone(), 5, DType::F64)?;
+            let (tokens, targets) = rows(0..4);
+            let out = big.forward(ctx, &tokens, &targets, 4)?;
+            let (big_loss, big_aux) = (values(&out.loss)[0], values(&out.aux_loss)[0]);
+            big.backward(ctx, out.saved, 1.0)?;
+
+            let micro = [rows(0..1), rows(1..2), rows(2..3), rows(3..4)];
+            let stats = trainer.step(ctx, &micro, 4)?;
+            assert!(
+                (stats.loss - big_loss).abs() < 1e-12,
+                "{} vs {big_loss}",
+                stats.loss
+            );
+            assert!((stats.aux_loss - big_aux).abs() < 1e-12);
+            assert!(big_aux > 0.0, "the z-loss takes part");
+            // The step leaves the accumulated gradients in the parameters.
+            for (g_micro, g_big) in all_grads(&trainer.model).iter().zip(all_grads(&big)) {
+                for (a, b) in g_micro.iter().zip(&g_big) {
+                    assert!((a - b).abs() <= 1e-10 * b.abs().max(1e-3), "{a} vs {b}");
+                }
+            }
+            assert_eq!(stats.lr, cfg.schedule().lr_at(1));
+            assert!(stats.load_imbalance >= 1.0);
+            assert_eq!(trainer.step_count(), 1);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn nan_loss_stops_with_an_error_and_leaves_params_unchanged() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        one_rank(
+            &Cpu,
+            &spec,
+            5,
+            DType::F32,
+            TrainConfig::default(),
+            |ctx, trainer| {
+                let batch = [rows(0..2)];
+                trainer.step(ctx, &batch, 4)?;
+                // Poison the head: every logit, and so the loss, becomes NaN.
+                let head = trainer.model.head.weight.as_mut().unwrap();
+                let n = head.value.numel();
+                head.value = ctx
+                    .b
+                    .upload(HostData::F32(vec![f32::NAN; n]), head.value.shape())?;
+                let (before, state) = (all_values(&trainer.model), all_state(trainer));
+                let err = trainer.step(ctx, &batch, 4).unwrap_err();
+                match &err {
+                    EngineError::Invalid(msg) => {
+                        assert!(msg.contains("step 2") && msg.contains("NaN"), "{msg}")
+                    }
+                    other => panic!("expected Invalid, got {other}"),
+                }
+                let after = all_values(&trainer.model);
+                let same = |a: &f64, b: &f64| a.to_bits() == b.to_bits();
+                assert!(before
+                    .iter()
+                    .flatten()
+                    .zip(after.iter().flatten())
+                    .all(|(a, b)| same(a, b)));
+                assert_eq!(all_state(trainer), state, "the optimizer state moved");
+                assert_eq!(trainer.step_count(), 1);
+                Ok(())
+            },
+        );
+    }
+
+    #[test]
+    fn inf_grad_norm_stops_with_an_error_and_leaves_params_unchanged() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        one_rank(
+            &Cpu,
+            &spec,
+            5,
+            DType::F32,
+            TrainConfig::default(),
+            |ctx, trainer| {
+                // A huge final-norm scale keeps the loss finite in f32 but makes
+                // the head's gradient overflow when squared.
+                let norm = &mut trainer.model.final_norm.weight;
+                norm.value = ctx
+                    .b
+                    .upload(HostData::F32(vec![1e30; spec.hidden]), &[spec.hidden])?;
+                let (before, state) = (all_values(&trainer.model), all_state(trainer));
+                let err = trainer.step(ctx, &[rows(0..2)], 4).unwrap_err();
+                match &err {
+                    EngineError::Invalid(msg) => {
+                        assert!(
+                            msg.contains("step 1") && msg.contains("gradient norm is inf"),
+                            "{msg}"
+                        )
+                    }
+                    other => panic!("expected Invalid, got {other}"),
+                }
+                assert_eq!(all_values(&trainer.model), before);
+                assert_eq!(all_state(trainer), state, "the optimizer state moved");
+                assert_eq!(trainer.step_count(), 0);
+                Ok(())
+            },
+        );
+    }
+
+    #[test]
+    fn empty_step_is_an_error() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        one_rank(
+            &Cpu,
+            &spec,
+            5,
+            DType::F32,
+            TrainConfig::default(),
+            |ctx, trainer| {
+                assert!(matches!(
+                    trainer.step(ctx, &[], 4),
+                    Err(EngineError::Invalid(_))
+                ));
+                // Five tokens are no whole sequence of 4; an id outside the vocabulary.
+                let ragged = [(vec![1; 5], vec![1; 5])];
+                let err = trainer.step(ctx, &ragged, 4).unwrap_err().to_string();
+                assert!(err.contains("sequences of 4"), "{err}");
+                let outside = [(vec![1, 2, 3, 99], vec![1; 4])];
+                let err = trainer.step(ctx, &outside, 4).unwrap_err().to_string();
+                assert!(err.contains("outside the vocabulary"), "{err}");
+                assert_eq!(trainer.step_count(), 0);
+                Ok(())
+            },
+        );
+    }
+
+    #[test]
+    fn tiny_model_overfits_one_batch() {
+        let mut spec = small_spec(&[FfnSpec::Dense { ffn: 64 }, small_moe()], false);
+        spec.vocab = 16;
+        spec.hidden = 32;
+        spec.seq_len = 12;
+        spec.init_std = 0.02;
+        if let FfnSpec::Moe(m) = &mut spec.groups[1].ffn {
+            m.expert_ffn = 32;
+            m.shared_ffn = 32;
+            m.router.aux_coef = 1e-2;
+            m.router.z_loss_coef = 1e-3;
+        }
+        for g in &mut spec.groups {
+            g.attention.head_dim = 8;
+        }
+        // Four sequences with distinct first tokens, so every context is unique.
+        let (batch, seq) = (4, spec.seq_len);
+        let mut rng = 12345u64;
+        let mut next = || {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((rng >> 33) % 16) as i32
+        };
+        let mut stream: Vec<i32> = Vec::new();
+        for s in 0..batch {
+            stream.push(s as i32 * 4);
+            stream.extend((0..seq).map(|_| next()));
+        }
+        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+        for s in 0..batch {
+            let w = &stream[s * (seq + 1)..(s + 1) * (seq + 1)];
+            tokens.extend_from_slice(&w[..seq]);
+            targets.extend_from_slice(&w[1..]);
+        }
+        let data = [(tokens, targets)];
+        let cfg = TrainConfig {
+            lr: 1e-2,
+            min_lr: 1e-3,
+            warmup_steps: 10,
+            total_steps: 200,
+            weight_decay: 0.0,
+            ..TrainConfig::default()
+        };
+        let (first, last) = one_rank(&Cpu, &spec, 0, DType::F32, cfg, |ctx, trainer| {
+            let first = trainer.step(ctx, &data, seq)?.loss;
+            let mut last = first;
+            for _ in 1..cfg.total_steps {
+                last = trainer.step(ctx, &data, seq)?.loss;
+            }
+            Ok((first, last))
+        });
+        assert!(first > 2.0, "starts near ln(16): {first}");
+        assert!(last < 0.05, "did not overfit: {first} -> {last}");
+    }
+
+    #[test]
+    fn clip_scales_to_the_max_norm() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let cfg = TrainConfig::default();
+        one_rank(&Cpu, &spec, 1, DType::F64, cfg, |ctx, folded| {
+            let b = ctx.b;
+            set_grads(b, folded, 1)?;
+            let host: f64 = all_grads(&folded.model)
+                .iter()
+                .flatten()
+                .map(|g| g * g)
+                .sum::<f64>()
+                .sqrt();
+            let grads = folded.reduce_gradients(ctx)?;
+            let norm = folded.grad_norm(ctx, &grads)?;
+            assert!((norm - host).abs() < 1e-9 * norm, "{norm} vs {host}");
+            assert!(norm > 2.0);
+            let coef = clip_coefficient(norm, 1.0);
+            assert!((coef * host - 1.0).abs() < 1e-5, "{coef} · {norm} is not 1");
+            // Below the limit, or with clipping off, no scaling.
+            assert_eq!(clip_coefficient(1.0, 2.0), 1.0);
+            assert_eq!(clip_coefficient(5.0, 0.0), 1.0);
+            // The update with the coefficient folded in equals one on scaled
+            // gradients, exactly (the same f64 products), for every parameter.
+            let mut scaled = fresh(ctx, &spec, 1, DType::F64, cfg)?;
+            set_grads(b, &mut scaled, 1)?;
+            let chunks = scaled.reduce_gradients(ctx)?.chunks;
+            let chunks = chunks
+                .iter()
+                .map(|c| b.scale(c, coef))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            folded.apply(ctx, &grads, 1e-2, coef)?;
+            scaled.apply(ctx, &GradChunks { chunks }, 1e-2, 1.0)?;
+            let want = scaled.gather_full(ctx, Gather::Values)?;
+            assert_eq!(folded.gather_full(ctx, Gather::Values)?, want);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn adamw_first_step_and_no_decay_on_vectors() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let cfg = TrainConfig::default();
+        assert_eq!(
+            (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay),
+            (0.9, 0.95, 1e-8, 0.1)
+        );
+        one_rank(&Cpu, &spec, 1, DType::F64, cfg, |ctx, trainer| {
+            set_grads(ctx.b, trainer, 1)?;
+            let before = trainer.gather_full(ctx, Gather::Values)?;
+            let grads = trainer.reduce_gradients(ctx)?;
+            let g = trainer.gather_full(ctx, Gather::Grads(&grads))?;
+            let lr = 1e-2;
+            trainer.apply(ctx, &grads, lr, 1.0)?;
+            assert_eq!(trainer.step_count(), 1);
+            let after = trainer.gather_full(ctx, Gather::Values)?;
+            let m = trainer.gather_full(ctx, Gather::ExpAvg)?;
+            let v = trainer.gather_full(ctx, Gather::ExpAvgSq)?;
+            let mut vectors = 0;
+            for (i, (name, shape, p1)) in after.iter().enumerate() {
+                assert_eq!((&before[i].0, &m[i].0, &v[i].0), (name, name, name));
+                let wd = if shape.len() == 1 {
+                    vectors += 1;
+                    0.0
+                } else {
+                    0.1
+                };
+                for (j, p1) in p1.iter().enumerate() {
+                    let (p0, g) = (before[i].2[j], g[i].2[j]);
+                    // Bias-corrected first step: m̂ = g, v̂ = g², so the step
+                    // is lr·g/(|g| + eps).
+                    let want = p0 - lr * wd * p0 - lr * g / (g.abs() + 1e-8);
+                    assert!((p1 - want).abs() < 1e-12, "{name}: {p1} vs {want}");
+                    assert!((m[i].2[j] - 0.1 * g).abs() <= 1e-12 * g.abs(), "{name} m");
+                    assert!(
+                        (v[i].2[j] - 0.05 * g * g).abs() <= 1e-12 * g * g,
+                        "{name} v"
+                    );
+                }
+            }
+            assert!(vectors > 0 && vectors < after.len(), "{vectors} vectors");
+            trainer.set_step_count(7);
+            assert_eq!(trainer.step_count(), 7);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn master_weights_apply_to_bf16_and_optionally_f32() {
+        assert!(MasterWeights::Bf16.applies_to(DType::BF16));
+        assert!(!MasterWeights::Bf16.applies_to(DType::F32));
+        assert!(MasterWeights::Bf16AndF32.applies_to(DType::F32));
+        // f64 parameters are always their own master.
+        assert!(!MasterWeights::Bf16AndF32.applies_to(DType::F64));
+        assert_eq!(MasterWeights::default(), MasterWeights::Bf16);
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let cfg = TrainConfig {
+            master_weights: MasterWeights::Bf16AndF32,
+            ..TrainConfig::default()
+        };
+        one_rank(&Cpu, &spec, 1, DType::F64, cfg, |_, trainer| {
+            assert!(!trainer.has_masters());
+            Ok(())
+        });
+    }
+
+    /// The master path on f32 parameters (bf16 ones: the tests below): f32
+    /// master copies and moments, and updates bit-identical to the plain
+    /// path's (one update per backend).
+    #[test]
+    fn master_copies_of_f32_params_change_only_the_path() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let mixed_cfg = TrainConfig {
+            master_weights: MasterWeights::Bf16AndF32,
+            ..TrainConfig::default()
+        };
+        one_rank(
+            &Cpu,
+            &spec,
+            3,
+            DType::F32,
+            TrainConfig::default(),
+            |ctx, plain| {
+                let mut mixed = fresh(ctx, &spec, 3, DType::F32, mixed_cfg)?;
+                assert!(!plain.has_masters() && mixed.has_masters());
+                for step in 1..=3 {
+                    for t in [&mut *plain, &mut mixed] {
+                        set_grads(ctx.b, t, step)?;
+                        update(ctx, t, 1e-2)?;
+                    }
+                }
+                let params = plain.gather_full(ctx, Gather::Values)?;
+                assert_eq!(mixed.gather_full(ctx, Gather::Values)?, params);
+                assert_eq!(
+                    mixed.gather_full(ctx, Gather::ExpAvg)?,
+                    plain.gather_full(ctx, Gather::ExpAvg)?
+                );
+                assert_eq!(
+                    mixed.gather_full(ctx, Gather::ExpAvgSq)?,
+                    plain.gather_full(ctx, Gather::ExpAvgSq)?
+                );
+                assert_eq!(
+                    mixed.gather_full(ctx, Gather::Master)?,
+                    params,
+                    "a master differs from its parameter"
+                );
+                for bk in &mixed.buckets {
+                    let state = [&bk.m, &bk.v].into_iter().chain(bk.master.as_ref());
+                    assert!(
+                        bk.master.is_some() && state.into_iter().all(|t| t.dtype() == DType::F32)
+                    );
+                }
+                assert!(plain.buckets.iter().all(|bk| bk.master.is_none()));
+                Ok(())
+            },
+        );
+    }
+
+    /// bf16 parameters on the CPU (emulated bf16).
+    #[test]
+    fn bf16_params_on_cpu_keep_f32_masters() {
+        bf16_params_keep_f32_masters(&Cpu);
+    }
+
+    /// bf16 parameters on CUDA (ignored unless built with
+    /// `--cfg foldmoe_gpu_tests`).
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn bf16_params_on_cuda_keep_f32_masters() {
+        bf16_params_keep_f32_masters(&foldmoe_kernels::cuda::require_test_device());
+    }
+
+    /// bf16 parameters get f32 masters and moments by default; with a
+    /// constant gradient of 1 each step is `w ← w·(1 − lr·wd) − lr/(1 + eps)`,
+    /// worked on the host from the initial weights, and every parameter is
+    /// its master rounded to bf16.
+    fn bf16_params_keep_f32_masters<B: Backend>(b: &B) {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        one_rank(
+            b,
+            &spec,
+            3,
+            DType::BF16,
+            TrainConfig::default(),
+            |ctx, trainer| {
+                let b = ctx.b;
+                assert!(trainer.has_masters());
+                for bk in &trainer.buckets {
+                    let state = [&bk.m, &bk.v].into_iter().chain(bk.master.as_ref());
+                    assert!(
+                        bk.master.is_some() && state.into_iter().all(|t| t.dtype() == DType::F32)
+                    );
+                }
+                let mut want: Vec<(bool, Vec<f64>)> = trainer
+                    .gather_full(ctx, Gather::Values)?
+                    .into_iter()
+                    .map(|(_, shape, w)| (shape.len() > 1, w))
+                    .collect();
+                let (lr, wd) = (1e-3, trainer.cfg.weight_decay);
+                for _ in 0..5 {
+                    let mut outcome: Result<()> = Ok(());
+                    visit_all_mut(&mut trainer.model, &mut |p| {
+                        let ones = b
+                            .upload(HostData::F32(vec![1.0; p.grad.numel()]), p.grad.shape())
+                            .and_then(|t| b.cast(&t, DType::BF16));
+                        match ones {
+                            Ok(g) => p.grad = g,
+                            Err(e) => outcome = Err(e.into()),
+                        }
+                    });
+                    outcome?;
+                    update(ctx, trainer, lr)?;
+                    for (matrix, w) in &mut want {
+                        let decay = if *matrix { 1.0 - lr * wd } else { 1.0 };
+                        w.iter_mut()
+                            .for_each(|x| *x = *x * decay - lr / (1.0 + 1e-8));
+                    }
+                }
+                let masters = trainer.gather_full(ctx, Gather::Master)?;
+                let params = trainer.gather_full(ctx, Gather::Values)?;
+                for (((name, _, master), (_, _, value)), (_, want)) in
+                    masters.iter().zip(&params).zip(&want)
+                {
+                    let err = master
+                        .iter()
+                        .zip(want)
+                        .fold(0.0f64, |e, (a, w)| e.max((a - w).abs()));
+                    assert!(
+                        err < 1e-6,
+                        "{name}: master off the f64 reference by {err:e}"
+                    );
+                    let host = Cpu.upload(HostData::F64(master.clone()), &[master.len()])?;
+                    let rounded = values(&Cpu.round_bf16(&host)?);
+                    assert_eq!(value, &rounded, "{name}");
+                }
+                visit(&trainer.model, &mut |p| {
+                    assert_eq!(p.value.dtype(), DType::BF16)
+                });
+                Ok(())
+            },
+        );
+    }
+
+    /// A bf16 trainer on the CPU keeps f32 master weights and moments, its
+    /// parameters stay bf16, and a few AdamW steps on one batch lower the loss.
+    #[test]
+    fn bf16_trainer_on_cpu_lowers_the_loss() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let cfg = TrainConfig {
+            lr: 1e-2,
+            warmup_steps: 1,
+            ..TrainConfig::default()
+        };
+        one_rank(&Cpu, &spec, 5, DType::BF16, cfg, |ctx, trainer| {
+            assert!(trainer.has_masters());
+            for bk in &trainer.buckets {
+                let state = [&bk.m, &bk.v].into_iter().chain(bk.master.as_ref());
+                assert!(state.into_iter().all(|t| t.dtype() == DType::F32));
+            }
+            let batch = [(vec![3, 0, 6, 1, 7, 2, 5, 4], vec![0, 6, 1, -1, 2, 5, 4, 3])];
+            let losses = (0..6)
+                .map(|_| Ok(trainer.step(ctx, &batch, 4)?.loss))
+                .collect::<Result<Vec<f64>>>()?;
+            println!("bf16 trainer losses: {losses:?}");
+            assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+            assert!(
+                losses[5] < losses[0] - 0.05,
+                "the loss did not fall: {losses:?}"
+            );
+            visit(&trainer.model, &mut |p| {
+                assert_eq!(p.value.dtype(), DType::BF16, "{}", p.name);
+                // bf16 is the top half of an f32: the low 16 bits are zero.
+                let v = values(&p.value);
+                let odd = v.iter().find(|&&x| (x as f32).to_bits() & 0xffff != 0);
+                assert!(odd.is_none(), "{} holds {odd:?}, not a bf16 value", p.name);
+            });
+            Ok(())
+        });
+    }
 }
