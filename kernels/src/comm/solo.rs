@@ -109,7 +109,7 @@ impl<B: Device> Communicator<B> for SoloComm {
 mod tests {
     use super::*;
     use crate::cpu::Cpu;
-    use crate::{Device as _, HostData};
+    use crate::HostData;
 
     #[test]
     fn collectives_of_one_rank_return_their_input_and_other_groups_are_errors() {
