@@ -199,23 +199,39 @@ fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
 
-/// Bytes of host values as stored in `dtype`.
+/// Bytes of host values as stored in `dtype` (little-endian), written
+/// into one buffer without intermediate copies.
 fn stored_bytes(data: &HostData, dtype: StoredDType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() * dtype.size());
     match (data, dtype) {
-        (HostData::F64(v), StoredDType::F64) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        (HostData::F64(v), StoredDType::F32) => {
-            v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect()
-        }
-        (d, StoredDType::F64) => d.to_f64().iter().flat_map(|x| x.to_le_bytes()).collect(),
-        (d, StoredDType::F32) => d.to_f32().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (HostData::F32(v), StoredDType::F32) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        (HostData::F64(v), StoredDType::F64) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        (HostData::F64(v), StoredDType::F32) => v
+            .iter()
+            .for_each(|&x| out.extend_from_slice(&(x as f32).to_le_bytes())),
         // A bf16 tensor downloads as f32s that are bf16 values: the upper
         // half of each is the bf16, exactly.
+        (HostData::F32(v), StoredDType::BF16) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes())),
+        (d, StoredDType::F64) => d
+            .to_f64()
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        (d, StoredDType::F32) => d
+            .to_f32()
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
         (d, StoredDType::BF16) => d
             .to_f32()
             .iter()
-            .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
-            .collect(),
+            .for_each(|x| out.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes())),
     }
+    out
 }
 
 /// What one rank writes: a piece's description and where its values are.

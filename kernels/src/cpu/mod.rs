@@ -291,6 +291,21 @@ impl Device for Cpu {
     type Storage = CpuStorage;
     const HOST_METERED: bool = true;
 
+    /// Copies only the rows taken (the provided version would copy the whole
+    /// tensor to the host first).
+    fn narrow(&self, t: &Tensor<Self>, start: usize, len: usize) -> Result<Tensor<Self>> {
+        let out_shape = crate::backend::narrow_shape(t.shape(), start, len)?;
+        let row: usize = out_shape[1..].iter().product();
+        let (a, b) = (start * row, (start + len) * row);
+        let storage = match t.storage() {
+            CpuStorage::F32(v) => CpuStorage::F32(v[a..b].to_vec()),
+            CpuStorage::F64(v) => CpuStorage::F64(v[a..b].to_vec()),
+            CpuStorage::BF16(v) => CpuStorage::BF16(v[a..b].to_vec()),
+            CpuStorage::I32(v) => CpuStorage::I32(v[a..b].to_vec()),
+        };
+        Tensor::from_storage(storage, &out_shape)
+    }
+
     fn upload(&self, data: HostData, shape: &[usize]) -> Result<Tensor<Self>> {
         let storage = match data {
             HostData::F32(v) => CpuStorage::F32(v),
