@@ -105,6 +105,18 @@ impl Dispatcher {
                 )?
             }
         };
+        self.dispatch_planned(b, x_td, plan)
+    }
+
+    /// Dispatch by a plan made elsewhere: the parallel runtime's capacity
+    /// plan, decided over the whole micro-batch of every tp×cp rank.
+    pub fn dispatch_planned<B: Backend>(
+        &self,
+        b: &B,
+        x_td: &Tensor<B>,
+        plan: RoutingPlan<B>,
+    ) -> Result<(Tensor<B>, DispatchSaved<B>)> {
+        let (tokens, _) = x_td.dims2("Dispatcher::dispatch_planned")?;
         let x_nd = b.permute(x_td, &plan.row_src)?;
         Ok((x_nd, DispatchSaved { plan, tokens }))
     }

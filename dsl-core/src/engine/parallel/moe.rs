@@ -28,7 +28,7 @@ use foldmoe_kernels::{Backend, DropPolicy, HostData, RoutingPlan, Tensor};
 
 use super::shard::upload_as;
 use super::Ctx;
-use crate::engine::moe::dispatcher::Dispatcher;
+use crate::engine::moe::dispatcher::{CombineSaved, DispatchSaved, Dispatcher};
 use crate::engine::moe::experts::{Experts, ExpertsSaved};
 use crate::engine::moe::loss::TokenShard;
 use crate::engine::moe::router::{Router, RouterSaved};
@@ -66,12 +66,10 @@ struct Exchange<B: Backend> {
 /// What the layer's backward needs.
 pub struct ParallelMoeSaved<B: Backend> {
     router: RouterSaved<B>,
-    plan: RoutingPlan<B>,
-    tokens: usize,
+    dispatch: DispatchSaved<B>,
     exchange: Option<Exchange<B>>,
     experts: Option<ExpertsSaved<B>>,
-    y_nd: Tensor<B>,
-    weights_tk: Tensor<B>,
+    combine: CombineSaved<B>,
     shared: Option<SharedSaved<B>>,
 }
 
@@ -86,18 +84,14 @@ impl<B: Backend> ParallelMoeSaved<B> {
         use crate::engine::activations::Slot as S;
         use crate::memory::Part;
         self.router.visit_saved(f);
-        let e = S::kept(Part::RoutedExperts);
-        f(e, &mut self.plan.row_src);
-        f(e, &mut self.plan.slot);
-        f(e, &mut self.plan.counts);
+        self.dispatch.visit_saved(f);
         if let Some(x) = &mut self.exchange {
-            f(e, &mut x.order);
+            f(S::kept(Part::RoutedExperts), &mut x.order);
         }
         if let Some(x) = &mut self.experts {
             x.visit_saved(f);
         }
-        f(e, &mut self.y_nd);
-        f(S::kept(Part::Router), &mut self.weights_tk);
+        self.combine.visit_saved(f);
         if let Some(s) = &mut self.shared {
             s.visit_saved(f);
         }
@@ -149,15 +143,16 @@ impl<B: Backend> ParallelMoe<B> {
         };
         let reduce = |x: &Tensor<B>| ctx.sum_over(&rank.tp_cp, x);
         let (routing, router) = self.router.forward_shard(b, x_td, shard, &reduce)?;
-        let plan = match &self.spec.capacity {
-            None => b.routing_plan(&routing.idx_tk, self.spec.experts)?,
+        let (idx, weights) = (&routing.idx_tk, &routing.weights_tk);
+        let (x_nd, dispatch) = match &self.spec.capacity {
+            None => self.dispatcher.dispatch(b, x_td, idx, weights)?,
             Some(_) => {
-                self.capacity_plan(ctx, &routing.idx_tk, &routing.weights_tk, shard, seq_len)?
+                let plan = self.capacity_plan(ctx, idx, weights, shard, seq_len)?;
+                self.dispatcher.dispatch_planned(b, x_td, plan)?
             }
         };
-        let x_nd = b.permute(x_td, &plan.row_src)?;
-        let (y_nd, exchange, experts) = self.compute(ctx, &x_nd, &plan.counts)?;
-        let mut y_td = b.unpermute(&y_nd, &plan.slot, &routing.weights_tk)?;
+        let (y_nd, exchange, experts) = self.compute(ctx, &x_nd, dispatch.counts_e())?;
+        let (mut y_td, combine) = self.dispatcher.combine(b, y_nd, &dispatch, weights)?;
         let shared = match &self.shared {
             Some(s) => {
                 let (ys_full, saved) = s.forward(b, &ctx.gather_tp(x_td)?)?;
@@ -168,12 +163,10 @@ impl<B: Backend> ParallelMoe<B> {
         };
         let saved = ParallelMoeSaved {
             router,
-            plan,
-            tokens: t_local,
+            dispatch,
             exchange,
             experts,
-            y_nd,
-            weights_tk: routing.weights_tk,
+            combine,
             shared,
         };
         let stats = MoeStats {
@@ -195,12 +188,10 @@ impl<B: Backend> ParallelMoe<B> {
         let b = ctx.b;
         let ParallelMoeSaved {
             router,
-            plan,
-            tokens,
+            dispatch,
             exchange,
             experts,
-            y_nd,
-            weights_tk,
+            combine,
             shared,
         } = saved;
         let dx_shared = match (shared, self.shared.as_mut()) {
@@ -210,9 +201,11 @@ impl<B: Backend> ParallelMoe<B> {
             }
             _ => None,
         };
-        let (dy_nd, dweights_tk) = b.unpermute_backward(dy_td, &y_nd, &plan.slot, &weights_tk)?;
+        let (dy_nd, dweights_tk) = self
+            .dispatcher
+            .combine_backward(b, dy_td, combine, &dispatch)?;
         let dx_nd = self.compute_backward(ctx, &dy_nd, exchange, experts)?;
-        let mut dx_td = b.permute_backward(&dx_nd, &plan.row_src, tokens)?;
+        let mut dx_td = self.dispatcher.dispatch_backward(b, &dx_nd, dispatch)?;
         let dx_router = self.router.backward(b, &dweights_tk, router, loss_scale)?;
         b.axpy(&mut dx_td, 1.0, &dx_router)?;
         if let Some(d) = dx_shared {
