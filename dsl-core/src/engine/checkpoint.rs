@@ -392,13 +392,7 @@ fn plan_pieces<'a, B: Backend>(
 ) -> Result<Vec<Planned<'a, B>>> {
     let mut info: Vec<(String, Vec<usize>, Block, DType)> = Vec::new();
     trainer.try_visit_params(&mut |_, p| {
-        let (full_shape, block) = match &p.shard {
-            Some(s) => (s.full_shape.clone(), s.ranges()),
-            None => (
-                p.value.shape().to_vec(),
-                p.value.shape().iter().map(|&n| (0, n)).collect(),
-            ),
-        };
+        let (full_shape, block) = global_block(p);
         info.push((p.name.clone(), full_shape, block, p.value.dtype()));
         Ok(())
     })?;
@@ -989,13 +983,7 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
     type Held = (String, Vec<usize>, Block, DType, Vec<usize>);
     let mut blocks: Vec<Held> = Vec::new();
     trainer.try_visit_params(&mut |_, p| {
-        let (full_shape, block) = match &p.shard {
-            Some(s) => (s.full_shape.clone(), s.ranges()),
-            None => (
-                p.value.shape().to_vec(),
-                p.value.shape().iter().map(|&n| (0, n)).collect(),
-            ),
-        };
+        let (full_shape, block) = global_block(p);
         blocks.push((
             p.name.clone(),
             full_shape,
@@ -1051,6 +1039,17 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>
     Ok(())
 }
 
+/// The global shape of parameter `p` and the block of it the rank holds.
+fn global_block<B: Backend>(p: &Param<B>) -> (Vec<usize>, Block) {
+    match &p.shard {
+        Some(s) => (s.full_shape.clone(), s.ranges()),
+        None => (
+            p.value.shape().to_vec(),
+            p.value.shape().iter().map(|&n| (0, n)).collect(),
+        ),
+    }
+}
+
 /// Elements `offset .. offset + n` of host values.
 fn slice_host(data: HostData, offset: usize, n: usize) -> HostData {
     match data {
@@ -1091,13 +1090,7 @@ pub fn load_params<B: Backend>(
             return;
         }
         outcome = (|| {
-            let (full_shape, block) = match &p.shard {
-                Some(s) => (s.full_shape.clone(), s.ranges()),
-                None => (
-                    p.value.shape().to_vec(),
-                    p.value.shape().iter().map(|&n| (0, n)).collect(),
-                ),
-            };
+            let (full_shape, block) = global_block(p);
             let kind = if prefer_masters && source.has(&p.name, StateKind::Master) {
                 StateKind::Master
             } else {
