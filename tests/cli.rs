@@ -270,6 +270,18 @@ fn missing_truncated_and_altered_checkpoints_are_refused() {
         &foldmoe(&["train", "--resume", run.to_str().unwrap(), "--steps", "2"]),
         "which it does not list",
     );
+    // An index that lists a tensor whose pieces no file holds.
+    let mut index: serde_json::Value = serde_json::from_str(&good_index).unwrap();
+    let gone = index["pieces"][0]["tensor"].as_str().unwrap().to_string();
+    index["pieces"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|p| p["tensor"].as_str() != Some(gone.as_str()));
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    assert_fails_with(
+        &foldmoe(&["generate", "--checkpoint", run.to_str().unwrap()]),
+        &format!("of tensor {gone}"),
+    );
     std::fs::write(&index_path, &good_index).unwrap();
     assert!(
         foldmoe(&["generate", "--checkpoint", run.to_str().unwrap()])

@@ -128,7 +128,7 @@ fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
     let layout = layout::check(&LayoutSpec::parse("world=4,tp=2,ep=4").unwrap(), &spec).unwrap();
     let batch: Vec<(Vec<i32>, Vec<i32>)> = (0..4)
         .map(|m| {
-            let ids: Vec<i32> = (0..33).map(|i| ((i * 7 + m * 3) % 64) as i32).collect();
+            let ids: Vec<i32> = (0..33).map(|i| (i * 7 + m * 3) % 64).collect();
             (ids[..32].to_vec(), ids[1..].to_vec())
         })
         .collect();
