@@ -1134,3 +1134,171 @@ pub fn load_params<B: Backend>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use super::{load, Source};
+    use crate::engine::model::Model;
+    use crate::engine::parallel::shard::cut_block;
+    use crate::engine::parallel::{run_local_layout, ParallelModel, ParallelTrainer, RankLayout};
+    use crate::engine::trainer::TrainConfig;
+    use crate::engine::Module;
+    use crate::layout::{self, LayoutSpec};
+    use crate::spec::{AttentionSpec, BlockGroup, FfnSpec, ModelSpec, MoeSpec, RouterSpec};
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::Device;
+    use safetensors::tensor::{Dtype, TensorView};
+    use sha2::{Digest, Sha256};
+
+    fn spec() -> ModelSpec {
+        let moe = MoeSpec {
+            experts: 4,
+            top_k: 2,
+            expert_ffn: 16,
+            shared_ffn: 8,
+            shared_gate: false,
+            router: RouterSpec::default(),
+            capacity: None,
+        };
+        ModelSpec {
+            name: "legacy".into(),
+            vocab: 32,
+            hidden: 16,
+            seq_len: 8,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            tied_embeddings: false,
+            init_std: 0.1,
+            groups: vec![
+                BlockGroup::new(1, AttentionSpec::gqa(4, 2, 4), FfnSpec::Dense { ffn: 16 }),
+                BlockGroup::new(1, AttentionSpec::gqa(4, 2, 4), FfnSpec::Moe(moe)),
+            ],
+            mtp_layers: 0,
+        }
+    }
+
+    /// Writes the single-file format by hand: `param.<name>` and
+    /// `optim.<name>.{exp_avg, exp_avg_sq}` f32 tensors, and the envelope with
+    /// the file's SHA-256 and a meta holding `step`.
+    fn write_legacy(dir: &std::path::Path, values: &[(String, Vec<usize>, Vec<f32>)], step: u64) {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, shape, vals) in values {
+            let bytes = |scale: f32| -> Vec<u8> {
+                vals.iter()
+                    .flat_map(|v| (v * scale).to_le_bytes())
+                    .collect()
+            };
+            named.push((format!("param.{name}"), shape.clone(), bytes(1.0)));
+            named.push((format!("optim.{name}.exp_avg"), shape.clone(), bytes(0.5)));
+            named.push((
+                format!("optim.{name}.exp_avg_sq"),
+                shape.clone(),
+                bytes(0.25),
+            ));
+        }
+        let views: Vec<(String, TensorView)> = named
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None).unwrap();
+        let sum: String = Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+        let config = serde_json::json!({
+            "format": "foldmoe-checkpoint-1",
+            "tensors_sha256": sum,
+            "meta": { "step": step },
+        });
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    }
+
+    /// The single-file checkpoint of earlier versions still loads, under any
+    /// layout: its whole tensors are read as pieces, each rank taking its slices.
+    #[test]
+    fn a_single_file_checkpoint_loads_under_any_layout() {
+        let spec = spec();
+        let one = Model::new(&Cpu, &spec, 3, foldmoe_kernels::DType::F32).unwrap();
+        let mut values = Vec::new();
+        one.visit_params(&mut |p| {
+            // Shifted, so a load that ignored the file would be caught.
+            let v: Vec<f32> = Cpu
+                .download(&p.value)
+                .unwrap()
+                .to_f32()
+                .iter()
+                .map(|x| x + 0.25)
+                .collect();
+            values.push((p.name.clone(), p.value.shape().to_vec(), v));
+        });
+        let want: HashMap<String, Vec<f64>> = values
+            .iter()
+            .map(|(n, _, v)| (n.clone(), v.iter().map(|&x| x as f64).collect()))
+            .collect();
+        let dir = std::env::temp_dir().join(format!("foldmoe-legacy-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        write_legacy(&dir.join("checkpoint"), &values, 3);
+        let (source, meta) = Source::open::<serde_json::Value>(&dir).unwrap();
+        assert_eq!(source.step(), 3);
+        assert_eq!(meta["step"], 3);
+        for text in [
+            "world=1",
+            "world=2,tp=2",
+            "world=4,tp=2,ep=2",
+            "world=2,pp=2",
+        ] {
+            let l = layout::check(&LayoutSpec::parse(text).unwrap(), &spec).unwrap();
+            let results = run_local_layout(&Cpu, &l, Duration::from_secs(30), |ctx| {
+                let rank = RankLayout::new(&l, ctx.rank.rank)?;
+                let model = ParallelModel::new(&Cpu, &spec, rank, 9, foldmoe_kernels::DType::F32)?;
+                let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
+                load(&Cpu, &source, &mut trainer)?;
+                let mut got = Vec::new();
+                let mut visit = |p: &crate::engine::Param<Cpu>| {
+                    got.push((
+                        p.name.clone(),
+                        p.shard.clone(),
+                        Cpu.download(&p.value).unwrap().to_f64(),
+                    ))
+                };
+                trainer.model.visit_dense(&mut visit);
+                trainer.model.visit_experts(&mut visit);
+                Ok((trainer.step_count(), got))
+            });
+            for r in results {
+                let (step, got) = r.unwrap();
+                assert_eq!(step, 3, "{text}");
+                for (name, shard, vals) in got {
+                    let full = &want[&name];
+                    let expect = match &shard {
+                        Some(s) => cut_block(full, s),
+                        None => full.clone(),
+                    };
+                    assert_eq!(vals, expect, "{text}: {name}");
+                }
+            }
+        }
+        // A byte changed in the file is refused with its checksum.
+        let path = dir.join("checkpoint").join("model.safetensors");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 2] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let err = Source::open::<serde_json::Value>(&dir)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("corrupt or truncated"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
