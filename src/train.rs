@@ -154,21 +154,80 @@ fn default_out_dir() -> PathBuf {
     ))
 }
 
-/// Creates the run directory and proves it writable, refusing to overwrite
-/// another run's results.
-fn prepare_out(out: &Path, resuming: bool) -> Result<(), CliError> {
-    let holds_checkpoint = checkpoint_root(out).exists() || out.join("checkpoint").exists();
-    if !resuming && (out.join("summary.json").exists() || holds_checkpoint) {
-        return Err(CliError::usage(format!(
-            "--out {}: already holds a run; choose another directory or --resume it",
-            out.display()
-        )));
+/// Files that make a directory a run's: a new run never writes over them.
+const RUN_FILES: &[&str] = &[
+    "summary.json",
+    "metrics.jsonl",
+    "checkpoints",
+    "checkpoint",
+    "checkpoint.old",
+    "checkpoint.tmp",
+];
+
+/// Whether `a` and `b` name the same existing directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
+}
+
+/// Creates the run directory and proves it writable. A directory holding
+/// another run's files is refused, unless the run resumes in place; a run
+/// resumed into another directory (`--resume A --out B`) needs B empty or
+/// absent and leaves A untouched. On resume, `metrics.jsonl` gets the
+/// resumed run's lines up to the checkpoint's step only.
+fn prepare_out(out: &Path, resume: Option<(&Path, u64)>) -> Result<(), CliError> {
+    let in_place = resume.is_some_and(|(from, _)| same_dir(from, out));
+    if !in_place {
+        if let Some(held) = RUN_FILES.iter().find(|f| out.join(f).exists()) {
+            let hint = match resume {
+                Some((from, _)) => format!(
+                    "with --resume {}, --out must be empty or absent",
+                    from.display()
+                ),
+                None => "choose another directory or --resume it".into(),
+            };
+            return Err(CliError::usage(format!(
+                "--out {}: already holds a run ({held}); {hint}",
+                out.display()
+            )));
+        }
     }
     std::fs::create_dir_all(out).map_err(|e| CliError::io("--out: cannot create", out, e))?;
     let probe = out.join(".write-test");
     std::fs::write(&probe, b"ok").map_err(|e| CliError::io("--out: cannot write in", out, e))?;
     std::fs::remove_file(&probe).map_err(|e| CliError::io("--out: cannot write in", out, e))?;
+    if let Some((from, step)) = resume {
+        carry_metrics(
+            &from.join("metrics.jsonl"),
+            &out.join("metrics.jsonl"),
+            step,
+        )?;
+    }
     Ok(())
+}
+
+/// Writes to `to` (atomically) the lines of `from` whose `step` is at most
+/// `step`: a resumed run continues the log where its checkpoint stands, with
+/// no lines of steps it will run again.
+fn carry_metrics(from: &Path, to: &Path, step: u64) -> Result<(), CliError> {
+    let Ok(text) = std::fs::read_to_string(from) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let tmp = to.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept).map_err(|e| CliError::io("cannot write", &tmp, e))?;
+    std::fs::rename(&tmp, to).map_err(|e| CliError::io("cannot write", to, e))
 }
 
 /// Prints a line above the progress bar, or plainly when the bar is hidden
@@ -312,6 +371,14 @@ fn resolve_layout(settings: &TrainSettings, spec: &ModelSpec) -> Result<Option<L
     crate::dist::resolve_layout(settings.layout.as_deref(), settings.ranks, "--ranks", spec)
 }
 
+impl Prepared {
+    /// The directory resumed from and its checkpoint's step, if resuming.
+    fn resume_point(&self) -> Option<(&Path, u64)> {
+        let dir = self.opts.resume.as_deref()?;
+        Some((dir, self.resumed.as_ref()?.step()))
+    }
+}
+
 /// Validates everything and prepares the run's state; the run directory is
 /// left to [`prepare_out`] (only the main rank of a multi-process run
 /// touches it).
@@ -343,6 +410,24 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                     settings.layers.map_or("(all)".into(), |n| n.to_string()),
                     meta.settings.model
                 )));
+            }
+            if let Some(path) = &opts.model_config {
+                let config = ModelConfig::load(path)
+                    .map_err(|e| CliError::usage(format!("--model-config {e}")))?;
+                let mut given = config.spec;
+                if let Some(n) = settings.layers {
+                    given = given.first_layers(n).map_err(CliError::usage)?;
+                }
+                if given != meta.spec {
+                    return Err(CliError::usage(format!(
+                        "--model-config {}: describes model `{}`, which is not the checkpoint's \
+                         `{}` (a resumed run trains the checkpoint's model; leave \
+                         --model-config out)",
+                        path.display(),
+                        given.name,
+                        meta.spec.name
+                    )));
+                }
             }
             // The stored spec is already cut to the run's --layers.
             meta.spec.clone()
@@ -432,6 +517,17 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         ..settings.clone()
     }
     .sequences_per_micro_batch(spec.seq_len)?;
+    if let (Some((source, _)), Some(dir)) = (&resumed, &opts.resume) {
+        if source.step() >= settings.steps {
+            return Err(CliError::usage(format!(
+                "--resume {}: the run is already at step {} of --steps {}; nothing was changed \
+                 (pass a larger --steps to continue it)",
+                dir.display(),
+                source.step(),
+                settings.steps
+            )));
+        }
+    }
     let out = opts
         .out
         .clone()
@@ -589,7 +685,7 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
     // The ranks are threads of this process: they share its memory.
     let ranks: Vec<usize> = (0..prep.layout.world).collect();
     admit(b, &prep, &ranks)?;
-    prepare_out(&prep.out, prep.resumed.is_some())?;
+    prepare_out(&prep.out, prep.resume_point())?;
     let layout = prep.layout.clone();
     if layout.world == 1 {
         // One rank: this thread, collectives that return at once.
@@ -655,7 +751,7 @@ pub fn run_process<B: ProcessComm>(
     // Rank 0 alone prepares the run directory; if it cannot, it aborts, so
     // the others stop at the barrier with its reason instead of waiting.
     if env.rank == 0 {
-        if let Err(e) = prepare_out(&prep.out, prep.resumed.is_some()) {
+        if let Err(e) = prepare_out(&prep.out, prep.resume_point()) {
             comm.abort(&e.to_string());
             return Err(e);
         }
@@ -858,10 +954,17 @@ fn train_loop<B: Backend>(
             Ok(stats) => stats,
             Err(e) => {
                 pb.abandon();
+                let kept = if checkpoint_root(out).join(checkpoint::LATEST_FILE).exists() {
+                    format!(
+                        "the last good checkpoint is kept in {}",
+                        checkpoint_root(out).display()
+                    )
+                } else {
+                    "no checkpoint was written".to_string()
+                };
                 return Err(CliError::usage(format!(
-                    "training stopped at step {}: {e}; the last good checkpoint is kept in {}",
-                    meta.step + 1,
-                    checkpoint_root(out).display()
+                    "training stopped at step {}: {e}; {kept}",
+                    meta.step + 1
                 )));
             }
         };

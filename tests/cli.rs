@@ -244,7 +244,7 @@ fn missing_truncated_and_altered_checkpoints_are_refused() {
     altered[n - 3] ^= 1;
     std::fs::write(&tensors, &altered).unwrap();
     assert_fails_with(
-        &foldmoe(&["train", "--resume", run.to_str().unwrap()]),
+        &foldmoe(&["train", "--resume", run.to_str().unwrap(), "--steps", "3"]),
         "is corrupt",
     );
     std::fs::write(&tensors, &bytes[..bytes.len() / 2]).unwrap();
@@ -317,17 +317,11 @@ fn non_finite_loss_stops_and_keeps_last_good_checkpoint() {
     assert!(losses
         .iter()
         .all(|l| l.as_f64().is_some_and(f64::is_finite)));
-    let steps = step.to_string();
-    let resumed = foldmoe(&[
-        "train",
-        "--resume",
-        run.to_str().unwrap(),
-        "--steps",
-        &steps,
-        "--sample-tokens",
-        "0",
-    ]);
-    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    // It loads: a resume runs the next step, which diverges again at this
+    // learning rate (the weights the last finite step left are huge).
+    let next = (step + 1).to_string();
+    let o = foldmoe(&["train", "--resume", run.to_str().unwrap(), "--steps", &next]);
+    assert_fails_with(&o, &format!("training stopped at step {}", step + 1));
 }
 
 #[test]
@@ -356,8 +350,14 @@ fn ctrl_c_writes_a_checkpoint_then_exits() {
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
     assert!(stderr(&o).contains("interrupted at step"), "{}", stderr(&o));
-    let resumed = foldmoe(&["train", "--resume", run.to_str().unwrap(), "--steps", "1"]);
-    // Resuming with fewer total steps than done finishes at once, proving the checkpoint loads.
+    // The checkpoint loads: one more step trains from it.
+    let resumed = foldmoe(&[
+        "train",
+        "--resume",
+        run.to_str().unwrap(),
+        "--exit-after",
+        "1",
+    ]);
     assert!(resumed.status.success(), "{}", stderr(&resumed));
 }
 
@@ -565,4 +565,128 @@ fn layers_cuts_the_model_and_is_kept_on_resume() {
         assert_fails_with(&train(&out, &["--layers", bad]), &format!("--layers {bad}"));
         assert!(!out.exists(), "nothing is created for a refused run");
     }
+}
+
+/// A run directory is owned by one run (issue 24, cases 1–5 and 8): a
+/// resume into another run's directory, a resume of a finished run, a
+/// different --model-config on resume, and a fresh run into a directory
+/// with any run file are one-line errors that change no file; a resume into
+/// an empty directory continues there and leaves the source untouched; the
+/// resumed metrics hold each step once.
+#[test]
+fn run_directories_are_never_overwritten_and_resume_restores_the_log() {
+    let dir = scratch("own");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    assert!(train(&a, &["--steps", "4", "--checkpoint-every", "2"])
+        .status
+        .success());
+    assert!(train(&b, &["--steps", "2"]).status.success());
+    let snapshot = |d: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut files = Vec::new();
+        let mut stack = vec![d.to_path_buf()];
+        while let Some(p) = stack.pop() {
+            for e in std::fs::read_dir(&p).unwrap().flatten() {
+                let path = e.path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else {
+                    files.push((path.display().to_string(), std::fs::read(&path).unwrap()));
+                }
+            }
+        }
+        files.sort();
+        files
+    };
+    let (a0, b0) = (snapshot(&a), snapshot(&b));
+    let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
+    // 1. --resume A --out B, B holding another run.
+    assert_fails_with(
+        &foldmoe(&["train", "--resume", a_s, "--out", b_s, "--steps", "6"]),
+        "with --resume",
+    );
+    // 2. A finished run.
+    assert_fails_with(
+        &foldmoe(&["train", "--resume", a_s, "--steps", "4"]),
+        "already at step 4",
+    );
+    // 3. Another model's config on resume.
+    let config = dir.join("other.toml");
+    let tiny = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/configs/tiny.toml"),
+    )
+    .unwrap();
+    std::fs::write(&config, tiny.replace("expert_ffn = 128", "expert_ffn = 64")).unwrap();
+    assert_fails_with(
+        &foldmoe(&[
+            "train",
+            "--resume",
+            a_s,
+            "--model-config",
+            config.to_str().unwrap(),
+            "--steps",
+            "6",
+        ]),
+        "not the checkpoint's",
+    );
+    // 4 and 5. A fresh run into a directory holding only a log, or only a
+    // checkpoint.old.
+    for file in ["metrics.jsonl", "checkpoint.old"] {
+        let d = dir.join(format!("only-{file}"));
+        std::fs::create_dir_all(d.join(file).parent().unwrap()).unwrap();
+        if file.ends_with(".old") {
+            std::fs::create_dir_all(d.join(file)).unwrap();
+        } else {
+            std::fs::write(d.join(file), "{\"step\": 1}\n").unwrap();
+        }
+        assert_fails_with(
+            &train(&d, &["--steps", "1"]),
+            &format!("already holds a run ({file})"),
+        );
+    }
+    assert_eq!(snapshot(&a), a0, "a refused command changed the run in a");
+    assert_eq!(snapshot(&b), b0, "a refused command changed the run in b");
+    // A resume into an empty directory continues there, from a's step 4.
+    let c = dir.join("c");
+    let o = foldmoe(&[
+        "train",
+        "--resume",
+        a_s,
+        "--out",
+        c.to_str().unwrap(),
+        "--steps",
+        "6",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(snapshot(&a), a0, "the resumed-from run changed");
+    let steps = |d: &Path| -> Vec<u64> {
+        std::fs::read_to_string(d.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(steps(&c), (1..=6).collect::<Vec<_>>());
+    // After a kill between checkpoints the log runs past the checkpoint: a
+    // resume cuts it back and writes each step once.
+    let mut log = std::fs::read_to_string(a.join("metrics.jsonl")).unwrap();
+    log.push_str("{\"step\": 5, \"loss\": 1.0}\n");
+    std::fs::write(a.join("metrics.jsonl"), log).unwrap();
+    let o = foldmoe(&["train", "--resume", a_s, "--steps", "6"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(steps(&a), (1..=6).collect::<Vec<_>>());
+}
+
+/// A run that stops before its first checkpoint does not claim one.
+#[test]
+fn a_failure_before_any_checkpoint_says_none_was_written() {
+    let run = scratch("nockpt").join("run");
+    let o = train(
+        &run,
+        &["--steps", "4", "--lr", "1e30", "--checkpoint-every", "100"],
+    );
+    assert_fails_with(&o, "no checkpoint was written");
 }
