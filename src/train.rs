@@ -591,6 +591,15 @@ fn estimate(
         .sum()
 }
 
+/// `30.5 B`, `2.92 M`: a parameter count as a user reads it.
+fn human_count(n: u64) -> String {
+    if n >= 1_000_000_000 {
+        format!("{:.1} B", n as f64 / 1e9)
+    } else {
+        format!("{:.2} M", n as f64 / 1e6)
+    }
+}
+
 /// Admission by memory: refuses a run whose estimate exceeds what the
 /// device (or host) has available, naming both and what would fit;
 /// `--force` skips the check, and so does a device that cannot say.
@@ -666,14 +675,14 @@ fn admit<B: Backend>(b: &B, prep: &Prepared, ranks: &[usize]) -> Result<(), CliE
     };
     Err(CliError::usage(format!(
         "model {}: the memory planner estimates {:.1} GiB for {} rank{} of layout {} on {} \
-         ({:.1} B parameters), but {:.1} GiB is available; {fit}; --force starts anyway",
+         ({} parameters), but {:.1} GiB is available; {fit}; --force starts anyway",
         prep.spec.name,
         gib(need),
         ranks.len(),
         if ranks.len() == 1 { "" } else { "s" },
         prep.layout.spec(),
         B::NAME,
-        prep.spec.param_counts().0 as f64 / 1e9,
+        human_count(prep.spec.param_counts().0),
         gib(available)
     )))
 }
