@@ -4,11 +4,18 @@ use foldmoe::core::engine::data::ByteTokenizer;
 use foldmoe::core::engine::parallel::{Ctx, ParallelModel};
 use foldmoe::kernels::comm::solo::SoloComm;
 use foldmoe::kernels::Backend;
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::CliError;
 use crate::train::load_model;
+
+/// Most bytes one `generate` makes (about four hours on the CPU at 14 ms a
+/// byte): a larger `--tokens` is a one-line error, not an endless run.
+pub const MAX_GENERATE_TOKENS: usize = 1_000_000;
 
 /// Samples `count` tokens after `prompt` (temperature 0: greedy), feeding the
 /// last `seq_len` tokens as context each time (no KV cache: the model is small).
@@ -19,6 +26,22 @@ pub fn sample<B: Backend>(
     count: usize,
     temperature: f64,
     seed: u64,
+) -> Result<Vec<i32>, CliError> {
+    sample_streaming(b, model, prompt, count, temperature, seed, &mut |_| {
+        Ok(true)
+    })
+}
+
+/// [`sample`], handing each token to `on_token` as soon as it is drawn; it
+/// returns `false` to stop early (Ctrl-C), keeping what was made.
+pub fn sample_streaming<B: Backend>(
+    b: &B,
+    model: &ParallelModel<B>,
+    prompt: &[i32],
+    count: usize,
+    temperature: f64,
+    seed: u64,
+    on_token: &mut dyn FnMut(i32) -> Result<bool, CliError>,
 ) -> Result<Vec<i32>, CliError> {
     let seq = model.spec.seq_len;
     let vocab = model.spec.vocab;
@@ -38,7 +61,11 @@ pub fn sample<B: Backend>(
             .download(&model.logits(&ctx, window, window.len())?)?
             .to_f64();
         let last = &logits[(window.len() - 1) * vocab..window.len() * vocab];
-        ids.push(pick(last, temperature, &mut rng) as i32);
+        let next = pick(last, temperature, &mut rng) as i32;
+        ids.push(next);
+        if !on_token(next)? {
+            break;
+        }
     }
     Ok(ids[prompt.len().max(1).min(ids.len())..].to_vec())
 }
@@ -68,7 +95,22 @@ fn pick(logits: &[f64], temperature: f64, rng: &mut ChaCha8Rng) -> usize {
     argmax
 }
 
-/// `foldmoe generate`: loads a checkpoint and prints the prompt's continuation.
+/// A byte as written to a terminal: newline and tab as they are, other
+/// control bytes (ESC, NUL, DEL, ...) as `\xNN`, so model output cannot
+/// drive the terminal; every other byte as it is (UTF-8 sequences intact).
+pub fn escaped(byte: u8) -> Vec<u8> {
+    match byte {
+        b'\n' | b'\t' => vec![byte],
+        0..=0x1f | 0x7f => format!("\\x{byte:02x}").into_bytes(),
+        _ => vec![byte],
+    }
+}
+
+/// `foldmoe generate`: loads a checkpoint and streams the prompt's
+/// continuation to stdout byte by byte as it is made (control bytes
+/// escaped on a terminal unless `raw`); `stop` (Ctrl-C) ends it after the
+/// current byte, keeping what was printed. Returns the bytes made.
+#[allow(clippy::too_many_arguments)]
 pub fn run<B: Backend>(
     b: &B,
     checkpoint: &std::path::Path,
@@ -76,21 +118,64 @@ pub fn run<B: Backend>(
     tokens: usize,
     temperature: f64,
     seed: u64,
-) -> Result<String, CliError> {
+    raw: bool,
+    stop: &AtomicBool,
+) -> Result<usize, CliError> {
     if !(temperature.is_finite() && temperature >= 0.0) {
         return Err(CliError::usage(format!(
             "--temperature {temperature}: must be a finite number ≥ 0"
         )));
     }
+    if tokens > MAX_GENERATE_TOKENS {
+        return Err(CliError::usage(format!(
+            "--tokens {tokens}: at most {MAX_GENERATE_TOKENS} bytes in one run"
+        )));
+    }
     let (model, _) = load_model(b, checkpoint)?;
     let tok = ByteTokenizer;
-    let out = sample(b, &model, &tok.encode(prompt), tokens, temperature, seed)?;
-    Ok(format!("{prompt}{}", tok.decode(&out)))
+    let mut out = std::io::stdout().lock();
+    let escape = !raw && out.is_terminal();
+    let write = |out: &mut std::io::StdoutLock, bytes: &[u8]| -> Result<(), CliError> {
+        for &byte in bytes {
+            let shown = if escape { escaped(byte) } else { vec![byte] };
+            out.write_all(&shown)
+                .map_err(|e| CliError::usage(format!("cannot write the output: {e}")))?;
+        }
+        out.flush()
+            .map_err(|e| CliError::usage(format!("cannot write the output: {e}")))
+    };
+    write(&mut out, prompt.as_bytes())?;
+    let mut made = 0usize;
+    sample_streaming(
+        b,
+        &model,
+        &tok.encode(prompt),
+        tokens,
+        temperature,
+        seed,
+        &mut |id| {
+            write(&mut out, &[id as u8])?;
+            made += 1;
+            Ok(!stop.load(Ordering::SeqCst))
+        },
+    )?;
+    write(&mut out, b"\n")?;
+    Ok(made)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_bytes_are_escaped_and_text_is_not() {
+        assert_eq!(escaped(0x1b), b"\\x1b".to_vec());
+        assert_eq!(escaped(0), b"\\x00".to_vec());
+        assert_eq!(escaped(0x7f), b"\\x7f".to_vec());
+        for byte in [b'\n', b'\t', b'a', b' ', 0xc3, 0xa9] {
+            assert_eq!(escaped(byte), vec![byte]);
+        }
+    }
 
     #[test]
     fn greedy_pick_is_argmax_and_sampling_follows_weights() {

@@ -91,6 +91,10 @@ enum Command {
         /// Sampling seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Write control bytes as they are even on a terminal (by default a
+        /// terminal gets them as `\xNN`).
+        #[arg(long)]
+        raw: bool,
     },
 }
 
@@ -182,9 +186,28 @@ fn run(cli: Cli) -> Result<(), CliError> {
             tokens,
             temperature,
             seed,
+            raw,
         } => {
-            let text = generate::run(&Cpu, &checkpoint, &prompt, tokens, temperature, seed)?;
-            println!("{text}");
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = stop.clone();
+            ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+                .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
+            let made = generate::run(
+                &Cpu,
+                &checkpoint,
+                &prompt,
+                tokens,
+                temperature,
+                seed,
+                raw,
+                &stop,
+            )?;
+            if stop.load(Ordering::SeqCst) {
+                return Err(CliError::Exit {
+                    code: 130,
+                    msg: format!("interrupted after {made} bytes"),
+                });
+            }
             Ok(())
         }
     }

@@ -690,3 +690,52 @@ fn a_failure_before_any_checkpoint_says_none_was_written() {
     );
     assert_fails_with(&o, "no checkpoint was written");
 }
+
+/// `generate` streams (issue 24, case 7): a Ctrl-C keeps every byte printed
+/// so far and exits 130 with one line; too many bytes asked is a one-line
+/// error before anything loads.
+#[test]
+fn generate_streams_and_stops_cleanly_on_ctrl_c() {
+    let run = scratch("genstream").join("run");
+    assert!(train(&run, &["--steps", "1"]).status.success());
+    assert_fails_with(
+        &foldmoe(&[
+            "generate",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--tokens",
+            "1000001",
+        ]),
+        "--tokens 1000001",
+    );
+    let child = foldmoe_command()
+        .args([
+            "generate",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--tokens",
+            "1000000",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    let line = stderr(&o);
+    let made: usize = line
+        .trim()
+        .strip_prefix("error: interrupted after ")
+        .and_then(|rest| rest.strip_suffix(" bytes"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(made > 0, "nothing streamed before the interrupt");
+    // Every byte made was printed (plus the closing newline).
+    assert_eq!(o.stdout.len(), made + 1);
+}
