@@ -13,6 +13,10 @@ use serde::Serialize;
 
 use crate::error::CliError;
 
+/// Most tokens per step a plan is made for (2^32: no run comes near it, and
+/// every byte count stays exact).
+const MAX_PLAN_TOKENS: u128 = 1 << 32;
+
 /// The plan of one model under one layout.
 #[derive(Serialize)]
 struct Plan {
@@ -105,6 +109,20 @@ pub fn run(
         return Err(CliError::usage(
             "--micro-batch-size and --micro-batches must be at least 1".to_string(),
         ));
+    }
+    // Tokens of a step must stay far inside exact arithmetic (the planner
+    // works in u64 bytes and f64 products).
+    let step_tokens = (flags.micro_batch_size as u128)
+        * (spec.seq_len as u128)
+        * (flags.micro_batches.unwrap_or(1) as u128);
+    if step_tokens > MAX_PLAN_TOKENS {
+        return Err(CliError::usage(format!(
+            "--micro-batch-size {} × seq_len {} × --micro-batches {}: {step_tokens} tokens a step; \
+             at most {MAX_PLAN_TOKENS} (2^32)",
+            flags.micro_batch_size,
+            spec.seq_len,
+            flags.micro_batches.unwrap_or(1)
+        )));
     }
     // The same lists and rules as `foldmoe train`'s flags.
     let over = PolicyOverride::parse(flags.recompute, flags.offload, flags.store_fp8)

@@ -111,3 +111,66 @@ fn recompute_and_offload_flags_change_the_activations() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown recompute part `moe_actt`"));
 }
+
+/// The planner's arithmetic over extreme sizes (issue 24): for the largest
+/// published model and the smallest, on one rank and on the largest world a
+/// layout allows, every micro-batch size up to the 2^32-token bound plans
+/// without a panic or an overflow, and memory never falls as the micro-batch
+/// grows (the planner's sums saturate rather than wrap past that); sizes past
+/// the bounds are one-line errors.
+#[test]
+fn planner_arithmetic_is_monotone_and_bounded_at_extreme_sizes() {
+    use foldmoe_core::layout::{check, LayoutSpec, MAX_RANKS};
+    use foldmoe_core::memory::{plan_memory, MemoryOptions};
+    for name in ["deepseek-v3", "tiny"] {
+        let spec = foldmoe_models::by_name(name).unwrap();
+        let big = format!("world={MAX_RANKS},ep=1");
+        for text in ["world=1", big.as_str()] {
+            let layout = check(&LayoutSpec::parse(text).unwrap(), &spec).unwrap();
+            let mut last = 0u64;
+            let mut mbs = 1usize;
+            while (mbs as u128) * (spec.seq_len as u128) <= 1u128 << 32 {
+                let plan = plan_memory(&spec, &layout, &MemoryOptions::new(0, mbs, 1));
+                assert!(
+                    plan.total >= last,
+                    "{name} {text}: micro-batch {mbs} plans {} < {last}",
+                    plan.total
+                );
+                assert!(
+                    plan.total < u64::MAX / 2,
+                    "{name} {text}: {mbs}: near overflow"
+                );
+                last = plan.total;
+                mbs *= 4;
+            }
+        }
+    }
+    for (args, needle) in [
+        (
+            vec!["plan", "--layout", "world=1099511627776"],
+            "at most 1048576",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "deepseek-v3",
+                "--layout",
+                "world=18446744073709551615,ep=64",
+            ],
+            "at most 1048576",
+        ),
+        (
+            vec!["plan", "--micro-batch-size", "4503599627370497"],
+            "(2^32)",
+        ),
+    ] {
+        let o = foldmoe(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.lines().count() == 1,
+            "{args:?}: {err}"
+        );
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}

@@ -905,7 +905,14 @@ fn folds(l: &Layout) -> bool {
     })
 }
 
-/// Every size is at least 1: a 0 would make a mesh empty.
+/// The most ranks (and so the largest size of any mesh axis) a layout may
+/// have: beyond any machine built, and small enough that every product and
+/// every search over divisors stays cheap and exact.
+pub const MAX_RANKS: usize = 1 << 20;
+
+/// Every size is at least 1 (a 0 would make a mesh empty) and at most
+/// [`MAX_RANKS`] (a larger one is no machine, and would overflow the rank
+/// arithmetic).
 fn check_positive(s: &LayoutSpec, r: &mut Report) {
     for (field, v) in [
         ("world", s.world),
@@ -918,6 +925,11 @@ fn check_positive(s: &LayoutSpec, r: &mut Report) {
     ] {
         if v == 0 {
             r.err(field, format!("{field} = 0; every size must be at least 1"));
+        } else if v > MAX_RANKS {
+            r.err(
+                field,
+                format!("{field} = {v}; every size must be at most {MAX_RANKS} (2^20 ranks)"),
+            );
         }
     }
     for (field, v) in [("dp", s.dp), ("edp", s.edp)] {
@@ -925,6 +937,11 @@ fn check_positive(s: &LayoutSpec, r: &mut Report) {
             r.err(
                 field,
                 format!("{field} = 0; every size must be at least 1 (or leave {field} out to derive it)"),
+            );
+        } else if let Some(v) = v.filter(|&v| v > MAX_RANKS) {
+            r.err(
+                field,
+                format!("{field} = {v}; every size must be at most {MAX_RANKS} (2^20 ranks)"),
             );
         }
     }

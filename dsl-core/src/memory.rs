@@ -182,7 +182,10 @@ pub struct MemoryPlan {
 impl MemoryPlan {
     /// The sum of `field` over the parts.
     pub fn sum(&self, field: impl Fn(&PartMemory) -> u64) -> u64 {
-        self.parts.iter().map(field).sum()
+        self.parts
+            .iter()
+            .map(field)
+            .fold(0, |acc, x| acc.saturating_add(x))
     }
 }
 
@@ -598,9 +601,17 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         total: 0,
         comm,
     };
-    plan.total = plan.sum(|p| p.weights + p.grads + p.optimizer + p.activations)
-        + comm_buffers
-        + step_buffers;
+    // Saturating: the sizes `plan` admits keep every figure exact, and no
+    // input makes the planner panic.
+    plan.total = plan
+        .sum(|p| {
+            p.weights
+                .saturating_add(p.grads)
+                .saturating_add(p.optimizer)
+                .saturating_add(p.activations)
+        })
+        .saturating_add(comm_buffers)
+        .saturating_add(step_buffers);
     plan
 }
 
