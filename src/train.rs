@@ -400,6 +400,33 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                     meta.settings.model, meta.settings.seed
                 )));
             }
+            // What changes the model's math or the data is the checkpoint's;
+            // layout, device, steps and schedule flags may change.
+            let (was, now) = (&meta.settings, &settings);
+            let changed: Vec<String> = [
+                (
+                    "--batch-tokens",
+                    was.batch_tokens.to_string(),
+                    now.batch_tokens.to_string(),
+                ),
+                ("--dtype", was.dtype.clone(), now.dtype.clone()),
+                (
+                    "--capacity-factor",
+                    format!("{:?}", was.capacity_factor),
+                    format!("{:?}", now.capacity_factor),
+                ),
+            ]
+            .into_iter()
+            .filter(|(_, a, b)| a != b)
+            .map(|(flag, a, b)| format!("{flag} {b} (the checkpoint's run has {a})"))
+            .collect();
+            if !changed.is_empty() {
+                return Err(CliError::usage(format!(
+                    "--resume: {} cannot change on resume; leave {} out",
+                    changed.join(", "),
+                    if changed.len() == 1 { "it" } else { "them" }
+                )));
+            }
             if meta.settings.layers != settings.layers {
                 let kept = match meta.settings.layers {
                     Some(n) => format!("{n} blocks"),

@@ -628,6 +628,34 @@ fn run_directories_are_never_overwritten_and_resume_restores_the_log() {
         ]),
         "not the checkpoint's",
     );
+    // Flags that change the model's math or the data.
+    assert_fails_with(
+        &foldmoe(&[
+            "train",
+            "--resume",
+            a_s,
+            "--steps",
+            "6",
+            "--batch-tokens",
+            "512",
+        ]),
+        "--batch-tokens 512 (the checkpoint's run has 256)",
+    );
+    assert_fails_with(
+        &foldmoe(&["train", "--resume", a_s, "--steps", "6", "--dtype", "bf16"]),
+        "--dtype bf16",
+    );
+    // 6. A batch no memory holds.
+    assert_fails_with(
+        &foldmoe(&[
+            "train",
+            "--out",
+            dir.join("huge").to_str().unwrap(),
+            "--batch-tokens",
+            "12800000",
+        ]),
+        "the memory planner estimates",
+    );
     // 4 and 5. A fresh run into a directory holding only a log, or only a
     // checkpoint.old.
     for file in ["metrics.jsonl", "checkpoint.old"] {
