@@ -213,6 +213,58 @@ struct Rank {
     rank: usize,
     child: Child,
     status: Option<ExitStatus>,
+    /// The rank's stderr reader: other lines are forwarded as they come,
+    /// its `error:` lines kept for the launcher's own report.
+    errors: Option<std::thread::JoinHandle<Vec<String>>>,
+}
+
+/// Forwards `stderr` of a rank line by line, except its `error:` lines,
+/// which it returns (without the prefix) for the launcher to print once.
+fn read_errors(stderr: std::process::ChildStderr) -> std::thread::JoinHandle<Vec<String>> {
+    std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let mut kept = Vec::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(|l| l.ok())
+        {
+            match line.strip_prefix("error: ") {
+                Some(msg) => kept.push(msg.to_string()),
+                None => {
+                    let _ = writeln!(std::io::stderr(), "{line}");
+                }
+            }
+        }
+        kept
+    })
+}
+
+/// Every rank's error messages, each distinct one once with the ranks that
+/// gave it: `rank 1: …; ranks 0, 2: …`.
+fn rank_errors(ranks: &mut [Rank]) -> String {
+    let mut by_msg: Vec<(String, Vec<usize>)> = Vec::new();
+    for r in ranks.iter_mut() {
+        let msgs = r
+            .errors
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
+        for msg in msgs {
+            match by_msg.iter_mut().find(|(m, _)| *m == msg) {
+                Some((_, who)) => who.push(r.rank),
+                None => by_msg.push((msg, vec![r.rank])),
+            }
+        }
+    }
+    by_msg
+        .into_iter()
+        .map(|(msg, who)| {
+            let names: Vec<String> = who.iter().map(|r| r.to_string()).collect();
+            let label = if who.len() == 1 { "rank" } else { "ranks" };
+            format!("{label} {}: {msg}", names.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Runs `foldmoe launch`: starts the ranks of this node, waits for them,
@@ -235,12 +287,17 @@ pub fn run(opts: LaunchOptions) -> Result<(), CliError> {
             .env("MASTER_PORT", plan.master_port.to_string())
             .env(TIMEOUT_VAR, plan.timeout.as_secs_f64().to_string());
         die_with_parent(&mut cmd);
+        cmd.stderr(std::process::Stdio::piped());
         match cmd.spawn() {
-            Ok(child) => ranks.push(Rank {
-                rank,
-                child,
-                status: None,
-            }),
+            Ok(mut child) => {
+                let errors = child.stderr.take().map(read_errors);
+                ranks.push(Rank {
+                    rank,
+                    child,
+                    status: None,
+                    errors,
+                })
+            }
             Err(e) => {
                 for r in &mut ranks {
                     let _ = r.child.kill();
@@ -344,8 +401,15 @@ fn supervise(ranks: &mut [Rank], timeout: Duration) -> Result<(), CliError> {
         std::thread::sleep(Duration::from_millis(20));
     }
 
+    // The ranks have exited: their readers end with their pipes.
+    let said = rank_errors(ranks);
     let Some((rank, what)) = first else {
         return Ok(());
+    };
+    let said = if said.is_empty() {
+        String::new()
+    } else {
+        format!("; {said}")
     };
     let others = if killed.is_empty() {
         "the other ranks stopped".to_string()
@@ -360,14 +424,14 @@ fn supervise(ranks: &mut [Rank], timeout: Duration) -> Result<(), CliError> {
         return Err(CliError::Exit {
             code: 128 + sig,
             msg: format!(
-                "launch: interrupted ({} forwarded to the ranks); rank {rank} {what}; {others}",
+                "launch: interrupted ({} forwarded to the ranks); rank {rank} {what}; {others}{said}",
                 signal_name(sig)
             ),
         });
     }
     Err(CliError::Exit {
         code: 1,
-        msg: format!("launch: rank {rank} {what}; {others}"),
+        msg: format!("launch: rank {rank} {what}; {others}{said}"),
     })
 }
 

@@ -234,6 +234,21 @@ fn bad_launch_arguments_and_variables_are_one_line_errors() {
     let err = stderr(&o);
     assert!(err.contains("--ranks 3 but WORLD_SIZE = 2"), "{err}");
     assert!(err.contains("error: launch: rank "), "{err}");
+    // Every rank's error once, by the launcher, naming the ranks.
+    assert_eq!(
+        err.matches("--ranks 3 but WORLD_SIZE = 2").count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains("ranks 0, 1: --ranks 3 but WORLD_SIZE = 2"),
+        "{err}"
+    );
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error")).count(),
+        1,
+        "{err}"
+    );
     assert!(start.elapsed() < Duration::from_secs(15));
     assert!(!dir.join("c").exists());
 }
