@@ -626,6 +626,11 @@ pub struct SpecError {
     pub message: String,
 }
 
+/// The largest vocabulary, hidden size and sequence length a spec may have
+/// (2^24: beyond every published model, and small enough that parameter
+/// and byte counts stay exact in u64).
+pub const MAX_DIM: usize = 1 << 24;
+
 impl ModelSpec {
     /// Total number of blocks.
     pub fn layers(&self) -> usize {
@@ -730,6 +735,11 @@ impl ModelSpec {
         ] {
             if v == 0 {
                 err(name.into(), format!("{name} = 0; it must be at least 1"));
+            } else if v > MAX_DIM {
+                err(
+                    name.into(),
+                    format!("{name} = {v}; it must be at most {MAX_DIM} (2^24)"),
+                );
             }
         }
         if self.norm_eps.is_nan() || self.norm_eps <= 0.0 {
@@ -1467,5 +1477,18 @@ mod tests {
             paths,
             ["groups[0].attention.kv_heads", "groups[0].moe.expert_ffn"]
         );
+    }
+
+    /// A vocabulary or sequence past 2^24 is an error naming it, before any
+    /// count of parameters or bytes could overflow.
+    #[test]
+    fn sizes_past_the_bound_are_errors() {
+        let mut spec = spec_with(moe_group());
+        spec.vocab = MAX_DIM + 1;
+        spec.seq_len = usize::MAX;
+        let errs = spec.check().unwrap_err();
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["vocab", "seq_len"]);
+        assert!(errs[0].message.contains("at most 16777216"), "{}", errs[0]);
     }
 }
