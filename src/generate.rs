@@ -18,23 +18,10 @@ use crate::train::load_model;
 pub const MAX_GENERATE_TOKENS: usize = 1_000_000;
 
 /// Samples `count` tokens after `prompt` (temperature 0: greedy), feeding the
-/// last `seq_len` tokens as context each time (no KV cache: the model is small).
-pub fn sample<B: Backend>(
-    b: &B,
-    model: &ParallelModel<B>,
-    prompt: &[i32],
-    count: usize,
-    temperature: f64,
-    seed: u64,
-) -> Result<Vec<i32>, CliError> {
-    sample_streaming(b, model, prompt, count, temperature, seed, &mut |_| {
-        Ok(true)
-    })
-}
-
-/// [`sample`], handing each token to `on_token` as soon as it is drawn; it
+/// last `seq_len` tokens as context each time (no KV cache: the model is
+/// small), handing each to `on_token` as soon as it is drawn; `on_token`
 /// returns `false` to stop early (Ctrl-C), keeping what was made.
-pub fn sample_streaming<B: Backend>(
+pub fn sample<B: Backend>(
     b: &B,
     model: &ParallelModel<B>,
     prompt: &[i32],
@@ -146,7 +133,7 @@ pub fn run<B: Backend>(
     };
     write(&mut out, prompt.as_bytes())?;
     let mut made = 0usize;
-    sample_streaming(
+    sample(
         b,
         &model,
         &tok.encode(prompt),

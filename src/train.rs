@@ -1105,6 +1105,7 @@ fn train_loop<B: Backend>(
             settings.sample_tokens,
             0.8,
             settings.seed,
+            &mut |_| Ok(true),
         )?;
         println!("\nsample: {prompt}{}\n", tok.decode(&ids));
     }
