@@ -1107,7 +1107,21 @@ fn train_loop<B: Backend>(
             settings.seed,
             &mut |_| Ok(true),
         )?;
-        println!("\nsample: {prompt}{}\n", tok.decode(&ids));
+        // Control bytes the model makes are escaped on a terminal, as
+        // `generate` does.
+        let escape = std::io::IsTerminal::is_terminal(&std::io::stdout());
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| {
+                let byte = id as u8;
+                if escape {
+                    crate::generate::escaped(byte)
+                } else {
+                    vec![byte]
+                }
+            })
+            .collect();
+        println!("\nsample: {prompt}{}\n", String::from_utf8_lossy(&bytes));
     }
     if engine.comm_seconds().is_some() && step_seconds > 0.0 {
         println!(
