@@ -43,6 +43,7 @@ use super::parallel::shard::for_each_run;
 use super::parallel::trainer::ParallelTrainer;
 use super::parallel::Ctx;
 use super::parallel::ParallelModel;
+use crate::engine::optim::MASTER_SUFFIX;
 use crate::engine::param::Param;
 use crate::engine::{EngineError, Result};
 
@@ -769,7 +770,7 @@ impl Source {
                 let kind = match suffix {
                     "exp_avg" => StateKind::ExpAvg,
                     "exp_avg_sq" => StateKind::ExpAvgSq,
-                    "fp32_param" => StateKind::Master,
+                    MASTER_SUFFIX => StateKind::Master,
                     _ => continue,
                 };
                 (n.to_string(), kind)

@@ -1,6 +1,6 @@
-//! Parameter shards: which block of a full parameter one rank holds, how to
-//! cut it from the full tensor at start-up, and how to put shards back
-//! together (checkpoints, tests).
+//! Parameter shards: which block of a full parameter one rank holds (the
+//! shard plan says which), how blocks are walked run by run (initialisation,
+//! checkpoints), and how shards are put back together (tests).
 //!
 //! A parameter is split along at most one dimension per mesh axis: tp splits
 //! attention heads, the dense ffn and the vocabulary; ep splits the expert
@@ -8,8 +8,7 @@
 
 use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
-use crate::engine::param::Param;
-use crate::engine::{EngineError, Result};
+use crate::engine::Result;
 
 /// The mesh axis a parameter is split over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,55 +182,6 @@ pub fn upload_as<B: Backend>(
     } else {
         b.cast(&t, dtype)?
     })
-}
-
-/// Replaces the whole parameter `p` by this rank's shard under `splits`
-/// (start-up only: a block of whole rows is copied on the device, other
-/// blocks go through the host). The name stays the full
-/// parameter's, so checkpoints and gradient checks address it globally.
-pub fn shard_param<B: Backend>(b: &B, p: &mut Param<B>, splits: Vec<Split>) -> Result<()> {
-    if splits.is_empty() {
-        return Ok(());
-    }
-    if p.shard.is_some() {
-        return Err(EngineError::Invalid(format!(
-            "parameter {} is already a shard; shard the full parameter once",
-            p.name
-        )));
-    }
-    let full_shape = p.value.shape().to_vec();
-    for s in &splits {
-        let ok = s.dim < full_shape.len()
-            && s.parts > 0
-            && s.index < s.parts
-            && full_shape[s.dim].is_multiple_of(s.parts);
-        if !ok {
-            return Err(EngineError::Invalid(format!(
-                "parameter {} of shape {full_shape:?}: cannot take part {} of {} along dim {} ({:?})",
-                p.name, s.index, s.parts, s.dim, s.axis
-            )));
-        }
-    }
-    let spec = ShardSpec { full_shape, splits };
-    let ranges = spec.ranges();
-    let shard_shape: Vec<usize> = ranges.iter().map(|r| r.1).collect();
-    let dtype = p.value.dtype();
-    let whole_below = ranges[1..]
-        .iter()
-        .zip(&spec.full_shape[1..])
-        .all(|(r, &n)| r.1 == n);
-    p.value = if whole_below {
-        // A block of whole rows (the expert dimension of stacked expert
-        // weights, the vocabulary): one copy on the device, so a model of
-        // billions of parameters does not go through the host.
-        b.narrow(&p.value, ranges[0].0, ranges[0].1)?
-    } else {
-        let full = b.download(&p.value)?.to_f64();
-        upload_as(b, cut_block(&full, &spec), &shard_shape, dtype)?
-    };
-    p.grad = b.zeros(&shard_shape, dtype)?;
-    p.shard = Some(Box::new(spec));
-    Ok(())
 }
 
 #[cfg(test)]
