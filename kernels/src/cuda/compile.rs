@@ -34,6 +34,11 @@ pub(crate) const LINALG: Module = Module {
     name: "linalg.cu",
     src: include_str!("linalg.cu"),
 };
+/// The Hopper (sm_90a) grouped GEMMs on TMA and wgmma (empty elsewhere).
+pub(crate) const GROUPED_SM90: Module = Module {
+    name: "grouped_sm90.cu",
+    src: include_str!("grouped_sm90.cu"),
+};
 /// RMSNorm and RoPE.
 pub(crate) const NORM: Module = Module {
     name: "norm.cu",
@@ -52,9 +57,10 @@ pub(crate) const OPTIM: Module = Module {
 
 /// Every module, for checks that compile them all.
 #[cfg(test)]
-pub(crate) const ALL: [Module; 8] = [
+pub(crate) const ALL: [Module; 9] = [
     ELEMENTWISE,
     LINALG,
+    GROUPED_SM90,
     NORM,
     LOSS,
     OPTIM,

@@ -1,15 +1,20 @@
 //! CUDA dense and grouped matrix products (row-major). Dense GEMMs run on
-//! cuBLAS; the grouped GEMM and its weight gradient are kernels of
-//! `linalg.cu` that read the group sizes on the device, so the MoE layer
-//! never waits for the host: on bf16 tensor-core kernels (mma.sync, 128 × 256
-//! tiles, a 4-stage cp.async pipeline), on f32/f64 plain ones.
+//! cuBLAS; the grouped GEMM and its weight gradient are kernels that read the
+//! group sizes on the device, so the MoE layer never waits for the host. In
+//! bf16 on Hopper (sm_90a) they are `grouped_sm90.cu`'s persistent,
+//! warp-specialised TMA + wgmma kernels (tensor maps built here per call);
+//! elsewhere, and for shapes a tensor map cannot describe (K or N not a
+//! multiple of 8), `linalg.cu`'s mma.sync kernels (128 × 256 tiles, a 4-stage
+//! cp.async pipeline); f32/f64 run on plain kernels.
 //!
 //! Shape letters: M rows, K inner dimension, N columns, G groups.
 
-use cudarc::cublas::{result as blas, sys as bsys};
-use cudarc::driver::{result as drv, LaunchConfig};
+use std::sync::OnceLock;
 
-use super::compile::LINALG;
+use cudarc::cublas::{result as blas, sys as bsys};
+use cudarc::driver::{result as drv, sys, LaunchConfig};
+
+use super::compile::{GROUPED_SM90, LINALG};
 use super::{float_sfx, launch, Cuda};
 use crate::backend::{Device, LinalgOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -31,6 +36,92 @@ const TC_SMEM_BYTES: usize = 4 * (128 * 64 + 64 * 256) * 2;
 fn tc_func(d: &Cuda, name: &str) -> Result<cudarc::driver::CudaFunction> {
     d.bind()?;
     d.func_smem(LINALG, name, TC_SMEM_BYTES as u32)
+}
+
+/// Which kernels run a bf16 grouped GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GroupedKernel {
+    /// `linalg.cu`'s mma.sync kernels: any sm_80+ GPU, any shape.
+    MmaSync,
+    /// `grouped_sm90.cu`'s TMA + wgmma kernels: sm_90a, K and N multiples of 8.
+    Wgmma,
+}
+
+/// `FOLDMOE_GROUPED_GEMM=mma` keeps the mma.sync kernels on Hopper too (read
+/// once per process).
+fn wgmma_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_GROUPED_GEMM").map_or(true, |v| v != "mma"))
+}
+
+/// Bytes of one pipeline stage of the wgmma kernels (`GW_STAGE_BYTES`: a
+/// 128 × 64 A tile and a 64 × 256 B tile, bf16).
+const GW_STAGE_BYTES: usize = (128 * 64 + 64 * 256) * 2;
+
+/// Pipeline stages of the wgmma kernels (`GW_STAGES`).
+const GW_STAGES: usize = 4;
+
+/// Threads of a wgmma kernel's block: two consumer warpgroups, one producer.
+const GW_THREADS: u32 = 384;
+
+/// Dynamic shared memory of a wgmma kernel over `g` groups: 1024 bytes to
+/// align the stages, the stages, 128 bytes of mbarriers, the 8 consumer
+/// warps' epilogue buffers (16 × 144 bytes) and the group and tile offsets
+/// (`GW_OFFS_OFF + 16 (G + 1)`).
+fn gw_smem_bytes(g: usize) -> usize {
+    1024 + GW_STAGES * GW_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
+}
+
+/// The most dynamic shared memory a Hopper block may ask for.
+const GW_MAX_SMEM: usize = 227 << 10;
+
+/// A `CUtensorMap`, passed by value to the wgmma kernels
+/// (`__grid_constant__ TmaMap`).
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct TmaMap(sys::CUtensorMap);
+
+// 128 plain bytes, laid out as the kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for TmaMap {}
+
+/// The tensor map of a dense row-major bf16 array at `ptr` whose dimensions,
+/// innermost first, are `dims`, copied in boxes of `boxes` elements with the
+/// 128-byte swizzle (the box's inner extent is 64 elements = 128 bytes);
+/// elements outside the array arrive as zeros.
+fn tma_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -> Result<TmaMap> {
+    let rank = dims.len();
+    let mut strides = [0u64; 4];
+    let mut s = 2u64;
+    for i in 0..rank - 1 {
+        s *= dims[i];
+        strides[i] = s;
+    }
+    let elem = [1u32; 5];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            rank as u32,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| {
+        arg_err(
+            op,
+            format!("no tensor map for dims {dims:?}, boxes {boxes:?}: {e:?}"),
+        )
+    })?;
+    Ok(TmaMap(unsafe { map.assume_init() }))
 }
 
 /// A 1-d grid of `blocks`, or an error naming `op` past CUDA's limit.
@@ -136,6 +227,298 @@ impl Cuda {
             TC_TILE as i64
         )?;
         Ok((offs, tiles))
+    }
+}
+
+impl Cuda {
+    /// Whether the wgmma kernels can take a product of `m` rows, inner
+    /// dimension `k` (wgrad: the row count), `n` columns and `g` groups over
+    /// the arrays at `ptrs`: an sm_90a device, K and N multiples of 8 (the
+    /// tensor maps' 16-byte row strides), 16-byte aligned bases, sizes within
+    /// the copy engine's 32-bit coordinates, the offsets within shared memory.
+    fn wgmma_fits(&self, m: usize, k: usize, n: usize, g: usize, ptrs: &[u64]) -> bool {
+        let lim = i32::MAX as usize;
+        self.arch() == "sm_90a"
+            && m > 0
+            && k > 0
+            && n > 0
+            && g > 0
+            && k.is_multiple_of(8)
+            && n.is_multiple_of(8)
+            && m < lim
+            && k < lim
+            && n < lim
+            && g < lim
+            && gw_smem_bytes(g) <= GW_MAX_SMEM
+            && ptrs.iter().all(|p| p % 16 == 0)
+    }
+
+    /// The kernel for a bf16 grouped product: `want`, or (None) the wgmma
+    /// kernels where they fit and `FOLDMOE_GROUPED_GEMM` is not `mma`. Asking
+    /// for wgmma where it does not fit is an error.
+    fn grouped_kernel(
+        &self,
+        op: &'static str,
+        want: Option<GroupedKernel>,
+        fits: bool,
+    ) -> Result<GroupedKernel> {
+        match want {
+            Some(GroupedKernel::Wgmma) if !fits => Err(arg_err(
+                op,
+                format!(
+                    "the wgmma grouped GEMM needs an sm_90a GPU (this one: {}), K and N multiples of 8 and 16-byte aligned operands",
+                    self.arch()
+                ),
+            )),
+            Some(k) => Ok(k),
+            None if fits && wgmma_allowed() => Ok(GroupedKernel::Wgmma),
+            None => Ok(GroupedKernel::MmaSync),
+        }
+    }
+
+    /// Blocks of a persistent wgmma launch over at most `tiles` tiles: one per
+    /// multiprocessor.
+    fn gw_grid(&self, tiles: usize) -> Result<u32> {
+        let sms = self
+            .ctx()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| super::alloc::driver_err("reading the multiprocessor count", e))?;
+        Ok(tiles.clamp(1, sms.max(1) as usize) as u32)
+    }
+
+    /// `grouped_matmul` with the bf16 kernel chosen by `kernel` (None: the
+    /// default); f32 and f64 ignore it.
+    pub(crate) fn grouped_matmul_on(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+        kernel: Option<GroupedKernel>,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul";
+        let sfx = float_sfx(OP, x.dtype())?;
+        let (m, k) = x.dims2(OP)?;
+        let (g, wr, wc) = w.dims3(OP)?;
+        let (wk, n) = if trans_w { (wc, wr) } else { (wr, wc) };
+        if wk != k {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x {:?} has K = {k}, w {:?} (trans_w = {trans_w}) has K = {wk}",
+                    x.shape(),
+                    w.shape()
+                ),
+            ));
+        }
+        w.expect_dtype(OP, x.dtype())?;
+        let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        if x.dtype() == DType::BF16 {
+            let (xp, wp) = (x.storage().ptr(), w.storage().ptr());
+            let fits = self.wgmma_fits(m, k, n, g, &[xp, wp]);
+            let kernel = self.grouped_kernel(OP, kernel, fits)?;
+            if m * n == 0 || k == 0 || g == 0 {
+                return self.zeros(&[m, n], x.dtype());
+            }
+            if kernel == GroupedKernel::Wgmma {
+                // Every row is written: tiles past the last group store zeros.
+                let out = self.alloc(OP, &[m, n], x.dtype())?;
+                let (m64, k64, n64, g64) = (m as u64, k as u64, n as u64, g as u64);
+                let ta = tma_map(OP, xp, &[k64, m64], &[64, 128])?;
+                let (name, tb) = if trans_w {
+                    let tb = tma_map(OP, wp, &[k64, n64, g64], &[64, 256, 1])?;
+                    ("grouped_mm_wgmma_bf16_nt", tb)
+                } else {
+                    let tb = tma_map(OP, wp, &[n64, k64, g64], &[64, 64, 1])?;
+                    ("grouped_mm_wgmma_bf16_nn", tb)
+                };
+                let smem = gw_smem_bytes(g) as u32;
+                self.bind()?;
+                let f = self.func_smem(GROUPED_SM90, name, smem)?;
+                // At most M / 128 + G + 1 row tiles (the last for the rows
+                // past the groups), each ceil(N / 256) column tiles.
+                let grid = self.gw_grid((m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N))?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (GW_THREADS, 1, 1),
+                    shared_mem_bytes: smem,
+                };
+                launch!(
+                    self,
+                    f,
+                    cfg,
+                    ta,
+                    tb,
+                    offs.ptr(),
+                    tiles.ptr(),
+                    out.storage().ptr(),
+                    m as i64,
+                    k as i64,
+                    n as i64,
+                    g as i32
+                )?;
+                return Ok(out);
+            }
+            // mma.sync; rows past the last group stay zero from here.
+            let out = self.zeros(&[m, n], x.dtype())?;
+            let name = if trans_w {
+                "grouped_mm_tc_bf16_nt"
+            } else {
+                "grouped_mm_tc_bf16_nn"
+            };
+            let f = tc_func(self, name)?;
+            // Row tiles (at most M / 128 + G) times column tiles, the
+            // column tiles fastest.
+            let blocks = (m.div_ceil(TC_TILE) + g) * n.div_ceil(TC_TILE_N);
+            let cfg = LaunchConfig {
+                grid_dim: (grid_1d(OP, blocks)?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: TC_SMEM_BYTES as u32,
+            };
+            launch!(
+                self,
+                f,
+                cfg,
+                xp,
+                wp,
+                offs.ptr(),
+                tiles.ptr(),
+                out.storage().ptr(),
+                k as i64,
+                n as i64,
+                g as i32
+            )?;
+            return Ok(out);
+        }
+        let out = self.alloc(OP, &[m, n], x.dtype())?;
+        if m * n > 0 {
+            let f = self.func(LINALG, &format!("grouped_mm_{sfx}"))?;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+                block_dim: (16, 16, 1),
+                shared_mem_bytes: ((g + 1) * 8) as u32,
+            };
+            launch!(
+                self,
+                f,
+                cfg,
+                x.storage().ptr(),
+                w.storage().ptr(),
+                offs.ptr(),
+                out.storage().ptr(),
+                m as i64,
+                k as i64,
+                n as i64,
+                g as i32,
+                trans_w as i32
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// `grouped_matmul_weight_grad` with the bf16 kernel chosen by `kernel`
+    /// (None: the default); f32 and f64 ignore it.
+    pub(crate) fn grouped_wgrad_on(
+        &self,
+        x: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        kernel: Option<GroupedKernel>,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_weight_grad";
+        let sfx = float_sfx(OP, x.dtype())?;
+        let (m, k) = x.dims2(OP)?;
+        let (my, n) = dy.dims2(OP)?;
+        if my != m {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x {:?} and dy {:?} disagree on the row count",
+                    x.shape(),
+                    dy.shape()
+                ),
+            ));
+        }
+        let g = match group_sizes.shape() {
+            [g] => *g,
+            other => {
+                return Err(shape_err(
+                    OP,
+                    format!("group_sizes must be 1-d [G], got shape {other:?}"),
+                ))
+            }
+        };
+        dy.expect_dtype(OP, x.dtype())?;
+        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        if x.dtype() == DType::BF16 {
+            let (xp, dp) = (x.storage().ptr(), dy.storage().ptr());
+            let fits = self.wgmma_fits(m, k, n, g, &[xp, dp]);
+            let kernel = self.grouped_kernel(OP, kernel, fits)?;
+            if kernel == GroupedKernel::Wgmma {
+                // m, k, n, g > 0 (wgmma_fits); empty groups store zeros.
+                let out = self.alloc(OP, &[g, k, n], x.dtype())?;
+                let (m64, k64, n64) = (m as u64, k as u64, n as u64);
+                let ta = tma_map(OP, xp, &[k64, m64], &[64, 64])?;
+                let tb = tma_map(OP, dp, &[n64, m64], &[64, 64])?;
+                let smem = gw_smem_bytes(g) as u32;
+                self.bind()?;
+                let f = self.func_smem(GROUPED_SM90, "grouped_wgrad_wgmma_bf16", smem)?;
+                let grid = self.gw_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (GW_THREADS, 1, 1),
+                    shared_mem_bytes: smem,
+                };
+                launch!(
+                    self,
+                    f,
+                    cfg,
+                    ta,
+                    tb,
+                    offs.ptr(),
+                    out.storage().ptr(),
+                    m as i64,
+                    k as i64,
+                    n as i64,
+                    g as i32
+                )?;
+                return Ok(out);
+            }
+        }
+        let out = self.alloc(OP, &[g, k, n], x.dtype())?;
+        if g * k * n > 0 {
+            let (f, cfg) = if x.dtype() == DType::BF16 {
+                // Tensor cores; one block per 128 × 256 output tile of a group.
+                let grid = (
+                    n.div_ceil(TC_TILE_N) as u32,
+                    k.div_ceil(TC_TILE) as u32,
+                    g as u32,
+                );
+                let f = tc_func(self, "grouped_wgrad_tc_bf16")?;
+                (f, (grid, (256, 1, 1), TC_SMEM_BYTES as u32))
+            } else {
+                let grid = (n.div_ceil(32) as u32, k.div_ceil(8) as u32, g as u32);
+                let f = self.func(LINALG, &format!("grouped_wgrad_{sfx}"))?;
+                (f, (grid, (32, 8, 1), 0))
+            };
+            let cfg = LaunchConfig {
+                grid_dim: cfg.0,
+                block_dim: cfg.1,
+                shared_mem_bytes: cfg.2,
+            };
+            launch!(
+                self,
+                f,
+                cfg,
+                x.storage().ptr(),
+                dy.storage().ptr(),
+                offs.ptr(),
+                out.storage().ptr(),
+                k as i64,
+                n as i64
+            )?;
+        }
+        Ok(out)
     }
 }
 
@@ -333,81 +716,7 @@ impl LinalgOps for Cuda {
         group_sizes: &Tensor<Self>,
         trans_w: bool,
     ) -> Result<Tensor<Self>> {
-        const OP: &str = "grouped_matmul";
-        let sfx = float_sfx(OP, x.dtype())?;
-        let (m, k) = x.dims2(OP)?;
-        let (g, wr, wc) = w.dims3(OP)?;
-        let (wk, n) = if trans_w { (wc, wr) } else { (wr, wc) };
-        if wk != k {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "x {:?} has K = {k}, w {:?} (trans_w = {trans_w}) has K = {wk}",
-                    x.shape(),
-                    w.shape()
-                ),
-            ));
-        }
-        w.expect_dtype(OP, x.dtype())?;
-        let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
-        if x.dtype() == DType::BF16 {
-            // Tensor cores; rows past the last group stay zero from here.
-            let out = self.zeros(&[m, n], x.dtype())?;
-            if m * n > 0 && k > 0 {
-                let name = if trans_w {
-                    "grouped_mm_tc_bf16_nt"
-                } else {
-                    "grouped_mm_tc_bf16_nn"
-                };
-                let f = tc_func(self, name)?;
-                // Row tiles (at most M / 128 + G) times column tiles, the
-                // column tiles fastest.
-                let blocks = (m.div_ceil(TC_TILE) + g) * n.div_ceil(TC_TILE_N);
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_1d(OP, blocks)?, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: TC_SMEM_BYTES as u32,
-                };
-                launch!(
-                    self,
-                    f,
-                    cfg,
-                    x.storage().ptr(),
-                    w.storage().ptr(),
-                    offs.ptr(),
-                    tiles.ptr(),
-                    out.storage().ptr(),
-                    k as i64,
-                    n as i64,
-                    g as i32
-                )?;
-            }
-            return Ok(out);
-        }
-        let out = self.alloc(OP, &[m, n], x.dtype())?;
-        if m * n > 0 {
-            let f = self.func(LINALG, &format!("grouped_mm_{sfx}"))?;
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
-                block_dim: (16, 16, 1),
-                shared_mem_bytes: ((g + 1) * 8) as u32,
-            };
-            launch!(
-                self,
-                f,
-                cfg,
-                x.storage().ptr(),
-                w.storage().ptr(),
-                offs.ptr(),
-                out.storage().ptr(),
-                m as i64,
-                k as i64,
-                n as i64,
-                g as i32,
-                trans_w as i32
-            )?;
-        }
-        Ok(out)
+        self.grouped_matmul_on(x, w, group_sizes, trans_w, None)
     }
 
     fn grouped_matmul_weight_grad(
@@ -416,65 +725,7 @@ impl LinalgOps for Cuda {
         dy: &Tensor<Self>,
         group_sizes: &Tensor<Self>,
     ) -> Result<Tensor<Self>> {
-        const OP: &str = "grouped_matmul_weight_grad";
-        let sfx = float_sfx(OP, x.dtype())?;
-        let (m, k) = x.dims2(OP)?;
-        let (my, n) = dy.dims2(OP)?;
-        if my != m {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "x {:?} and dy {:?} disagree on the row count",
-                    x.shape(),
-                    dy.shape()
-                ),
-            ));
-        }
-        let g = match group_sizes.shape() {
-            [g] => *g,
-            other => {
-                return Err(shape_err(
-                    OP,
-                    format!("group_sizes must be 1-d [G], got shape {other:?}"),
-                ))
-            }
-        };
-        dy.expect_dtype(OP, x.dtype())?;
-        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
-        let out = self.alloc(OP, &[g, k, n], x.dtype())?;
-        if g * k * n > 0 {
-            let (f, cfg) = if x.dtype() == DType::BF16 {
-                // Tensor cores; one block per 128 × 256 output tile of a group.
-                let grid = (
-                    n.div_ceil(TC_TILE_N) as u32,
-                    k.div_ceil(TC_TILE) as u32,
-                    g as u32,
-                );
-                let f = tc_func(self, "grouped_wgrad_tc_bf16")?;
-                (f, (grid, (256, 1, 1), TC_SMEM_BYTES as u32))
-            } else {
-                let grid = (n.div_ceil(32) as u32, k.div_ceil(8) as u32, g as u32);
-                let f = self.func(LINALG, &format!("grouped_wgrad_{sfx}"))?;
-                (f, (grid, (32, 8, 1), 0))
-            };
-            let cfg = LaunchConfig {
-                grid_dim: cfg.0,
-                block_dim: cfg.1,
-                shared_mem_bytes: cfg.2,
-            };
-            launch!(
-                self,
-                f,
-                cfg,
-                x.storage().ptr(),
-                dy.storage().ptr(),
-                offs.ptr(),
-                out.storage().ptr(),
-                k as i64,
-                n as i64
-            )?;
-        }
-        Ok(out)
+        self.grouped_wgrad_on(x, dy, group_sizes, None)
     }
 }
 
@@ -532,14 +783,43 @@ mod tests {
         );
     }
 
-    /// The bf16 tensor-core grouped GEMMs (both layouts) and weight gradient
-    /// against the f32 kernels on the same bf16-rounded inputs, at the edges
-    /// of their tiles: group ends inside a 128-row tile, empty groups,
-    /// padding rows, N past a 256-column tile, K over more steps than the
-    /// 4-stage pipeline holds (and at the MoE's 2048), K and N not multiples
-    /// of 8 (element loads and stores), and the fc2 shape K = 768, N = 2048
-    /// with groups of 64·n + 1, 64·n and 64·n - 1 rows (the weight gradient
-    /// loads whole 64-row steps unchecked and checks only a group's last).
+    /// The kernels to check at K, N: mma.sync always, wgmma where the device
+    /// is sm_90a and the shape fits it.
+    fn kernels_for(d: &Cuda, k: usize, n: usize) -> Vec<GroupedKernel> {
+        let mut v = vec![GroupedKernel::MmaSync];
+        if d.arch() == "sm_90a" && k.is_multiple_of(8) && n.is_multiple_of(8) {
+            v.push(GroupedKernel::Wgmma);
+        }
+        v
+    }
+
+    /// Leaves a freed NaN-filled block of `shape` in the pool, so the next
+    /// allocation of that size (the product's output) starts as NaN: an
+    /// element the kernel fails to write shows up.
+    fn poison(d: &Cuda, shape: &[usize]) {
+        let n: usize = shape.iter().product();
+        let t = d
+            .cast(
+                &d.upload(HostData::F32(vec![f32::NAN; n]), shape).unwrap(),
+                DType::BF16,
+            )
+            .unwrap();
+        drop(t);
+    }
+
+    /// The bf16 grouped GEMMs (both layouts) and weight gradient, on every
+    /// kernel the device has (mma.sync; wgmma on sm_90a), against the f32
+    /// kernels on the same bf16-rounded inputs, at the edges of their tiles:
+    /// group ends inside a 128-row tile, empty groups, 1-row groups, sizes
+    /// summing to less than M (the rows past them must come out zero), N past
+    /// a 256-column tile, K over more steps than the 4-stage pipeline holds
+    /// (and at the MoE's 2048), K and N multiples of 8 but not of 64 (the
+    /// copy engine's zero fill), K and N not multiples of 8 (mma.sync only:
+    /// element loads and stores), the fc2 shape K = 768, N = 2048 with groups
+    /// of 64·n + 1, 64·n and 64·n - 1 rows (the weight gradient's last,
+    /// partial step of a group), and 128 groups of uneven sizes. Each output
+    /// starts as NaN (`poison`), and each wgmma result is computed twice and
+    /// must be bit-identical (no race).
     #[test]
     #[cfg_attr(
         not(foldmoe_gpu_tests),
@@ -547,32 +827,230 @@ mod tests {
     )]
     fn tensor_core_grouped_gemms_match_f32() {
         let d = crate::cuda::require_test_device();
-        let cases: [(&[i32], usize, usize, usize); 6] = [
-            (&[300, 0, 1, 257, 64, 0, 513], 1200, 320, 520),
-            (&[1024, 1000, 0, 1100], 3200, 2048, 768),
-            (&[129, 1024, 0, 63, 640, 65], 2000, 768, 2048),
-            (&[5, 130, 0, 70], 210, 77, 203),
-            (&[129, 3], 140, 72, 13),
-            (&[0, 0], 10, 64, 64),
+        let uneven: Vec<i32> = (0..128)
+            .map(|i| if i % 11 == 3 { 0 } else { i * 37 % 97 + i % 3 })
+            .collect();
+        let uneven_m = uneven.iter().sum::<i32>() as usize;
+        let cases: Vec<(Vec<i32>, usize, usize, usize)> = vec![
+            (vec![300, 0, 1, 257, 64, 0, 513], 1200, 320, 520),
+            (vec![1024, 1000, 0, 1100], 3200, 2048, 768),
+            (vec![129, 1024, 0, 63, 640, 65], 2000, 768, 2048),
+            (vec![5, 130, 0, 70], 210, 77, 203),
+            (vec![129, 3], 140, 72, 13),
+            (vec![0, 0], 10, 64, 64),
+            (vec![1, 1, 0, 1, 200, 0, 127, 128, 129], 700, 136, 264),
+            (vec![0, 0, 0, 333, 0], 400, 2048, 768),
+            (vec![1], 1, 8, 8),
+            (uneven, uneven_m + 3, 256, 520),
         ];
         for (ci, (sizes, m, k, n)) in cases.into_iter().enumerate() {
             let g = sizes.len();
-            let gs = d.upload(HostData::I32(sizes.to_vec()), &[g]).unwrap();
+            let gs = d.upload(HostData::I32(sizes.clone()), &[g]).unwrap();
             let seed = 10 * ci as u64;
             let (x32, x16) = pair(&d, &[m, k], seed + 1);
             for trans_w in [false, true] {
                 let ws = if trans_w { [g, n, k] } else { [g, k, n] };
                 let (w32, w16) = pair(&d, &ws, seed + 2);
                 let want = host(&d, &d.grouped_matmul(&x32, &w32, &gs, trans_w).unwrap());
-                let got = host(&d, &d.grouped_matmul(&x16, &w16, &gs, trans_w).unwrap());
-                let what = format!("grouped_matmul {sizes:?} m={m} k={k} n={n} trans_w={trans_w}");
-                assert_close(&what, &got, &want, n);
+                for kernel in kernels_for(&d, k, n) {
+                    poison(&d, &[m, n]);
+                    let run = || {
+                        d.grouped_matmul_on(&x16, &w16, &gs, trans_w, Some(kernel))
+                            .unwrap()
+                    };
+                    let got = host(&d, &run());
+                    let what = format!(
+                        "grouped_matmul {kernel:?} {sizes:?} m={m} k={k} n={n} trans_w={trans_w}"
+                    );
+                    assert_close(&what, &got, &want, n);
+                    if kernel == GroupedKernel::Wgmma {
+                        assert_eq!(host(&d, &run()), got, "{what}: a second run differs");
+                    }
+                }
             }
             let (dy32, dy16) = pair(&d, &[m, n], seed + 3);
             let want = host(&d, &d.grouped_matmul_weight_grad(&x32, &dy32, &gs).unwrap());
-            let got = host(&d, &d.grouped_matmul_weight_grad(&x16, &dy16, &gs).unwrap());
-            let what = format!("grouped_matmul_weight_grad {sizes:?} m={m} k={k} n={n}");
-            assert_close(&what, &got, &want, n);
+            for kernel in kernels_for(&d, k, n) {
+                poison(&d, &[g, k, n]);
+                let run = || d.grouped_wgrad_on(&x16, &dy16, &gs, Some(kernel)).unwrap();
+                let got = host(&d, &run());
+                let what =
+                    format!("grouped_matmul_weight_grad {kernel:?} {sizes:?} m={m} k={k} n={n}");
+                assert_close(&what, &got, &want, n);
+                if kernel == GroupedKernel::Wgmma {
+                    assert_eq!(host(&d, &run()), got, "{what}: a second run differs");
+                }
+            }
+        }
+    }
+
+    /// The wgmma kernels alone on one small ragged case (1-row and empty
+    /// groups, a partial 64-row step, K and N not multiples of 64, rows past
+    /// the groups): the case `compute-sanitizer` runs (NOTES.md).
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn wgmma_grouped_gemms_small() {
+        let d = crate::cuda::require_test_device();
+        if d.arch() != "sm_90a" {
+            eprintln!("skipping: {} is not sm_90a", d.arch());
+            return;
+        }
+        let sizes = vec![1, 0, 130, 64, 3];
+        let (m, k, n, g) = (210usize, 136usize, 264usize, 5usize);
+        let gs = d.upload(HostData::I32(sizes), &[g]).unwrap();
+        let kn = Some(GroupedKernel::Wgmma);
+        let (x32, x16) = pair(&d, &[m, k], 7);
+        for trans_w in [false, true] {
+            let ws = if trans_w { [g, n, k] } else { [g, k, n] };
+            let (w32, w16) = pair(&d, &ws, 8);
+            let want = host(&d, &d.grouped_matmul(&x32, &w32, &gs, trans_w).unwrap());
+            let got = host(
+                &d,
+                &d.grouped_matmul_on(&x16, &w16, &gs, trans_w, kn).unwrap(),
+            );
+            assert_close(&format!("small trans_w={trans_w}"), &got, &want, n);
+        }
+        let (dy32, dy16) = pair(&d, &[m, n], 9);
+        let want = host(&d, &d.grouped_matmul_weight_grad(&x32, &dy32, &gs).unwrap());
+        let got = host(&d, &d.grouped_wgrad_on(&x16, &dy16, &gs, kn).unwrap());
+        assert_close("small wgrad", &got, &want, n);
+    }
+
+    /// Asking for the wgmma kernels where they cannot run (K or N not a
+    /// multiple of 8, or a GPU other than sm_90a) is a typed error, and the
+    /// default then takes mma.sync.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn wgmma_refuses_shapes_it_cannot_take() {
+        let d = crate::cuda::require_test_device();
+        let gs = d.upload(HostData::I32(vec![3, 4]), &[2]).unwrap();
+        let (_, x) = pair(&d, &[7, 12], 1);
+        let (_, w) = pair(&d, &[2, 12, 20], 2);
+        let err = d
+            .grouped_matmul_on(&x, &w, &gs, false, Some(GroupedKernel::Wgmma))
+            .unwrap_err();
+        assert!(err.to_string().contains("multiples of 8"), "{err}");
+        assert_eq!(
+            d.grouped_matmul(&x, &w, &gs, false).unwrap().shape(),
+            &[7, 20]
+        );
+    }
+
+    /// The sizes of `g` uneven groups over `rows` rows: weights 64 + (37 i
+    /// mod 128), scaled down, the last group taking the remainder (the
+    /// same formula is in kernels/scripts/grouped_gemm_peer.py).
+    fn uneven_sizes(g: usize, rows: usize) -> Vec<i32> {
+        let w: Vec<usize> = (0..g).map(|i| 64 + (i * 37) % 128).collect();
+        let total: usize = w.iter().sum();
+        let mut s: Vec<i32> = w.iter().map(|&wi| (rows * wi / total) as i32).collect();
+        let used: i32 = s.iter().sum();
+        s[g - 1] += rows as i32 - used;
+        s
+    }
+
+    /// Timings of the bf16 grouped GEMMs at the Qwen3-30B-A3B expert shapes
+    /// (128 experts, 16384 tokens × top-8 = 131072 rows, hidden 2048, expert
+    /// ffn 768), uniform and uneven groups, mma.sync against wgmma, with the
+    /// relative difference of the two results (Frobenius norm); ignored: run
+    /// with `--ignored` on a GPU. Host clock around 20 synchronised calls
+    /// after 3 warm-ups; the calls include the group-offsets kernel (and, for
+    /// mma.sync, the output's zero fill).
+    #[test]
+    #[ignore]
+    fn grouped_gemm_timings() {
+        type Run<'a> = (&'static str, String, Box<dyn Fn() -> Tensor<Cuda> + 'a>);
+        let d = crate::cuda::require_test_device();
+        let (rows, h, f, e) = (131072usize, 2048usize, 768usize, 128usize);
+        let rel = |a: &Tensor<Cuda>, b: &Tensor<Cuda>| {
+            let (a, b) = (host(&d, a), host(&d, b));
+            let num: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| ((x - y) as f64).powi(2))
+                .sum();
+            let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+            (num / den.max(1e-300)).sqrt()
+        };
+        let time = |f: &dyn Fn() -> Tensor<Cuda>| {
+            for _ in 0..3 {
+                f();
+            }
+            d.synchronize().unwrap();
+            let reps = 20;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            d.synchronize().unwrap();
+            t0.elapsed().as_secs_f64() / reps as f64
+        };
+        let mut kernels = vec![GroupedKernel::MmaSync];
+        if d.arch() == "sm_90a" {
+            kernels.push(GroupedKernel::Wgmma);
+        }
+        println!("| product | groups | shape | kernel | ms | TFLOP/s | rel. diff vs mma.sync |");
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        for (label, sizes) in [
+            ("uniform", vec![(rows / e) as i32; e]),
+            ("uneven", uneven_sizes(e, rows)),
+        ] {
+            let gs = d.upload(HostData::I32(sizes), &[e]).unwrap();
+            // (name, K, N): fc1 is gate or up (hidden -> ffn), fc2 down.
+            for (name, k, n) in [("fc1", h, f), ("fc2", f, h)] {
+                let flop = 2.0 * (rows * k * n) as f64;
+                let (_, x) = pair(&d, &[rows, k], 1);
+                let (_, w) = pair(&d, &[e, k, n], 2);
+                let (_, dy) = pair(&d, &[rows, n], 3);
+                let mut outs: Vec<(&str, Tensor<Cuda>)> = Vec::new();
+                for kernel in &kernels {
+                    let kn = Some(*kernel);
+                    let runs: [Run; 3] = [
+                        (
+                            "nn",
+                            format!("{name} fwd {rows}x{k}x{n}"),
+                            Box::new(|| d.grouped_matmul_on(&x, &w, &gs, false, kn).unwrap()),
+                        ),
+                        (
+                            "nt",
+                            format!("{name} dgrad {rows}x{n}x{k}"),
+                            Box::new(|| d.grouped_matmul_on(&dy, &w, &gs, true, kn).unwrap()),
+                        ),
+                        (
+                            "wgrad",
+                            format!("{name} wgrad {e}x{k}x{n}"),
+                            Box::new(|| d.grouped_wgrad_on(&x, &dy, &gs, kn).unwrap()),
+                        ),
+                    ];
+                    for (prod, shape, run) in runs.iter() {
+                        let s = time(run.as_ref());
+                        let out = run();
+                        let diff = match outs.iter().find(|(p, _)| p == prod) {
+                            Some((_, base)) => {
+                                let nb = host(&d, base)
+                                    .iter()
+                                    .map(|v| (*v as f64).powi(2))
+                                    .sum::<f64>();
+                                format!("{:.2e} (‖ref‖ {:.3e})", rel(&out, base), nb.sqrt())
+                            }
+                            None => {
+                                outs.push((prod, out));
+                                "-".to_string()
+                            }
+                        };
+                        println!(
+                            "| {prod} | {label} | {shape} | {kernel:?} | {:.3} | {:.1} | {diff} |",
+                            s * 1e3,
+                            flop / s / 1e12
+                        );
+                    }
+                }
+            }
         }
     }
 }

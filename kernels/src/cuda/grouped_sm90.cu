@@ -1,0 +1,407 @@
+// Hopper (sm_90a) grouped GEMMs of the MoE experts on wgmma: the bf16 path of
+// grouped_matmul (both layouts) and grouped_matmul_weight_grad on sm_90a
+// (linalg.rs picks them; linalg.cu keeps the mma.sync kernels for other GPUs
+// and for shapes the tensor maps cannot describe).
+//
+// Design (one kernel body, three products):
+// - a persistent grid (one block per SM) walks the output tiles of all groups
+//   in order, block b taking tiles b, b + grid, ...; the group sizes are read
+//   on the device (offsets and tile offsets copied into shared memory at the
+//   start), so the launch needs nothing from the host but the shapes;
+// - 384 threads: warpgroups 0 and 1 are consumers (each computes 64 rows of a
+//   128 × 256 tile with wgmma.m64n256k16, f32 accumulators in registers),
+//   warpgroup 2 is the producer: one thread issues the TMA copies
+//   (cp.async.bulk.tensor, tensor maps built on the host, 128-byte swizzle)
+//   of each 64-deep step of the inner dimension into a 4-stage ring of
+//   shared memory (4 × 48 KiB), each stage guarded by a `full` mbarrier (the
+//   copy's byte count) and an `empty` one (one arrival per consumer warp once
+//   its wgmmas on the stage are done). The producer gives registers back
+//   (setmaxnreg 40), the consumers take them (232);
+// - the consumers keep one wgmma group in flight (wait_group 1) and release a
+//   stage as soon as the group that read it completes; the result is stored
+//   from registers straight to global memory, bf16, only rows inside the
+//   tile's group and columns inside N, through a small per-warp buffer so
+//   that the global stores are whole 128-byte row pieces.
+//
+// Operands (row-major in global memory; tensor maps in linalg.rs):
+//   KIND 0, nn:    A = x [M, K] (K-major box 64 × 128), B = w [G, K, N]
+//                  (N-major, four 64 × 64 boxes per step: 64 columns each);
+//   KIND 1, nt:    A as above, B = w [G, N, K] (K-major box 64 × 256);
+//   KIND 2, wgrad: dw[g] = x_gᵀ dy_g, A = x [rows, K] (M-major: two boxes of
+//                  64 rows × 64 of K), B = dy [rows, N] (N-major, four boxes);
+//                  the inner dimension is the group's rows. The copies of a
+//                  group's last, partial step also bring rows of the next
+//                  group: the consumers zero them in shared memory before
+//                  their wgmmas (every other row past the matrices arrives
+//                  as zeros from the copy engine).
+// Tiles of nn / nt: group g owns ceil(size_g / 128) row tiles (tile offsets
+// from group_offsets in linalg.cu), each split into ceil(N / 256) column
+// tiles, column tiles fastest; rows past the last group (sizes summing to
+// less than M) are one more pseudo-group whose tiles store zeros. Tiles of
+// wgrad: G × ceil(K / 128) × ceil(N / 256), an empty group storing zeros.
+//
+// Shared-memory layouts (the copy engine's 128-byte swizzle: 16-byte chunk c
+// of 128-byte row r at chunk c ^ (r % 8), every box 1024-byte aligned), as
+// wgmma descriptors (start, leading byte offset LBO, stride byte offset SBO):
+//   K-major tile [rows][64]: SBO = 1024 (8 rows of 128 bytes), LBO unused;
+//     step kk (16 deep) starts 32·kk bytes in;
+//   MN-major tile [64 deep][64 wide] boxes side by side (8 KiB each):
+//     LBO = 8192 (the next 64 of M / N), SBO = 1024 (the next 8 deep);
+//     step kk starts 2048·kk bytes in.
+// The whole module compiles to nothing for other architectures.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define GW_BM 128
+#define GW_BN 256
+#define GW_BK 64
+#define GW_STAGES 4
+#define GW_THREADS 384
+#define GW_A_BYTES (GW_BM * GW_BK * 2)
+#define GW_STAGE_BYTES (GW_A_BYTES + GW_BK * GW_BN * 2)
+// After the stages: the 2 · GW_STAGES mbarriers (128 bytes kept), then each
+// consumer warp's epilogue buffer (16 rows of 64 bf16, rows 144 bytes
+// apart), then the group and tile offsets.
+#define GW_STG_OFF (GW_STAGES * GW_STAGE_BYTES + 128)
+#define GW_STG_WARP (16 * 144)
+#define GW_OFFS_OFF (GW_STG_OFF + 8 * GW_STG_WARP)
+
+// A CUtensorMap (128 opaque bytes), passed by value as a __grid_constant__
+// parameter.
+struct __align__(128) TmaMap {
+    unsigned long long v[16];
+};
+
+__device__ __forceinline__ unsigned gw_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n"
+            "}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void tma_2d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+            dst),
+        "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+__device__ __forceinline__ void tma_3d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
+            dst),
+        "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma
+// fence, commit or wait.
+__device__ __forceinline__ void wg_fence_acc(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// A wgmma shared-memory descriptor with the 128-byte swizzle.
+__device__ __forceinline__ unsigned long long gw_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// d[0..127] += A · B for one m64n256k16 (f32 accumulators, bf16 operands from shared
+// memory through descriptors; acc = 0 overwrites d); TA / TB: A / B stored MN-major (1) or K-major (0).
+template <int TA, int TB>
+__device__ __forceinline__ void gw_mma(float (&d)[128], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %132, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, %130, %131;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(acc));
+}
+
+// One tile of the schedule. nn / nt: rows row0.. of x and out (row_end: the
+// group's end, or M for the zero tail), columns col0.. of out, nk steps of K.
+// wgrad: rows row0.. of dw[grp] (a K range; row_end = K), columns col0..,
+// nk steps over the group's rows from red0.
+struct GwTile {
+    int grp, nk;
+    i64 row0, row_end, col0, red0;
+};
+
+template <int KIND>
+__device__ __forceinline__ GwTile gw_tile(i64 t, const i64* so, const i64* st, i64 m, i64 k, i64 n, int g) {
+    GwTile r;
+    if (KIND == 2) {
+        i64 ntn = (n + GW_BN - 1) / GW_BN, per = ntn * ((k + GW_BM - 1) / GW_BM);
+        r.grp = (int)(t / per);
+        i64 rem = t - (i64)r.grp * per;
+        r.row0 = (rem / ntn) * GW_BM;
+        r.col0 = (rem % ntn) * GW_BN;
+        r.row_end = k;
+        r.red0 = so[r.grp];
+        r.nk = (int)((so[r.grp + 1] - r.red0 + GW_BK - 1) / GW_BK);
+    } else {
+        i64 ncol = (n + GW_BN - 1) / GW_BN;
+        i64 rt = t / ncol;
+        r.col0 = (t - rt * ncol) * GW_BN;
+        r.red0 = 0;
+        i64 body = st[g];
+        if (rt >= body) {
+            r.grp = g;
+            r.row0 = so[g] + (rt - body) * GW_BM;
+            r.row_end = m;
+            r.nk = 0;
+        } else {
+            // The last group whose first tile is at or before rt (empty
+            // groups share their successor's first tile and lose the tie).
+            int lo = 0, hi = g - 1;
+            while (lo < hi) {
+                int mid = (lo + hi + 1) >> 1;
+                if (st[mid] <= rt) lo = mid; else hi = mid - 1;
+            }
+            r.grp = lo;
+            r.row0 = so[lo] + (rt - st[lo]) * GW_BM;
+            r.row_end = so[lo + 1];
+            r.nk = (int)((k + GW_BK - 1) / GW_BK);
+        }
+    }
+    return r;
+}
+
+extern __shared__ __align__(1024) unsigned char gw_smem[];
+
+// The kernel of the three products (see the top of the file). `out`: [M, N]
+// for nn / nt, [G, K, N] for wgrad. Dynamic shared memory: 1024 bytes of
+// alignment slack and GW_OFFS_OFF + 16 (G + 1) bytes (linalg.rs's
+// gw_smem_bytes).
+template <int KIND>
+__device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const i64* __restrict__ offs,
+                                        const i64* __restrict__ tiles, bf16* __restrict__ out, i64 m, i64 k, i64 n,
+                                        int g) {
+    unsigned raw = gw_smem_u32(gw_smem);
+    unsigned pad = (1024u - (raw & 1023u)) & 1023u;
+    unsigned char* base = gw_smem + pad;
+    unsigned stage0 = raw + pad;
+    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (GW_STAGES + s).
+    unsigned bar0 = stage0 + GW_STAGES * GW_STAGE_BYTES;
+    i64* so = reinterpret_cast<i64*>(base + GW_OFFS_OFF);
+    i64* st = so + (g + 1);
+    int tid = threadIdx.x;
+    for (int i = tid; i <= g; i += GW_THREADS) {
+        so[i] = offs[i];
+        if (KIND != 2) st[i] = tiles[i];
+    }
+    if (tid == 0) {
+        for (int s = 0; s < GW_STAGES; ++s) {
+            mbar_init(bar0 + 8 * s, 1);
+            mbar_init(bar0 + 8 * (GW_STAGES + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    i64 ncol = (n + GW_BN - 1) / GW_BN;
+    i64 total = KIND == 2 ? (i64)g * ((k + GW_BM - 1) / GW_BM) * ncol
+                          : (st[g] + (m - so[g] + GW_BM - 1) / GW_BM) * ncol;
+    int wg = tid >> 7;
+    if (wg == 2) {
+        // Producer: one thread issues every copy.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 256) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+            int s = 0;
+            unsigned ph = 0;
+            for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+                GwTile tl = gw_tile<KIND>(t, so, st, m, k, n, g);
+                for (int ks = 0; ks < tl.nk; ++ks) {
+                    unsigned full = bar0 + 8 * s;
+                    mbar_wait(bar0 + 8 * (GW_STAGES + s), ph ^ 1);
+                    mbar_expect_tx(full, GW_STAGE_BYTES);
+                    unsigned a = stage0 + s * GW_STAGE_BYTES, b = a + GW_A_BYTES;
+                    int k0 = ks * GW_BK;
+                    if (KIND == 0) {
+                        tma_2d(a, ta, full, k0, (int)tl.row0);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) tma_3d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, k0, tl.grp);
+                    } else if (KIND == 1) {
+                        tma_2d(a, ta, full, k0, (int)tl.row0);
+                        tma_3d(b, tb, full, k0, (int)tl.col0, tl.grp);
+                    } else {
+                        int r = (int)(tl.red0 + k0);
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) tma_2d(a + i * 8192, ta, full, (int)tl.row0 + 64 * i, r);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) tma_2d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, r);
+                    }
+                    if (++s == GW_STAGES) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        // Consumers: warpgroup wg computes rows 64 wg .. 64 wg + 63 of the tile.
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        int warp = (tid >> 5) & 3, lane = tid & 31;
+        int s = 0;
+        unsigned ph = 0;
+        float d[128];
+        for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+            GwTile tl = gw_tile<KIND>(t, so, st, m, k, n, g);
+#pragma unroll
+            for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+            int prev = 0;
+            for (int ks = 0; ks < tl.nk; ++ks) {
+                mbar_wait(bar0 + 8 * s, ph);
+                unsigned a = stage0 + s * GW_STAGE_BYTES, b = a + GW_A_BYTES;
+                if (KIND == 2 && ks == tl.nk - 1) {
+                    int v = (int)(so[tl.grp + 1] - (tl.red0 + (i64)ks * GW_BK));
+                    if (v < GW_BK) {
+                        // Rows v..63 of this step belong to the next group:
+                        // zero them in this warpgroup's A box and in B boxes
+                        // 2 wg, 2 wg + 1 (each row 128 bytes; the swizzle
+                        // only permutes chunks within a row).
+                        int per = (GW_BK - v) * 8;
+                        unsigned char* sb = base + s * GW_STAGE_BYTES;
+                        for (int e = tid & 127; e < 3 * per; e += 128) {
+                            int box = e / per, rem = e - box * per;
+                            unsigned char* p = box == 0 ? sb + wg * 8192 : sb + GW_A_BYTES + (2 * wg + box - 1) * 8192;
+                            *reinterpret_cast<uint4*>(p + (v + (rem >> 3)) * 128 + (rem & 7) * 16) = make_uint4(0, 0, 0, 0);
+                        }
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+                    }
+                }
+                wg_fence_acc(d);
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < GW_BK / 16; ++kk) {
+                    if (KIND == 0)
+                        gw_mma<0, 1>(d, gw_desc(a + wg * 8192 + kk * 32, 16, 1024), gw_desc(b + kk * 2048, 8192, 1024), 1);
+                    else if (KIND == 1)
+                        gw_mma<0, 0>(d, gw_desc(a + wg * 8192 + kk * 32, 16, 1024), gw_desc(b + kk * 32, 16, 1024), 1);
+                    else
+                        gw_mma<1, 1>(d, gw_desc(a + wg * 8192 + kk * 2048, 8192, 1024), gw_desc(b + kk * 2048, 8192, 1024),
+                                     1);
+                }
+                wg_commit();
+                wg_fence_acc(d);
+                // The group of step ks - 1 is done: its stage can be refilled.
+                wg_wait<1>();
+                wg_fence_acc(d);
+                if (ks > 0 && lane == 0) mbar_arrive(bar0 + 8 * (GW_STAGES + prev));
+                prev = s;
+                if (++s == GW_STAGES) {
+                    s = 0;
+                    ph ^= 1;
+                }
+            }
+            wg_wait<0>();
+            wg_fence_acc(d);
+            if (tl.nk > 0 && lane == 0) mbar_arrive(bar0 + 8 * (GW_STAGES + prev));
+            // Accumulator layout: register 4 j + e holds row 16 warp + lane / 4
+            // (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2. Each warp
+            // stages its 16 rows 64 columns at a time in its own padded
+            // buffer (rows 144 bytes apart: the 4-byte writes of a warp hit
+            // 32 different banks), then writes whole 128-byte row pieces
+            // with 16-byte stores, only rows inside the tile's group (and
+            // inside K for wgrad) and columns inside N (a multiple of 8).
+            bf16* o = KIND == 2 ? out + (i64)tl.grp * k * n : out;
+            unsigned char* sw = base + GW_STG_OFF + (tid >> 5) * GW_STG_WARP;
+            i64 rw = tl.row0 + wg * 64 + warp * 16;
+#pragma unroll
+            for (int c = 0; c < GW_BN / 64; ++c) {
+                if (tl.col0 + c * 64 >= n) break;
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj) {
+                    int j = c * 8 + jj;
+                    unsigned char* q = sw + (lane >> 2) * 144 + (jj * 8 + 2 * (lane & 3)) * 2;
+                    *reinterpret_cast<unsigned*>(q) = pack_bf16(d[4 * j], d[4 * j + 1]);
+                    *reinterpret_cast<unsigned*>(q + 8 * 144) = pack_bf16(d[4 * j + 2], d[4 * j + 3]);
+                }
+                __syncwarp();
+#pragma unroll
+                for (int qq = 0; qq < 4; ++qq) {
+                    int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
+                    i64 gr = rw + row, gc = tl.col0 + c * 64 + ch * 8;
+                    if (gr < tl.row_end && gc < n)
+                        *reinterpret_cast<uint4*>(o + gr * n + gc) =
+                            *reinterpret_cast<const uint4*>(sw + row * 144 + ch * 16);
+                }
+                __syncwarp();
+            }
+        }
+    }
+}
+
+// Grid: min(tiles, SMs) blocks of GW_THREADS; ta / tb: the tensor maps of
+// A and B (linalg.rs); offs / tiles: group_offsets' outputs.
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
+    grouped_mm_wgmma_bf16_nn(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const i64* offs,
+                             const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<0>(&ta, &tb, offs, tiles, out, m, k, n, g);
+}
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
+    grouped_mm_wgmma_bf16_nt(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const i64* offs,
+                             const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<1>(&ta, &tb, offs, tiles, out, m, k, n, g);
+}
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
+    grouped_wgrad_wgmma_bf16(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const i64* offs,
+                             bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<2>(&ta, &tb, offs, nullptr, out, m, k, n, g);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
