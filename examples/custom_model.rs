@@ -67,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     // Rank 3 of the 8-GPU layout: half the heads (tp = 2), one of the 8
     // experts (ep = 8), cut from the same seeded weights as every other rank.
-    let shard = ByteMoe::shard(&b, ByteMoeLayout::DgxH100, 3, 42, DType::F32)?;
+    let shard = ByteMoe::new(&b, ByteMoeLayout::DgxH100, 3, 42, DType::F32)?.into_model();
     let mut experts = Vec::new();
     shard.visit_experts(&mut |p| experts.push(format!("{} {:?}", p.name, p.value.shape())));
     println!("dgx-h100 rank 3 holds {}", experts.join(", "));
@@ -89,7 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let laptop = layout::check(&ByteMoeLayout::Laptop.spec(), &spec)
         .map_err(|errs| format!("layout laptop: {errs:?}"))?;
     let results = run_local_layout(&b, &laptop, Duration::from_secs(600), |ctx| {
-        let shard = ByteMoe::shard(ctx.b, ByteMoeLayout::Laptop, 0, 42, DType::F32)?;
+        let shard = ByteMoe::new(ctx.b, ByteMoeLayout::Laptop, 0, 42, DType::F32)?.into_model();
         let mut trainer = ParallelTrainer::new(ctx.b, shard, cfg)?;
         let mut sampler = BatchSampler::new(42);
         for step in 1..=10 {

@@ -24,9 +24,9 @@
 
 use std::time::Instant;
 
+use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
-use foldmoe::core::engine::parallel::model::ParallelModel;
-use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::parallel::{Ctx, Exec, LayerGroups, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::param::{Init, Module as _};
 use foldmoe::core::engine::trainer::TrainConfig;
 use foldmoe::core::layout::Layout;
@@ -328,7 +328,10 @@ fn moe_layer<B: BenchDevice>(
             "--tokens {t}: not a multiple of the sequence length {seq_len}"
         )));
     }
-    let mut layer = MoeLayer::new(b, "bench.moe", d, &moe, spec.init_std, Init::full(1), dtype)?;
+    // One rank: the layer's groups are all `[0]`, its collectives return at once.
+    let groups = LayerGroups::single();
+    let mut layer = MoeLayer::new(b, "bench.moe", spec, &moe, Init::full(1), dtype, groups)?;
+    let exec = Exec::solo(b);
     let x = random(b, &[t, d], 1.0, 2, dtype)?;
     let dy = random(b, &[t, d], 1e-3, 3, dtype)?;
     let mut step = || -> Result<(), CliError> {
@@ -341,8 +344,8 @@ fn moe_layer<B: BenchDevice>(
             }
         });
         zeroed?;
-        let (_y, saved, _stats) = layer.forward(b, &x, seq_len)?;
-        layer.backward(b, &dy, saved, 1.0)?;
+        let (_y, saved, _stats) = layer.forward(&exec, &x, seq_len, t)?;
+        layer.backward(&exec, &dy, saved, 1.0)?;
         Ok(())
     };
     // One iteration alone to count its host waits (after compilation).
@@ -460,7 +463,7 @@ fn rank_step<B: BenchDevice>(
     // A fresh trainer's moments are zero, so the shards start from
     // `ParallelTrainer::new` rather than from a full trainer's state.
     let t0 = Instant::now();
-    let model = ParallelModel::new(b, spec, rank.clone(), 1, dtype)?;
+    let model = Model::new(b, spec, rank.clone(), 1, dtype)?;
     let mut trainer = ParallelTrainer::new(b, model, TrainConfig::default())?;
     eprintln!(
         "bench: rank {}: shard and optimizer ready at {:.1} s",

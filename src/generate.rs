@@ -1,8 +1,8 @@
 //! Text generation from a trained model, byte by byte.
 
 use foldmoe::core::engine::data::ByteTokenizer;
-use foldmoe::core::engine::parallel::{Ctx, ParallelModel};
-use foldmoe::kernels::comm::solo::SoloComm;
+use foldmoe::core::engine::model::Model;
+use foldmoe::core::engine::parallel::Exec;
 use foldmoe::kernels::Backend;
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,7 +23,7 @@ pub const MAX_GENERATE_TOKENS: usize = 1_000_000;
 /// returns `false` to stop early (Ctrl-C), keeping what was made.
 pub fn sample<B: Backend>(
     b: &B,
-    model: &ParallelModel<B>,
+    model: &Model<B>,
     prompt: &[i32],
     count: usize,
     temperature: f64,
@@ -37,15 +37,11 @@ pub fn sample<B: Backend>(
     if ids.is_empty() {
         ids.push(i32::from(b'\n'));
     }
-    let ctx = Ctx {
-        b,
-        comm: &SoloComm,
-        rank: &model.rank,
-    };
+    let exec = Exec::solo(b);
     for _ in 0..count {
         let window = &ids[ids.len().saturating_sub(seq)..];
         let logits = b
-            .download(&model.logits(&ctx, window, window.len())?)?
+            .download(&model.logits(&exec, window, window.len())?)?
             .to_f64();
         let last = &logits[(window.len() - 1) * vocab..window.len() * vocab];
         let next = pick(last, temperature, &mut rng) as i32;

@@ -13,7 +13,8 @@ use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::activations::Counts;
 use foldmoe::core::engine::checkpoint::{self, Source};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
-use foldmoe::core::engine::parallel::{Ctx, ParallelModel, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::model::Model;
+use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::{Layout, LayoutSpec};
@@ -111,14 +112,14 @@ fn trainer_config(s: &TrainSettings) -> TrainConfig {
 /// The whole model of a checkpoint on one rank (generation, the sample at
 /// the end of training), read slice by slice from whatever layout wrote it:
 /// the one engine at world = 1.
-pub fn load_model<B: Backend>(b: &B, path: &Path) -> Result<(ParallelModel<B>, RunMeta), CliError> {
+pub fn load_model<B: Backend>(b: &B, path: &Path) -> Result<(Model<B>, RunMeta), CliError> {
     let (source, meta): (Source, RunMeta) = Source::open(path)?;
     let one =
         foldmoe::core::layout::check(&LayoutSpec::default(), &meta.spec).map_err(|errors| {
             let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
             CliError::usage(format!("model {}: {}", meta.spec.name, msgs.join("; ")))
         })?;
-    let mut model = ParallelModel::new(
+    let mut model = Model::new(
         b,
         &meta.spec,
         RankLayout::new(&one, 0)?,
@@ -821,7 +822,7 @@ fn run_rank<B: Backend>(
         b.reset_peak_memory();
         let (before, _) = b.memory_in_use();
         let meta = &prep.meta;
-        let model = ParallelModel::new(
+        let model = Model::new(
             b,
             &meta.spec,
             rank.clone(),

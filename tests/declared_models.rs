@@ -87,9 +87,8 @@ pub struct PassMoe {
 
 /// A model declared in place: its spec, typed layout enum and group accessors.
 /// Its vocabulary (31) does not divide tp = 2: that is padded, not refused
-/// (docs/ARCHITECTURE.md §3), and the checked layout says so. The single-rank layout builds
-/// the whole model with `new`; a multi-rank layout is refused by `new` (a rank
-/// holds a shard) and built rank by rank by `shard`.
+/// (docs/ARCHITECTURE.md §3), and the checked layout says so. `new` builds the
+/// whole model under the one-rank layout and a rank's shard under the others.
 #[test]
 fn a_declared_model_builds_on_the_cpu() {
     let spec = <PassMoe<Cpu> as MoeModel<Cpu>>::spec();
@@ -124,27 +123,26 @@ fn a_declared_model_builds_on_the_cpu() {
     assert_eq!(m.moe().len(), 2);
     assert_eq!(m.model().spec, spec);
 
-    let err = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::H100x8, 0, 7, DType::F32)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(err.contains("MoeModel::shard"), "{err}");
-
     // The vocabulary (31) does not divide tp = 2: the rank's shard holds
     // its balanced part of the rows (16 on tp rank 0, 15 on tp rank 1).
-    let shard = PassMoe::<Cpu>::shard(&Cpu, PassMoeLayout::H100x8, 5, 7, DType::F32).unwrap();
+    let shard = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::H100x8, 5, 7, DType::F32)
+        .unwrap()
+        .into_model();
     if shard.owns_embed() {
         let want = if shard.rank.tp_index == 0 { 16 } else { 15 };
         assert_eq!(shard.embed.vocab(), want);
     }
-    let err = PassMoe::<Cpu>::shard(&Cpu, PassMoeLayout::H100x8, 8, 7, DType::F32)
+    let err = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::H100x8, 8, 7, DType::F32)
         .err()
         .unwrap()
         .to_string();
     assert!(err.contains("rank 8 is outside layout `h100x8`"), "{err}");
 
-    // Under the expert-parallel layout, `shard` builds the rank's shard.
-    let shard = PassMoe::<Cpu>::shard(&Cpu, PassMoeLayout::CpuEp4, 3, 7, DType::F32).unwrap();
+    // Under the expert-parallel layout, `new` builds the rank's shard, and
+    // the typed accessors give the rank's blocks of each group.
+    let m = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::CpuEp4, 3, 7, DType::F32).unwrap();
+    assert_eq!((m.dense().len(), m.moe().len()), (1, 2));
+    let shard = m.into_model();
     assert_eq!(shard.spec, spec);
     assert_eq!(shard.rank.rank, 3);
     assert_eq!(shard.rank.ep.size(), 4);

@@ -4,7 +4,8 @@
 //! policies. The engine's ledger peak (device and host) must be within 1%
 //! of the planner's prediction with 4-byte activations.
 
-use foldmoe::core::engine::model::Model;
+use foldmoe::core::engine::model::{Batch, Model};
+use foldmoe::core::engine::parallel::Exec;
 use foldmoe::core::layout::{check, LayoutSpec};
 use foldmoe::core::memory::{plan_memory, MemoryOptions};
 use foldmoe::core::spec::{ModelSpec, PolicyOverride};
@@ -15,7 +16,7 @@ use foldmoe::kernels::{DType, Device, HostData};
 /// backward of `seqs` sequences.
 fn measured(spec: &ModelSpec, seqs: usize) -> (u64, u64) {
     let b = Cpu;
-    let mut model = Model::new(&b, spec, 7, DType::F32).unwrap();
+    let mut model = Model::single(&b, spec, 7, DType::F32).unwrap();
     let t = seqs * spec.seq_len;
     let ids: Vec<i32> = (0..t)
         .map(|i| ((i * 37 + 11) % spec.vocab) as i32)
@@ -25,8 +26,13 @@ fn measured(spec: &ModelSpec, seqs: usize) -> (u64, u64) {
     let targets = b
         .upload(HostData::I32(targets), &[seqs, spec.seq_len])
         .unwrap();
-    let out = model.forward(&b, &tokens, &targets).unwrap();
-    model.backward(&b, out.saved, 1.0).unwrap();
+    let exec = Exec::solo(&b);
+    let batch = Batch::Device {
+        tokens: &tokens,
+        targets: &targets,
+    };
+    let out = model.forward(&exec, batch, spec.seq_len).unwrap();
+    model.backward(&exec, out.saved, 1.0).unwrap();
     let c = model.ledger.counts();
     (c.peak_device, c.peak_host)
 }

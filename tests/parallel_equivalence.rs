@@ -12,11 +12,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use foldmoe_core::engine::checkpoint::{self, Source, StateKind};
+use foldmoe_core::engine::model::{Batch, Model};
 use foldmoe_core::engine::optim::MasterWeights;
 use foldmoe_core::engine::parallel::trainer::Gather;
-use foldmoe_core::engine::parallel::{
-    run_local_layout, ParallelModel, ParallelTrainer, RankLayout,
-};
+use foldmoe_core::engine::parallel::{run_local_layout, ParallelTrainer, RankLayout};
 use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
@@ -121,7 +120,7 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
         layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let model = ParallelModel::new(ctx.b, spec, rank, SEED, dtype)?;
+        let model = Model::new(ctx.b, spec, rank, SEED, dtype)?;
         let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
         let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
         let mine = |step: usize| -> Vec<(Vec<i32>, Vec<i32>)> {
@@ -135,11 +134,8 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
         let gathered = trainer.gather_full(ctx, Gather::Grads(&grads))?;
         // A fresh trainer for the losses (the accumulation above is discarded).
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let mut trainer = ParallelTrainer::new(
-            ctx.b,
-            ParallelModel::new(ctx.b, spec, rank, SEED, dtype)?,
-            config(),
-        )?;
+        let mut trainer =
+            ParallelTrainer::new(ctx.b, Model::new(ctx.b, spec, rank, SEED, dtype)?, config())?;
         let mut losses = Vec::new();
         for step in 0..STEPS {
             losses.push(trainer.step(ctx, &mine(step), SEQ)?.loss);
@@ -452,7 +448,7 @@ fn run_and_save(
     let source = start.map(|dir| Source::open::<serde_json::Value>(dir).unwrap().0);
     let mut results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let model = ParallelModel::new(ctx.b, spec, rank, SEED, DType::F32)?;
+        let model = Model::new(ctx.b, spec, rank, SEED, DType::F32)?;
         let mut trainer = ParallelTrainer::new(ctx.b, model, cfg)?;
         if let Some(source) = &source {
             checkpoint::load(ctx.b, source, &mut trainer)?;
@@ -611,7 +607,7 @@ fn a_failing_rank_stops_every_rank_with_an_error() {
         let started = std::time::Instant::now();
         let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
             let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-            let model = ParallelModel::new(ctx.b, &spec, rank, SEED, DType::F32)?;
+            let model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
             let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
             let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
             let per = MICRO_BATCHES / dp;
@@ -654,7 +650,9 @@ fn declared_model_builds_each_ranks_shard() {
     });
     let mut rebuilt: HashMap<String, Vec<f64>> = HashMap::new();
     for rank in 0..4 {
-        let shard = Tiny::<Cpu>::shard(&Cpu, TinyLayout::CpuEp4, rank, 5, DType::F32).unwrap();
+        let shard = Tiny::<Cpu>::new(&Cpu, TinyLayout::CpuEp4, rank, 5, DType::F32)
+            .unwrap()
+            .into_model();
         shard.visit_experts(&mut |p| {
             assert_eq!(p.value.shape()[0], 4, "{}: {:?}", p.name, p.value.shape());
             let spec = p.shard.as_ref().expect("experts are split over ep");
@@ -668,11 +666,6 @@ fn declared_model_builds_each_ranks_shard() {
     for (name, vals) in &rebuilt {
         assert_eq!(vals, &want[name], "{name}");
     }
-    let err = Tiny::<Cpu>::new(&Cpu, TinyLayout::CpuEp4, 0, 5, DType::F32)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(err.contains("MoeModel::shard"), "{err}");
 }
 
 /// Out-of-vocabulary ids and targets are errors naming the value on every
@@ -683,10 +676,14 @@ fn out_of_vocabulary_ids_are_named_errors() {
     let layout = layout::check(&LayoutSpec::parse("world=2,tp=2").unwrap(), &spec).unwrap();
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let model = ParallelModel::new(ctx.b, &spec, rank, SEED, DType::F32)?;
+        let model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
         let (tokens, mut targets) = global_batch(0).remove(0);
         targets[3] = 64;
-        model.forward(ctx, &tokens, &targets, SEQ).map(|_| ())
+        let batch = Batch::Host {
+            tokens: &tokens,
+            targets: &targets,
+        };
+        model.forward(&ctx.exec(), batch, SEQ).map(|_| ())
     });
     for result in results {
         let err = result.expect_err("target 64 is outside 0..64").to_string();

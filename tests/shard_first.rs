@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use foldmoe_core::engine::parallel::shard::place_block;
-use foldmoe_core::engine::parallel::{ParallelModel, ParallelTrainer, RankLayout};
+use foldmoe_core::engine::parallel::{ParallelTrainer, RankLayout};
 use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::engine::{model::Model, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
@@ -50,7 +50,7 @@ fn every_rank_allocates_only_its_shard_and_shards_are_the_one_rank_weights() {
     // Parameters, f32 masters and two moments of the whole model, f32.
     let (params, _) = spec.param_counts();
     let full_bytes = params * 4 * 4;
-    let one = Model::new(&Cpu, &spec, 11, DType::F32).unwrap();
+    let one = Model::single(&Cpu, &spec, 11, DType::F32).unwrap();
     let mut want = HashMap::new();
     one.visit_params(&mut |p| {
         want.insert(p.name.clone(), Cpu.download(&p.value).unwrap().to_f64());
@@ -62,7 +62,7 @@ fn every_rank_allocates_only_its_shard_and_shards_are_the_one_rank_weights() {
         // here, one after another.
         Cpu.reset_peak_memory();
         let (before, _) = Cpu.memory_in_use();
-        let model = ParallelModel::new(
+        let model = Model::new(
             &Cpu,
             &spec,
             RankLayout::new(&layout, rank).unwrap(),
@@ -143,7 +143,7 @@ fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
     // Save: every rank measures its own allocation while it writes.
     let saved = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let model = ParallelModel::new(&Cpu, &spec, rank, 3, DType::F32)?;
+        let model = Model::new(&Cpu, &spec, rank, 3, DType::F32)?;
         let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
         let per = 4 / ctx.rank.dp.size();
         let dp_i = ctx.rank.dp_index;
@@ -171,7 +171,7 @@ fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
     let other = layout::check(&LayoutSpec::parse("world=2,ep=2").unwrap(), &spec).unwrap();
     let loaded = run_local_layout(&Cpu, &other, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&other, ctx.rank.rank)?;
-        let model = ParallelModel::new(&Cpu, &spec, rank, 3, DType::F32)?;
+        let model = Model::new(&Cpu, &spec, rank, 3, DType::F32)?;
         let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
         // The largest optimizer chunk is the largest tensor a load replaces.
         let (mut chunk, mut total) = (0usize, 0usize);

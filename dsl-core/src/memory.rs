@@ -23,8 +23,10 @@
 //!   10% of each other); bf16 unless [`MemoryOptions::activation_bytes`]
 //!   says otherwise, fp8 storage one byte per element;
 //! - recompute frees a part between forward and backward, but a block's
-//!   backward brings its dropped tensors back: the peak adds one block's
-//!   rematerialised tensors (the largest group's) to the in-flight ones.
+//!   backward brings its dropped tensors back: the peak adds to the blocks'
+//!   in-flight tensors the larger of one block's rematerialised tensors
+//!   (the largest group's) and the loss's state (final norm, head, logits),
+//!   which the loss backward frees before any block's backward.
 
 use crate::layout::Layout;
 use crate::spec::{
@@ -532,13 +534,26 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         }
     }
     let sp = if layout.sequence_parallel { t } else { 1 } as f64;
-    if last {
-        // The final norm's input, rstd and output (the head's input), the
-        // fp32 logits of the vocabulary-parallel cross-entropy and their
-        // log-sum-exp.
-        act[0] += tokens
+    // The final norm's input, rstd and output (the head's input), the fp32
+    // logits of the vocabulary-parallel cross-entropy and their
+    // log-sum-exp: one micro-batch's at a time (its loss backward follows
+    // its forward and frees them before any block's backward).
+    let head = if last {
+        tokens
             * (2.0 * act_bytes * d as f64 / sp
-                + 4.0 * (2.0 + layout.padded_vocab as f64 / t as f64));
+                + 4.0 * (2.0 + layout.padded_vocab as f64 / t as f64))
+    } else {
+        0.0
+    };
+    act[0] += head;
+    // The peak beyond the blocks' in-flight tensors: the head's state at the
+    // end of a forward, or one block's rematerialised tensors during its
+    // backward, whichever is larger.
+    let mut extra = [0f64; 7];
+    if head >= remat.iter().sum::<f64>() {
+        extra[0] = head;
+    } else {
+        extra = remat;
     }
     let flight = in_flight(layout, stage, opts.micro_batches);
     let dense_shard = (layout.dp * layout.cp) as u64;
@@ -559,7 +574,8 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
                 grads: (wb * params[k] as f64).round() as u64,
                 optimizer: (12 * params[k]).div_ceil(shard),
                 activations_per_micro_batch: act[k].round() as u64,
-                activations: (act[k] * flight + remat[k]).round() as u64,
+                activations: ((act[k] - if k == 0 { head } else { 0.0 }) * flight + extra[k])
+                    .round() as u64,
                 offloaded: (host[k] * flight).round() as u64,
             }
         })
@@ -901,9 +917,18 @@ mod tests {
             mb(&keep, "routed_experts") - mb(&p, "routed_experts"),
             16 * 2 * 2 * 8
         );
-        // While a block runs its backward, one block's dropped tensors are back.
+        // The last stage's peak adds the loss's state (larger here than a
+        // block's dropped tensors): the blocks' parts hold what they keep.
         assert_eq!(
-            part(&p, "routed_experts").activations - mb(&p, "routed_experts"),
+            part(&p, "routed_experts").activations,
+            mb(&p, "routed_experts")
+        );
+        // A middle stage has no loss state: while a block runs its backward,
+        // one block's dropped tensors are back beside the in-flight ones.
+        let middle = plan(&spec, "world=3,pp=3", 1, 1);
+        let flight = middle.in_flight.round() as u64;
+        assert_eq!(
+            part(&middle, "routed_experts").activations - flight * mb(&middle, "routed_experts"),
             16 * 2 * 8
         );
         // qkv (48 B per token per block) moves to the host.

@@ -285,15 +285,16 @@ fn accessors(p: &TokenStream, c: &Container, decl: &Decl) -> TokenStream {
             #(#docs)*
             #[doc = ""]
             #[doc = #what]
+            #[doc = "This rank's blocks of them (all on one rank; none on a pipeline stage without them)."]
             #[allow(dead_code)]
             #vis fn #ident(&self) -> &[#p::Block<B>] {
-                &self.model.blocks[#s..#e]
+                self.model.blocks_of_layers(#s..#e)
             }
 
             #[doc = #what]
             #[allow(dead_code)]
             #vis fn #ident_mut(&mut self) -> &mut [#p::Block<B>] {
-                &mut self.model.blocks[#s..#e]
+                self.model.blocks_of_layers_mut(#s..#e)
             }
         });
         start = end;

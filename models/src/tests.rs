@@ -2,6 +2,8 @@
 //! engine.
 
 use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
+use foldmoe_core::engine::model::Batch;
+use foldmoe_core::engine::parallel::Exec;
 use foldmoe_core::layout;
 use foldmoe_core::spec::*;
 use foldmoe_kernels::cpu::Cpu;
@@ -136,14 +138,19 @@ fn forward_backward<M: MoeModel<Cpu>>(layout: M::Layout) {
     let targets: Vec<i32> = tokens.iter().map(|t| (t + 1) % 256).collect();
     let tokens = Cpu.upload(HostData::I32(tokens), &[2, seq]).unwrap();
     let targets = Cpu.upload(HostData::I32(targets), &[2, seq]).unwrap();
-    let out = m.forward(&Cpu, &tokens, &targets).unwrap();
+    let exec = Exec::solo(&Cpu);
+    let batch = Batch::Device {
+        tokens: &tokens,
+        targets: &targets,
+    };
+    let out = m.forward(&exec, batch, seq).unwrap();
     let loss = Cpu.download(&out.loss).unwrap().to_f64()[0];
     assert!(
         loss.is_finite() && loss > 0.0,
         "{}: loss {loss}",
         M::spec().name
     );
-    m.backward(&Cpu, out.saved, 1.0).unwrap();
+    m.backward(&exec, out.saved, 1.0).unwrap();
 }
 
 #[test]

@@ -577,7 +577,8 @@ mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::HostData;
 
-    use crate::engine::model::Model;
+    use crate::engine::model::{Batch, Model};
+    use crate::engine::parallel::Exec;
     use crate::engine::param::Module;
     use crate::engine::testutil::{small_moe, small_spec, values};
     use crate::spec::{FfnSpec, MlaSpec, ModelSpec, OffloadPart as O, RecomputePart as R};
@@ -635,14 +636,19 @@ mod tests {
                 list.retain(|o| is_moe || !matches!(o, O::ExpertFc1 | O::MoeAct));
             }
         }
-        let mut model = Model::new(b, &spec, 5, dtype).unwrap();
+        let mut model = Model::single(b, &spec, 5, dtype).unwrap();
         let ids = |v: Vec<i32>| b.upload(HostData::I32(v), &[2, 4]).unwrap();
         let tokens = ids(vec![3, 0, 6, 1, 7, 2, 5, 4]);
         let targets = ids(vec![0, 6, 1, 5, 2, 5, 4, 3]);
-        let out = model.forward(b, &tokens, &targets).unwrap();
+        let exec = Exec::solo(b);
+        let batch = Batch::Device {
+            tokens: &tokens,
+            targets: &targets,
+        };
+        let out = model.forward(&exec, batch, 4).unwrap();
         let host = |t: &Tensor<B>| b.download(t).unwrap().to_f64();
         let loss = vec![host(&out.loss)[0], host(&out.aux_loss)[0]];
-        model.backward(b, out.saved, 1.0).unwrap();
+        model.backward(&exec, out.saved, 1.0).unwrap();
         let mut grads = Vec::new();
         model.visit_params(&mut |p| grads.push(host(&p.grad)));
         let c = model.ledger.counts();
@@ -841,7 +847,6 @@ mod tests {
     /// Losses and every rank's gradients of one forward and backward of
     /// the parallel model under `layout`, every group under `policy`.
     fn run_parallel(layout: &str, policy: &Policy) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
-        use crate::engine::parallel::model::ParallelModel;
         use crate::engine::parallel::{run_local_layout, RankLayout};
         use crate::layout::{check, LayoutSpec};
         let b = Cpu;
@@ -857,10 +862,14 @@ mod tests {
         let targets = [0, 6, 1, 5, 2, 5, 4, 3];
         let results = run_local_layout(&b, &l, std::time::Duration::from_secs(30), |ctx| {
             let rank = RankLayout::new(&l, ctx.rank.rank)?;
-            let mut m = ParallelModel::new(&b, &spec, rank, 5, DType::F64)?;
-            let out = m.forward(ctx, &tokens, &targets, 4)?;
+            let mut m = Model::new(&b, &spec, rank, 5, DType::F64)?;
+            let batch = Batch::Host {
+                tokens: &tokens,
+                targets: &targets,
+            };
+            let out = m.forward(&ctx.exec(), batch, 4)?;
             let loss = vec![values(&out.loss)[0], values(&out.aux_loss)[0]];
-            m.backward(ctx, out.saved, 1.0)?;
+            m.backward(&ctx.exec(), out.saved, 1.0)?;
             let mut grads = Vec::new();
             m.visit_dense(&mut |p| grads.push(values(&p.grad)));
             m.visit_experts(&mut |p| grads.push(values(&p.grad)));

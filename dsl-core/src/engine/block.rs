@@ -1,7 +1,17 @@
 //! One transformer block (Megatron-Core's `TransformerLayer`, pre-norm):
 //! `x = x + attn(norm1(x)); x = x + ffn(norm2(x))`, the attention being
 //! grouped-query or multi-head latent attention (MLA), the feed-forward the
-//! dense SwiGLU MLP or the MoE layer.
+//! dense SwiGLU MLP or the MoE layer, on one rank's shard under a layout:
+//!
+//! ```text
+//! x_l += reduce_scatter_tp(attn_heads_shard(all_gather_tp(norm(x_l))))
+//! x_l += reduce_scatter_tp(mlp_ffn_shard(all_gather_tp(norm(x_l))))   (dense)
+//! x_l += moe(norm(x_l))                                               (MoE)
+//! ```
+//!
+//! `x_l` is the rank's sequence-parallel rows; with cp the attention is its
+//! context-parallel form ([`crate::engine::parallel::context`]). One rank is
+//! the layout whose groups are `[0]`: every gather and scatter is the identity.
 //!
 //! Shapes: T tokens, D hidden, E experts.
 
@@ -13,6 +23,8 @@ use super::mla::{Mla, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
 use super::moe::{MoeLayer, MoeSaved, MoeStats};
 use super::norm::{NormSaved, RmsNorm};
+use super::parallel::context::{self, CpAttentionSaved};
+use super::parallel::{Exec, LayerGroups};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
@@ -99,9 +111,9 @@ pub type BlockOut<B> = (Tensor<B>, BlockSaved<B>, Option<MoeStats<B>>);
 
 /// The feed-forward part of a block.
 pub enum Ffn<B: Backend> {
-    /// A dense SwiGLU MLP.
+    /// A dense SwiGLU MLP, its ffn split over tp.
     Dense(Box<SwiGluMlp<B>>),
-    /// A Mixture-of-Experts layer.
+    /// A Mixture-of-Experts layer over the expert mesh.
     Moe(Box<MoeLayer<B>>),
 }
 
@@ -111,15 +123,21 @@ enum FfnSaved<B: Backend> {
     Moe(Box<MoeSaved<B>>),
 }
 
-/// A pre-norm transformer block.
+/// The attention's saved state: the plain layer's, or context-parallel.
+enum BlockAttnSaved<B: Backend> {
+    Local(AttnSaved<B>),
+    Cp(Box<CpAttentionSaved<B>>),
+}
+
+/// A pre-norm transformer block of one rank.
 pub struct Block<B: Backend> {
-    /// Norm before attention.
+    /// Norm before attention (replicated over tp).
     pub attn_norm: RmsNorm<B>,
-    /// Self-attention, GQA or MLA.
+    /// Self-attention, GQA (this rank's heads) or MLA.
     pub attn: Attn<B>,
-    /// Norm before the feed-forward.
+    /// Norm before the feed-forward (replicated over tp).
     pub ffn_norm: RmsNorm<B>,
-    /// Dense MLP or MoE layer.
+    /// Dense MLP shard or MoE layer.
     pub ffn: Ffn<B>,
     /// What the block recomputes, offloads and stores in fp8 (its group's).
     pub policy: Policy,
@@ -127,34 +145,38 @@ pub struct Block<B: Backend> {
     pub ledger: Ledger,
     /// The block's parameter prefix (`blocks.3`), its name in the ledger.
     pub(crate) name: String,
+    /// The groups its layers communicate over.
+    groups: LayerGroups,
 }
 
 /// What the block's backward needs from its forward: the layers' saved
 /// state, and what the block's policy did to it.
 pub struct BlockSaved<B: Backend> {
     attn_norm: NormSaved<B>,
-    attn: AttnSaved<B>,
+    attn: BlockAttnSaved<B>,
     ffn_norm: NormSaved<B>,
     ffn: FfnSaved<B>,
     /// Dropped, moved or compressed tensors and the ledger bytes held
     /// (none for a rerun's state, which lives only inside backward).
     stash: Option<Stash>,
-    /// Sequence length of the forward, for a rerun.
+    /// Sequence length and micro-batch tokens of the forward, for a rerun.
     seq_len: usize,
-}
-
-impl<B: Backend> BlockSaved<B> {
-    /// Starts bringing this block's offloaded tensors back (see
-    /// [`Stash::prefetch`]), one block ahead of its backward.
-    pub fn prefetch(&mut self, b: &B) -> Result<()> {
-        self.stash.as_mut().map_or(Ok(()), |s| s.prefetch(b))
-    }
+    tokens: usize,
 }
 
 /// The input slots of the attention norm (the block's input) and of the
 /// feed-forward's norm.
 pub(crate) const ATTN_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::AttnNorm);
 pub(crate) const MLP_NORM_IN: Slot = Slot::kept(Part::Norms).offload(OffloadPart::MlpNorm);
+
+impl<B: Backend> BlockAttnSaved<B> {
+    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        match self {
+            BlockAttnSaved::Local(s) => s.visit_saved(f),
+            BlockAttnSaved::Cp(s) => s.visit_saved(f),
+        }
+    }
+}
 
 impl<B: Backend> FfnSaved<B> {
     /// Lists the feed-forward's saved tensors with their slots.
@@ -166,32 +188,11 @@ impl<B: Backend> FfnSaved<B> {
     }
 }
 
-/// A pre-norm block's saved state as its four layers' lists (attention
-/// norm, attention, feed-forward norm, feed-forward): the single-rank and
-/// the parallel block list theirs in the same order, which recompute and
-/// the stash rely on.
-pub(crate) trait BlockLayers<B: Backend> {
+/// A block's saved state as its four layers' lists (attention norm,
+/// attention, feed-forward norm, feed-forward), in forward order, which
+/// recompute and the stash rely on.
+impl<B: Backend> BlockSaved<B> {
     /// Lists layer `layer`'s (0..4) saved tensors with their slots.
-    fn visit_layer(&mut self, layer: usize, f: &mut dyn FnMut(Slot, &mut Tensor<B>));
-
-    /// Lists every saved tensor with its slot, in forward order.
-    fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
-        for layer in 0..4 {
-            self.visit_layer(layer, f);
-        }
-    }
-
-    /// Where each layer's tensors sit in [`BlockLayers::visit_saved`]'s list.
-    fn ranges(&mut self) -> [std::ops::Range<usize>; 4] {
-        let mut n = [0usize; 4];
-        for (layer, count) in n.iter_mut().enumerate() {
-            self.visit_layer(layer, &mut |_, _| *count += 1);
-        }
-        layer_ranges(n)
-    }
-}
-
-impl<B: Backend> BlockLayers<B> for BlockSaved<B> {
     fn visit_layer(&mut self, layer: usize, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         match layer {
             0 => self.attn_norm.visit_saved(ATTN_NORM_IN, f),
@@ -200,9 +201,29 @@ impl<B: Backend> BlockLayers<B> for BlockSaved<B> {
             _ => self.ffn.visit_saved(f),
         }
     }
-}
 
-impl<B: Backend> BlockSaved<B> {
+    /// Lists every saved tensor with its slot, in forward order.
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        for layer in 0..4 {
+            self.visit_layer(layer, f);
+        }
+    }
+
+    /// Where each layer's tensors sit in [`BlockSaved::visit_saved`]'s list.
+    fn ranges(&mut self) -> [std::ops::Range<usize>; 4] {
+        let mut n = [0usize; 4];
+        for (layer, count) in n.iter_mut().enumerate() {
+            self.visit_layer(layer, &mut |_, _| *count += 1);
+        }
+        layer_ranges(n)
+    }
+
+    /// Starts bringing this block's offloaded tensors back (see
+    /// [`Stash::prefetch`]), one block ahead of its backward.
+    pub fn prefetch(&mut self, b: &B) -> Result<()> {
+        self.stash.as_mut().map_or(Ok(()), |s| s.prefetch(b))
+    }
+
     /// Device bytes this state holds in the ledger.
     pub fn device_bytes(&self) -> u64 {
         self.stash.as_ref().map_or(0, |s| s.held().device_bytes())
@@ -210,7 +231,9 @@ impl<B: Backend> BlockSaved<B> {
 }
 
 impl<B: Backend> Block<B> {
-    /// A block of `group` with parameters under `prefix` (`blocks.3`).
+    /// A block of `group` with parameters under `prefix` (`blocks.3`), drawn
+    /// by `init` (this rank's blocks under its shard plan, or whole
+    /// tensors), communicating over `groups`.
     pub fn new(
         b: &B,
         prefix: &str,
@@ -218,8 +241,10 @@ impl<B: Backend> Block<B> {
         group: &BlockGroup,
         init: Init<'_>,
         dtype: DType,
+        groups: LayerGroups,
     ) -> Result<Self> {
         let d = model.hidden;
+        let (tp, cp) = (groups.tp.size(), groups.cp.size());
         let ffn = match &group.ffn {
             FfnSpec::Dense { ffn } => Ffn::Dense(Box::new(SwiGluMlp::new(
                 b,
@@ -233,24 +258,28 @@ impl<B: Backend> Block<B> {
             FfnSpec::Moe(moe) => Ffn::Moe(Box::new(MoeLayer::new(
                 b,
                 &format!("{prefix}.moe"),
-                d,
+                model,
                 moe,
-                model.init_std,
                 init,
                 dtype,
+                groups.clone(),
             )?)),
         };
         let attn_prefix = format!("{prefix}.attn");
         let spec = &group.attention;
         let attn = match &spec.mla {
-            None => Attn::Gqa(Box::new(Attention::new(
-                b,
-                &attn_prefix,
-                model,
-                spec,
-                init,
-                dtype,
-            )?)),
+            None => {
+                let mut a = Attention::new(b, &attn_prefix, model, spec, init, dtype)?;
+                a.take_heads(tp)?;
+                Attn::Gqa(Box::new(a))
+            }
+            Some(_) if tp > 1 || cp > 1 => {
+                return Err(EngineError::Invalid(format!(
+                    "model {}: MLA attention under tp = {tp}, cp = {cp} is not supported \
+                     by the runtime yet; use tp = cp = 1 (ep, etp, dp work)",
+                    model.name
+                )));
+            }
             Some(mla) => Attn::Mla(Box::new(Mla::new(
                 b,
                 &attn_prefix,
@@ -269,107 +298,61 @@ impl<B: Backend> Block<B> {
             policy: group.policy.clone(),
             ledger: Ledger::default(),
             name: prefix.to_string(),
+            groups,
         })
     }
 
     /// The MoE layer, if the feed-forward is one.
+    pub fn moe(&self) -> Option<&MoeLayer<B>> {
+        match &self.ffn {
+            Ffn::Moe(m) => Some(&**m),
+            Ffn::Dense(_) => None,
+        }
+    }
+
+    /// The MoE layer, mutably, if the feed-forward is one.
     pub fn moe_mut(&mut self) -> Option<&mut MoeLayer<B>> {
         match &mut self.ffn {
             Ffn::Moe(m) => Some(&mut **m),
             Ffn::Dense(_) => None,
         }
     }
-
-    /// `x: [T, D] -> [T, D]` over sequences of `seq_len`; also the MoE layer's
-    /// losses and loads when the feed-forward is one. The saved state is
-    /// under the block's policy and counted in its ledger.
-    pub fn forward(&self, b: &B, x_td: &Tensor<B>, seq_len: usize) -> Result<BlockOut<B>> {
-        let (y_td, mut saved, stats) = self.forward_raw(b, x_td, seq_len)?;
-        let stash = Stash::apply(b, &self.policy, &self.ledger, &self.name, |f| {
-            saved.visit_saved(f)
-        })?;
-        saved.stash = Some(stash);
-        Ok((y_td, saved, stats))
-    }
-
-    /// The forward with every saved tensor kept and nothing counted: the
-    /// first half of [`Block::forward`], and the rerun of recompute.
-    pub(crate) fn forward_raw(
-        &self,
-        b: &B,
-        x_td: &Tensor<B>,
-        seq_len: usize,
-    ) -> Result<BlockOut<B>> {
-        let (h_td, attn_norm) = self.attn_norm.forward(b, x_td)?;
-        let (a_td, attn) = self.attn.forward(b, &h_td, seq_len)?;
-        let x_td = b.add(x_td, &a_td)?;
-        let (h_td, ffn_norm) = self.ffn_norm.forward(b, &x_td)?;
-        let (f_td, ffn, stats) = match &self.ffn {
-            Ffn::Dense(mlp) => {
-                let (f_td, saved) = mlp.forward(b, &h_td)?;
-                (f_td, FfnSaved::Dense(saved), None)
-            }
-            Ffn::Moe(moe) => {
-                let (f_td, saved, stats) = moe.forward(b, &h_td, seq_len)?;
-                (f_td, FfnSaved::Moe(Box::new(saved)), Some(stats))
-            }
-        };
-        let y_td = b.add(&x_td, &f_td)?;
-        let saved = BlockSaved {
-            attn_norm,
-            attn,
-            ffn_norm,
-            ffn,
-            stash: None,
-            seq_len,
-        };
-        Ok((y_td, saved, stats))
-    }
-
-    /// Accumulates every parameter's gradient and returns `dx: [T, D]`;
-    /// `loss_scale` weights the MoE layer's own losses.
-    pub fn backward(
-        &mut self,
-        b: &B,
-        dy_td: &Tensor<B>,
-        mut saved: BlockSaved<B>,
-        loss_scale: f64,
-    ) -> Result<Tensor<B>> {
-        // Rematerialised tensors count until this backward returns.
-        let _rematerialised = self.restore(b, &mut saved)?;
-        // The residual passes dy through unchanged; each branch adds its share.
-        let dh_td = match (&mut self.ffn, saved.ffn) {
-            (Ffn::Dense(mlp), FfnSaved::Dense(s)) => mlp.backward(b, dy_td, s)?,
-            (Ffn::Moe(moe), FfnSaved::Moe(s)) => moe.backward(b, dy_td, *s, loss_scale)?,
-            _ => {
-                return Err(EngineError::Invalid(
-                    "block backward: saved state comes from a block of another kind".into(),
-                ))
-            }
-        };
-        let mut dx_td = self.ffn_norm.backward(b, &dh_td, saved.ffn_norm)?;
-        b.axpy(&mut dx_td, 1.0, dy_td)?;
-        let da_td = self.attn.backward(b, &dx_td, saved.attn)?;
-        let dh_td = self.attn_norm.backward(b, &da_td, saved.attn_norm)?;
-        b.axpy(&mut dx_td, 1.0, &dh_td)?;
-        Ok(dx_td)
-    }
 }
 
 impl<B: Backend> Block<B> {
-    /// Undoes the policy on `saved` before its backward: fetches offloaded
-    /// and fp8 tensors, then, if any were dropped for recompute, reruns the
-    /// forward from the block's input (always kept) and takes the dropped
-    /// tensors from the rerun. The forward is deterministic, so they are
-    /// bit-identical to those dropped. Returns the ledger bytes of what the
-    /// rerun brought back, held until the caller drops them.
-    ///
-    /// `block` reruns the whole forward; a selective part reruns only the
-    /// layers that dropped something (a norm, the attention, the
-    /// feed-forward), each from its kept input: the memory saved is the
-    /// part's (what Megatron-Core drops for it), the extra compute its
-    /// layer's forward.
-    fn restore(&self, b: &B, saved: &mut BlockSaved<B>) -> Result<Option<Held>> {
+    /// `x: [T/(tp·cp), D]` (this rank's rows of a micro-batch of `tokens` in
+    /// sequences of `seq_len`) → the same rows of the block's output; also
+    /// the MoE layer's losses and loads when the feed-forward is one. The
+    /// saved state is under the block's policy and counted in its ledger.
+    pub fn forward(
+        &self,
+        ctx: &Exec<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+    ) -> Result<BlockOut<B>> {
+        let (y, mut saved, stats) = self.forward_raw(ctx, x_td, seq_len, tokens)?;
+        let stash = Stash::apply(ctx.b, &self.policy, &self.ledger, &self.name, |f| {
+            saved.visit_saved(f)
+        })?;
+        saved.stash = Some(stash);
+        Ok((y, saved, stats))
+    }
+
+    /// Undoes the policy before backward: fetches offloaded and fp8 tensors
+    /// and, if any were dropped for recompute, reruns what dropped them
+    /// (`block`: the whole forward from the kept block input; a selective
+    /// part: only the layers that dropped something, each from its kept
+    /// input: the memory saved is the part's, what Megatron-Core drops for
+    /// it, the extra compute its layer's forward). The forward is
+    /// deterministic, so the rerun's tensors are bit-identical to those
+    /// dropped. Returns the ledger bytes of what the rerun brought back,
+    /// held until the caller drops them. The
+    /// rerun's collectives (tp gathers, cp's key/value gather, the ep
+    /// exchange) pair up because every rank of a group has the same policy
+    /// and runs the same block's backward at the same point of the schedule.
+    fn restore(&self, ctx: &Exec<B>, saved: &mut BlockSaved<B>) -> Result<Option<Held>> {
+        let b = ctx.b;
         let Some(mut stash) = saved.stash.take() else {
             return Ok(None);
         };
@@ -377,24 +360,31 @@ impl<B: Backend> Block<B> {
         if !stash.needs_recompute() {
             return Ok(None);
         }
-        let seq_len = saved.seq_len;
+        let (seq_len, tokens) = (saved.seq_len, saved.tokens);
         let ranges = saved.ranges();
         let mut fresh: Vec<Option<Tensor<B>>> = vec![None; ranges[3].end];
         if self.policy.recompute.contains(&RecomputePart::Block) {
-            let (_, mut all, _) = self.forward_raw(b, saved.attn_norm.input(), seq_len)?;
+            let (_, mut all, _) =
+                self.forward_raw(ctx, saved.attn_norm.input(), seq_len, tokens)?;
             all.visit_saved(&mut take(&mut fresh, 0));
         } else {
             let norms = [
                 (&self.attn_norm, saved.attn_norm.input(), ATTN_NORM_IN),
                 (&self.ffn_norm, saved.ffn_norm.input(), MLP_NORM_IN),
             ];
-            rerun_dropped_layers(b, &stash, &ranges, norms, &mut fresh, |layer, h_td, f| {
+            rerun_dropped_layers(b, &stash, &ranges, norms, &mut fresh, |layer, h, f| {
                 if layer == 0 {
-                    self.attn.forward(b, h_td, seq_len)?.1.visit_saved(f);
+                    self.attn_forward(ctx, h, seq_len)?.1.visit_saved(f);
                 } else {
+                    // Only the saved state is wanted: the dense MLP's output
+                    // need not be scattered over tp.
                     let mut ffn = match &self.ffn {
-                        Ffn::Dense(mlp) => FfnSaved::Dense(mlp.forward(b, h_td)?.1),
-                        Ffn::Moe(moe) => FfnSaved::Moe(Box::new(moe.forward(b, h_td, seq_len)?.1)),
+                        Ffn::Dense(mlp) => {
+                            FfnSaved::Dense(mlp.forward(b, &ctx.gather(&self.groups.tp, h)?)?.1)
+                        }
+                        Ffn::Moe(moe) => {
+                            FfnSaved::Moe(Box::new(moe.forward(ctx, h, seq_len, tokens)?.1))
+                        }
                     };
                     ffn.visit_saved(f);
                 }
@@ -404,16 +394,130 @@ impl<B: Backend> Block<B> {
         let refilled = stash.restore(b, Some(fresh), |f| saved.visit_saved(f))?;
         Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
     }
+
+    /// Attention from this rank's sequence shard `h` of the normed input:
+    /// gathered over tp, then the local layer or, under cp, its
+    /// context-parallel form. Returns the tp-full output and the state.
+    fn attn_forward(
+        &self,
+        ctx: &Exec<B>,
+        h: &Tensor<B>,
+        seq_len: usize,
+    ) -> Result<(Tensor<B>, BlockAttnSaved<B>)> {
+        let h_full = ctx.gather(&self.groups.tp, h)?;
+        Ok(match &self.attn {
+            Attn::Gqa(a) if self.groups.cp.size() > 1 => {
+                let (y, saved) = context::forward(ctx, &self.groups, a, &h_full, seq_len)?;
+                (y, BlockAttnSaved::Cp(Box::new(saved)))
+            }
+            _ => {
+                let (y, saved) = self.attn.forward(ctx.b, &h_full, seq_len)?;
+                (y, BlockAttnSaved::Local(saved))
+            }
+        })
+    }
+
+    /// The forward with every saved tensor kept and nothing counted: the
+    /// first half of [`Block::forward`], the rerun of recompute, and
+    /// inference.
+    pub(crate) fn forward_raw(
+        &self,
+        ctx: &Exec<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+    ) -> Result<BlockOut<B>> {
+        let b = ctx.b;
+        let (h, attn_norm) = self.attn_norm.forward(b, x_td)?;
+        let (a_full, attn) = self.attn_forward(ctx, &h, seq_len)?;
+        let x1 = b.add(x_td, &ctx.scatter(&self.groups.tp, &a_full)?)?;
+        let (h2, ffn_norm) = self.ffn_norm.forward(b, &x1)?;
+        let (y, ffn, stats) = match &self.ffn {
+            Ffn::Dense(mlp) => {
+                let (m_full, saved) = mlp.forward(b, &ctx.gather(&self.groups.tp, &h2)?)?;
+                (
+                    ctx.scatter(&self.groups.tp, &m_full)?,
+                    FfnSaved::Dense(saved),
+                    None,
+                )
+            }
+            Ffn::Moe(moe) => {
+                let (y, saved, stats) = moe.forward(ctx, &h2, seq_len, tokens)?;
+                (y, FfnSaved::Moe(Box::new(saved)), Some(stats))
+            }
+        };
+        let out = b.add(&x1, &y)?;
+        let saved = BlockSaved {
+            attn_norm,
+            attn,
+            ffn_norm,
+            ffn,
+            stash: None,
+            seq_len,
+            tokens,
+        };
+        Ok((out, saved, stats))
+    }
+
+    /// Accumulates every parameter's gradient from `dy` (this rank's rows)
+    /// and returns `dx`; `loss_scale` weights the MoE layer's own losses.
+    pub fn backward(
+        &mut self,
+        ctx: &Exec<B>,
+        dy_td: &Tensor<B>,
+        mut saved: BlockSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        // Rematerialised tensors count until this backward returns.
+        let _rematerialised = self.restore(ctx, &mut saved)?;
+        let BlockSaved {
+            attn_norm,
+            attn,
+            ffn_norm,
+            ffn,
+            ..
+        } = saved;
+        let dh2 = match (&mut self.ffn, ffn) {
+            (Ffn::Dense(mlp), FfnSaved::Dense(s)) => {
+                let d_full = mlp.backward(b, &ctx.gather(&self.groups.tp, dy_td)?, s)?;
+                ctx.scatter(&self.groups.tp, &d_full)?
+            }
+            (Ffn::Moe(moe), FfnSaved::Moe(s)) => moe.backward(ctx, dy_td, *s, loss_scale)?,
+            _ => {
+                return Err(EngineError::Invalid(
+                    "parallel block backward: saved state of another feed-forward kind".into(),
+                ))
+            }
+        };
+        let mut dx1 = self.ffn_norm.backward(b, &dh2, ffn_norm)?;
+        b.axpy(&mut dx1, 1.0, dy_td)?;
+        let dx1_full = ctx.gather(&self.groups.tp, &dx1)?;
+        let da_full = match (&mut self.attn, attn) {
+            (Attn::Gqa(a), BlockAttnSaved::Cp(s)) => {
+                context::backward(ctx, &self.groups, a, &dx1_full, *s)?
+            }
+            (_, BlockAttnSaved::Local(s)) => self.attn.backward(b, &dx1_full, s)?,
+            _ => {
+                return Err(EngineError::Invalid(
+                    "parallel block backward: context-parallel state of another attention".into(),
+                ))
+            }
+        };
+        let dh = ctx.scatter(&self.groups.tp, &da_full)?;
+        let mut dx = self.attn_norm.backward(b, &dh, attn_norm)?;
+        b.axpy(&mut dx, 1.0, &dx1)?;
+        Ok(dx)
+    }
 }
 
-/// Selective recompute of a pre-norm block, shared by the single-rank and
-/// the parallel block: for each half (attention, then feed-forward) that
+/// Selective recompute of a pre-norm block: for each half (attention, then feed-forward) that
 /// dropped something, reruns its norm from the norm's kept input, and, if
 /// the half's layer dropped something, `layer(0 | 1, normed, visit)`,
 /// which reruns the attention or the feed-forward and lists its saved
 /// tensors. What the reruns list lands in `fresh` at the dropped tensors'
 /// positions (`ranges`, as [`layer_ranges`] gives them).
-pub(crate) fn rerun_dropped_layers<B: Backend>(
+fn rerun_dropped_layers<B: Backend>(
     b: &B,
     stash: &Stash,
     ranges: &[std::ops::Range<usize>; 4],
@@ -443,7 +547,7 @@ pub(crate) fn rerun_dropped_layers<B: Backend>(
 /// Consecutive ranges of a block's saved-tensor list from the counts of
 /// its four layers (attention norm, attention, feed-forward norm,
 /// feed-forward).
-pub(crate) fn layer_ranges(counts: [usize; 4]) -> [std::ops::Range<usize>; 4] {
+fn layer_ranges(counts: [usize; 4]) -> [std::ops::Range<usize>; 4] {
     let mut start = 0;
     counts.map(|len| {
         let r = start..start + len;
@@ -454,7 +558,7 @@ pub(crate) fn layer_ranges(counts: [usize; 4]) -> [std::ops::Range<usize>; 4] {
 
 /// A visitor that stores the tensors it is shown into `fresh`, from
 /// position `start` on.
-pub(crate) fn take<B: Backend>(
+fn take<B: Backend>(
     fresh: &mut [Option<Tensor<B>>],
     start: usize,
 ) -> impl FnMut(Slot, &mut Tensor<B>) + '_ {
@@ -495,10 +599,27 @@ mod tests {
     use foldmoe_kernels::{DType, Tensor};
 
     use super::{Attn, Block};
+    use crate::engine::parallel::{Exec, LayerGroups};
     use crate::engine::testutil::{
         check_param_grads, dot, f64_tensor, small_moe, small_spec, uniform, values,
     };
     use crate::spec::{FfnSpec, MlaSpec, ModelSpec};
+
+    /// The first group's block on one rank, in f64.
+    fn one_rank_block(spec: &ModelSpec) -> Block<Cpu> {
+        let init = crate::engine::Init::full(5);
+        let groups = LayerGroups::single();
+        Block::new(
+            &Cpu,
+            "blocks.0",
+            spec,
+            &spec.groups[0],
+            init,
+            DType::F64,
+            groups,
+        )
+        .unwrap()
+    }
 
     /// `Σ r ⊙ block(x)` plus the MoE losses, whose gradients backward adds.
     fn check_block(ffn: FfnSpec, what: &str) {
@@ -508,28 +629,21 @@ mod tests {
     /// As [`check_block`], for the first group of any spec.
     fn check_block_spec(spec: ModelSpec, what: &str) {
         let b = Cpu;
-        let mut block = Block::new(
-            &b,
-            "blocks.0",
-            &spec,
-            &spec.groups[0],
-            crate::engine::Init::full(5),
-            DType::F64,
-        )
-        .unwrap();
+        let exec = Exec::solo(&b);
+        let mut block = one_rank_block(&spec);
         let (seq, d) = (3, spec.hidden);
         let t = 2 * seq;
         let x = uniform(1, t * d, 1.0);
         let r = uniform(2, t * d, 1.0);
         let loss = |blk: &Block<Cpu>, x_td: &Tensor<Cpu>| {
-            let (y, _, stats) = blk.forward(&b, x_td, seq).unwrap();
+            let (y, _, stats) = blk.forward(&exec, x_td, seq, t).unwrap();
             let aux = stats.map_or(0.0, |s| values(&s.aux_loss)[0] + values(&s.z_loss)[0]);
             dot(&y, &r) + aux
         };
         let x_td = f64_tensor(x.clone(), &[t, d]);
-        let (_, saved, _) = block.forward(&b, &x_td, seq).unwrap();
+        let (_, saved, _) = block.forward(&exec, &x_td, seq, t).unwrap();
         let dx = block
-            .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved, 1.0)
+            .backward(&exec, &f64_tensor(r.clone(), &[t, d]), saved, 1.0)
             .unwrap();
         assert_grad(&format!("{what} dx"), &x, &values(&dx), 1e-6, |xs| {
             loss(&block, &f64_tensor(xs.to_vec(), &[t, d]))
@@ -557,15 +671,7 @@ mod tests {
             qk_rope_head_dim: 4,
             v_head_dim: 3,
         });
-        let block = Block::new(
-            &Cpu,
-            "blocks.0",
-            &spec,
-            &spec.groups[0],
-            crate::engine::Init::full(5),
-            DType::F64,
-        )
-        .unwrap();
+        let block = one_rank_block(&spec);
         assert!(matches!(block.attn, Attn::Mla(_)), "the spec asks for MLA");
         check_block_spec(spec, "mla block");
     }

@@ -38,11 +38,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::parallel::model::ParallelFfn;
+use super::block::Ffn;
+use super::model::Model;
 use super::parallel::shard::for_each_run;
 use super::parallel::trainer::ParallelTrainer;
 use super::parallel::Ctx;
-use super::parallel::ParallelModel;
 use crate::engine::optim::MASTER_SUFFIX;
 use crate::engine::param::Param;
 use crate::engine::{EngineError, Result};
@@ -465,7 +465,7 @@ fn plan_pieces<'a, B: Backend>(
     if rank.tp_index == 0 && rank.dp_index == 0 && rank.cp_index == 0 {
         let layers = trainer.model.global_layers();
         for (block, &layer) in trainer.model.blocks.iter().zip(layers) {
-            if let ParallelFfn::Moe(moe) = &block.ffn {
+            if let Ffn::Moe(moe) = &block.ffn {
                 if let Some(bias) = moe.router.expert_bias() {
                     let n = bias.numel();
                     out.push(Planned {
@@ -1082,7 +1082,7 @@ fn upload_host<B: Backend>(
 pub fn load_params<B: Backend>(
     b: &B,
     source: &Source,
-    model: &mut ParallelModel<B>,
+    model: &mut Model<B>,
     prefer_masters: bool,
 ) -> Result<()> {
     let mut outcome: Result<()> = Ok(());
@@ -1116,7 +1116,7 @@ pub fn load_params<B: Backend>(
     outcome?;
     let layers = model.global_layers().to_vec();
     for (block, layer) in model.blocks.iter_mut().zip(layers) {
-        if let ParallelFfn::Moe(moe) = &mut block.ffn {
+        if let Ffn::Moe(moe) = &mut block.ffn {
             if let Some(bias) = moe.router.expert_bias() {
                 let (n, dtype) = (bias.numel(), bias.dtype());
                 let name = format!("blocks.{layer}.moe.router.expert_bias");
@@ -1144,7 +1144,7 @@ mod tests {
     use super::{load, Source};
     use crate::engine::model::Model;
     use crate::engine::parallel::shard::cut_block;
-    use crate::engine::parallel::{run_local_layout, ParallelModel, ParallelTrainer, RankLayout};
+    use crate::engine::parallel::{run_local_layout, ParallelTrainer, RankLayout};
     use crate::engine::trainer::TrainConfig;
     use crate::engine::Module;
     use crate::layout::{self, LayoutSpec};
@@ -1229,7 +1229,7 @@ mod tests {
     #[test]
     fn a_single_file_checkpoint_loads_under_any_layout() {
         let spec = spec();
-        let one = Model::new(&Cpu, &spec, 3, foldmoe_kernels::DType::F32).unwrap();
+        let one = Model::single(&Cpu, &spec, 3, foldmoe_kernels::DType::F32).unwrap();
         let mut values = Vec::new();
         one.visit_params(&mut |p| {
             // Shifted, so a load that ignored the file would be caught.
@@ -1261,7 +1261,7 @@ mod tests {
             let l = layout::check(&LayoutSpec::parse(text).unwrap(), &spec).unwrap();
             let results = run_local_layout(&Cpu, &l, Duration::from_secs(30), |ctx| {
                 let rank = RankLayout::new(&l, ctx.rank.rank)?;
-                let model = ParallelModel::new(&Cpu, &spec, rank, 9, foldmoe_kernels::DType::F32)?;
+                let model = Model::new(&Cpu, &spec, rank, 9, foldmoe_kernels::DType::F32)?;
                 let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
                 load(&Cpu, &source, &mut trainer)?;
                 let mut got = Vec::new();

@@ -3,9 +3,10 @@
 //! layout enum, and [`build`], the one place a declared model is checked
 //! against its layout and built.
 //!
-//! A declared model is a thin typed wrapper around the engine's [`Model`]: the
-//! math lives once, in `model.rs`; the wrapper adds the compile-time spec, the
-//! named layouts and typed access to each declared group of blocks.
+//! A declared model is a thin typed wrapper around the engine's [`Model`] (one
+//! rank's shard under one of its layouts, the whole model on one rank): the
+//! math lives once, in the engine; the wrapper adds the compile-time spec,
+//! the named layouts and typed access to each declared group of blocks.
 //!
 //! A crate that declares models depends on `foldmoe-core` (with its default
 //! `engine` feature) and `foldmoe-macros`; the expansion names everything
@@ -14,8 +15,8 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use super::model::{ForwardOut, Model, ModelSaved};
-use super::parallel::{ParallelModel, RankLayout};
+use super::model::{Batch, ForwardOut, Model, ModelSaved};
+use super::parallel::{Exec, RankLayout};
 use super::param::Module;
 use super::{EngineError, Result};
 use crate::layout::{self, Layout, LayoutSpec};
@@ -65,58 +66,45 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
         Self::Layout::ALL.iter().map(|l| l.spec()).collect()
     }
 
-    /// Builds rank `rank` of the model under `layout`, weights from `seed`.
+    /// Builds the shard rank `rank` owns under `layout` (any world size;
+    /// the whole model for a one-rank layout), weights from `seed`: what the
+    /// engine trains on that rank. See [`build`].
     fn new(b: &B, layout: Self::Layout, rank: usize, seed: u64, dtype: DType) -> Result<Self>;
 
-    /// The shard that rank `rank` owns under `layout` (any world size),
-    /// weights from `seed`: what the parallel runtime trains on that rank.
-    fn shard(
-        b: &B,
-        layout: Self::Layout,
-        rank: usize,
-        seed: u64,
-        dtype: DType,
-    ) -> Result<ParallelModel<B>> {
-        build_shard(b, &Self::spec(), &layout.spec(), rank, seed, dtype)
-    }
-
-    /// The engine model.
+    /// The engine model of this rank.
     fn model(&self) -> &Model<B>;
 
     /// The engine model, mutably (its backward, loaded weights).
     fn model_mut(&mut self) -> &mut Model<B>;
 
-    /// The engine model by value (its forward and backward, or generation,
-    /// without the wrapper).
+    /// The engine model by value (to train it, or generate, without the wrapper).
     fn into_model(self) -> Model<B>;
 
-    /// Loss of a batch; see [`Model::forward`].
+    /// Loss of a micro-batch; see [`Model::forward`].
     fn forward(
         &self,
-        b: &B,
-        tokens_bs: &Tensor<B>,
-        targets_bs: &Tensor<B>,
+        exec: &Exec<B>,
+        batch: Batch<'_, B>,
+        seq_len: usize,
     ) -> Result<ForwardOut<B>> {
-        self.model().forward(b, tokens_bs, targets_bs)
+        self.model().forward(exec, batch, seq_len)
     }
 
     /// Gradients of the forward that produced `saved`; see [`Model::backward`].
-    fn backward(&mut self, b: &B, saved: ModelSaved<B>, loss_scale: f64) -> Result<()> {
-        self.model_mut().backward(b, saved, loss_scale)
+    fn backward(&mut self, exec: &Exec<B>, saved: ModelSaved<B>, loss_scale: f64) -> Result<()> {
+        self.model_mut().backward(exec, saved, loss_scale)
     }
 
     /// Inference logits; see [`Model::logits`].
-    fn logits(&self, b: &B, tokens_bs: &Tensor<B>) -> Result<Tensor<B>> {
-        self.model().logits(b, tokens_bs)
+    fn logits(&self, exec: &Exec<B>, tokens: &[i32], seq_len: usize) -> Result<Tensor<B>> {
+        self.model().logits(exec, tokens, seq_len)
     }
 }
 
 /// Checks `layout` against `spec` with the same rules the macro ran at compile
 /// time (a spec or layout built by hand, or changed since, is caught here) and
-/// builds the whole model for a one-rank layout.
-///
-/// A layout with `world > 1` is an error pointing at [`build_shard`]: a rank
-/// of a parallel layout holds a shard, not the whole model.
+/// builds the shard rank `rank` owns, shard first: the rank draws only its
+/// blocks of the weights one rank would draw from `seed` (see [`Model::new`]).
 pub fn build<B: Backend>(
     b: &B,
     spec: &ModelSpec,
@@ -125,31 +113,9 @@ pub fn build<B: Backend>(
     seed: u64,
     dtype: DType,
 ) -> Result<Model<B>> {
-    checked_layout(spec, layout, rank)?;
-    if layout.world > 1 {
-        return Err(EngineError::Invalid(format!(
-            "layout `{}` spans world = {} ranks: rank {rank} holds a shard of the model, built \
-             by `MoeModel::shard` (or `build_shard`) and trained by the Parallel Folding runtime",
-            layout.name, layout.world
-        )));
-    }
-    Model::new(b, spec, seed, dtype)
-}
-
-/// Checks `layout` against `spec` like [`build`] and builds the shard rank
-/// `rank` owns, shard first: the rank draws only its blocks of the weights
-/// one rank would draw from `seed` (see [`ParallelModel::new`]).
-pub fn build_shard<B: Backend>(
-    b: &B,
-    spec: &ModelSpec,
-    layout: &LayoutSpec,
-    rank: usize,
-    seed: u64,
-    dtype: DType,
-) -> Result<ParallelModel<B>> {
     let checked = checked_layout(spec, layout, rank)?;
     let rank_layout = RankLayout::new(&checked, rank)?;
-    ParallelModel::new(b, spec, rank_layout, seed, dtype)
+    Model::new(b, spec, rank_layout, seed, dtype)
 }
 
 /// The spec and layout checked (every rule, every violation in the error)
@@ -180,7 +146,7 @@ fn checked_layout(spec: &ModelSpec, layout: &LayoutSpec, rank: usize) -> Result<
 /// Names the expansion of `#[moe_model]` refers to; not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use super::{build, build_shard, LayoutChoice, MoeModel};
+    pub use super::{build, LayoutChoice, MoeModel};
     pub use crate::engine::block::Block;
     pub use crate::engine::model::Model;
     pub use crate::engine::param::{Module, Param};

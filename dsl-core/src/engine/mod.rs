@@ -57,7 +57,8 @@ pub(crate) mod testutil {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    use super::parallel::{run_local_layout, Ctx, ParallelModel, ParallelTrainer};
+    use super::model::Model;
+    use super::parallel::{run_local_layout, Ctx, ParallelTrainer};
     use super::trainer::TrainConfig;
     use super::{Module, Param, Result};
     use crate::layout::LayoutSpec;
@@ -152,7 +153,7 @@ pub(crate) mod testutil {
     ) -> T {
         let layout = crate::layout::check(&LayoutSpec::default(), spec).unwrap();
         let mut results = run_local_layout(b, &layout, Duration::from_secs(60), |ctx| {
-            let model = ParallelModel::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
+            let model = Model::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
             let mut trainer = ParallelTrainer::new(ctx.b, model, cfg)?;
             f(ctx, &mut trainer)
         });

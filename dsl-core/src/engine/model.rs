@@ -1,27 +1,43 @@
-//! The whole language model built from a [`ModelSpec`]: embedding, blocks,
-//! final norm, LM head and the cross-entropy loss (Megatron-Core's `GPTModel`;
-//! the MoE blocks follow docs/ARCHITECTURE.md §4).
+//! The language model on one rank of a layout (Megatron-Core's `GPTModel`
+//! with tensor, sequence, context, data, pipeline and expert parallelism):
+//! embedding, the rank's blocks, final norm, LM head and the cross-entropy
+//! loss. One rank holding the whole model is the layout `world = 1`.
 //!
 //! ```text
-//! x = embed(tokens)
-//! for block in blocks: x = block(x)        // x + attn(norm(x)); x + ffn(norm(x))
-//! loss = mean_{t: target_t ≥ 0} CE(head(norm(x))_t, target_t)
+//! x_l   = reduce_scatter_tp(embed_vocab_shard(tokens))          // [T/tp, D]
+//! for block in the stage's blocks: x_l = block(x_l)              // see `block`
+//! logits_l = all_gather_tp(norm(x_l)) · W_vocab_shardᵀ           // [T, V/tp]
+//! loss  = mean_{t: target_t ≥ 0} (lse_t − z_t), lse and the target logit z combined over tp
 //! ```
 //!
-//! Parameters are visited in the order `embed.weight`, `blocks.0.*` …
-//! `blocks.{L-1}.*`, `final_norm.weight`, `head.weight` (absent when tied);
-//! these dotted names are what checkpoints store.
+//! T is the micro-batch's tokens (all tp and cp ranks of a dp rank are given
+//! the same micro-batch); with cp each rank first keeps its two chunks of
+//! every sequence ([`crate::engine::parallel::context`]: T/cp tokens,
+//! attention exchanging keys and values over cp, the loss a sum over cp of
+//! each rank's share of the mean); a rank's sequence-parallel shard is rows
+//! `tp_index·T/(tp·cp) .. (tp_index+1)·T/(tp·cp)` of those tokens.
+//!
+//! Parameters are visited in the order `embed.weight`, `blocks.{l}.*` (the
+//! rank's layers, ascending), `final_norm.weight`, `head.weight` (absent
+//! when tied); these dotted names and the global shapes are what
+//! checkpoints store, each rank its [`ShardPlan`] blocks.
 //!
 //! Shapes: B batch, S sequence, T = B·S tokens, D hidden, V vocabulary, E experts.
 
-use foldmoe_kernels::{Backend, DType, Tensor};
+use std::ops::Range;
+
+use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::activations::{hold_all, Held, Ledger, Slot};
-use super::block::{Block, BlockSaved};
+use super::block::{Block, BlockSaved, Ffn};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use super::norm::{NormSaved, RmsNorm};
+use super::parallel::context::split_sequences;
+use super::parallel::shard::upload_as;
+use super::parallel::{Exec, RankLayout, ShardPlan};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
+use crate::layout::LayoutSpec;
 use crate::memory::Part;
 use crate::spec::{FfnSpec, ModelSpec};
 
@@ -31,78 +47,165 @@ use crate::spec::{FfnSpec, ModelSpec};
 /// `count + ε = count` exactly for every count ≥ 1, and `1/ε` is finite in f32.
 const COUNT_EPS: f64 = 1e-20;
 
-/// A decoder-only language model, one rank, all layers.
+/// One rank's shard of a decoder-only MoE language model.
 pub struct Model<B: Backend> {
-    /// The spec the model was built from.
+    /// The full model's spec.
     pub spec: ModelSpec,
-    /// Token embedding `[V, D]`.
+    /// This rank's place in the layout.
+    pub rank: RankLayout,
+    /// Rows `vocab_start..vocab_start + V/tp` of the embedding table.
     pub embed: Embedding<B>,
-    /// Transformer blocks, first to last.
+    /// The rank's blocks, first to last.
     pub blocks: Vec<Block<B>>,
-    /// Norm before the head.
+    /// Norm before the head (replicated over tp).
     pub final_norm: RmsNorm<B>,
-    /// Output layer, tied to `embed` or not.
+    /// The head's vocabulary shard (or tied to `embed`).
     pub head: LmHead<B>,
-    /// Counts of the saved activations of every forward not yet consumed by
-    /// its backward; shared with the blocks.
+    /// Counts of this rank's saved activations, shared with its blocks.
     pub ledger: Ledger,
+    vocab_start: usize,
+    /// Indices into `blocks` of each model chunk (virtual stage) of this rank.
+    chunks: Vec<Range<usize>>,
+    /// The full model's layer index of each of `blocks`.
+    layers: Vec<usize>,
 }
 
-/// What the model's backward needs from its forward.
-pub struct ModelSaved<B: Backend> {
-    embed: EmbeddingSaved<B>,
+/// A micro-batch: token ids and next-token targets (`-1`: ignored), as
+/// host ids (what the data loader gives) or as device tensors `[B, S]` or
+/// `[T]` of i32 (nothing read back when the rank needs no host view, that
+/// is without tp and cp).
+#[derive(Clone, Copy)]
+pub enum Batch<'a, B: Backend> {
+    /// Host ids, `[B·S]` each.
+    Host {
+        /// Token ids.
+        tokens: &'a [i32],
+        /// Next-token targets.
+        targets: &'a [i32],
+    },
+    /// Device tensors of i32.
+    Device {
+        /// Token ids.
+        tokens: &'a Tensor<B>,
+        /// Next-token targets.
+        targets: &'a Tensor<B>,
+    },
+}
+
+/// This rank's view of a micro-batch: its tokens (the cp chunks of each
+/// sequence) as ids to embed and as targets.
+struct RankBatch<B: Backend> {
+    /// Rows of this rank's tokens (before the tp split).
+    rows: usize,
+    /// Host ids of the tokens, or the device tensor of them.
+    ids: Ids<B>,
+    /// `[rows]` i32 global targets on the device.
+    targets_t: Tensor<B>,
+    /// The same targets on the host (for the vocabulary-parallel loss).
+    host_targets: Option<Vec<i32>>,
+}
+
+enum Ids<B: Backend> {
+    Host(Vec<i32>),
+    Device(Tensor<B>),
+}
+
+/// What [`Model::backward`] needs from the forward.
+pub struct ModelSaved<B: Backend>(ChunkSaved<B>);
+
+/// The embedding's saved state and, with tp > 1, the `[T]` mask of tokens
+/// whose id is in this rank's vocabulary shard.
+type EmbedSaved<B> = (EmbeddingSaved<B>, Option<Tensor<B>>);
+
+/// What [`Model::backward_chunk`] needs from a chunk's forward.
+pub struct ChunkSaved<B: Backend> {
+    chunk: usize,
+    /// The first virtual stage's embedding.
+    embed: Option<EmbedSaved<B>>,
     blocks: Vec<BlockSaved<B>>,
+    /// The last virtual stage's head and loss.
+    head: Option<LossSaved<B>>,
+}
+
+/// What the loss's backward needs.
+struct LossSaved<B: Backend> {
     final_norm: NormSaved<B>,
     head: HeadSaved<B>,
     logits_tv: Tensor<B>,
-    targets_t: Tensor<B>,
-    lse_t: Tensor<B>,
-    valid_t: Tensor<B>,
-    inv_count_1: Tensor<B>,
-    /// Ledger bytes of the embedding's and head's saved state.
+    ce: CeSaved<B>,
+    /// `[T]`: valid / count, the gradient of the mean loss per token (in
+    /// the accumulation type, as the cross-entropy's backward takes it).
+    dloss_t: Tensor<B>,
+    /// Ledger bytes of the final norm's, head's and loss's saved state.
     _held: Held,
 }
 
-/// The losses and routing statistics of one forward pass, and its saved state.
-pub struct ForwardOut<B: Backend> {
-    /// Mean cross-entropy over the non-ignored tokens, `[1]`, in the model
-    /// dtype's accumulation type ([`DType::acc`]: F32 for a BF16 model).
-    pub loss: Tensor<B>,
-    /// Sum of the MoE layers' load-balancing and z-losses (coefficients
-    /// applied), `[1]`, in the model's dtype (the routers compute them in it).
+/// A model chunk's forward.
+pub struct ChunkOut<B: Backend> {
+    /// The output for the next virtual stage (none on the last).
+    pub hidden: Option<Tensor<B>>,
+    /// Mean cross-entropy of the micro-batch, `[1]`, on the last virtual
+    /// stage; in the model dtype's accumulation type ([`DType::acc`]: F32
+    /// for a BF16 model), the aux loss in the model's dtype.
+    pub loss: Option<Tensor<B>>,
+    /// This rank's part of the chunk's MoE losses, `[1]`.
     pub aux_loss: Tensor<B>,
-    /// Token copies routed to each expert, `[E]` per MoE layer in block order.
+    /// This rank's tokens routed to each expert, `[E]` per MoE layer of the chunk.
+    pub moe_load: Vec<Tensor<B>>,
+    /// Input of [`Model::backward_chunk`].
+    pub saved: ChunkSaved<B>,
+}
+
+/// What the cross-entropy's backward needs.
+enum CeSaved<B: Backend> {
+    /// One tp rank: the plain kernel.
+    Whole {
+        targets_t: Tensor<B>,
+        lse_t: Tensor<B>,
+    },
+    /// Vocabulary-parallel: local targets (`-1` outside the shard), the
+    /// global log-sum-exp, and `outside_share_t = (1 − in_shard)·Σ_{v in
+    /// shard} softmax`, which scales the local softmax for rows whose target
+    /// lives on another rank (both in the accumulation type).
+    Vocab {
+        local_targets_t: Tensor<B>,
+        lse_t: Tensor<B>,
+        outside_share_t: Tensor<B>,
+    },
+}
+
+/// A forward's losses (this rank's parts) and routing loads.
+pub struct ForwardOut<B: Backend> {
+    /// Mean cross-entropy of the micro-batch, `[1]` (equal on the tp ranks),
+    /// in the accumulation type of the model's dtype ([`DType::acc`]).
+    pub loss: Tensor<B>,
+    /// This rank's part of the MoE losses, `[1]`: their sum over tp is the
+    /// micro-batch's aux + z loss.
+    pub aux_loss: Tensor<B>,
+    /// This rank's tokens routed to each expert, `[E]` per MoE layer.
     pub moe_load: Vec<Tensor<B>>,
     /// Input of [`Model::backward`].
     pub saved: ModelSaved<B>,
 }
 
 impl<B: Backend> Model<B> {
-    /// Builds the model after checking the spec (every violated rule is
-    /// returned as [`EngineError::Spec`]); weights depend only on `(seed, name)`.
-    pub fn new(b: &B, spec: &ModelSpec, seed: u64, dtype: DType) -> Result<Self> {
-        let all: Vec<usize> = (0..spec.layers()).collect();
-        Self::build(b, spec, Init::full(seed), &all, true, dtype)
-    }
-
-    /// The blocks `layers` (indices of the full model, ascending) with
-    /// parameters drawn by `init` (a rank's blocks under its shard plan);
-    /// without `embed_and_head` the embedding table and an untied head are
-    /// empty (`[0, D]`: a pipeline stage that does not train them).
-    pub(crate) fn build(
-        b: &B,
-        spec: &ModelSpec,
-        init: Init<'_>,
-        layers: &[usize],
-        embed_and_head: bool,
-        dtype: DType,
-    ) -> Result<Self> {
+    /// Builds `rank`'s shard of the model `spec` describes, shard first:
+    /// only the stage's layers, each parameter drawn as the block the
+    /// [`ShardPlan`] gives the rank (the same values as those of one rank's
+    /// whole model of `seed`), the embedding and head only where the stage
+    /// trains them (elsewhere `[0, D]`). Every violated rule of the spec is
+    /// returned as [`EngineError::Spec`].
+    pub fn new(b: &B, spec: &ModelSpec, rank: RankLayout, seed: u64, dtype: DType) -> Result<Self> {
         spec.check().map_err(EngineError::Spec)?;
         if !dtype.is_float() {
             return Err(EngineError::Invalid(format!(
                 "model dtype {dtype:?} is not a float type; use F32 (or F64 for gradient checks)"
             )));
         }
+        let plan = ShardPlan::new(spec, &rank);
+        let init = Init::sharded(seed, &plan);
+        let last = rank.pp_index + 1 == rank.pp.size();
+        let embed_and_head = rank.pp_index == 0 || last;
         let (v, d) = (spec.vocab, spec.hidden);
         let absent =
             |name: &str| -> Result<Param<B>> { Param::new(b, name, b.zeros(&[0, d], dtype)?) };
@@ -113,8 +216,10 @@ impl<B: Backend> Model<B> {
                 table: absent("embed.weight")?,
             }
         };
-        let mut blocks = Vec::with_capacity(layers.len());
-        for &layer in layers {
+        let ledger = Ledger::default();
+        let groups = rank.layer_groups();
+        let mut blocks = Vec::with_capacity(plan.layers().len());
+        for &layer in plan.layers() {
             let group = spec.group_of_layer(layer).ok_or_else(|| {
                 EngineError::Invalid(format!(
                     "layer {layer} is outside model {} of {} layers",
@@ -123,7 +228,9 @@ impl<B: Backend> Model<B> {
                 ))
             })?;
             let prefix = format!("blocks.{layer}");
-            blocks.push(Block::new(b, &prefix, spec, group, init, dtype)?);
+            let mut block = Block::new(b, &prefix, spec, group, init, dtype, groups.clone())?;
+            block.ledger = ledger.clone();
+            blocks.push(block);
         }
         let final_norm = RmsNorm::new(b, "final_norm", d, spec.norm_eps, dtype)?;
         let head = match (spec.tied_embeddings, embed_and_head) {
@@ -133,225 +240,760 @@ impl<B: Backend> Model<B> {
                 weight: Some(absent("head.weight")?),
             },
         };
-        let ledger = Ledger::default();
-        for block in &mut blocks {
-            block.ledger = ledger.clone();
-        }
         Ok(Model {
+            vocab_start: plan.vocab_rows().0,
             spec: spec.clone(),
-            ledger,
+            rank,
             embed,
             blocks,
             final_norm,
             head,
+            ledger,
+            chunks: plan.chunks().to_vec(),
+            layers: plan.layers().to_vec(),
         })
     }
 
-    /// Number of MoE layers (the length of [`ForwardOut::moe_load`]).
-    pub fn moe_layers(&self) -> usize {
-        self.blocks
-            .iter()
-            .filter(|blk| matches!(blk.ffn, super::block::Ffn::Moe(_)))
-            .count()
+    /// The whole model on one rank (the layout `world = 1`), run with
+    /// [`Exec::solo`].
+    pub fn single(b: &B, spec: &ModelSpec, seed: u64, dtype: DType) -> Result<Self> {
+        spec.check().map_err(EngineError::Spec)?;
+        let layout = crate::layout::check(&LayoutSpec::default(), spec).map_err(|errs| {
+            EngineError::Invalid(format!(
+                "model {}: the one-rank layout does not apply: {}",
+                spec.name,
+                errs.iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ))
+        })?;
+        Self::new(b, spec, RankLayout::new(&layout, 0)?, seed, dtype)
     }
 
-    /// Loss of a batch: `tokens, targets: [B, S]` (i32; a target of `-1` is
-    /// ignored). Nothing is read back to the host.
+    /// Loss of this dp rank's micro-batch (sequences of `seq_len`). The
+    /// whole model: only without a pipeline (see [`Self::forward_chunk`]).
     pub fn forward(
         &self,
-        b: &B,
-        tokens_bs: &Tensor<B>,
-        targets_bs: &Tensor<B>,
+        ctx: &Exec<B>,
+        batch: Batch<'_, B>,
+        seq_len: usize,
     ) -> Result<ForwardOut<B>> {
-        let (batch, seq) = check_batch(tokens_bs, "tokens")?;
-        if targets_bs.shape() != tokens_bs.shape() {
+        if self.rank.pp.size() > 1 {
             return Err(EngineError::Invalid(format!(
-                "targets have shape {:?} but tokens have shape {:?}; they must match",
-                targets_bs.shape(),
-                tokens_bs.shape()
+                "forward of the whole model on rank {} of a pipeline of {} stages; \
+                 run the stages' chunks with forward_chunk (Trainer::accumulate does)",
+                self.rank.rank,
+                self.rank.pp.size()
             )));
         }
-        check_batch(targets_bs, "targets")?;
-        let t = batch * seq;
-        let ids_t = tokens_bs.clone().reshape(&[t])?;
-        let targets_t = targets_bs.clone().reshape(&[t])?;
+        let out = self.forward_chunk(ctx, 0, None, batch, seq_len)?;
+        let loss = out.loss.ok_or_else(|| {
+            EngineError::Invalid("forward: the only stage computed no loss".into())
+        })?;
+        Ok(ForwardOut {
+            loss,
+            aux_loss: out.aux_loss,
+            moe_load: out.moe_load,
+            saved: ModelSaved(out.saved),
+        })
+    }
 
-        let (mut x_td, embed) = self.embed.forward(b, &ids_t)?;
-        let dtype = x_td.dtype();
-        let mut blocks = Vec::with_capacity(self.blocks.len());
+    /// Inference logits `[T, V]` of `tokens` (sequences of `seq_len`, host
+    /// ids) on a rank that holds the whole model (no tp, cp or pp: one rank,
+    /// or data parallel only); nothing is kept for a backward.
+    pub fn logits(&self, ctx: &Exec<B>, tokens: &[i32], seq_len: usize) -> Result<Tensor<B>> {
+        let r = &self.rank;
+        if r.tp.size() > 1 || r.cp.size() > 1 || r.pp.size() > 1 {
+            return Err(EngineError::Invalid(format!(
+                "logits on rank {} of layout {}: generation needs the whole model on a rank \
+                 (tp = cp = pp = 1)",
+                r.rank, r.layout.name
+            )));
+        }
+        if seq_len == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(seq_len) {
+            return Err(EngineError::Invalid(format!(
+                "logits: {} tokens do not form sequences of {seq_len}",
+                tokens.len()
+            )));
+        }
+        self.check_ids(tokens)?;
+        let b = ctx.b;
+        let (mut x_td, _) = self.embed_tokens(ctx, &Ids::Host(tokens.to_vec()))?;
+        for block in &self.blocks {
+            x_td = block.forward_raw(ctx, &x_td, seq_len, tokens.len())?.0;
+        }
+        let (h_td, _) = self.final_norm.forward(b, &x_td)?;
+        Ok(self.head.forward(b, &self.embed, &h_td)?.0)
+    }
+
+    /// Model chunks this rank holds (`vpp`).
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// The virtual pipeline stage of this rank's model chunk `chunk`.
+    pub fn virtual_stage(&self, chunk: usize) -> usize {
+        chunk * self.rank.pp.size() + self.rank.pp_index
+    }
+
+    fn is_first(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) == 0
+    }
+
+    fn is_last(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) + 1 == self.rank.pp.size() * self.chunks.len()
+    }
+
+    /// Whether this rank trains the embedding table: the first stage, and
+    /// the last when the head is tied to it.
+    pub fn owns_embed(&self) -> bool {
+        self.rank.pp_index == 0 || (self.owns_head() && self.head.weight.is_none())
+    }
+
+    /// Whether this rank trains the final norm and the head (the last stage).
+    pub fn owns_head(&self) -> bool {
+        self.rank.pp_index + 1 == self.rank.pp.size()
+    }
+
+    /// Whether this rank's embedding table is the last stage's copy of a tied
+    /// table: its gradient is summed with the first stage's over the
+    /// embedding group, and it is counted once (on the first stage).
+    pub fn embed_is_copy(&self) -> bool {
+        self.rank.pp_index > 0 && self.owns_embed()
+    }
+
+    /// Indices into `blocks` of each of this rank's model chunks.
+    pub fn chunk_ranges(&self) -> &[Range<usize>] {
+        &self.chunks
+    }
+
+    /// This rank's blocks of the full model's layers `layers` (a declared
+    /// group's), in order: a contiguous run of [`Self::blocks`], since a
+    /// rank's layers ascend chunk after chunk.
+    pub fn blocks_of_layers(&self, layers: Range<usize>) -> &[Block<B>] {
+        &self.blocks[self.block_range(layers)]
+    }
+
+    /// Mutable [`Self::blocks_of_layers`].
+    pub fn blocks_of_layers_mut(&mut self, layers: Range<usize>) -> &mut [Block<B>] {
+        let range = self.block_range(layers);
+        &mut self.blocks[range]
+    }
+
+    fn block_range(&self, layers: Range<usize>) -> Range<usize> {
+        let start = self.layers.partition_point(|&l| l < layers.start);
+        let end = self.layers.partition_point(|&l| l < layers.end);
+        start..end.max(start)
+    }
+
+    /// The full model's layer index of each of this rank's blocks.
+    pub fn global_layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    /// Forward of model chunk `chunk` on micro-batch `tokens, targets`: the
+    /// first virtual stage embeds `tokens`, the others take `input` (the
+    /// previous virtual stage's output, this rank's sequence-parallel shard);
+    /// the last virtual stage computes the loss, the others return their
+    /// output for the next.
+    /// Forward of model chunk `chunk` on micro-batch `batch` (sequences of
+    /// `seq_len`): the first virtual stage embeds the tokens, the others
+    /// take `input` (the previous virtual stage's output, this rank's
+    /// sequence-parallel shard); the last virtual stage computes the loss,
+    /// the others return their output for the next.
+    pub fn forward_chunk(
+        &self,
+        ctx: &Exec<B>,
+        chunk: usize,
+        input: Option<Tensor<B>>,
+        batch: Batch<'_, B>,
+        seq_len: usize,
+    ) -> Result<ChunkOut<B>> {
+        let b = ctx.b;
+        let (tp, cp) = (self.rank.tp.size(), self.rank.cp.size());
+        if chunk >= self.chunks.len() {
+            return Err(EngineError::Invalid(format!(
+                "forward: chunk {chunk} of a rank holding {}",
+                self.chunks.len()
+            )));
+        }
+        let rb = self.rank_batch(b, batch, seq_len)?;
+        if !rb.rows.is_multiple_of(tp) {
+            return Err(EngineError::Invalid(format!(
+                "forward: {} tokens of the micro-batch do not split over tp = {tp} \
+                 (sequence parallelism)",
+                rb.rows
+            )));
+        }
+        let micro_tokens = rb.rows * cp;
+        let dtype = self.embed.table.value.dtype();
+        let (x_td, embed) = match (self.is_first(chunk), input) {
+            (true, None) => {
+                let (x, saved) = self.embed_tokens(ctx, &rb.ids)?;
+                (x, Some(saved))
+            }
+            (false, Some(x)) => (x, None),
+            (first, _) => {
+                return Err(EngineError::Invalid(format!(
+                    "forward: virtual stage {} {} an input from the previous stage",
+                    self.virtual_stage(chunk),
+                    if first { "takes no" } else { "needs" }
+                )))
+            }
+        };
+
+        let mut x_td = x_td;
+        let mut blocks = Vec::new();
         let mut aux_loss = b.zeros(&[1], dtype)?;
         let mut moe_load = Vec::new();
-        for block in &self.blocks {
-            let (y_td, saved, stats) = block.forward(b, &x_td, seq)?;
+        for block in &self.blocks[self.chunks[chunk].clone()] {
+            let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, micro_tokens)?;
             if let Some(stats) = stats {
                 aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
                 moe_load.push(stats.load);
             }
             blocks.push(saved);
-            x_td = y_td;
+            x_td = y;
         }
-        let (h_td, final_norm) = self.final_norm.forward(b, &x_td)?;
-        let (logits_tv, head) = self.head.forward(b, &self.embed, &h_td)?;
+        let (hidden, loss, head) = if self.is_last(chunk) {
+            let (loss, saved) = self.loss(ctx, &x_td, &rb, dtype)?;
+            (None, Some(loss), Some(saved))
+        } else {
+            (Some(x_td), None, None)
+        };
+        Ok(ChunkOut {
+            hidden,
+            loss,
+            aux_loss,
+            moe_load,
+            saved: ChunkSaved {
+                chunk,
+                embed,
+                blocks,
+                head,
+            },
+        })
+    }
 
-        // Mean over the non-ignored tokens, counted on the device (ignored
-        // tokens already have loss 0). The cross-entropy's loss and lse come
-        // in the accumulation type (f32 for bf16, as Megatron-Core upcasts
-        // its logits), so the mean and its gradient stay in it too.
-        let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
+    /// This rank's view of `batch`: its cp chunks of every sequence, checked.
+    /// Device tensors stay on the device without tp and cp; otherwise they
+    /// are read back once (the split and the vocabulary masks are made on
+    /// the host).
+    fn rank_batch(&self, b: &B, batch: Batch<'_, B>, seq_len: usize) -> Result<RankBatch<B>> {
+        let (tp, cp, cp_i) = (self.rank.tp.size(), self.rank.cp.size(), self.rank.cp_index);
+        let (tokens, targets) = match batch {
+            Batch::Host { tokens, targets } => (tokens.to_vec(), targets.to_vec()),
+            Batch::Device { tokens, targets } => {
+                check_device_batch(tokens, targets, seq_len)?;
+                let n = tokens.numel();
+                if tp == 1 && cp == 1 {
+                    return Ok(RankBatch {
+                        rows: n,
+                        ids: Ids::Device(tokens.clone().reshape(&[n])?),
+                        targets_t: targets.clone().reshape(&[n])?,
+                        host_targets: None,
+                    });
+                }
+                (
+                    b.download(tokens)?.to_i32()?,
+                    b.download(targets)?.to_i32()?,
+                )
+            }
+        };
+        let n = tokens.len();
+        if targets.len() != n || seq_len == 0 || n == 0 || !n.is_multiple_of(seq_len) {
+            return Err(EngineError::Invalid(format!(
+                "forward: {n} tokens and {} targets do not form sequences of {seq_len}",
+                targets.len()
+            )));
+        }
+        self.check_ids(&tokens)?;
+        if let Some(&y) = targets
+            .iter()
+            .find(|&&y| y < -1 || y >= self.spec.vocab as i32)
+        {
+            return Err(EngineError::Invalid(format!(
+                "target {y} is outside the vocabulary of {} (and not -1, ignored)",
+                self.spec.vocab
+            )));
+        }
+        let tokens = split_sequences(&tokens, seq_len, cp, cp_i)?;
+        let targets = split_sequences(&targets, seq_len, cp, cp_i)?;
+        let rows = tokens.len();
+        Ok(RankBatch {
+            rows,
+            ids: Ids::Host(tokens),
+            targets_t: b.upload(HostData::I32(targets.clone()), &[rows])?,
+            host_targets: (tp > 1).then_some(targets),
+        })
+    }
+
+    /// Errors naming the first token id outside the vocabulary.
+    fn check_ids(&self, tokens: &[i32]) -> Result<()> {
+        match tokens
+            .iter()
+            .find(|&&id| id < 0 || id as usize >= self.spec.vocab)
+        {
+            Some(id) => Err(EngineError::Invalid(format!(
+                "token id {id} is outside the vocabulary of {}",
+                self.spec.vocab
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Embedding: this rank's vocabulary rows, zero elsewhere, summed over tp.
+    fn embed_tokens(&self, ctx: &Exec<B>, ids: &Ids<B>) -> Result<(Tensor<B>, EmbedSaved<B>)> {
+        let b = ctx.b;
+        let tokens = match ids {
+            Ids::Device(ids_t) => {
+                let (emb_td, embed) = self.embed.forward(b, ids_t)?;
+                return Ok((emb_td, (embed, None)));
+            }
+            Ids::Host(tokens) => tokens,
+        };
+        let t = tokens.len();
+        let tp = self.rank.tp.size();
+        let dtype = self.embed.table.value.dtype();
+        let vocab_local = self.embed.table.value.shape()[0];
+        let (v0, v1) = (self.vocab_start, self.vocab_start + vocab_local);
+        let in_shard = |id: i32| id >= 0 && (id as usize) >= v0 && (id as usize) < v1;
+        let local_ids: Vec<i32> = tokens
+            .iter()
+            .map(|&id| if in_shard(id) { id - v0 as i32 } else { 0 })
+            .collect();
+        let ids_t = b.upload(HostData::I32(local_ids), &[t])?;
+        let (emb_td, embed) = self.embed.forward(b, &ids_t)?;
+        if tp == 1 {
+            return Ok((emb_td, (embed, None)));
+        }
+        let mask: Vec<f64> = tokens
+            .iter()
+            .map(|&id| if in_shard(id) { 1.0 } else { 0.0 })
+            .collect();
+        let mask_t = upload_as(b, mask, &[t], dtype)?;
+        let x = ctx.scatter(&self.rank.tp, &b.mul_rows(&emb_td, &mask_t)?)?;
+        Ok((x, (embed, Some(mask_t))))
+    }
+
+    /// Final norm, head and the mean cross-entropy of the micro-batch over
+    /// its valid targets, counted on the device and summed over cp (each cp
+    /// rank holds part of every sequence).
+    fn loss(
+        &self,
+        ctx: &Exec<B>,
+        x_td: &Tensor<B>,
+        rb: &RankBatch<B>,
+        dtype: DType,
+    ) -> Result<(Tensor<B>, LossSaved<B>)> {
+        let b = ctx.b;
+        let t = rb.rows;
+        let (h_td, mut final_norm) = self.final_norm.forward(b, x_td)?;
+        let h_full = ctx.gather(&self.rank.tp, &h_td)?;
+        let (logits_tv, mut head) = self.head.forward(b, &self.embed, &h_full)?;
+        // The per-token loss comes in the accumulation type (f32 for bf16,
+        // as Megatron-Core's fp32 cross-entropy), and so do the mean and its
+        // gradient.
         let acc = dtype.acc();
-        let valid_t = b.valid_mask(&targets_t, acc)?;
-        let count_1 = b.add(&b.sum(&valid_t)?, &b.fill(&[1], COUNT_EPS, acc)?)?;
+        let valid_t = b.valid_mask(&rb.targets_t, acc)?;
+        let count_1 = ctx.sum_over(&self.rank.cp, &b.sum(&valid_t)?)?;
+        let count_1 = b.add(&count_1, &b.fill(&[1], COUNT_EPS, acc)?)?;
         let inv_count_1 = b.recip(&count_1)?;
-        let loss = b.mul(&b.sum(&loss_t)?, &inv_count_1)?;
-
-        let mut final_norm = final_norm;
-        let mut head = head;
+        let dloss_t = b
+            .mul_cols(&valid_t.clone().reshape(&[t, 1])?, &inv_count_1)?
+            .reshape(&[t])?;
+        let (loss_t, ce) = match &rb.host_targets {
+            None => {
+                let targets_t = rb.targets_t.clone();
+                let (loss_t, lse_t) = b.cross_entropy(&logits_tv, &targets_t)?;
+                (loss_t, CeSaved::Whole { targets_t, lse_t })
+            }
+            Some(targets) => self.vocab_parallel_ce(ctx, &logits_tv, targets, &valid_t, dtype)?,
+        };
+        // Each cp rank's sum is part of the mean; the sum makes it equal on all.
+        let loss = ctx.sum_over(&self.rank.cp, &b.sum(&b.mul(&loss_t, &dloss_t)?)?)?;
         // The final norm's input and output (the head's input), the logits
-        // and the per-token loss statistics.
+        // and the log-sum-exp, counted until the backward.
         let held = {
-            let (mut logits_tv, mut lse_t) = (logits_tv.clone(), lse_t.clone());
+            let mut logits = logits_tv.clone();
+            let mut lse = match &ce {
+                CeSaved::Whole { lse_t, .. } | CeSaved::Vocab { lse_t, .. } => lse_t.clone(),
+            };
             let slot = Slot::kept(Part::EmbeddingHead);
             hold_all(&self.ledger, "head", |f| {
                 final_norm.visit_saved(slot, f);
                 head.visit_saved(slot, f);
-                f(slot, &mut logits_tv);
-                f(slot, &mut lse_t);
+                f(slot, &mut logits);
+                f(slot, &mut lse);
             })
         };
-        let saved = ModelSaved {
-            embed,
-            blocks,
-            final_norm,
-            head,
-            logits_tv,
-            targets_t,
-            lse_t,
-            valid_t,
-            inv_count_1,
-            _held: held,
-        };
-        Ok(ForwardOut {
+        Ok((
             loss,
-            aux_loss,
-            moe_load,
-            saved,
-        })
+            LossSaved {
+                final_norm,
+                head,
+                logits_tv,
+                ce,
+                dloss_t,
+                _held: held,
+            },
+        ))
     }
 
-    /// Accumulates the gradients of `loss_scale · (loss + aux_loss)` of the
-    /// forward that produced `saved` into every parameter.
-    pub fn backward(&mut self, b: &B, saved: ModelSaved<B>, loss_scale: f64) -> Result<()> {
-        let ModelSaved {
+    /// Per-token cross-entropy with the vocabulary split over tp:
+    /// `lse = log Σ_r exp(lse_r)` and the target logit summed from the rank
+    /// that holds it; `valid_t` marks the targets that count. Returns the loss per token (`0` for ignored targets).
+    /// Everything after the local logits is in the accumulation type of
+    /// `dtype` (f32 for bf16), as the single-rank kernel's loss and lse; for
+    /// f32 and f64 that is `dtype` itself and no cast is made.
+    fn vocab_parallel_ce(
+        &self,
+        ctx: &Exec<B>,
+        logits_tv: &Tensor<B>,
+        targets: &[i32],
+        valid_t: &Tensor<B>,
+        dtype: DType,
+    ) -> Result<(Tensor<B>, CeSaved<B>)> {
+        let b = ctx.b;
+        let (t, vocab_local) = logits_tv.dims2("vocab_parallel_ce")?;
+        let (tp, tp_i) = (self.rank.tp.size(), self.rank.tp_index);
+        let v0 = self.vocab_start as i32;
+        let in_shard: Vec<bool> = targets
+            .iter()
+            .map(|&y| y >= v0 && y < v0 + vocab_local as i32)
+            .collect();
+        let local_targets: Vec<i32> = targets
+            .iter()
+            .zip(&in_shard)
+            .map(|(&y, &inside)| if inside { y - v0 } else { -1 })
+            .collect();
+        let clamped: Vec<i32> = local_targets.iter().map(|&y| y.max(0)).collect();
+        let local_targets_t = b.upload(HostData::I32(local_targets), &[t])?;
+        let acc = dtype.acc();
+        let inside_t = upload_as(
+            b,
+            in_shard.iter().map(|&i| f64::from(i)).collect(),
+            &[t],
+            acc,
+        )?;
+        let outside_t = upload_as(
+            b,
+            in_shard
+                .iter()
+                .zip(targets)
+                .map(|(&i, &y)| f64::from(!i && y >= 0))
+                .collect(),
+            &[t],
+            acc,
+        )?;
+
+        // This rank's lse in the accumulation type: `logsumexp` returns the
+        // logits' dtype, which would round a bf16 lse, so bf16 logits take
+        // the cross-entropy kernel's f32 lse (its loss is not used).
+        let lse_local_t = if dtype == acc {
+            b.logsumexp(logits_tv)?
+        } else {
+            b.cross_entropy(logits_tv, &local_targets_t)?.1
+        };
+        // Every rank's lse, as columns [T, tp]: the transpose is a product
+        // with the identity, which is exact.
+        let lse_local_1t = lse_local_t.reshape(&[1, t])?;
+        let lse_all_rt = ctx.comm.all_gather(b, &self.rank.tp, &lse_local_1t)?;
+        let mut eye = vec![0.0; tp * tp];
+        for i in 0..tp {
+            eye[i * tp + i] = 1.0;
+        }
+        let eye = upload_as(b, eye, &[tp, tp], acc)?;
+        let lse_tr = b.matmul(&lse_all_rt, &eye, true, false)?;
+        let lse_t = b.logsumexp(&lse_tr)?;
+        // Σ_{v in this shard} softmax(logits_t)_v = softmax over ranks' lse.
+        let rank_col = b.upload(HostData::I32(vec![tp_i as i32; t]), &[t, 1])?;
+        let share_t = b
+            .gather_cols(&b.softmax(&lse_tr)?, &rank_col)?
+            .reshape(&[t])?;
+        let outside_share_t = b.mul(&share_t, &outside_t)?;
+
+        let clamped_t1 = b.upload(HostData::I32(clamped), &[t, 1])?;
+        // The target logit, widened exactly to the accumulation type.
+        let z_sel_t = b.gather_cols(logits_tv, &clamped_t1)?.reshape(&[t])?;
+        let z_local_t = b.mul(&in_dtype(b, z_sel_t, acc)?, &inside_t)?;
+        let z_t = ctx.sum_over(&self.rank.tp, &z_local_t)?;
+        let loss_t = b.mul(&b.sub(&lse_t, &z_t)?, valid_t)?;
+        Ok((
+            loss_t,
+            CeSaved::Vocab {
+                local_targets_t,
+                lse_t,
+                outside_share_t,
+            },
+        ))
+    }
+
+    /// Accumulates into this rank's parameters the gradients of
+    /// `loss_scale · (loss + aux_loss)` (before any reduction over ranks).
+    pub fn backward(&mut self, ctx: &Exec<B>, saved: ModelSaved<B>, loss_scale: f64) -> Result<()> {
+        self.backward_chunk(ctx, saved.0, None, loss_scale)?;
+        Ok(())
+    }
+
+    /// Backward of a model chunk's forward: `output_grad` is the gradient of
+    /// its output from the next virtual stage (none on the last, which starts
+    /// from the loss). Returns the gradient of its input for the previous
+    /// virtual stage (none on the first, which ends in the embedding).
+    pub fn backward_chunk(
+        &mut self,
+        ctx: &Exec<B>,
+        saved: ChunkSaved<B>,
+        output_grad: Option<Tensor<B>>,
+        loss_scale: f64,
+    ) -> Result<Option<Tensor<B>>> {
+        let b = ctx.b;
+        let ChunkSaved {
+            chunk,
             embed,
             blocks,
-            final_norm,
             head,
-            logits_tv,
-            targets_t,
-            lse_t,
-            valid_t,
-            inv_count_1,
-            _held,
         } = saved;
-        // d loss / d loss_t = valid_t / count, in the accumulation type the
-        // cross-entropy's backward takes.
-        let t = targets_t.numel();
-        let valid_t1 = valid_t.reshape(&[t, 1])?;
-        let dloss_t = b
-            .scale(&b.mul_cols(&valid_t1, &inv_count_1)?, loss_scale)?
-            .reshape(&[t])?;
-        let dlogits_tv = b.cross_entropy_backward(&logits_tv, &targets_t, &lse_t, &dloss_t)?;
-        let dh_td = self.head.backward(b, &mut self.embed, &dlogits_tv, head)?;
-        let mut dx_td = self.final_norm.backward(b, &dh_td, final_norm)?;
+        let mut dx_td = match (head, output_grad) {
+            (Some(head), None) => self.loss_backward(ctx, head, loss_scale)?,
+            (None, Some(d)) => d,
+            _ => {
+                return Err(EngineError::Invalid(
+                    "backward: a chunk needs either the loss or its output's gradient".into(),
+                ))
+            }
+        };
+        let range = self.chunks[chunk].clone();
         let mut blocks = blocks;
-        if blocks.len() != self.blocks.len() {
+        if blocks.len() != range.len() {
             return Err(EngineError::Invalid(format!(
-                "model backward: saved state of {} blocks for a model of {}",
+                "backward: saved state of {} blocks for a chunk of {}",
                 blocks.len(),
-                self.blocks.len()
+                range.len()
             )));
         }
         while let Some(saved) = blocks.pop() {
             // The next block's offloaded tensors come back while this one's
             // backward runs.
             if let Some(next) = blocks.last_mut() {
-                next.prefetch(b)?;
+                next.prefetch(ctx.b)?;
             }
-            let block = &mut self.blocks[blocks.len()];
-            dx_td = block.backward(b, &dx_td, saved, loss_scale)?;
+            dx_td =
+                self.blocks[range.start + blocks.len()].backward(ctx, &dx_td, saved, loss_scale)?;
         }
-        self.embed.backward(b, &dx_td, embed)
+        let Some((embed, embed_mask_t)) = embed else {
+            return Ok(Some(dx_td));
+        };
+        let demb_td = match &embed_mask_t {
+            Some(mask_t) => b.mul_rows(&ctx.gather(&self.rank.tp, &dx_td)?, mask_t)?,
+            None => dx_td,
+        };
+        self.embed.backward(b, &demb_td, embed)?;
+        Ok(None)
     }
 
-    /// Logits `[B·S, V]` of `tokens: [B, S]` for inference (nothing is kept for
-    /// a backward).
-    pub fn logits(&self, b: &B, tokens_bs: &Tensor<B>) -> Result<Tensor<B>> {
-        let (batch, seq) = check_batch(tokens_bs, "tokens")?;
-        let ids_t = tokens_bs.clone().reshape(&[batch * seq])?;
-        let (mut x_td, _) = self.embed.forward(b, &ids_t)?;
-        for block in &self.blocks {
-            x_td = block.forward_raw(b, &x_td, seq)?.0;
-        }
-        let (h_td, _) = self.final_norm.forward(b, &x_td)?;
-        Ok(self.head.forward(b, &self.embed, &h_td)?.0)
+    /// The cross-entropy, head and final norm backward: the gradient of the
+    /// last block's output.
+    fn loss_backward(
+        &mut self,
+        ctx: &Exec<B>,
+        saved: LossSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let LossSaved {
+            final_norm,
+            head,
+            logits_tv,
+            ce,
+            dloss_t,
+            _held,
+        } = saved;
+        let dloss_t = b.scale(&dloss_t, loss_scale)?;
+        let dlogits_tv = match ce {
+            CeSaved::Whole { targets_t, lse_t } => {
+                b.cross_entropy_backward(&logits_tv, &targets_t, &lse_t, &dloss_t)?
+            }
+            CeSaved::Vocab {
+                local_targets_t,
+                lse_t,
+                outside_share_t,
+            } => {
+                // Rows whose target is here: the kernel, with the global lse.
+                let mut d =
+                    b.cross_entropy_backward(&logits_tv, &local_targets_t, &lse_t, &dloss_t)?;
+                // Rows whose target is elsewhere: dloss · exp(logits − lse),
+                // as the local softmax times the shard's share (in the
+                // logits' dtype: for bf16 a few roundings of the gradient,
+                // which is stored in bf16 anyway).
+                let scale_t = b.mul(&dloss_t, &outside_share_t)?;
+                let scale_t = in_dtype(b, scale_t, logits_tv.dtype())?;
+                b.axpy(&mut d, 1.0, &b.mul_rows(&b.softmax(&logits_tv)?, &scale_t)?)?;
+                d
+            }
+        };
+        let dh_full = self.head.backward(b, &mut self.embed, &dlogits_tv, head)?;
+        let dh_td = ctx.scatter(&self.rank.tp, &dh_full)?;
+        self.final_norm.backward(b, &dh_td, final_norm)
     }
 
-    /// Aux-loss-free balancing: updates each MoE layer's expert bias from its
-    /// load `[E]` (summed over the global batch), in block order.
+    /// Aux-loss-free balancing after a step, from the loads summed over every
+    /// rank of the stage (one `[E]` per MoE layer).
     pub fn update_expert_biases(&mut self, b: &B, loads: &[Tensor<B>]) -> Result<()> {
-        let n = self.moe_layers();
-        if loads.len() != n {
-            return Err(EngineError::Invalid(format!(
-                "update_expert_biases: got {} loads for {n} MoE layers",
-                loads.len()
-            )));
-        }
-        let moes = self.blocks.iter_mut().filter_map(|blk| blk.moe_mut());
-        for (moe, load_e) in moes.zip(loads) {
-            moe.update_expert_bias(b, load_e)?;
+        let mut loads = loads.iter();
+        for block in &mut self.blocks {
+            if let Ffn::Moe(moe) = &mut block.ffn {
+                let load = loads.next().ok_or_else(|| {
+                    EngineError::Invalid("update_expert_biases: fewer loads than MoE layers".into())
+                })?;
+                moe.router.update_expert_bias(b, load)?;
+            }
         }
         Ok(())
     }
 
-    /// `(total, active per token)` parameter counts; a token passes through
-    /// `top_k` of the `E` routed experts of each MoE layer, so only that share
-    /// of their weights is active.
+    /// Calls `f` on the dense parameters (attention mesh: reduced over dp),
+    /// in the full model's visit order.
+    /// Only the parameters this rank trains: the embedding on the first
+    /// stage (and the last when tied), the final norm and head on the last.
+    pub fn visit_dense(&self, f: &mut dyn FnMut(&Param<B>)) {
+        if self.owns_embed() {
+            f(&self.embed.table);
+        }
+        for block in &self.blocks {
+            block.attn_norm.visit_params(f);
+            block.attn.visit_params(f);
+            block.ffn_norm.visit_params(f);
+            match &block.ffn {
+                Ffn::Dense(mlp) => mlp.visit_params(f),
+                Ffn::Moe(moe) => moe.visit_dense(f),
+            }
+        }
+        if self.owns_head() {
+            self.final_norm.visit_params(f);
+            self.head.visit_params(f);
+        }
+    }
+
+    /// Mutable [`Self::visit_dense`].
+    pub fn visit_dense_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        if self.owns_embed() {
+            f(&mut self.embed.table);
+        }
+        for block in &mut self.blocks {
+            block.attn_norm.visit_params_mut(f);
+            block.attn.visit_params_mut(f);
+            block.ffn_norm.visit_params_mut(f);
+            match &mut block.ffn {
+                Ffn::Dense(mlp) => mlp.visit_params_mut(f),
+                Ffn::Moe(moe) => moe.visit_dense_mut(f),
+            }
+        }
+        if self.owns_head() {
+            self.final_norm.visit_params_mut(f);
+            self.head.visit_params_mut(f);
+        }
+    }
+
+    /// Calls `f` on the routed experts' parameters (expert mesh: reduced over edp).
+    pub fn visit_experts(&self, f: &mut dyn FnMut(&Param<B>)) {
+        for block in &self.blocks {
+            if let Ffn::Moe(moe) = &block.ffn {
+                moe.experts.visit_params(f);
+            }
+        }
+    }
+
+    /// Mutable [`Self::visit_experts`].
+    pub fn visit_experts_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        for block in &mut self.blocks {
+            if let Ffn::Moe(moe) = &mut block.ffn {
+                moe.experts.visit_params_mut(f);
+            }
+        }
+    }
+
+    /// Number of MoE layers this rank holds (the length of [`ForwardOut::moe_load`]).
+    pub fn moe_layers(&self) -> usize {
+        self.blocks.iter().filter(|blk| blk.moe().is_some()).count()
+    }
+
+    /// `(total, active per token)` counts of the parameters this rank holds
+    /// (the whole model's on one rank); a token passes through `top_k` of
+    /// the `E` routed experts of each MoE layer, so only that share of their
+    /// weights is active.
     pub fn param_counts(&self) -> (usize, usize) {
         let mut total = 0;
         self.visit_params(&mut |p| total += p.value.numel());
-        let d = self.spec.hidden;
-        let inactive: usize = self
-            .spec
-            .groups
-            .iter()
-            .map(|g| match &g.ffn {
-                FfnSpec::Moe(m) => g.count * (m.experts - m.top_k) * 3 * d * m.expert_ffn,
-                FfnSpec::Dense { .. } => 0,
-            })
-            .sum();
+        let mut inactive = 0;
+        for (block, &layer) in self.blocks.iter().zip(&self.layers) {
+            let group = self.spec.group_of_layer(layer).map(|g| &g.ffn);
+            let (Some(moe), Some(FfnSpec::Moe(m))) = (block.moe(), group) else {
+                continue;
+            };
+            let mut held = 0;
+            moe.experts.visit_params(&mut |p| held += p.value.numel());
+            inactive += held * (m.experts - m.top_k) / m.experts;
+        }
         (total, total - inactive)
     }
 }
 
-/// Checks a `[B, S]` i32 batch with `B, S ≥ 1` and returns `(B, S)`.
-fn check_batch<B: Backend>(t: &Tensor<B>, what: &str) -> Result<(usize, usize)> {
-    if t.dtype() != DType::I32 {
-        return Err(EngineError::Invalid(format!(
-            "{what} have dtype {:?}; token ids must be I32",
-            t.dtype()
-        )));
-    }
-    match t.shape() {
-        &[batch, seq] if batch > 0 && seq > 0 => Ok((batch, seq)),
-        &[batch, seq] => Err(EngineError::Invalid(format!(
-            "{what} have shape [{batch}, {seq}]; the batch is empty"
-        ))),
-        other => Err(EngineError::Invalid(format!(
-            "{what} have shape {other:?}; expected [batch, seq]"
-        ))),
-    }
+/// `x` in `dtype`: itself when it already is (no op, so f32 and f64 models
+/// run the ops they always did), else cast.
+fn in_dtype<B: Backend>(b: &B, x: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
+    Ok(if x.dtype() == dtype {
+        x
+    } else {
+        b.cast(&x, dtype)?
+    })
 }
 
+/// Checks a device batch: i32 tensors of one shape, `[B, S]` with `S =
+/// seq_len` or `[T]` with `T` a multiple of it, not empty.
+fn check_device_batch<B: Backend>(
+    tokens: &Tensor<B>,
+    targets: &Tensor<B>,
+    seq_len: usize,
+) -> Result<()> {
+    for (t, what) in [(tokens, "tokens"), (targets, "targets")] {
+        if t.dtype() != DType::I32 {
+            return Err(EngineError::Invalid(format!(
+                "{what} have dtype {:?}; token ids must be I32",
+                t.dtype()
+            )));
+        }
+        let fits = match *t.shape() {
+            [n] => seq_len > 0 && n.is_multiple_of(seq_len),
+            [_, s] => s == seq_len,
+            _ => false,
+        };
+        if !fits {
+            return Err(EngineError::Invalid(format!(
+                "{what} have shape {:?}; expected [batch, seq] with seq = {seq_len} \
+                 (or [tokens], a multiple of it)",
+                t.shape()
+            )));
+        }
+        if t.numel() == 0 {
+            return Err(EngineError::Invalid(format!(
+                "{what} have shape {:?}; the batch is empty",
+                t.shape()
+            )));
+        }
+    }
+    if targets.shape() != tokens.shape() {
+        return Err(EngineError::Invalid(format!(
+            "targets have shape {:?} but tokens have shape {:?}; they must match",
+            targets.shape(),
+            tokens.shape()
+        )));
+    }
+    Ok(())
+}
+
+/// Every parameter this rank holds, in the visit order of the module doc.
 impl<B: Backend> Module<B> for Model<B> {
     fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
         self.embed.visit_params(f);
@@ -374,13 +1016,16 @@ impl<B: Backend> Module<B> for Model<B> {
 #[cfg(test)]
 mod tests {
     use foldmoe_kernels::cpu::Cpu;
-    use foldmoe_kernels::{DType, Device, HostData};
+    use foldmoe_kernels::{DType, Device, HostData, Tensor};
 
-    use super::Model;
+    use super::{Batch, ForwardOut, Model};
+    use crate::engine::parallel::{run_local_layout, Exec, RankLayout};
     use crate::engine::param::Module;
     use crate::engine::testutil::{check_param_grads, i32_tensor, small_moe, small_spec, values};
     use crate::engine::EngineError;
+    use crate::layout::{check, LayoutSpec};
     use crate::spec::FfnSpec;
+    use std::time::Duration;
 
     /// Tokens covering the whole vocabulary (so every embedding row has a
     /// gradient) and targets with one ignored position.
@@ -390,17 +1035,31 @@ mod tests {
         (tokens, targets)
     }
 
+    /// The one-rank forward of a device batch `[B, S]`.
+    fn fwd(
+        m: &Model<Cpu>,
+        tokens: &Tensor<Cpu>,
+        targets: &Tensor<Cpu>,
+    ) -> Result<ForwardOut<Cpu>, EngineError> {
+        let seq = *tokens.shape().last().unwrap_or(&0);
+        m.forward(
+            &Exec::solo(&Cpu),
+            Batch::Device { tokens, targets },
+            seq.max(1),
+        )
+    }
+
     fn check_model_grad(ffns: &[FfnSpec], tied: bool, what: &str) {
         let b = Cpu;
         let spec = small_spec(ffns, tied);
-        let mut model = Model::new(&b, &spec, 11, DType::F64).unwrap();
+        let mut model = Model::single(&b, &spec, 11, DType::F64).unwrap();
         let (tokens, targets) = batch();
         let tokens = i32_tensor(tokens, &[2, 4]);
         let targets = i32_tensor(targets, &[2, 4]);
-        let out = model.forward(&b, &tokens, &targets).unwrap();
-        model.backward(&b, out.saved, 1.0).unwrap();
+        let out = fwd(&model, &tokens, &targets).unwrap();
+        model.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
         check_param_grads(what, &mut model, 6, 1e-6, |m| {
-            let out = m.forward(&b, &tokens, &targets).unwrap();
+            let out = fwd(m, &tokens, &targets).unwrap();
             values(&out.loss)[0] + values(&out.aux_loss)[0]
         });
     }
@@ -423,13 +1082,11 @@ mod tests {
     fn loss_is_mean_over_non_ignored_tokens_of_logits() {
         let b = Cpu;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
-        let model = Model::new(&b, &spec, 3, DType::F64).unwrap();
+        let model = Model::single(&b, &spec, 3, DType::F64).unwrap();
         let (tokens, targets) = batch();
-        let tokens_bs = i32_tensor(tokens, &[2, 4]);
-        let out = model
-            .forward(&b, &tokens_bs, &i32_tensor(targets.clone(), &[2, 4]))
-            .unwrap();
-        let logits = values(&model.logits(&b, &tokens_bs).unwrap());
+        let tokens_bs = i32_tensor(tokens.clone(), &[2, 4]);
+        let out = fwd(&model, &tokens_bs, &i32_tensor(targets.clone(), &[2, 4])).unwrap();
+        let logits = values(&model.logits(&Exec::solo(&b), &tokens, 4).unwrap());
         let v = spec.vocab;
         let (mut sum, mut n) = (0.0, 0);
         for (t, &target) in targets.iter().enumerate() {
@@ -458,13 +1115,11 @@ mod tests {
     fn all_ignored_targets_give_zero_loss_and_no_nan() {
         let b = Cpu;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
-        let mut model = Model::new(&b, &spec, 3, DType::F32).unwrap();
+        let mut model = Model::single(&b, &spec, 3, DType::F32).unwrap();
         let tokens = i32_tensor(vec![1, 2, 3, 4], &[1, 4]);
-        let out = model
-            .forward(&b, &tokens, &i32_tensor(vec![-1; 4], &[1, 4]))
-            .unwrap();
+        let out = fwd(&model, &tokens, &i32_tensor(vec![-1; 4], &[1, 4])).unwrap();
         assert_eq!(values(&out.loss), vec![0.0]);
-        model.backward(&b, out.saved, 1.0).unwrap();
+        model.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
         model.visit_params(&mut |p| assert!(values(&p.grad).iter().all(|g| *g == 0.0)));
     }
 
@@ -472,7 +1127,7 @@ mod tests {
     fn model_params_have_stable_names_and_counts() {
         let b = Cpu;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
-        let model = Model::new(&b, &spec, 3, DType::F32).unwrap();
+        let model = Model::single(&b, &spec, 3, DType::F32).unwrap();
         let mut names = Vec::new();
         model.visit_params(&mut |p| names.push(p.name.clone()));
         assert_eq!(names[0], "embed.weight");
@@ -503,7 +1158,7 @@ mod tests {
         let active = total - 2 * 3 * d * 6; // 2 of 4 experts idle per token
         assert_eq!(model.param_counts(), (total, active));
 
-        let tied = Model::new(
+        let tied = Model::single(
             &b,
             &small_spec(&[FfnSpec::Dense { ffn: 6 }], true),
             3,
@@ -519,7 +1174,7 @@ mod tests {
     fn bad_inputs_are_typed_errors() {
         let b = Cpu;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
-        let model = Model::new(&b, &spec, 3, DType::F32).unwrap();
+        let model = Model::single(&b, &spec, 3, DType::F32).unwrap();
         let ok = i32_tensor(vec![1, 2, 3, 4], &[1, 4]);
         let invalid = |r: Result<_, EngineError>, want: &str| match r {
             Err(EngineError::Invalid(msg)) => assert!(msg.contains(want), "{msg}"),
@@ -527,36 +1182,35 @@ mod tests {
             Ok(_) => panic!("expected an error containing {want:?}"),
         };
         let floats = b.upload(HostData::F32(vec![1.0; 4]), &[1, 4]).unwrap();
-        invalid(model.forward(&b, &floats, &ok).map(|_| ()), "I32");
-        invalid(model.forward(&b, &ok, &floats).map(|_| ()), "I32");
+        invalid(fwd(&model, &floats, &ok).map(|_| ()), "I32");
+        invalid(fwd(&model, &ok, &floats).map(|_| ()), "I32");
         invalid(
-            model
-                .forward(&b, &i32_tensor(vec![1, 2, 3, 4], &[4]), &ok)
-                .map(|_| ()),
+            fwd(&model, &i32_tensor(vec![1, 2, 3], &[1, 3]), &ok).map(|_| ()),
             "expected [batch, seq]",
         );
         invalid(
-            model
-                .forward(&b, &ok, &i32_tensor(vec![1, 2, 3, 4], &[2, 2]))
-                .map(|_| ()),
+            fwd(&model, &ok, &i32_tensor(vec![1, 2, 3, 4], &[4])).map(|_| ()),
             "must match",
         );
         let empty = i32_tensor(vec![], &[0, 4]);
-        invalid(model.forward(&b, &empty, &empty).map(|_| ()), "empty");
-        invalid(model.logits(&b, &empty).map(|_| ()), "empty");
+        invalid(fwd(&model, &empty, &empty).map(|_| ()), "empty");
+        invalid(
+            model.logits(&Exec::solo(&b), &[], 4).map(|_| ()),
+            "do not form sequences",
+        );
         // Ids and targets past the vocabulary: the kernels' index errors.
         let big = i32_tensor(vec![1, 2, 8, 4], &[1, 4]);
         assert!(matches!(
-            model.forward(&b, &big, &ok),
+            fwd(&model, &big, &ok),
             Err(EngineError::Kernel(_))
         ));
         assert!(matches!(
-            model.forward(&b, &ok, &big),
+            fwd(&model, &ok, &big),
             Err(EngineError::Kernel(_))
         ));
         let neg = i32_tensor(vec![1, -1, 2, 3], &[1, 4]);
         assert!(matches!(
-            model.forward(&b, &neg, &ok),
+            fwd(&model, &neg, &ok),
             Err(EngineError::Kernel(_))
         ));
     }
@@ -578,11 +1232,11 @@ mod tests {
         let (tokens, targets) = batch();
         let (tokens, targets) = (i32_tensor(tokens, &[2, 4]), i32_tensor(targets, &[2, 4]));
         let run = |dtype| {
-            let mut model = Model::new(&b, &spec, 11, dtype).unwrap();
-            let out = model.forward(&b, &tokens, &targets).unwrap();
+            let mut model = Model::single(&b, &spec, 11, dtype).unwrap();
+            let out = fwd(&model, &tokens, &targets).unwrap();
             assert_eq!(out.loss.dtype(), dtype.acc());
             let losses = (values(&out.loss)[0], values(&out.aux_loss)[0]);
-            model.backward(&b, out.saved, 1.0).unwrap();
+            model.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
             let mut grads = Vec::new();
             model.visit_params(&mut |p| {
                 assert_eq!(
@@ -642,16 +1296,16 @@ mod tests {
         let b = Cpu;
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
         let (tokens, targets) = batch();
-        let tokens_bs = i32_tensor(tokens, &[2, 4]);
+        let tokens_bs = i32_tensor(tokens.clone(), &[2, 4]);
         let targets_bs = i32_tensor(targets.clone(), &[2, 4]);
         let loss_of = |dtype| {
-            let mut model = Model::new(&b, &spec, 11, dtype).unwrap();
-            let out = model.forward(&b, &tokens_bs, &targets_bs).unwrap();
+            let mut model = Model::single(&b, &spec, 11, dtype).unwrap();
+            let out = fwd(&model, &tokens_bs, &targets_bs).unwrap();
             assert_eq!(out.loss.dtype(), dtype.acc(), "{dtype:?}");
             let loss = values(&out.loss)[0];
-            let logits = model.logits(&b, &tokens_bs).unwrap();
+            let logits = model.logits(&Exec::solo(&b), &tokens, 4).unwrap();
             assert_eq!(logits.dtype(), dtype);
-            model.backward(&b, out.saved, 1.0).unwrap();
+            model.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
             (loss, values(&logits))
         };
         let (loss32, _) = loss_of(DType::F32);
@@ -686,15 +1340,73 @@ mod tests {
         let mut spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
         spec.groups[0].attention.kv_heads = 3;
         spec.vocab = 0;
-        match Model::new(&Cpu, &spec, 0, DType::F32) {
+        match Model::single(&Cpu, &spec, 0, DType::F32) {
             Err(EngineError::Spec(errs)) => assert_eq!(errs.len(), 2, "{errs:?}"),
             Err(e) => panic!("expected a spec error, got {e}"),
             Ok(_) => panic!("expected a spec error"),
         }
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
         assert!(matches!(
-            Model::new(&Cpu, &spec, 0, DType::I32),
+            Model::single(&Cpu, &spec, 0, DType::I32),
             Err(EngineError::Invalid(_))
         ));
+    }
+
+    /// The vocabulary-parallel cross-entropy of a BF16 model at tp = 2 on the
+    /// CPU: the loss is F32 (lse combined over tp in f32), close to the F32
+    /// model's, and the head's gradient (both vocabulary shards, rows whose
+    /// target is on the other rank included) matches the one-rank BF16
+    /// model's to bf16 accuracy; a wrong share would be O(1) off.
+    #[test]
+    fn bf16_vocab_parallel_loss_is_f32_at_tp2() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let tokens = [3, 0, 6, 1, 7, 2, 5, 4];
+        let targets = [0, 6, 1, -1, 2, 5, 4, 3];
+        // One rank: the loss and the head's gradient.
+        let one = |dtype| {
+            let mut m = Model::single(&b, &spec, 11, dtype).unwrap();
+            let (tk, tg) = (
+                i32_tensor(tokens.to_vec(), &[2, 4]),
+                i32_tensor(targets.to_vec(), &[2, 4]),
+            );
+            let out = fwd(&m, &tk, &tg).unwrap();
+            let loss = values(&out.loss)[0];
+            m.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
+            let head = m.head.weight.as_ref().unwrap();
+            (loss, values(&head.grad))
+        };
+        let (loss32, _) = one(DType::F32);
+        let (loss16, head16) = one(DType::BF16);
+        let l = check(&LayoutSpec::parse("world=2,tp=2").unwrap(), &spec).unwrap();
+        let results = run_local_layout(&b, &l, Duration::from_secs(30), |ctx| {
+            let rank = RankLayout::new(&l, ctx.rank.rank)?;
+            let mut m = Model::new(&b, &spec, rank, 11, DType::BF16)?;
+            let batch = Batch::Host {
+                tokens: &tokens,
+                targets: &targets,
+            };
+            let out = m.forward(&ctx.exec(), batch, 4)?;
+            assert_eq!(out.loss.dtype(), DType::F32);
+            let loss = values(&out.loss)[0];
+            m.backward(&ctx.exec(), out.saved, 1.0)?;
+            let head = m.head.weight.as_ref().unwrap();
+            assert_eq!(head.grad.dtype(), DType::BF16);
+            Ok((loss, values(&head.grad)))
+        });
+        let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+        let loss_tp = results[0].0;
+        assert_eq!(loss_tp, results[1].0, "the tp ranks report one loss");
+        // Rank r holds vocabulary rows r·V/2 .. (r+1)·V/2: concatenated in
+        // rank order they are the whole head.
+        let head_tp: Vec<f64> = results.iter().flat_map(|r| r.1.clone()).collect();
+        let rel = (loss_tp - loss32).abs() / loss32;
+        let grad = rel_l2(&head_tp, &head16);
+        println!(
+            "tp=2 bf16 loss {loss_tp} (one rank bf16 {loss16}, f32 {loss32}; relative to f32 \
+             {rel:.2e}); head gradient relative L2 to one rank bf16 {grad:.2e}"
+        );
+        assert!(rel < 1e-2, "{loss_tp} vs {loss32}");
+        assert!(grad < 5e-2, "head gradient off by {grad:.2e}");
     }
 }

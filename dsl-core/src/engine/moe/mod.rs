@@ -1,5 +1,20 @@
-//! The Mixture-of-Experts layer (docs/ARCHITECTURE.md §4; Megatron-Core `moe/moe_layer.py`):
-//! route → dispatch → compute → combine, plus the shared experts.
+//! The Mixture-of-Experts layer (docs/ARCHITECTURE.md §4; Megatron-Core `moe/moe_layer.py`
+//! with its `MoEAlltoAllTokenDispatcher`): route → dispatch → compute →
+//! combine, plus the shared experts, over the folded expert mesh. One rank
+//! is the mesh of one (every group `[0]`, every collective the identity).
+//!
+//! ```text
+//! route   this rank's sequence-parallel rows (router replicated over tp;
+//!         balancing statistics summed over tp×cp, so the loss is the micro-batch's)
+//! permute copies into expert-major order over all E experts
+//! a2a-v   over ep: rows for experts [j·E/ep, (j+1)·E/ep) go to ep rank j
+//! gather  within etp (the etp ranks hold the same experts, ffn split)
+//! sort    received (source, expert) blocks into expert-major order
+//! compute grouped GEMM over the E/ep local experts (ffn/etp each)
+//! back    the same steps reversed: unsort, sum over etp and keep own rows,
+//!         a2a-v back, un-permute weighted by the routing weights
+//! shared  experts: tensor-parallel like the dense MLP
+//! ```
 //!
 //! Shapes: T tokens (`batch·seq_len`, each sequence's tokens consecutive),
 //! D hidden, E experts, K top-k, F expert ffn, N permuted rows.
@@ -7,18 +22,25 @@
 //! Each stage lives in its own file with its forward next to its backward:
 //! [`router`] (scores, top-k, auxiliary losses in [`loss`]), [`dispatcher`]
 //! (dispatch and combine), [`experts`] (grouped-GEMM SwiGLU), [`shared`].
-//! Nothing here reads the device: data-dependent sizes (tokens per expert)
-//! stay device tensors; T, D, E, K and the capacity come from shapes and spec.
+//! On one rank nothing here reads the device: data-dependent sizes (tokens
+//! per expert) stay device tensors. With ep or etp > 1 the token counts of
+//! the all-to-all are read on the host, as Megatron-Core does before its
+//! all-to-all-v: the buffer sizes depend on them.
+//!
+//! Capacity mode keeps, for every micro-batch, exactly the copies one rank
+//! would keep: the router decisions are gathered over tp×cp and the plan is
+//! made over the whole micro-batch (Megatron-Core plans per
+//! sequence-parallel shard, so its drops change with tp; ours do not).
+//! Padding to capacity is not applied across ranks: padding rows are zeros
+//! and change no output or gradient.
 //!
 //! Parameter names under `prefix`: `router.weight [D, E]`,
 //! `experts.{w1, w3} [E, D, F]`, `experts.w2 [E, F, D]`,
 //! `shared_experts.{w1, w3} [D, Fs]`, `shared_experts.w2 [Fs, D]`,
-//! `shared_experts.gate [D, 1]`. The expert bias (`router.expert_bias [E]`)
-//! is a buffer, read and set through [`MoeLayer::expert_bias`].
+//! `shared_experts.gate [D, 1]` (global shapes; a rank holds its shard
+//! plan's blocks). The expert bias (`router.expert_bias [E]`) is a buffer,
+//! read and set through [`MoeLayer::expert_bias`].
 //!
-//! On one rank: `global_aux` equals `aux` over the micro-batch (the sum of
-//! loads over the data-parallel group and accumulation steps, and the
-//! all-to-all between dispatch and the experts, come with parallel runs);
 //! `MoeStats::load` counts the router's choices before any capacity drop,
 //! which is what both the balancing loss and the expert-bias update balance.
 
@@ -31,77 +53,113 @@ pub mod shared;
 #[cfg(test)]
 mod testutil;
 
-use foldmoe_kernels::{Backend, DType, Tensor};
+use foldmoe_kernels::{Backend, DType, DropPolicy, HostData, RoutingPlan, Tensor};
 
 use self::dispatcher::{CombineSaved, DispatchSaved, Dispatcher};
 use self::experts::{Experts, ExpertsSaved};
+use self::loss::TokenShard;
 use self::router::{Router, RouterSaved};
 use self::shared::{SharedExperts, SharedSaved};
 use crate::engine::activations::Slot;
+use crate::engine::parallel::shard::upload_as;
+use crate::engine::parallel::{Exec, LayerGroups};
 use crate::engine::{EngineError, Init, Module, Param, Result};
-use crate::spec::{LoadBalance, MoeSpec};
+use crate::layout::cp_positions;
+use crate::spec::{DropPolicySpec, LoadBalance, ModelSpec, MoeSpec};
 
-/// An MoE layer: router, dispatcher, routed experts, optional shared experts.
+/// One rank's part of an MoE layer: the router, the dispatcher, its routed
+/// experts and its shard of the shared experts.
 pub struct MoeLayer<B: Backend> {
-    /// The router (weight `{prefix}.router.weight`).
+    /// The router over all E experts (replicated; `{prefix}.router.weight`).
     pub router: Router<B>,
+    /// This rank's experts `[E/ep, …]`, their ffn split over etp (`{prefix}.experts.*`).
+    pub experts: Experts<B>,
+    /// The shared experts, ffn split over tp (`{prefix}.shared_experts.*`),
+    /// when `shared_ffn > 0`.
+    pub shared: Option<SharedExperts<B>>,
     /// The token dispatcher (dropless or capacity mode).
     pub dispatcher: Dispatcher,
-    /// The routed experts (`{prefix}.experts.*`).
-    pub experts: Experts<B>,
-    /// The shared experts (`{prefix}.shared_experts.*`), when `shared_ffn > 0`.
-    pub shared: Option<SharedExperts<B>>,
+    spec: MoeSpec,
+    groups: LayerGroups,
     hidden: usize,
     dtype: DType,
-    load_balance: LoadBalance,
+}
+
+/// The token exchange of one forward: sizes and the sort order.
+struct Exchange<B: Backend> {
+    /// Rows sent to each ep rank.
+    send_rows: Vec<usize>,
+    /// Rows received from each ep rank.
+    recv_rows: Vec<usize>,
+    /// Rows of every etp member's received block, in etp order.
+    etp_rows: Vec<usize>,
+    /// `[M]` i32: the expert-major order as rows of the etp-gathered block.
+    order: Tensor<B>,
 }
 
 /// What the layer's backward needs from its forward, stage by stage.
 pub struct MoeSaved<B: Backend> {
     router: RouterSaved<B>,
     dispatch: DispatchSaved<B>,
-    experts: ExpertsSaved<B>,
+    exchange: Option<Exchange<B>>,
+    experts: Option<ExpertsSaved<B>>,
     combine: CombineSaved<B>,
     shared: Option<SharedSaved<B>>,
 }
 
 /// Router statistics of one forward, for the loss and for logging.
 pub struct MoeStats<B: Backend> {
-    /// `[1]`: load-balancing loss, coefficient applied (0 when off).
+    /// `[1]`: load-balancing loss, coefficient applied (0 when off); this
+    /// rank's part (their sum over tp×cp is the micro-batch's).
     pub aux_loss: Tensor<B>,
-    /// `[1]`: z-loss, coefficient applied (0 when off).
+    /// `[1]`: z-loss, coefficient applied (0 when off); this rank's part.
     pub z_loss: Tensor<B>,
-    /// `[E]` float: token copies routed to each expert (the router's choice,
-    /// before any capacity drop).
+    /// `[E]` float: this rank's token copies routed to each expert (the
+    /// router's choice, before any capacity drop).
     pub load: Tensor<B>,
 }
 
 impl<B: Backend> MoeSaved<B> {
-    /// Lists the saved tensors of the router, dispatcher, experts and shared
-    /// experts, in forward order.
+    /// Lists the saved tensors with their slots, in forward order: router,
+    /// routing plan, exchange order, experts, expert outputs, routing
+    /// weights, shared experts.
     pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        use crate::memory::Part;
         self.router.visit_saved(f);
         self.dispatch.visit_saved(f);
-        self.experts.visit_saved(f);
+        if let Some(x) = &mut self.exchange {
+            f(Slot::kept(Part::RoutedExperts), &mut x.order);
+        }
+        if let Some(x) = &mut self.experts {
+            x.visit_saved(f);
+        }
         self.combine.visit_saved(f);
         if let Some(s) = &mut self.shared {
             s.visit_saved(f);
         }
     }
+
+    /// The routed copies kept per expert `[E]` (i32) of the forward.
+    pub fn kept_per_expert(&self) -> &Tensor<B> {
+        self.dispatch.counts_e()
+    }
 }
 
 impl<B: Backend> MoeLayer<B> {
-    /// A layer for `spec` on hidden size `hidden`, weights normal(0, `init_std`)
-    /// seeded by `(seed, name)`; the expert bias (if any) starts at zero.
+    /// The layer `spec` of `model` (hidden size, init std) under `prefix`,
+    /// its parameters drawn by `init` (this rank's blocks under its shard
+    /// plan, or whole tensors), communicating over `groups`; the expert bias
+    /// (if any) starts at zero.
     pub fn new(
         b: &B,
         prefix: &str,
-        hidden: usize,
+        model: &ModelSpec,
         spec: &MoeSpec,
-        init_std: f64,
         init: Init<'_>,
         dtype: DType,
+        groups: LayerGroups,
     ) -> Result<Self> {
+        let (hidden, init_std) = (model.hidden, model.init_std);
         if hidden == 0 || spec.experts == 0 || spec.top_k == 0 || spec.top_k > spec.experts {
             return Err(EngineError::Invalid(format!(
                 "MoeLayer::new({prefix}): hidden = {hidden}, experts = {}, top_k = {}; \
@@ -138,33 +196,52 @@ impl<B: Backend> MoeLayer<B> {
                 dtype,
             )?,
             shared,
+            spec: spec.clone(),
+            groups,
             hidden,
             dtype,
-            load_balance: spec.router.load_balance,
         })
     }
 
-    /// `x: [T, D] → [T, D]`, T = batch·seq_len tokens (each sequence's
-    /// tokens consecutive; `seq_len` splits the batch for `seq_aux`).
+    /// `x: [T/(tp·cp), D]` (this rank's rows of a micro-batch of `tokens`) →
+    /// `[T/(tp·cp), D]`.
     pub fn forward(
         &self,
-        b: &B,
+        ctx: &Exec<B>,
         x_td: &Tensor<B>,
         seq_len: usize,
+        tokens: usize,
     ) -> Result<(Tensor<B>, MoeSaved<B>, MoeStats<B>)> {
-        let n_seq = self.check_input(x_td, seq_len)?;
-        let (routing, router) = self.router.forward(b, x_td, n_seq)?;
-        let (x_nd, dispatch) =
-            self.dispatcher
-                .dispatch(b, x_td, &routing.idx_tk, &routing.weights_tk)?;
-        let (y_nd, experts) = self.experts.forward(b, &x_nd, dispatch.counts_e())?;
-        let (mut y_td, combine) =
-            self.dispatcher
-                .combine(b, y_nd, &dispatch, &routing.weights_tk)?;
+        let b = ctx.b;
+        let g = &self.groups;
+        let t_local = self.check_input(x_td, seq_len, tokens)?;
+        // Rows numbered within this cp rank's tokens: B sequences of S/cp each.
+        let shard = TokenShard {
+            offset: g.tp_index * t_local,
+            total: tokens,
+            segment: if self.spec.router.load_balance == LoadBalance::SeqAux {
+                seq_len
+            } else {
+                tokens
+            },
+            cp: g.cp.size(),
+        };
+        let reduce = |x: &Tensor<B>| ctx.sum_over(&g.tp_cp, x);
+        let (routing, router) = self.router.forward_shard(b, x_td, shard, &reduce)?;
+        let (idx, weights) = (&routing.idx_tk, &routing.weights_tk);
+        let (x_nd, dispatch) = match &self.spec.capacity {
+            None => self.dispatcher.dispatch(b, x_td, idx, weights)?,
+            Some(_) => {
+                let plan = self.capacity_plan(ctx, idx, weights, shard, seq_len)?;
+                self.dispatcher.dispatch_planned(b, x_td, plan)?
+            }
+        };
+        let (y_nd, exchange, experts) = self.compute(ctx, &x_nd, dispatch.counts_e())?;
+        let (mut y_td, combine) = self.dispatcher.combine(b, y_nd, &dispatch, weights)?;
         let shared = match &self.shared {
             Some(s) => {
-                let (ys_td, saved) = s.forward(b, x_td)?;
-                b.axpy(&mut y_td, 1.0, &ys_td)?;
+                let (ys_full, saved) = s.forward(b, &ctx.gather(&g.tp, x_td)?)?;
+                b.axpy(&mut y_td, 1.0, &ctx.scatter(&g.tp, &ys_full)?)?;
                 Some(saved)
             }
             None => None,
@@ -172,6 +249,7 @@ impl<B: Backend> MoeLayer<B> {
         let saved = MoeSaved {
             router,
             dispatch,
+            exchange,
             experts,
             combine,
             shared,
@@ -184,42 +262,305 @@ impl<B: Backend> MoeLayer<B> {
         Ok((y_td, saved, stats))
     }
 
-    /// Accumulates every parameter gradient from `dy: [T, D]`, plus
-    /// `loss_scale` × the gradient of `aux_loss + z_loss`; returns `dx: [T, D]`.
+    /// Accumulates the gradients and returns `dx: [T/tp, D]`.
     pub fn backward(
         &mut self,
-        b: &B,
+        ctx: &Exec<B>,
         dy_td: &Tensor<B>,
         saved: MoeSaved<B>,
         loss_scale: f64,
     ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let g = &self.groups;
         let MoeSaved {
             router,
             dispatch,
+            exchange,
             experts,
             combine,
             shared,
         } = saved;
-        let dx_shared_td = match (shared, self.shared.as_mut()) {
-            (Some(saved), Some(s)) => Some(s.backward(b, dy_td, saved)?),
+        let dx_shared = match (shared, self.shared.as_mut()) {
+            (Some(saved), Some(s)) => {
+                let d_full = s.backward(b, &ctx.gather(&g.tp, dy_td)?, saved)?;
+                Some(ctx.scatter(&g.tp, &d_full)?)
+            }
             _ => None,
         };
         let (dy_nd, dweights_tk) = self
             .dispatcher
             .combine_backward(b, dy_td, combine, &dispatch)?;
-        let dx_nd = self.experts.backward(b, &dy_nd, experts)?;
+        let dx_nd = self.compute_backward(ctx, &dy_nd, exchange, experts)?;
         let mut dx_td = self.dispatcher.dispatch_backward(b, &dx_nd, dispatch)?;
-        let dx_router_td = self.router.backward(b, &dweights_tk, router, loss_scale)?;
-        b.axpy(&mut dx_td, 1.0, &dx_router_td)?;
-        if let Some(dx) = dx_shared_td {
-            b.axpy(&mut dx_td, 1.0, &dx)?;
+        let dx_router = self.router.backward(b, &dweights_tk, router, loss_scale)?;
+        b.axpy(&mut dx_td, 1.0, &dx_router)?;
+        if let Some(d) = dx_shared {
+            b.axpy(&mut dx_td, 1.0, &d)?;
         }
         Ok(dx_td)
     }
 
+    /// Capacity plan of this rank's rows, made over the whole micro-batch in
+    /// its token order (under cp the decisions of every tp×cp rank are put
+    /// back in that order first, so drops by position match one rank's).
+    fn capacity_plan(
+        &self,
+        ctx: &Exec<B>,
+        idx_tk: &Tensor<B>,
+        weights_tk: &Tensor<B>,
+        shard: TokenShard,
+        seq_len: usize,
+    ) -> Result<RoutingPlan<B>> {
+        let b = ctx.b;
+        let (t_local, k) = idx_tk.dims2("capacity_plan")?;
+        let cap = self.spec.capacity.as_ref().ok_or_else(|| {
+            EngineError::Invalid("capacity plan asked of a dropless layer".into())
+        })?;
+        let policy = match cap.drop_policy {
+            DropPolicySpec::Probs => DropPolicy::Probs,
+            DropPolicySpec::Position => DropPolicy::Position,
+        };
+        let e = self.spec.experts;
+        let g = &self.groups;
+        let cp = g.cp.size();
+        // The micro-batch token of row `row` of cp rank `cp_i`'s tokens.
+        let token = |cp_i: usize, row: usize| -> usize {
+            let held = seq_len / cp;
+            let positions = cp_positions(seq_len, cp, cp_i);
+            (row / held) * seq_len + positions[row % held]
+        };
+        let (idx_all, probs_all, rows) = if cp == 1 {
+            let rows: Vec<usize> = (0..t_local).map(|t| shard.offset + t).collect();
+            (
+                ctx.gather(&g.tp, idx_tk)?,
+                ctx.gather(&g.tp, weights_tk)?,
+                rows,
+            )
+        } else {
+            let idx_g = b
+                .download(&ctx.comm.all_gather(b, &g.tp_cp, idx_tk)?)?
+                .to_i32()?;
+            let probs_g = b
+                .download(&ctx.comm.all_gather(b, &g.tp_cp, weights_tk)?)?
+                .to_f64();
+            let (mut idx_n, mut probs_n) = (vec![0i32; idx_g.len()], vec![0.0; probs_g.len()]);
+            for (m, &(c_tp, c_cp)) in g.tp_cp_coords.iter().enumerate() {
+                for t in 0..t_local {
+                    let (from, to) = ((m * t_local + t) * k, token(c_cp, c_tp * t_local + t) * k);
+                    idx_n[to..to + k].copy_from_slice(&idx_g[from..from + k]);
+                    probs_n[to..to + k].copy_from_slice(&probs_g[from..from + k]);
+                }
+            }
+            let n = idx_n.len() / k;
+            let rows: Vec<usize> = (0..t_local)
+                .map(|t| token(g.cp_index, g.tp_index * t_local + t))
+                .collect();
+            (
+                b.upload(HostData::I32(idx_n), &[n, k])?,
+                upload_as(b, probs_n, &[n, k], weights_tk.dtype())?,
+                rows,
+            )
+        };
+        let capacity = self
+            .dispatcher
+            .capacity(shard.total)
+            .unwrap_or(shard.total * k);
+        let global = b.capacity_plan(&idx_all, &probs_all, e, capacity, policy, false)?;
+        let slot = b.download(&global.slot)?.to_i32()?;
+        let idx = b.download(&idx_all)?.to_i32()?;
+        // Kept copies of this rank's rows, sorted by expert, stable in
+        // (token, choice) order as the single-rank plan is.
+        let mut kept: Vec<(i32, usize, usize)> = Vec::new();
+        for (t, &row) in rows.iter().enumerate() {
+            for j in 0..k {
+                let g = row * k + j;
+                if slot[g] >= 0 {
+                    kept.push((idx[g], t, j));
+                }
+            }
+        }
+        kept.sort_by_key(|&(e, t, j)| (e, t, j));
+        let mut row_src = Vec::with_capacity(kept.len());
+        let mut local_slot = vec![-1i32; t_local * k];
+        let mut counts = vec![0i32; e];
+        for (n, &(expert, t, j)) in kept.iter().enumerate() {
+            row_src.push(t as i32);
+            local_slot[t * k + j] = n as i32;
+            counts[expert as usize] += 1;
+        }
+        let n = row_src.len();
+        Ok(RoutingPlan {
+            row_src: b.upload(HostData::I32(row_src), &[n])?,
+            slot: b.upload(HostData::I32(local_slot), &[t_local, k])?,
+            counts: b.upload(HostData::I32(counts), &[e])?,
+        })
+    }
+
+    /// Runs the permuted rows `x: [N, D]` (expert-major over all E, `counts:
+    /// [E]`) through the experts wherever they live; returns `[N, D]`.
+    #[allow(clippy::type_complexity)]
+    fn compute(
+        &self,
+        ctx: &Exec<B>,
+        x_nd: &Tensor<B>,
+        counts_e: &Tensor<B>,
+    ) -> Result<(Tensor<B>, Option<Exchange<B>>, Option<ExpertsSaved<B>>)> {
+        let b = ctx.b;
+        let g = &self.groups;
+        let (ep, etp) = (g.ep.size(), g.etp.size());
+        if ep == 1 && etp == 1 {
+            let (y, saved) = self.experts.forward(b, x_nd, counts_e)?;
+            return Ok((y, None, Some(saved)));
+        }
+        let e = self.spec.experts;
+        let local = e / ep;
+        let counts = b.download(counts_e)?.to_i32()?;
+        let send_rows: Vec<usize> = (0..ep)
+            .map(|j| {
+                counts[j * local..(j + 1) * local]
+                    .iter()
+                    .map(|&c| c as usize)
+                    .sum()
+            })
+            .collect();
+        let (x_recv, recv_rows) = ctx.comm.all_to_all_v(b, &g.ep, x_nd, &send_rows)?;
+        // Every ep rank's counts [ep, E], then every etp member's [etp·ep, E].
+        let counts_1e = b.upload(HostData::I32(counts), &[1, e])?;
+        let mut all_counts = ctx.comm.all_gather(b, &g.ep, &counts_1e)?;
+        let x_block = if etp > 1 {
+            all_counts = ctx.comm.all_gather(b, &g.etp, &all_counts)?;
+            ctx.comm.all_gather(b, &g.etp, &x_recv)?
+        } else {
+            x_recv
+        };
+        let all_counts = b.download(&all_counts)?.to_i32()?;
+        // Block (m, s) holds, for each local expert l in order, the rows that
+        // ep rank s of etp member m sent to this ep rank.
+        let first = g.ep_index * local;
+        let rows_of =
+            |m: usize, s: usize, l: usize| all_counts[(m * ep + s) * e + first + l] as usize;
+        let mut block_start = vec![0usize; etp * ep];
+        let mut etp_rows = vec![0usize; etp];
+        let mut offset = 0;
+        for m in 0..etp {
+            for s in 0..ep {
+                block_start[m * ep + s] = offset;
+                let n: usize = (0..local).map(|l| rows_of(m, s, l)).sum();
+                offset += n;
+                etp_rows[m] += n;
+            }
+        }
+        if offset != x_block.shape()[0] {
+            return Err(EngineError::Invalid(format!(
+                "expert exchange: received {} rows but the exchanged counts add up to {offset}",
+                x_block.shape()[0]
+            )));
+        }
+        let mut order = Vec::with_capacity(offset);
+        let mut group_sizes = vec![0i32; local];
+        for (l, size) in group_sizes.iter_mut().enumerate() {
+            for m in 0..etp {
+                for s in 0..ep {
+                    let start =
+                        block_start[m * ep + s] + (0..l).map(|i| rows_of(m, s, i)).sum::<usize>();
+                    let n = rows_of(m, s, l);
+                    order.extend((start..start + n).map(|r| r as i32));
+                    *size += n as i32;
+                }
+            }
+        }
+        let order = b.upload(HostData::I32(order), &[offset])?;
+        let groups = b.upload(HostData::I32(group_sizes), &[local])?;
+        let x_sorted = b.embedding(&x_block, &order)?;
+        let (y_sorted, saved) = self.experts.forward(b, &x_sorted, &groups)?;
+        let mut y_block = b.embedding_backward(&y_sorted, &order, offset)?;
+        let exchange = Exchange {
+            send_rows,
+            recv_rows,
+            etp_rows,
+            order,
+        };
+        if etp > 1 {
+            y_block = ctx.sum_over(&g.etp, &y_block)?;
+            y_block = own_rows(b, &y_block, &exchange.etp_rows, g.etp_index)?;
+        }
+        let (y_nd, _) = ctx
+            .comm
+            .all_to_all_v(b, &g.ep, &y_block, &exchange.recv_rows)?;
+        Ok((y_nd, Some(exchange), Some(saved)))
+    }
+
+    /// Backward of [`Self::compute`]: `dy: [N, D]` → `dx: [N, D]`.
+    fn compute_backward(
+        &mut self,
+        ctx: &Exec<B>,
+        dy_nd: &Tensor<B>,
+        exchange: Option<Exchange<B>>,
+        experts: Option<ExpertsSaved<B>>,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let g = &self.groups;
+        let saved = experts.ok_or_else(|| {
+            EngineError::Invalid("MoE backward: the experts' saved state is missing".into())
+        })?;
+        let Some(ex) = exchange else {
+            return self.experts.backward(b, dy_nd, saved);
+        };
+        let (dy_recv, _) = ctx.comm.all_to_all_v(b, &g.ep, dy_nd, &ex.send_rows)?;
+        let dy_block = if g.etp.size() > 1 {
+            ctx.comm.all_gather(b, &g.etp, &dy_recv)?
+        } else {
+            dy_recv
+        };
+        let rows = dy_block.shape()[0];
+        let dy_sorted = b.embedding(&dy_block, &ex.order)?;
+        let dx_sorted = self.experts.backward(b, &dy_sorted, saved)?;
+        let mut dx_block = b.embedding_backward(&dx_sorted, &ex.order, rows)?;
+        if g.etp.size() > 1 {
+            dx_block = ctx.sum_over(&g.etp, &dx_block)?;
+            dx_block = own_rows(b, &dx_block, &ex.etp_rows, g.etp_index)?;
+        }
+        let (dx_nd, _) = ctx.comm.all_to_all_v(b, &g.ep, &dx_block, &ex.recv_rows)?;
+        Ok(dx_nd)
+    }
+
+    /// Validates `x` (this rank's rows of a micro-batch of `tokens` in
+    /// sequences of `seq_len`) and returns its row count.
+    fn check_input(&self, x_td: &Tensor<B>, seq_len: usize, tokens: usize) -> Result<usize> {
+        let shape = x_td.shape();
+        if shape.len() != 2 || shape[1] != self.hidden {
+            return Err(EngineError::Invalid(format!(
+                "MoeLayer::forward: x has shape {shape:?}, expected [T, {}] (tokens × hidden)",
+                self.hidden
+            )));
+        }
+        if x_td.dtype() != self.dtype {
+            return Err(EngineError::Invalid(format!(
+                "MoeLayer::forward: x has dtype {:?}, the layer's parameters are {:?}",
+                x_td.dtype(),
+                self.dtype
+            )));
+        }
+        if shape[0] == 0 || tokens == 0 {
+            return Err(EngineError::Invalid(format!(
+                "MoeLayer::forward: x has no tokens (shape {shape:?}, micro-batch of {tokens}); \
+                 pass at least one"
+            )));
+        }
+        if self.spec.router.load_balance == LoadBalance::SeqAux
+            && (seq_len == 0 || !tokens.is_multiple_of(seq_len))
+        {
+            return Err(EngineError::Invalid(format!(
+                "MoeLayer::forward: seq_aux needs T = batch·seq_len, but T = {tokens} is not \
+                 a multiple of seq_len = {seq_len}"
+            )));
+        }
+        Ok(shape[0])
+    }
+
     /// Aux-loss-free balancing after a global batch: `b_e += rate·sign(mean_load
-    /// − load_e)` for `load_e: [E]` (float, or i32 counts). A no-op when the
-    /// spec has no expert bias.
+    /// − load_e)` for `load_e: [E]` (float, or i32 counts; summed over the
+    /// stage's ranks). A no-op when the spec has no expert bias.
     pub fn update_expert_bias(&mut self, b: &B, load_e: &Tensor<B>) -> Result<()> {
         self.router.update_expert_bias(b, load_e)
     }
@@ -235,41 +576,31 @@ impl<B: Backend> MoeLayer<B> {
         self.router.set_expert_bias(bias_e)
     }
 
-    /// Validates `x` and returns the number of sequences in the batch.
-    fn check_input(&self, x_td: &Tensor<B>, seq_len: usize) -> Result<usize> {
-        let shape = x_td.shape();
-        if shape.len() != 2 || shape[1] != self.hidden {
-            return Err(EngineError::Invalid(format!(
-                "MoeLayer::forward: x has shape {shape:?}, expected [T, {}] (tokens × hidden)",
-                self.hidden
-            )));
+    /// Parameters replicated over the expert mesh's data dimension: router
+    /// and shared experts (dense: reduced like attention).
+    pub fn visit_dense(&self, f: &mut dyn FnMut(&Param<B>)) {
+        self.router.visit_params(f);
+        if let Some(s) = &self.shared {
+            s.visit_params(f);
         }
-        if x_td.dtype() != self.dtype {
-            return Err(EngineError::Invalid(format!(
-                "MoeLayer::forward: x has dtype {:?}, the layer's parameters are {:?}",
-                x_td.dtype(),
-                self.dtype
-            )));
+    }
+
+    /// Mutable [`Self::visit_dense`].
+    pub fn visit_dense_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        self.router.visit_params_mut(f);
+        if let Some(s) = &mut self.shared {
+            s.visit_params_mut(f);
         }
-        let t = shape[0];
-        if t == 0 {
-            return Err(EngineError::Invalid(format!(
-                "MoeLayer::forward: x has no tokens (shape {shape:?}); pass at least one"
-            )));
-        }
-        if self.load_balance == LoadBalance::SeqAux {
-            if seq_len == 0 || !t.is_multiple_of(seq_len) {
-                return Err(EngineError::Invalid(format!(
-                    "MoeLayer::forward: seq_aux needs T = batch·seq_len, but T = {t} is not \
-                     a multiple of seq_len = {seq_len}"
-                )));
-            }
-            return Ok(t / seq_len);
-        }
-        Ok(1)
     }
 }
 
+/// Member `index`'s rows of a block made of consecutive per-member row counts.
+fn own_rows<B: Backend>(b: &B, x: &Tensor<B>, rows: &[usize], index: usize) -> Result<Tensor<B>> {
+    let start: usize = rows[..index].iter().sum();
+    Ok(b.narrow(x, start, rows[index])?)
+}
+
+/// Every parameter: router, routed experts, shared experts.
 impl<B: Backend> Module<B> for MoeLayer<B> {
     fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
         f(&self.router.weight);
@@ -312,21 +643,26 @@ mod tests {
     }
 
     fn layer(moe: &MoeSpec, dtype: DType) -> MoeLayer<Cpu> {
-        MoeLayer::new(
-            &Cpu,
-            "moe",
-            D,
-            moe,
-            0.6,
-            crate::engine::Init::full(7),
-            dtype,
-        )
-        .unwrap()
+        let mut model = crate::engine::testutil::small_spec(&[], false);
+        (model.hidden, model.init_std) = (D, 0.6);
+        let init = crate::engine::Init::full(7);
+        MoeLayer::new(&Cpu, "moe", &model, moe, init, dtype, LayerGroups::single()).unwrap()
+    }
+
+    type Out = (Tensor<Cpu>, MoeSaved<Cpu>, MoeStats<Cpu>);
+
+    /// The layer's forward on one rank: `x` is the whole micro-batch.
+    fn forward(m: &MoeLayer<Cpu>, x: &Tensor<Cpu>, seq_len: usize) -> Result<Out> {
+        m.forward(&Exec::solo(&Cpu), x, seq_len, x.shape()[0])
+    }
+
+    fn backward(m: &mut MoeLayer<Cpu>, dy: &Tensor<Cpu>, saved: MoeSaved<Cpu>) -> Tensor<Cpu> {
+        m.backward(&Exec::solo(&Cpu), dy, saved, 1.0).unwrap()
     }
 
     /// `Σ y ⊙ R + aux + z`.
     fn objective(m: &MoeLayer<Cpu>, x: &Tensor<Cpu>, seq_len: usize, r: &[f64]) -> f64 {
-        let (y, _, stats) = m.forward(&Cpu, x, seq_len).unwrap();
+        let (y, _, stats) = forward(m, x, seq_len).unwrap();
         dot(&y, r) + host(&stats.aux_loss)[0] + host(&stats.z_loss)[0]
     }
 
@@ -334,10 +670,8 @@ mod tests {
         let mut m = layer(moe, DType::F64);
         let x = uniform(51, T * D, 1.0);
         let r = uniform(52, T * D, 1.0);
-        let (_, saved, _) = m.forward(&Cpu, &t64(x.clone(), &[T, D]), seq_len).unwrap();
-        let dx = m
-            .backward(&Cpu, &t64(r.clone(), &[T, D]), saved, 1.0)
-            .unwrap();
+        let (_, saved, _) = forward(&m, &t64(x.clone(), &[T, D]), seq_len).unwrap();
+        let dx = backward(&mut m, &t64(r.clone(), &[T, D]), saved);
         check_grads(what, &mut m, &x, &[T, D], &host(&dx), |m, x| {
             objective(m, x, seq_len, &r)
         });
@@ -391,10 +725,8 @@ mod tests {
         m.set_expert_bias(t64(bias.clone(), &[8])).unwrap();
         let x = uniform(51, T * D, 1.0);
         let r = uniform(52, T * D, 1.0);
-        let (_, saved, _) = m.forward(&Cpu, &t64(x.clone(), &[T, D]), 2).unwrap();
-        let dx = m
-            .backward(&Cpu, &t64(r.clone(), &[T, D]), saved, 1.0)
-            .unwrap();
+        let (_, saved, _) = forward(&m, &t64(x.clone(), &[T, D]), 2).unwrap();
+        let dx = backward(&mut m, &t64(r.clone(), &[T, D]), saved);
         check_grads(
             "sigmoid group-limited",
             &mut m,
@@ -445,7 +777,7 @@ mod tests {
     fn moe_layer_capacity_drops_copies() {
         let m = layer(&with_capacity(DropPolicySpec::Probs, false), DType::F64);
         let x = t64(uniform(51, T * D, 1.0), &[T, D]);
-        let (_, saved, stats) = m.forward(&Cpu, &x, T).unwrap();
+        let (_, saved, stats) = forward(&m, &x, T).unwrap();
         let kept: i32 = host_i32(saved.dispatch.counts_e()).iter().sum();
         let routed: f64 = host(&stats.load).iter().sum();
         assert_eq!(routed, (T * K) as f64);
@@ -488,10 +820,10 @@ mod tests {
                 &[T, D],
             )
             .unwrap();
-        let (y, saved, stats) = m.forward(&Cpu, &x, T).unwrap();
+        let (y, saved, stats) = forward(&m, &x, T).unwrap();
         assert_eq!(y.shape(), &[T, D]);
         assert_eq!(stats.load.shape(), &[E]);
-        let dx = m.backward(&Cpu, &y, saved, 1.0).unwrap();
+        let dx = backward(&mut m, &y, saved);
         assert!(host(&dx).iter().all(|v| v.is_finite()));
     }
 
@@ -513,7 +845,7 @@ mod tests {
         }
         let x = t64(x, &[t, D]);
         let imbalance = |m: &MoeLayer<Cpu>| {
-            let (_, _, stats) = m.forward(&Cpu, &x, t).unwrap();
+            let (_, _, stats) = forward(m, &x, t).unwrap();
             let load = host(&stats.load);
             let mean = load.iter().sum::<f64>() / e as f64;
             (
@@ -558,7 +890,7 @@ mod tests {
         let mut moe = spec();
         moe.router.load_balance = LoadBalance::SeqAux;
         let m = layer(&moe, DType::F64);
-        let err = |x: &Tensor<Cpu>, seq_len: usize| match m.forward(&Cpu, x, seq_len) {
+        let err = |x: &Tensor<Cpu>, seq_len: usize| match forward(&m, x, seq_len) {
             Err(e @ EngineError::Invalid(_)) => e.to_string(),
             Err(other) => panic!("expected EngineError::Invalid, got {other:?}"),
             Ok(_) => panic!("accepted bad input {x:?}, seq_len {seq_len}"),

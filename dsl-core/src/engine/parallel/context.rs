@@ -23,7 +23,7 @@
 
 use foldmoe_kernels::{Backend, HostData, Tensor};
 
-use super::Ctx;
+use super::{Exec, LayerGroups};
 use crate::engine::attention::{project_backward, Attention};
 use crate::engine::{EngineError, Result};
 use crate::layout::{cp_chunks, cp_positions};
@@ -214,13 +214,14 @@ fn with_zero_row<B: Backend>(b: &B, x: &Tensor<B>) -> Result<Tensor<B>> {
 /// → `[T, D]`: `attn`'s projections on the rank's tokens, the core attention
 /// over the whole sequence's keys.
 pub fn forward<B: Backend>(
-    ctx: &Ctx<B>,
+    ctx: &Exec<B>,
+    groups: &LayerGroups,
     attn: &Attention<B>,
     x_td: &Tensor<B>,
     seq_len: usize,
 ) -> Result<(Tensor<B>, CpAttentionSaved<B>)> {
     let b = ctx.b;
-    let (cp, cp_i) = (ctx.rank.cp.size(), ctx.rank.cp_index);
+    let (cp, cp_i) = (groups.cp.size(), groups.cp_index);
     let (t, _) = x_td.dims2("cp attention")?;
     let local = seq_len / cp;
     if !seq_len.is_multiple_of(2 * cp) || !t.is_multiple_of(local) {
@@ -240,7 +241,7 @@ pub fn forward<B: Backend>(
     let k_td = b.matmul(x_td, &attn.wk.value, false, false)?;
     let v_td = b.matmul(x_td, &attn.wv.value, false, false)?;
     let natural = |x: &Tensor<B>| -> Result<Tensor<B>> {
-        let all = ctx.comm.all_gather(b, &ctx.rank.cp, x)?;
+        let all = ctx.comm.all_gather(b, &groups.cp, x)?;
         Ok(b.permute(&all, &index.natural_src)?)
     };
     let k_rot = b
@@ -287,7 +288,8 @@ pub fn forward<B: Backend>(
 /// key and value gradients of every rank's queries are reduce-scattered
 /// back to the ranks that hold those tokens.
 pub fn backward<B: Backend>(
-    ctx: &Ctx<B>,
+    ctx: &Exec<B>,
+    groups: &LayerGroups,
     attn: &mut Attention<B>,
     dy_td: &Tensor<B>,
     saved: CpAttentionSaved<B>,
@@ -342,7 +344,7 @@ pub fn backward<B: Backend>(
         .reshape(&[rows, hkv * hd])?;
     let owned = |d: &Tensor<B>| -> Result<Tensor<B>> {
         let gathered = b.permute(d, &index.gathered_src)?;
-        Ok(ctx.comm.reduce_scatter(b, &ctx.rank.cp, &gathered)?)
+        Ok(ctx.comm.reduce_scatter(b, &groups.cp, &gathered)?)
     };
     let dk_td = owned(&dk_nat)?;
     let dv_td = owned(&dv_nat)?;
@@ -448,8 +450,11 @@ mod tests {
                     crate::engine::Init::full(7),
                     DType::F64,
                 )?;
-                let (y, saved) = super::forward(ctx, &attn, &f64_tensor(take(&x), &[n, d]), seq)?;
-                let dx = super::backward(ctx, &mut attn, &f64_tensor(take(&r), &[n, d]), saved)?;
+                let (exec, groups) = (ctx.exec(), ctx.rank.layer_groups());
+                let x_td = f64_tensor(take(&x), &[n, d]);
+                let (y, saved) = super::forward(&exec, &groups, &attn, &x_td, seq)?;
+                let r_td = f64_tensor(take(&r), &[n, d]);
+                let dx = super::backward(&exec, &groups, &mut attn, &r_td, saved)?;
                 Ok((mine, values(&y), values(&dx), grads(&attn)))
             });
             let mut g_sum: Vec<Vec<f64>> = g_ref.iter().map(|g| vec![0.0; g.len()]).collect();

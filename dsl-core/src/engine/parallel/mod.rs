@@ -32,14 +32,11 @@
 //! gradients (`tests/parallel_equivalence.rs`).
 
 pub mod context;
-pub mod model;
-pub mod moe;
 pub mod pipeline;
 pub mod plan;
 pub mod shard;
 pub mod trainer;
 
-pub use model::ParallelModel;
 pub use plan::ShardPlan;
 pub use shard::{ShardSpec, Split, SplitAxis};
 pub use trainer::ParallelTrainer;
@@ -173,8 +170,137 @@ impl RankLayout {
     }
 }
 
-/// What a parallel layer needs besides its own weights: the backend, the
-/// communicator and this rank's place in the layout.
+/// The groups a block's layers communicate over, with this rank's index in
+/// each: what a layer is given when it is built (never the whole
+/// [`RankLayout`]). For one rank every group is `[0]`.
+#[derive(Clone, Debug)]
+pub struct LayerGroups {
+    /// Tensor-parallel group (attention heads, dense ffn, sequence shards).
+    pub tp: Group,
+    /// Index in `tp`.
+    pub tp_index: usize,
+    /// Context-parallel group (the key/value exchange of attention).
+    pub cp: Group,
+    /// Index in `cp`.
+    pub cp_index: usize,
+    /// Tensor × context parallel group (MoE balancing statistics and the
+    /// capacity plan's view of the micro-batch).
+    pub tp_cp: Group,
+    /// Attention coordinates `(tp, cp)` of each member of `tp_cp`, in its order.
+    pub tp_cp_coords: Vec<(usize, usize)>,
+    /// Expert-parallel group (the token all-to-all).
+    pub ep: Group,
+    /// Index in `ep`.
+    pub ep_index: usize,
+    /// Expert tensor-parallel group (the expert ffn split).
+    pub etp: Group,
+    /// Index in `etp`.
+    pub etp_index: usize,
+}
+
+impl LayerGroups {
+    /// The groups of the one rank of a world of one.
+    pub fn single() -> Self {
+        let one = Group::new(vec![0]);
+        LayerGroups {
+            tp: one.clone(),
+            tp_index: 0,
+            cp: one.clone(),
+            cp_index: 0,
+            tp_cp: one.clone(),
+            tp_cp_coords: vec![(0, 0)],
+            ep: one.clone(),
+            ep_index: 0,
+            etp: one,
+            etp_index: 0,
+        }
+    }
+}
+
+impl RankLayout {
+    /// The groups this rank's layers communicate over.
+    pub fn layer_groups(&self) -> LayerGroups {
+        let tp_cp_coords = self
+            .tp_cp
+            .ranks()
+            .iter()
+            .map(|&r| {
+                let c = self.layout.attention_coords(r);
+                (c.tp, c.cp)
+            })
+            .collect();
+        LayerGroups {
+            tp: self.tp.clone(),
+            tp_index: self.tp_index,
+            cp: self.cp.clone(),
+            cp_index: self.cp_index,
+            tp_cp: self.tp_cp.clone(),
+            tp_cp_coords,
+            ep: self.ep.clone(),
+            ep_index: self.ep_index,
+            etp: self.etp.clone(),
+            etp_index: self.etp_index,
+        }
+    }
+}
+
+/// What a layer needs to run besides its weights and groups: the backend
+/// and this rank's collectives.
+pub struct Exec<'a, B: Backend> {
+    /// The kernel backend.
+    pub b: &'a B,
+    /// The collectives of this rank.
+    pub comm: &'a dyn Communicator<B>,
+}
+
+impl<B: Backend> Clone for Exec<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Exec<'_, B> {}
+
+impl<'a, B: Backend> Exec<'a, B> {
+    /// One rank's execution: the backend and collectives that return at once.
+    pub fn solo(b: &'a B) -> Self {
+        Exec {
+            b,
+            comm: &foldmoe_kernels::comm::solo::SoloComm,
+        }
+    }
+
+    /// Shards of `group` → their concatenation (all-gather; the identity
+    /// for a group of one). Sequence-parallel rows → the whole micro-batch
+    /// over tp.
+    pub fn gather(&self, group: &Group, x: &Tensor<B>) -> Result<Tensor<B>> {
+        if group.size() == 1 {
+            return Ok(x.clone());
+        }
+        Ok(self.comm.all_gather(self.b, group, x)?)
+    }
+
+    /// Partial sums over `group` → this member's summed shard
+    /// (reduce-scatter; the identity for a group of one).
+    pub fn scatter(&self, group: &Group, x: &Tensor<B>) -> Result<Tensor<B>> {
+        if group.size() == 1 {
+            return Ok(x.clone());
+        }
+        Ok(self.comm.reduce_scatter(self.b, group, x)?)
+    }
+
+    /// Sum over `group` (the identity for a group of one).
+    pub fn sum_over(&self, group: &Group, x: &Tensor<B>) -> Result<Tensor<B>> {
+        if group.size() == 1 {
+            return Ok(x.clone());
+        }
+        Ok(self.comm.all_reduce(self.b, group, x, ReduceOp::Sum)?)
+    }
+}
+
+/// One rank's program context: the backend, the communicator and the rank's
+/// place in the layout (what the model, the trainer and checkpoints use;
+/// layers get [`Ctx::exec`] and their [`LayerGroups`]).
 pub struct Ctx<'a, B: Backend> {
     /// The kernel backend.
     pub b: &'a B,
@@ -184,30 +310,18 @@ pub struct Ctx<'a, B: Backend> {
     pub rank: &'a RankLayout,
 }
 
-impl<B: Backend> Ctx<'_, B> {
-    /// Sequence-parallel shard → the whole micro-batch (all-gather over tp).
-    pub fn gather_tp(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
-        if self.rank.tp.size() == 1 {
-            return Ok(x.clone());
+impl<'a, B: Backend> Ctx<'a, B> {
+    /// The backend and collectives, for a layer.
+    pub fn exec(&self) -> Exec<'a, B> {
+        Exec {
+            b: self.b,
+            comm: self.comm,
         }
-        Ok(self.comm.all_gather(self.b, &self.rank.tp, x)?)
-    }
-
-    /// Partial sums over the whole micro-batch → this rank's summed shard
-    /// (reduce-scatter over tp).
-    pub fn scatter_tp(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
-        if self.rank.tp.size() == 1 {
-            return Ok(x.clone());
-        }
-        Ok(self.comm.reduce_scatter(self.b, &self.rank.tp, x)?)
     }
 
     /// Sum over `group` (the identity for a group of one).
     pub fn sum_over(&self, group: &Group, x: &Tensor<B>) -> Result<Tensor<B>> {
-        if group.size() == 1 {
-            return Ok(x.clone());
-        }
-        Ok(self.comm.all_reduce(self.b, group, x, ReduceOp::Sum)?)
+        self.exec().sum_over(group, x)
     }
 }
 

@@ -26,10 +26,11 @@ use foldmoe_kernels::{
     AdamWConfig, Backend, DType, Group, HostData, KernelError, ReduceOp, Tensor,
 };
 
-use super::model::{ParallelFfn, ParallelModel};
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
+use crate::engine::block::Ffn;
+use crate::engine::model::{Batch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::Param;
 use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig};
@@ -106,7 +107,7 @@ pub struct GradChunks<B: Backend> {
 /// A rank's model shard, its optimizer chunks and the run's settings.
 pub struct ParallelTrainer<B: Backend> {
     /// The model shard being trained.
-    pub model: ParallelModel<B>,
+    pub model: Model<B>,
     /// Optimizer and schedule settings.
     pub cfg: TrainConfig,
     buckets: Vec<Bucket<B>>,
@@ -119,7 +120,7 @@ pub struct ParallelTrainer<B: Backend> {
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
-fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(Kind, usize, Option<Box<ShardSpec>>)> {
+fn params_of<B: Backend>(model: &Model<B>) -> Vec<(Kind, usize, Option<Box<ShardSpec>>)> {
     let mut out = Vec::new();
     let copy = model
         .embed_is_copy()
@@ -146,7 +147,7 @@ fn params_of<B: Backend>(model: &ParallelModel<B>) -> Vec<(Kind, usize, Option<B
     out
 }
 
-fn visit_all_mut<B: Backend>(model: &mut ParallelModel<B>, f: &mut dyn FnMut(&mut Param<B>)) {
+fn visit_all_mut<B: Backend>(model: &mut Model<B>, f: &mut dyn FnMut(&mut Param<B>)) {
     model.visit_dense_mut(f);
     model.visit_experts_mut(f);
 }
@@ -187,7 +188,7 @@ impl<B: Backend> ParallelTrainer<B> {
     /// A trainer with zero moments for this rank's chunks, and master
     /// copies of them taken from the parameters where `cfg.master_weights`
     /// applies to the model's dtype.
-    pub fn new(b: &B, model: ParallelModel<B>, cfg: TrainConfig) -> Result<Self> {
+    pub fn new(b: &B, model: Model<B>, cfg: TrainConfig) -> Result<Self> {
         let (dp_cp, edp) = (model.rank.dp_cp.size(), model.rank.edp.size());
         let dtype = model.embed.table.value.dtype();
         let masters = cfg.master_weights.applies_to(dtype);
@@ -416,7 +417,7 @@ impl<B: Backend> ParallelTrainer<B> {
         for (v, range) in self.model.chunk_ranges().iter().enumerate() {
             let moe = self.model.blocks[range.clone()]
                 .iter()
-                .filter(|bl| matches!(bl.ffn, ParallelFfn::Moe(_)))
+                .filter(|bl| matches!(bl.ffn, Ffn::Moe(_)))
                 .count();
             moe_before[v + 1] = moe_before[v] + moe;
         }
@@ -439,9 +440,13 @@ impl<B: Backend> ParallelTrainer<B> {
                         self.pipeline_wait += waited.elapsed();
                         Some(x)
                     };
-                    let out = self
-                        .model
-                        .forward_chunk(ctx, op.chunk, input, tokens, targets, seq_len)?;
+                    let out = self.model.forward_chunk(
+                        &ctx.exec(),
+                        op.chunk,
+                        input,
+                        Batch::Host { tokens, targets },
+                        seq_len,
+                    )?;
                     if let Some(l) = &out.loss {
                         b.axpy(&mut loss, scale, l)?;
                     }
@@ -479,7 +484,7 @@ impl<B: Backend> ParallelTrainer<B> {
                     };
                     let input_grad =
                         self.model
-                            .backward_chunk(ctx, chunk_saved, output_grad, scale)?;
+                            .backward_chunk(&ctx.exec(), chunk_saved, output_grad, scale)?;
                     if let Some(d) = &input_grad {
                         ctx.comm.send(b, pp_ranks[(stage - 1) % pp], d)?;
                     }
@@ -518,9 +523,13 @@ impl<B: Backend> ParallelTrainer<B> {
             } else {
                 Some(ctx.comm.recv(b, pp_ranks[(stage - 1) % pp])?)
             };
-            let out = self
-                .model
-                .forward_chunk(ctx, chunk, input, tokens, targets, seq_len)?;
+            let out = self.model.forward_chunk(
+                &ctx.exec(),
+                chunk,
+                input,
+                Batch::Host { tokens, targets },
+                seq_len,
+            )?;
             if let Some(h) = &out.hidden {
                 ctx.comm.send(b, pp_ranks[(stage + 1) % pp], h)?;
             }
@@ -927,27 +936,28 @@ mod tests {
     use foldmoe_kernels::{Backend, DType, Device, ElementwiseOps as _, HostData};
 
     use super::{visit_all_mut, Gather, GradChunks, ParallelTrainer};
+    use crate::engine::model::{Batch, Model};
     use crate::engine::optim::{clip_coefficient, MasterWeights};
     use crate::engine::parallel::shard::upload_as;
-    use crate::engine::parallel::{Ctx, ParallelModel};
+    use crate::engine::parallel::Ctx;
     use crate::engine::param::Param;
     use crate::engine::testutil::{one_rank, small_moe, small_spec, uniform, values};
     use crate::engine::trainer::TrainConfig;
     use crate::engine::{EngineError, Result};
     use crate::spec::{FfnSpec, LoadBalance, ModelSpec};
 
-    fn visit<B: Backend>(m: &ParallelModel<B>, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit<B: Backend>(m: &Model<B>, f: &mut dyn FnMut(&Param<B>)) {
         m.visit_dense(f);
         m.visit_experts(f);
     }
 
-    fn all_values(m: &ParallelModel<Cpu>) -> Vec<Vec<f64>> {
+    fn all_values(m: &Model<Cpu>) -> Vec<Vec<f64>> {
         let mut v = Vec::new();
         visit(m, &mut |p| v.push(values(&p.value)));
         v
     }
 
-    fn all_grads(m: &ParallelModel<Cpu>) -> Vec<Vec<f64>> {
+    fn all_grads(m: &Model<Cpu>) -> Vec<Vec<f64>> {
         let mut v = Vec::new();
         visit(m, &mut |p| v.push(values(&p.grad)));
         v
@@ -978,7 +988,7 @@ mod tests {
         dtype: DType,
         cfg: TrainConfig,
     ) -> Result<ParallelTrainer<B>> {
-        let model = ParallelModel::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
+        let model = Model::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
         ParallelTrainer::new(ctx.b, model, cfg)
     }
 
@@ -1018,11 +1028,15 @@ mod tests {
         };
         one_rank(&Cpu, &spec, 5, DType::F64, cfg, |ctx, trainer| {
             // The same weights, the whole batch in one forward and backward.
-            let mut big = ParallelModel::new(ctx.b, &spec, ctx.rank.clone(), 5, DType::F64)?;
+            let mut big = Model::new(ctx.b, &spec, ctx.rank.clone(), 5, DType::F64)?;
             let (tokens, targets) = rows(0..4);
-            let out = big.forward(ctx, &tokens, &targets, 4)?;
+            let batch = Batch::Host {
+                tokens: &tokens,
+                targets: &targets,
+            };
+            let out = big.forward(&ctx.exec(), batch, 4)?;
             let (big_loss, big_aux) = (values(&out.loss)[0], values(&out.aux_loss)[0]);
-            big.backward(ctx, out.saved, 1.0)?;
+            big.backward(&ctx.exec(), out.saved, 1.0)?;
 
             let micro = [rows(0..1), rows(1..2), rows(2..3), rows(3..4)];
             let stats = trainer.step(ctx, &micro, 4)?;
