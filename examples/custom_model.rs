@@ -1,10 +1,9 @@
 //! A model declared outside `foldmoe-models`: an annotated struct is the whole
 //! architecture table, checked when this file compiles (a layout whose `ep`
 //! did not divide `experts` would not build). One rank's shard of its cluster
-//! layout is built, then the whole model is built on the CPU under its
-//! single-rank layout, and the shard of that layout (the whole model at
-//! world = 1) is trained a few steps on the bundled text by the parallel
-//! trainer.
+//! layout is built, then the whole model on the CPU under its one-rank
+//! layout (`world = 1`), which the trainer trains a few steps on the bundled
+//! text.
 //!
 //! Run with `cargo run --release --example custom_model`.
 
@@ -12,7 +11,7 @@ use std::time::Duration;
 
 use foldmoe_core::engine::data::{BatchSampler, TextDataset};
 use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
-use foldmoe_core::engine::parallel::{run_local_layout, ParallelTrainer};
+use foldmoe_core::engine::parallel::{run_local_layout, Trainer};
 use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::layout;
 use foldmoe_kernels::cpu::Cpu;
@@ -90,7 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|errs| format!("layout laptop: {errs:?}"))?;
     let results = run_local_layout(&b, &laptop, Duration::from_secs(600), |ctx| {
         let shard = ByteMoe::new(ctx.b, ByteMoeLayout::Laptop, 0, 42, DType::F32)?.into_model();
-        let mut trainer = ParallelTrainer::new(ctx.b, shard, cfg)?;
+        let mut trainer = Trainer::new(ctx.b, shard, cfg)?;
         let mut sampler = BatchSampler::new(42);
         for step in 1..=10 {
             let micro_batch = sampler.next_batch(&data, batch, seq)?;

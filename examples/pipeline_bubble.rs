@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use foldmoe_core::engine::model::Model;
-use foldmoe_core::engine::parallel::{run_local_layout, ParallelTrainer, RankLayout};
+use foldmoe_core::engine::parallel::{run_local_layout, RankLayout, Trainer};
 use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::layout::{self, LayoutSpec};
 use foldmoe_core::spec::{AttentionSpec, BlockGroup, FfnSpec, ModelSpec, MoeSpec};
@@ -75,7 +75,7 @@ fn main() {
         let results = run_local_layout(&Cpu, &layout, Duration::from_secs(600), |ctx| {
             let rank = RankLayout::new(&layout, ctx.rank.rank)?;
             let model = Model::new(ctx.b, &spec, rank, 1, DType::F32)?;
-            let mut trainer = ParallelTrainer::new(ctx.b, model, TrainConfig::default())?;
+            let mut trainer = Trainer::new(ctx.b, model, TrainConfig::default())?;
             let (mut busy, mut wait) = (Duration::ZERO, Duration::ZERO);
             for step in 0..STEPS {
                 let started = Instant::now();

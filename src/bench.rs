@@ -8,7 +8,7 @@
 //! throughput formula ([`ModelSpec::flops_per_token`]): the reported TFLOP/s
 //! are the model's useful work, not what the kernels happen to execute.
 //!
-//! `bench model` times the engine's one training step, [`ParallelTrainer`]:
+//! `bench model` times the engine's one training step, [`Trainer`]:
 //! on one device at world = 1 (on this thread with the communicator of a
 //! world of one, as `foldmoe train` runs one rank). Under `foldmoe launch`
 //! (`launch --nproc-per-node N -- bench model --layout ep=N`), each process
@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
-use foldmoe::core::engine::parallel::{Ctx, Exec, LayerGroups, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::parallel::{Ctx, Exec, LayerGroups, RankLayout, Trainer};
 use foldmoe::core::engine::param::{Init, Module as _};
 use foldmoe::core::engine::trainer::TrainConfig;
 use foldmoe::core::layout::Layout;
@@ -461,10 +461,10 @@ fn rank_step<B: BenchDevice>(
     let world = Group::new((0..layout.world).collect());
     let timed = TimedComm::new(comm);
     // A fresh trainer's moments are zero, so the shards start from
-    // `ParallelTrainer::new` rather than from a full trainer's state.
+    // `Trainer::new` rather than from a full trainer's state.
     let t0 = Instant::now();
     let model = Model::new(b, spec, rank.clone(), 1, dtype)?;
-    let mut trainer = ParallelTrainer::new(b, model, TrainConfig::default())?;
+    let mut trainer = Trainer::new(b, model, TrainConfig::default())?;
     eprintln!(
         "bench: rank {}: shard and optimizer ready at {:.1} s",
         rank.rank,

@@ -14,7 +14,7 @@ use foldmoe::core::engine::activations::Counts;
 use foldmoe::core::engine::checkpoint::{self, Source};
 use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
-use foldmoe::core::engine::parallel::{Ctx, ParallelTrainer, RankLayout};
+use foldmoe::core::engine::parallel::{Ctx, RankLayout, Trainer};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::{Layout, LayoutSpec};
@@ -248,7 +248,7 @@ struct ParallelRank<'a, 'c, B: Backend> {
     ctx: &'a Ctx<'c, B>,
     /// The communicator of `ctx`, measuring its time.
     timed: &'a TimedComm<'c, B>,
-    trainer: ParallelTrainer<B>,
+    trainer: Trainer<B>,
     seq_len: usize,
     /// Bytes allocated at most while the shard and optimizer were built.
     startup_peak_bytes: u64,
@@ -829,7 +829,7 @@ fn run_rank<B: Backend>(
             meta.settings.seed,
             meta.settings.model_dtype()?,
         )?;
-        let mut trainer = ParallelTrainer::new(b, model, trainer_config(&meta.settings))?;
+        let mut trainer = Trainer::new(b, model, trainer_config(&meta.settings))?;
         let mut load_s = None;
         if let Some(source) = &prep.resumed {
             let t0 = Instant::now();

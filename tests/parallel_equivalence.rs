@@ -15,7 +15,7 @@ use foldmoe_core::engine::checkpoint::{self, Source, StateKind};
 use foldmoe_core::engine::model::{Batch, Model};
 use foldmoe_core::engine::optim::MasterWeights;
 use foldmoe_core::engine::parallel::trainer::Gather;
-use foldmoe_core::engine::parallel::{run_local_layout, ParallelTrainer, RankLayout};
+use foldmoe_core::engine::parallel::{run_local_layout, RankLayout, Trainer};
 use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
@@ -121,7 +121,7 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let model = Model::new(ctx.b, spec, rank, SEED, dtype)?;
-        let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
+        let mut trainer = Trainer::new(ctx.b, model, config())?;
         let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
         let mine = |step: usize| -> Vec<(Vec<i32>, Vec<i32>)> {
             let batch = global_batch(step);
@@ -135,7 +135,7 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
         // A fresh trainer for the losses (the accumulation above is discarded).
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let mut trainer =
-            ParallelTrainer::new(ctx.b, Model::new(ctx.b, spec, rank, SEED, dtype)?, config())?;
+            Trainer::new(ctx.b, Model::new(ctx.b, spec, rank, SEED, dtype)?, config())?;
         let mut losses = Vec::new();
         for step in 0..STEPS {
             losses.push(trainer.step(ctx, &mine(step), SEQ)?.loss);
@@ -449,7 +449,7 @@ fn run_and_save(
     let mut results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let model = Model::new(ctx.b, spec, rank, SEED, DType::F32)?;
-        let mut trainer = ParallelTrainer::new(ctx.b, model, cfg)?;
+        let mut trainer = Trainer::new(ctx.b, model, cfg)?;
         if let Some(source) = &source {
             checkpoint::load(ctx.b, source, &mut trainer)?;
             assert_eq!(trainer.step_count(), steps.start as u64);
@@ -608,7 +608,7 @@ fn a_failing_rank_stops_every_rank_with_an_error() {
         let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
             let rank = RankLayout::new(&layout, ctx.rank.rank)?;
             let model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
-            let mut trainer = ParallelTrainer::new(ctx.b, model, config())?;
+            let mut trainer = Trainer::new(ctx.b, model, config())?;
             let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
             let per = MICRO_BATCHES / dp;
             for step in 0..STEPS {

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use foldmoe_core::engine::parallel::shard::place_block;
-use foldmoe_core::engine::parallel::{ParallelTrainer, RankLayout};
+use foldmoe_core::engine::parallel::{RankLayout, Trainer};
 use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::engine::{model::Model, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
@@ -70,7 +70,7 @@ fn every_rank_allocates_only_its_shard_and_shards_are_the_one_rank_weights() {
             DType::F32,
         )
         .unwrap();
-        let trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default()).unwrap();
+        let trainer = Trainer::new(&Cpu, model, TrainConfig::default()).unwrap();
         let (after, peak) = Cpu.memory_in_use();
         let (shard, startup_peak) = ((after - before) as u64, (peak - before) as u64);
         println!("rank {rank}: shard {shard} B, start-up peak {startup_peak} B, whole model {full_bytes} B");
@@ -132,7 +132,7 @@ fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
             (ids[..32].to_vec(), ids[1..].to_vec())
         })
         .collect();
-    let largest = |t: &ParallelTrainer<Cpu>| {
+    let largest = |t: &Trainer<Cpu>| {
         let mut most = 0usize;
         t.model
             .visit_dense(&mut |p| most = most.max(p.value.numel() * 4));
@@ -144,7 +144,7 @@ fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
     let saved = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let model = Model::new(&Cpu, &spec, rank, 3, DType::F32)?;
-        let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
+        let mut trainer = Trainer::new(&Cpu, model, TrainConfig::default())?;
         let per = 4 / ctx.rank.dp.size();
         let dp_i = ctx.rank.dp_index;
         trainer.step(ctx, &batch[dp_i * per..(dp_i + 1) * per], 16)?;
@@ -172,7 +172,7 @@ fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
     let loaded = run_local_layout(&Cpu, &other, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&other, ctx.rank.rank)?;
         let model = Model::new(&Cpu, &spec, rank, 3, DType::F32)?;
-        let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
+        let mut trainer = Trainer::new(&Cpu, model, TrainConfig::default())?;
         // The largest optimizer chunk is the largest tensor a load replaces.
         let (mut chunk, mut total) = (0usize, 0usize);
         trainer.model.visit_dense(&mut |p| total += p.value.numel());

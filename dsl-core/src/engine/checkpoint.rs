@@ -41,7 +41,7 @@ use sha2::{Digest, Sha256};
 use super::block::Ffn;
 use super::model::Model;
 use super::parallel::shard::for_each_run;
-use super::parallel::trainer::ParallelTrainer;
+use super::parallel::trainer::Trainer;
 use super::parallel::Ctx;
 use crate::engine::optim::MASTER_SUFFIX;
 use crate::engine::param::Param;
@@ -249,7 +249,7 @@ struct Planned<'a, B: Backend> {
 /// it; it returns once the checkpoint is complete. Returns its directory.
 pub fn save<B: Backend, M: Serialize>(
     ctx: &Ctx<B>,
-    trainer: &ParallelTrainer<B>,
+    trainer: &Trainer<B>,
     root: &Path,
     meta: &M,
     keep: usize,
@@ -388,7 +388,7 @@ fn prune(root: &Path, current: &str, keep: usize) -> Result<()> {
 /// attention group, the routers' expert biases.
 fn plan_pieces<'a, B: Backend>(
     ctx: &Ctx<B>,
-    trainer: &'a ParallelTrainer<B>,
+    trainer: &'a Trainer<B>,
     file: &str,
 ) -> Result<Vec<Planned<'a, B>>> {
     let mut info: Vec<(String, Vec<usize>, Block, DType)> = Vec::new();
@@ -978,7 +978,7 @@ fn runs_in(
 /// parameter (as a fresh optimizer's would); a master the trainer keeps
 /// none of replaces the parameter (it is the exact weight). Not a
 /// collective: each rank reads its own slices.
-pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut ParallelTrainer<B>) -> Result<()> {
+pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut Trainer<B>) -> Result<()> {
     let b_keeps_masters = trainer.has_masters();
     // (name, full shape, block, dtype, shard shape) of every parameter.
     type Held = (String, Vec<usize>, Block, DType, Vec<usize>);
@@ -1144,7 +1144,7 @@ mod tests {
     use super::{load, Source};
     use crate::engine::model::Model;
     use crate::engine::parallel::shard::cut_block;
-    use crate::engine::parallel::{run_local_layout, ParallelTrainer, RankLayout};
+    use crate::engine::parallel::{run_local_layout, RankLayout, Trainer};
     use crate::engine::trainer::TrainConfig;
     use crate::engine::Module;
     use crate::layout::{self, LayoutSpec};
@@ -1262,7 +1262,7 @@ mod tests {
             let results = run_local_layout(&Cpu, &l, Duration::from_secs(30), |ctx| {
                 let rank = RankLayout::new(&l, ctx.rank.rank)?;
                 let model = Model::new(&Cpu, &spec, rank, 9, foldmoe_kernels::DType::F32)?;
-                let mut trainer = ParallelTrainer::new(&Cpu, model, TrainConfig::default())?;
+                let mut trainer = Trainer::new(&Cpu, model, TrainConfig::default())?;
                 load(&Cpu, &source, &mut trainer)?;
                 let mut got = Vec::new();
                 let mut visit = |p: &crate::engine::Param<Cpu>| {

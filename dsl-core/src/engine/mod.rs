@@ -58,7 +58,7 @@ pub(crate) mod testutil {
     use rand_chacha::ChaCha8Rng;
 
     use super::model::Model;
-    use super::parallel::{run_local_layout, Ctx, ParallelTrainer};
+    use super::parallel::{run_local_layout, Ctx, Trainer};
     use super::trainer::TrainConfig;
     use super::{Module, Param, Result};
     use crate::layout::LayoutSpec;
@@ -141,7 +141,7 @@ pub(crate) mod testutil {
     }
 
     /// Runs `f` on the one rank of the `world = 1` layout (through
-    /// [`run_local_layout`]) with a fresh [`ParallelTrainer`] of `spec`,
+    /// [`run_local_layout`]) with a fresh [`Trainer`] of `spec`,
     /// weights from `seed`, and returns what it returns.
     pub fn one_rank<B: Backend, T: Send>(
         b: &B,
@@ -149,12 +149,12 @@ pub(crate) mod testutil {
         seed: u64,
         dtype: DType,
         cfg: TrainConfig,
-        f: impl Fn(&Ctx<B>, &mut ParallelTrainer<B>) -> Result<T> + Sync,
+        f: impl Fn(&Ctx<B>, &mut Trainer<B>) -> Result<T> + Sync,
     ) -> T {
         let layout = crate::layout::check(&LayoutSpec::default(), spec).unwrap();
         let mut results = run_local_layout(b, &layout, Duration::from_secs(60), |ctx| {
             let model = Model::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
-            let mut trainer = ParallelTrainer::new(ctx.b, model, cfg)?;
+            let mut trainer = Trainer::new(ctx.b, model, cfg)?;
             f(ctx, &mut trainer)
         });
         results.pop().expect("one rank").unwrap()

@@ -1,7 +1,7 @@
 //! What a training step is configured by and reports: the run's optimizer
 //! and schedule settings ([`TrainConfig`]) and the step's measurements read
 //! to the host ([`StepStats`]). The step itself, on every world size one rank
-//! included, is [`super::parallel::ParallelTrainer::step`] (Megatron-LM's
+//! included, is [`super::parallel::Trainer::step`] (Megatron-LM's
 //! `train_step`: gradient accumulation, clipping by global norm, AdamW at the
 //! scheduled learning rate, the aux-loss-free expert-bias update).
 

@@ -39,7 +39,7 @@ pub mod trainer;
 
 pub use plan::ShardPlan;
 pub use shard::{ShardSpec, Split, SplitAxis};
-pub use trainer::ParallelTrainer;
+pub use trainer::Trainer;
 
 use foldmoe_kernels::{Backend, Communicator, Group, ReduceOp, Tensor};
 

@@ -78,17 +78,17 @@ pub(crate) struct ChunkPart {
     pub at: usize,
 }
 
-/// `(loss, aux loss, loads per MoE layer)` of [`ParallelTrainer::accumulate`].
+/// `(loss, aux loss, loads per MoE layer)` of [`Trainer::accumulate`].
 pub type Accumulated<B> = (Tensor<B>, Tensor<B>, Vec<Tensor<B>>);
 
 /// A full tensor assembled from every rank: `(name, shape, values)`.
 pub type FullTensor = (String, Vec<usize>, Vec<f64>);
 
-/// What [`ParallelTrainer::gather_full`] assembles.
+/// What [`Trainer::gather_full`] assembles.
 pub enum Gather<'a, B: Backend> {
     /// The parameters.
     Values,
-    /// Reduced gradients (from [`ParallelTrainer::reduce_gradients`]).
+    /// Reduced gradients (from [`Trainer::reduce_gradients`]).
     Grads(&'a GradChunks<B>),
     /// AdamW first moments.
     ExpAvg,
@@ -105,7 +105,7 @@ pub struct GradChunks<B: Backend> {
 }
 
 /// A rank's model shard, its optimizer chunks and the run's settings.
-pub struct ParallelTrainer<B: Backend> {
+pub struct Trainer<B: Backend> {
     /// The model shard being trained.
     pub model: Model<B>,
     /// Optimizer and schedule settings.
@@ -184,7 +184,7 @@ fn pack<B: Backend>(b: &B, parts: &[Tensor<B>], padded: usize) -> Result<Tensor<
     Ok(b.concat(&refs)?)
 }
 
-impl<B: Backend> ParallelTrainer<B> {
+impl<B: Backend> Trainer<B> {
     /// A trainer with zero moments for this rank's chunks, and master
     /// copies of them taken from the parameters where `cfg.master_weights`
     /// applies to the model's dtype.
@@ -240,7 +240,7 @@ impl<B: Backend> ParallelTrainer<B> {
                 bk.master = Some(b.cast(&own, DType::F32)?);
             }
         }
-        Ok(ParallelTrainer {
+        Ok(Trainer {
             model,
             cfg,
             buckets,
@@ -927,15 +927,15 @@ pub fn exchange_over_pp<B: Backend>(
 
 /// The trainer at `world = 1` (through `run_local_layout`): what
 /// every one-rank run is. The update from given gradients is
-/// [`ParallelTrainer::apply`] on the chunks of
-/// [`ParallelTrainer::reduce_gradients`] (at world = 1, each bucket's whole
+/// [`Trainer::apply`] on the chunks of
+/// [`Trainer::reduce_gradients`] (at world = 1, each bucket's whole
 /// buffer).
 #[cfg(test)]
 mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::{Backend, DType, Device, ElementwiseOps as _, HostData};
 
-    use super::{visit_all_mut, Gather, GradChunks, ParallelTrainer};
+    use super::{visit_all_mut, Gather, GradChunks, Trainer};
     use crate::engine::model::{Batch, Model};
     use crate::engine::optim::{clip_coefficient, MasterWeights};
     use crate::engine::parallel::shard::upload_as;
@@ -964,7 +964,7 @@ mod tests {
     }
 
     /// Every bucket's moments and master, bit for bit.
-    fn all_state(t: &ParallelTrainer<Cpu>) -> Vec<Vec<u64>> {
+    fn all_state(t: &Trainer<Cpu>) -> Vec<Vec<u64>> {
         t.buckets
             .iter()
             .flat_map(|bk| [&bk.m, &bk.v].into_iter().chain(bk.master.as_ref()))
@@ -987,14 +987,14 @@ mod tests {
         seed: u64,
         dtype: DType,
         cfg: TrainConfig,
-    ) -> Result<ParallelTrainer<B>> {
+    ) -> Result<Trainer<B>> {
         let model = Model::new(ctx.b, spec, ctx.rank.clone(), seed, dtype)?;
-        ParallelTrainer::new(ctx.b, model, cfg)
+        Trainer::new(ctx.b, model, cfg)
     }
 
     /// Sets every gradient to values uniform in `[-1, 1]` drawn from `seed`,
     /// in the parameter's dtype.
-    fn set_grads<B: Backend>(b: &B, t: &mut ParallelTrainer<B>, seed: u64) -> Result<()> {
+    fn set_grads<B: Backend>(b: &B, t: &mut Trainer<B>, seed: u64) -> Result<()> {
         let (mut s, mut outcome) = (seed * 1000, Ok(()));
         visit_all_mut(&mut t.model, &mut |p| {
             s += 1;
@@ -1008,7 +1008,7 @@ mod tests {
     }
 
     /// One update at `lr`, unclipped, from the gradients the parameters hold.
-    fn update<B: Backend>(ctx: &Ctx<B>, t: &mut ParallelTrainer<B>, lr: f64) -> Result<()> {
+    fn update<B: Backend>(ctx: &Ctx<B>, t: &mut Trainer<B>, lr: f64) -> Result<()> {
         let grads = t.reduce_gradients(ctx)?;
         t.apply(ctx, &grads, lr, 1.0)
     }
