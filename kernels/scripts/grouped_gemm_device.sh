@@ -1,12 +1,16 @@
 #!/bin/bash
 # One device call for the grouped GEMMs (issue 18): the CUDA tests, the
 # sanitizer on the small wgmma case, the timings and the PyTorch peer.
-# Usage (repo root, on the GPU machine): kernels/scripts/grouped_gemm_device.sh <test binary> [steps]
-# steps: any of tests,all,san,time,peer (default tests,san,time,peer).
-# Logs go to $OUT (or /tmp/gg), the tables are printed last.
+# Usage (repo root, on the GPU machine):
+#   kernels/scripts/grouped_gemm_device.sh <test binary> [steps] [foldmoe binary]
+# steps: any of tests,all,san,time,peer,layer,prof (default tests,san,time,peer);
+# layer and prof need the foldmoe binary.
+# Logs go to /tmp/gg, packed into $OUT/logs.tgz at the end; the tables are
+# printed last.
 set -u
-BIN=$(realpath "$1"); STEPS=${2:-tests,san,time,peer}
-O=${OUT:-/tmp/gg}; mkdir -p "$O"
+BIN=$(realpath "$1"); STEPS=${2:-tests,san,time,peer}; FM=$(realpath "${3:-/nonexistent}" 2>/dev/null)
+ROOT=$(pwd)
+O=/tmp/gg; rm -rf "$O"; mkdir -p "$O"
 export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 cd kernels
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$O/gpu.txt" 2>&1
@@ -15,7 +19,9 @@ if has tests; then
   timeout -s KILL 240 "$BIN" --test-threads=1 linalg > "$O/tests.log" 2>&1; echo "linalg tests rc=$?" >> "$O/summary.txt"
 fi
 if has all; then
-  timeout -s KILL 400 "$BIN" --test-threads=8 cuda > "$O/tests_all.log" 2>&1; echo "all cuda tests rc=$?" >> "$O/summary.txt"
+  # One thread: the graph-capture test captures in global mode, which makes
+  # other threads' stream creation fail while it runs.
+  timeout -s KILL 400 "$BIN" --test-threads=1 cuda > "$O/tests_all.log" 2>&1; echo "all cuda tests rc=$?" >> "$O/summary.txt"
 fi
 if has san; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -30,9 +36,31 @@ fi
 if has peer; then
   PYTHONUNBUFFERED=1 timeout -s KILL 180 python3 scripts/grouped_gemm_peer.py > "$O/peer.log" 2>&1; echo "peer rc=$?" >> "$O/summary.txt"
 fi
+if has layer; then
+  for i in 1 2; do
+    timeout -s KILL 120 "$FM" bench moe-layer --device cuda > "$O/layer_wgmma_$i.json" 2>&1
+    FOLDMOE_GROUPED_GEMM=mma timeout -s KILL 120 "$FM" bench moe-layer --device cuda > "$O/layer_mma_$i.json" 2>&1
+  done
+  (cd "$ROOT" && PYTHONUNBUFFERED=1 timeout -s KILL 180 python3 benchmarks/torch_peer.py moe-layer > "$O/layer_torch.log" 2>&1)
+  echo "layer rc=$?" >> "$O/summary.txt"
+fi
+if has prof; then
+  for v in wgmma mma; do
+    if [ $v = mma ]; then export FOLDMOE_GROUPED_GEMM=mma; else unset FOLDMOE_GROUPED_GEMM; fi
+    timeout -s KILL 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      "$FM" bench moe-layer --device cuda --iters 1 --warmup 1 > "$O/prof_$v.csv" 2>/dev/null
+    python3 "$ROOT/kernels/scripts/ncu_kernel_shares.py" "$O/prof_$v.csv" 16 > "$O/prof_$v.txt"
+  done
+  unset FOLDMOE_GROUPED_GEMM
+  echo "prof done" >> "$O/summary.txt"
+fi
 cat "$O/gpu.txt"
-grep -E "^test |test result|panicked|assert" "$O/tests.log" "$O/tests_all.log" 2>/dev/null | tail -40
+grep -E "test result|FAILED|panicked" "$O/tests.log" "$O/tests_all.log" 2>/dev/null | tail -12
 grep "^|" "$O/timings.log" 2>/dev/null
 grep -v "^|" "$O/timings.log" 2>/dev/null | tail -5
 cat "$O/peer.log" 2>/dev/null | tail -30
+for f in "$O"/layer_*.json; do [ -f "$f" ] && echo "$(basename $f): $(grep -E '"time_ms|"tflops"|host_waits|error' $f | tr -d '\n ')"; done
+tail -8 "$O/layer_torch.log" 2>/dev/null
+cat "$O"/prof_*.txt 2>/dev/null
 cat "$O/summary.txt"
+[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C /tmp gg

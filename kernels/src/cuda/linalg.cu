@@ -7,31 +7,65 @@
 // kernels at the end of this file. Either way the sizes are read on the
 // device, with no host sync.
 
-// Offsets [G + 1] from sizes [G], on one thread (G is the expert count).
-// Negative sizes and a total above M are reported, and the offsets clamped
-// to [0, M] so no later kernel can read or write out of bounds. Also the
-// tile offsets [G + 1] of the tensor-core kernel: group g owns tiles
-// tiles[g]..tiles[g + 1], ceil(size / tile_rows) of them.
+// Offsets [G + 1] from sizes [G], on one warp (G is the expert count):
+// chunks of 32 sizes, each an inclusive shuffle scan plus the running total.
+// Negative sizes (the first one is reported) count as 0, and a total above M
+// is reported and the offsets clamped to [0, M], so no later kernel can read
+// or write out of bounds. Also the tile offsets [G + 1] of the tensor-core
+// kernels: group g owns tiles tiles[g]..tiles[g + 1], ceil(size / tile_rows)
+// of them. Launch: one block of 32 threads. (One thread walking the groups
+// took 25 µs for 128 groups.)
+__device__ __forceinline__ i64 warp_incl_scan(i64 v, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        i64 u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
 extern "C" __global__ void group_offsets(const int* sizes, int g, i64 m, i64* offs, ErrRec* err,
                                          unsigned int code_negative, unsigned int code_total, i64* tiles, i64 tile_rows) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    i64 t = 0;
-    offs[0] = 0;
-    for (int i = 0; i < g; ++i) {
-        i64 s = sizes[i];
-        if (s < 0) {
-            report_err(err, code_negative, i, (double)s);
-            s = 0;
+    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+    int lane = threadIdx.x;
+    i64 carry = 0;
+    int first_neg = -1;
+    int neg_val = 0;
+    if (lane == 0) offs[0] = 0;
+    for (int base = 0; base < g; base += 32) {
+        int i = base + lane;
+        int s = i < g ? sizes[i] : 0;
+        unsigned neg = __ballot_sync(0xffffffffu, s < 0);
+        if (neg != 0 && first_neg < 0) {
+            int l = __ffs(neg) - 1;
+            first_neg = base + l;
+            neg_val = __shfl_sync(0xffffffffu, s, l);
         }
-        t += s;
-        offs[i + 1] = t;
+        i64 v = warp_incl_scan(s < 0 ? 0 : (i64)s, lane);
+        if (i < g) offs[i + 1] = carry + v;
+        carry += __shfl_sync(0xffffffffu, v, 31);
     }
-    if (t > m) {
-        report_err(err, code_total, t, (double)t);
-        for (int i = 0; i <= g; ++i) offs[i] = offs[i] < m ? offs[i] : m;
+    if (lane == 0 && first_neg >= 0) report_err(err, code_negative, first_neg, (double)neg_val);
+    i64 t = carry;
+    if (lane == 0 && t > m) report_err(err, code_total, t, (double)t);
+    // Each lane reads back only the offsets it wrote; a group's start comes
+    // from the lane before (or the previous chunk's last lane).
+    i64 tcarry = 0, prev_hi = 0;
+    if (lane == 0) tiles[0] = 0;
+    for (int base = 0; base < g; base += 32) {
+        int i = base + lane;
+        i64 hi = i < g ? offs[i + 1] : 0;
+        hi = hi < m ? hi : m;
+        i64 lo = __shfl_up_sync(0xffffffffu, hi, 1);
+        if (lane == 0) lo = prev_hi;
+        i64 cnt = i < g ? (hi - lo + tile_rows - 1) / tile_rows : 0;
+        i64 v = warp_incl_scan(cnt, lane);
+        if (i < g) {
+            tiles[i + 1] = tcarry + v;
+            if (t > m) offs[i + 1] = hi;
+        }
+        prev_hi = __shfl_sync(0xffffffffu, hi, 31);
+        tcarry += __shfl_sync(0xffffffffu, v, 31);
     }
-    tiles[0] = 0;
-    for (int i = 0; i < g; ++i) tiles[i + 1] = tiles[i] + (offs[i + 1] - offs[i] + tile_rows - 1) / tile_rows;
 }
 
 // The group of `row`: the last g with offs[g] <= row, or -1 past the end.
