@@ -886,7 +886,7 @@ mod tests {
             .upload(HostData::I32(vec![(n / e) as i32; e]), &[e])
             .unwrap();
         time(
-            "grouped_matmul bf16 (mma.sync 128x256x64, 4 stages) 131072x2048x768, 128 groups",
+            "grouped_matmul bf16 (default kernel: wgmma on sm_90a, else mma.sync) 131072x2048x768, 128 groups",
             2.0 * (n * h * f) as f64,
             &|| {
                 d.grouped_matmul(&x, &wg, &sizes, false).unwrap();
@@ -894,14 +894,14 @@ mod tests {
         );
         let dy = bf16(&[n, f]);
         time(
-            "grouped_matmul bf16 trans_w (mma.sync 128x256x64, 4 stages) 131072x768x2048, 128 groups",
+            "grouped_matmul bf16 trans_w (default kernel) 131072x768x2048, 128 groups",
             2.0 * (n * h * f) as f64,
             &|| {
                 d.grouped_matmul(&dy, &wg, &sizes, true).unwrap();
             },
         );
         time(
-            "grouped_matmul_weight_grad bf16 (mma.sync 128x256x64, 4 stages) 128x2048x768 over 131072 rows",
+            "grouped_matmul_weight_grad bf16 (default kernel) 128x2048x768 over 131072 rows",
             2.0 * (n * h * f) as f64,
             &|| {
                 d.grouped_matmul_weight_grad(&x, &dy, &sizes).unwrap();
