@@ -335,8 +335,9 @@ impl Cuda {
                 let smem = gw_smem_bytes(g) as u32;
                 self.bind()?;
                 let f = self.func_smem(GROUPED_SM90, name, smem)?;
-                // At most M / 128 + G + 1 row tiles (the last for the rows
-                // past the groups), each ceil(N / 256) column tiles.
+                // `tiles` counts 128-row tiles (TC_TILE, the wgmma kernels'
+                // GW_BM too). At most M / 128 + G + 1 row tiles (the last for
+                // the rows past the groups), each ceil(N / 256) column tiles.
                 let grid = self.gw_grid((m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N))?;
                 let cfg = LaunchConfig {
                     grid_dim: (grid, 1, 1),
