@@ -130,7 +130,7 @@ fn expand(c: &Container, decl: &Decl) -> TokenStream {
         }
 
         impl<B: #p::Backend> #p::Module<B> for #ident<B> {
-            fn visit_params(&self, f: &mut dyn FnMut(&#p::Param<B>)) {
+            fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a #p::Param<B>)) {
                 #p::Module::visit_params(&self.model, f)
             }
             fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut #p::Param<B>)) {

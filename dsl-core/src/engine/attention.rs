@@ -238,7 +238,7 @@ pub(crate) fn project_backward<B: Backend>(
 }
 
 impl<B: Backend> Module<B> for Attention<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         f(&self.wq);
         f(&self.wk);
         f(&self.wv);

@@ -92,7 +92,7 @@ impl<B: Backend> Attn<B> {
 }
 
 impl<B: Backend> Module<B> for Attn<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         match self {
             Attn::Gqa(a) => a.visit_params(f),
             Attn::Mla(a) => a.visit_params(f),
@@ -572,7 +572,7 @@ fn take<B: Backend>(
 }
 
 impl<B: Backend> Module<B> for Block<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         self.attn_norm.visit_params(f);
         self.attn.visit_params(f);
         self.ffn_norm.visit_params(f);

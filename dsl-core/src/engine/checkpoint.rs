@@ -40,7 +40,7 @@ use sha2::{Digest, Sha256};
 
 use super::block::Ffn;
 use super::model::Model;
-use super::parallel::shard::for_each_run;
+use super::parallel::shard::{for_each_run, upload_host};
 use super::parallel::trainer::Trainer;
 use super::parallel::Ctx;
 use crate::engine::optim::MASTER_SUFFIX;
@@ -392,22 +392,13 @@ fn plan_pieces<'a, B: Backend>(
     file: &str,
 ) -> Result<Vec<Planned<'a, B>>> {
     let mut info: Vec<(String, Vec<usize>, Block, DType)> = Vec::new();
+    let mut values: Vec<&'a Tensor<B>> = Vec::new();
     trainer.try_visit_params(&mut |_, p| {
         let (full_shape, block) = global_block(p);
         info.push((p.name.clone(), full_shape, block, p.value.dtype()));
+        values.push(&p.value);
         Ok(())
     })?;
-    let mut values: Vec<Option<&'a Tensor<B>>> = vec![None; info.len()];
-    let mut refs: Vec<*const Tensor<B>> = Vec::new();
-    trainer.try_visit_params(&mut |_, p| {
-        refs.push(&p.value as *const Tensor<B>);
-        Ok(())
-    })?;
-    for (slot, r) in values.iter_mut().zip(refs) {
-        // SAFETY: `r` points into `trainer.model`, borrowed immutably for
-        // `'a` by the caller; the trainer is not mutated during the save.
-        *slot = Some(unsafe { &*r });
-    }
     let mut out = Vec::new();
     let piece = |tensor: &str,
                  kind,
@@ -434,7 +425,7 @@ fn plan_pieces<'a, B: Backend>(
             continue;
         }
         let (name, full_shape, block, dtype) = &info[part.param];
-        let value = values[part.param].expect("every parameter visited");
+        let value = values[part.param];
         out.push(Planned {
             piece: piece(
                 name,
@@ -1058,21 +1049,6 @@ fn slice_host(data: HostData, offset: usize, n: usize) -> HostData {
         HostData::F64(v) => HostData::F64(v[offset..offset + n].to_vec()),
         HostData::I32(v) => HostData::I32(v[offset..offset + n].to_vec()),
     }
-}
-
-/// Host values uploaded as `dtype`.
-fn upload_host<B: Backend>(
-    b: &B,
-    vals: HostData,
-    shape: &[usize],
-    dtype: DType,
-) -> Result<Tensor<B>> {
-    let t = b.upload(vals, shape)?;
-    Ok(if t.dtype() == dtype {
-        t
-    } else {
-        b.cast(&t, dtype)?
-    })
 }
 
 /// Loads into `model` (any layout) every parameter's block and the routers'

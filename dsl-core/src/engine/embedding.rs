@@ -65,7 +65,7 @@ impl<B: Backend> Embedding<B> {
 }
 
 impl<B: Backend> Module<B> for Embedding<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         f(&self.table);
     }
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
@@ -146,7 +146,7 @@ impl<B: Backend> LmHead<B> {
 }
 
 impl<B: Backend> Module<B> for LmHead<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         if let Some(w) = &self.weight {
             f(w);
         }
@@ -202,7 +202,7 @@ mod tests {
     struct Pair(Embedding<Cpu>, LmHead<Cpu>);
 
     impl Module<Cpu> for Pair {
-        fn visit_params(&self, f: &mut dyn FnMut(&Param<Cpu>)) {
+        fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<Cpu>)) {
             self.0.visit_params(f);
             self.1.visit_params(f);
         }

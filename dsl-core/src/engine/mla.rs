@@ -112,7 +112,7 @@ impl<B: Backend> QueryProj<B> {
 }
 
 impl<B: Backend> Module<B> for QueryProj<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         match self {
             QueryProj::LowRank { wq_a, q_norm, wq_b } => {
                 f(wq_a);
@@ -494,7 +494,7 @@ fn linear_backward<B: Backend>(
 }
 
 impl<B: Backend> Module<B> for Mla<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         self.query.visit_params(f);
         f(&self.wkv_a);
         self.kv_norm.visit_params(f);

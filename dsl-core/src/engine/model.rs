@@ -857,7 +857,7 @@ impl<B: Backend> Model<B> {
     /// in the full model's visit order.
     /// Only the parameters this rank trains: the embedding on the first
     /// stage (and the last when tied), the final norm and head on the last.
-    pub fn visit_dense(&self, f: &mut dyn FnMut(&Param<B>)) {
+    pub fn visit_dense<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         if self.owns_embed() {
             f(&self.embed.table);
         }
@@ -897,7 +897,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Calls `f` on the routed experts' parameters (expert mesh: reduced over edp).
-    pub fn visit_experts(&self, f: &mut dyn FnMut(&Param<B>)) {
+    pub fn visit_experts<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         for block in &self.blocks {
             if let Ffn::Moe(moe) = &block.ffn {
                 moe.experts.visit_params(f);
@@ -995,7 +995,7 @@ fn check_device_batch<B: Backend>(
 
 /// Every parameter this rank holds, in the visit order of the module doc.
 impl<B: Backend> Module<B> for Model<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         self.embed.visit_params(f);
         for block in &self.blocks {
             block.visit_params(f);

@@ -66,7 +66,7 @@ impl<B: Backend> Param<B> {
 /// Anything holding parameters: visited in a fixed order (the declaration order).
 pub trait Module<B: Device> {
     /// Calls `f` on every parameter.
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>));
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>));
     /// Calls `f` on every parameter, mutably.
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>));
 }

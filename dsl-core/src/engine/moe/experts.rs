@@ -129,7 +129,7 @@ impl<B: Backend> Experts<B> {
 }
 
 impl<B: Backend> Module<B> for Experts<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         f(&self.w1);
         f(&self.w3);
         f(&self.w2);

@@ -578,7 +578,7 @@ impl<B: Backend> MoeLayer<B> {
 
     /// Parameters replicated over the expert mesh's data dimension: router
     /// and shared experts (dense: reduced like attention).
-    pub fn visit_dense(&self, f: &mut dyn FnMut(&Param<B>)) {
+    pub fn visit_dense<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         self.router.visit_params(f);
         if let Some(s) = &self.shared {
             s.visit_params(f);
@@ -602,7 +602,7 @@ fn own_rows<B: Backend>(b: &B, x: &Tensor<B>, rows: &[usize], index: usize) -> R
 
 /// Every parameter: router, routed experts, shared experts.
 impl<B: Backend> Module<B> for MoeLayer<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         f(&self.router.weight);
         self.experts.visit_params(f);
         if let Some(s) = &self.shared {

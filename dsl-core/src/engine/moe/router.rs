@@ -424,7 +424,7 @@ impl<B: Backend> Router<B> {
 }
 
 impl<B: Backend> Module<B> for Router<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         f(&self.weight);
     }
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {

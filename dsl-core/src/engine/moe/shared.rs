@@ -120,7 +120,7 @@ impl<B: Backend> SharedExperts<B> {
 }
 
 impl<B: Backend> Module<B> for SharedExperts<B> {
-    fn visit_params(&self, f: &mut dyn FnMut(&Param<B>)) {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         self.mlp.visit_params(f);
         if let Some(g) = &self.gate {
             f(g);

@@ -170,13 +170,22 @@ pub fn upload_as<B: Backend>(
     shape: &[usize],
     dtype: DType,
 ) -> Result<Tensor<B>> {
-    let t = match dtype {
-        DType::F64 => b.upload(HostData::F64(vals), shape)?,
-        _ => b.upload(
-            HostData::F32(vals.iter().map(|&x| x as f32).collect()),
-            shape,
-        )?,
+    let host = match dtype {
+        DType::F64 => HostData::F64(vals),
+        _ => HostData::F32(vals.iter().map(|&x| x as f32).collect()),
     };
+    upload_host(b, host, shape, dtype)
+}
+
+/// Uploads host data of any type as a tensor of `dtype` (cast on the device
+/// when the types differ).
+pub fn upload_host<B: Backend>(
+    b: &B,
+    vals: HostData,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    let t = b.upload(vals, shape)?;
     Ok(if t.dtype() == dtype {
         t
     } else {

@@ -263,13 +263,13 @@ impl<B: Backend> Trainer<B> {
     /// Calls `f` on every parameter this rank trains with its index in
     /// optimizer order (what [`ChunkPart::param`] names); stops at the first
     /// error.
-    pub(crate) fn try_visit_params(
-        &self,
-        f: &mut dyn FnMut(usize, &Param<B>) -> Result<()>,
+    pub(crate) fn try_visit_params<'a>(
+        &'a self,
+        f: &mut dyn FnMut(usize, &'a Param<B>) -> Result<()>,
     ) -> Result<()> {
         let mut i = 0;
         let mut outcome = Ok(());
-        let mut visit = |p: &Param<B>| {
+        let mut visit = |p: &'a Param<B>| {
             if outcome.is_ok() {
                 outcome = f(i, p);
             }
