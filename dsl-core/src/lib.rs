@@ -13,3 +13,9 @@ pub mod spec;
 
 #[cfg(feature = "engine")]
 pub mod engine;
+
+/// What a `#[moe_model(crate = "foldmoe_core")]` expansion names (crates that
+/// depend on the parts instead of the `foldmoe` facade); not a public API.
+#[cfg(feature = "engine")]
+#[doc(hidden)]
+pub use engine::declared::__private;

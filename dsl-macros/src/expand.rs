@@ -12,7 +12,7 @@ use foldmoe_core::spec::{
     MlaSpec, ModelSpec, MoeSpec, OffloadPart, Policy, RecomputePart, RouterSpec, ScoreFunction,
 };
 use proc_macro2::{Literal, Span, TokenStream};
-use quote::{format_ident, quote, quote_spanned};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::ItemStruct;
 
 use crate::ast::{Container, Decl, LayoutDecl};
@@ -34,6 +34,7 @@ pub fn moe_model(attr: TokenStream, item: TokenStream) -> TokenStream {
         }
     };
     let cx = Ctxt::new();
+    let (krate, attr) = split_crate_path(&cx, attr);
     let tokens = match Container::from_item(&cx, &item) {
         Some(c) => {
             let decl = attr::parse(&cx, attr, &c);
@@ -43,7 +44,7 @@ pub fn moe_model(attr: TokenStream, item: TokenStream) -> TokenStream {
             if cx.count() == 0 {
                 check::check(&cx, &decl);
             }
-            expand(&c, &decl)
+            expand(&c, &decl, &krate)
         }
         None => fallback(&item),
     };
@@ -65,16 +66,48 @@ fn fallback(item: &ItemStruct) -> TokenStream {
     }
 }
 
-const P: &str = "::foldmoe_core::engine::declared::__private";
+/// The crate the expansion names everything through when the declaration
+/// does not say `crate = "..."`: the facade, the one dependency a model
+/// crate needs.
+const DEFAULT_CRATE: &str = "::foldmoe";
 
-fn private() -> TokenStream {
-    // A fixed, valid path: parsing it cannot fail.
-    P.parse().unwrap_or_default()
+/// Takes a leading `crate = "path"` out of the attribute (for crates that
+/// depend on `foldmoe-core` instead of the facade): the path's tokens and the
+/// rest of the attribute. The path must name a crate whose root re-exports
+/// `__private` (the facade and `foldmoe_core` do).
+fn split_crate_path(cx: &Ctxt, attr: TokenStream) -> (TokenStream, TokenStream) {
+    let tokens: Vec<proc_macro2::TokenTree> = attr.clone().into_iter().collect();
+    let is_punct = |t: &proc_macro2::TokenTree, c: char| matches!(t, proc_macro2::TokenTree::Punct(p) if p.as_char() == c);
+    let default = || DEFAULT_CRATE.parse().unwrap_or_default();
+    match tokens.as_slice() {
+        [proc_macro2::TokenTree::Ident(key), eq, proc_macro2::TokenTree::Literal(lit), rest @ ..]
+            if key == "crate" && is_punct(eq, '=') =>
+        {
+            let rest = match rest.split_first() {
+                Some((comma, rest)) if is_punct(comma, ',') => rest,
+                _ => rest,
+            };
+            let path = syn::parse2::<syn::LitStr>(lit.clone().into_token_stream())
+                .and_then(|l| l.parse::<syn::Path>());
+            match path {
+                Ok(path) => (path.into_token_stream(), rest.iter().cloned().collect()),
+                Err(_) => {
+                    cx.error(
+                        lit.span(),
+                        "`crate` takes the path of the crate that re-exports foldmoe's \
+                         expansion support, like `crate = \"foldmoe_core\"`",
+                    );
+                    (default(), rest.iter().cloned().collect())
+                }
+            }
+        }
+        _ => (default(), attr),
+    }
 }
 
 /// The whole expansion of a parsed declaration.
-fn expand(c: &Container, decl: &Decl) -> TokenStream {
-    let p = private();
+fn expand(c: &Container, decl: &Decl, krate: &TokenStream) -> TokenStream {
+    let p = quote!(#krate::__private);
     let span = decl.spans.root.unwrap_or_else(Span::call_site);
     let (vis, ident, attrs) = (c.vis, c.ident, c.attrs);
     let layout_ident = format_ident!("{}Layout", ident);

@@ -19,7 +19,7 @@
 
 use foldmoe_macros::moe_model;
 
-#[moe_model(name = "deepseek-v3", vocab = 129280, hidden = 7168, seq_len = 4096,
+#[moe_model(crate = "foldmoe_core", name = "deepseek-v3", vocab = 129280, hidden = 7168, seq_len = 4096,
     norm_eps = 1e-6, rope_theta = 10000.0, tied_embeddings = false, mtp_layers = 1,
     // The report's training layout: pp 16 × ep 64 over 1024 GPUs (dp 64 for
     // attention, no tensor parallelism). 61 blocks over 16 stages: the first
@@ -46,6 +46,7 @@ pub struct DeepSeekV3 {
 }
 
 #[moe_model(
+    crate = "foldmoe_core",
     name = "deepseek-v3-small",
     vocab = 256,
     hidden = 128,

@@ -11,7 +11,7 @@
 
 use foldmoe_macros::moe_model;
 
-#[moe_model(name = "mixtral-8x7b", vocab = 32000, hidden = 4096, seq_len = 4096,
+#[moe_model(crate = "foldmoe_core", name = "mixtral-8x7b", vocab = 32000, hidden = 4096, seq_len = 4096,
     norm_eps = 1e-5, rope_theta = 1e6, tied_embeddings = false,
     // 64 GPUs: tp 2 × pp 4 → dp 8 for attention; ep 8 × pp 4 → edp 2 for experts.
     layout(name = "h100x64", world = 64, tp = 2, pp = 4, ep = 8, etp = 1))]
@@ -25,6 +25,7 @@ pub struct Mixtral8x7b {
 }
 
 #[moe_model(
+    crate = "foldmoe_core",
     name = "mixtral-8x7b-small",
     vocab = 256,
     hidden = 128,

@@ -10,7 +10,7 @@
 
 use foldmoe_macros::moe_model;
 
-#[moe_model(name = "qwen3-235b-a22b", vocab = 151936, hidden = 4096, seq_len = 4096,
+#[moe_model(crate = "foldmoe_core", name = "qwen3-235b-a22b", vocab = 151936, hidden = 4096, seq_len = 4096,
     norm_eps = 1e-6, rope_theta = 1e6,
     // 256 GPUs: tp 4 × pp 8 → dp 8; ep 32 × pp 8 → edp 1. 94 blocks do not
     // split evenly over 8 stages: the first stage, which also holds the
@@ -27,6 +27,7 @@ pub struct Qwen3A22b {
 }
 
 #[moe_model(
+    crate = "foldmoe_core",
     name = "qwen3-235b-a22b-small",
     vocab = 256,
     hidden = 128,

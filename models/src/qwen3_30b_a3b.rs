@@ -13,7 +13,7 @@
 
 use foldmoe_macros::moe_model;
 
-#[moe_model(name = "qwen3-30b-a3b", vocab = 151936, hidden = 2048, seq_len = 4096,
+#[moe_model(crate = "foldmoe_core", name = "qwen3-30b-a3b", vocab = 151936, hidden = 2048, seq_len = 4096,
     norm_eps = 1e-6, rope_theta = 1e6,
     // 32 GPUs: tp 2 × pp 2 → dp 8 for attention; ep 8 × pp 2 → edp 2 for experts.
     layout(name = "h100x32", world = 32, tp = 2, pp = 2, ep = 8, etp = 1))]
@@ -26,6 +26,7 @@ pub struct Qwen3A3b {
 }
 
 #[moe_model(
+    crate = "foldmoe_core",
     name = "qwen3-30b-a3b-small",
     vocab = 256,
     hidden = 128,

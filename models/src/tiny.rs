@@ -6,6 +6,7 @@
 use foldmoe_macros::moe_model;
 
 #[moe_model(
+    crate = "foldmoe_core",
     name = "tiny",
     vocab = 256,
     hidden = 128,

@@ -32,13 +32,37 @@ pub fn foldmoe(args: &[&str]) -> Output {
         .expect("the foldmoe binary runs")
 }
 
-/// An empty directory of this test process named by `tag`.
+/// An empty directory of this test process named by `tag`, removed with
+/// everything in it when the value is dropped (a test's runs and
+/// checkpoints do not pile up in the temporary directory).
 #[allow(dead_code)]
-pub fn scratch(tag: &str) -> PathBuf {
+pub fn scratch(tag: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("foldmoe-test-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// A test's scratch directory (see [`scratch`]).
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The run's stderr as text.
