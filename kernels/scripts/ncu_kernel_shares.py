@@ -10,7 +10,10 @@ for r in rows[i + 1:]:
     try: v = float(r[vi].replace(",", ""))
     except ValueError: continue
     k = r[ki][:50]; t[k] += v; c[k] += 1
-steps = c.get("grouped_mm_wgmma_bf16_nn", c.get("grouped_mm_tc_bf16_nn", 3)) / 3
+# Steps: the router's top-k runs once a step (the grouped GEMM counts change
+# with the fused kernels); the older profiles' three nn GEMMs a step otherwise.
+topk = sum(v for k, v in c.items() if k.startswith("topk_"))
+steps = topk or c.get("grouped_mm_wgmma_bf16_nn", c.get("grouped_mm_tc_bf16_nn", 3)) / 3
 tot = sum(t.values())
 print(f"launches {sum(c.values())}; total {tot/1e6:.2f} ms over {steps:.0f} profiled steps (~{tot/1e6/steps:.2f} ms per step)")
 for k, v in sorted(t.items(), key=lambda x: -x[1])[:int(sys.argv[2]) if len(sys.argv) > 2 else 14]:

@@ -35,6 +35,114 @@ pub trait LinalgOps: Device {
         dy: &Tensor<Self>,
         group_sizes: &Tensor<Self>,
     ) -> Result<Tensor<Self>>;
+
+    /// Two grouped products over the same rows and groups, summed:
+    /// `x1 · op(w1[g]) + x2 · op(w2[g])` for `x1: [M, K1]`, `x2: [M, K2]`,
+    /// `w1: [G, K1, N]`, `w2: [G, K2, N]` (`[G, N, K·]` with `trans_w`) →
+    /// `[M, N]`, accumulated over both inner dimensions before one rounding
+    /// (the MoE experts' dx over the gate and up projections). Rows past the
+    /// groups are zero, as in [`LinalgOps::grouped_matmul`].
+    fn grouped_matmul_sum2(
+        &self,
+        x1: &Tensor<Self>,
+        w1: &Tensor<Self>,
+        x2: &Tensor<Self>,
+        w2: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+    ) -> Result<Tensor<Self>>;
+
+    /// The up projection with SwiGLU after it: `up = grouped_matmul(x, w,
+    /// group_sizes, false)` and `act = swiglu(gate, up)` (`gate: [M, N]`),
+    /// returned as `(up, act)`, each rounded as the two ops round them.
+    fn grouped_matmul_swiglu(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
+
+    /// SwiGLU's backward from the down projection's data gradient:
+    /// `dact = grouped_matmul(dy, w, group_sizes, true)` (`w: [G, N, K]`)
+    /// then `swiglu_backward(gate, up, dact)` → `(dgate, dup)`, each `[M, N]`
+    /// and rounded as the two ops round them (`dact` is not kept).
+    fn grouped_matmul_swiglu_backward(
+        &self,
+        dy: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
+}
+
+/// The sizes `(M, K, G, N)` of `grouped_matmul(x, w, _, trans_w)` after
+/// every backend's checks (x 2-d, w 3-d, K agreeing, one dtype).
+pub(crate) fn grouped_dims<B: Device>(
+    op: &'static str,
+    x: &Tensor<B>,
+    w: &Tensor<B>,
+    trans_w: bool,
+) -> Result<(usize, usize, usize, usize)> {
+    let (m, k) = x.dims2(op)?;
+    let (g, wr, wc) = w.dims3(op)?;
+    let (wk, n) = if trans_w { (wc, wr) } else { (wr, wc) };
+    if wk != k {
+        return Err(shape_err(
+            op,
+            format!(
+                "x {:?} has K = {k}, w {:?} (trans_w = {trans_w}) has K = {wk}",
+                x.shape(),
+                w.shape()
+            ),
+        ));
+    }
+    w.expect_dtype(op, x.dtype())?;
+    Ok((m, k, g, n))
+}
+
+/// The checks of [`LinalgOps::grouped_matmul_sum2`]: both products'
+/// sizes, the same M, G and N, one dtype; returns `(M, K1, K2, G, N)`.
+pub(crate) fn sum2_dims<B: Device>(
+    op: &'static str,
+    x1: &Tensor<B>,
+    w1: &Tensor<B>,
+    x2: &Tensor<B>,
+    w2: &Tensor<B>,
+    trans_w: bool,
+) -> Result<(usize, usize, usize, usize, usize)> {
+    let (m, k1, g, n) = grouped_dims(op, x1, w1, trans_w)?;
+    let (m2, k2, g2, n2) = grouped_dims(op, x2, w2, trans_w)?;
+    if (m2, g2, n2) != (m, g, n) {
+        return Err(shape_err(
+            op,
+            format!(
+                "x1 {:?} · w1 {:?} and x2 {:?} · w2 {:?} (trans_w = {trans_w}) differ in rows, groups or columns",
+                x1.shape(),
+                w1.shape(),
+                x2.shape(),
+                w2.shape()
+            ),
+        ));
+    }
+    x2.expect_dtype(op, x1.dtype())?;
+    Ok((m, k1, k2, g, n))
+}
+
+/// Checks that each of `ts` (named by `names`) is `[m, n]` of `x`'s dtype.
+pub(crate) fn expect_mn<B: Device>(
+    op: &'static str,
+    x: &Tensor<B>,
+    ts: &[(&'static str, &Tensor<B>)],
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    for (name, t) in ts {
+        t.expect_shape(op, name, &[m, n])?;
+        t.expect_dtype(op, x.dtype())?;
+    }
+    Ok(())
 }
 
 /// The sizes of `op(a)·op(b)` after every backend's checks: `(M, K, N)`

@@ -14,7 +14,7 @@
 
 mod attention;
 mod elementwise;
-mod linalg;
+pub(crate) mod linalg;
 mod loss;
 mod norm;
 mod offload;

@@ -7,7 +7,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::{index_slice, Cpu, FloatStorage};
-use crate::backend::LinalgOps;
+use crate::backend::{ElementwiseOps, LinalgOps};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::Tensor;
@@ -74,10 +74,34 @@ fn parallelism_for(macs: usize) -> Parallelism {
 /// bounds.
 fn gemm_into<T: FloatStorage>(
     dst: &mut [T],
+    dims: (usize, usize, usize),
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    par: Parallelism,
+) {
+    gemm_with(dst, dims, a, b, par, false)
+}
+
+/// `dst[m×n] += a[m×k] · b[k×n]`, in the gemm type (f32 for bf16: `dst`
+/// holds unrounded values until the result's one rounding).
+fn gemm_acc_into<T: FloatStorage>(
+    dst: &mut [T],
+    dims: (usize, usize, usize),
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    par: Parallelism,
+) {
+    gemm_with(dst, dims, a, b, par, true)
+}
+
+/// [`gemm_into`] (`acc` false: overwrite) or [`gemm_acc_into`] (true: add).
+fn gemm_with<T: FloatStorage>(
+    dst: &mut [T],
     (m, n, k): (usize, usize, usize),
     a: MatRef<'_, T>,
     b: MatRef<'_, T>,
     par: Parallelism,
+    acc: bool,
 ) {
     assert!(
         dst.len() >= m * n && a.covers(m, k) && b.covers(k, n),
@@ -87,7 +111,9 @@ fn gemm_into<T: FloatStorage>(
         return;
     }
     if k == 0 {
-        dst[..m * n].fill(T::ZERO);
+        if !acc {
+            dst[..m * n].fill(T::ZERO);
+        }
         return;
     }
     // SAFETY: `covers` checked that every element the product reads lies in
@@ -104,14 +130,14 @@ fn gemm_into<T: FloatStorage>(
             dst.as_mut_ptr().cast::<T::Gemm>(),
             1,
             n as isize,
-            false,
+            acc,
             a.data.as_ptr().cast::<T::Gemm>(),
             a.cs as isize,
             a.rs as isize,
             b.data.as_ptr().cast::<T::Gemm>(),
             b.cs as isize,
             b.rs as isize,
-            zero,
+            if acc { one } else { zero },
             one,
             false,
             false,
@@ -252,6 +278,50 @@ fn grouped_matmul_impl<T: FloatStorage>(
     T::tensor(out, &[m, n])
 }
 
+/// [`LinalgOps::grouped_matmul_sum2`]: per group, the first product into
+/// the output and the second added to it before the one rounding.
+fn grouped_matmul_sum2_impl<T: FloatStorage>(
+    x1: &Tensor<Cpu>,
+    w1: &Tensor<Cpu>,
+    x2: &Tensor<Cpu>,
+    w2: &Tensor<Cpu>,
+    group_sizes: &Tensor<Cpu>,
+    trans_w: bool,
+) -> Result<Tensor<Cpu>> {
+    const OP: &str = "grouped_matmul_sum2";
+    let (m, k1, k2, g, n) = crate::backend::linalg::sum2_dims(OP, x1, w1, x2, w2, trans_w)?;
+    let (x1v, w1v) = (T::slice(x1, OP)?, T::slice(w1, OP)?);
+    let (x2v, w2v) = (T::slice(x2, OP)?, T::slice(w2, OP)?);
+    let offsets = group_offsets(OP, group_sizes, g, m)?;
+    let mut out = vec![T::ZERO; m * n];
+    let macs: Vec<usize> = offsets
+        .windows(2)
+        .map(|o| (o[1] - o[0]) * (k1 + k2) * n)
+        .collect();
+    let parts = split_groups(&mut out, &offsets, n);
+    // The stored row length of w (`[K, N]`, or `[N, K]` with trans_w).
+    let cols = |k: usize| if trans_w { k } else { n };
+    run_groups(parts, &macs, |gi, dst, par| {
+        let (lo, hi) = (offsets[gi], offsets[gi + 1]);
+        let rows = hi - lo;
+        gemm_into(
+            dst,
+            (rows, n, k1),
+            MatRef::row_major(&x1v[lo * k1..hi * k1], k1, false),
+            MatRef::row_major(&w1v[gi * k1 * n..(gi + 1) * k1 * n], cols(k1), trans_w),
+            par,
+        );
+        gemm_acc_into(
+            dst,
+            (rows, n, k2),
+            MatRef::row_major(&x2v[lo * k2..hi * k2], k2, false),
+            MatRef::row_major(&w2v[gi * k2 * n..(gi + 1) * k2 * n], cols(k2), trans_w),
+            par,
+        );
+    });
+    T::tensor(out, &[m, n])
+}
+
 fn grouped_matmul_weight_grad_impl<T: FloatStorage>(
     x: &Tensor<Cpu>,
     dy: &Tensor<Cpu>,
@@ -340,6 +410,54 @@ impl LinalgOps for Cpu {
             x,
             grouped_matmul_weight_grad_impl(x, dy, group_sizes)
         )
+    }
+
+    fn grouped_matmul_sum2(
+        &self,
+        x1: &Tensor<Self>,
+        w1: &Tensor<Self>,
+        x2: &Tensor<Self>,
+        w2: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+    ) -> Result<Tensor<Self>> {
+        cpu_float_dispatch!(
+            "grouped_matmul_sum2",
+            x1,
+            grouped_matmul_sum2_impl(x1, w1, x2, w2, group_sizes, trans_w)
+        )
+    }
+
+    // The two fused SwiGLU ops are, on the CPU, the compositions they
+    // replace (the reference the CUDA kernels are held to).
+    fn grouped_matmul_swiglu(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "grouped_matmul_swiglu";
+        let (m, _, _, n) = crate::backend::linalg::grouped_dims(OP, x, w, false)?;
+        crate::backend::linalg::expect_mn(OP, x, &[("gate", gate)], m, n)?;
+        let up = self.grouped_matmul(x, w, group_sizes, false)?;
+        let act = self.swiglu(gate, &up)?;
+        Ok((up, act))
+    }
+
+    fn grouped_matmul_swiglu_backward(
+        &self,
+        dy: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "grouped_matmul_swiglu_backward";
+        let (m, _, _, n) = crate::backend::linalg::grouped_dims(OP, dy, w, true)?;
+        crate::backend::linalg::expect_mn(OP, dy, &[("gate", gate), ("up", up)], m, n)?;
+        let dact = self.grouped_matmul(dy, w, group_sizes, true)?;
+        self.swiglu_backward(gate, up, &dact)
     }
 }
 
@@ -835,13 +953,125 @@ mod tests {
                     &format!("grouped_matmul_weight_grad {sizes:?}"),
                     &d.grouped_matmul_weight_grad(&x, &dy, &gs).unwrap(),
                     &Cpu.grouped_matmul_weight_grad(&xc, &dyc, &gsc).unwrap(),
+                ); // The fused ops of the MoE experts (wgmma on sm_90a in bf16
+                   // for the first case; the second has N = 300, not a multiple
+                   // of 8, and composes).
+                let (x2, x2c) = c.rand(&[m, 2 * k], 1.0);
+                for trans_w in [false, true] {
+                    let ws = |kk: usize| if trans_w { [g, n, kk] } else { [g, kk, n] };
+                    let (w1, w1c) = c.rand(&ws(k), 1.0);
+                    let (w2, w2c) = c.rand(&ws(2 * k), 1.0);
+                    c.check(
+                        &format!("grouped_matmul_sum2 {sizes:?} trans_w={trans_w}"),
+                        &d.grouped_matmul_sum2(&x, &w1, &x2, &w2, &gs, trans_w)
+                            .unwrap(),
+                        &Cpu.grouped_matmul_sum2(&xc, &w1c, &x2c, &w2c, &gsc, trans_w)
+                            .unwrap(),
+                    );
+                }
+                let (gate, gatec) = c.rand(&[m, n], 3.0);
+                let (wu, wuc) = c.rand(&[g, k, n], 1.0);
+                let (up, act) = d.grouped_matmul_swiglu(&x, &wu, &gate, &gs).unwrap();
+                let (upc, actc) = Cpu.grouped_matmul_swiglu(&xc, &wuc, &gatec, &gsc).unwrap();
+                c.check(&format!("grouped_matmul_swiglu up {sizes:?}"), &up, &upc);
+                c.check(&format!("grouped_matmul_swiglu act {sizes:?}"), &act, &actc);
+                let (up, upc) = c.rand(&[m, n], 1.0);
+                let (wd, wdc) = c.rand(&[g, n, k], 1.0);
+                let (dg, du) = d
+                    .grouped_matmul_swiglu_backward(&x, &wd, &gate, &up, &gs)
+                    .unwrap();
+                let (dgc, duc) = Cpu
+                    .grouped_matmul_swiglu_backward(&xc, &wdc, &gatec, &upc, &gsc)
+                    .unwrap();
+                c.check(
+                    &format!("grouped_matmul_swiglu_backward dgate {sizes:?}"),
+                    &dg,
+                    &dgc,
+                );
+                c.check(
+                    &format!("grouped_matmul_swiglu_backward dup {sizes:?}"),
+                    &du,
+                    &duc,
                 );
             }
             c.report("linalg");
         }
     }
 
+    /// The fused grouped ops against the ops they fuse, in f64 on every
+    /// device: `grouped_matmul_sum2` is the sum of two `grouped_matmul`s
+    /// (to rounding), the SwiGLU ones equal the compositions exactly; shape
+    /// errors name the op.
+    fn fused_grouped_ops_match_their_compositions<B: TestOps>(d: &B) {
+        let mut r = rng(17);
+        for (sizes, m, k, n) in [
+            (vec![2usize, 0, 3, 0], 6, 4, 3),
+            (vec![0, 0], 3, 2, 5),
+            (vec![5, 7, 1], 13, 6, 9),
+        ] {
+            let g = sizes.len();
+            let gs = i32t(d, &as_i32(&sizes));
+            let k2 = k + 3;
+            for trans_w in [false, true] {
+                let ws = |kk: usize| if trans_w { [g, n, kk] } else { [g, kk, n] };
+                let x1 = d.t64(&rand_vec(&mut r, m * k), &[m, k]);
+                let x2 = d.t64(&rand_vec(&mut r, m * k2), &[m, k2]);
+                let w1 = d.t64(&rand_vec(&mut r, g * k * n), &ws(k));
+                let w2 = d.t64(&rand_vec(&mut r, g * k2 * n), &ws(k2));
+                let got = d.h64(
+                    &d.grouped_matmul_sum2(&x1, &w1, &x2, &w2, &gs, trans_w)
+                        .unwrap(),
+                );
+                let a = d.h64(&d.grouped_matmul(&x1, &w1, &gs, trans_w).unwrap());
+                let b = d.h64(&d.grouped_matmul(&x2, &w2, &gs, trans_w).unwrap());
+                for (i, v) in got.iter().enumerate() {
+                    assert!(
+                        (v - (a[i] + b[i])).abs() <= 1e-12 * (k + k2) as f64,
+                        "sum2 {sizes:?} [{i}]"
+                    );
+                }
+                let err = d.err_of(d.grouped_matmul_sum2(&x1, &w1, &x1, &w2, &gs, trans_w));
+                assert!(err.to_string().contains("grouped_matmul_sum2"), "{err}");
+            }
+            let x = d.t64(&rand_vec(&mut r, m * k), &[m, k]);
+            let gate = d.t64(&rand_vec(&mut r, m * n), &[m, n]);
+            let wu = d.t64(&rand_vec(&mut r, g * k * n), &[g, k, n]);
+            let (up, act) = d.grouped_matmul_swiglu(&x, &wu, &gate, &gs).unwrap();
+            let up2 = d.grouped_matmul(&x, &wu, &gs, false).unwrap();
+            assert_eq!(d.h64(&up), d.h64(&up2), "swiglu up {sizes:?}");
+            assert_eq!(
+                d.h64(&act),
+                d.h64(&d.swiglu(&gate, &up2).unwrap()),
+                "swiglu act {sizes:?}"
+            );
+            let dy = d.t64(&rand_vec(&mut r, m * k), &[m, k]);
+            let wd = d.t64(&rand_vec(&mut r, g * n * k), &[g, n, k]);
+            let (dg, du) = d
+                .grouped_matmul_swiglu_backward(&dy, &wd, &gate, &up, &gs)
+                .unwrap();
+            let dact = d.grouped_matmul(&dy, &wd, &gs, true).unwrap();
+            let (dg2, du2) = d.swiglu_backward(&gate, &up, &dact).unwrap();
+            assert_eq!(d.h64(&dg), d.h64(&dg2), "swiglu_backward dgate {sizes:?}");
+            assert_eq!(d.h64(&du), d.h64(&du2), "swiglu_backward dup {sizes:?}");
+            let bad = d.t64(&vec![0.0; (m + 1) * n], &[m + 1, n]);
+            let e = d
+                .grouped_matmul_swiglu(&x, &wu, &bad, &gs)
+                .map(|_| ())
+                .unwrap_err();
+            assert!(e.to_string().contains("grouped_matmul_swiglu"), "{e}");
+            let e = d
+                .grouped_matmul_swiglu_backward(&dy, &wd, &gate, &bad, &gs)
+                .map(|_| ())
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("grouped_matmul_swiglu_backward"),
+                "{e}"
+            );
+        }
+    }
+
     device_tests!(
+        fused_grouped_ops_match_their_compositions,
         linalg_matches_cpu,
         matmul_grad_all_transposes,
         matmul_f32_and_f64_match_naive_reference,

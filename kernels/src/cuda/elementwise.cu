@@ -248,25 +248,40 @@ template <typename T> __device__ void reduce_rows_impl(const T* a, const T* b, T
     extern "C" __global__ void reduce_rows_##sfx(const T* a, const T* b, T* out, i64 r, i64 c, int op) { reduce_rows_impl<T>(a, b, out, r, c, op); }
 FOR_FLOATS(REDUCE_ROWS)
 
-// Column sums `[R, C] -> [C]`: a (32, 8) block owns 32 columns; its 8 row
-// lanes stride over the rows and are then added in lane order.
-template <typename T> __device__ void sum_cols_impl(const T* x, T* out, i64 r, i64 c) {
+// Column sums `[R, C] -> [C]` in two deterministic passes. First: block
+// (x, y) of (32, 8) threads owns 32 columns of the y-th run of `per` rows;
+// its 8 row lanes stride over the run and are added in lane order into
+// part[y, col] (the accumulation type). Then each column adds its runs in
+// order.
+template <typename T> __device__ void sum_cols_part_impl(const T* x, acc_t<T>* part, i64 r, i64 c, i64 per) {
     typedef acc_t<T> A;
     __shared__ A sh[8][33];
     i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    i64 lo = (i64)blockIdx.y * per, hi = lo + per < r ? lo + per : r;
     A s = 0;
     if (col < c)
-        for (i64 row = threadIdx.y; row < r; row += 8) s += to_acc(x[row * c + col]);
+        for (i64 row = lo + threadIdx.y; row < hi; row += 8) s += to_acc(x[row * c + col]);
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < c) {
         A t = 0;
         for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
+        part[(i64)blockIdx.y * c + col] = t;
+    }
+}
+template <typename T> __device__ void sum_cols_fin_impl(const acc_t<T>* part, T* out, i64 runs, i64 c) {
+    typedef acc_t<T> A;
+    GRID_LOOP(col, c) {
+        A t = 0;
+        for (i64 y = 0; y < runs; ++y) t += part[y * c + col];
         out[col] = from_acc<T>(t);
     }
 }
 #define SUM_COLS(sfx, T) \
-    extern "C" __global__ void sum_cols_##sfx(const T* x, T* out, i64 r, i64 c) { sum_cols_impl<T>(x, out, r, c); }
+    extern "C" __global__ void sum_cols_part_##sfx(const T* x, acc_t<T>* part, i64 r, i64 c, i64 per) { \
+        sum_cols_part_impl<T>(x, part, r, c, per); } \
+    extern "C" __global__ void sum_cols_fin_##sfx(const acc_t<T>* part, T* out, i64 runs, i64 c) { \
+        sum_cols_fin_impl<T>(part, out, runs, c); }
 FOR_FLOATS(SUM_COLS)
 
 // Whole-tensor sums in f64, in two deterministic passes: each block of the

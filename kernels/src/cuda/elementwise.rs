@@ -522,9 +522,18 @@ impl ElementwiseOps for Cuda {
         let (r, c, _) = rows_cols(OP, x)?;
         let out = self.alloc(OP, &[c], x.dtype())?;
         if c > 0 {
-            let f = self.func(ELEMENTWISE, &format!("sum_cols_{sfx}"))?;
+            // Runs of rows so that about 2 blocks per multiprocessor of an
+            // H200 work (at least 64 rows a run).
+            let col_blocks = c.div_ceil(32);
+            let runs = 264usize
+                .div_ceil(col_blocks)
+                .clamp(1, r.div_ceil(64).max(1));
+            let per = r.div_ceil(runs).max(1);
+            let runs = r.div_ceil(per).max(1);
+            let part = self.scratch(OP, runs * c * 8)?;
+            let f = self.func(ELEMENTWISE, &format!("sum_cols_part_{sfx}"))?;
             let cfg = cudarc::driver::LaunchConfig {
-                grid_dim: (c.div_ceil(32) as u32, 1, 1),
+                grid_dim: (col_blocks as u32, runs as u32, 1),
                 block_dim: (32, 8, 1),
                 shared_mem_bytes: 0,
             };
@@ -533,8 +542,19 @@ impl ElementwiseOps for Cuda {
                 f,
                 cfg,
                 x.storage().ptr(),
-                out.storage().ptr(),
+                part.ptr(),
                 r as i64,
+                c as i64,
+                per as i64
+            )?;
+            let f = self.func(ELEMENTWISE, &format!("sum_cols_fin_{sfx}"))?;
+            launch!(
+                self,
+                f,
+                grid_for(c),
+                part.ptr(),
+                out.storage().ptr(),
+                runs as i64,
                 c as i64
             )?;
         }

@@ -48,6 +48,15 @@
 //   MN-major tile [64 deep][64 wide] boxes side by side (8 KiB each):
 //     LBO = 8192 (the next 64 of M / N), SBO = 1024 (the next 8 deep);
 //     step kk starts 2048·kk bytes in.
+// Fused variants (issue 18, second part), the same body with two switches:
+// - PAIR (nn / nt): out = x1 · op(w1[g]) + x2 · op(w2[g]), the steps of K1
+//   from (ta, tb) and then those of K2 from (ta2, tb2) into one accumulator
+//   (one rounding): the experts' dx over the gate and up projections;
+// - EPI 1 (nn): out = up = x · w[g], and out2 = act = silu(gate) · up from
+//   the rounded up and gate (e0) at the store, as binary_bf16's swiglu does;
+//   EPI 2 (nt): the product is dact = dy · w[g]ᵀ, rounded; the store reads
+//   gate (e0) and up (e1) and writes out = dgate and out2 = dup, as
+//   swiglu_bwd_bf16 does (dact itself is never stored).
 // The whole module compiles to nothing for other architectures.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -131,6 +140,18 @@ __device__ __forceinline__ unsigned long long gw_desc(unsigned addr, unsigned lb
            ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// The activations of elementwise.cu (same expressions: the fused stores
+// round as binary_bf16 / swiglu_bwd_bf16 do).
+__device__ __forceinline__ float gw_sigmoid(float x) {
+    if (x >= 0.0f) return 1.0f / (1.0f + exp_(-x));
+    float e = exp_(x);
+    return e / (1.0f + e);
+}
+__device__ __forceinline__ float gw_silu_grad(float x) {
+    float s = gw_sigmoid(x);
+    return s * (1.0f + x * (1.0f - s));
+}
+
 // d[0..127] += A · B for one m64n256k16 (f32 accumulators, bf16 operands from shared
 // memory through descriptors; acc = 0 overwrites d); TA / TB: A / B stored MN-major (1) or K-major (0).
 template <int TA, int TB>
@@ -179,10 +200,13 @@ struct GwTile {
     i64 row0, row_end, col0, red0;
 };
 
+// nk1: the steps of K (the first product's, with PAIR); nk: all the steps.
 template <int KIND>
-__device__ __forceinline__ GwTile gw_tile(i64 t, const i64* so, const i64* st, i64 m, i64 k, i64 n, int g) {
+__device__ __forceinline__ GwTile gw_tile(i64 t, const i64* so, const i64* st, i64 m, int nk, i64 n, int g) {
     GwTile r;
     if (KIND == 2) {
+        // Here nk carries K, the row count of dw[g].
+        i64 k = nk;
         i64 ntn = (n + GW_BN - 1) / GW_BN, per = ntn * ((k + GW_BM - 1) / GW_BM);
         r.grp = (int)(t / per);
         i64 rem = t - (i64)r.grp * per;
@@ -213,7 +237,7 @@ __device__ __forceinline__ GwTile gw_tile(i64 t, const i64* so, const i64* st, i
             r.grp = lo;
             r.row0 = so[lo] + (rt - st[lo]) * GW_BM;
             r.row_end = so[lo + 1];
-            r.nk = (int)((k + GW_BK - 1) / GW_BK);
+            r.nk = nk;
         }
     }
     return r;
@@ -225,10 +249,13 @@ extern __shared__ __align__(1024) unsigned char gw_smem[];
 // for nn / nt, [G, K, N] for wgrad. Dynamic shared memory: 1024 bytes of
 // alignment slack and GW_OFFS_OFF + 16 (G + 1) bytes (linalg.rs's
 // gw_smem_bytes).
-template <int KIND>
-__device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const i64* __restrict__ offs,
-                                        const i64* __restrict__ tiles, bf16* __restrict__ out, i64 m, i64 k, i64 n,
-                                        int g) {
+// PAIR / EPI: the fused variants (top of the file); ta2 / tb2 and k2 are
+// read with PAIR only, out2 / e0 / e1 with EPI only.
+template <int KIND, int EPI = 0, bool PAIR = false>
+__device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const TmaMap* ta2, const TmaMap* tb2,
+                                        const i64* __restrict__ offs, const i64* __restrict__ tiles,
+                                        bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
+                                        const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g) {
     unsigned raw = gw_smem_u32(gw_smem);
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = gw_smem + pad;
@@ -250,6 +277,8 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    int nk1 = (int)((k + GW_BK - 1) / GW_BK);
+    int nkt = KIND == 2 ? (int)k : nk1 + (PAIR ? (int)((k2 + GW_BK - 1) / GW_BK) : 0);
     i64 ncol = (n + GW_BN - 1) / GW_BN;
     i64 total = KIND == 2 ? (i64)g * ((k + GW_BM - 1) / GW_BM) * ncol
                           : (st[g] + (m - so[g] + GW_BM - 1) / GW_BM) * ncol;
@@ -260,23 +289,34 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         if (tid == 256) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+            if (PAIR) {
+                asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta2) : "memory");
+                asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb2) : "memory");
+            }
             int s = 0;
             unsigned ph = 0;
             for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
-                GwTile tl = gw_tile<KIND>(t, so, st, m, k, n, g);
+                GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
                 for (int ks = 0; ks < tl.nk; ++ks) {
                     unsigned full = bar0 + 8 * s;
                     mbar_wait(bar0 + 8 * (GW_STAGES + s), ph ^ 1);
                     mbar_expect_tx(full, GW_STAGE_BYTES);
                     unsigned a = stage0 + s * GW_STAGE_BYTES, b = a + GW_A_BYTES;
                     int k0 = ks * GW_BK;
+                    const TmaMap *ma = ta, *mb = tb;
+                    if (PAIR && ks >= nk1) {
+                        // The second product's steps (K2 from 0).
+                        ma = ta2;
+                        mb = tb2;
+                        k0 = (ks - nk1) * GW_BK;
+                    }
                     if (KIND == 0) {
-                        tma_2d(a, ta, full, k0, (int)tl.row0);
+                        tma_2d(a, ma, full, k0, (int)tl.row0);
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) tma_3d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, k0, tl.grp);
+                        for (int i = 0; i < 4; ++i) tma_3d(b + i * 8192, mb, full, (int)tl.col0 + 64 * i, k0, tl.grp);
                     } else if (KIND == 1) {
-                        tma_2d(a, ta, full, k0, (int)tl.row0);
-                        tma_3d(b, tb, full, k0, (int)tl.col0, tl.grp);
+                        tma_2d(a, ma, full, k0, (int)tl.row0);
+                        tma_3d(b, mb, full, k0, (int)tl.col0, tl.grp);
                     } else {
                         int r = (int)(tl.red0 + k0);
 #pragma unroll
@@ -299,7 +339,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         unsigned ph = 0;
         float d[128];
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
-            GwTile tl = gw_tile<KIND>(t, so, st, m, k, n, g);
+            GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
 #pragma unroll
             for (int i = 0; i < 128; ++i) d[i] = 0.0f;
             int prev = 0;
@@ -376,9 +416,39 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                 for (int qq = 0; qq < 4; ++qq) {
                     int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
                     i64 gr = rw + row, gc = tl.col0 + c * 64 + ch * 8;
-                    if (gr < tl.row_end && gc < n)
-                        *reinterpret_cast<uint4*>(o + gr * n + gc) =
-                            *reinterpret_cast<const uint4*>(sw + row * 144 + ch * 16);
+                    if (gr < tl.row_end && gc < n) {
+                        uint4 v = *reinterpret_cast<const uint4*>(sw + row * 144 + ch * 16);
+                        i64 at = gr * n + gc;
+                        if (EPI == 0) {
+                            *reinterpret_cast<uint4*>(o + at) = v;
+                        } else {
+                            // v: the rounded up (EPI 1) or dact (EPI 2).
+                            float x[8], gt[8], r0[8], r1[8];
+                            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+                            for (int u = 0; u < 4; ++u) {
+                                float2 f = __bfloat1622float2(h[u]);
+                                x[2 * u] = f.x;
+                                x[2 * u + 1] = f.y;
+                            }
+                            load8f(e0 + at, gt);
+                            if (EPI == 1) {
+#pragma unroll
+                                for (int u = 0; u < 8; ++u) r1[u] = gt[u] * gw_sigmoid(gt[u]) * x[u];
+                                *reinterpret_cast<uint4*>(o + at) = v;
+                            } else {
+                                float up[8];
+                                load8f(e1 + at, up);
+#pragma unroll
+                                for (int u = 0; u < 8; ++u) {
+                                    r0[u] = x[u] * up[u] * gw_silu_grad(gt[u]);
+                                    r1[u] = x[u] * gt[u] * gw_sigmoid(gt[u]);
+                                }
+                                store8f(o + at, r0);
+                            }
+                            store8f(out2 + at, r1);
+                        }
+                    }
                 }
                 __syncwarp();
             }
@@ -388,20 +458,35 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
 
 // Grid: min(tiles, SMs) blocks of GW_THREADS; ta / tb: the tensor maps of
 // A and B (linalg.rs); offs / tiles: group_offsets' outputs.
-extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
-    grouped_mm_wgmma_bf16_nn(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const i64* offs,
-                             const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<0>(&ta, &tb, offs, tiles, out, m, k, n, g);
+#define GW_ARGS const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb
+#define GW_ENTRY extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
+GW_ENTRY grouped_mm_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<0>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
 }
-extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
-    grouped_mm_wgmma_bf16_nt(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const i64* offs,
-                             const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<1>(&ta, &tb, offs, tiles, out, m, k, n, g);
+GW_ENTRY grouped_mm_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<1>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
 }
-extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
-    grouped_wgrad_wgmma_bf16(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const i64* offs,
-                             bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<2>(&ta, &tb, offs, nullptr, out, m, k, n, g);
+GW_ENTRY grouped_wgrad_wgmma_bf16(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<2>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+}
+// out = x1 · op(w1[g]) + x2 · op(w2[g]); (ta2, tb2) map x2 [M, K2] and w2.
+GW_ENTRY grouped_mm2_wgmma_bf16_nn(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
+                                   const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+    gw_body<0, 0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+}
+GW_ENTRY grouped_mm2_wgmma_bf16_nt(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
+                                   const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+    gw_body<1, 0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+}
+// up = x · w[g] (out), act = silu(gate) · up (act).
+GW_ENTRY grouped_mm_swiglu_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate, bf16* out,
+                                         bf16* act, i64 m, i64 k, i64 n, int g) {
+    gw_body<0, 1>(&ta, &tb, nullptr, nullptr, offs, tiles, out, act, gate, nullptr, m, k, 0, n, g);
+}
+// dact = dy · w[g]ᵀ; dgate (out), dup (dup) from gate and up.
+GW_ENTRY grouped_mm_swiglu_bwd_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate,
+                                             const bf16* up, bf16* out, bf16* dup, i64 m, i64 k, i64 n, int g) {
+    gw_body<1, 2>(&ta, &tb, nullptr, nullptr, offs, tiles, out, dup, gate, up, m, k, 0, n, g);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

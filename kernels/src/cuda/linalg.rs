@@ -16,7 +16,7 @@ use cudarc::driver::{result as drv, sys, LaunchConfig};
 
 use super::compile::{GROUPED_SM90, LINALG};
 use super::{float_sfx, launch, Cuda};
-use crate::backend::{Device, LinalgOps};
+use crate::backend::{Device, ElementwiseOps, LinalgOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -286,6 +286,217 @@ impl Cuda {
         Ok(tiles.clamp(1, sms.max(1) as usize) as u32)
     }
 
+    /// The tensor maps of an nn / nt wgmma product of `x: [M, K]` at `xp` by
+    /// `w` at `wp` (`[G, N, K]` with `trans_w`, else `[G, K, N]`).
+    #[allow(clippy::too_many_arguments)]
+    fn gw_maps(
+        op: &'static str,
+        xp: u64,
+        wp: u64,
+        m: usize,
+        k: usize,
+        n: usize,
+        g: usize,
+        trans_w: bool,
+    ) -> Result<(TmaMap, TmaMap)> {
+        let (m64, k64, n64, g64) = (m as u64, k as u64, n as u64, g as u64);
+        let ta = tma_map(op, xp, &[k64, m64], &[64, 128])?;
+        let tb = if trans_w {
+            tma_map(op, wp, &[k64, n64, g64], &[64, 256, 1])?
+        } else {
+            tma_map(op, wp, &[n64, k64, g64], &[64, 64, 1])?
+        };
+        Ok((ta, tb))
+    }
+
+    /// The function and launch of an nn / nt wgmma kernel `name` with an
+    /// `[M, N]` output over `g` groups.
+    fn gw_mm_launch(
+        &self,
+        name: &str,
+        m: usize,
+        n: usize,
+        g: usize,
+    ) -> Result<(cudarc::driver::CudaFunction, LaunchConfig)> {
+        let smem = gw_smem_bytes(g) as u32;
+        self.bind()?;
+        let f = self.func_smem(GROUPED_SM90, name, smem)?;
+        // `tiles` counts 128-row tiles (TC_TILE, the wgmma kernels' GW_BM
+        // too). At most M / 128 + G + 1 row tiles (the last for the rows
+        // past the groups), each ceil(N / 256) column tiles.
+        let grid = self.gw_grid((m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N))?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (GW_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        Ok((f, cfg))
+    }
+
+    /// `grouped_matmul_sum2` with the bf16 kernel chosen by `kernel` (None:
+    /// the default). The wgmma kernels accumulate both products before one
+    /// rounding; elsewhere (mma.sync, f32, f64) the two products are added
+    /// after each is rounded.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn grouped_matmul_sum2_on(
+        &self,
+        x1: &Tensor<Self>,
+        w1: &Tensor<Self>,
+        x2: &Tensor<Self>,
+        w2: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+        kernel: Option<GroupedKernel>,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_sum2";
+        float_sfx(OP, x1.dtype())?;
+        let (m, k1, k2, g, n) = crate::backend::linalg::sum2_dims(OP, x1, w1, x2, w2, trans_w)?;
+        if x1.dtype() == DType::BF16 {
+            let ptrs = [
+                x1.storage().ptr(),
+                w1.storage().ptr(),
+                x2.storage().ptr(),
+                w2.storage().ptr(),
+            ];
+            let fits = self.wgmma_fits(m, k1, n, g, &ptrs) && self.wgmma_fits(m, k2, n, g, &ptrs);
+            if self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma {
+                let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+                let out = self.alloc(OP, &[m, n], x1.dtype())?;
+                let (ta, tb) = Self::gw_maps(OP, ptrs[0], ptrs[1], m, k1, n, g, trans_w)?;
+                let (ta2, tb2) = Self::gw_maps(OP, ptrs[2], ptrs[3], m, k2, n, g, trans_w)?;
+                let name = if trans_w {
+                    "grouped_mm2_wgmma_bf16_nt"
+                } else {
+                    "grouped_mm2_wgmma_bf16_nn"
+                };
+                let (f, cfg) = self.gw_mm_launch(name, m, n, g)?;
+                launch!(
+                    self,
+                    f,
+                    cfg,
+                    ta,
+                    tb,
+                    ta2,
+                    tb2,
+                    offs.ptr(),
+                    tiles.ptr(),
+                    out.storage().ptr(),
+                    m as i64,
+                    k1 as i64,
+                    k2 as i64,
+                    n as i64,
+                    g as i32
+                )?;
+                return Ok(out);
+            }
+        }
+        let mut out = self.grouped_matmul_on(x1, w1, group_sizes, trans_w, kernel)?;
+        let second = self.grouped_matmul_on(x2, w2, group_sizes, trans_w, kernel)?;
+        self.axpy(&mut out, 1.0, &second)?;
+        Ok(out)
+    }
+
+    /// `grouped_matmul_swiglu` with the bf16 kernel chosen by `kernel`
+    /// (elsewhere than wgmma: the two ops it fuses).
+    pub(crate) fn grouped_matmul_swiglu_on(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        kernel: Option<GroupedKernel>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "grouped_matmul_swiglu";
+        float_sfx(OP, x.dtype())?;
+        let (m, k, g, n) = crate::backend::linalg::grouped_dims(OP, x, w, false)?;
+        crate::backend::linalg::expect_mn(OP, x, &[("gate", gate)], m, n)?;
+        if x.dtype() == DType::BF16 {
+            let (xp, wp, gp) = (x.storage().ptr(), w.storage().ptr(), gate.storage().ptr());
+            let fits = self.wgmma_fits(m, k, n, g, &[xp, wp, gp]);
+            if self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma {
+                let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+                let up = self.alloc(OP, &[m, n], x.dtype())?;
+                let act = self.alloc(OP, &[m, n], x.dtype())?;
+                let (ta, tb) = Self::gw_maps(OP, xp, wp, m, k, n, g, false)?;
+                let (f, cfg) = self.gw_mm_launch("grouped_mm_swiglu_wgmma_bf16_nn", m, n, g)?;
+                launch!(
+                    self,
+                    f,
+                    cfg,
+                    ta,
+                    tb,
+                    offs.ptr(),
+                    tiles.ptr(),
+                    gp,
+                    up.storage().ptr(),
+                    act.storage().ptr(),
+                    m as i64,
+                    k as i64,
+                    n as i64,
+                    g as i32
+                )?;
+                return Ok((up, act));
+            }
+        }
+        let up = self.grouped_matmul_on(x, w, group_sizes, false, kernel)?;
+        let act = self.swiglu(gate, &up)?;
+        Ok((up, act))
+    }
+
+    /// `grouped_matmul_swiglu_backward` with the bf16 kernel chosen by
+    /// `kernel` (elsewhere than wgmma: the two ops it fuses).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn grouped_matmul_swiglu_backward_on(
+        &self,
+        dy: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        kernel: Option<GroupedKernel>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "grouped_matmul_swiglu_backward";
+        float_sfx(OP, dy.dtype())?;
+        let (m, k, g, n) = crate::backend::linalg::grouped_dims(OP, dy, w, true)?;
+        crate::backend::linalg::expect_mn(OP, dy, &[("gate", gate), ("up", up)], m, n)?;
+        if dy.dtype() == DType::BF16 {
+            let ptrs = [
+                dy.storage().ptr(),
+                w.storage().ptr(),
+                gate.storage().ptr(),
+                up.storage().ptr(),
+            ];
+            let fits = self.wgmma_fits(m, k, n, g, &ptrs);
+            if self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma {
+                let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+                let dgate = self.alloc(OP, &[m, n], dy.dtype())?;
+                let dup = self.alloc(OP, &[m, n], dy.dtype())?;
+                let (ta, tb) = Self::gw_maps(OP, ptrs[0], ptrs[1], m, k, n, g, true)?;
+                let (f, cfg) = self.gw_mm_launch("grouped_mm_swiglu_bwd_wgmma_bf16_nt", m, n, g)?;
+                launch!(
+                    self,
+                    f,
+                    cfg,
+                    ta,
+                    tb,
+                    offs.ptr(),
+                    tiles.ptr(),
+                    ptrs[2],
+                    ptrs[3],
+                    dgate.storage().ptr(),
+                    dup.storage().ptr(),
+                    m as i64,
+                    k as i64,
+                    n as i64,
+                    g as i32
+                )?;
+                return Ok((dgate, dup));
+            }
+        }
+        let dact = self.grouped_matmul_on(dy, w, group_sizes, true, kernel)?;
+        self.swiglu_backward(gate, up, &dact)
+    }
+
     /// `grouped_matmul` with the bf16 kernel chosen by `kernel` (None: the
     /// default); f32 and f64 ignore it.
     pub(crate) fn grouped_matmul_on(
@@ -323,27 +534,13 @@ impl Cuda {
             if kernel == GroupedKernel::Wgmma {
                 // Every row is written: tiles past the last group store zeros.
                 let out = self.alloc(OP, &[m, n], x.dtype())?;
-                let (m64, k64, n64, g64) = (m as u64, k as u64, n as u64, g as u64);
-                let ta = tma_map(OP, xp, &[k64, m64], &[64, 128])?;
-                let (name, tb) = if trans_w {
-                    let tb = tma_map(OP, wp, &[k64, n64, g64], &[64, 256, 1])?;
-                    ("grouped_mm_wgmma_bf16_nt", tb)
+                let (ta, tb) = Self::gw_maps(OP, xp, wp, m, k, n, g, trans_w)?;
+                let name = if trans_w {
+                    "grouped_mm_wgmma_bf16_nt"
                 } else {
-                    let tb = tma_map(OP, wp, &[n64, k64, g64], &[64, 64, 1])?;
-                    ("grouped_mm_wgmma_bf16_nn", tb)
+                    "grouped_mm_wgmma_bf16_nn"
                 };
-                let smem = gw_smem_bytes(g) as u32;
-                self.bind()?;
-                let f = self.func_smem(GROUPED_SM90, name, smem)?;
-                // `tiles` counts 128-row tiles (TC_TILE, the wgmma kernels'
-                // GW_BM too). At most M / 128 + G + 1 row tiles (the last for
-                // the rows past the groups), each ceil(N / 256) column tiles.
-                let grid = self.gw_grid((m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N))?;
-                let cfg = LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (GW_THREADS, 1, 1),
-                    shared_mem_bytes: smem,
-                };
+                let (f, cfg) = self.gw_mm_launch(name, m, n, g)?;
                 launch!(
                     self,
                     f,
@@ -728,6 +925,39 @@ impl LinalgOps for Cuda {
     ) -> Result<Tensor<Self>> {
         self.grouped_wgrad_on(x, dy, group_sizes, None)
     }
+
+    fn grouped_matmul_sum2(
+        &self,
+        x1: &Tensor<Self>,
+        w1: &Tensor<Self>,
+        x2: &Tensor<Self>,
+        w2: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+    ) -> Result<Tensor<Self>> {
+        self.grouped_matmul_sum2_on(x1, w1, x2, w2, group_sizes, trans_w, None)
+    }
+
+    fn grouped_matmul_swiglu(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        self.grouped_matmul_swiglu_on(x, w, gate, group_sizes, None)
+    }
+
+    fn grouped_matmul_swiglu_backward(
+        &self,
+        dy: &Tensor<Self>,
+        w: &Tensor<Self>,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        self.grouped_matmul_swiglu_backward_on(dy, w, gate, up, group_sizes, None)
+    }
 }
 
 #[cfg(test)]
@@ -918,6 +1148,117 @@ mod tests {
         let want = host(&d, &d.grouped_matmul_weight_grad(&x32, &dy32, &gs).unwrap());
         let got = host(&d, &d.grouped_wgrad_on(&x16, &dy16, &gs, kn).unwrap());
         assert_close("small wgrad", &got, &want, n);
+    }
+
+    /// The fused wgmma kernels (sum of two products, SwiGLU after the up
+    /// projection, SwiGLU's backward after dact) on small ragged groups (1-row
+    /// and empty groups, a partial last tile, rows past the groups, N past a
+    /// 256-column tile, K not a multiple of 64) and on 128 uneven groups at
+    /// the MoE shapes, against the unfused wgmma ops: the SwiGLU outputs
+    /// must agree bit for bit except where exp/FMA contraction differ (at
+    /// most 1 bf16 ulp, counted), the sum within bf16 rounding. Outputs start
+    /// as NaN. Prints the differences.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn wgmma_fused_grouped_ops_small() {
+        check_fused(vec![1, 0, 130, 64, 3], 210, 136, 264);
+    }
+
+    /// [`wgmma_fused_grouped_ops_small`]'s checks on 128 uneven groups of
+    /// 16384 rows, K = 256, N = 768.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn wgmma_fused_grouped_ops_moe_groups() {
+        check_fused(uneven_sizes(128, 16384), 16384, 256, 768);
+    }
+
+    fn check_fused(sizes: Vec<i32>, m: usize, k: usize, n: usize) {
+        let d = crate::cuda::require_test_device();
+        if d.arch() != "sm_90a" {
+            eprintln!("skipping: {} is not sm_90a", d.arch());
+            return;
+        }
+        let kn = Some(GroupedKernel::Wgmma);
+        {
+            let g = sizes.len();
+            let gs = d.upload(HostData::I32(sizes), &[g]).unwrap();
+            let (_, x) = pair(&d, &[m, k], 11);
+            let (_, x2) = pair(&d, &[m, n], 12);
+            let (_, gate) = pair(&d, &[m, n], 13);
+            let (_, wu) = pair(&d, &[g, k, n], 14);
+            poison(&d, &[m, n]);
+            let (up, act) = d.grouped_matmul_swiglu_on(&x, &wu, &gate, &gs, kn).unwrap();
+            let up2 = d.grouped_matmul_on(&x, &wu, &gs, false, kn).unwrap();
+            let act2 = d.swiglu(&gate, &up2).unwrap();
+            let ulps = |what: &str, a: &[f32], b: &[f32]| {
+                let off = a.iter().zip(b).filter(|(x, y)| x != y).count();
+                let worst = a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| ((x - y).abs() / y.abs().max(1e-30)) as f64)
+                    .fold(0.0, f64::max);
+                eprintln!(
+                    "{what} m={m}: {off} of {} differ, worst relative {worst:.2e}",
+                    a.len()
+                );
+                assert!(a.iter().all(|v| !v.is_nan()), "{what}: NaN left");
+                assert!(
+                    worst <= 1e-2 && off * 100 <= a.len(),
+                    "{what}: {off} differ, worst {worst}"
+                );
+            };
+            assert_eq!(host(&d, &up), host(&d, &up2), "up m={m}");
+            ulps("swiglu act", &host(&d, &act), &host(&d, &act2));
+            let (_, wd) = pair(&d, &[g, n, k], 15);
+            poison(&d, &[m, n]);
+            let (dg, du) = d
+                .grouped_matmul_swiglu_backward_on(&x, &wd, &gate, &up2, &gs, kn)
+                .unwrap();
+            let dact = d.grouped_matmul_on(&x, &wd, &gs, true, kn).unwrap();
+            let (dg2, du2) = d.swiglu_backward(&gate, &up2, &dact).unwrap();
+            ulps("swiglu_backward dgate", &host(&d, &dg), &host(&d, &dg2));
+            ulps("swiglu_backward dup", &host(&d, &du), &host(&d, &du2));
+            for trans_w in [false, true] {
+                let ws = |kk: usize| if trans_w { [g, k, kk] } else { [g, kk, k] };
+                let (_, w1) = pair(&d, &ws(n), 16);
+                let (_, w2) = pair(&d, &ws(n), 17);
+                // x2 and gate: both [M, N], so K1 = K2 = N here, output [M, K].
+                poison(&d, &[m, k]);
+                let got = host(
+                    &d,
+                    &d.grouped_matmul_sum2_on(&x2, &w1, &gate, &w2, &gs, trans_w, kn)
+                        .unwrap(),
+                );
+                let mut want = d.grouped_matmul_on(&x2, &w1, &gs, trans_w, kn).unwrap();
+                d.axpy(
+                    &mut want,
+                    1.0,
+                    &d.grouped_matmul_on(&gate, &w2, &gs, trans_w, kn).unwrap(),
+                )
+                .unwrap();
+                assert_close(
+                    &format!("sum2 m={m} trans_w={trans_w}"),
+                    &got,
+                    &host(&d, &want),
+                    k,
+                );
+                let again = host(
+                    &d,
+                    &d.grouped_matmul_sum2_on(&x2, &w1, &gate, &w2, &gs, trans_w, kn)
+                        .unwrap(),
+                );
+                assert_eq!(
+                    got, again,
+                    "sum2 m={m} trans_w={trans_w}: not deterministic"
+                );
+            }
+        }
     }
 
     /// Asking for the wgmma kernels where they cannot run (K or N not a

@@ -400,26 +400,73 @@ __device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, 
         unpermute_impl<T>(y, slot, w, out, t, k, n, d); }
 FOR_FLOATS(UNPERMUTE)
 
-// dw[t, j] = dout[t] · y[slot[t, j]], zero for a dropped copy; one warp per
-// copy, its lanes striding along the row (coalesced), summed by shuffles.
-template <typename T>
-__device__ void unpermute_dw_impl(const T* dout, const T* y, const int* slot, T* dw, i64 t, i64 k, i64 n, i64 d) {
-    typedef acc_t<T> A;
-    int lane = threadIdx.x & 31;
-    i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 copy = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); copy < t * k; copy += warps) {
-        i64 r = slot[copy];
-        A s = 0;
-        if (r >= 0 && r < n) {
-            const T* a = dout + (copy / k) * d;
-            const T* b = y + r * d;
-            for (i64 c = lane; c < d; c += 32) s += to_acc(a[c]) * to_acc(b[c]);
-        }
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) dw[copy] = from_acc<T>(s);
+
+// ---- combine's backward in one pass -------------------------------------------------
+
+// row_copy[slot[c]] = c for every placed copy c (row_copy arrives filled with
+// -1: rows no copy was placed at keep it). A plan places at most one copy at
+// a row.
+extern "C" __global__ void row_copy_fill(const int* slot, i64 copies, i64 n, int* row_copy) {
+    GRID_LOOP(c, copies) {
+        i64 r = slot[c];
+        if (r >= 0 && r < n) row_copy[r] = (int)c;
     }
 }
-#define UNPERMUTE_DW(sfx, T) \
-    extern "C" __global__ void unpermute_dw_##sfx(const T* dout, const T* y, const int* slot, T* dw, i64 t, i64 k, i64 n, i64 d) { \
-        unpermute_dw_impl<T>(dout, y, slot, dw, t, k, n, d); }
-FOR_FLOATS(UNPERMUTE_DW)
+
+// One block per permuted row r holding copy c = row_copy[r] of token c / k:
+// dy[r] = w[c] · dout[c / k] (0 for a row without a copy) and
+// dw[c] = dout[c / k] · y[r] (dw arrives zeroed: dropped copies keep 0).
+template <typename T>
+__device__ void unpermute_bwd_impl(const T* dout, const T* y, const T* w, const int* row_copy, T* dy, T* dw, i64 n,
+                                   i64 k, i64 d) {
+    typedef acc_t<T> A;
+    __shared__ A sh[32];
+    for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
+        i64 c = row_copy[r];
+        if (c < 0) {
+            if constexpr (sizeof(T) == 2) {
+                if (d % 8 == 0) {
+                    uint4* to = reinterpret_cast<uint4*>(dy + r * d);
+                    for (i64 q = threadIdx.x; q < d / 8; q += blockDim.x) to[q] = make_uint4(0, 0, 0, 0);
+                    continue;
+                }
+            }
+            for (i64 q = threadIdx.x; q < d; q += blockDim.x) dy[r * d + q] = from_acc<T>((A)0);
+            continue;
+        }
+        const T* a = dout + (c / k) * d;
+        const T* b = y + r * d;
+        A wc = to_acc(w[c]);
+        A s = 0;
+        bool vec = false;
+        if constexpr (sizeof(T) == 2) {
+            if (d % 8 == 0) {  // eight columns per thread, 16-byte accesses
+                vec = true;
+                for (i64 q = threadIdx.x * 8; q < d; q += blockDim.x * 8) {
+                    float av[8], bv[8], o[8];
+                    load8f(a + q, av);
+                    load8f(b + q, bv);
+                    for (int u = 0; u < 8; ++u) {
+                        o[u] = 0.0f + wc * av[u];
+                        s += av[u] * bv[u];
+                    }
+                    store8f(dy + r * d + q, o);
+                }
+            }
+        }
+        if (!vec) {
+            for (i64 q = threadIdx.x; q < d; q += blockDim.x) {
+                A av = to_acc(a[q]);
+                dy[r * d + q] = from_acc<T>((A)0 + wc * av);
+                s += av * to_acc(b[q]);
+            }
+        }
+        s = block_sum(s, sh);
+        if (threadIdx.x == 0) dw[c] = from_acc<T>(s);
+    }
+}
+#define UNPERMUTE_BWD(sfx, T) \
+    extern "C" __global__ void unpermute_bwd_##sfx(const T* dout, const T* y, const T* w, const int* row_copy, T* dy, \
+                                                   T* dw, i64 n, i64 k, i64 d) { \
+        unpermute_bwd_impl<T>(dout, y, w, row_copy, dy, dw, n, k, d); }
+FOR_FLOATS(UNPERMUTE_BWD)

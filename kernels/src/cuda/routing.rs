@@ -649,24 +649,44 @@ impl RoutingOps for Cuda {
         dout.expect_dtype(OP, y.dtype())?;
         dout.expect_shape(OP, "dout", &[t, d])?;
         self.check_range(OP, slot, -1, n as i64)?;
-        // dy[r] = Σ over the copies placed at row r of w[copy] · dout[copy / K].
-        let inv = self.invert(OP, slot, n)?;
-        let dy = self.seg_sum(OP, dout, Some(w), &inv, n, d, k.max(1))?;
+        // One pass over the permuted rows: row r holds at most one copy c
+        // (row_copy, from slot), dy[r] = w[c] · dout[c / K] and dw[c] =
+        // dout[c / K] · y[r]; dropped copies keep the zeroed dw.
+        let row_copy = self.fill_i32(OP, &[n], -1)?;
+        let dy = self.alloc(OP, &[n, d], y.dtype())?;
         let dw = self.alloc(OP, &[t, k], y.dtype())?;
+        self.bind()?;
+        self.memset_zero(
+            OP,
+            dw.storage().ptr(),
+            t * k * super::dtype_size(dw.dtype()),
+        )?;
         if t * k > 0 {
-            let f = self.func(ROUTING, &format!("unpermute_dw_{sfx}"))?;
+            let f = self.func(ROUTING, "row_copy_fill")?;
             launch!(
                 self,
                 f,
-                // One warp per copy, eight per block.
-                rows_cfg((t * k).div_ceil(8), 256),
+                grid_for(t * k),
+                slot.storage().ptr(),
+                (t * k) as i64,
+                n as i64,
+                row_copy.storage().ptr()
+            )?;
+        }
+        if n * d > 0 {
+            let f = self.func(ROUTING, &format!("unpermute_bwd_{sfx}"))?;
+            launch!(
+                self,
+                f,
+                rows_cfg(n, 256),
                 dout.storage().ptr(),
                 y.storage().ptr(),
-                slot.storage().ptr(),
+                w.storage().ptr(),
+                row_copy.storage().ptr(),
+                dy.storage().ptr(),
                 dw.storage().ptr(),
-                t as i64,
-                k as i64,
                 n as i64,
+                k as i64,
                 d as i64
             )?;
         }

@@ -81,8 +81,8 @@ impl<B: Backend> Experts<B> {
         counts_e: &Tensor<B>,
     ) -> Result<(Tensor<B>, ExpertsSaved<B>)> {
         let gate_nf = b.grouped_matmul(x_nd, &self.w1.value, counts_e, false)?;
-        let up_nf = b.grouped_matmul(x_nd, &self.w3.value, counts_e, false)?;
-        let act_nf = b.swiglu(&gate_nf, &up_nf)?;
+        // The up projection stores SwiGLU's output beside its own.
+        let (up_nf, act_nf) = b.grouped_matmul_swiglu(x_nd, &self.w3.value, &gate_nf, counts_e)?;
         let y_nd = b.grouped_matmul(&act_nf, &self.w2.value, counts_e, false)?;
         let saved = ExpertsSaved {
             x_nd: x_nd.clone(),
@@ -110,21 +110,24 @@ impl<B: Backend> Experts<B> {
         } = saved;
         self.w2
             .accumulate(b, &b.grouped_matmul_weight_grad(&act_nf, dy_nd, &counts_e)?)?;
-        let dact_nf = b.grouped_matmul(dy_nd, &self.w2.value, &counts_e, true)?;
-        let (dgate_nf, dup_nf) = b.swiglu_backward(&gate_nf, &up_nf, &dact_nf)?;
+        // dact = dy · w2ᵀ goes straight into SwiGLU's backward (never stored).
+        let (dgate_nf, dup_nf) =
+            b.grouped_matmul_swiglu_backward(dy_nd, &self.w2.value, &gate_nf, &up_nf, &counts_e)?;
         self.w1.accumulate(
             b,
             &b.grouped_matmul_weight_grad(&x_nd, &dgate_nf, &counts_e)?,
         )?;
         self.w3
             .accumulate(b, &b.grouped_matmul_weight_grad(&x_nd, &dup_nf, &counts_e)?)?;
-        let mut dx_nd = b.grouped_matmul(&dgate_nf, &self.w1.value, &counts_e, true)?;
-        b.axpy(
-            &mut dx_nd,
-            1.0,
-            &b.grouped_matmul(&dup_nf, &self.w3.value, &counts_e, true)?,
-        )?;
-        Ok(dx_nd)
+        // dx = dgate · w1ᵀ + dup · w3ᵀ as one product over both.
+        Ok(b.grouped_matmul_sum2(
+            &dgate_nf,
+            &self.w1.value,
+            &dup_nf,
+            &self.w3.value,
+            &counts_e,
+            true,
+        )?)
     }
 }
 
