@@ -396,8 +396,11 @@ impl Cuda {
         Ok(out)
     }
 
-    /// `grouped_matmul_swiglu` with the bf16 kernel chosen by `kernel`
-    /// (elsewhere than wgmma: the two ops it fuses).
+    /// `grouped_matmul_swiglu` with the bf16 kernel chosen by `kernel`. The
+    /// fused wgmma kernel (SwiGLU in the store) runs only when asked for:
+    /// its store waits on the gate loads with nothing to overlap them (1.34
+    /// ms against 0.92 for the two ops at the Qwen3-30B-A3B shape, H200,
+    /// BENCHMARKS.md), so the default is the two ops it fuses.
     pub(crate) fn grouped_matmul_swiglu_on(
         &self,
         x: &Tensor<Self>,
@@ -413,7 +416,9 @@ impl Cuda {
         if x.dtype() == DType::BF16 {
             let (xp, wp, gp) = (x.storage().ptr(), w.storage().ptr(), gate.storage().ptr());
             let fits = self.wgmma_fits(m, k, n, g, &[xp, wp, gp]);
-            if self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma {
+            if kernel == Some(GroupedKernel::Wgmma)
+                && self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma
+            {
                 let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
                 let up = self.alloc(OP, &[m, n], x.dtype())?;
                 let act = self.alloc(OP, &[m, n], x.dtype())?;
@@ -444,7 +449,8 @@ impl Cuda {
     }
 
     /// `grouped_matmul_swiglu_backward` with the bf16 kernel chosen by
-    /// `kernel` (elsewhere than wgmma: the two ops it fuses).
+    /// `kernel`; as in [`Cuda::grouped_matmul_swiglu_on`], the fused wgmma
+    /// kernel only when asked for (2.48 ms against 1.07 for the two ops).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn grouped_matmul_swiglu_backward_on(
         &self,
@@ -467,7 +473,9 @@ impl Cuda {
                 up.storage().ptr(),
             ];
             let fits = self.wgmma_fits(m, k, n, g, &ptrs);
-            if self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma {
+            if kernel == Some(GroupedKernel::Wgmma)
+                && self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma
+            {
                 let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
                 let dgate = self.alloc(OP, &[m, n], dy.dtype())?;
                 let dup = self.alloc(OP, &[m, n], dy.dtype())?;
