@@ -11,10 +11,29 @@
 //! foldmoe = { version = "0.1", path = "../foldmoe" }
 //! ```
 
+// The CLI's modules name this crate `foldmoe::…`, as a model crate would.
+extern crate self as foldmoe;
+
+pub mod cli;
+
 pub use foldmoe_core as core;
 pub use foldmoe_kernels as kernels;
 pub use foldmoe_macros::moe_model;
 pub use foldmoe_models as models;
+
+/// The registry of a binary's models, for [`cli::main`]: `models![Tiny,
+/// MyMoe]` lists declared model types (each `Name<B>` with `#[moe_model]`),
+/// the first being the default of `train`.
+#[macro_export]
+macro_rules! models {
+    ($($($segment:ident)::+),* $(,)?) => {
+        $crate::core::engine::declared::Registry::new(::std::vec![
+            $($crate::core::engine::declared::Registry::entry::<
+                $($segment)::+<$crate::kernels::cpu::Cpu>
+            >()),*
+        ])
+    };
+}
 
 /// What a `#[moe_model]` expansion names; not a public API.
 #[doc(hidden)]

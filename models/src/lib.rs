@@ -20,35 +20,26 @@ pub use qwen3_235b_a22b::{Qwen3A22b, Qwen3A22bLayout, Qwen3A22bSmall, Qwen3A22bS
 pub use qwen3_30b_a3b::{Qwen3A3b, Qwen3A3bLayout, Qwen3A3bSmall, Qwen3A3bSmallLayout};
 pub use tiny::{Tiny, TinyLayout};
 
-use foldmoe_core::engine::declared::MoeModel;
+use foldmoe_core::engine::declared::{MoeModel, Registry};
 use foldmoe_core::layout::LayoutSpec;
 use foldmoe_core::spec::ModelSpec;
 use foldmoe_kernels::cpu::Cpu;
 
-/// The spec and layouts of a declared model. The spec does not depend on the
-/// backend; `Cpu` only names one to reach the trait's associated functions.
-fn declared<M: MoeModel<Cpu>>() -> Declared {
-    (M::spec(), M::layouts())
+/// Every shipped model, `tiny` (the default) first: what the `foldmoe`
+/// command serves.
+pub fn registry() -> Registry {
+    Registry::new(vec![
+        Registry::entry::<Tiny<Cpu>>(),
+        Registry::entry::<Mixtral8x7b<Cpu>>(),
+        Registry::entry::<Mixtral8x7bSmall<Cpu>>(),
+        Registry::entry::<Qwen3A3b<Cpu>>(),
+        Registry::entry::<Qwen3A3bSmall<Cpu>>(),
+        Registry::entry::<Qwen3A22b<Cpu>>(),
+        Registry::entry::<Qwen3A22bSmall<Cpu>>(),
+        Registry::entry::<DeepSeekV3<Cpu>>(),
+        Registry::entry::<DeepSeekV3Small<Cpu>>(),
+    ])
 }
-
-/// A model's spec and its declared layouts.
-type Declared = (ModelSpec, Vec<LayoutSpec>);
-
-/// A shipped model: its name and the function giving its declaration.
-type Entry = (&'static str, fn() -> Declared);
-
-/// Every shipped model: its name and its declaration's spec and layouts.
-const MODELS: &[Entry] = &[
-    ("tiny", declared::<Tiny<Cpu>>),
-    ("mixtral-8x7b", declared::<Mixtral8x7b<Cpu>>),
-    ("mixtral-8x7b-small", declared::<Mixtral8x7bSmall<Cpu>>),
-    ("qwen3-30b-a3b", declared::<Qwen3A3b<Cpu>>),
-    ("qwen3-30b-a3b-small", declared::<Qwen3A3bSmall<Cpu>>),
-    ("qwen3-235b-a22b", declared::<Qwen3A22b<Cpu>>),
-    ("qwen3-235b-a22b-small", declared::<Qwen3A22bSmall<Cpu>>),
-    ("deepseek-v3", declared::<DeepSeekV3<Cpu>>),
-    ("deepseek-v3-small", declared::<DeepSeekV3Small<Cpu>>),
-];
 
 /// The default model: a small MoE language model over bytes that trains on a
 /// CPU in minutes (see [`tiny`](mod@tiny)).
@@ -57,28 +48,20 @@ pub fn tiny() -> ModelSpec {
 }
 
 /// The names of every shipped model, in a stable order.
-pub fn names() -> Vec<&'static str> {
-    MODELS.iter().map(|(n, _)| *n).collect()
+pub fn names() -> Vec<String> {
+    registry().names().into_iter().map(String::from).collect()
 }
 
-/// Looks a model up by name; an error lists the known names.
+/// Looks a shipped model up by name (through [`registry`]); an error lists
+/// the known names.
 pub fn by_name(name: &str) -> Result<ModelSpec, String> {
-    layouts_by_name(name).map(|(spec, _)| spec)
+    registry().spec(name)
 }
 
-/// A model's spec and its declared layouts, by name; an error lists the
-/// known names.
+/// A shipped model's spec and its declared layouts, by name (through
+/// [`registry`]); an error lists the known names.
 pub fn layouts_by_name(name: &str) -> Result<(ModelSpec, Vec<LayoutSpec>), String> {
-    MODELS
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, f)| f())
-        .ok_or_else(|| {
-            format!(
-                "unknown model `{name}`; known models: {}",
-                names().join(", ")
-            )
-        })
+    registry().layouts(name)
 }
 
 #[cfg(test)]

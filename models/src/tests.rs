@@ -57,7 +57,7 @@ fn tiny_is_unchanged() {
 #[test]
 fn every_model_and_layout_passes_the_rules() {
     for name in names() {
-        let (spec, layouts) = layouts_by_name(name).unwrap();
+        let (spec, layouts) = layouts_by_name(&name).unwrap();
         assert_eq!(spec.name, name);
         spec.check().unwrap_or_else(|e| panic!("{name}: {e:?}"));
         assert!(!layouts.is_empty(), "{name} declares no layout");
@@ -175,7 +175,7 @@ fn every_config_file_matches_its_declaration() {
     for name in names() {
         let path = format!("{}/configs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
         let config = ModelConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
-        let (spec, layouts) = layouts_by_name(name).unwrap();
+        let (spec, layouts) = layouts_by_name(&name).unwrap();
         assert_eq!(config.spec, spec, "{name}");
         assert_eq!(config.layouts, layouts, "{name}");
     }

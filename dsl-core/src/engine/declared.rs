@@ -101,6 +101,71 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
     }
 }
 
+/// The models a binary knows by name: what `foldmoe::cli::main` serves
+/// (`train --model NAME`, `plan`, `bench`, ...). Built from declared model
+/// types (`foldmoe::models![Tiny, MyMoe]`); the first is the default. The
+/// only place a model is looked up by its name.
+#[derive(Clone, Debug)]
+pub struct Registry {
+    entries: Vec<RegistryEntry>,
+}
+
+/// One model of a [`Registry`]: its declared name and declaration.
+#[derive(Clone, Debug)]
+pub struct RegistryEntry {
+    /// The declared `name = "..."`.
+    pub name: String,
+    spec: fn() -> ModelSpec,
+    layouts: fn() -> Vec<LayoutSpec>,
+}
+
+impl Registry {
+    /// A registry of `entries` (see [`Registry::entry`]), in order.
+    pub fn new(entries: Vec<RegistryEntry>) -> Self {
+        Registry { entries }
+    }
+
+    /// The entry of declared model `M` (any backend names its declaration;
+    /// the spec does not depend on it).
+    pub fn entry<M: MoeModel<foldmoe_kernels::cpu::Cpu>>() -> RegistryEntry {
+        RegistryEntry {
+            name: M::spec().name,
+            spec: M::spec,
+            layouts: M::layouts,
+        }
+    }
+
+    /// The names, in registration order.
+    pub fn names(&self) -> Vec<&str> {
+        self.entries.iter().map(|e| e.name.as_str()).collect()
+    }
+
+    /// The first model's name: the default of `train`; `None` when empty.
+    pub fn default_name(&self) -> Option<&str> {
+        self.entries.first().map(|e| e.name.as_str())
+    }
+
+    /// A model's spec by name; an error lists the known names.
+    pub fn spec(&self, name: &str) -> std::result::Result<ModelSpec, String> {
+        self.find(name).map(|e| (e.spec)())
+    }
+
+    /// A model's spec and declared layouts by name; an error lists the
+    /// known names.
+    pub fn layouts(&self, name: &str) -> std::result::Result<(ModelSpec, Vec<LayoutSpec>), String> {
+        self.find(name).map(|e| ((e.spec)(), (e.layouts)()))
+    }
+
+    fn find(&self, name: &str) -> std::result::Result<&RegistryEntry, String> {
+        self.entries.iter().find(|e| e.name == name).ok_or_else(|| {
+            format!(
+                "unknown model `{name}`; known models: {}",
+                self.names().join(", ")
+            )
+        })
+    }
+}
+
 /// Checks `layout` against `spec` with the same rules the macro ran at compile
 /// time (a spec or layout built by hand, or changed since, is caught here) and
 /// builds the shard rank `rank` owns, shard first: the rank draws only its
@@ -146,7 +211,7 @@ fn checked_layout(spec: &ModelSpec, layout: &LayoutSpec, rank: usize) -> Result<
 /// Names the expansion of `#[moe_model]` refers to; not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use super::{build, LayoutChoice, MoeModel};
+    pub use super::{build, LayoutChoice, MoeModel, Registry};
     pub use crate::engine::block::Block;
     pub use crate::engine::model::Model;
     pub use crate::engine::param::{Module, Param};

@@ -41,8 +41,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 
-use crate::dist::{self, ProcessComm};
-use crate::error::CliError;
+use crate::cli::dist::{self, ProcessComm};
+use crate::cli::error::CliError;
 
 /// Dense bf16 tensor-core peak of an H100/H200 SXM (FLOP/s), the MFU
 /// denominator Megatron-Core's reports use.
@@ -217,7 +217,8 @@ fn run_on<B: BenchDevice + ProcessComm>(
 
 /// The named model cut to `--layers` blocks, at `--seq-len`.
 fn bench_spec(o: &BenchOptions) -> Result<ModelSpec, CliError> {
-    let mut spec = foldmoe::models::by_name(&o.model)
+    let mut spec = super::registry()
+        .spec(&o.model)
         .map_err(CliError::usage)?
         .first_layers(o.layers)
         .map_err(|e| CliError::usage(format!("--layers {}: {e}", o.layers)))?;
@@ -415,7 +416,7 @@ fn model_step<B: BenchDevice>(
     dtype: DType,
 ) -> Result<Value, CliError> {
     checked_model(o, spec)?;
-    let layout = dist::resolve_layout(Some(""), 1, "one device:", spec)?
+    let layout = dist::resolve_layout(Some(""), 1, "one device:", spec, &[])?
         .expect("a layout text always resolves to a layout");
     let rank = RankLayout::new(&layout, 0)?;
     let report = rank_step(b, o, spec, dtype, &SoloComm, &layout, rank)?;
@@ -435,10 +436,14 @@ fn model_step_ranks<B: BenchDevice + ProcessComm>(
     // Everything that can be refused is checked before connecting, so a bad
     // flag stops every rank at once instead of leaving peers waiting.
     let text = o.layout.as_deref().unwrap_or("");
-    let layout = dist::resolve_layout(Some(text), env.world, "WORLD_SIZE =", spec)?
+    let declared = super::registry()
+        .layouts(&o.model)
+        .map(|(_, layouts)| layouts)
+        .unwrap_or_default();
+    let layout = dist::resolve_layout(Some(text), env.world, "WORLD_SIZE =", spec, &declared)?
         .expect("a layout text always resolves to a layout");
     let rank = RankLayout::new(&layout, env.rank)?;
-    let comm = dist::connect(b, env, crate::launch::comm_timeout()?, Some(&layout))?;
+    let comm = dist::connect(b, env, crate::cli::launch::comm_timeout()?, Some(&layout))?;
     let outcome = rank_step(b, o, spec, dtype, comm.as_ref(), &layout, rank);
     // A failed rank ends its communicator, so its peers stop too.
     if let Err(e) = &outcome {

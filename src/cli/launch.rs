@@ -13,7 +13,7 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::error::CliError;
+use crate::cli::error::CliError;
 
 /// Variable giving every rank's communicator timeout, in seconds (set by
 /// `launch` from `--timeout`; 30 s when unset).

@@ -27,17 +27,17 @@ use foldmoe::kernels::{Backend, Communicator, Group, HostData, KernelError, Redu
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use crate::dist::ProcessComm;
-use crate::error::CliError;
-use crate::settings::{TrainOptions, TrainSettings};
+use crate::cli::dist::ProcessComm;
+use crate::cli::error::CliError;
+use crate::cli::settings::{TrainOptions, TrainSettings};
 
 /// The bundled corpus (public domain; see data/NOTICE).
-const TRAIN_TEXT: &str = include_str!("../data/train.txt");
-const VAL_TEXT: &str = include_str!("../data/val.txt");
+const TRAIN_TEXT: &str = include_str!("../../data/train.txt");
+const VAL_TEXT: &str = include_str!("../../data/val.txt");
 /// Windows in the fixed validation batch.
 const VAL_WINDOWS: usize = 16;
 /// How long a rank of a threads run waits for a silent peer before failing.
-const RANK_TIMEOUT: std::time::Duration = crate::launch::DEFAULT_TIMEOUT;
+const RANK_TIMEOUT: std::time::Duration = crate::cli::launch::DEFAULT_TIMEOUT;
 /// Test hook (hidden): `<rank>:<step>` makes that rank call
 /// `std::process::abort` as it starts that step (1-based), as a crashed
 /// process would; the launch tests use it to check that the other ranks and
@@ -369,7 +369,17 @@ struct Prepared {
 /// The layout of `settings` over its ranks (dp over all ranks by default),
 /// checked against `spec`.
 fn resolve_layout(settings: &TrainSettings, spec: &ModelSpec) -> Result<Option<Layout>, CliError> {
-    crate::dist::resolve_layout(settings.layout.as_deref(), settings.ranks, "--ranks", spec)
+    let declared = super::registry()
+        .layouts(&spec.name)
+        .map(|(_, layouts)| layouts)
+        .unwrap_or_default();
+    crate::cli::dist::resolve_layout(
+        settings.layout.as_deref(),
+        settings.ranks,
+        "--ranks",
+        spec,
+        &declared,
+    )
 }
 
 impl Prepared {
@@ -466,7 +476,8 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                     .map_err(|e| CliError::usage(format!("--model-config {e}")))?;
                 config.spec
             }
-            None => foldmoe::models::by_name(&settings.model)
+            None => super::registry()
+                .spec(&settings.model)
                 .map_err(|e| CliError::usage(format!("--model {}: {e}", settings.model)))?,
         },
     };
@@ -761,7 +772,7 @@ pub fn run<B: Backend>(b: &B, opts: TrainOptions, stop: Arc<AtomicBool>) -> Resu
 /// `--layout` spans the processes, `--ranks` may only repeat their number,
 /// and rank 0 alone writes the run directory.
 ///
-/// The communicator ([`crate::dist::connect`], waiting up to `timeout` for a peer)
+/// The communicator ([`crate::cli::dist::connect`], waiting up to `timeout` for a peer)
 /// is made after the options are checked, so bad flags fail at once on
 /// every rank, without waiting for the others.
 pub fn run_process<B: ProcessComm>(
@@ -783,7 +794,7 @@ pub fn run_process<B: ProcessComm>(
     }
     let prep = prepare(opts, B::NAME)?;
     admit(b, &prep, &[env.rank])?;
-    let comm = crate::dist::connect(b, env, timeout, Some(&prep.layout))?;
+    let comm = crate::cli::dist::connect(b, env, timeout, Some(&prep.layout))?;
     let world = Group::new((0..env.world).collect());
     // Rank 0 alone prepares the run directory; if it cannot, it aborts, so
     // the others stop at the barrier with its reason instead of waiting.
@@ -1092,14 +1103,14 @@ fn train_loop<B: Backend>(
         .map_err(|e| CliError::io("cannot encode", &summary_path, e))?;
     std::fs::write(&summary_path, json)
         .map_err(|e| CliError::io("cannot write", &summary_path, e))?;
-    crate::plot::loss_png(&out.join("loss.png"), &meta.losses, &meta.val_losses)?;
+    crate::cli::plot::loss_png(&out.join("loss.png"), &meta.losses, &meta.val_losses)?;
     if settings.sample_tokens > 0 && meta.step == settings.steps {
         // The sample comes from the full model, rebuilt from the checkpoint's
         // tensors whatever the layout.
         let (model, _) = load_model(b, &saved)?;
         let prompt = "And God said";
         let tok = ByteTokenizer;
-        let ids = crate::generate::sample(
+        let ids = crate::cli::generate::sample(
             b,
             &model,
             &tok.encode(prompt),
@@ -1116,7 +1127,7 @@ fn train_loop<B: Backend>(
             .flat_map(|&id| {
                 let byte = id as u8;
                 if escape {
-                    crate::generate::escaped(byte)
+                    crate::cli::generate::escaped(byte)
                 } else {
                     vec![byte]
                 }

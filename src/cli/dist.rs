@@ -15,24 +15,41 @@ use foldmoe::kernels::cuda::nccl::{NcclComm, UNIQUE_ID_BYTES};
 use foldmoe::kernels::cuda::Cuda;
 use foldmoe::kernels::{Backend, Communicator, Group};
 
-use crate::error::CliError;
+use crate::cli::error::CliError;
 
 /// The layout `text` (`--layout`) over `ranks` ranks, checked against
 /// `spec` with the same messages as the macro. No text means dp over all
 /// ranks, and no layout at all for one rank (a plain one-rank run). A
 /// `world` in the text must agree with `ranks`, which an error names as
-/// `{ranks_from} {ranks}` (`--ranks 2`, `WORLD_SIZE = 2`).
+/// `{ranks_from} {ranks}` (`--ranks 2`, `WORLD_SIZE = 2`). The name of one
+/// of `declared` (the model's declared layouts, `--layout dgx-h100`)
+/// selects that layout, whose world must agree with `ranks` too.
 pub fn resolve_layout(
     text: Option<&str>,
     ranks: usize,
     ranks_from: &str,
     spec: &ModelSpec,
+    declared: &[LayoutSpec],
 ) -> Result<Option<Layout>, CliError> {
     let text = match (text, ranks) {
         (None, 1) => return Ok(None),
         (Some(t), _) => t,
         (None, _) => "",
     };
+    if let Some(named) = declared.iter().find(|l| l.name == text.trim()) {
+        if named.world != ranks {
+            return Err(CliError::usage(format!(
+                "--layout {text}: the declared layout spans world = {} but {ranks_from} {ranks}; \
+                 they must agree",
+                named.world
+            )));
+        }
+        let layout = layout::check(named, spec).map_err(|errors| {
+            let msgs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            CliError::usage(format!("--layout {text}: {}", msgs.join("; ")))
+        })?;
+        return Ok(Some(layout));
+    }
     let mut layout_spec =
         LayoutSpec::parse(text).map_err(|e| CliError::usage(format!("--layout {text}: {e}")))?;
     if text.split(',').any(|kv| kv.trim().starts_with("world")) {

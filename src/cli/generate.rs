@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::error::CliError;
-use crate::train::load_model;
+use crate::cli::error::CliError;
+use crate::cli::train::load_model;
 
 /// Most bytes one `generate` makes (about four hours on the CPU at 14 ms a
 /// byte): a larger `--tokens` is a one-line error, not an endless run.

@@ -6,9 +6,9 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-use crate::error::CliError;
+use crate::cli::error::CliError;
 
-static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 
 /// Draws training losses (one per step) and validation points `(step, loss)`.
 pub fn loss_png(path: &Path, train: &[f64], val: &[(u64, f64)]) -> Result<(), CliError> {

@@ -11,7 +11,7 @@ use foldmoe::core::memory::{self, MemoryOptions, MemoryPlan, GIB};
 use foldmoe::core::spec::{keywords, ModelSpec, PolicyOverride};
 use serde::Serialize;
 
-use crate::error::CliError;
+use crate::cli::error::CliError;
 
 /// Most tokens per step a plan is made for (2^32: no run comes near it, and
 /// every byte count stays exact).
@@ -66,7 +66,8 @@ impl ModelSource<'_> {
     /// The model's spec and its declared layouts.
     fn load(&self) -> Result<(ModelSpec, Vec<LayoutSpec>), CliError> {
         match self {
-            ModelSource::Name(name) => foldmoe::models::layouts_by_name(name)
+            ModelSource::Name(name) => super::registry()
+                .layouts(name)
                 .map_err(|e| CliError::usage(format!("--model {name}: {e}"))),
             ModelSource::Config(path) => ModelConfig::load(path)
                 .map(ModelConfig::into_parts)

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use foldmoe::core::spec::PolicyOverride;
 use foldmoe::kernels::DType;
 
-use crate::error::CliError;
+use crate::cli::error::CliError;
 
 /// The options of `foldmoe train`, as flags or as keys of a `--config` file
 /// (same names, with `-` written `_` in TOML). Unset means "use the default".
@@ -185,7 +185,7 @@ fn one() -> usize {
 impl Default for TrainSettings {
     fn default() -> Self {
         TrainSettings {
-            model: "tiny".into(),
+            model: super::registry().default_name().unwrap_or("tiny").into(),
             layers: None,
             steps: 250,
             seed: 1234,

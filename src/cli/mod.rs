@@ -1,0 +1,245 @@
+//! The command line of foldmoe for any binary: `train` (the default),
+//! `launch`, `generate`, `plan`, `bench`, over the models of the
+//! [`Registry`] the binary gives [`main`]. The `foldmoe` command is
+//! `foldmoe::cli::main(foldmoe::models::registry())`; a model crate's binary is
+//! `foldmoe::cli::main(foldmoe::models![MyMoe, MyMoeSmall])`.
+
+mod bench;
+mod dist;
+mod error;
+mod generate;
+mod launch;
+mod plan;
+mod plot;
+mod settings;
+mod train;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use clap::{Parser, Subcommand};
+use foldmoe::core::engine::declared::Registry;
+use foldmoe::kernels::comm::rendezvous::DistEnv;
+use foldmoe::kernels::cpu::Cpu;
+use foldmoe::kernels::cuda::Cuda;
+
+use crate::cli::error::CliError;
+use crate::cli::settings::TrainOptions;
+
+/// Train and run Mixture-of-Experts language models.
+#[derive(Parser)]
+#[command(name = "foldmoe", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model on the bundled text (the default command).
+    Train(Box<TrainOptions>),
+    /// Run a command (`train`) as one process per rank on this node.
+    Launch(launch::LaunchOptions),
+    /// Parameters, FLOPs per token, process groups, memory per GPU and communication of a model under a layout.
+    Plan {
+        /// Model name (default: the binary's first model, `tiny` for `foldmoe`).
+        #[arg(long)]
+        model: Option<String>,
+        /// Model config file (TOML, the keys of `#[moe_model]`), instead of `--model`.
+        #[arg(long, value_name = "FILE", conflicts_with = "model")]
+        model_config: Option<PathBuf>,
+        /// Layout, e.g. `world=1024,pp=16,ep=64` (default: the model's first declared layout).
+        #[arg(long)]
+        layout: Option<String>,
+        /// World size (overrides the layout's).
+        #[arg(long)]
+        ranks: Option<usize>,
+        /// Rank whose process groups are listed.
+        #[arg(long, default_value_t = 0)]
+        rank: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Sequences per micro-batch, for the activation estimate.
+        #[arg(long, default_value_t = 1)]
+        micro_batch_size: usize,
+        /// Micro-batches per step on each dp rank (default: pp, the fewest that fill the 1F1B pipeline).
+        #[arg(long)]
+        micro_batches: Option<usize>,
+        /// Recompute these parts in every group (`norm,moe_act`, `block`; `none`: keep all), instead of the declared policy.
+        #[arg(long, value_name = "LIST")]
+        recompute: Option<String>,
+        /// Offload these tensors to host memory in every group (`qkv,expert_fc1`; `none`), instead of the declared policy.
+        #[arg(long, value_name = "LIST")]
+        offload: Option<String>,
+        /// Store these saved tensors in fp8 (e4m3) in every group (`expert_fc1,moe_act`; `none`), instead of the declared policy.
+        #[arg(long = "store-fp8", value_name = "LIST")]
+        store_fp8: Option<String>,
+    },
+    /// Time one MoE layer or a training step; prints JSON (see benchmarks/README.md).
+    Bench(bench::BenchOptions),
+    /// Continue a prompt with a trained checkpoint.
+    Generate {
+        /// Run directory or checkpoint directory.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Text to continue.
+        #[arg(long, default_value = "")]
+        prompt: String,
+        /// Bytes to generate.
+        #[arg(long, default_value_t = 200)]
+        tokens: usize,
+        /// Sampling temperature (0: greedy).
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Sampling seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Write control bytes as they are even on a terminal (by default a
+        /// terminal gets them as `\xNN`).
+        #[arg(long)]
+        raw: bool,
+    },
+}
+
+impl Default for Command {
+    fn default() -> Self {
+        Command::Train(Box::default())
+    }
+}
+
+/// Fails with a clear message unless the named device (GPU `ordinal` for
+/// cuda) can be used.
+fn check_device(name: &str, ordinal: usize) -> Result<(), CliError> {
+    if name == "cuda" {
+        Cuda::new(ordinal)?;
+    }
+    Ok(())
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command.unwrap_or_default() {
+        Command::Train(opts) => {
+            // Started by `foldmoe launch` (or torchrun-style variables):
+            // this process is one rank of a multi-process run.
+            let dist = DistEnv::from_env()?;
+            let gpu = dist.as_ref().map_or(0, |env| env.local_rank);
+            if let Some(device) = &opts.device {
+                check_device(device, gpu)?;
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = stop.clone();
+            ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+                .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
+            // The run goes to the backend it names; a device that cannot be
+            // used was refused above, so nothing falls back to the CPU.
+            let cuda = opts.device.as_deref() == Some("cuda");
+            match dist {
+                None if cuda => train::run(&Cuda::new(0)?, *opts, stop),
+                None => train::run(&Cpu, *opts, stop),
+                Some(env) => {
+                    let timeout = launch::comm_timeout()?;
+                    if cuda {
+                        train::run_process(&Cuda::new(gpu)?, *opts, stop, &env, timeout)
+                    } else {
+                        train::run_process(&Cpu, *opts, stop, &env, timeout)
+                    }
+                }
+            }
+        }
+        Command::Launch(opts) => launch::run(opts),
+        Command::Plan {
+            model,
+            model_config,
+            layout,
+            ranks,
+            rank,
+            json,
+            micro_batch_size,
+            micro_batches,
+            recompute,
+            offload,
+            store_fp8,
+        } => {
+            let model = model.unwrap_or_else(|| registry().default_name().unwrap_or("tiny").into());
+            let source = match &model_config {
+                Some(path) => plan::ModelSource::Config(path),
+                None => plan::ModelSource::Name(&model),
+            };
+            let memory = plan::MemoryFlags {
+                micro_batch_size,
+                micro_batches,
+                recompute: recompute.as_deref(),
+                offload: offload.as_deref(),
+                store_fp8: store_fp8.as_deref(),
+            };
+            println!(
+                "{}",
+                plan::run(source, layout.as_deref(), ranks, rank, json, &memory)?
+            );
+            Ok(())
+        }
+        Command::Bench(o) => {
+            if let Some(report) = bench::run(&o)? {
+                println!("{report}");
+            }
+            Ok(())
+        }
+        Command::Generate {
+            checkpoint,
+            prompt,
+            tokens,
+            temperature,
+            seed,
+            raw,
+        } => {
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = stop.clone();
+            ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+                .map_err(|e| CliError::usage(format!("cannot install the Ctrl-C handler: {e}")))?;
+            let made = generate::run(
+                &Cpu,
+                &checkpoint,
+                &prompt,
+                tokens,
+                temperature,
+                seed,
+                raw,
+                &stop,
+            )?;
+            if stop.load(Ordering::SeqCst) {
+                return Err(CliError::Exit {
+                    code: 130,
+                    msg: format!("interrupted after {made} bytes"),
+                });
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The models this process serves, set once by [`main`].
+static REGISTRY: OnceLock<Registry> = OnceLock::new();
+
+/// The models of this binary: what [`main`] was given (the shipped models
+/// when the CLI's functions run without it, as in tests).
+pub(crate) fn registry() -> &'static Registry {
+    REGISTRY.get_or_init(foldmoe::models::registry)
+}
+
+/// Runs the command line over `models` and exits: the whole of a binary's
+/// `main`. Errors are one `error: ...` line on stderr and the exit status
+/// they carry.
+pub fn main(models: Registry) -> ! {
+    // The first registration wins; a second call in one process keeps it.
+    let _ = REGISTRY.set(models);
+    if let Err(e) = run(Cli::parse()) {
+        // One write of the whole line: the ranks of `foldmoe launch` share
+        // stderr, and `eprintln!` writes in pieces that would interleave.
+        let line = format!("error: {e}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        std::process::exit(e.exit_code());
+    }
+    std::process::exit(0)
+}
