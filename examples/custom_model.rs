@@ -9,11 +9,11 @@
 
 use std::time::Duration;
 
-use foldmoe_core::engine::data::{BatchSampler, TextDataset};
 use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
 use foldmoe_core::engine::parallel::{run_local_layout, Trainer};
 use foldmoe_core::engine::trainer::TrainConfig;
 use foldmoe_core::layout;
+use foldmoe_data::{BatchSampler, TextDataset};
 use foldmoe_kernels::cpu::Cpu;
 use foldmoe_kernels::DType;
 use foldmoe_macros::moe_model;

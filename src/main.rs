@@ -1,4 +1,5 @@
-//! The `foldmoe` command: `train` (the default), `launch`, `generate`, `plan`.
+//! The `foldmoe` command: `train` (the default), `launch`, `generate`, `plan`,
+//! `bench`, `preprocess`, `train-tokenizer`.
 
 mod bench;
 mod dist;
@@ -7,6 +8,7 @@ mod generate;
 mod launch;
 mod plan;
 mod plot;
+mod preprocess;
 mod settings;
 mod train;
 
@@ -32,7 +34,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model on the bundled text (the default command).
+    /// Train a model on the bundled text or Megatron datasets (the default command).
     Train(Box<TrainOptions>),
     /// Run a command (`train`) as one process per rank on this node.
     Launch(launch::LaunchOptions),
@@ -74,6 +76,10 @@ enum Command {
     },
     /// Time one MoE layer or a training step; prints JSON (see benchmarks/README.md).
     Bench(bench::BenchOptions),
+    /// Tokenize a .jsonl or text file into a Megatron indexed dataset (PATH.bin, PATH.idx).
+    Preprocess(preprocess::PreprocessOptions),
+    /// Train a byte-level BPE tokenizer.json on text or .jsonl files.
+    TrainTokenizer(preprocess::TrainTokenizerOptions),
     /// Continue a prompt with a trained checkpoint.
     Generate {
         /// Run directory or checkpoint directory.
@@ -172,6 +178,14 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 "{}",
                 plan::run(source, layout.as_deref(), ranks, rank, json, &memory)?
             );
+            Ok(())
+        }
+        Command::Preprocess(o) => {
+            println!("{}", preprocess::run(&o)?);
+            Ok(())
+        }
+        Command::TrainTokenizer(o) => {
+            println!("{}", preprocess::train_tokenizer(&o)?);
             Ok(())
         }
         Command::Bench(o) => {

@@ -173,12 +173,17 @@ impl GptDataset {
                 seqs.end
             )));
         }
-        // The fewest whole epochs holding num_samples windows.
+        // The fewest epochs whose samples number at least num_samples,
+        // counting the samples that start in an epoch as its own. The
+        // document index holds spare epochs after them, enough for the
+        // last sample's tokens, so that what is built for a run is a prefix
+        // of what a longer run builds (a resumed run may raise --steps).
         let need = cfg.num_samples.max(1);
-        let mut epochs = (need * s + 1).div_ceil(tokens).max(1);
-        while (epochs * tokens - 1) / s < need {
+        let mut epochs = (need * s).div_ceil(tokens).max(1);
+        while (epochs * tokens).div_ceil(s) < need {
             epochs += 1;
         }
+        let spare = (s + 1).div_ceil(tokens);
         let key = {
             let mut h = Sha256::new();
             h.update(CACHE_MAGIC);
@@ -214,20 +219,26 @@ impl GptDataset {
         }
         // The document index: each epoch a permutation of the split's sequences.
         let mut doc_index = Vec::with_capacity(seqs.len() * epochs as usize);
-        for e in 0..epochs {
+        for e in 0..epochs + spare {
             let mut epoch: Vec<u32> = seqs.clone().map(|q| q as u32).collect();
             epoch.shuffle(&mut rng(cfg.seed ^ ((cfg.split as u64) << 60), 1, e));
             doc_index.extend(epoch);
         }
         // The sample index (Megatron's `build_sample_idx`, one extra token).
-        let num_samples = (epochs * tokens - 1) / s;
+        let num_samples = (epochs * tokens).div_ceil(s);
         let mut sample_index = Vec::with_capacity(num_samples as usize + 1);
         sample_index.push((0u64, 0u32));
         let (mut pos, mut offset) = (0usize, 0i64);
         for _ in 0..num_samples {
             let mut remaining = s as i64 + 1;
             while remaining != 0 {
-                let doc_len = i64::from(sizes[doc_index[pos] as usize]) - offset;
+                let q = *doc_index.get(pos).ok_or_else(|| {
+                    DataError::Invalid(format!(
+                        "{}: the document index ran out while packing (an internal error)",
+                        data.prefix().display()
+                    ))
+                })?;
+                let doc_len = i64::from(sizes[q as usize]) - offset;
                 remaining -= doc_len;
                 if remaining <= 0 {
                     offset += remaining + doc_len - 1;
@@ -467,10 +478,10 @@ mod tests {
     fn each_epoch_covers_every_token_once() {
         let data = dataset("epoch");
         let g = GptDataset::build(data.clone(), 0..7, &cfg(20, 3)).unwrap();
-        // 29 tokens a epoch; 20 samples of 4 need 3 epochs ((3·29 − 1) / 4 = 21).
-        assert_eq!((g.epochs(), g.len()), (3, 21));
+        // 29 tokens an epoch; 20 samples of 4 need 3 epochs (⌈3·29 / 4⌉ = 22).
+        assert_eq!((g.epochs(), g.len()), (3, 22));
         let bounds = g.epoch_bounds();
-        assert_eq!(bounds, vec![0, 8, 15, 21]);
+        assert_eq!(bounds, vec![0, 8, 15, 22]);
         // The shuffle keeps each epoch's samples in that epoch.
         let window = |shuffled: bool, i: usize| {
             let mut w = Vec::new();
@@ -527,7 +538,8 @@ mod tests {
     fn packing_crosses_documents_with_one_shared_token() {
         let g = GptDataset::build(dataset("pack"), 0..7, &cfg(3, 1)).unwrap();
         let mut all = Vec::new();
-        for j in 0..g.len() {
+        // The 7 samples that fit in the first epoch's 29 tokens.
+        for j in 0..7 {
             let mut w = Vec::new();
             g.unshuffled(j, &mut w).unwrap();
             if let Some(&last) = all.last() {
@@ -545,6 +557,23 @@ mod tests {
             29,
             "one epoch: (29 − 1) / 4 = 7 samples, 29 tokens"
         );
+    }
+
+    /// A longer run (more samples, more epochs) sees the shorter run's
+    /// samples first, in the same order: raising --steps on resume keeps
+    /// the data.
+    #[test]
+    fn more_samples_extend_the_sequence() {
+        let data = dataset("prefix");
+        let short = GptDataset::build(data.clone(), 0..7, &cfg(9, 5)).unwrap();
+        let long = GptDataset::build(data, 0..7, &cfg(40, 5)).unwrap();
+        assert!(long.epochs() > short.epochs());
+        for i in 0..short.len() {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            short.sample(i, &mut a).unwrap();
+            long.sample(i, &mut b).unwrap();
+            assert_eq!(a, b, "sample {i}");
+        }
     }
 
     #[test]
