@@ -28,7 +28,7 @@ impl BlendSpec {
         if args.is_empty() {
             return Err(bad("give a dataset prefix, or weight prefix pairs".into()));
         }
-        let weighted = args.len() % 2 == 0 && args[0].parse::<f64>().is_ok();
+        let weighted = args.len().is_multiple_of(2) && args[0].parse::<f64>().is_ok();
         if !weighted {
             if let Some(w) = args.iter().find(|a| a.parse::<f64>().is_ok()) {
                 return Err(bad(format!(

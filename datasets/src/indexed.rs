@@ -386,7 +386,7 @@ impl IndexedDataset {
         for (i, &len) in sequence_lengths.iter().enumerate() {
             let p = u64_at(&bytes, pointers_at + 8 * i) as i64;
             let end = p as i128 + i128::from(len) * size as i128;
-            if p < 0 || p as u64 % size != 0 || end > i128::from(bin_len) {
+            if p < 0 || !(p as u64).is_multiple_of(size) || end > i128::from(bin_len) {
                 return Err(DataError::corrupt(
                     &idx,
                     "sequence pointers",
