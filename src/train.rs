@@ -64,6 +64,10 @@ pub struct RunMeta {
     pub val_losses: Vec<(u64, f64)>,
     /// Seconds spent training before this checkpoint.
     pub train_seconds: f64,
+    /// What the run's data was when it started ([`Loader::fingerprint`]): a
+    /// resume refuses data that changed since.
+    #[serde(default)]
+    pub data_fingerprint: Option<String>,
 }
 
 /// The run summary written at the end (`summary.json`).
@@ -600,8 +604,18 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         .unwrap_or_else(default_out_dir);
     let (resumed, meta) = match resumed {
         Some((source, mut meta)) => {
+            let now = loader.fingerprint();
+            if let (Some(was), Some(now)) = (&meta.data_fingerprint, &now) {
+                if was != now {
+                    return Err(CliError::usage(format!(
+                        "--resume: the data of --data-path changed since the checkpoint's run \
+                         started (fingerprint {was}, now {now}); resume on the same files"
+                    )));
+                }
+            }
             meta.settings = settings.clone();
             meta.spec = spec.clone();
+            meta.data_fingerprint = now;
             (Some(source), meta)
         }
         None => (
@@ -614,6 +628,7 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                 losses: Vec::new(),
                 val_losses: Vec::new(),
                 train_seconds: 0.0,
+                data_fingerprint: loader.fingerprint(),
             },
         ),
     };

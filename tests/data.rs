@@ -208,6 +208,23 @@ fn bad_data_gives_one_line_errors() {
     // BPE ids in a byte model.
     let o = foldmoe(&["train", "--data-path", s(&d.bpe), "--steps", "1"]);
     assert_fails_with(&o, &["token id", "vocabulary of 256"]);
+    // Data that changed under a run is refused on resume.
+    let copy = d.dir.join("copy/corpus");
+    std::fs::create_dir_all(copy.parent().unwrap()).unwrap();
+    for ext in ["bin", "idx"] {
+        std::fs::copy(d.bpe.with_extension(ext), copy.with_extension(ext)).unwrap();
+    }
+    let o = d.train(
+        "changed",
+        &["--data-path", s(&copy), "--steps", "2", "--exit-after", "1"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Another dataset under the same prefix (its index differs).
+    for ext in ["bin", "idx"] {
+        std::fs::copy(d.bytes.with_extension(ext), copy.with_extension(ext)).unwrap();
+    }
+    let o = foldmoe(&["train", "--resume", s(&d.dir.join("changed"))]);
+    assert_fails_with(&o, &["changed since the checkpoint"]);
     // A corrupt index names the file and the field.
     let idx = idx_path(&d.bytes);
     let mut bytes = std::fs::read(&idx).unwrap();

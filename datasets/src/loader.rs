@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use sha2::{Digest, Sha256};
+
 use crate::blend::{samples_for, BlendSpec, BlendedDataset};
 use crate::error::{DataError, Result};
 use crate::gpt::{GptConfig, GptDataset, IndexOrigin, Split, SPLIT_NAMES};
@@ -71,6 +73,8 @@ pub struct Loader {
     val: Option<Data>,
     seq_len: usize,
     vocab: usize,
+    /// Normalised blend weights (empty for text).
+    weights: Vec<f64>,
     notes: Vec<String>,
 }
 
@@ -89,6 +93,7 @@ impl Loader {
             val: Some(Data::Text(val)),
             seq_len,
             vocab,
+            weights: Vec::new(),
             notes: Vec::new(),
         })
     }
@@ -183,8 +188,26 @@ impl Loader {
             val: val.map(Data::Indexed),
             seq_len: cfg.seq_len,
             vocab,
+            weights,
             notes,
         })
+    }
+
+    /// A SHA-256 (hex, 16 digits) of the indexed datasets (each `.idx`, its
+    /// `.bin`'s length) and their weights; `None` for text in memory.
+    pub fn fingerprint(&self) -> Option<String> {
+        let Data::Indexed(b) = &self.train else {
+            return None;
+        };
+        let mut h = Sha256::new();
+        for p in b.parts() {
+            h.update(p.data().fingerprint());
+        }
+        for w in &self.weights {
+            h.update(w.to_le_bytes());
+        }
+        let d: [u8; 32] = h.finalize().into();
+        Some(d[..8].iter().map(|x| format!("{x:02x}")).collect())
     }
 
     /// Lines for the run's log (where each dataset's indices came from).
