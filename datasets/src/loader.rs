@@ -271,3 +271,118 @@ impl Loader {
         to_batch(&w, self.seq_len, self.vocab, &"validation data").map(Some)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::indexed::{IndexedWriter, TokenDtype};
+
+    /// A dataset of `docs` documents of 3..40 tokens (ids below 500).
+    fn write(tag: &str, docs: usize) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("foldmoe-loader-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let p = dir.join("d");
+        let mut w = IndexedWriter::create(&p, TokenDtype::U16).unwrap();
+        for d in 0..docs {
+            let n = 3 + (d * 7) % 38;
+            let ids: Vec<u32> = (0..n).map(|t| ((d * 31 + t) % 500) as u32).collect();
+            w.add_document(&ids, &[n]).unwrap();
+        }
+        w.finalize().unwrap();
+        p
+    }
+
+    fn loader(prefixes: &[&std::path::Path], weights: Option<Vec<f64>>, vocab: usize) -> Loader {
+        let cfg = IndexedConfig {
+            blend: BlendSpec {
+                prefixes: prefixes.iter().map(|p| p.to_path_buf()).collect(),
+                weights,
+            },
+            split: Split::parse("90,10,0").unwrap(),
+            seq_len: 16,
+            seed: 11,
+            train_samples: 64,
+            valid_samples: 4,
+        };
+        Loader::indexed(&cfg, vocab).unwrap()
+    }
+
+    /// Two dp ranks together read exactly what one rank reads for the same
+    /// step, each only its half, and both end at the same position.
+    #[test]
+    fn dp_ranks_read_disjoint_shares_of_one_step() {
+        let (a, b) = (write("dp-a", 200), write("dp-b", 120));
+        let l = loader(&[&a, &b], Some(vec![0.3, 0.7]), 512);
+        let mut one = BatchSampler::new(11);
+        let mut r0 = one.clone();
+        let mut r1 = one.clone();
+        for _ in 0..3 {
+            let all = l.rank_batches(&mut one, 2, 4, 1, 0).unwrap();
+            let mut halves = l.rank_batches(&mut r0, 2, 4, 2, 0).unwrap();
+            halves.extend(l.rank_batches(&mut r1, 2, 4, 2, 1).unwrap());
+            assert_eq!(halves, all);
+        }
+        assert_eq!((one.position, one.samples), (12, 24));
+        assert_eq!(r0, one);
+        assert_eq!(r1, one);
+        // Targets are the tokens shifted by one.
+        let (x, y) = &l.rank_batches(&mut one, 1, 1, 1, 0).unwrap()[0];
+        assert_eq!(&x[1..], &y[..15]);
+        assert!(l.validation_batch(4).unwrap().is_some());
+        assert_eq!(
+            l.fingerprint(),
+            loader(&[&a, &b], Some(vec![0.3, 0.7]), 512).fingerprint()
+        );
+        assert_ne!(
+            l.fingerprint(),
+            loader(&[&a, &b], Some(vec![0.5, 0.5]), 512).fingerprint()
+        );
+    }
+
+    #[test]
+    fn ids_outside_the_model_vocabulary_are_an_error() {
+        let a = write("vocab", 50);
+        let l = loader(&[&a], None, 100);
+        let err = l
+            .rank_batches(&mut BatchSampler::new(0), 2, 1, 1, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("not below the model's vocabulary of 100"),
+            "{err}"
+        );
+    }
+
+    /// Samples per second of the loader on 2 M tokens (`cargo test -p
+    /// foldmoe-data --release -- --ignored --nocapture loader_throughput`).
+    #[test]
+    #[ignore]
+    fn loader_throughput() {
+        let a = write("speed", 100_000);
+        let cfg = IndexedConfig {
+            blend: BlendSpec {
+                prefixes: vec![a],
+                weights: None,
+            },
+            split: Split::parse("969,30,1").unwrap(),
+            seq_len: 2048,
+            seed: 1,
+            train_samples: 1000,
+            valid_samples: 16,
+        };
+        let t0 = std::time::Instant::now();
+        let l = Loader::indexed(&cfg, 512).unwrap();
+        let built = t0.elapsed().as_secs_f64();
+        let mut pos = BatchSampler::new(1);
+        let t0 = std::time::Instant::now();
+        for _ in 0..100 {
+            l.rank_batches(&mut pos, 8, 1, 1, 0).unwrap();
+        }
+        let s = t0.elapsed().as_secs_f64();
+        println!(
+            "loader: indices in {built:.3} s; {:.0} samples/s of 2048 tokens ({:.1} M tokens/s)",
+            800.0 / s,
+            800.0 * 2048.0 / s / 1e6
+        );
+    }
+}
