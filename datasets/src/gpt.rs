@@ -134,11 +134,15 @@ pub struct GptConfig {
 /// Version of the cache format (part of the key).
 const CACHE_MAGIC: &[u8; 8] = b"FMGPTIX1";
 
-/// A ChaCha8 stream for `(seed, what, epoch)`.
-fn rng(seed: u64, what: u64, epoch: u64) -> ChaCha8Rng {
+/// What a shuffle orders: documents or samples.
+const DOCUMENTS: u64 = 1;
+const SAMPLES: u64 = 2;
+
+/// A ChaCha8 stream for `(seed, split, what, epoch)`.
+fn rng(seed: u64, split: usize, what: u64, epoch: u64) -> ChaCha8Rng {
     let mut h = Sha256::new();
     h.update(b"foldmoe gpt shuffle");
-    for v in [seed, what, epoch] {
+    for v in [seed, split as u64, what, epoch] {
         h.update(v.to_le_bytes());
     }
     let d: [u8; 32] = h.finalize().into();
@@ -221,7 +225,7 @@ impl GptDataset {
         let mut doc_index = Vec::with_capacity(seqs.len() * epochs as usize);
         for e in 0..epochs + spare {
             let mut epoch: Vec<u32> = seqs.clone().map(|q| q as u32).collect();
-            epoch.shuffle(&mut rng(cfg.seed ^ ((cfg.split as u64) << 60), 1, e));
+            epoch.shuffle(&mut rng(cfg.seed, cfg.split, DOCUMENTS, e));
             doc_index.extend(epoch);
         }
         // The sample index (Megatron's `build_sample_idx`, one extra token).
@@ -255,7 +259,7 @@ impl GptDataset {
         for e in 0..epochs {
             let from = (e * tokens).div_ceil(s).min(num_samples) as usize;
             let to = ((e + 1) * tokens).div_ceil(s).min(num_samples) as usize;
-            shuffle_index[from..to].shuffle(&mut rng(cfg.seed ^ ((cfg.split as u64) << 60), 2, e));
+            shuffle_index[from..to].shuffle(&mut rng(cfg.seed, cfg.split, SAMPLES, e));
         }
         let origin = match write_cache(&cache, &key, &doc_index, &sample_index, &shuffle_index) {
             Ok(()) => IndexOrigin::Built(cache),
@@ -508,8 +512,12 @@ mod tests {
         let first = window(true, 0);
         // Golden: the order for seed 3 (a change here changes every run's data).
         let starts: Vec<u32> = (0..8).map(|i| window(true, i)[0]).collect();
-        assert_eq!(starts, [6003, 3006, 5001, 1000, 4000, 5005, 3002, 1]);
-        assert_eq!(first, [6003, 5000, 5001, 5002, 5003], "packed across documents 6 and 5");
+        assert_eq!(starts, [3008, 3000, 6000, 5003, 3004, 0, 4, 1000]);
+        assert_eq!(
+            first,
+            [3008, 5000, 5001, 5002, 5003],
+            "packed across documents 3 and 5"
+        );
         let again = GptDataset::build(data.clone(), 0..7, &cfg(20, 3)).unwrap();
         assert!(
             matches!(again.origin, IndexOrigin::Cached(_)),

@@ -306,7 +306,21 @@ impl IndexedDataset {
     /// that every sequence lies inside `.bin`.
     pub fn open(prefix: &Path) -> Result<Self> {
         let idx = idx_path(prefix);
-        let bytes = std::fs::read(&idx).map_err(|e| DataError::io("cannot read", &idx, e))?;
+        let idx_file = File::open(&idx).map_err(|e| DataError::io("cannot read", &idx, e))?;
+        let idx_len = idx_file
+            .metadata()
+            .map_err(|e| DataError::io("cannot read", &idx, e))?
+            .len();
+        let idx_map = if idx_len == 0 {
+            None
+        } else {
+            // SAFETY: read-only, and only read here, while it is open.
+            Some(
+                unsafe { Mmap::map(&idx_file) }
+                    .map_err(|e| DataError::io("cannot map", &idx, e))?,
+            )
+        };
+        let bytes: &[u8] = idx_map.as_deref().unwrap_or(&[]);
         let bin = bin_path(prefix);
         let file = File::open(&bin).map_err(|e| DataError::io("cannot read", &bin, e))?;
         let bin_len = file
@@ -428,7 +442,7 @@ impl IndexedDataset {
             Some(unsafe { Mmap::map(&file) }.map_err(|e| DataError::io("cannot map", &bin, e))?)
         };
         let mut h = Sha256::new();
-        h.update(&bytes);
+        h.update(bytes);
         h.update(bin_len.to_le_bytes());
         Ok(IndexedDataset {
             prefix: prefix.to_path_buf(),
