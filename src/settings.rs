@@ -481,6 +481,37 @@ mod tests {
     }
 
     #[test]
+    fn data_keys_come_from_the_file_and_are_checked() {
+        let cfg = write(
+            "data.toml",
+            "data_path = [\"0.3\", \"a/x\", \"0.7\", \"b/y\"]\nsplit = \"98,2,0\"\ntokenizer = \"t.json\"\n",
+        );
+        let (s, _) = TrainOptions {
+            config: Some(cfg),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap();
+        assert_eq!(s.data_path.as_ref().map(Vec::len), Some(4));
+        assert_eq!(s.split.as_deref(), Some("98,2,0"));
+        assert_eq!(s.tokenizer, Some(PathBuf::from("t.json")));
+        let bad = |o: TrainOptions| o.resolve(TrainSettings::default()).unwrap_err().to_string();
+        let err = bad(TrainOptions {
+            split: Some("1,1".into()),
+            ..Default::default()
+        });
+        assert!(
+            err.starts_with("--split 1,1: divides the documents of --data-path"),
+            "{err}"
+        );
+        let err = bad(TrainOptions {
+            data_path: Some(vec!["0.5".into(), "a".into(), "x".into(), "b".into()]),
+            ..Default::default()
+        });
+        assert!(err.contains("`x` is not a weight"), "{err}");
+    }
+
+    #[test]
     fn zero_steps_is_rejected() {
         let err = TrainOptions {
             steps: Some(0),
