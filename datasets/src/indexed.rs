@@ -347,7 +347,7 @@ impl IndexedDataset {
                 ),
             ));
         }
-        let version = u64_at(&bytes, 9);
+        let version = u64_at(bytes, 9);
         if version != VERSION {
             return Err(bad(
                 "version",
@@ -363,8 +363,8 @@ impl IndexedDataset {
                 ),
             )
         })?;
-        let n = u64_at(&bytes, 18);
-        let d = u64_at(&bytes, 26);
+        let n = u64_at(bytes, 18);
+        let d = u64_at(bytes, 26);
         // Sizes in u128: a corrupt count must not overflow.
         let need = HEADER_BYTES as u128 + 12 * n as u128 + 8 * d as u128;
         let have = bytes.len() as u128;
@@ -398,7 +398,7 @@ impl IndexedDataset {
         let size = dtype.size() as u64;
         let mut sequence_pointers = Vec::with_capacity(n);
         for (i, &len) in sequence_lengths.iter().enumerate() {
-            let p = u64_at(&bytes, pointers_at + 8 * i) as i64;
+            let p = u64_at(bytes, pointers_at + 8 * i) as i64;
             let end = p as i128 + i128::from(len) * size as i128;
             if p < 0 || !(p as u64).is_multiple_of(size) || end > i128::from(bin_len) {
                 return Err(DataError::corrupt(
@@ -414,7 +414,7 @@ impl IndexedDataset {
         }
         let mut document_indices = Vec::with_capacity(d);
         for i in 0..d {
-            let v = u64_at(&bytes, docs_at + 8 * i) as i64;
+            let v = u64_at(bytes, docs_at + 8 * i) as i64;
             let prev = document_indices.last().copied().unwrap_or(0) as i64;
             let first_ok = i > 0 || v == 0;
             if !first_ok || v < prev || v > n as i64 {
