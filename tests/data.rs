@@ -154,13 +154,22 @@ fn bpe_dataset_trains_resumes_exactly_and_splits_over_dp_ranks() {
 
     let blend = ["--data-path", "0.3", s(&d.bytes), "0.7", s(&d.bpe)];
     let mut args: Vec<&str> = blend.to_vec();
-    args.extend(["--split", "90,10,0", "--steps", "6", "--seed", "5"]);
+    args.extend([
+        "--split",
+        "90,10,0",
+        "--steps",
+        "6",
+        "--seed",
+        "5",
+        "--warmup-steps",
+        "2",
+    ]);
     let a = d.train("a", &args);
     assert!(a.status.success(), "{}", stderr(&a));
     let log = String::from_utf8_lossy(&a.stdout);
     assert!(log.contains("indices built, cached in"), "{log}");
     let l = losses(&d.dir.join("a"));
-    assert!(l[5] < l[0] - 0.3, "loss did not fall: {l:?}");
+    assert!(l[5] < l[0] - 0.5, "loss did not fall: {l:?}");
     // Interrupted at 3 and resumed: the same losses; the indices come from
     // the cache.
     let mut first = args.clone();
