@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::{foldmoe, losses, scratch, stderr};
+use common::{foldmoe, losses, scratch, stderr, Scratch};
 use foldmoe::data::indexed::{idx_path, IndexedDataset};
 
 /// Small, fast training flags (2 sequences of 128 tokens per step).
@@ -45,7 +45,8 @@ fn assert_fails_with(o: &Output, needles: &[&str]) {
 /// preprocessed with end-of-document tokens, a byte-level dataset of the
 /// same text, and the tiny model with a vocabulary of 512.
 struct Setup {
-    dir: PathBuf,
+    /// Removed when the test ends.
+    dir: Scratch,
     tokenizer: PathBuf,
     bpe: PathBuf,
     bytes: PathBuf,
