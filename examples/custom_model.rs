@@ -9,11 +9,12 @@
 
 use std::time::Duration;
 
-use foldmoe_core::engine::data::{BatchSampler, TextDataset};
 use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
 use foldmoe_core::engine::parallel::{run_local_layout, Trainer};
 use foldmoe_core::engine::trainer::TrainConfig;
+use foldmoe_core::engine::EngineError;
 use foldmoe_core::layout;
+use foldmoe_data::{BatchSampler, TextDataset};
 use foldmoe_kernels::cpu::Cpu;
 use foldmoe_kernels::DType;
 use foldmoe_macros::moe_model;
@@ -92,7 +93,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut trainer = Trainer::new(ctx.b, shard, cfg)?;
         let mut sampler = BatchSampler::new(42);
         for step in 1..=10 {
-            let micro_batch = sampler.next_batch(&data, batch, seq)?;
+            let micro_batch = sampler
+                .next_batch(&data, batch, seq)
+                .map_err(|e| EngineError::Invalid(e.to_string()))?;
             let stats = trainer.step(ctx, &[micro_batch], seq)?;
             println!(
                 "step {step:2}: loss {:.4}, aux {:.4}, lr {:.2e}",

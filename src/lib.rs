@@ -17,6 +17,7 @@ extern crate self as foldmoe;
 pub mod cli;
 
 pub use foldmoe_core as core;
+pub use foldmoe_data as data;
 pub use foldmoe_kernels as kernels;
 pub use foldmoe_macros::moe_model;
 pub use foldmoe_models as models;

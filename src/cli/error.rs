@@ -2,6 +2,7 @@
 //! problem and the value.
 
 use foldmoe::core::engine::EngineError;
+use foldmoe::data::DataError;
 use foldmoe::kernels::KernelError;
 
 /// Why a command failed.
@@ -13,6 +14,10 @@ pub enum CliError {
     /// The engine failed (bad checkpoint, non-finite loss, ...).
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// Data could not be read, tokenized or indexed (a corrupt `.idx`, a
+    /// token outside the vocabulary, ...).
+    #[error(transparent)]
+    Data(#[from] DataError),
     /// A kernel or device failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),

@@ -1,8 +1,8 @@
 //! Text generation from a trained model, byte by byte.
 
-use foldmoe::core::engine::data::ByteTokenizer;
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::parallel::Exec;
+use foldmoe::data::ByteTokenizer;
 use foldmoe::kernels::Backend;
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -132,7 +132,10 @@ pub fn run<B: Backend>(
     sample(
         b,
         &model,
-        &tok.encode(prompt),
+        &tok.encode(prompt)
+            .into_iter()
+            .map(|id| id as i32)
+            .collect::<Vec<_>>(),
         tokens,
         temperature,
         seed,

@@ -1,5 +1,6 @@
 //! The command line of foldmoe for any binary: `train` (the default),
-//! `launch`, `generate`, `plan`, `bench`, over the models of the
+//! `launch`, `generate`, `plan`, `bench`, `preprocess`, `train-tokenizer`,
+//! over the models of the
 //! [`Registry`] the binary gives [`main`]. The `foldmoe` command is
 //! `foldmoe::cli::main(foldmoe::models::registry())`; a model crate's binary is
 //! `foldmoe::cli::main(foldmoe::models![MyMoe, MyMoeSmall])`.
@@ -11,6 +12,7 @@ mod generate;
 mod launch;
 mod plan;
 mod plot;
+mod preprocess;
 mod settings;
 mod train;
 
@@ -37,7 +39,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model on the bundled text (the default command).
+    /// Train a model on the bundled text or Megatron datasets (the default command).
     Train(Box<TrainOptions>),
     /// Run a command (`train`) as one process per rank on this node.
     Launch(launch::LaunchOptions),
@@ -79,6 +81,10 @@ enum Command {
     },
     /// Time one MoE layer or a training step; prints JSON (see benchmarks/README.md).
     Bench(bench::BenchOptions),
+    /// Tokenize a .jsonl or text file into a Megatron indexed dataset (PATH.bin, PATH.idx).
+    Preprocess(preprocess::PreprocessOptions),
+    /// Train a byte-level BPE tokenizer.json on text or .jsonl files.
+    TrainTokenizer(preprocess::TrainTokenizerOptions),
     /// Continue a prompt with a trained checkpoint.
     Generate {
         /// Run directory or checkpoint directory.
@@ -178,6 +184,14 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 "{}",
                 plan::run(source, layout.as_deref(), ranks, rank, json, &memory)?
             );
+            Ok(())
+        }
+        Command::Preprocess(o) => {
+            println!("{}", preprocess::run(&o)?);
+            Ok(())
+        }
+        Command::TrainTokenizer(o) => {
+            println!("{}", preprocess::train_tokenizer(&o)?);
             Ok(())
         }
         Command::Bench(o) => {

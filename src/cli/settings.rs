@@ -93,6 +93,20 @@ pub struct TrainOptions {
     /// removed once a new one is complete).
     #[arg(long)]
     pub keep_checkpoints: Option<usize>,
+    /// Megatron indexed datasets to train on instead of the bundled text: a
+    /// prefix (`PATH` of `PATH.bin`/`PATH.idx`), several, or weight prefix
+    /// pairs (`0.3 A 0.7 B`), as Megatron's `--data-path`.
+    #[arg(long, num_args = 1.., value_name = "PATH")]
+    pub data_path: Option<Vec<String>>,
+    /// Train/validation/test shares of each dataset's documents (with
+    /// --data-path; default 969,30,1).
+    #[arg(long, value_name = "T,V,T")]
+    pub split: Option<String>,
+    /// Tokenizer: a Hugging Face `tokenizer.json` (made by `foldmoe
+    /// train-tokenizer`, or published), or `byte` (the default). Without
+    /// --data-path the bundled text is tokenized with it.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
     /// Start even when the memory planner's estimate for a rank exceeds the
     /// memory the device or host has available.
     #[arg(long)]
@@ -165,6 +179,15 @@ pub struct TrainSettings {
     /// Checkpoints kept.
     #[serde(default = "two")]
     pub keep_checkpoints: usize,
+    /// Megatron `--data-path` list (`None`: the bundled text).
+    #[serde(default)]
+    pub data_path: Option<Vec<String>>,
+    /// `--split` of the datasets (`None`: 969,30,1).
+    #[serde(default)]
+    pub split: Option<String>,
+    /// Tokenizer file (`None`: bytes).
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Serde default of [`TrainSettings::keep_checkpoints`].
@@ -205,6 +228,9 @@ impl Default for TrainSettings {
             store_fp8: None,
             dtype: f32_name(),
             keep_checkpoints: two(),
+            data_path: None,
+            split: None,
+            tokenizer: None,
         }
     }
 }
@@ -247,6 +273,9 @@ impl TrainOptions {
             store_fp8: self.store_fp8.or(file.store_fp8),
             dtype: self.dtype.or(file.dtype),
             keep_checkpoints: self.keep_checkpoints.or(file.keep_checkpoints),
+            data_path: self.data_path.or(file.data_path),
+            split: self.split.or(file.split),
+            tokenizer: self.tokenizer.or(file.tokenizer),
             force: self.force || file.force,
             resume: self.resume,
             config: self.config,
@@ -285,6 +314,9 @@ impl TrainOptions {
             store_fp8: opts.store_fp8.clone().or(base.store_fp8),
             dtype: opts.dtype.clone().unwrap_or(base.dtype),
             keep_checkpoints: opts.keep_checkpoints.unwrap_or(base.keep_checkpoints),
+            data_path: opts.data_path.clone().or(base.data_path),
+            split: opts.split.clone().or(base.split),
+            tokenizer: opts.tokenizer.clone().or(base.tokenizer),
         };
         s.validate()?;
         Ok((s, opts))
@@ -336,6 +368,19 @@ impl TrainSettings {
             if !(f.is_finite() && f > 0.0) {
                 return bad("capacity-factor", &f, "must be a positive finite number");
             }
+        }
+        if let Some(split) = &self.split {
+            if self.data_path.is_none() {
+                return bad(
+                    "split",
+                    split,
+                    "divides the documents of --data-path; give --data-path too",
+                );
+            }
+            foldmoe::data::gpt::Split::parse(split)?;
+        }
+        if let Some(paths) = &self.data_path {
+            foldmoe::data::blend::BlendSpec::parse(paths)?;
         }
         self.policy_override()?;
         self.model_dtype()?;
@@ -433,6 +478,37 @@ mod tests {
             "{err}"
         );
         assert!(!err.contains('\n'));
+    }
+
+    #[test]
+    fn data_keys_come_from_the_file_and_are_checked() {
+        let cfg = write(
+            "data.toml",
+            "data_path = [\"0.3\", \"a/x\", \"0.7\", \"b/y\"]\nsplit = \"98,2,0\"\ntokenizer = \"t.json\"\n",
+        );
+        let (s, _) = TrainOptions {
+            config: Some(cfg),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap();
+        assert_eq!(s.data_path.as_ref().map(Vec::len), Some(4));
+        assert_eq!(s.split.as_deref(), Some("98,2,0"));
+        assert_eq!(s.tokenizer, Some(PathBuf::from("t.json")));
+        let bad = |o: TrainOptions| o.resolve(TrainSettings::default()).unwrap_err().to_string();
+        let err = bad(TrainOptions {
+            split: Some("1,1".into()),
+            ..Default::default()
+        });
+        assert!(
+            err.starts_with("--split 1,1: divides the documents of --data-path"),
+            "{err}"
+        );
+        let err = bad(TrainOptions {
+            data_path: Some(vec!["0.5".into(), "a".into(), "x".into(), "b".into()]),
+            ..Default::default()
+        });
+        assert!(err.contains("`x` is not a weight"), "{err}");
     }
 
     #[test]

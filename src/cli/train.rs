@@ -12,7 +12,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::activations::Counts;
 use foldmoe::core::engine::checkpoint::{self, Source};
-use foldmoe::core::engine::data::{BatchSampler, ByteTokenizer, TextDataset};
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::parallel::{Ctx, RankLayout, Trainer};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
@@ -20,6 +19,9 @@ use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::{Layout, LayoutSpec};
 use foldmoe::core::memory::{self, MemoryOptions};
 use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec, PolicyOverride};
+use foldmoe::data::blend::BlendSpec;
+use foldmoe::data::gpt::Split;
+use foldmoe::data::{BatchSampler, IndexedConfig, Loader, TextDataset, Tokenizer};
 use foldmoe::kernels::comm::local::run_local;
 use foldmoe::kernels::comm::rendezvous::DistEnv;
 use foldmoe::kernels::comm::timed::TimedComm;
@@ -62,6 +64,10 @@ pub struct RunMeta {
     pub val_losses: Vec<(u64, f64)>,
     /// Seconds spent training before this checkpoint.
     pub train_seconds: f64,
+    /// What the run's data was when it started ([`Loader::fingerprint`]): a
+    /// resume refuses data that changed since.
+    #[serde(default)]
+    pub data_fingerprint: Option<String>,
 }
 
 /// The run summary written at the end (`summary.json`).
@@ -261,13 +267,15 @@ struct ParallelRank<'a, 'c, B: Backend> {
 }
 
 impl<B: Backend> ParallelRank<'_, '_, B> {
-    /// One optimizer step over the global batch's `micro_batches`.
-    fn step(&mut self, micro_batches: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError> {
-        // This dp rank's share of the global batch's micro-batches.
-        let (dp, dp_i) = (self.ctx.rank.dp.size(), self.ctx.rank.dp_index);
-        let per = micro_batches.len() / dp;
-        let mine = &micro_batches[dp_i * per..(dp_i + 1) * per];
+    /// One optimizer step; `mine` is this dp rank's share of the global
+    /// batch's micro-batches ([`Loader::rank_batches`]).
+    fn step(&mut self, mine: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError> {
         Ok(self.trainer.step(self.ctx, mine, self.seq_len)?)
+    }
+
+    /// `(dp, dp index)` of this rank: which share of a step's micro-batches it takes.
+    fn dp(&self) -> (usize, usize) {
+        (self.ctx.rank.dp.size(), self.ctx.rank.dp_index)
     }
 
     /// Mean loss of the validation batch.
@@ -364,6 +372,10 @@ struct Prepared {
     micro_batches: usize,
     /// The checked layout (world = 1 for a one-rank run).
     layout: Layout,
+    /// The run's tokenizer (`--tokenizer`, bytes by default).
+    tokenizer: Tokenizer,
+    /// The run's data: built once per process, shared by its ranks.
+    loader: Loader,
 }
 
 /// The layout of `settings` over its ranks (dp over all ranks by default),
@@ -425,6 +437,21 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                     "--capacity-factor",
                     format!("{:?}", was.capacity_factor),
                     format!("{:?}", now.capacity_factor),
+                ),
+                (
+                    "--data-path",
+                    format!("{:?}", was.data_path),
+                    format!("{:?}", now.data_path),
+                ),
+                (
+                    "--split",
+                    format!("{:?}", was.split),
+                    format!("{:?}", now.split),
+                ),
+                (
+                    "--tokenizer",
+                    format!("{:?}", was.tokenizer),
+                    format!("{:?}", now.tokenizer),
                 ),
             ]
             .into_iter()
@@ -567,6 +594,20 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             )));
         }
     }
+    let tokenizer = Tokenizer::load(settings.tokenizer.as_deref())?;
+    if tokenizer.vocab_size() > spec.vocab {
+        return Err(CliError::usage(format!(
+            "--tokenizer {}: its vocabulary has {} tokens, more than model `{}`'s vocab {}; \
+             train a model whose vocab is at least {} (--model-config with vocab = {})",
+            tokenizer.name(),
+            tokenizer.vocab_size(),
+            spec.name,
+            spec.vocab,
+            tokenizer.vocab_size(),
+            tokenizer.vocab_size()
+        )));
+    }
+    let loader = build_loader(&settings, &spec, &tokenizer, (seqs * micro_batches) as u64)?;
     let out = opts
         .out
         .clone()
@@ -574,8 +615,18 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         .unwrap_or_else(default_out_dir);
     let (resumed, meta) = match resumed {
         Some((source, mut meta)) => {
+            let now = loader.fingerprint();
+            if let (Some(was), Some(now)) = (&meta.data_fingerprint, &now) {
+                if was != now {
+                    return Err(CliError::usage(format!(
+                        "--resume: the data of --data-path changed since the checkpoint's run \
+                         started (fingerprint {was}, now {now}); resume on the same files"
+                    )));
+                }
+            }
             meta.settings = settings.clone();
             meta.spec = spec.clone();
+            meta.data_fingerprint = now;
             (Some(source), meta)
         }
         None => (
@@ -588,6 +639,7 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                 losses: Vec::new(),
                 val_losses: Vec::new(),
                 train_seconds: 0.0,
+                data_fingerprint: loader.fingerprint(),
             },
         ),
     };
@@ -601,7 +653,42 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         seqs,
         micro_batches,
         layout,
+        tokenizer,
+        loader,
     })
+}
+
+/// The run's data: the bundled text (tokenized by the run's tokenizer), or
+/// the `--data-path` blend split by `--split`, with enough samples for
+/// every step of the run.
+fn build_loader(
+    settings: &TrainSettings,
+    spec: &ModelSpec,
+    tokenizer: &Tokenizer,
+    samples_per_step: u64,
+) -> Result<Loader, CliError> {
+    let Some(paths) = &settings.data_path else {
+        let (train, val) = match tokenizer {
+            Tokenizer::Byte => (
+                TextDataset::from_text(TRAIN_TEXT),
+                TextDataset::from_text(VAL_TEXT),
+            ),
+            t => (
+                TextDataset::from_tokens(t.encode(TRAIN_TEXT)?),
+                TextDataset::from_tokens(t.encode(VAL_TEXT)?),
+            ),
+        };
+        return Ok(Loader::text(train, val, spec.seq_len, spec.vocab)?);
+    };
+    let cfg = IndexedConfig {
+        blend: BlendSpec::parse(paths)?,
+        split: Split::parse(settings.split.as_deref().unwrap_or(Split::DEFAULT))?,
+        seq_len: spec.seq_len,
+        seed: settings.seed,
+        train_samples: settings.steps * samples_per_step,
+        valid_samples: VAL_WINDOWS as u64,
+    };
+    Ok(Loader::indexed(&cfg, spec.vocab)?)
 }
 
 /// The memory planner's estimate for `ranks` of the run (weights,
@@ -900,9 +987,7 @@ fn train_loop<B: Backend>(
     let (settings, spec, out) = (&prep.settings, &prep.spec, &prep.out);
     let main = engine.is_main();
     let mut meta = prep.meta.clone();
-    let train_ds = TextDataset::from_text(TRAIN_TEXT);
-    let val_ds = TextDataset::from_text(VAL_TEXT);
-    let val_batch = val_ds.eval_batch(VAL_WINDOWS, spec.seq_len)?;
+    let val_batch = prep.loader.validation_batch(VAL_WINDOWS)?;
     let (params_total, params_active) = spec.param_counts();
 
     let mut metrics = if main {
@@ -947,6 +1032,9 @@ fn train_loop<B: Backend>(
             settings.batch_tokens,
             out.display()
         ));
+        for note in prep.loader.notes() {
+            say(&pb, note);
+        }
     }
 
     let started = Instant::now();
@@ -985,13 +1073,14 @@ fn train_loop<B: Backend>(
             break;
         }
         let step_start = Instant::now();
-        let mut micro = Vec::with_capacity(prep.micro_batches);
-        for _ in 0..prep.micro_batches {
-            micro.push(
-                meta.sampler
-                    .next_batch(&train_ds, prep.seqs, spec.seq_len)?,
-            );
-        }
+        let (dp, dp_index) = engine.dp();
+        let micro = prep.loader.rank_batches(
+            &mut meta.sampler,
+            prep.seqs,
+            prep.micro_batches,
+            dp,
+            dp_index,
+        )?;
         let comm_before = engine.comm_seconds();
         let stepped = engine.step(&micro);
         step_seconds += step_start.elapsed().as_secs_f64();
@@ -1034,8 +1123,9 @@ fn train_loop<B: Backend>(
         }
         let tokens_per_s = settings.batch_tokens as f64 / step_start.elapsed().as_secs_f64();
         let eval_now = meta.step.is_multiple_of(settings.eval_every) || meta.step == settings.steps;
-        if eval_now {
-            last_val = engine.validation_loss(&val_batch)?;
+        let eval_now = eval_now && val_batch.is_some();
+        if let (true, Some(batch)) = (eval_now, &val_batch) {
+            last_val = engine.validation_loss(batch)?;
             meta.val_losses.push((meta.step, last_val));
         }
         if let Some(metrics) = metrics.as_mut() {
@@ -1109,23 +1199,34 @@ fn train_loop<B: Backend>(
         // tensors whatever the layout.
         let (model, _) = load_model(b, &saved)?;
         let prompt = "And God said";
-        let tok = ByteTokenizer;
+        let tok = &prep.tokenizer;
+        let prompt_ids: Vec<i32> = tok
+            .encode(prompt)?
+            .into_iter()
+            .map(|id| id as i32)
+            .collect();
         let ids = crate::cli::generate::sample(
             b,
             &model,
-            &tok.encode(prompt),
+            &prompt_ids,
             settings.sample_tokens,
             0.8,
             settings.seed,
             &mut |_| Ok(true),
         )?;
+        let made: Vec<u8> = match tok {
+            Tokenizer::Byte => ids.iter().map(|&id| id as u8).collect(),
+            t => {
+                let ids: Vec<u32> = ids.iter().map(|&id| id as u32).collect();
+                t.decode(&ids)?.into_bytes()
+            }
+        };
         // Control bytes the model makes are escaped on a terminal, as
         // `generate` does.
         let escape = std::io::IsTerminal::is_terminal(&std::io::stdout());
-        let bytes: Vec<u8> = ids
+        let bytes: Vec<u8> = made
             .iter()
-            .flat_map(|&id| {
-                let byte = id as u8;
+            .flat_map(|&byte| {
                 if escape {
                     crate::cli::generate::escaped(byte)
                 } else {

@@ -11,7 +11,6 @@ pub mod activations;
 pub mod attention;
 pub mod block;
 pub mod checkpoint;
-pub mod data;
 pub mod declared;
 pub mod embedding;
 pub mod mla;
