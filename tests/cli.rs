@@ -7,17 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{foldmoe, foldmoe_command, losses, scratch, stderr};
-
-/// Small, fast training flags (2 sequences of 128 bytes per step).
-const FAST: &[&str] = &[
-    "--batch-tokens",
-    "256",
-    "--sample-tokens",
-    "0",
-    "--eval-every",
-    "2",
-];
+use common::{foldmoe, foldmoe_command, losses, scratch, stderr, FAST};
 
 fn train(out: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["train", "--out", out.to_str().unwrap()];

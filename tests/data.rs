@@ -8,18 +8,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::{foldmoe, losses, scratch, stderr, Scratch};
+use common::{foldmoe, losses, scratch, stderr, Scratch, FAST};
 use foldmoe::data::indexed::{idx_path, IndexedDataset};
-
-/// Small, fast training flags (2 sequences of 128 tokens per step).
-const FAST: &[&str] = &[
-    "--batch-tokens",
-    "256",
-    "--sample-tokens",
-    "0",
-    "--eval-every",
-    "2",
-];
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

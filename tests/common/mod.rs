@@ -71,6 +71,18 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// Small, fast training flags (2 sequences of 128 tokens per step, no
+/// closing sample, validation every 2 steps).
+#[allow(dead_code)]
+pub const FAST: &[&str] = &[
+    "--batch-tokens",
+    "256",
+    "--sample-tokens",
+    "0",
+    "--eval-every",
+    "2",
+];
+
 /// The per-step losses a run wrote to its `summary.json`.
 #[allow(dead_code)]
 pub fn losses(run: &Path) -> Vec<f64> {
