@@ -814,6 +814,7 @@ fn read_attention(cx: &mut Cx, s: &Section) -> AttentionSpec {
         kv_heads,
         head_dim,
         mla,
+        qk_norm: s.bool(cx, "qk_norm").unwrap_or(false),
     }
 }
 
