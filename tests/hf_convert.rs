@@ -1,0 +1,214 @@
+//! Hugging Face conversion against transformers: the fixtures of
+//! `tests/fixtures/hf/` (made once by `make_fixtures.py` with transformers
+//! 5.17 and PyTorch 2.11; no Python at test time) imported, run through the
+//! engine and compared with transformers' fp32 logits; exported back and
+//! compared byte for byte; and bad inputs, each a one-line error.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use foldmoe::core::engine::checkpoint::Source;
+use foldmoe::core::engine::hf::{self, ExpertLayout};
+use foldmoe::core::engine::model::Model;
+use foldmoe::core::engine::parallel::Exec;
+use foldmoe::core::layout::{check, LayoutSpec};
+use foldmoe::kernels::cpu::Cpu;
+use foldmoe::kernels::{DType, Device};
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("foldmoe-hf-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Imports `family`'s fixture under `layout` into a fresh directory.
+fn import(family: &str, layout: &str) -> (hf::HfConfig, PathBuf, ExpertLayout) {
+    let dir = fixture(family);
+    let cfg = hf::read_config(&dir).unwrap();
+    let l = check(&LayoutSpec::parse(layout).unwrap(), &cfg.spec).unwrap();
+    let out = tmp(&format!("{family}-{}", layout.replace([',', '='], "_")));
+    let experts = hf::import(&dir, &cfg, &l, &out, &serde_json::Value::Null).unwrap();
+    (cfg, out, experts)
+}
+
+/// The fixture's input ids `[B, S]` and transformers' logits `[B, S, V]`.
+fn reference(family: &str) -> (Vec<Vec<i32>>, Vec<f32>) {
+    let bytes = std::fs::read(fixture(family).join("logits.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ids = st.tensor("input_ids").unwrap();
+    assert_eq!(ids.dtype(), Dtype::I64);
+    let (b, s) = (ids.shape()[0], ids.shape()[1]);
+    let flat: Vec<i32> = ids
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as i32)
+        .collect();
+    let logits = st.tensor("logits").unwrap();
+    let vals = logits
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (flat.chunks(s).take(b).map(<[i32]>::to_vec).collect(), vals)
+}
+
+/// The engine's logits for `family`'s fixture input from checkpoint `ckpt`.
+fn engine_logits(cfg: &hf::HfConfig, ckpt: &Path, ids: &[Vec<i32>]) -> Vec<f32> {
+    let b = Cpu;
+    let (source, _): (Source, serde_json::Value) = Source::open(ckpt).unwrap();
+    let mut model = Model::single(&b, &cfg.spec, 1, DType::F32).unwrap();
+    foldmoe::core::engine::checkpoint::load_params(&b, &source, &mut model, true).unwrap();
+    let exec = Exec::solo(&b);
+    let mut out = Vec::new();
+    for seq in ids {
+        let l = model.logits(&exec, seq, seq.len()).unwrap();
+        out.extend(b.download(&l).unwrap().to_f32());
+    }
+    out
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Import → engine logits within 1e-4 of transformers' (max abs).
+fn check_parity(family: &str, layout: &str) -> f32 {
+    let (cfg, out, _) = import(family, layout);
+    let (ids, want) = reference(&family.replace("_fused", ""));
+    let got = engine_logits(&cfg, &out, &ids);
+    let diff = max_abs_diff(&got, &want);
+    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    println!("{family} ({layout}): max |logit diff| {diff:.2e} (logits up to {scale:.2})");
+    assert!(diff <= 1e-4, "{family}: max abs logit difference {diff:e} > 1e-4");
+    let _ = std::fs::remove_dir_all(&out);
+    diff
+}
+
+#[test]
+fn mixtral_logits_match_transformers() {
+    check_parity("mixtral", "world=1");
+}
+
+#[test]
+fn qwen3_moe_logits_match_transformers() {
+    check_parity("qwen3_moe", "world=1");
+}
+
+#[test]
+fn qwen3_moe_fused_sharded_logits_match_transformers() {
+    check_parity("qwen3_moe_fused", "world=1");
+}
+
+#[test]
+fn deepseek_v3_logits_match_transformers() {
+    check_parity("deepseek_v3", "world=1");
+}
+
+/// The fixture exercises DeepSeek's interleaved rotary layout: imported as
+/// if its rotary dims were halves, the logits are far off.
+#[test]
+fn deepseek_v3_rope_interleave_matters() {
+    let dir = fixture("deepseek_v3");
+    let mut cfg = hf::read_config(&dir).unwrap();
+    cfg.rope_interleave = false;
+    let l = check(&LayoutSpec::default(), &cfg.spec).unwrap();
+    let out = tmp("deepseek-no-interleave");
+    hf::import(&dir, &cfg, &l, &out, &serde_json::Value::Null).unwrap();
+    let (ids, want) = reference("deepseek_v3");
+    let diff = max_abs_diff(&engine_logits(&cfg, &out, &ids), &want);
+    assert!(diff > 1e-2, "without de-interleaving: {diff:e}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A checkpoint imported for a parallel layout (each rank's file its own
+/// blocks) gives the same model when read back on one rank.
+#[test]
+fn import_for_a_layout_reads_back_on_one_rank() {
+    check_parity("qwen3_moe", "world=4,tp=2,ep=4");
+    check_parity("deepseek_v3", "world=6,pp=3,ep=2");
+}
+
+/// Every tensor of a safetensors file, by name: dtype, shape, bytes.
+fn tensors_of(dir: &Path) -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors")
+            && !path.ends_with("logits.safetensors")
+            && !path.ends_with("dequantised.safetensors")
+        {
+            let bytes = std::fs::read(&path).unwrap();
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            for (name, view) in st.tensors() {
+                out.insert(
+                    name,
+                    (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Export → every tensor byte-identical to the original, in the expert
+/// layout the model came in (per expert; fused, over shards).
+#[test]
+fn export_gives_back_the_original_tensors() {
+    for (family, max_shard) in [
+        ("mixtral", u64::MAX),
+        ("qwen3_moe", u64::MAX),
+        ("deepseek_v3", u64::MAX),
+        ("qwen3_moe_fused", 100_000),
+    ] {
+        let (cfg, ckpt, experts) = import(family, "world=2,ep=2");
+        let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
+        let out = tmp(&format!("export-{family}"));
+        hf::export(&source, &cfg, experts, &out, max_shard).unwrap();
+        let (want, got) = (tensors_of(&fixture(family)), tensors_of(&out));
+        assert_eq!(
+            want.keys().collect::<Vec<_>>(),
+            got.keys().collect::<Vec<_>>(),
+            "{family}: tensor names"
+        );
+        for (name, w) in &want {
+            assert!(got[name] == *w, "{family}: tensor {name} differs");
+        }
+        if max_shard != u64::MAX {
+            assert!(out.join("model.safetensors.index.json").exists());
+        }
+        let _ = std::fs::remove_dir_all(&out);
+        let _ = std::fs::remove_dir_all(&ckpt);
+    }
+}
+
+/// DeepSeek's fp8 form: e4m3 weights times their block `weight_scale_inv`
+/// give exactly the dequantised values the script computed.
+#[test]
+fn deepseek_fp8_weights_are_dequantised_on_import() {
+    let (cfg, ckpt, _) = import("deepseek_v3_fp8", "world=1");
+    assert_eq!(cfg.fp8_block, Some([128, 128]));
+    let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
+    let out = tmp("export-fp8");
+    hf::export(&source, &cfg, ExpertLayout::PerExpert, &out, u64::MAX).unwrap();
+    let got = tensors_of(&out);
+    let bytes = std::fs::read(fixture("deepseek_v3_fp8").join("dequantised.safetensors")).unwrap();
+    let want = SafeTensors::deserialize(&bytes).unwrap();
+    let mut checked = 0;
+    for (name, view) in want.tensors() {
+        assert_eq!(got[&name].2, view.data(), "{name}");
+        checked += 1;
+    }
+    assert!(checked > 10, "{checked} fp8 tensors");
+    assert!(!got.keys().any(|k| k.ends_with("_scale_inv")));
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&ckpt);
+}
