@@ -772,3 +772,115 @@ impl Fields<'_> {
         Ok(Some(block))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(family: &str) -> Map<String, Value> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf")
+            .join(family)
+            .join("config.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    fn parse_with(family: &str, edit: impl FnOnce(&mut Map<String, Value>)) -> Result<HfConfig> {
+        let mut c = fixture(family);
+        edit(&mut c);
+        parse(&Value::Object(c).to_string(), "config.json")
+    }
+
+    fn error(family: &str, edit: impl FnOnce(&mut Map<String, Value>)) -> String {
+        let e = parse_with(family, edit).err().expect("an error").to_string();
+        assert!(!e.contains('\n'), "one line: {e}");
+        e
+    }
+
+    #[test]
+    fn fixtures_read_into_specs() {
+        let m = parse_with("mixtral", |_| {}).unwrap();
+        assert_eq!(m.family, Family::Mixtral);
+        assert_eq!(m.spec.layers(), 2);
+        assert_eq!(m.spec.rope_theta, 1e6);
+        let q = parse_with("qwen3_moe", |_| {}).unwrap();
+        assert!(q.spec.groups[0].attention.qk_norm);
+        assert_eq!(q.spec.groups[0].attention.head_dim, 16);
+        let d = parse_with("deepseek_v3", |_| {}).unwrap();
+        assert_eq!(d.spec.groups.len(), 2, "a dense group, then MoE");
+        assert!(d.rope_interleave);
+        let FfnSpec::Moe(moe) = &d.spec.groups[1].ffn else {
+            panic!("MoE second")
+        };
+        assert_eq!((moe.router.groups, moe.router.group_top_k), (4, 2));
+        assert_eq!(moe.router.scaling_factor, 2.5);
+        assert_eq!(moe.shared_ffn, 16);
+    }
+
+    #[test]
+    fn qwen3_dense_layers_follow_mlp_only_layers_and_the_sparse_step() {
+        let q = parse_with("qwen3_moe", |c| {
+            c.insert("num_hidden_layers".into(), 5.into());
+            c.insert("mlp_only_layers".into(), serde_json::json!([0]));
+            c.insert("decoder_sparse_step".into(), 2.into());
+        })
+        .unwrap();
+        let moe: Vec<bool> = (0..5)
+            .map(|l| matches!(q.spec.group_of_layer(l).unwrap().ffn, FfnSpec::Moe(_)))
+            .collect();
+        assert_eq!(moe, vec![false, true, false, true, false]);
+    }
+
+    #[test]
+    fn unknown_and_unrepresentable_fields_are_named() {
+        let e = error("mixtral", |c| {
+            c.insert("attn_logit_softcapping".into(), 30.into());
+        });
+        assert!(e.contains("field `attn_logit_softcapping`"), "{e}");
+        let e = error("deepseek_v3", |c| {
+            c.insert(
+                "rope_parameters".into(),
+                serde_json::json!({"rope_type": "yarn", "factor": 40, "rope_theta": 10000}),
+            );
+        });
+        assert!(e.contains("`rope_parameters`") && e.contains("yarn"), "{e}");
+        let e = error("mixtral", |c| {
+            c.insert("sliding_window".into(), 16.into());
+        });
+        assert!(e.contains("`sliding_window`"), "{e}");
+        let e = error("qwen3_moe", |c| {
+            c.insert("hidden_act".into(), "gelu".into());
+        });
+        assert!(e.contains("`hidden_act`"), "{e}");
+        let e = error("deepseek_v3", |c| {
+            c.insert("topk_group".into(), 1.into());
+        });
+        assert!(e.contains("`topk_group`") && e.contains("top 2"), "{e}");
+        let e = error("deepseek_v3", |c| {
+            c.insert("num_nextn_predict_layers".into(), 1.into());
+        });
+        assert!(e.contains("`num_nextn_predict_layers`"), "{e}");
+        let e = error("qwen3_moe", |c| {
+            c.remove("hidden_size");
+        });
+        assert!(e.contains("`hidden_size` is missing"), "{e}");
+        let e = error("qwen3_moe", |c| {
+            c.insert("model_type".into(), "llama".into());
+        });
+        assert!(e.contains("model_type `llama`"), "{e}");
+    }
+
+    /// A spec read from a config writes the same model back.
+    #[test]
+    fn specs_write_back_as_configs_that_read_the_same() {
+        for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
+            let cfg = parse_with(family, |_| {}).unwrap();
+            let (fam, raw) = to_config(&cfg.spec).unwrap();
+            assert_eq!(fam, cfg.family);
+            let back = parse(&Value::Object(raw).to_string(), "exported").unwrap();
+            let mut want = cfg.spec.clone();
+            want.name = back.spec.name.clone();
+            assert_eq!(back.spec, want, "{family}");
+        }
+    }
+}

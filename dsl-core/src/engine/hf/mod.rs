@@ -857,3 +857,74 @@ fn write_values(w: &mut (PathBuf, std::io::BufWriter<fs::File>), v: &[f32]) -> R
     w.1.write_all(&bytes)
         .map_err(|e| io_err("cannot write", &w.0, e))
 }
+
+#[cfg(test)]
+mod tests {
+    use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::DType;
+
+    use super::*;
+    use crate::engine::block::Ffn;
+    use crate::engine::model::Model;
+    use crate::engine::Module;
+
+    /// `model_tensors` lists exactly what the engine builds, for a model of
+    /// each family's shape (GQA + MoE, q/k norms + dense layers, MLA with
+    /// shared experts and expert bias).
+    #[test]
+    fn model_tensors_are_the_engines() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf");
+        for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
+            let mut spec = read_config(&fixtures.join(family)).unwrap().spec;
+            if family == "qwen3_moe" {
+                // A dense layer among the MoE ones, as mlp_only_layers makes.
+                let mut dense = spec.groups[0].clone();
+                dense.count = 1;
+                dense.ffn = FfnSpec::Dense { ffn: 24 };
+                spec.groups[0].count -= 1;
+                spec.groups.insert(0, dense);
+            }
+            let b = Cpu;
+            let model = Model::single(&b, &spec, 1, DType::F32).unwrap();
+            let mut engine = Vec::new();
+            model.visit_params(&mut |p| engine.push((p.name.clone(), p.value.shape().to_vec())));
+            for (layer, block) in model.blocks.iter().enumerate() {
+                if let Ffn::Moe(moe) = &block.ffn {
+                    if let Some(bias) = moe.router.expert_bias() {
+                        let name = format!("blocks.{layer}.moe.router.expert_bias");
+                        engine.push((name, bias.shape().to_vec()));
+                    }
+                }
+            }
+            let ours: Vec<(String, Vec<usize>)> = model_tensors(&spec)
+                .into_iter()
+                .map(|t| (t.name, t.shape))
+                .collect();
+            engine.sort();
+            let mut sorted = ours.clone();
+            sorted.sort();
+            assert_eq!(sorted, engine, "{family}");
+        }
+    }
+
+    #[test]
+    fn fp8_and_half_decoding() {
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(e4m3_to_f32(0xbe), -1.75);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert!(e4m3_to_f32(0x7f).is_nan());
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    }
+
+    #[test]
+    fn rope_columns_deinterleave() {
+        // Per head of 6 = [nope 2 | rope 4]: rope (a0 b0 a1 b1) → (a0 a1 b0 b1).
+        let perm = Some((6, 2, 4));
+        let cols: Vec<usize> = (0..12).map(|c| src_col(c, perm)).collect();
+        assert_eq!(cols, vec![0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]);
+        assert_eq!(cut(&[0., 1., 2., 3., 4., 5.], &[2, 3], &[(1, 1), (1, 2)]), vec![4., 5.]);
+    }
+}
