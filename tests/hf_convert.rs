@@ -77,7 +77,10 @@ fn engine_logits(cfg: &hf::HfConfig, ckpt: &Path, ids: &[Vec<i32>]) -> Vec<f32> 
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Import → engine logits within 1e-4 of transformers' (max abs).
@@ -88,7 +91,10 @@ fn check_parity(family: &str, layout: &str) -> f32 {
     let diff = max_abs_diff(&got, &want);
     let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     println!("{family} ({layout}): max |logit diff| {diff:.2e} (logits up to {scale:.2})");
-    assert!(diff <= 1e-4, "{family}: max abs logit difference {diff:e} > 1e-4");
+    assert!(
+        diff <= 1e-4,
+        "{family}: max abs logit difference {diff:e} > 1e-4"
+    );
     let _ = std::fs::remove_dir_all(&out);
     diff
 }
@@ -211,4 +217,186 @@ fn deepseek_fp8_weights_are_dequantised_on_import() {
     assert!(!got.keys().any(|k| k.ends_with("_scale_inv")));
     let _ = std::fs::remove_dir_all(&out);
     let _ = std::fs::remove_dir_all(&ckpt);
+}
+
+/// The Mixtral fixture copied with its tensors edited by `edit` (name →
+/// (dtype, shape, bytes)).
+fn edited_mixtral(
+    tag: &str,
+    edit: impl FnOnce(&mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+) -> PathBuf {
+    let src = fixture("mixtral");
+    let mut t = tensors_of(&src);
+    edit(&mut t);
+    let dir = tmp(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = t
+        .iter()
+        .map(|(n, (d, s, b))| {
+            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn import_error(dir: &Path) -> String {
+    let cfg = hf::read_config(dir).unwrap();
+    let l = check(&LayoutSpec::default(), &cfg.spec).unwrap();
+    let out = dir.join("ckpt");
+    let e = hf::import(dir, &cfg, &l, &out, &serde_json::Value::Null)
+        .err()
+        .expect("an error")
+        .to_string();
+    assert!(!e.contains('\n'), "one line: {e}");
+    assert!(!out.exists(), "no checkpoint left behind");
+    let _ = std::fs::remove_dir_all(dir);
+    e
+}
+
+#[test]
+fn missing_unexpected_and_misshapen_tensors_are_named() {
+    let name = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
+    let dir = edited_mixtral("missing", |t| {
+        t.remove(name);
+    });
+    let e = import_error(&dir);
+    assert!(e.contains(name) && e.contains("missing"), "{e}");
+
+    let dir = edited_mixtral("extra", |t| {
+        let v = t["model.norm.weight"].clone();
+        t.insert("model.layers.0.self_attn.q_bias".into(), v);
+    });
+    let e = import_error(&dir);
+    assert!(
+        e.contains("model.layers.0.self_attn.q_bias") && e.contains("not used"),
+        "{e}"
+    );
+
+    let dir = edited_mixtral("shape", |t| {
+        let (d, _, b) = t["model.layers.0.self_attn.k_proj.weight"].clone();
+        t.insert(
+            "model.layers.0.self_attn.k_proj.weight".into(),
+            (d, vec![32, 16], b),
+        );
+    });
+    let e = import_error(&dir);
+    assert!(
+        e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("[32, 16]"),
+        "{e}"
+    );
+
+    let dir = edited_mixtral("dtype", |t| {
+        let (_, s, b) = t["model.norm.weight"].clone();
+        t.insert("model.norm.weight".into(), (Dtype::I32, s, b));
+    });
+    let e = import_error(&dir);
+    assert!(e.contains("model.norm.weight") && e.contains("I32"), "{e}");
+}
+
+fn foldmoe(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_foldmoe"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `foldmoe convert --from-hf`, `generate` from the import, `convert
+/// --to-hf`: the exported tensors and config are the originals.
+#[test]
+fn cli_round_trip_and_errors() {
+    let root = tmp("cli");
+    let (ckpt, back) = (root.join("ckpt"), root.join("hf"));
+    let src = fixture("qwen3_moe");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let out = foldmoe(&[
+        "convert",
+        "--from-hf",
+        &s(&src),
+        "--out",
+        &s(&ckpt),
+        "--layout",
+        "world=2,tp=2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        line.contains("qwen3_moe") && line.contains("per-expert"),
+        "{line}"
+    );
+    let out = foldmoe(&[
+        "generate",
+        "--checkpoint",
+        &s(&ckpt),
+        "--tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--raw",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.stdout.len() >= 8, "{:?}", out.stdout);
+    let out = foldmoe(&["convert", "--to-hf", &s(&ckpt), "--out", &s(&back)]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(tensors_of(&src) == tensors_of(&back), "tensors differ");
+    let cfg = |d: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
+    };
+    assert_eq!(cfg(&src), cfg(&back));
+
+    // Bad input: one line each, non-zero exit.
+    let bad = root.join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    let mut c = cfg(&src);
+    c["use_qk_clip"] = true.into();
+    std::fs::write(bad.join("config.json"), c.to_string()).unwrap();
+    for (args, want) in [
+        (
+            vec![
+                "convert",
+                "--from-hf",
+                &s(&bad),
+                "--out",
+                &s(&root.join("x")),
+            ],
+            "field `use_qk_clip`",
+        ),
+        (
+            vec!["convert", "--from-hf", &s(&src), "--out", &s(&ckpt)],
+            "not empty",
+        ),
+        (
+            vec![
+                "convert",
+                "--from-hf",
+                &s(&src),
+                "--out",
+                &s(&root.join("y")),
+                "--layout",
+                "world=2,tp=3",
+            ],
+            "--layout",
+        ),
+    ] {
+        let out = foldmoe(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains(want), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }

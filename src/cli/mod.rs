@@ -6,6 +6,7 @@
 //! `foldmoe::cli::main(foldmoe::models![MyMoe, MyMoeSmall])`.
 
 mod bench;
+mod convert;
 mod dist;
 mod error;
 mod generate;
@@ -85,6 +86,8 @@ enum Command {
     Preprocess(preprocess::PreprocessOptions),
     /// Train a byte-level BPE tokenizer.json on text or .jsonl files.
     TrainTokenizer(preprocess::TrainTokenizerOptions),
+    /// Convert Hugging Face models (Mixtral, Qwen3-MoE, DeepSeek-V3) to foldmoe checkpoints and back.
+    Convert(convert::ConvertOptions),
     /// Continue a prompt with a trained checkpoint.
     Generate {
         /// Run directory or checkpoint directory.
@@ -184,6 +187,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 "{}",
                 plan::run(source, layout.as_deref(), ranks, rank, json, &memory)?
             );
+            Ok(())
+        }
+        Command::Convert(opts) => {
+            println!("{}", convert::run(&opts)?);
             Ok(())
         }
         Command::Preprocess(o) => {

@@ -68,6 +68,9 @@ pub struct RunMeta {
     /// resume refuses data that changed since.
     #[serde(default)]
     pub data_fingerprint: Option<String>,
+    /// The Hugging Face model it was imported from (`foldmoe convert`).
+    #[serde(default)]
+    pub hf: Option<crate::cli::convert::HfOrigin>,
 }
 
 /// The run summary written at the end (`summary.json`).
@@ -640,6 +643,7 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                 val_losses: Vec::new(),
                 train_seconds: 0.0,
                 data_fingerprint: loader.fingerprint(),
+                hf: None,
             },
         ),
     };

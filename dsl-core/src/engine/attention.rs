@@ -102,7 +102,13 @@ impl<B: Backend> Attention<B> {
         };
         let qk_norm = if spec.qk_norm {
             let norm = |name: &str| {
-                RmsNorm::new(b, &format!("{prefix}.{name}"), spec.head_dim, model.norm_eps, dtype)
+                RmsNorm::new(
+                    b,
+                    &format!("{prefix}.{name}"),
+                    spec.head_dim,
+                    model.norm_eps,
+                    dtype,
+                )
             };
             Some([norm("q_norm")?, norm("k_norm")?])
         } else {
@@ -365,7 +371,10 @@ mod tests {
             // Scales away from 1, so their gradients are not symmetric.
             for (i, n) in norms.iter_mut().enumerate() {
                 let hd = attn_spec.head_dim;
-                let w: Vec<f64> = uniform(30 + i as u64, hd, 0.5).iter().map(|v| 1.0 + v).collect();
+                let w: Vec<f64> = uniform(30 + i as u64, hd, 0.5)
+                    .iter()
+                    .map(|v| 1.0 + v)
+                    .collect();
                 n.weight.value = f64_tensor(w, &[hd]);
             }
         }

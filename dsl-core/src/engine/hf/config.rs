@@ -268,7 +268,8 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
                 router: softmax_router(true),
                 capacity: None,
             };
-            spec.groups.push(BlockGroup::new(layers, attention, FfnSpec::Moe(moe)));
+            spec.groups
+                .push(BlockGroup::new(layers, attention, FfnSpec::Moe(moe)));
         }
         Family::Qwen3Moe => {
             c.no_sliding_window(seq_len)?;
@@ -331,7 +332,9 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
             c.expect_str("scoring_func", "sigmoid")?;
             c.expect_str("topk_method", "noaux_tc")?;
             if c.usize_or("moe_layer_freq", 1)? != 1 {
-                return Err(c.unsupported("moe_layer_freq", "every layer past the dense ones is MoE"));
+                return Err(
+                    c.unsupported("moe_layer_freq", "every layer past the dense ones is MoE")
+                );
             }
             rope_interleave = c.bool_or("rope_interleave", true)?;
             fp8_block = c.fp8_block()?;
@@ -406,11 +409,15 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
                 let ffn = FfnSpec::Dense {
                     ffn: c.usize("intermediate_size")?,
                 };
-                spec.groups.push(BlockGroup::new(dense, attention.clone(), ffn));
+                spec.groups
+                    .push(BlockGroup::new(dense, attention.clone(), ffn));
             }
             if layers > dense {
-                spec.groups
-                    .push(BlockGroup::new(layers - dense, attention, FfnSpec::Moe(moe)));
+                spec.groups.push(BlockGroup::new(
+                    layers - dense,
+                    attention,
+                    FfnSpec::Moe(moe),
+                ));
             }
         }
     }
@@ -514,8 +521,7 @@ pub fn to_config(spec: &ModelSpec) -> Result<(Family, Map<String, Value>)> {
     let softmax = r.score == ScoreFunction::Softmax;
     match family {
         Family::Mixtral | Family::Qwen3Moe => {
-            if !softmax || r.groups > 1 || r.expert_bias_rate.is_some() || r.scaling_factor != 1.0
-            {
+            if !softmax || r.groups > 1 || r.expert_bias_rate.is_some() || r.scaling_factor != 1.0 {
                 return Err(no("its router is not a plain softmax router"));
             }
             if m.shared_ffn > 0 {
@@ -557,7 +563,10 @@ pub fn to_config(spec: &ModelSpec) -> Result<(Family, Map<String, Value>)> {
             put("attention_bias", false.into());
             put("num_experts", m.experts.into());
             put("moe_intermediate_size", m.expert_ffn.into());
-            put("intermediate_size", dense_ffns.first().copied().unwrap_or(0).into());
+            put(
+                "intermediate_size",
+                dense_ffns.first().copied().unwrap_or(0).into(),
+            );
             put("norm_topk_prob", (!r.pre_softmax).into());
             put("decoder_sparse_step", 1.into());
             put("mlp_only_layers", Value::from(dense));
@@ -570,19 +579,28 @@ pub fn to_config(spec: &ModelSpec) -> Result<(Family, Map<String, Value>)> {
                 FfnSpec::Moe(_) => 0,
             };
             if spec.groups.len() > 2 || (dense == 0 && spec.groups.len() > 1) {
-                return Err(no("DeepSeek-V3's dense blocks come first, then only MoE ones"));
+                return Err(no(
+                    "DeepSeek-V3's dense blocks come first, then only MoE ones",
+                ));
             }
             if (spec.norm_eps - DEEPSEEK_LATENT_EPS).abs() > 1e-12 {
-                return Err(no("its norm_eps is not 1e-6, the eps of transformers' latent norms"));
+                return Err(no(
+                    "its norm_eps is not 1e-6, the eps of transformers' latent norms",
+                ));
             }
             if r.groups > 1 && m.top_k / r.group_top_k != 2 {
-                return Err(no("its group-limited routing does not score groups by two experts"));
+                return Err(no(
+                    "its group-limited routing does not score groups by two experts",
+                ));
             }
             put("attention_bias", false.into());
             put("n_routed_experts", m.experts.into());
             put("n_shared_experts", (m.shared_ffn / m.expert_ffn).into());
             put("moe_intermediate_size", m.expert_ffn.into());
-            put("intermediate_size", dense_ffns.first().copied().unwrap_or(0).into());
+            put(
+                "intermediate_size",
+                dense_ffns.first().copied().unwrap_or(0).into(),
+            );
             put("first_k_dense_replace", dense.into());
             put("routed_scaling_factor", r.scaling_factor.into());
             put("n_group", r.groups.into());
@@ -616,7 +634,9 @@ impl Fields<'_> {
         EngineError::Invalid(format!(
             "{}: field `{key}` = {} is not {want}",
             self.what,
-            self.raw.get(key).map_or("(missing)".into(), |v| v.to_string())
+            self.raw
+                .get(key)
+                .map_or("(missing)".into(), |v| v.to_string())
         ))
     }
 
@@ -624,7 +644,9 @@ impl Fields<'_> {
         EngineError::Invalid(format!(
             "{}: field `{key}` = {} cannot be represented: {why}",
             self.what,
-            self.raw.get(key).map_or("(missing)".into(), |v| v.to_string())
+            self.raw
+                .get(key)
+                .map_or("(missing)".into(), |v| v.to_string())
         ))
     }
 
@@ -639,9 +661,8 @@ impl Fields<'_> {
     }
 
     fn usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?.ok_or_else(|| {
-            EngineError::Invalid(format!("{}: field `{key}` is missing", self.what))
-        })
+        self.opt_usize(key)?
+            .ok_or_else(|| EngineError::Invalid(format!("{}: field `{key}` is missing", self.what)))
     }
 
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
@@ -719,7 +740,9 @@ impl Fields<'_> {
                         ));
                     }
                     if let Some(t) = p.get("rope_theta") {
-                        return t.as_f64().ok_or_else(|| self.bad(key, "a rope_theta number"));
+                        return t
+                            .as_f64()
+                            .ok_or_else(|| self.bad(key, "a rope_theta number"));
                     }
                 }
                 Some(_) => return Err(self.bad(key, "an object")),
@@ -767,7 +790,10 @@ impl Fields<'_> {
             .and_then(|v| Some([v.first()?.as_u64()? as usize, v.get(1)?.as_u64()? as usize]))
             .filter(|b| b[0] > 0 && b[1] > 0)
             .ok_or_else(|| {
-                self.bad("quantization_config", "one with weight_block_size [rows, cols]")
+                self.bad(
+                    "quantization_config",
+                    "one with weight_block_size [rows, cols]",
+                )
             })?;
         Ok(Some(block))
     }
@@ -792,7 +818,10 @@ mod tests {
     }
 
     fn error(family: &str, edit: impl FnOnce(&mut Map<String, Value>)) -> String {
-        let e = parse_with(family, edit).err().expect("an error").to_string();
+        let e = parse_with(family, edit)
+            .err()
+            .expect("an error")
+            .to_string();
         assert!(!e.contains('\n'), "one line: {e}");
         e
     }

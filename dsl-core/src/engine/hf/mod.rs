@@ -190,8 +190,8 @@ impl HfSource {
         let index = dir.join(INDEX);
         let names: Vec<String> = if index.exists() {
             let text = fs::read_to_string(&index).map_err(|e| io_err("cannot read", &index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| io_err("malformed index", &index, e))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| io_err("malformed index", &index, e))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -221,7 +221,8 @@ impl HfSource {
             let path = dir.join(name);
             let f = fs::File::open(&path).map_err(|e| io_err("cannot open", &path, e))?;
             // SAFETY: the files are read-only inputs, not modified while read.
-            let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io_err("cannot map", &path, e))?;
+            let map =
+                unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io_err("cannot map", &path, e))?;
             let (n, meta) = SafeTensors::read_metadata(&map)
                 .map_err(|e| io_err("not a safetensors file:", &path, format!("{e:?}")))?;
             let start = 8 + n;
@@ -267,7 +268,9 @@ impl HfSource {
     /// multiplied by their `weight_scale_inv` blocks.
     fn read(&self, name: &str, shape: &[usize], fp8_block: Option<[usize; 2]>) -> Result<Vec<f32>> {
         let e = self.tensors.get(name).ok_or_else(|| {
-            err(format!("tensor {name} is missing from the Hugging Face checkpoint"))
+            err(format!(
+                "tensor {name} is missing from the Hugging Face checkpoint"
+            ))
         })?;
         if e.shape != shape {
             return Err(err(format!(
@@ -457,7 +460,10 @@ impl Naming<'_> {
                     let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
                     (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
                 });
-                Ok(Recipe::Linear(format!("{at}.self_attn.q_proj.weight"), perm))
+                Ok(Recipe::Linear(
+                    format!("{at}.self_attn.q_proj.weight"),
+                    perm,
+                ))
             }
             "attn.q_norm.weight" if g.attention.mla.is_none() => same("self_attn.q_norm.weight"),
             "attn.k_norm.weight" => same("self_attn.k_norm.weight"),
@@ -468,7 +474,10 @@ impl Naming<'_> {
                     let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
                     (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
                 });
-                Ok(Recipe::Linear(format!("{at}.self_attn.q_b_proj.weight"), perm))
+                Ok(Recipe::Linear(
+                    format!("{at}.self_attn.q_b_proj.weight"),
+                    perm,
+                ))
             }
             "attn.wkv_a" => {
                 let perm = rope.map(|m| {
@@ -489,12 +498,21 @@ impl Naming<'_> {
             "moe.shared_experts.w3" => lin("mlp.shared_experts.up_proj"),
             "moe.shared_experts.w2" => lin("mlp.shared_experts.down_proj"),
             "moe.router.weight" => Ok(Recipe::Linear(format!("{moe}.gate.weight"), None)),
-            "moe.router.expert_bias" => Ok(Recipe::Same(format!(
-                "{moe}.gate.e_score_correction_bias"
-            ))),
-            "moe.experts.w1" => Ok(Recipe::Experts { moe, which: Proj::Gate }),
-            "moe.experts.w3" => Ok(Recipe::Experts { moe, which: Proj::Up }),
-            "moe.experts.w2" => Ok(Recipe::Experts { moe, which: Proj::Down }),
+            "moe.router.expert_bias" => {
+                Ok(Recipe::Same(format!("{moe}.gate.e_score_correction_bias")))
+            }
+            "moe.experts.w1" => Ok(Recipe::Experts {
+                moe,
+                which: Proj::Gate,
+            }),
+            "moe.experts.w3" => Ok(Recipe::Experts {
+                moe,
+                which: Proj::Up,
+            }),
+            "moe.experts.w2" => Ok(Recipe::Experts {
+                moe,
+                which: Proj::Down,
+            }),
             _ => Err(unknown()),
         }
     }
@@ -550,22 +568,15 @@ fn cut(full: &[f32], shape: &[usize], block: &[(usize, usize)]) -> Vec<f32> {
     }
 }
 
-/// Imports the Hugging Face checkpoint `dir` (its config already read as
-/// `cfg`) as a foldmoe checkpoint directory `out` laid out for `layout`
-/// (step 0, `meta` in its index), tensors stored as f32. Returns the expert
-/// layout found.
-pub fn import<M: Serialize>(
-    dir: &Path,
-    cfg: &HfConfig,
-    layout: &Layout,
-    out: &Path,
-    meta: &M,
-) -> Result<ExpertLayout> {
-    let src = HfSource::open(dir)?;
+/// The expert layout and Mixtral MoE prefix of `src`, from the tensors of
+/// its first MoE layer.
+fn detect<'a>(src: &HfSource, cfg: &'a HfConfig) -> Naming<'a> {
     let spec = &cfg.spec;
-    let tensors = model_tensors(spec);
     let first_moe = (0..spec.layers()).find(|&l| {
-        matches!(spec.group_of_layer(l).map(|g| &g.ffn), Some(FfnSpec::Moe(_)))
+        matches!(
+            spec.group_of_layer(l).map(|g| &g.ffn),
+            Some(FfnSpec::Moe(_))
+        )
     });
     let mixtral_moe = match first_moe {
         Some(l) if src.has(&format!("model.layers.{l}.mlp.gate.weight")) => "mlp",
@@ -581,6 +592,29 @@ pub fn import<M: Serialize>(
             naming.experts = ExpertLayout::Fused;
         }
     }
+    naming
+}
+
+/// How the Hugging Face checkpoint `dir` (of config `cfg`) stores its experts.
+pub fn expert_layout(dir: &Path, cfg: &HfConfig) -> Result<ExpertLayout> {
+    Ok(detect(&HfSource::open(dir)?, cfg).experts)
+}
+
+/// Imports the Hugging Face checkpoint `dir` (its config already read as
+/// `cfg`) as a foldmoe checkpoint directory `out` laid out for `layout`
+/// (step 0, `meta` in its index), tensors stored as f32. Returns the expert
+/// layout found.
+pub fn import<M: Serialize>(
+    dir: &Path,
+    cfg: &HfConfig,
+    layout: &Layout,
+    out: &Path,
+    meta: &M,
+) -> Result<ExpertLayout> {
+    let src = HfSource::open(dir)?;
+    let spec = &cfg.spec;
+    let tensors = model_tensors(spec);
+    let naming = detect(&src, cfg);
     let recipes = tensors
         .iter()
         .map(|t| naming.recipe(&t.name))
@@ -611,7 +645,10 @@ pub fn import<M: Serialize>(
                 let whole = if fused {
                     let (name, shape) = match which {
                         Proj::Down => (format!("{moe}.experts.down_proj"), vec![e, cols, rows]),
-                        _ => (format!("{moe}.experts.gate_up_proj"), vec![e, 2 * cols, rows]),
+                        _ => (
+                            format!("{moe}.experts.gate_up_proj"),
+                            vec![e, 2 * cols, rows],
+                        ),
                     };
                     Some(src.read(&name, &shape, fp8)?)
                 } else {
@@ -629,7 +666,9 @@ pub fn import<M: Serialize>(
                                 Proj::Down => m.to_vec(),
                             }
                         }
-                        None => src.read(&naming.expert_name(moe, j, *which), &[cols, rows], fp8)?,
+                        None => {
+                            src.read(&naming.expert_name(moe, j, *which), &[cols, rows], fp8)?
+                        }
                     };
                     out.extend(cut(&transpose(&w, cols, rows), &[1, rows, cols], &inner));
                 }
@@ -638,7 +677,20 @@ pub fn import<M: Serialize>(
         };
         Ok(HostData::F32(vals))
     };
-    checkpoint::write_params(out, spec, layout, &tensors, StoredDType::F32, 0, meta, &mut fetch)?;
+    let written = checkpoint::write_params(
+        out,
+        spec,
+        layout,
+        &tensors,
+        StoredDType::F32,
+        0,
+        meta,
+        &mut fetch,
+    );
+    if let Err(e) = written {
+        let _ = fs::remove_dir_all(format!("{}.tmp", out.display()));
+        return Err(e);
+    }
     let unused = src.unused();
     if let Some(first) = unused.first() {
         let _ = fs::remove_dir_all(out);
@@ -672,7 +724,10 @@ fn hf_outputs(naming: &Naming<'_>, t: &ParamTensor) -> Result<Vec<Planned>> {
                     .collect(),
                 // Gate and up become one tensor: planned at the gate.
                 (ExpertLayout::Fused, Proj::Gate) => {
-                    vec![p(format!("{moe}.experts.gate_up_proj"), vec![e, 2 * cols, rows])]
+                    vec![p(
+                        format!("{moe}.experts.gate_up_proj"),
+                        vec![e, 2 * cols, rows],
+                    )]
                 }
                 (ExpertLayout::Fused, Proj::Up) => Vec::new(),
                 (ExpertLayout::Fused, Proj::Down) => {
@@ -831,7 +886,8 @@ pub fn export(
             .flatten()
             .map(|o| 4 * o.shape.iter().product::<usize>() as u64)
             .sum();
-        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let path = out.join(INDEX);
         let text = serde_json::to_string_pretty(&index).expect("JSON");
         fs::write(&path, text).map_err(|e| io_err("cannot write", &path, e))?;
@@ -925,6 +981,9 @@ mod tests {
         let perm = Some((6, 2, 4));
         let cols: Vec<usize> = (0..12).map(|c| src_col(c, perm)).collect();
         assert_eq!(cols, vec![0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]);
-        assert_eq!(cut(&[0., 1., 2., 3., 4., 5.], &[2, 3], &[(1, 1), (1, 2)]), vec![4., 5.]);
+        assert_eq!(
+            cut(&[0., 1., 2., 3., 4., 5.], &[2, 3], &[(1, 1), (1, 2)]),
+            vec![4., 5.]
+        );
     }
 }
