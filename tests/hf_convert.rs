@@ -400,3 +400,70 @@ fn cli_round_trip_and_errors() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `foldmoe score` on an imported model: its per-token log-probabilities
+/// are transformers' (log-softmax of the fixture's logits at the next
+/// token) within 1e-4, for every family.
+#[test]
+fn score_matches_transformers_log_probs() {
+    for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
+        let root = tmp(&format!("score-{family}"));
+        let ckpt = root.join("ckpt");
+        let s = |p: &Path| p.to_str().unwrap().to_string();
+        let out = foldmoe(&[
+            "convert",
+            "--from-hf",
+            &s(&fixture(family)),
+            "--out",
+            &s(&ckpt),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (ids, logits) = reference(family);
+        let vocab = logits.len() / (ids.len() * ids[0].len());
+        // The fixture's first sequence, one byte per id (all below 128).
+        let text: Vec<u8> = ids[0].iter().map(|&t| t as u8).collect();
+        let input = root.join("input.txt");
+        std::fs::write(&input, &text).unwrap();
+        let out = foldmoe(&[
+            "score",
+            "--checkpoint",
+            &s(&ckpt),
+            "--input",
+            &s(&input),
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let lp: Vec<f64> = got["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(lp.len(), text.len() - 1);
+        let mut worst = 0.0f64;
+        for (t, &l) in lp.iter().enumerate() {
+            let row: Vec<f64> = logits[t * vocab..(t + 1) * vocab]
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+            worst = worst.max((row[ids[0][t + 1] as usize] - lse - l).abs());
+        }
+        println!("{family}: score log-probs within {worst:.2e} of transformers'");
+        assert!(worst <= 1e-4, "{family}: {worst:e}");
+        let mean = -lp.iter().sum::<f64>() / lp.len() as f64;
+        assert!((got["mean_loss"].as_f64().unwrap() - mean).abs() < 1e-12);
+        assert!((got["perplexity"].as_f64().unwrap() - mean.exp()).abs() < 1e-9);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}
