@@ -247,8 +247,7 @@ fn import_error(dir: &Path) -> String {
     let l = check(&LayoutSpec::default(), &cfg.spec).unwrap();
     let out = dir.join("ckpt");
     let e = hf::import(dir, &cfg, &l, &out, &serde_json::Value::Null)
-        .err()
-        .expect("an error")
+        .expect_err("an error")
         .to_string();
     assert!(!e.contains('\n'), "one line: {e}");
     assert!(!out.exists(), "no checkpoint left behind");

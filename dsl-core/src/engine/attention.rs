@@ -50,7 +50,7 @@ pub struct AttentionSaved<B: Backend> {
     o_td: Tensor<B>,
     lse_bhs: Tensor<B>,
     /// The q and k norms' inputs `[T·H, Hd]` and rstd (`qk_norm`).
-    qk_norm: Option<[NormSaved<B>; 2]>,
+    qk_norm: Option<Box<[NormSaved<B>; 2]>>,
 }
 
 impl<B: Backend> AttentionSaved<B> {
@@ -66,7 +66,7 @@ impl<B: Backend> AttentionSaved<B> {
         f(qkv, &mut self.v_bshd);
         // The per-head norms' inputs and rstd, as MLA's latent norms: kept
         // with the attention (a dropped rstd reruns the attention layer).
-        for norm in self.qk_norm.iter_mut().flatten() {
+        for norm in self.qk_norm.iter_mut().flat_map(|n| n.iter_mut()) {
             norm.visit_saved(Slot::kept(Part::Attention), f);
         }
         f(
@@ -206,7 +206,7 @@ impl<B: Backend> Attention<B> {
                 };
                 let (q, qs) = per_head(q_norm, q_bshd, hq)?;
                 let (k, ks) = per_head(k_norm, k_bshd, hkv)?;
-                (q, k, Some([qs, ks]))
+                (q, k, Some(Box::new([qs, ks])))
             }
         };
         let q_bshd = b.rope(&q_bshd, self.rope_theta, false)?;
@@ -257,7 +257,8 @@ impl<B: Backend> Attention<B> {
         let dq_bshd = b.rope(&dq_bshd, self.rope_theta, true)?;
         let dk_bshd = b.rope(&dk_bshd, self.rope_theta, true)?;
         let (dq_bshd, dk_bshd) = match (&mut self.qk_norm, qk_norm) {
-            (Some([q_norm, k_norm]), Some([qs, ks])) => {
+            (Some([q_norm, k_norm]), Some(saved)) => {
+                let [qs, ks] = *saved;
                 let tokens = x_td.dims2("attention backward")?.0;
                 let per_head = |norm: &mut RmsNorm<B>, d: Tensor<B>, s, heads: usize| {
                     let d = norm.backward(b, &d.reshape(&[tokens * heads, hd])?, s)?;

@@ -566,6 +566,10 @@ pub struct ParamTensor {
     pub kind: StateKind,
 }
 
+/// Gives the values of a block (`(start, len)` per dimension, row-major) of
+/// tensor `i` of a [`write_params`] list.
+pub type FetchBlock<'a> = dyn FnMut(usize, &[(usize, usize)]) -> Result<HostData> + 'a;
+
 /// Writes checkpoint directory `dir` (step `step`) holding `tensors` alone,
 /// no optimizer state, as the ranks of `layout` would hold them (model
 /// conversion; `load_params` and `load` read it under any layout, moments
@@ -585,7 +589,7 @@ pub fn write_params<M: Serialize>(
     dtype: StoredDType,
     step: u64,
     meta: &M,
-    fetch: &mut dyn FnMut(usize, &[(usize, usize)]) -> Result<HostData>,
+    fetch: &mut FetchBlock<'_>,
 ) -> Result<()> {
     use super::parallel::{RankLayout, ShardPlan};
     let world = layout.world;

@@ -818,10 +818,7 @@ mod tests {
     }
 
     fn error(family: &str, edit: impl FnOnce(&mut Map<String, Value>)) -> String {
-        let e = parse_with(family, edit)
-            .err()
-            .expect("an error")
-            .to_string();
+        let e = parse_with(family, edit).expect_err("an error").to_string();
         assert!(!e.contains('\n'), "one line: {e}");
         e
     }
