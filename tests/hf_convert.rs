@@ -466,3 +466,80 @@ fn score_matches_transformers_log_probs() {
         let _ = std::fs::remove_dir_all(&root);
     }
 }
+
+/// A foldmoe-trained model exports (as Mixtral), imports back, and the
+/// import starts a fine-tune with `train --resume` under its own flags (its
+/// run settings are only defaults), its moments at zero.
+#[test]
+fn trained_model_exports_imports_and_fine_tunes() {
+    let root = tmp("finetune");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (run, hf_dir, ckpt, ft) = (
+        root.join("run"),
+        root.join("hf"),
+        root.join("ckpt"),
+        root.join("ft"),
+    );
+    let small = [
+        "--batch-tokens",
+        "128",
+        "--eval-every",
+        "1",
+        "--sample-tokens",
+        "0",
+    ];
+    let mut args = vec![
+        "train",
+        "--model",
+        "mixtral-8x7b-small",
+        "--steps",
+        "1",
+        "--out",
+    ];
+    let run_s = s(&run);
+    args.push(&run_s);
+    args.extend(small);
+    let out = foldmoe(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for args in [
+        vec![
+            "convert".to_string(),
+            "--to-hf".into(),
+            s(&run),
+            "--out".into(),
+            s(&hf_dir),
+        ],
+        vec![
+            "convert".to_string(),
+            "--from-hf".into(),
+            s(&hf_dir),
+            "--out".into(),
+            s(&ckpt),
+        ],
+    ] {
+        let out = foldmoe(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (ckpt_s, ft_s) = (s(&ckpt), s(&ft));
+    let mut args = vec!["train", "--resume", &ckpt_s, "--steps", "2", "--out"];
+    args.push(&ft_s);
+    args.extend(small);
+    let out = foldmoe(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ft.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["steps"], 2);
+    let _ = std::fs::remove_dir_all(&root);
+}

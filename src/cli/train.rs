@@ -461,7 +461,10 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             .filter(|(_, a, b)| a != b)
             .map(|(flag, a, b)| format!("{flag} {b} (the checkpoint's run has {a})"))
             .collect();
-            if !changed.is_empty() {
+            // A converted Hugging Face model (step 0, nothing trained yet)
+            // starts a fine-tune: its run settings are only defaults.
+            let converted = meta.step == 0 && meta.hf.is_some();
+            if !changed.is_empty() && !converted {
                 return Err(CliError::usage(format!(
                     "--resume: {} cannot change on resume; leave {} out",
                     changed.join(", "),
