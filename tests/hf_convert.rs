@@ -543,3 +543,71 @@ fn trained_model_exports_imports_and_fine_tunes() {
     assert_eq!(summary["steps"], 2);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `score --tokenizer`: a BPE's ids read the text; an id past the model's
+/// vocabulary is a one-line error naming it.
+#[test]
+fn score_reads_the_text_with_a_tokenizer() {
+    let root = tmp("score-tok");
+    std::fs::create_dir_all(&root).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (ckpt, text, tok) = (root.join("ckpt"), root.join("t.txt"), root.join("tok.json"));
+    std::fs::write(&text, "abab abab abab cdcd cdcd abab cdcd ".repeat(20)).unwrap();
+    for args in [
+        vec![
+            "convert".to_string(),
+            "--from-hf".into(),
+            s(&fixture("mixtral")),
+            "--out".into(),
+            s(&ckpt),
+        ],
+        vec![
+            "train-tokenizer".to_string(),
+            "--input".into(),
+            s(&text),
+            "--vocab-size".into(),
+            "300".into(),
+            "--out".into(),
+            s(&tok),
+        ],
+    ] {
+        let out = foldmoe(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = foldmoe(&[
+        "score",
+        "--checkpoint",
+        &s(&ckpt),
+        "--input",
+        &s(&text),
+        "--tokenizer",
+        &s(&tok),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("outside the model's vocabulary of 128"),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    // Bytes as the tokenizer: the same text scores.
+    let out = foldmoe(&[
+        "score",
+        "--checkpoint",
+        &s(&ckpt),
+        "--input",
+        &s(&text),
+        "--tokenizer",
+        "byte",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("tokens scored"));
+    let _ = std::fs::remove_dir_all(&root);
+}
