@@ -78,7 +78,7 @@ pub struct PassMoe {
     )]
     dense: Blocks,
     /// The MoE blocks.
-    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4, qk_norm),
         moe(experts = 4, top_k = 2, expert_ffn = 8, shared_experts = 1, shared_gate, z_loss = 1e-3,
             capacity(factor = 1.25, drop = position, pad = true)),
         recompute(moe_act, norm), offload(expert_fc1), precision = fp32)]
@@ -94,6 +94,7 @@ fn a_declared_model_builds_on_the_cpu() {
     let spec = <PassMoe<Cpu> as MoeModel<Cpu>>::spec();
     spec.check().unwrap();
     assert_eq!(spec.layers(), 3);
+    assert!(spec.groups[1].attention.qk_norm && !spec.groups[0].attention.qk_norm);
     match &spec.groups[1].ffn {
         FfnSpec::Moe(m) => assert_eq!(m.shared_ffn, 8),
         FfnSpec::Dense { .. } => panic!("group 1 is MoE"),

@@ -91,3 +91,27 @@ fn planner_predicts_the_engines_activation_peak_within_10_percent() {
         );
     }
 }
+
+/// Qwen3's per-head q/k norms save their inputs and rstd with the attention:
+/// the planner counts them, also when `norm` recompute drops the rstd and
+/// when `qkv` is offloaded.
+#[test]
+fn planner_counts_the_qk_norms_within_1_percent() {
+    for (recompute, offload) in [("none", "none"), ("norm", "none"), ("none", "qkv")] {
+        let mut spec = foldmoe::models::by_name("tiny").unwrap();
+        for g in &mut spec.groups {
+            g.attention.qk_norm = true;
+        }
+        PolicyOverride::parse(Some(recompute), Some(offload), Some("none"))
+            .unwrap()
+            .apply(&mut spec);
+        let (dev, host) = measured(&spec, 1);
+        let (p_dev, p_host) = predicted(&spec, 1);
+        let close = |p: u64, m: u64| (p as f64 - m as f64).abs() <= 0.01 * m.max(1) as f64;
+        assert!(
+            close(p_dev, dev) && close(p_host, host),
+            "qk_norm, recompute {recompute} / offload {offload}: device predicted {p_dev} \
+             measured {dev}, host predicted {p_host} measured {host}"
+        );
+    }
+}

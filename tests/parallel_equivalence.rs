@@ -381,6 +381,20 @@ fn parallel_layouts_match_one_rank_dropless() {
     check_layouts(None, LAYOUTS);
 }
 
+/// Qwen3's per-head q/k norms under tp (each rank normalises its heads;
+/// the scales' gradients summed over tp) and with experts folded over it.
+#[test]
+fn qk_norm_layouts_match_one_rank() {
+    let mut spec = spec(None);
+    for g in &mut spec.groups {
+        g.attention.qk_norm = true;
+    }
+    check_layouts_of(
+        &spec,
+        &["world=2,tp=2", "world=4,tp=2,ep=4", "world=4,tp=4,ep=2"],
+    );
+}
+
 #[test]
 fn parallel_layouts_match_one_rank_capacity() {
     check_layouts(Some(1.0), LAYOUTS);

@@ -814,6 +814,7 @@ fn read_attention(cx: &mut Cx, s: &Section) -> AttentionSpec {
         kv_heads,
         head_dim,
         mla,
+        qk_norm: s.bool(cx, "qk_norm").unwrap_or(false),
     }
 }
 
@@ -934,7 +935,7 @@ dense = { ffn = 32 }
 count = 2
 recompute = ["moe_act", "norm"]
 precision = "fp32"
-attention = { heads = 4, kv_heads = 2, head_dim = 4 }
+attention = { heads = 4, kv_heads = 2, head_dim = 4, qk_norm = true }
 [blocks.moe]
 experts = 8
 top_k = 2
@@ -972,6 +973,7 @@ capacity = { factor = 1.25, drop = "position", pad = true }
             [RecomputePart::MoeAct, RecomputePart::Norm]
         );
         assert_eq!(g.policy.precision, GemmPrecision::F32);
+        assert!(g.attention.qk_norm && !s.groups[0].attention.qk_norm);
         let FfnSpec::Moe(m) = &g.ffn else {
             panic!("group 1 is MoE")
         };

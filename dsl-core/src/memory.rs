@@ -262,6 +262,12 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout) -> Vec<Saved> {
             let kv = (a.kv_heads as f64 / t).max(1.0) * a.head_dim as f64;
             let q = heads * a.head_dim as f64 / t;
             v.push(s(Part::Attention, None, Some(O::Qkv), Act, q + 2.0 * kv));
+            if a.qk_norm {
+                // The per-head norms' inputs and fp32 rstd (one per head).
+                let (hq, hkv) = (heads / t, (a.kv_heads as f64 / t).max(1.0));
+                v.push(s(Part::Attention, None, None, Act, q + kv));
+                v.push(s(Part::Attention, Some(R::Norm), None, Fp32, hq + hkv));
+            }
             a.head_dim as f64
         }
         Some(m) => {

@@ -65,9 +65,10 @@ impl BlockGroup {
         let a = &self.attention;
         let h = a.heads as u64;
         let (attention, latent_norms) = match &a.mla {
+            // q/k norms are counted with the norms (replicated, 1-d).
             None => (
                 d * h * a.head_dim as u64 * 2 + 2 * d * a.kv_heads as u64 * a.head_dim as u64,
-                0,
+                if a.qk_norm { 2 * a.head_dim as u64 } else { 0 },
             ),
             Some(m) => {
                 let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
@@ -139,6 +140,11 @@ pub struct AttentionSpec {
     /// Multi-head latent attention (DeepSeek-V2/V3) instead of GQA.
     #[serde(default)]
     pub mla: Option<MlaSpec>,
+    /// RMSNorm of every query and key head over its `head_dim` before the
+    /// rotary embedding, one `[head_dim]` scale for queries and one for keys
+    /// shared by all heads (Qwen3's `q_norm`/`k_norm`). GQA only.
+    #[serde(default)]
+    pub qk_norm: bool,
 }
 
 impl AttentionSpec {
@@ -149,6 +155,7 @@ impl AttentionSpec {
             kv_heads,
             head_dim,
             mla: None,
+            qk_norm: false,
         }
     }
 }
@@ -293,6 +300,7 @@ pub mod keywords {
         ("kv_heads", "kv_heads"),
         ("head_dim", "head_dim"),
         ("mla", "mla"),
+        ("qk_norm", "qk_norm"),
     ];
     /// Keys of `mla`.
     pub const MLA_KEYS: &[(&str, &str)] = &[
@@ -801,6 +809,14 @@ impl ModelSpec {
             }
             if let Some(mla) = &a.mla {
                 check_mla(mla, &format!("{p}.attention.mla"), &mut err);
+                if a.qk_norm {
+                    err(
+                        format!("{p}.attention.qk_norm"),
+                        "qk_norm applies to grouped-query attention; MLA normalises its \
+                         latents instead: remove qk_norm"
+                            .into(),
+                    );
+                }
             }
             check_policy(g, self, &format!("{p}.policy"), &mut err);
             match &g.ffn {

@@ -750,6 +750,7 @@ fn parse_attention(spans: &mut Spans, s: &Section) -> AttentionSpec {
         kv_heads,
         head_dim,
         mla,
+        qk_norm: s.bool("qk_norm").unwrap_or(false),
     }
 }
 

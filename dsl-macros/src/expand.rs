@@ -391,6 +391,7 @@ fn group_tokens(p: &TokenStream, g: &BlockGroup) -> TokenStream {
         kv_heads,
         head_dim,
         mla,
+        qk_norm,
     } = attention;
     let mla = match mla {
         Some(MlaSpec {
@@ -426,6 +427,7 @@ fn group_tokens(p: &TokenStream, g: &BlockGroup) -> TokenStream {
                 kv_heads: #kv_heads,
                 head_dim: #head_dim,
                 mla: #mla,
+                qk_norm: #qk_norm,
             },
             ffn: #ffn,
             policy: #policy,

@@ -6,6 +6,7 @@
 //! `foldmoe::cli::main(foldmoe::models![MyMoe, MyMoeSmall])`.
 
 mod bench;
+mod convert;
 mod dist;
 mod error;
 mod generate;
@@ -13,6 +14,7 @@ mod launch;
 mod plan;
 mod plot;
 mod preprocess;
+mod score;
 mod settings;
 mod train;
 
@@ -85,6 +87,23 @@ enum Command {
     Preprocess(preprocess::PreprocessOptions),
     /// Train a byte-level BPE tokenizer.json on text or .jsonl files.
     TrainTokenizer(preprocess::TrainTokenizerOptions),
+    /// Per-token log-probabilities, mean loss and perplexity of a text under a checkpoint.
+    Score {
+        /// Run directory or checkpoint directory.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Text file to score.
+        #[arg(long, value_name = "FILE")]
+        input: PathBuf,
+        /// Hugging Face `tokenizer.json` that reads the text (default: one token per byte).
+        #[arg(long, value_name = "FILE")]
+        tokenizer: Option<PathBuf>,
+        /// Print JSON with every token's log-probability.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert Hugging Face models (Mixtral, Qwen3-MoE, DeepSeek-V3) to foldmoe checkpoints and back.
+    Convert(convert::ConvertOptions),
     /// Continue a prompt with a trained checkpoint.
     Generate {
         /// Run directory or checkpoint directory.
@@ -184,6 +203,20 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 "{}",
                 plan::run(source, layout.as_deref(), ranks, rank, json, &memory)?
             );
+            Ok(())
+        }
+        Command::Score {
+            checkpoint,
+            input,
+            tokenizer,
+            json,
+        } => {
+            let tok = tokenizer.as_deref();
+            println!("{}", score::run(&Cpu, &checkpoint, &input, tok, json)?);
+            Ok(())
+        }
+        Command::Convert(opts) => {
+            println!("{}", convert::run(&opts)?);
             Ok(())
         }
         Command::Preprocess(o) => {

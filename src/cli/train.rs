@@ -68,6 +68,9 @@ pub struct RunMeta {
     /// resume refuses data that changed since.
     #[serde(default)]
     pub data_fingerprint: Option<String>,
+    /// The Hugging Face model it was imported from (`foldmoe convert`).
+    #[serde(default)]
+    pub hf: Option<crate::cli::convert::HfOrigin>,
 }
 
 /// The run summary written at the end (`summary.json`).
@@ -458,7 +461,10 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             .filter(|(_, a, b)| a != b)
             .map(|(flag, a, b)| format!("{flag} {b} (the checkpoint's run has {a})"))
             .collect();
-            if !changed.is_empty() {
+            // A converted Hugging Face model (step 0, nothing trained yet)
+            // starts a fine-tune: its run settings are only defaults.
+            let converted = meta.step == 0 && meta.hf.is_some();
+            if !changed.is_empty() && !converted {
                 return Err(CliError::usage(format!(
                     "--resume: {} cannot change on resume; leave {} out",
                     changed.join(", "),
@@ -640,6 +646,7 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
                 val_losses: Vec::new(),
                 train_seconds: 0.0,
                 data_fingerprint: loader.fingerprint(),
+                hf: None,
             },
         ),
     };

@@ -2,12 +2,19 @@
 //! (Megatron-Core's `SelfAttention` with `num_query_groups`, no biases):
 //! `q, k, v = x·Wq, x·Wk, x·Wv; q, k = rope(q), rope(k); o = attn(q, k, v); y = o·Wo`.
 //!
+//! With `qk_norm` (Qwen3's `q_norm`/`k_norm`), every query and key head is
+//! RMS-normalised over its head dim before the rotation,
+//! `q_h = rope(rms_norm(x·Wq_h) · w_q)`, one scale `w_q: [Hd]` (and `w_k`)
+//! shared by all heads: a norm per head, so tp (which splits whole heads)
+//! leaves it replicated, its gradient summed over tp like the block norms'.
+//!
 //! Shapes: B batch, S sequence, T = B·S tokens, D hidden, Hq query heads,
 //! Hkv key/value heads, Hd head dim.
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::activations::Slot;
+use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
@@ -24,6 +31,9 @@ pub struct Attention<B: Backend> {
     pub wv: Param<B>,
     /// Output projection `[Hq·Hd, D]`.
     pub wo: Param<B>,
+    /// Per-head query and key norms `[Hd]` (`qk_norm`), named
+    /// `{prefix}.q_norm.weight`, `{prefix}.k_norm.weight`.
+    pub qk_norm: Option<[RmsNorm<B>; 2]>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -39,6 +49,8 @@ pub struct AttentionSaved<B: Backend> {
     v_bshd: Tensor<B>,
     o_td: Tensor<B>,
     lse_bhs: Tensor<B>,
+    /// The q and k norms' inputs `[T·H, Hd]` and rstd (`qk_norm`).
+    qk_norm: Option<Box<[NormSaved<B>; 2]>>,
 }
 
 impl<B: Backend> AttentionSaved<B> {
@@ -52,6 +64,11 @@ impl<B: Backend> AttentionSaved<B> {
         f(qkv, &mut self.q_bshd);
         f(qkv, &mut self.k_bshd);
         f(qkv, &mut self.v_bshd);
+        // The per-head norms' inputs and rstd, as MLA's latent norms: kept
+        // with the attention (a dropped rstd reruns the attention layer).
+        for norm in self.qk_norm.iter_mut().flat_map(|n| n.iter_mut()) {
+            norm.visit_saved(Slot::kept(Part::Attention), f);
+        }
         f(
             Slot::kept(Part::Attention).offload(OffloadPart::AttnProj),
             &mut self.o_td,
@@ -67,7 +84,8 @@ impl<B: Backend> AttentionSaved<B> {
 
 impl<B: Backend> Attention<B> {
     /// Projections named `{prefix}.wq` … `{prefix}.wo`, normal(0, `model.init_std`),
-    /// over the model's hidden size and RoPE base.
+    /// over the model's hidden size and RoPE base; with `qk_norm`, the
+    /// per-head norms (scales 1, the model's `norm_eps`).
     pub fn new(
         b: &B,
         prefix: &str,
@@ -82,11 +100,26 @@ impl<B: Backend> Attention<B> {
         let mk = |name: &str, shape: &[usize]| {
             init.normal(b, format!("{prefix}.{name}"), shape, std, dtype)
         };
+        let qk_norm = if spec.qk_norm {
+            let norm = |name: &str| {
+                RmsNorm::new(
+                    b,
+                    &format!("{prefix}.{name}"),
+                    spec.head_dim,
+                    model.norm_eps,
+                    dtype,
+                )
+            };
+            Some([norm("q_norm")?, norm("k_norm")?])
+        } else {
+            None
+        };
         Ok(Attention {
             wq: mk("wq", &[hidden, q_dim])?,
             wk: mk("wk", &[hidden, kv_dim])?,
             wv: mk("wv", &[hidden, kv_dim])?,
             wo: mk("wo", &[q_dim, hidden])?,
+            qk_norm,
             heads: spec.heads,
             kv_heads: spec.kv_heads,
             head_dim: spec.head_dim,
@@ -162,8 +195,22 @@ impl<B: Backend> Attention<B> {
             Ok(b.matmul(x_td, &w.value, false, false)?
                 .reshape(&[batch, seq_len, heads, hd])?)
         };
-        let q_bshd = b.rope(&project(&self.wq, hq)?, self.rope_theta, false)?;
-        let k_bshd = b.rope(&project(&self.wk, hkv)?, self.rope_theta, false)?;
+        let (q_bshd, k_bshd) = (project(&self.wq, hq)?, project(&self.wk, hkv)?);
+        let (q_bshd, k_bshd, qk_norm) = match &self.qk_norm {
+            None => (q_bshd, k_bshd, None),
+            Some([q_norm, k_norm]) => {
+                // One row per token-head: the norm runs over the head dim.
+                let per_head = |norm: &RmsNorm<B>, t: Tensor<B>, heads: usize| {
+                    let (y, saved) = norm.forward(b, &t.reshape(&[tokens * heads, hd])?)?;
+                    Ok::<_, EngineError>((y.reshape(&[batch, seq_len, heads, hd])?, saved))
+                };
+                let (q, qs) = per_head(q_norm, q_bshd, hq)?;
+                let (k, ks) = per_head(k_norm, k_bshd, hkv)?;
+                (q, k, Some(Box::new([qs, ks])))
+            }
+        };
+        let q_bshd = b.rope(&q_bshd, self.rope_theta, false)?;
+        let k_bshd = b.rope(&k_bshd, self.rope_theta, false)?;
         let v_bshd = project(&self.wv, hkv)?;
         let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd)?;
         // Reshapes move the buffer: no copy of the attention output.
@@ -176,6 +223,7 @@ impl<B: Backend> Attention<B> {
             v_bshd,
             o_td,
             lse_bhs,
+            qk_norm,
         };
         Ok((y_td, saved))
     }
@@ -194,6 +242,7 @@ impl<B: Backend> Attention<B> {
             v_bshd,
             o_td,
             lse_bhs,
+            qk_norm,
         } = saved;
         let (batch, seq_len, hq, hd) = q_bshd.dims4("attention backward")?;
         self.wo
@@ -207,6 +256,28 @@ impl<B: Backend> Attention<B> {
         // The rotation is orthogonal: its backward rotates back.
         let dq_bshd = b.rope(&dq_bshd, self.rope_theta, true)?;
         let dk_bshd = b.rope(&dk_bshd, self.rope_theta, true)?;
+        let (dq_bshd, dk_bshd) = match (&mut self.qk_norm, qk_norm) {
+            (Some([q_norm, k_norm]), Some(saved)) => {
+                let [qs, ks] = *saved;
+                let tokens = x_td.dims2("attention backward")?.0;
+                let per_head = |norm: &mut RmsNorm<B>, d: Tensor<B>, s, heads: usize| {
+                    let d = norm.backward(b, &d.reshape(&[tokens * heads, hd])?, s)?;
+                    d.reshape(&[batch, seq_len, heads, hd])
+                        .map_err(EngineError::from)
+                };
+                let hkv = dk_bshd.dims4("attention backward")?.2;
+                (
+                    per_head(q_norm, dq_bshd, qs, hq)?,
+                    per_head(k_norm, dk_bshd, ks, hkv)?,
+                )
+            }
+            (None, None) => (dq_bshd, dk_bshd),
+            _ => {
+                return Err(EngineError::Invalid(
+                    "attention backward: saved state and layer disagree on qk_norm".into(),
+                ))
+            }
+        };
         let mut dx_td = project_backward(b, &mut self.wq, &x_td, dq_bshd)?;
         b.axpy(
             &mut dx_td,
@@ -243,12 +314,18 @@ impl<B: Backend> Module<B> for Attention<B> {
         f(&self.wk);
         f(&self.wv);
         f(&self.wo);
+        for norm in self.qk_norm.iter().flatten() {
+            norm.visit_params(f);
+        }
     }
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
         f(&mut self.wq);
         f(&mut self.wk);
         f(&mut self.wv);
         f(&mut self.wo);
+        for norm in self.qk_norm.iter_mut().flatten() {
+            norm.visit_params_mut(f);
+        }
     }
 }
 
@@ -266,8 +343,20 @@ mod tests {
 
     #[test]
     fn attention_block_grad() {
+        check_attention_grad(false);
+    }
+
+    /// Qwen3's per-head q/k norms: their scales and the input checked
+    /// against finite differences like every other parameter.
+    #[test]
+    fn attention_with_qk_norm_grad() {
+        check_attention_grad(true);
+    }
+
+    fn check_attention_grad(qk_norm: bool) {
         let b = Cpu;
-        let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
+        let mut spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
+        spec.groups[0].attention.qk_norm = qk_norm;
         let attn_spec = &spec.groups[0].attention;
         assert!(attn_spec.kv_heads < attn_spec.heads, "the check covers GQA");
         let mut attn = Attention::new(
@@ -279,6 +368,17 @@ mod tests {
             DType::F64,
         )
         .unwrap();
+        if let Some(norms) = &mut attn.qk_norm {
+            // Scales away from 1, so their gradients are not symmetric.
+            for (i, n) in norms.iter_mut().enumerate() {
+                let hd = attn_spec.head_dim;
+                let w: Vec<f64> = uniform(30 + i as u64, hd, 0.5)
+                    .iter()
+                    .map(|v| 1.0 + v)
+                    .collect();
+                n.weight.value = f64_tensor(w, &[hd]);
+            }
+        }
         let (batch, seq, d) = (2, 3, spec.hidden);
         let t = batch * seq;
         let x = uniform(1, t * d, 1.0);
@@ -294,6 +394,10 @@ mod tests {
                 .unwrap();
             dot(&y, &r)
         });
+        let n_params = if qk_norm { 6 } else { 4 };
+        let mut seen = 0;
+        crate::engine::Module::visit_params(&attn, &mut |_| seen += 1);
+        assert_eq!(seen, n_params);
         check_param_grads("attention", &mut attn, 24, 1e-6, |a| {
             dot(&a.forward(&b, &x_td, seq).unwrap().0, &r)
         });

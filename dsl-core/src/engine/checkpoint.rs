@@ -488,40 +488,10 @@ fn write_rank_file<B: Backend>(
     path: &Path,
     planned: Vec<Planned<'_, B>>,
 ) -> Result<Vec<Piece>> {
-    let mut header = serde_json::Map::new();
-    let mut at = 0u64;
-    let mut pieces = Vec::with_capacity(planned.len());
-    for (i, p) in planned.iter().enumerate() {
-        let n = p.piece.flat.1 - p.piece.flat.0;
-        let len = (n * p.piece.dtype.size()) as u64;
-        header.insert(
-            format!("{i:06}.{}.{:?}", p.piece.tensor, p.piece.kind),
-            serde_json::json!({
-                "dtype": p.piece.dtype.safetensors_name(),
-                "shape": [n],
-                "data_offsets": [at, at + len],
-            }),
-        );
-        let mut piece = p.piece.clone();
-        piece.bytes = (at, at + len);
-        pieces.push(piece);
-        at += len;
-    }
-    header.insert(
-        "__metadata__".into(),
-        serde_json::json!({ "format": FORMAT }),
-    );
-    let mut head = serde_json::to_vec(&header)
-        .map_err(|e| EngineError::Invalid(format!("cannot encode a shard header: {e}")))?;
-    // safetensors pads the header with spaces to a multiple of 8 bytes.
-    while head.len() % 8 != 0 {
-        head.push(b' ');
-    }
-    let start = 8 + head.len() as u64;
+    let (head, mut pieces) = file_layout(planned.iter().map(|p| p.piece.clone()).collect())?;
     let mut f = fs::File::create(path).map_err(|e| io_err("cannot create", path, e))?;
     let mut w = std::io::BufWriter::new(&mut f);
-    w.write_all(&(head.len() as u64).to_le_bytes())
-        .and_then(|_| w.write_all(&head))
+    w.write_all(&head)
         .map_err(|e| io_err("cannot write", path, e))?;
     for (p, piece) in planned.iter().zip(&mut pieces) {
         let n = piece.flat.1 - piece.flat.0;
@@ -536,7 +506,6 @@ fn write_rank_file<B: Backend>(
         };
         let bytes = stored_bytes(&host, piece.dtype);
         piece.sha256 = hex(&Sha256::digest(&bytes));
-        piece.bytes = (start + piece.bytes.0, start + piece.bytes.1);
         w.write_all(&bytes)
             .map_err(|e| io_err("cannot write", path, e))?;
     }
@@ -544,6 +513,218 @@ fn write_rank_file<B: Backend>(
     drop(w);
     f.sync_all().map_err(|e| io_err("cannot sync", path, e))?;
     Ok(pieces)
+}
+
+/// The safetensors header of a rank file holding `pieces` in order (its
+/// 8-byte length, then the JSON padded to a multiple of 8 bytes), and the
+/// pieces with their byte ranges in the file.
+fn file_layout(mut pieces: Vec<Piece>) -> Result<(Vec<u8>, Vec<Piece>)> {
+    let mut header = serde_json::Map::new();
+    let mut at = 0u64;
+    for (i, p) in pieces.iter_mut().enumerate() {
+        let n = p.flat.1 - p.flat.0;
+        let len = (n * p.dtype.size()) as u64;
+        header.insert(
+            format!("{i:06}.{}.{:?}", p.tensor, p.kind),
+            serde_json::json!({
+                "dtype": p.dtype.safetensors_name(),
+                "shape": [n],
+                "data_offsets": [at, at + len],
+            }),
+        );
+        p.bytes = (at, at + len);
+        at += len;
+    }
+    header.insert(
+        "__metadata__".into(),
+        serde_json::json!({ "format": FORMAT }),
+    );
+    let mut json = serde_json::to_vec(&header)
+        .map_err(|e| EngineError::Invalid(format!("cannot encode a shard header: {e}")))?;
+    // safetensors pads the header with spaces to a multiple of 8 bytes.
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let start = 8 + json.len() as u64;
+    for p in &mut pieces {
+        p.bytes = (start + p.bytes.0, start + p.bytes.1);
+    }
+    let mut head = (json.len() as u64).to_le_bytes().to_vec();
+    head.extend_from_slice(&json);
+    Ok((head, pieces))
+}
+
+/// One global tensor of a checkpoint written without a trainer
+/// ([`write_params`]): a parameter or a buffer.
+#[derive(Clone, Debug)]
+pub struct ParamTensor {
+    /// Its name (`blocks.3.moe.experts.w1`).
+    pub name: String,
+    /// Its global shape.
+    pub shape: Vec<usize>,
+    /// [`StateKind::Param`] or [`StateKind::Buffer`].
+    pub kind: StateKind,
+}
+
+/// Gives the values of a block (`(start, len)` per dimension, row-major) of
+/// tensor `i` of a [`write_params`] list.
+pub type FetchBlock<'a> = dyn FnMut(usize, &[(usize, usize)]) -> Result<HostData> + 'a;
+
+/// Writes checkpoint directory `dir` (step `step`) holding `tensors` alone,
+/// no optimizer state, as the ranks of `layout` would hold them (model
+/// conversion; `load_params` and `load` read it under any layout, moments
+/// starting at zero): each rank's file gets the blocks its [`ShardPlan`]
+/// gives it of the tensors its pipeline stage holds, a block replicated
+/// over several ranks written by the first only, buffers by rank 0.
+/// `fetch(i, block)` gives the values of a block of `tensors[i]`
+/// (row-major); tensors are asked for one block at a time, in order, and
+/// written as they come, so no more than one block is held. The files are
+/// written to `dir.tmp` and renamed into place once complete.
+#[allow(clippy::too_many_arguments)]
+pub fn write_params<M: Serialize>(
+    dir: &Path,
+    spec: &crate::spec::ModelSpec,
+    layout: &crate::layout::Layout,
+    tensors: &[ParamTensor],
+    dtype: StoredDType,
+    step: u64,
+    meta: &M,
+    fetch: &mut FetchBlock<'_>,
+) -> Result<()> {
+    use super::parallel::{RankLayout, ShardPlan};
+    let world = layout.world;
+    // (rank, tensor index, block) of every piece, each block once.
+    let mut owned: Vec<Vec<(usize, Block)>> = vec![Vec::new(); world];
+    let mut seen: HashSet<(usize, Block)> = HashSet::new();
+    for (r, mine) in owned.iter_mut().enumerate() {
+        let rank = RankLayout::new(layout, r)?;
+        let plan = ShardPlan::new(spec, &rank);
+        let last = rank.pp_index + 1 == rank.pp.size();
+        for (i, t) in tensors.iter().enumerate() {
+            let held = match t.name.strip_prefix("blocks.") {
+                Some(rest) => rest
+                    .split('.')
+                    .next()
+                    .and_then(|l| l.parse::<usize>().ok())
+                    .is_some_and(|l| plan.layers().contains(&l)),
+                None if t.name == "embed.weight" => rank.pp_index == 0,
+                None => last,
+            };
+            if !held {
+                continue;
+            }
+            let block = match t.kind {
+                StateKind::Buffer => t.shape.iter().map(|&n| (0, n)).collect(),
+                _ => plan.shard_of(&t.name, &t.shape)?.ranges(),
+            };
+            if seen.insert((i, block.clone())) {
+                mine.push((i, block));
+            }
+        }
+    }
+    let tmp = PathBuf::from(format!("{}.tmp", dir.display()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io_err("cannot clear", &tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
+    let mut writers = Vec::with_capacity(world);
+    let mut all: Vec<Vec<Piece>> = Vec::with_capacity(world);
+    for (r, mine) in owned.iter().enumerate() {
+        let file = format!("rank-{r:05}.safetensors");
+        let pieces = mine
+            .iter()
+            .map(|(i, block)| {
+                let t = &tensors[*i];
+                Piece {
+                    tensor: t.name.clone(),
+                    kind: t.kind,
+                    full_shape: t.shape.clone(),
+                    block: block.clone(),
+                    flat: (0, block.iter().map(|b| b.1).product()),
+                    dtype,
+                    file: file.clone(),
+                    bytes: (0, 0),
+                    sha256: String::new(),
+                }
+            })
+            .collect();
+        let (head, pieces) = file_layout(pieces)?;
+        let path = tmp.join(&file);
+        let f = fs::File::create(&path).map_err(|e| io_err("cannot create", &path, e))?;
+        let mut w = std::io::BufWriter::new(f);
+        w.write_all(&head)
+            .map_err(|e| io_err("cannot write", &path, e))?;
+        writers.push((path, w));
+        all.push(pieces);
+    }
+    // Tensor-major, so each file receives its pieces in its own order.
+    let mut next = vec![0usize; world];
+    for i in 0..tensors.len() {
+        for r in 0..world {
+            while let Some((j, block)) = owned[r].get(next[r]) {
+                if *j != i {
+                    break;
+                }
+                let values = fetch(i, block)?;
+                let piece = &mut all[r][next[r]];
+                if values.len() != piece.flat.1 {
+                    return Err(EngineError::Invalid(format!(
+                        "tensor {}: {} values given for a block of {}",
+                        piece.tensor,
+                        values.len(),
+                        piece.flat.1
+                    )));
+                }
+                let bytes = stored_bytes(&values, dtype);
+                piece.sha256 = hex(&Sha256::digest(&bytes));
+                let (path, w) = &mut writers[r];
+                w.write_all(&bytes)
+                    .map_err(|e| io_err("cannot write", path, e))?;
+                next[r] += 1;
+            }
+        }
+    }
+    let mut files = BTreeMap::new();
+    for (path, w) in writers {
+        let f = w
+            .into_inner()
+            .map_err(|e| io_err("cannot write", &path, e.error()))?;
+        f.sync_all().map_err(|e| io_err("cannot sync", &path, e))?;
+        let len = f
+            .metadata()
+            .map_err(|e| io_err("cannot stat", &path, e))?
+            .len();
+        let name = path.file_name().map(|n| n.to_string_lossy().to_string());
+        files.insert(name.unwrap_or_default(), len);
+    }
+    let pieces: Vec<Piece> = all.into_iter().flatten().collect();
+    let tensors_info = tensors
+        .iter()
+        .map(|t| {
+            let info = TensorInfo {
+                shape: t.shape.clone(),
+                dtype,
+            };
+            (t.name.clone(), info)
+        })
+        .collect();
+    let index = Index {
+        format: FORMAT.to_string(),
+        step,
+        world,
+        tensors: tensors_info,
+        files,
+        pieces,
+        meta,
+    };
+    let json = serde_json::to_vec_pretty(&index)
+        .map_err(|e| EngineError::Invalid(format!("cannot encode the checkpoint index: {e}")))?;
+    write_synced(&tmp.join(INDEX_FILE), &json)?;
+    sync_dir(&tmp)?;
+    if dir.exists() {
+        fs::remove_dir_all(dir).map_err(|e| io_err("cannot replace", dir, e))?;
+    }
+    fs::rename(&tmp, dir).map_err(|e| io_err("cannot move into place", dir, e))
 }
 
 /// A checkpoint opened for reading: its pieces by tensor and kind, its files
@@ -968,7 +1149,8 @@ fn runs_in(
 /// expert biases and the step. A master the checkpoint lacks starts as the
 /// parameter (as a fresh optimizer's would); a master the trainer keeps
 /// none of replaces the parameter (it is the exact weight). Not a
-/// collective: each rank reads its own slices.
+/// collective: each rank reads its own slices. Moments the checkpoint lacks
+/// (one written by [`write_params`]) start at zero.
 pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut Trainer<B>) -> Result<()> {
     let b_keeps_masters = trainer.has_masters();
     // (name, full shape, block, dtype, shard shape) of every parameter.
@@ -987,6 +1169,17 @@ pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut Trainer<B>) -> Res
     })?;
     let read = |i: usize, kind: StateKind, flat: (usize, usize), wide: bool| -> Result<HostData> {
         let (name, full_shape, block, _, _) = &blocks[i];
+        // A checkpoint of parameters alone (a converted model) starts the
+        // moments at zero, as a fresh optimizer's.
+        let moment = matches!(kind, StateKind::ExpAvg | StateKind::ExpAvgSq);
+        if moment && !source.has(name, kind) {
+            let n = flat.1 - flat.0;
+            return Ok(if wide {
+                HostData::F64(vec![0.0; n])
+            } else {
+                HostData::F32(vec![0.0; n])
+            });
+        }
         let kind = match kind {
             StateKind::Param if !b_keeps_masters && source.has(name, StateKind::Master) => {
                 StateKind::Master

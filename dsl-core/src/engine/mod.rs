@@ -13,6 +13,7 @@ pub mod block;
 pub mod checkpoint;
 pub mod declared;
 pub mod embedding;
+pub mod hf;
 pub mod mla;
 pub mod mlp;
 pub mod model;
