@@ -115,6 +115,25 @@ fn reference(spec: &ModelSpec, dtype: DType) -> (HashMap<String, Vec<f64>>, Vec<
 type RankRun = (Vec<(String, Vec<usize>, Vec<f64>)>, Vec<f64>);
 
 fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
+    let (grads, losses, _) = parallel_with(spec, layout_text, dtype, &|step, dp, dp_i| {
+        let batch = global_batch(step);
+        let per = MICRO_BATCHES / dp;
+        batch[dp_i * per..(dp_i + 1) * per].to_vec()
+    });
+    (grads, losses)
+}
+
+/// A dp rank's micro-batches of a step: `(step, dp, dp index) → micro-batches`.
+type Split = dyn Fn(usize, usize, usize) -> Vec<(Vec<i32>, Vec<i32>)> + Sync;
+
+/// [`parallel`] with the micro-batches of each dp rank given by `mine`; also
+/// returns the aux losses of the `STEPS` steps.
+fn parallel_with(
+    spec: &ModelSpec,
+    layout_text: &str,
+    dtype: DType,
+    mine: &Split,
+) -> (Vec<(String, Vec<usize>, Vec<f64>)>, Vec<f64>, Vec<f64>) {
     let layout_spec = LayoutSpec::parse(layout_text).unwrap();
     let layout =
         layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
@@ -123,24 +142,22 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
         let model = Model::new(ctx.b, spec, rank, SEED, dtype)?;
         let mut trainer = Trainer::new(ctx.b, model, config())?;
         let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
-        let mine = |step: usize| -> Vec<(Vec<i32>, Vec<i32>)> {
-            let batch = global_batch(step);
-            let per = MICRO_BATCHES / dp;
-            batch[dp_i * per..(dp_i + 1) * per].to_vec()
-        };
+        let seq = spec.seq_len;
         // Gradients of step 0's batch, reduced and gathered.
-        trainer.accumulate(ctx, &mine(0), SEQ)?;
+        trainer.accumulate(ctx, &mine(0, dp, dp_i), seq)?;
         let grads = trainer.reduce_gradients(ctx)?;
         let gathered = trainer.gather_full(ctx, Gather::Grads(&grads))?;
         // A fresh trainer for the losses (the accumulation above is discarded).
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let mut trainer =
             Trainer::new(ctx.b, Model::new(ctx.b, spec, rank, SEED, dtype)?, config())?;
-        let mut losses = Vec::new();
+        let (mut losses, mut aux) = (Vec::new(), Vec::new());
         for step in 0..STEPS {
-            losses.push(trainer.step(ctx, &mine(step), SEQ)?.loss);
+            let stats = trainer.step(ctx, &mine(step, dp, dp_i), seq)?;
+            losses.push(stats.loss);
+            aux.push(stats.aux_loss);
         }
-        Ok::<_, EngineError>((gathered, losses))
+        Ok::<_, EngineError>((gathered, losses, aux))
     });
     let mut results = results.into_iter();
     let first = results
@@ -148,10 +165,11 @@ fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
         .unwrap()
         .unwrap_or_else(|e| panic!("{layout_text}: {e}"));
     for (r, other) in results.enumerate() {
-        let (_, losses) = other.unwrap_or_else(|e| panic!("{layout_text} rank {}: {e}", r + 1));
+        let (_, losses, aux) =
+            other.unwrap_or_else(|e| panic!("{layout_text} rank {}: {e}", r + 1));
         assert_eq!(
-            losses,
-            first.1,
+            (losses, aux),
+            (first.1.clone(), first.2.clone()),
             "{layout_text}: rank {} reports other losses",
             r + 1
         );
@@ -359,6 +377,99 @@ fn context_parallel_with_seq_aux_matches_one_rank() {
     check_layouts_of(
         &spec,
         &["world=2,tp=2", "world=2,cp=2", "world=4,tp=2,cp=2,ep=2"],
+    );
+}
+
+/// `global_aux` (Megatron-Core's global-batch balancing loss): each dp
+/// rank's micro-batch j is balanced on the loads of every dp, tp and cp rank's
+/// micro-batch j, averaged over micro-batches 0..=j of the step. So dp ranks
+/// running micro-batch j together compute what one rank computes on their
+/// union (here: dp 2, each rank 4 micro-batches; the reference one rank with
+/// 4 micro-batches of both ranks' sequences), under dp alone, with cp, tp,
+/// ep and a pipeline. `aux` under dp 2 balances each rank's micro-batch on
+/// its own loads, and differs. A large coefficient makes the balancing loss
+/// a visible part of the gradient.
+#[test]
+fn global_aux_under_dp_matches_one_rank_over_the_union_of_micro_batches() {
+    let with = |lb: LoadBalance| {
+        let mut spec = deep_spec(false);
+        for g in &mut spec.groups {
+            if let FfnSpec::Moe(moe) = &mut g.ffn {
+                moe.router.load_balance = lb;
+                moe.router.aux_coef = 1.0;
+                moe.router.z_loss_coef = 0.0;
+            }
+        }
+        spec
+    };
+    let per_rank = |step: usize, dp: usize, dp_i: usize| {
+        let batch = global_batch(step);
+        let per = MICRO_BATCHES / dp;
+        batch[dp_i * per..(dp_i + 1) * per].to_vec()
+    };
+    // One rank, micro-batch j = micro-batch j of dp rank 0 then of dp rank 1.
+    let union = move |step: usize, _dp: usize, _dp_i: usize| {
+        let (r0, r1) = (per_rank(step, 2, 0), per_rank(step, 2, 1));
+        r0.into_iter()
+            .zip(r1)
+            .map(|((mut t, mut y), (t1, y1))| {
+                t.extend(t1);
+                y.extend(y1);
+                (t, y)
+            })
+            .collect::<Vec<_>>()
+    };
+    let global = with(LoadBalance::GlobalAux);
+    let (ref_grads, ref_losses, ref_aux) = parallel_with(&global, "world=1", DType::F32, &union);
+    let ref_grads: HashMap<String, Vec<f64>> =
+        ref_grads.into_iter().map(|(n, _, g)| (n, g)).collect();
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-30);
+    let mut failures = Vec::new();
+    for text in [
+        "world=2,dp=2",
+        "world=4,dp=2,cp=2",
+        "world=4,dp=2,tp=2,ep=2",
+        "world=4,dp=2,pp=2",
+    ] {
+        let (grads, losses, aux) = parallel_with(&global, text, DType::F32, &per_rank);
+        for step in 0..STEPS {
+            let (l, a) = (
+                rel(losses[step], ref_losses[step]),
+                rel(aux[step], ref_aux[step]),
+            );
+            if l > 1e-5 || a > 1e-5 {
+                failures.push(format!(
+                    "{text}: step {step}: loss {} vs {}, aux {} vs {}",
+                    losses[step], ref_losses[step], aux[step], ref_aux[step]
+                ));
+            }
+        }
+        for (name, _, g) in &grads {
+            let want = &ref_grads[name];
+            let diff: f64 = g.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum();
+            let norm: f64 = want.iter().map(|b| b * b).sum();
+            let e = (diff / norm.max(1e-30)).sqrt();
+            if e > 1e-4 {
+                failures.push(format!(
+                    "{text}: gradient of {name}: relative error {e:.2e}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // The per-rank balancing of `aux` is another loss on the same batches.
+    let (_, _, aux_dp) = parallel_with(
+        &with(LoadBalance::Aux),
+        "world=2,dp=2",
+        DType::F32,
+        &per_rank,
+    );
+    let gap = rel(aux_dp[0], ref_aux[0]);
+    assert!(
+        gap > 1e-3,
+        "aux {} vs global_aux {}: the same (rel {gap:.1e})",
+        aux_dp[0],
+        ref_aux[0]
     );
 }
 

@@ -540,7 +540,9 @@ pub enum LoadBalance {
     Aux,
     /// The same per sequence, averaged over sequences.
     SeqAux,
-    /// The same over the data-parallel group and accumulation steps.
+    /// The same with `f_e` from the loads of every tp, cp and dp rank's
+    /// micro-batch, averaged over the step's micro-batches so far
+    /// (Megatron-Core's global-batch loss); `P_e` stays the rank's.
     GlobalAux,
 }
 

@@ -327,6 +327,16 @@ impl<B: Backend> Model<B> {
         Ok(self.head.forward(b, &self.embed, &h_td)?.0)
     }
 
+    /// Starts an optimizer step: state the layers keep across a step's
+    /// micro-batches (`global_aux`'s running loads) starts empty.
+    pub fn begin_step(&self) {
+        for block in &self.blocks {
+            if let Ffn::Moe(moe) = &block.ffn {
+                moe.begin_step();
+            }
+        }
+    }
+
     /// Model chunks this rank holds (`vpp`).
     pub fn chunk_count(&self) -> usize {
         self.chunks.len()

@@ -53,6 +53,8 @@ pub mod shared;
 #[cfg(test)]
 mod testutil;
 
+use std::sync::Mutex;
+
 use foldmoe_kernels::{Backend, DType, DropPolicy, HostData, RoutingPlan, Tensor};
 
 use self::dispatcher::{CombineSaved, DispatchSaved, Dispatcher};
@@ -83,6 +85,9 @@ pub struct MoeLayer<B: Backend> {
     groups: LayerGroups,
     hidden: usize,
     dtype: DType,
+    /// `global_aux`: the stage-summed loads `[1, E]` of each micro-batch of
+    /// the current step, by micro-batch index (see [`MoeLayer::begin_step`]).
+    step_loads: Mutex<Vec<Option<Tensor<B>>>>,
 }
 
 /// The token exchange of one forward: sizes and the sort order.
@@ -200,7 +205,58 @@ impl<B: Backend> MoeLayer<B> {
             groups,
             hidden,
             dtype,
+            step_loads: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Forgets the loads `global_aux` kept from the previous step's
+    /// micro-batches; the trainer calls it before a step's first forward.
+    pub fn begin_step(&self) {
+        if let Ok(mut loads) = self.step_loads.lock() {
+            loads.clear();
+        }
+    }
+
+    /// `global_aux`'s routed-copy counts `[1, E]` for micro-batch `micro`
+    /// from this rank's `counts_1e`: summed over the stage (every tp, cp and
+    /// dp rank routing tokens of this layer), then averaged over the step's
+    /// micro-batches so far (Megatron-Core's running `global_tokens_per_expert
+    /// / ga_steps`), and divided by dp so that `f_e = counts / (T·K)` with T
+    /// this dp rank's micro-batch tokens is the share over the global
+    /// micro-batch of dp·T tokens. Keyed by micro-batch, so the rerun of
+    /// recompute sees what its forward saw; outside a step (`micro` None)
+    /// only this micro-batch counts.
+    fn global_counts(&self, ctx: &Exec<B>, counts_1e: &Tensor<B>) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let g = &self.groups;
+        let dp = g.stage.size() / g.tp_cp.size().max(1);
+        let summed = ctx.sum_over(&g.stage, counts_1e)?;
+        let Some(micro) = ctx.micro else {
+            return Ok(b.scale(&summed, 1.0 / dp as f64)?);
+        };
+        let mut loads = self.step_loads.lock().map_err(|_| {
+            EngineError::Invalid(
+                "global_aux: the step's loads were poisoned by a failed forward".into(),
+            )
+        })?;
+        if loads.len() <= micro {
+            loads.resize(micro + 1, None);
+        }
+        loads[micro] = Some(summed);
+        let mut total: Option<Tensor<B>> = None;
+        for (m, l) in loads[..=micro].iter().enumerate() {
+            let l = l.as_ref().ok_or_else(|| {
+                EngineError::Invalid(format!(
+                    "global_aux: micro-batch {micro} ran before micro-batch {m} of the same step"
+                ))
+            })?;
+            match &mut total {
+                Some(t) => b.axpy(t, 1.0, l)?,
+                None => total = Some(l.clone()),
+            }
+        }
+        let total = total.ok_or_else(|| EngineError::Invalid("global_aux: no loads".into()))?;
+        Ok(b.scale(&total, 1.0 / ((micro + 1) * dp) as f64)?)
     }
 
     /// `x: [T/(tp·cp), D]` (this rank's rows of a micro-batch of `tokens`) →
@@ -226,8 +282,15 @@ impl<B: Backend> MoeLayer<B> {
             },
             cp: g.cp.size(),
         };
-        let reduce = |x: &Tensor<B>| ctx.sum_over(&g.tp_cp, x);
-        let (routing, router) = self.router.forward_shard(b, x_td, shard, &reduce)?;
+        let local = |x: &Tensor<B>| ctx.sum_over(&g.tp_cp, x);
+        let global = |x: &Tensor<B>| self.global_counts(ctx, x);
+        let reduce: &dyn Fn(&Tensor<B>) -> Result<Tensor<B>> =
+            if self.spec.router.load_balance == LoadBalance::GlobalAux {
+                &global
+            } else {
+                &local
+            };
+        let (routing, router) = self.router.forward_shard(b, x_td, shard, reduce)?;
         let (idx, weights) = (&routing.idx_tk, &routing.weights_tk);
         let (x_nd, dispatch) = match &self.spec.capacity {
             None => self.dispatcher.dispatch(b, x_td, idx, weights)?,

@@ -308,7 +308,7 @@ impl<B: Backend> Router<B> {
 
         let segments = match self.spec.load_balance {
             LoadBalance::None => None,
-            // global_aux is aux over the micro-batch (see the module docs of `moe`).
+            // global_aux: `reduce` gives the stage-wide running loads (`MoeLayer::global_counts`).
             LoadBalance::Aux | LoadBalance::GlobalAux => Some(TokenShard {
                 segment: shard.total,
                 ..shard

@@ -196,6 +196,9 @@ pub struct LayerGroups {
     pub etp: Group,
     /// Index in `etp`.
     pub etp_index: usize,
+    /// Every rank of the pipeline stage (tp × cp × dp): the ranks that route
+    /// different tokens of the same layers (`global_aux` sums loads here).
+    pub stage: Group,
 }
 
 impl LayerGroups {
@@ -211,8 +214,9 @@ impl LayerGroups {
             tp_cp_coords: vec![(0, 0)],
             ep: one.clone(),
             ep_index: 0,
-            etp: one,
+            etp: one.clone(),
             etp_index: 0,
+            stage: one,
         }
     }
 }
@@ -240,6 +244,7 @@ impl RankLayout {
             ep_index: self.ep_index,
             etp: self.etp.clone(),
             etp_index: self.etp_index,
+            stage: self.stage.clone(),
         }
     }
 }
@@ -251,6 +256,12 @@ pub struct Exec<'a, B: Backend> {
     pub b: &'a B,
     /// The collectives of this rank.
     pub comm: &'a dyn Communicator<B>,
+    /// The micro-batch of the optimizer step this call runs, in the
+    /// trainer's schedule (its forward, or the rerun of recompute in its
+    /// backward); `None` outside a training step (validation, inference,
+    /// a layer's own tests). What state kept across a step's micro-batches
+    /// (`global_aux`'s running loads) is keyed by.
+    pub micro: Option<usize>,
 }
 
 impl<B: Backend> Clone for Exec<'_, B> {
@@ -267,6 +278,15 @@ impl<'a, B: Backend> Exec<'a, B> {
         Exec {
             b,
             comm: &foldmoe_kernels::comm::solo::SoloComm,
+            micro: None,
+        }
+    }
+
+    /// The same execution as part of micro-batch `micro` of a training step.
+    pub fn at_micro(self, micro: usize) -> Self {
+        Exec {
+            micro: Some(micro),
+            ..self
         }
     }
 
@@ -316,6 +336,7 @@ impl<'a, B: Backend> Ctx<'a, B> {
         Exec {
             b: self.b,
             comm: self.comm,
+            micro: None,
         }
     }
 

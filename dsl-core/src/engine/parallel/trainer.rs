@@ -412,6 +412,7 @@ impl<B: Backend> Trainer<B> {
         let mut mailbox = Mailbox::new(&pp_ranks, ctx.rank.pp_index, vpp, micro_batches.len())?;
         let mut saved = HashMap::new();
         self.pipeline_wait = std::time::Duration::ZERO;
+        self.model.begin_step();
         // MoE layers of the chunks before each chunk: where its loads go.
         let mut moe_before = vec![0; vpp + 1];
         for (v, range) in self.model.chunk_ranges().iter().enumerate() {
@@ -441,7 +442,7 @@ impl<B: Backend> Trainer<B> {
                         Some(x)
                     };
                     let out = self.model.forward_chunk(
-                        &ctx.exec(),
+                        &ctx.exec().at_micro(op.micro),
                         op.chunk,
                         input,
                         Batch::Host { tokens, targets },
@@ -482,9 +483,12 @@ impl<B: Backend> Trainer<B> {
                         self.pipeline_wait += waited.elapsed();
                         Some(d)
                     };
-                    let input_grad =
-                        self.model
-                            .backward_chunk(&ctx.exec(), chunk_saved, output_grad, scale)?;
+                    let input_grad = self.model.backward_chunk(
+                        &ctx.exec().at_micro(op.micro),
+                        chunk_saved,
+                        output_grad,
+                        scale,
+                    )?;
                     if let Some(d) = &input_grad {
                         ctx.comm.send(b, pp_ranks[(stage - 1) % pp], d)?;
                     }
