@@ -934,7 +934,7 @@ dense = { ffn = 32 }
 [[blocks]]
 count = 2
 recompute = ["moe_act", "norm"]
-precision = "fp32"
+precision = "bf16"
 attention = { heads = 4, kv_heads = 2, head_dim = 4, qk_norm = true }
 [blocks.moe]
 experts = 8
@@ -972,7 +972,7 @@ capacity = { factor = 1.25, drop = "position", pad = true }
             g.policy.recompute,
             [RecomputePart::MoeAct, RecomputePart::Norm]
         );
-        assert_eq!(g.policy.precision, GemmPrecision::F32);
+        assert_eq!(g.policy.precision, GemmPrecision::Bf16);
         assert!(g.attention.qk_norm && !s.groups[0].attention.qk_norm);
         let FfnSpec::Moe(m) = &g.ffn else {
             panic!("group 1 is MoE")

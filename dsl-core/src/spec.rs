@@ -1036,6 +1036,16 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
             }
         }
     }
+    if g.policy.precision != GemmPrecision::Bf16 {
+        let name = keywords::name_of(keywords::PRECISION, g.policy.precision);
+        err(
+            format!("{p}.precision"),
+            format!(
+                "precision = {name}: a group's own GEMM precision is not executed yet (every GEMM \
+                 runs in the model's dtype, `train --dtype`), so the key would be ignored; remove it"
+            ),
+        );
+    }
     if g.policy.precision.is_fp8() {
         for (name, v) in gemm_dims(g, spec) {
             if !v.is_multiple_of(16) {
@@ -1284,12 +1294,15 @@ mod tests {
         g.policy.precision = GemmPrecision::Fp8Blockwise;
         let errs = spec_with(g).check().unwrap_err();
         let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
-        assert_eq!(errs.len(), 4, "{text:#?}");
+        assert_eq!(errs.len(), 5, "{text:#?}");
         assert!(text[0].contains("`router` needs an MoE layer"));
         assert!(text[1].contains("`mla_up_proj` needs MLA attention"));
         assert!(text[2].contains("`expert_fc1` needs an MoE layer"));
+        assert!(text[3].contains(
+            "precision = fp8_blockwise: a group's own GEMM precision is not executed yet"
+        ));
         assert!(
-            text[3].contains("fp8 GEMMs need head_dim = 8 to be a multiple of 16; pad it to 16")
+            text[4].contains("fp8 GEMMs need head_dim = 8 to be a multiple of 16; pad it to 16")
         );
     }
 

@@ -51,7 +51,8 @@ use proc_macro::TokenStream;
 /// scaling_factor, groups, group_top_k, expert_bias = rate, load_balance =
 /// none | aux | seq_aux | global_aux, aux_coef, z_loss, capacity(factor, drop =
 /// probs | position, pad))`; `recompute(..)`, `offload(..)`, `store_fp8(..)`
-/// and `precision = fp32 | bf16 | fp8 | fp8_blockwise`. A bool key written
+/// and `precision = fp32 | bf16 | fp8 | fp8_blockwise` (only `bf16`, the
+/// default, runs today; the others are an error saying so). A bool key written
 /// alone (`shared_gate`) means `true`.
 ///
 /// The struct becomes `Name<B: Backend>` implementing
