@@ -1063,11 +1063,26 @@ fn check_model_dims(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
                     ),
                 );
             } else if tp > kv {
-                r.note(format!(
-                    "tp = {tp} > kv_heads = {kv}: each key/value head is replicated on {} tensor-parallel ranks",
-                    tp / kv
-                ));
+                // Megatron-Core replicates each key/value head on tp / kv
+                // ranks; the engine's shard plan splits them only.
+                r.err(
+                    "tp",
+                    format!(
+                        "tp = {tp} > kv_heads = {kv} would replicate each key/value head on {} tensor-parallel ranks, which the engine does not run yet; choose tp in {}",
+                        tp / kv,
+                        choices(w, heads, |d| heads.is_multiple_of(d) && kv.is_multiple_of(d))
+                    ),
+                );
             }
+        }
+        if a.mla.is_some() && (tp > 1 || s.cp > 1) {
+            let (key, size) = if tp > 1 { ("tp", tp) } else { ("cp", s.cp) };
+            r.err(
+                key,
+                format!(
+                    "{key} = {size}: MLA attention runs with tp = cp = 1 only (its heads are not split over tp nor its sequence over cp yet); set {key} = 1 and use dp, pp, ep or etp"
+                ),
+            );
         }
         match &g.ffn {
             FfnSpec::Dense { ffn } => {
@@ -1822,8 +1837,11 @@ mod tests {
             one("world=6,tp=6", &m),
             ("tp", "tp = 6 and kv_heads = 4: neither divides the other, so key/value heads can be neither split nor replicated evenly; choose tp in {1, 2}".into())
         );
-        let l = ok("world=12,tp=12", &m);
-        assert!(l.notes.contains(&"tp = 12 > kv_heads = 4: each key/value head is replicated on 3 tensor-parallel ranks".to_string()), "{:?}", l.notes);
+        ok("world=4,tp=4", &m);
+        assert_eq!(
+            one("world=12,tp=12", &m),
+            ("tp", "tp = 12 > kv_heads = 4 would replicate each key/value head on 3 tensor-parallel ranks, which the engine does not run yet; choose tp in {1, 2, 4}".into())
+        );
     }
 
     #[test]
@@ -1837,15 +1855,17 @@ mod tests {
             v_head_dim: 8,
         });
         let m = model(64, 32, vec![BlockGroup::new(2, att, moe(8, 2, 32, 0))]);
-        let l = ok("world=4,tp=4", &m);
-        assert!(
-            !l.notes.iter().any(|n| n.contains("kv_heads")),
-            "{:?}",
-            l.notes
-        );
+        // kv_heads = 1 means nothing for MLA: no replication error at dp or ep.
+        ok("world=4,ep=4", &m);
         assert_eq!(
-            one("world=16,tp=16", &m).1,
-            "tp = 16 does not divide heads = 8; choose tp in {1, 2, 4, 8}"
+            one("world=4,tp=4", &m),
+            ("tp", "tp = 4: MLA attention runs with tp = cp = 1 only (its heads are not split over tp nor its sequence over cp yet); set tp = 1 and use dp, pp, ep or etp".into())
+        );
+        assert_eq!(one("world=2,cp=2", &m).0, "cp");
+        let errs = messages("world=16,tp=16", &m);
+        assert!(
+            errs.iter().any(|(_, e)| e == "tp = 16 does not divide heads = 8; choose tp in {1, 2, 4, 8}"),
+            "{errs:?}"
         );
     }
 
@@ -2152,18 +2172,19 @@ mod tests {
         m.check().unwrap();
         assert_eq!(m.layers(), 61);
         let split = "[3,4,4,4,4,4,4,4,4,4,4,4,4,4,4,2]";
-        for tp in [1, 2] {
-            let l = ok(
-                &format!("name=dsv3,world=1024,tp={tp},pp=16,ep=64,pp_layers={split}"),
-                &m,
-            );
-            assert_eq!((l.dp, l.edp), (64 / tp, 1));
-            assert_eq!(l.sequence_parallel, tp > 1);
-            assert_eq!(l.stage_layers(61).last(), Some(&(59..61)));
-            assert_eq!(l.groups(GroupKind::Ep).len(), 16);
-            assert_eq!(l.groups(GroupKind::Embedding)[0], [0, 15 * 64]);
-            assert_consistent(&l);
-        }
+        let l = ok(
+            &format!("name=dsv3,world=1024,pp=16,ep=64,pp_layers={split}"),
+            &m,
+        );
+        assert_eq!((l.dp, l.edp), (64, 1));
+        assert!(!l.sequence_parallel);
+        assert_eq!(l.stage_layers(61).last(), Some(&(59..61)));
+        assert_eq!(l.groups(GroupKind::Ep).len(), 16);
+        assert_eq!(l.groups(GroupKind::Embedding)[0], [0, 15 * 64]);
+        assert_consistent(&l);
+        // MLA under tp is refused (the runtime does not split its heads yet).
+        let tp2 = format!("name=dsv3,world=1024,tp=2,pp=16,ep=64,pp_layers={split}");
+        assert_eq!(one(&tp2, &m).0, "tp");
         // Without the declared split, 61 layers do not divide over 16 stages.
         assert_eq!(one("world=1024,pp=16,ep=64", &m).0, "pp");
     }

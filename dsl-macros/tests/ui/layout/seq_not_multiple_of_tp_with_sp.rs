@@ -5,7 +5,7 @@ use foldmoe_macros::moe_model;
     layout(name = "cpu", world = 1),
     layout(name = "gpu4", world = 4, tp = 4))]
 pub struct Ui {
-    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4),
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 4, head_dim = 4),
         moe(experts = 8, top_k = 2, expert_ffn = 8))]
     moe: Blocks,
 }
