@@ -1864,7 +1864,8 @@ mod tests {
         assert_eq!(one("world=2,cp=2", &m).0, "cp");
         let errs = messages("world=16,tp=16", &m);
         assert!(
-            errs.iter().any(|(_, e)| e == "tp = 16 does not divide heads = 8; choose tp in {1, 2, 4, 8}"),
+            errs.iter()
+                .any(|(_, e)| e == "tp = 16 does not divide heads = 8; choose tp in {1, 2, 4, 8}"),
             "{errs:?}"
         );
     }
