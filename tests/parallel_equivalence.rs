@@ -21,7 +21,7 @@ use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
 use foldmoe_core::spec::{
     AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, LoadBalance, ModelSpec,
-    MoeSpec, RouterSpec,
+    MoeSpec, RouterSpec, ScoreFunction,
 };
 use foldmoe_kernels::cpu::Cpu;
 use foldmoe_kernels::{DType, Device};
@@ -516,6 +516,26 @@ fn parallel_layouts_match_one_rank_capacity() {
 #[test]
 fn checkpoint_written_under_one_layout_resumes_under_another() {
     resume_across_layouts(config());
+}
+
+/// The routers' expert biases (aux-loss-free balancing, a buffer the shard
+/// plan names) travel through the checkpoint: sigmoid routing with a bias
+/// that moves every step, written under ep 2 and resumed on one rank, gives
+/// the uninterrupted run's losses (a bias lost on resume changes the routing).
+#[test]
+fn expert_biases_resume_across_layouts() {
+    let mut spec = spec(None);
+    for g in &mut spec.groups {
+        if let FfnSpec::Moe(moe) = &mut g.ffn {
+            moe.router.score = ScoreFunction::Sigmoid;
+            moe.router.expert_bias_rate = Some(0.05);
+        }
+    }
+    resume_across(
+        config(),
+        &spec,
+        &[("world=2,ep=2", 0..2), ("world=1", 2..STEPS)],
+    );
 }
 
 /// The same with f32 master copies of the (f32) parameters: this forces the

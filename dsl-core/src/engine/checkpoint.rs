@@ -38,7 +38,6 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::block::Ffn;
 use super::model::Model;
 use super::parallel::shard::{for_each_run, upload_host};
 use super::parallel::trainer::Trainer;
@@ -454,26 +453,23 @@ fn plan_pieces<'a, B: Backend>(
     }
     let rank = ctx.rank;
     if rank.tp_index == 0 && rank.dp_index == 0 && rank.cp_index == 0 {
-        let layers = trainer.model.global_layers();
-        for (block, &layer) in trainer.model.blocks.iter().zip(layers) {
-            if let Ffn::Moe(moe) = &block.ffn {
-                if let Some(bias) = moe.router.expert_bias() {
-                    let n = bias.numel();
-                    out.push(Planned {
-                        piece: piece(
-                            &format!("blocks.{layer}.moe.router.expert_bias"),
-                            StateKind::Buffer,
-                            &[n],
-                            &[(0, n)],
-                            0,
-                            n,
-                            bias.dtype(),
-                        )?,
-                        source: bias,
-                        offset: 0,
-                    });
-                }
+        let mut failed = None;
+        trainer.model.visit_buffers(&mut |name, bias| {
+            if failed.is_some() {
+                return;
             }
+            let n = bias.numel();
+            match piece(name, StateKind::Buffer, &[n], &[(0, n)], 0, n, bias.dtype()) {
+                Ok(piece) => out.push(Planned {
+                    piece,
+                    source: bias,
+                    offset: 0,
+                }),
+                Err(e) => failed = Some(e),
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
         }
     }
     Ok(out)
@@ -1283,26 +1279,18 @@ pub fn load_params<B: Backend>(
     model.visit_dense_mut(&mut visit);
     model.visit_experts_mut(&mut visit);
     outcome?;
-    let layers = model.global_layers().to_vec();
-    for (block, layer) in model.blocks.iter_mut().zip(layers) {
-        if let Ffn::Moe(moe) = &mut block.ffn {
-            if let Some(bias) = moe.router.expert_bias() {
-                let (n, dtype) = (bias.numel(), bias.dtype());
-                let name = format!("blocks.{layer}.moe.router.expert_bias");
-                let vals = source.read_region(
-                    &name,
-                    StateKind::Buffer,
-                    &[n],
-                    &[(0, n)],
-                    (0, n),
-                    dtype == DType::F64,
-                )?;
-                moe.router
-                    .set_expert_bias(upload_host(b, vals, &[n], dtype)?)?;
-            }
-        }
-    }
-    Ok(())
+    model.replace_buffers(&mut |name, bias| {
+        let (n, dtype) = (bias.numel(), bias.dtype());
+        let vals = source.read_region(
+            name,
+            StateKind::Buffer,
+            &[n],
+            &[(0, n)],
+            (0, n),
+            dtype == DType::F64,
+        )?;
+        upload_host(b, vals, &[n], dtype)
+    })
 }
 
 #[cfg(test)]

@@ -327,6 +327,37 @@ impl<B: Backend> Model<B> {
         Ok(self.head.forward(b, &self.embed, &h_td)?.0)
     }
 
+    /// Every buffer of this rank (state that is not a parameter: the MoE
+    /// routers' expert biases), with its global name, in block order.
+    pub fn visit_buffers<'a>(&'a self, f: &mut dyn FnMut(&'a str, &'a Tensor<B>)) {
+        for block in &self.blocks {
+            if let Ffn::Moe(moe) = &block.ffn {
+                if let Some((name, bias)) = moe.router.named_expert_bias() {
+                    f(name, bias);
+                }
+            }
+        }
+    }
+
+    /// Replaces each buffer by what `f` returns for its name and current
+    /// value (same shape and dtype, checked by the owner), in the order of
+    /// [`Model::visit_buffers`]; the first error stops the visit.
+    pub fn replace_buffers(
+        &mut self,
+        f: &mut dyn FnMut(&str, &Tensor<B>) -> Result<Tensor<B>>,
+    ) -> Result<()> {
+        for block in &mut self.blocks {
+            if let Ffn::Moe(moe) = &mut block.ffn {
+                let fresh = match moe.router.named_expert_bias() {
+                    Some((name, bias)) => f(name, bias)?,
+                    None => continue,
+                };
+                moe.router.set_expert_bias(fresh)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Starts an optimizer step: state the layers keep across a step's
     /// micro-batches (`global_aux`'s running loads) starts empty.
     pub fn begin_step(&self) {

@@ -920,7 +920,6 @@ mod tests {
     use foldmoe_kernels::DType;
 
     use super::*;
-    use crate::engine::block::Ffn;
     use crate::engine::model::Model;
     use crate::engine::Module;
 
@@ -944,14 +943,9 @@ mod tests {
             let model = Model::single(&b, &spec, 1, DType::F32).unwrap();
             let mut engine = Vec::new();
             model.visit_params(&mut |p| engine.push((p.name.clone(), p.value.shape().to_vec())));
-            for (layer, block) in model.blocks.iter().enumerate() {
-                if let Ffn::Moe(moe) = &block.ffn {
-                    if let Some(bias) = moe.router.expert_bias() {
-                        let name = format!("blocks.{layer}.moe.router.expert_bias");
-                        engine.push((name, bias.shape().to_vec()));
-                    }
-                }
-            }
+            model.visit_buffers(&mut |name, bias| {
+                engine.push((name.to_string(), bias.shape().to_vec()))
+            });
             let ours: Vec<(String, Vec<usize>)> = model_tensors(&spec)
                 .into_iter()
                 .map(|t| (t.name, t.shape))

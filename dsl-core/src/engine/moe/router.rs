@@ -31,6 +31,9 @@ pub struct Router<B: Backend> {
     /// Router weight `Wr: [D, E]`, named `{prefix}.weight`.
     pub weight: Param<B>,
     expert_bias_e: Option<Tensor<B>>,
+    /// The expert bias's global name, `{prefix}.expert_bias` (a buffer: state
+    /// the checkpoint keeps, not a parameter).
+    bias_name: String,
     spec: RouterSpec,
     experts: usize,
     top_k: usize,
@@ -137,6 +140,7 @@ impl<B: Backend> Router<B> {
         Ok(Router {
             weight,
             expert_bias_e,
+            bias_name: format!("{prefix}.expert_bias"),
             spec: spec.clone(),
             experts,
             top_k,
@@ -146,6 +150,14 @@ impl<B: Backend> Router<B> {
     /// The expert bias `[E]`, if the spec has one.
     pub fn expert_bias(&self) -> Option<&Tensor<B>> {
         self.expert_bias_e.as_ref()
+    }
+
+    /// The expert bias with its global name (`blocks.N.moe.router.expert_bias`),
+    /// if the spec has one: what checkpoints and conversions address it by.
+    pub fn named_expert_bias(&self) -> Option<(&str, &Tensor<B>)> {
+        self.expert_bias_e
+            .as_ref()
+            .map(|t| (self.bias_name.as_str(), t))
     }
 
     /// Replaces the expert bias (checkpoint loading); `[E]` in the router's dtype.
