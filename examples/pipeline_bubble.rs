@@ -48,6 +48,7 @@ fn spec() -> ModelSpec {
         init_std: 0.02,
         groups: (0..4).flat_map(|_| pair.clone()).collect(),
         mtp_layers: 0,
+        mtp_loss_coef: 0.1,
     }
 }
 

@@ -70,6 +70,7 @@ fn spec(capacity: Option<f64>) -> ModelSpec {
             BlockGroup::new(1, attention, FfnSpec::Moe(moe)),
         ],
         mtp_layers: 0,
+        mtp_loss_coef: 0.1,
     }
 }
 

@@ -40,6 +40,7 @@ fn wide_experts() -> ModelSpec {
             FfnSpec::Moe(moe),
         )],
         mtp_layers: 0,
+        mtp_loss_coef: 0.1,
     }
 }
 

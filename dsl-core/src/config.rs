@@ -646,6 +646,9 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
         .float(cx, "init_std")
         .unwrap_or(keywords::DEFAULT_INIT_STD);
     let mtp_layers = s.int(cx, "mtp_layers").unwrap_or(0);
+    let mtp_loss_coef = s
+        .float(cx, "mtp_loss_coef")
+        .unwrap_or(keywords::DEFAULT_MTP_LOSS_COEF);
     let blocks = s.tables(cx, "blocks", "groups", keywords::GROUP_KEYS);
     if s.get("blocks").is_none() {
         s.missing(
@@ -686,6 +689,7 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
             init_std,
             groups,
             mtp_layers,
+            mtp_loss_coef,
         },
         layouts,
     }
@@ -1062,7 +1066,7 @@ capacity = { factor = 1.25, drop = "position", pad = true }
         let text = SMALL.replacen("hidden = 16", "hidden_size = 16", 1);
         assert_eq!(
             problems(&text),
-            ["hidden_size = 16: unknown key `hidden_size` in the model's top level; did you mean `hidden`? expected one of: name, vocab, hidden, seq_len, norm_eps, rope_theta, tied_embeddings, init_std, mtp_layers, layout, blocks"]
+            ["hidden_size = 16: unknown key `hidden_size` in the model's top level; did you mean `hidden`? expected one of: name, vocab, hidden, seq_len, norm_eps, rope_theta, tied_embeddings, init_std, mtp_layers, mtp_loss_coef, layout, blocks"]
         );
     }
 

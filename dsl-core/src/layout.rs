@@ -1421,6 +1421,7 @@ mod tests {
             init_std: 0.02,
             groups,
             mtp_layers: 0,
+            mtp_loss_coef: 0.1,
         }
     }
 

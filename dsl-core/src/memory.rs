@@ -779,6 +779,7 @@ mod tests {
                 BlockGroup::new(2, attn, FfnSpec::Moe(moe)),
             ],
             mtp_layers: 0,
+            mtp_loss_coef: 0.1,
         }
     }
 

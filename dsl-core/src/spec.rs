@@ -27,9 +27,18 @@ pub struct ModelSpec {
     pub init_std: f64,
     /// Block groups, first to last.
     pub groups: Vec<BlockGroup>,
-    /// Multi-token-prediction modules after the last block (DeepSeek-V3: 1).
+    /// Multi-token-prediction modules after the last block (DeepSeek-V3: 1):
+    /// module k predicts the token k + 1 places ahead (docs/ARCHITECTURE.md §4).
     #[serde(default)]
     pub mtp_layers: usize,
+    /// Weight λ of the MTP loss: the step's loss adds `λ/D · Σ_k CE_k` over
+    /// the D modules (Megatron-Core's `--mtp-loss-scaling-factor`, 0.1).
+    #[serde(default = "default_mtp_loss_coef")]
+    pub mtp_loss_coef: f64,
+}
+
+fn default_mtp_loss_coef() -> f64 {
+    keywords::DEFAULT_MTP_LOSS_COEF
 }
 
 /// `count` identical transformer blocks.
@@ -266,6 +275,7 @@ pub mod keywords {
         ("tied_embeddings", "tied_embeddings"),
         ("init_std", "init_std"),
         ("mtp_layers", "mtp_layers"),
+        ("mtp_loss_coef", "mtp_loss_coef"),
         ("layout", "layout"),
     ];
     /// Keys of one named layout (`layout(...)`, `[[layout]]`).
@@ -362,6 +372,8 @@ pub mod keywords {
     pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
     /// Default standard deviation of the weight initialisation.
     pub const DEFAULT_INIT_STD: f64 = 0.02;
+    /// Default weight of the multi-token-prediction loss (Megatron-Core's).
+    pub const DEFAULT_MTP_LOSS_COEF: f64 = 0.1;
 
     /// `(keyword, part)` of every recompute part.
     pub const RECOMPUTE: &[(&str, RecomputePart)] = &[
@@ -762,6 +774,24 @@ impl ModelSpec {
             err(
                 "groups".into(),
                 "the model has no blocks; declare at least one group".into(),
+            );
+        }
+        if !self.mtp_loss_coef.is_finite() || self.mtp_loss_coef < 0.0 {
+            err(
+                "mtp_loss_coef".into(),
+                format!(
+                    "mtp_loss_coef = {}; it must be a finite weight ≥ 0",
+                    self.mtp_loss_coef
+                ),
+            );
+        }
+        if self.mtp_layers >= self.seq_len.max(1) {
+            err(
+                "mtp_layers".into(),
+                format!(
+                    "mtp_layers = {} predicts tokens beyond a sequence of seq_len = {}; keep it below seq_len",
+                    self.mtp_layers, self.seq_len
+                ),
             );
         }
         for (i, g) in self.groups.iter().enumerate() {
@@ -1211,6 +1241,7 @@ mod tests {
             init_std: 0.02,
             groups: vec![group],
             mtp_layers: 0,
+            mtp_loss_coef: 0.1,
         }
     }
 

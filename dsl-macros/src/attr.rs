@@ -524,6 +524,9 @@ pub fn parse(cx: &Ctxt, attr: TokenStream, c: &Container) -> Decl {
         init_std: s.float("init_std").unwrap_or(defaults.2),
         groups,
         mtp_layers: s.int("mtp_layers").unwrap_or(0),
+        mtp_loss_coef: s
+            .float("mtp_loss_coef")
+            .unwrap_or(foldmoe_core::spec::keywords::DEFAULT_MTP_LOSS_COEF),
     };
     let mut layouts: Vec<LayoutDecl> = Vec::new();
     for (j, e) in s.entries.iter().filter(|e| e.key == kw::LAYOUT).enumerate() {

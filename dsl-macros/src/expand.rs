@@ -359,9 +359,14 @@ fn spec_tokens(p: &TokenStream, s: &ModelSpec) -> TokenStream {
         init_std,
         groups,
         mtp_layers,
+        mtp_loss_coef,
     } = s;
-    let (norm_eps, rope_theta, init_std) =
-        (lit_f64(*norm_eps), lit_f64(*rope_theta), lit_f64(*init_std));
+    let (norm_eps, rope_theta, init_std, mtp_loss_coef) = (
+        lit_f64(*norm_eps),
+        lit_f64(*rope_theta),
+        lit_f64(*init_std),
+        lit_f64(*mtp_loss_coef),
+    );
     let groups = groups.iter().map(|g| group_tokens(p, g));
     quote! {
         #p::ModelSpec {
@@ -375,6 +380,7 @@ fn spec_tokens(p: &TokenStream, s: &ModelSpec) -> TokenStream {
             init_std: #init_std,
             groups: #p::Vec::from([#(#groups),*]),
             mtp_layers: #mtp_layers,
+            mtp_loss_coef: #mtp_loss_coef,
         }
     }
 }

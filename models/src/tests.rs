@@ -45,6 +45,7 @@ fn tiny_by_hand() -> ModelSpec {
             ),
         ],
         mtp_layers: 0,
+        mtp_loss_coef: 0.1,
     }
 }
 

@@ -302,6 +302,29 @@ impl<B: Backend> Block<B> {
         })
     }
 
+    /// The block's dense parameters (attention mesh: all but the routed
+    /// experts), in the model's visit order.
+    pub fn visit_dense<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
+        self.attn_norm.visit_params(f);
+        self.attn.visit_params(f);
+        self.ffn_norm.visit_params(f);
+        match &self.ffn {
+            Ffn::Dense(mlp) => mlp.visit_params(f),
+            Ffn::Moe(moe) => moe.visit_dense(f),
+        }
+    }
+
+    /// Mutable [`Self::visit_dense`].
+    pub fn visit_dense_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        self.attn_norm.visit_params_mut(f);
+        self.attn.visit_params_mut(f);
+        self.ffn_norm.visit_params_mut(f);
+        match &mut self.ffn {
+            Ffn::Dense(mlp) => mlp.visit_params_mut(f),
+            Ffn::Moe(moe) => moe.visit_dense_mut(f),
+        }
+    }
+
     /// The MoE layer, if the feed-forward is one.
     pub fn moe(&self) -> Option<&MoeLayer<B>> {
         match &self.ffn {

@@ -1335,6 +1335,7 @@ mod tests {
                 BlockGroup::new(1, AttentionSpec::gqa(4, 2, 4), FfnSpec::Moe(moe)),
             ],
             mtp_layers: 0,
+            mtp_loss_coef: 0.1,
         }
     }
 

@@ -18,6 +18,7 @@ pub mod mla;
 pub mod mlp;
 pub mod model;
 pub mod moe;
+pub mod mtp;
 pub mod norm;
 pub mod optim;
 pub mod parallel;
@@ -83,6 +84,7 @@ pub(crate) mod testutil {
                 .map(|ffn| BlockGroup::new(1, attention.clone(), ffn.clone()))
                 .collect(),
             mtp_layers: 0,
+            mtp_loss_coef: 0.1,
         }
     }
 

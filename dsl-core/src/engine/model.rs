@@ -29,8 +29,10 @@ use std::ops::Range;
 use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::activations::{hold_all, Held, Ledger, Slot};
-use super::block::{Block, BlockSaved, Ffn};
+use super::block::{Block, BlockSaved};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
+use super::moe::MoeLayer;
+use super::mtp::{self, MtpModule, MtpSaved};
 use super::norm::{NormSaved, RmsNorm};
 use super::parallel::context::split_sequences;
 use super::parallel::shard::upload_as;
@@ -61,6 +63,9 @@ pub struct Model<B: Backend> {
     pub final_norm: RmsNorm<B>,
     /// The head's vocabulary shard (or tied to `embed`).
     pub head: LmHead<B>,
+    /// The multi-token-prediction modules, on the last pipeline stage
+    /// (empty elsewhere and when the spec has none).
+    pub mtp: Vec<MtpModule<B>>,
     /// Counts of this rank's saved activations, shared with its blocks.
     pub ledger: Ledger,
     vocab_start: usize,
@@ -103,6 +108,9 @@ struct RankBatch<B: Backend> {
     targets_t: Tensor<B>,
     /// The same targets on the host (for the vocabulary-parallel loss).
     host_targets: Option<Vec<i32>>,
+    /// The batch moved k = 1..=D places ahead, for MTP module k (only on
+    /// the last virtual stage of a model with MTP).
+    mtp: Vec<RankBatch<B>>,
 }
 
 enum Ids<B: Backend> {
@@ -125,6 +133,15 @@ pub struct ChunkSaved<B: Backend> {
     blocks: Vec<BlockSaved<B>>,
     /// The last virtual stage's head and loss.
     head: Option<LossSaved<B>>,
+    /// The last virtual stage's MTP modules, first to last.
+    mtp: Vec<MtpChunkSaved<B>>,
+}
+
+/// One MTP module's state: its embedding lookup, the module, its loss.
+struct MtpChunkSaved<B: Backend> {
+    embed: EmbedSaved<B>,
+    module: MtpSaved<B>,
+    loss: LossSaved<B>,
 }
 
 /// What the loss's backward needs.
@@ -150,7 +167,12 @@ pub struct ChunkOut<B: Backend> {
     pub loss: Option<Tensor<B>>,
     /// This rank's part of the chunk's MoE losses, `[1]`.
     pub aux_loss: Tensor<B>,
-    /// This rank's tokens routed to each expert, `[E]` per MoE layer of the chunk.
+    /// Mean over the MTP modules of their cross-entropies, `[1]`, on the
+    /// last virtual stage of a model with MTP (unweighted; the gradient
+    /// carries `mtp_loss_coef`).
+    pub mtp_loss: Option<Tensor<B>>,
+    /// This rank's tokens routed to each expert, `[E]` per MoE layer of the
+    /// chunk (the MTP modules' last).
     pub moe_load: Vec<Tensor<B>>,
     /// Input of [`Model::backward_chunk`].
     pub saved: ChunkSaved<B>,
@@ -182,6 +204,8 @@ pub struct ForwardOut<B: Backend> {
     /// This rank's part of the MoE losses, `[1]`: their sum over tp is the
     /// micro-batch's aux + z loss.
     pub aux_loss: Tensor<B>,
+    /// Mean cross-entropy of the MTP modules, `[1]`, when the model has them.
+    pub mtp_loss: Option<Tensor<B>>,
     /// This rank's tokens routed to each expert, `[E]` per MoE layer.
     pub moe_load: Vec<Tensor<B>>,
     /// Input of [`Model::backward`].
@@ -233,6 +257,14 @@ impl<B: Backend> Model<B> {
             blocks.push(block);
         }
         let final_norm = RmsNorm::new(b, "final_norm", d, spec.norm_eps, dtype)?;
+        let mut mtp = Vec::new();
+        if last {
+            for k in 0..spec.mtp_layers {
+                let mut module = MtpModule::new(b, spec, k, init, dtype, groups.clone())?;
+                module.block.ledger = ledger.clone();
+                mtp.push(module);
+            }
+        }
         let head = match (spec.tied_embeddings, embed_and_head) {
             (true, _) => LmHead::tied(),
             (false, true) => LmHead::untied(b, "head", v, d, spec.init_std, init, dtype)?,
@@ -248,6 +280,7 @@ impl<B: Backend> Model<B> {
             blocks,
             final_norm,
             head,
+            mtp,
             ledger,
             chunks: plan.chunks().to_vec(),
             layers: plan.layers().to_vec(),
@@ -294,6 +327,7 @@ impl<B: Backend> Model<B> {
         Ok(ForwardOut {
             loss,
             aux_loss: out.aux_loss,
+            mtp_loss: out.mtp_loss,
             moe_load: out.moe_load,
             saved: ModelSaved(out.saved),
         })
@@ -330,11 +364,9 @@ impl<B: Backend> Model<B> {
     /// Every buffer of this rank (state that is not a parameter: the MoE
     /// routers' expert biases), with its global name, in block order.
     pub fn visit_buffers<'a>(&'a self, f: &mut dyn FnMut(&'a str, &'a Tensor<B>)) {
-        for block in &self.blocks {
-            if let Ffn::Moe(moe) = &block.ffn {
-                if let Some((name, bias)) = moe.router.named_expert_bias() {
-                    f(name, bias);
-                }
+        for moe in self.moe_iter() {
+            if let Some((name, bias)) = moe.router.named_expert_bias() {
+                f(name, bias);
             }
         }
     }
@@ -346,14 +378,12 @@ impl<B: Backend> Model<B> {
         &mut self,
         f: &mut dyn FnMut(&str, &Tensor<B>) -> Result<Tensor<B>>,
     ) -> Result<()> {
-        for block in &mut self.blocks {
-            if let Ffn::Moe(moe) = &mut block.ffn {
-                let fresh = match moe.router.named_expert_bias() {
-                    Some((name, bias)) => f(name, bias)?,
-                    None => continue,
-                };
-                moe.router.set_expert_bias(fresh)?;
-            }
+        for moe in self.moe_iter_mut() {
+            let fresh = match moe.router.named_expert_bias() {
+                Some((name, bias)) => f(name, bias)?,
+                None => continue,
+            };
+            moe.router.set_expert_bias(fresh)?;
         }
         Ok(())
     }
@@ -361,10 +391,8 @@ impl<B: Backend> Model<B> {
     /// Starts an optimizer step: state the layers keep across a step's
     /// micro-batches (`global_aux`'s running loads) starts empty.
     pub fn begin_step(&self) {
-        for block in &self.blocks {
-            if let Ffn::Moe(moe) = &block.ffn {
-                moe.begin_step();
-            }
+        for moe in self.moe_iter() {
+            moe.begin_step();
         }
     }
 
@@ -387,9 +415,16 @@ impl<B: Backend> Model<B> {
     }
 
     /// Whether this rank trains the embedding table: the first stage, and
-    /// the last when the head is tied to it.
+    /// the last when the head is tied to it or MTP modules embed there.
     pub fn owns_embed(&self) -> bool {
-        self.rank.pp_index == 0 || (self.owns_head() && self.head.weight.is_none())
+        self.rank.pp_index == 0 || (self.owns_head() && self.embed_shared_with_last())
+    }
+
+    /// Whether the last stage uses the embedding table too (a tied head, or
+    /// MTP modules embedding the tokens ahead): its copy's gradient is then
+    /// summed with the first stage's.
+    pub fn embed_shared_with_last(&self) -> bool {
+        self.head.weight.is_none() || self.spec.mtp_layers > 0
     }
 
     /// Whether this rank trains the final norm and the head (the last stage).
@@ -397,8 +432,9 @@ impl<B: Backend> Model<B> {
         self.rank.pp_index + 1 == self.rank.pp.size()
     }
 
-    /// Whether this rank's embedding table is the last stage's copy of a tied
-    /// table: its gradient is summed with the first stage's over the
+    /// Whether this rank's embedding table is the last stage's copy of a
+    /// shared table (see [`Self::embed_shared_with_last`]): its gradient is
+    /// summed with the first stage's over the
     /// embedding group, and it is counted once (on the first stage).
     pub fn embed_is_copy(&self) -> bool {
         self.rank.pp_index > 0 && self.owns_embed()
@@ -459,7 +495,7 @@ impl<B: Backend> Model<B> {
                 self.chunks.len()
             )));
         }
-        let rb = self.rank_batch(b, batch, seq_len)?;
+        let rb = self.rank_batch(b, batch, seq_len, self.is_last(chunk))?;
         if !rb.rows.is_multiple_of(tp) {
             return Err(EngineError::Invalid(format!(
                 "forward: {} tokens of the micro-batch do not split over tp = {tp} \
@@ -498,21 +534,52 @@ impl<B: Backend> Model<B> {
             x_td = y;
         }
         let (hidden, loss, head) = if self.is_last(chunk) {
-            let (loss, saved) = self.loss(ctx, &x_td, &rb, dtype)?;
+            let (loss, saved) = self.loss(ctx, &self.final_norm, &x_td, &rb, dtype, 1.0)?;
             (None, Some(loss), Some(saved))
         } else {
-            (Some(x_td), None, None)
+            (Some(x_td.clone()), None, None)
         };
+        // MTP: module k on the main output (k = 1) or module k − 1's.
+        let mut mtp = Vec::new();
+        let mut mtp_loss: Option<Tensor<B>> = None;
+        if self.is_last(chunk) && !self.mtp.is_empty() {
+            let depth = self.mtp.len();
+            let weight = self.spec.mtp_loss_coef / depth as f64;
+            let mut h_td = x_td;
+            for (module, mb) in self.mtp.iter().zip(&rb.mtp) {
+                let (e_td, embed) = self.embed_tokens(ctx, &mb.ids)?;
+                let (y_td, saved, stats) =
+                    module.forward(ctx, &e_td, &h_td, seq_len, micro_tokens)?;
+                if let Some(stats) = stats {
+                    aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
+                    moe_load.push(stats.load);
+                }
+                let (l, loss_saved) = self.loss(ctx, &module.norm, &y_td, mb, dtype, weight)?;
+                let l = b.scale(&l, 1.0 / depth as f64)?;
+                mtp_loss = Some(match mtp_loss {
+                    Some(sum) => b.add(&sum, &l)?,
+                    None => l,
+                });
+                mtp.push(MtpChunkSaved {
+                    embed,
+                    module: saved,
+                    loss: loss_saved,
+                });
+                h_td = y_td;
+            }
+        }
         Ok(ChunkOut {
             hidden,
             loss,
             aux_loss,
+            mtp_loss,
             moe_load,
             saved: ChunkSaved {
                 chunk,
                 embed,
                 blocks,
                 head,
+                mtp,
             },
         })
     }
@@ -521,19 +588,28 @@ impl<B: Backend> Model<B> {
     /// Device tensors stay on the device without tp and cp; otherwise they
     /// are read back once (the split and the vocabulary masks are made on
     /// the host).
-    fn rank_batch(&self, b: &B, batch: Batch<'_, B>, seq_len: usize) -> Result<RankBatch<B>> {
-        let (tp, cp, cp_i) = (self.rank.tp.size(), self.rank.cp.size(), self.rank.cp_index);
+    fn rank_batch(
+        &self,
+        b: &B,
+        batch: Batch<'_, B>,
+        seq_len: usize,
+        last: bool,
+    ) -> Result<RankBatch<B>> {
+        let (tp, cp) = (self.rank.tp.size(), self.rank.cp.size());
+        // MTP shifts the ids on the host, before the cp split.
+        let with_mtp = last && !self.mtp.is_empty();
         let (tokens, targets) = match batch {
             Batch::Host { tokens, targets } => (tokens.to_vec(), targets.to_vec()),
             Batch::Device { tokens, targets } => {
                 check_device_batch(tokens, targets, seq_len)?;
                 let n = tokens.numel();
-                if tp == 1 && cp == 1 {
+                if tp == 1 && cp == 1 && !with_mtp {
                     return Ok(RankBatch {
                         rows: n,
                         ids: Ids::Device(tokens.clone().reshape(&[n])?),
                         targets_t: targets.clone().reshape(&[n])?,
                         host_targets: None,
+                        mtp: Vec::new(),
                     });
                 }
                 (
@@ -559,14 +635,35 @@ impl<B: Backend> Model<B> {
                 self.spec.vocab
             )));
         }
-        let tokens = split_sequences(&tokens, seq_len, cp, cp_i)?;
-        let targets = split_sequences(&targets, seq_len, cp, cp_i)?;
+        let mut ahead = Vec::new();
+        if with_mtp {
+            for k in 1..=self.mtp.len() {
+                let (ids_k, targets_k) = mtp::shifted(&tokens, &targets, seq_len, k);
+                ahead.push(self.split_batch(b, &ids_k, &targets_k, seq_len, Vec::new())?);
+            }
+        }
+        self.split_batch(b, &tokens, &targets, seq_len, ahead)
+    }
+
+    /// This rank's cp chunks of checked host `tokens` and `targets`.
+    fn split_batch(
+        &self,
+        b: &B,
+        tokens: &[i32],
+        targets: &[i32],
+        seq_len: usize,
+        mtp: Vec<RankBatch<B>>,
+    ) -> Result<RankBatch<B>> {
+        let (tp, cp, cp_i) = (self.rank.tp.size(), self.rank.cp.size(), self.rank.cp_index);
+        let tokens = split_sequences(tokens, seq_len, cp, cp_i)?;
+        let targets = split_sequences(targets, seq_len, cp, cp_i)?;
         let rows = tokens.len();
         Ok(RankBatch {
             rows,
             ids: Ids::Host(tokens),
             targets_t: b.upload(HostData::I32(targets.clone()), &[rows])?,
             host_targets: (tp > 1).then_some(targets),
+            mtp,
         })
     }
 
@@ -618,19 +715,23 @@ impl<B: Backend> Model<B> {
         Ok((x, (embed, Some(mask_t))))
     }
 
-    /// Final norm, head and the mean cross-entropy of the micro-batch over
-    /// its valid targets, counted on the device and summed over cp (each cp
-    /// rank holds part of every sequence).
+    /// `norm` (the final norm, or an MTP module's), head and the mean
+    /// cross-entropy of the micro-batch over its valid targets, counted on
+    /// the device and summed over cp (each cp rank holds part of every
+    /// sequence); the gradient kept for the backward is `weight` times the
+    /// mean's.
     fn loss(
         &self,
         ctx: &Exec<B>,
+        norm: &RmsNorm<B>,
         x_td: &Tensor<B>,
         rb: &RankBatch<B>,
         dtype: DType,
+        weight: f64,
     ) -> Result<(Tensor<B>, LossSaved<B>)> {
         let b = ctx.b;
         let t = rb.rows;
-        let (h_td, mut final_norm) = self.final_norm.forward(b, x_td)?;
+        let (h_td, mut final_norm) = norm.forward(b, x_td)?;
         let h_full = ctx.gather(&self.rank.tp, &h_td)?;
         let (logits_tv, mut head) = self.head.forward(b, &self.embed, &h_full)?;
         // The per-token loss comes in the accumulation type (f32 for bf16,
@@ -654,6 +755,11 @@ impl<B: Backend> Model<B> {
         };
         // Each cp rank's sum is part of the mean; the sum makes it equal on all.
         let loss = ctx.sum_over(&self.rank.cp, &b.sum(&b.mul(&loss_t, &dloss_t)?)?)?;
+        let dloss_t = if weight == 1.0 {
+            dloss_t
+        } else {
+            b.scale(&dloss_t, weight)?
+        };
         // The final norm's input and output (the head's input), the logits
         // and the log-sum-exp, counted until the backward.
         let held = {
@@ -795,9 +901,29 @@ impl<B: Backend> Model<B> {
             embed,
             blocks,
             head,
+            mtp,
         } = saved;
         let mut dx_td = match (head, output_grad) {
-            (Some(head), None) => self.loss_backward(ctx, head, loss_scale)?,
+            (Some(head), None) => {
+                let mut dx_td = self.loss_backward(ctx, head, None, loss_scale)?;
+                // MTP modules, last first: each one's output gradient is its
+                // loss's plus the next module's through its hidden input.
+                let mut d_next: Option<Tensor<B>> = None;
+                for (k, saved) in mtp.into_iter().enumerate().rev() {
+                    let mut dy_td = self.loss_backward(ctx, saved.loss, Some(k), loss_scale)?;
+                    if let Some(d) = d_next.take() {
+                        b.axpy(&mut dy_td, 1.0, &d)?;
+                    }
+                    let (de_td, dh_td) =
+                        self.mtp[k].backward(ctx, &dy_td, saved.module, loss_scale)?;
+                    self.embed_backward(ctx, de_td, saved.embed)?;
+                    d_next = Some(dh_td);
+                }
+                if let Some(d) = d_next {
+                    b.axpy(&mut dx_td, 1.0, &d)?;
+                }
+                dx_td
+            }
             (None, Some(d)) => d,
             _ => {
                 return Err(EngineError::Invalid(
@@ -823,23 +949,38 @@ impl<B: Backend> Model<B> {
             dx_td =
                 self.blocks[range.start + blocks.len()].backward(ctx, &dx_td, saved, loss_scale)?;
         }
-        let Some((embed, embed_mask_t)) = embed else {
+        let Some(embed) = embed else {
             return Ok(Some(dx_td));
         };
+        self.embed_backward(ctx, dx_td, embed)?;
+        Ok(None)
+    }
+
+    /// The embedding's backward from the gradient of its (sequence-parallel)
+    /// output: gathered over tp and masked to this rank's vocabulary rows.
+    fn embed_backward(
+        &mut self,
+        ctx: &Exec<B>,
+        dx_td: Tensor<B>,
+        saved: EmbedSaved<B>,
+    ) -> Result<()> {
+        let b = ctx.b;
+        let (embed, embed_mask_t) = saved;
         let demb_td = match &embed_mask_t {
             Some(mask_t) => b.mul_rows(&ctx.gather(&self.rank.tp, &dx_td)?, mask_t)?,
             None => dx_td,
         };
         self.embed.backward(b, &demb_td, embed)?;
-        Ok(None)
+        Ok(())
     }
 
-    /// The cross-entropy, head and final norm backward: the gradient of the
-    /// last block's output.
+    /// The cross-entropy, head and norm backward (the final norm, or MTP
+    /// module `mtp`'s): the gradient of the norm's input.
     fn loss_backward(
         &mut self,
         ctx: &Exec<B>,
         saved: LossSaved<B>,
+        mtp: Option<usize>,
         loss_scale: f64,
     ) -> Result<Tensor<B>> {
         let b = ctx.b;
@@ -876,20 +1017,22 @@ impl<B: Backend> Model<B> {
         };
         let dh_full = self.head.backward(b, &mut self.embed, &dlogits_tv, head)?;
         let dh_td = ctx.scatter(&self.rank.tp, &dh_full)?;
-        self.final_norm.backward(b, &dh_td, final_norm)
+        let norm = match mtp {
+            None => &mut self.final_norm,
+            Some(k) => &mut self.mtp[k].norm,
+        };
+        norm.backward(b, &dh_td, final_norm)
     }
 
     /// Aux-loss-free balancing after a step, from the loads summed over every
     /// rank of the stage (one `[E]` per MoE layer).
     pub fn update_expert_biases(&mut self, b: &B, loads: &[Tensor<B>]) -> Result<()> {
         let mut loads = loads.iter();
-        for block in &mut self.blocks {
-            if let Ffn::Moe(moe) = &mut block.ffn {
-                let load = loads.next().ok_or_else(|| {
-                    EngineError::Invalid("update_expert_biases: fewer loads than MoE layers".into())
-                })?;
-                moe.router.update_expert_bias(b, load)?;
-            }
+        for moe in self.moe_iter_mut() {
+            let load = loads.next().ok_or_else(|| {
+                EngineError::Invalid("update_expert_biases: fewer loads than MoE layers".into())
+            })?;
+            moe.router.update_expert_bias(b, load)?;
         }
         Ok(())
     }
@@ -903,17 +1046,14 @@ impl<B: Backend> Model<B> {
             f(&self.embed.table);
         }
         for block in &self.blocks {
-            block.attn_norm.visit_params(f);
-            block.attn.visit_params(f);
-            block.ffn_norm.visit_params(f);
-            match &block.ffn {
-                Ffn::Dense(mlp) => mlp.visit_params(f),
-                Ffn::Moe(moe) => moe.visit_dense(f),
-            }
+            block.visit_dense(f);
         }
         if self.owns_head() {
             self.final_norm.visit_params(f);
             self.head.visit_params(f);
+        }
+        for m in &self.mtp {
+            m.visit_dense(f);
         }
     }
 
@@ -923,41 +1063,68 @@ impl<B: Backend> Model<B> {
             f(&mut self.embed.table);
         }
         for block in &mut self.blocks {
-            block.attn_norm.visit_params_mut(f);
-            block.attn.visit_params_mut(f);
-            block.ffn_norm.visit_params_mut(f);
-            match &mut block.ffn {
-                Ffn::Dense(mlp) => mlp.visit_params_mut(f),
-                Ffn::Moe(moe) => moe.visit_dense_mut(f),
-            }
+            block.visit_dense_mut(f);
         }
         if self.owns_head() {
             self.final_norm.visit_params_mut(f);
             self.head.visit_params_mut(f);
         }
+        for m in &mut self.mtp {
+            m.visit_dense_mut(f);
+        }
     }
 
     /// Calls `f` on the routed experts' parameters (expert mesh: reduced over edp).
     pub fn visit_experts<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
-        for block in &self.blocks {
-            if let Ffn::Moe(moe) = &block.ffn {
-                moe.experts.visit_params(f);
-            }
+        for moe in self.moe_iter() {
+            moe.experts.visit_params(f);
         }
     }
 
     /// Mutable [`Self::visit_experts`].
     pub fn visit_experts_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
-        for block in &mut self.blocks {
-            if let Ffn::Moe(moe) = &mut block.ffn {
-                moe.experts.visit_params_mut(f);
-            }
+        for moe in self.moe_iter_mut() {
+            moe.experts.visit_params_mut(f);
         }
+    }
+
+    /// This rank's MoE layers in order: its blocks', then the MTP modules'
+    /// (the order of [`ForwardOut::moe_load`]).
+    pub fn moe_iter(&self) -> impl Iterator<Item = &MoeLayer<B>> {
+        self.blocks
+            .iter()
+            .chain(self.mtp.iter().map(|m| &m.block))
+            .filter_map(|blk| blk.moe())
+    }
+
+    /// Mutable [`Self::moe_iter`].
+    pub fn moe_iter_mut(&mut self) -> impl Iterator<Item = &mut MoeLayer<B>> {
+        self.blocks
+            .iter_mut()
+            .chain(self.mtp.iter_mut().map(|m| &mut m.block))
+            .filter_map(|blk| blk.moe_mut())
     }
 
     /// Number of MoE layers this rank holds (the length of [`ForwardOut::moe_load`]).
     pub fn moe_layers(&self) -> usize {
-        self.blocks.iter().filter(|blk| blk.moe().is_some()).count()
+        self.moe_iter().count()
+    }
+
+    /// MoE layers of model chunk `chunk` (its blocks', and the MTP modules'
+    /// on the last virtual stage): its share of [`ChunkOut::moe_load`].
+    pub fn chunk_moe_layers(&self, chunk: usize) -> usize {
+        let blocks = self.chunks.get(chunk).map_or(0, |r| {
+            self.blocks[r.clone()]
+                .iter()
+                .filter(|blk| blk.moe().is_some())
+                .count()
+        });
+        let mtp = if self.is_last(chunk) {
+            self.mtp.iter().filter(|m| m.block.moe().is_some()).count()
+        } else {
+            0
+        };
+        blocks + mtp
     }
 
     /// `(total, active per token)` counts of the parameters this rank holds
@@ -976,6 +1143,13 @@ impl<B: Backend> Model<B> {
             let mut held = 0;
             moe.experts.visit_params(&mut |p| held += p.value.numel());
             inactive += held * (m.experts - m.top_k) / m.experts;
+        }
+        if let Some(FfnSpec::Moe(m)) = self.spec.groups.last().map(|g| &g.ffn) {
+            for moe in self.mtp.iter().filter_map(|mtp| mtp.block.moe()) {
+                let mut held = 0;
+                moe.experts.visit_params(&mut |p| held += p.value.numel());
+                inactive += held * (m.experts - m.top_k) / m.experts;
+            }
         }
         (total, total - inactive)
     }
@@ -1043,6 +1217,12 @@ impl<B: Backend> Module<B> for Model<B> {
         }
         self.final_norm.visit_params(f);
         self.head.visit_params(f);
+        for m in &self.mtp {
+            m.visit_dense(f);
+            if let Some(moe) = m.block.moe() {
+                moe.experts.visit_params(f);
+            }
+        }
     }
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
         self.embed.visit_params_mut(f);
@@ -1051,6 +1231,12 @@ impl<B: Backend> Module<B> for Model<B> {
         }
         self.final_norm.visit_params_mut(f);
         self.head.visit_params_mut(f);
+        for m in &mut self.mtp {
+            m.visit_dense_mut(f);
+            if let Some(moe) = m.block.moe_mut() {
+                moe.experts.visit_params_mut(f);
+            }
+        }
     }
 }
 
@@ -1117,6 +1303,95 @@ mod tests {
     #[test]
     fn model_grad_tied_dense() {
         check_model_grad(&[FfnSpec::Dense { ffn: 6 }], true, "model (tied)");
+    }
+
+    /// `mtp` MTP modules (blocks of the last of `ffns`): the loss the
+    /// gradient is of is `CE + λ/D·Σ_k CE_k + aux`, every parameter's
+    /// gradient (the modules', the shared embedding's and head's) against
+    /// finite differences.
+    fn check_mtp_grad(ffns: &[FfnSpec], mtp: usize, what: &str) {
+        let b = Cpu;
+        let mut spec = small_spec(ffns, false);
+        spec.mtp_layers = mtp;
+        spec.mtp_loss_coef = 0.3;
+        let mut model = Model::single(&b, &spec, 11, DType::F64).unwrap();
+        assert_eq!(model.mtp.len(), mtp);
+        let (tokens, targets) = batch();
+        let tokens = i32_tensor(tokens, &[2, 4]);
+        let targets = i32_tensor(targets, &[2, 4]);
+        let out = fwd(&model, &tokens, &targets).unwrap();
+        let mtp_loss = values(out.mtp_loss.as_ref().unwrap())[0];
+        assert!(
+            mtp_loss > 0.0 && mtp_loss.is_finite(),
+            "mtp loss {mtp_loss}"
+        );
+        model.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
+        let coef = spec.mtp_loss_coef;
+        check_param_grads(what, &mut model, 6, 1e-6, |m| {
+            let out = fwd(m, &tokens, &targets).unwrap();
+            values(&out.loss)[0]
+                + coef * values(out.mtp_loss.as_ref().unwrap())[0]
+                + values(&out.aux_loss)[0]
+        });
+    }
+
+    /// Two modules chained (module 2 reads module 1's output), dense blocks.
+    #[test]
+    fn model_grad_with_two_mtp_modules() {
+        check_mtp_grad(
+            &[small_moe(), FfnSpec::Dense { ffn: 6 }],
+            2,
+            "model (2 dense mtp)",
+        );
+    }
+
+    /// DeepSeek-V3's shape: one module whose block is an MoE block (its
+    /// router's aux and z losses included).
+    #[test]
+    fn model_grad_with_an_moe_mtp_module() {
+        check_mtp_grad(
+            &[FfnSpec::Dense { ffn: 6 }, small_moe()],
+            1,
+            "model (moe mtp)",
+        );
+    }
+
+    /// MTP changes nothing of the main model but through its loss: the main
+    /// parameters are drawn the same (by name), the main loss is the same,
+    /// and with `mtp_loss_coef = 0` every main gradient is that of the model
+    /// without MTP.
+    #[test]
+    fn mtp_with_zero_weight_leaves_the_main_gradients() {
+        let b = Cpu;
+        let base = small_spec(&[FfnSpec::Dense { ffn: 6 }], false);
+        let mut spec = base.clone();
+        spec.mtp_layers = 1;
+        spec.mtp_loss_coef = 0.0;
+        let (tokens, targets) = batch();
+        let tokens = i32_tensor(tokens, &[2, 4]);
+        let targets = i32_tensor(targets, &[2, 4]);
+        let grads = |spec: &crate::spec::ModelSpec| {
+            let mut model = Model::single(&b, spec, 11, DType::F64).unwrap();
+            let out = fwd(&model, &tokens, &targets).unwrap();
+            let loss = values(&out.loss)[0];
+            model.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
+            let mut g = Vec::new();
+            model.visit_dense(&mut |p| {
+                if !p.name.starts_with("mtp.") {
+                    g.push((p.name.clone(), values(&p.grad)));
+                }
+            });
+            (loss, g)
+        };
+        let (loss_a, a) = grads(&base);
+        let (loss_b, g) = grads(&spec);
+        assert_eq!(loss_a, loss_b);
+        assert_eq!(a.len(), g.len());
+        for ((n, x), (_, y)) in a.iter().zip(&g) {
+            for (p, q) in x.iter().zip(y) {
+                assert!((p - q).abs() <= 1e-12 * (1.0 + p.abs()), "{n}: {p} vs {q}");
+            }
+        }
     }
 
     #[test]

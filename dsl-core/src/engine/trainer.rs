@@ -74,6 +74,9 @@ pub struct StepStats {
     pub loss: f64,
     /// Mean of the MoE layers' summed aux and z-losses over the micro-batches.
     pub aux_loss: f64,
+    /// Mean over the micro-batches of the MTP modules' mean cross-entropy
+    /// (unweighted; 0 without MTP).
+    pub mtp_loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// Learning rate of the update.

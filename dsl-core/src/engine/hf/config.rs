@@ -240,6 +240,7 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
         init_std: c.f64_or("initializer_range", keywords::DEFAULT_INIT_STD)?,
         groups: Vec::new(),
         mtp_layers: 0,
+        mtp_loss_coef: 0.1,
     };
     let mut rope_interleave = false;
     let mut fp8_block = None;

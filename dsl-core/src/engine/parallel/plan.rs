@@ -17,6 +17,8 @@
 //! | `moe.experts.w1`, `w3` `[E, D, F]` | experts over ep, F over etp |
 //! | `moe.experts.w2` `[E, F, D]` | experts over ep, F over etp |
 //! | norms, router, shared-expert gate, MLA | replicated |
+//! | MTP `mtp.{k}.block.*` | as a block of the last group |
+//! | MTP `mtp.{k}.enorm`, `hnorm`, `eh_proj`, `norm` | replicated |
 //!
 //! A tensor of a layer outside the rank's pipeline stage is not held at all.
 
@@ -83,13 +85,25 @@ impl ShardPlan {
         if name == "embed.weight" || name == "head.weight" {
             return vec![(Tp, 0)];
         }
-        let Some(rest) = name.strip_prefix("blocks.") else {
-            return Vec::new();
-        };
-        let Some((layer, part)) = rest.split_once('.') else {
-            return Vec::new();
-        };
-        let Some(group) = layer.parse().ok().and_then(|l| self.spec.group_of_layer(l)) else {
+        // A block's tensors: `blocks.{layer}.{part}`, or an MTP module's
+        // block `mtp.{k}.block.{part}` (a block of the last group).
+        let (group, part) = if let Some(rest) = name.strip_prefix("blocks.") {
+            let Some((layer, part)) = rest.split_once('.') else {
+                return Vec::new();
+            };
+            let Some(group) = layer.parse().ok().and_then(|l| self.spec.group_of_layer(l)) else {
+                return Vec::new();
+            };
+            (group, part)
+        } else if let Some(rest) = name.strip_prefix("mtp.") {
+            let Some((_, part)) = rest.split_once(".block.") else {
+                return Vec::new();
+            };
+            let Some(group) = self.spec.groups.last() else {
+                return Vec::new();
+            };
+            (group, part)
+        } else {
             return Vec::new();
         };
         let gqa = group.attention.mla.is_none();

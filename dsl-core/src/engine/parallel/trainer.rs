@@ -29,7 +29,6 @@ use foldmoe_kernels::{
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
-use crate::engine::block::Ffn;
 use crate::engine::model::{Batch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::Param;
@@ -117,6 +116,9 @@ pub struct Trainer<B: Backend> {
     /// Time the last [`Self::accumulate`] waited for other stages'
     /// activations and gradients (the pipeline bubble, with transfer time).
     pub pipeline_wait: std::time::Duration,
+    /// The MTP modules' mean cross-entropy of the last [`Self::accumulate`],
+    /// scaled as its loss (`[1]`; zero off the last stage and without MTP).
+    mtp_loss: Option<Tensor<B>>,
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
@@ -247,6 +249,7 @@ impl<B: Backend> Trainer<B> {
             kinds: params.into_iter().map(|(k, _, _)| k).collect(),
             step: 0,
             pipeline_wait: std::time::Duration::ZERO,
+            mtp_loss: None,
         })
     }
 
@@ -413,14 +416,11 @@ impl<B: Backend> Trainer<B> {
         let mut saved = HashMap::new();
         self.pipeline_wait = std::time::Duration::ZERO;
         self.model.begin_step();
+        let mut mtp_loss = b.zeros(&[1], dtype.acc())?;
         // MoE layers of the chunks before each chunk: where its loads go.
         let mut moe_before = vec![0; vpp + 1];
-        for (v, range) in self.model.chunk_ranges().iter().enumerate() {
-            let moe = self.model.blocks[range.clone()]
-                .iter()
-                .filter(|bl| matches!(bl.ffn, Ffn::Moe(_)))
-                .count();
-            moe_before[v + 1] = moe_before[v] + moe;
+        for v in 0..vpp {
+            moe_before[v + 1] = moe_before[v] + self.model.chunk_moe_layers(v);
         }
         loads.resize(moe_before[vpp], None);
         for op in ops {
@@ -450,6 +450,9 @@ impl<B: Backend> Trainer<B> {
                     )?;
                     if let Some(l) = &out.loss {
                         b.axpy(&mut loss, scale, l)?;
+                    }
+                    if let Some(l) = &out.mtp_loss {
+                        b.axpy(&mut mtp_loss, scale, l)?;
                     }
                     b.axpy(&mut aux, scale, &out.aux_loss)?;
                     for (acc, l) in loads[moe_before[op.chunk]..].iter_mut().zip(out.moe_load) {
@@ -503,6 +506,7 @@ impl<B: Backend> Trainer<B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        self.mtp_loss = Some(mtp_loss);
         Ok((loss, aux, loads))
     }
 
@@ -548,10 +552,13 @@ impl<B: Backend> Trainer<B> {
     /// reduce-scatters every bucket over its data-parallel group.
     pub fn reduce_gradients(&mut self, ctx: &Ctx<B>) -> Result<GradChunks<B>> {
         let b = ctx.b;
-        let tied = self.model.head.weight.is_none();
-        if tied && ctx.rank.embedding.size() > 1 && self.model.owns_embed() {
-            // A tied table gets the embedding's gradient on the first stage
-            // and the head's on the last: each needs their sum.
+        if self.model.embed_shared_with_last()
+            && ctx.rank.embedding.size() > 1
+            && self.model.owns_embed()
+        {
+            // A shared table gets the embedding's gradient on the first stage
+            // and the head's (tied) or the MTP modules' on the last: each
+            // needs their sum.
             let g = &self.model.embed.table.grad;
             let summed = ctx.sum_over(&ctx.rank.embedding, g)?;
             self.model.embed.table.grad = summed;
@@ -642,6 +649,13 @@ impl<B: Backend> Trainer<B> {
             b.download(&loss)?.to_f64()[0],
             b.download(&aux)?.to_f64()[0],
         );
+        let mtp_loss = match self.mtp_loss.take() {
+            Some(l) if self.model.spec.mtp_layers > 0 => {
+                let l = ctx.sum_over(&rank.pp, &ctx.sum_over(&rank.dp, &l)?)?;
+                b.download(&l)?.to_f64()[0]
+            }
+            _ => 0.0,
+        };
         if !loss.is_finite() || !aux_loss.is_finite() {
             return Err(EngineError::Invalid(format!(
                 "step {step}: loss is {loss} (aux loss {aux_loss}); the update was not applied"
@@ -671,6 +685,7 @@ impl<B: Backend> Trainer<B> {
         Ok(StepStats {
             loss,
             aux_loss,
+            mtp_loss,
             grad_norm,
             lr,
             load_imbalance,
