@@ -474,6 +474,27 @@ fn global_aux_under_dp_matches_one_rank_over_the_union_of_micro_batches() {
     );
 }
 
+/// Multi-token prediction (one module, an MoE block, weight 0.3) under tp
+/// (sequence-parallel rows, the replicated projection summed over tp), cp
+/// (the tokens ahead taken before the split), ep, dp and a pipeline (the
+/// module on the last stage with its copy of the embedding table).
+#[test]
+fn mtp_layouts_match_one_rank() {
+    let mut spec = deep_spec(false);
+    spec.mtp_layers = 1;
+    spec.mtp_loss_coef = 0.3;
+    check_layouts_of(
+        &spec,
+        &[
+            "world=2,tp=2",
+            "world=2,cp=2",
+            "world=2,dp=2,ep=2",
+            "world=2,pp=2",
+            "world=4,tp=2,pp=2,ep=2",
+        ],
+    );
+}
+
 /// Capacity mode under cp: the drops are planned over the micro-batch's
 /// tokens in order, gathered from every tp×cp rank.
 #[test]
