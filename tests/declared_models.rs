@@ -81,7 +81,7 @@ pub struct PassMoe {
     #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 4, qk_norm),
         moe(experts = 4, top_k = 2, expert_ffn = 8, shared_experts = 1, shared_gate, z_loss = 1e-3,
             capacity(factor = 1.25, drop = position, pad = true)),
-        recompute(moe_act, norm), offload(expert_fc1), precision = fp32)]
+        recompute(moe_act, norm), offload(expert_fc1), precision = bf16)]
     moe: Blocks,
 }
 
@@ -140,9 +140,19 @@ fn a_declared_model_builds_on_the_cpu() {
     assert!(err.contains("rank 8 is outside layout `h100x8`"), "{err}");
 
     // Under the expert-parallel layout, `new` builds the rank's shard, and
-    // the typed accessors give the rank's blocks of each group.
+    // the typed accessors give the rank's blocks of each group: the dense
+    // group its MLP, the MoE group its routers (all E experts), the rank's
+    // E/ep = 1 routed experts and the shared experts.
     let m = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::CpuEp4, 3, 7, DType::F32).unwrap();
     assert_eq!((m.dense().len(), m.moe().len()), (1, 2));
+    let (dense, moe) = (m.dense(), m.moe());
+    assert_eq!((dense.first_layer(), moe.first_layer()), (0, 1));
+    assert_eq!(dense.mlp(0).unwrap().w1.value.shape(), &[16, 32]);
+    assert_eq!(moe.router(1).unwrap().weight.value.shape(), &[16, 4]);
+    assert_eq!(moe.experts(0).unwrap().w1.value.shape(), &[1, 16, 8]);
+    assert_eq!(moe.experts(0).unwrap().w1.name, "blocks.1.moe.experts.w1");
+    assert!(moe.shared_experts(1).is_some());
+    assert!(moe.router(2).is_none() && dense.mlp(1).is_none());
     let shard = m.into_model();
     assert_eq!(shard.spec, spec);
     assert_eq!(shard.rank.rank, 3);

@@ -291,8 +291,10 @@ fn opt_usize_field(name: &str, v: Option<usize>) -> TokenStream {
     }
 }
 
-/// One accessor pair per group field: the group's blocks as a slice of the
-/// engine model's blocks, the range fixed here from the declared counts.
+/// One accessor pair per group field: the group as a typed view
+/// (`DenseGroup` or `MoeGroup`: this rank's blocks, with typed access to
+/// their layers) and its blocks mutably, the layer range fixed here from the
+/// declared counts.
 fn accessors(p: &TokenStream, c: &Container, decl: &Decl) -> TokenStream {
     let mut start = 0usize;
     let mut out = TokenStream::new();
@@ -313,6 +315,10 @@ fn accessors(p: &TokenStream, c: &Container, decl: &Decl) -> TokenStream {
             },
             if spec.count == 1 { "" } else { "s" }
         );
+        let kind = match spec.ffn {
+            FfnSpec::Dense { .. } => format_ident!("DenseGroup"),
+            FfnSpec::Moe(_) => format_ident!("MoeGroup"),
+        };
         let span = g.ident.span();
         out.extend(quote_spanned! {span=>
             #(#docs)*
@@ -320,8 +326,8 @@ fn accessors(p: &TokenStream, c: &Container, decl: &Decl) -> TokenStream {
             #[doc = #what]
             #[doc = "This rank's blocks of them (all on one rank; none on a pipeline stage without them)."]
             #[allow(dead_code)]
-            #vis fn #ident(&self) -> &[#p::Block<B>] {
-                self.model.blocks_of_layers(#s..#e)
+            #vis fn #ident(&self) -> #p::#kind<'_, B> {
+                #p::#kind::of(&self.model, #s..#e)
             }
 
             #[doc = #what]

@@ -13,9 +13,17 @@
 //! through `::foldmoe_core::engine::declared::__private`, so the model crate
 //! needs no direct dependency on the kernel crate.
 
+use std::ops::Range;
+
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::block::{Attn, Block, Ffn};
+use super::mlp::SwiGluMlp;
 use super::model::{Batch, ForwardOut, Model, ModelSaved};
+use super::moe::experts::Experts;
+use super::moe::router::Router;
+use super::moe::shared::SharedExperts;
+use super::moe::MoeLayer;
 use super::parallel::{Exec, RankLayout};
 use super::param::Module;
 use super::{EngineError, Result};
@@ -99,6 +107,144 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
     fn logits(&self, exec: &Exec<B>, tokens: &[i32], seq_len: usize) -> Result<Tensor<B>> {
         self.model().logits(exec, tokens, seq_len)
     }
+}
+
+/// This rank's blocks of a declared dense group (`#[blocks(.., dense(..))]`):
+/// what the group's accessor returns, with typed access to each block's
+/// attention and MLP. On a pipeline stage without the group it is empty.
+pub struct DenseGroup<'a, B: Backend> {
+    blocks: &'a [Block<B>],
+    mlps: Vec<&'a SwiGluMlp<B>>,
+    first_layer: usize,
+}
+
+/// This rank's blocks of a declared MoE group (`#[blocks(.., moe(..))]`),
+/// with typed access to each block's router, routed experts (the rank's
+/// experts under ep) and shared experts.
+pub struct MoeGroup<'a, B: Backend> {
+    blocks: &'a [Block<B>],
+    moes: Vec<&'a MoeLayer<B>>,
+    first_layer: usize,
+}
+
+impl<'a, B: Backend> DenseGroup<'a, B> {
+    /// The group `layers` (full-model indices) of `model`, as this rank holds it.
+    pub fn of(model: &'a Model<B>, layers: Range<usize>) -> Self {
+        let blocks = model.blocks_of_layers(layers.clone());
+        let first_layer = first_held_layer(model, &layers, blocks.len());
+        let mlps = blocks
+            .iter()
+            .filter_map(|blk| match &blk.ffn {
+                Ffn::Dense(mlp) => Some(&**mlp),
+                Ffn::Moe(_) => None,
+            })
+            .collect();
+        DenseGroup {
+            blocks,
+            mlps,
+            first_layer,
+        }
+    }
+
+    /// Blocks this rank holds.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether this rank holds none of the group.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The full model's layer index of this rank's first block of the group.
+    pub fn first_layer(&self) -> usize {
+        self.first_layer
+    }
+
+    /// The blocks themselves.
+    pub fn blocks(&self) -> &'a [Block<B>] {
+        self.blocks
+    }
+
+    /// Block `i`'s attention.
+    pub fn attention(&self, i: usize) -> Option<&'a Attn<B>> {
+        self.blocks.get(i).map(|blk| &blk.attn)
+    }
+
+    /// Block `i`'s dense MLP.
+    pub fn mlp(&self, i: usize) -> Option<&'a SwiGluMlp<B>> {
+        self.mlps.get(i).copied()
+    }
+}
+
+impl<'a, B: Backend> MoeGroup<'a, B> {
+    /// The group `layers` (full-model indices) of `model`, as this rank holds it.
+    pub fn of(model: &'a Model<B>, layers: Range<usize>) -> Self {
+        let blocks = model.blocks_of_layers(layers.clone());
+        let first_layer = first_held_layer(model, &layers, blocks.len());
+        let moes = blocks.iter().filter_map(|blk| blk.moe()).collect();
+        MoeGroup {
+            blocks,
+            moes,
+            first_layer,
+        }
+    }
+
+    /// Blocks this rank holds.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether this rank holds none of the group.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The full model's layer index of this rank's first block of the group.
+    pub fn first_layer(&self) -> usize {
+        self.first_layer
+    }
+
+    /// The blocks themselves.
+    pub fn blocks(&self) -> &'a [Block<B>] {
+        self.blocks
+    }
+
+    /// Block `i`'s attention.
+    pub fn attention(&self, i: usize) -> Option<&'a Attn<B>> {
+        self.blocks.get(i).map(|blk| &blk.attn)
+    }
+
+    /// Block `i`'s MoE layer.
+    pub fn moe(&self, i: usize) -> Option<&'a MoeLayer<B>> {
+        self.moes.get(i).copied()
+    }
+
+    /// Block `i`'s router (replicated on every rank).
+    pub fn router(&self, i: usize) -> Option<&'a Router<B>> {
+        self.moe(i).map(|m| &m.router)
+    }
+
+    /// Block `i`'s routed experts: this rank's `E/ep`, their ffn split over etp.
+    pub fn experts(&self, i: usize) -> Option<&'a Experts<B>> {
+        self.moe(i).map(|m| &m.experts)
+    }
+
+    /// Block `i`'s shared experts, when the group has them.
+    pub fn shared_experts(&self, i: usize) -> Option<&'a SharedExperts<B>> {
+        self.moe(i).and_then(|m| m.shared.as_ref())
+    }
+}
+
+/// The full-model index of the first of `held` blocks of `layers` on this rank.
+fn first_held_layer<B: Backend>(model: &Model<B>, layers: &Range<usize>, held: usize) -> usize {
+    model
+        .global_layers()
+        .iter()
+        .copied()
+        .find(|l| layers.contains(l))
+        .filter(|_| held > 0)
+        .unwrap_or(layers.start)
 }
 
 /// The models a binary knows by name: what `foldmoe::cli::main` serves
@@ -211,7 +357,7 @@ fn checked_layout(spec: &ModelSpec, layout: &LayoutSpec, rank: usize) -> Result<
 /// Names the expansion of `#[moe_model]` refers to; not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use super::{build, LayoutChoice, MoeModel, Registry};
+    pub use super::{build, DenseGroup, LayoutChoice, MoeGroup, MoeModel, Registry};
     pub use crate::engine::block::Block;
     pub use crate::engine::model::Model;
     pub use crate::engine::param::{Module, Param};
