@@ -98,7 +98,6 @@ FOR_FLOATS(RMSNORM_DW_FINISH)
 // angle is reduced to [−π, π] in f64 and turned by the f32 sincos (error
 // ~1e-7, below f32 resolution of the result); f64 keeps f64 sin and cos.
 #define ROPE_FREQS 512
-template <typename T>
 __device__ __forceinline__ double rope_freq(i64 i, i64 hd, double theta, double factor, double low, double high) {
     double f = pow(theta, -2.0 * (double)i / (double)hd);
     double r = fmin(fmax(((double)i - low) / (high - low), 0.0), 1.0);
