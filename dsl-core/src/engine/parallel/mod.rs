@@ -43,6 +43,7 @@ pub use trainer::Trainer;
 
 use foldmoe_kernels::{Backend, Communicator, Group, ReduceOp, Tensor};
 
+use super::documents::DocTensors;
 use super::{EngineError, Result};
 use crate::layout::{GroupKind, Layout};
 
@@ -251,6 +252,9 @@ pub struct Exec<'a, B: Backend> {
     pub b: &'a B,
     /// The collectives of this rank.
     pub comm: &'a dyn Communicator<B>,
+    /// The micro-batch's documents, when it resets positions or masks
+    /// attention at them (set by the model for its blocks).
+    pub docs: Option<&'a DocTensors<B>>,
 }
 
 impl<B: Backend> Clone for Exec<'_, B> {
@@ -267,6 +271,7 @@ impl<'a, B: Backend> Exec<'a, B> {
         Exec {
             b,
             comm: &foldmoe_kernels::comm::solo::SoloComm,
+            docs: None,
         }
     }
 
@@ -316,6 +321,7 @@ impl<'a, B: Backend> Ctx<'a, B> {
         Exec {
             b: self.b,
             comm: self.comm,
+            docs: None,
         }
     }
 

@@ -30,7 +30,7 @@ use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
 use crate::engine::block::Ffn;
-use crate::engine::model::{Batch, Model};
+use crate::engine::model::{Batch, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::Param;
 use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig};
@@ -379,7 +379,7 @@ impl<B: Backend> Trainer<B> {
     pub fn accumulate(
         &mut self,
         ctx: &Ctx<B>,
-        micro_batches: &[(Vec<i32>, Vec<i32>)],
+        micro_batches: &[impl MicroBatch],
         seq_len: usize,
     ) -> Result<Accumulated<B>> {
         let b = ctx.b;
@@ -423,7 +423,7 @@ impl<B: Backend> Trainer<B> {
         }
         loads.resize(moe_before[vpp], None);
         for op in ops {
-            let (tokens, targets) = &micro_batches[op.micro];
+            let micro = &micro_batches[op.micro];
             let stage = self.model.virtual_stage(op.chunk);
             match op.pass {
                 Pass::F => {
@@ -444,7 +444,7 @@ impl<B: Backend> Trainer<B> {
                         &ctx.exec(),
                         op.chunk,
                         input,
-                        Batch::Host { tokens, targets },
+                        Batch::of(micro),
                         seq_len,
                     )?;
                     if let Some(l) = &out.loss {
@@ -505,13 +505,7 @@ impl<B: Backend> Trainer<B> {
     /// Mean loss of one batch without gradients (validation), equal on every
     /// rank: the batch passes the virtual stages in order, each sending its
     /// output to the next, and the last stage's loss is summed over pp.
-    pub fn evaluate(
-        &self,
-        ctx: &Ctx<B>,
-        tokens: &[i32],
-        targets: &[i32],
-        seq_len: usize,
-    ) -> Result<f64> {
+    pub fn evaluate(&self, ctx: &Ctx<B>, batch: &impl MicroBatch, seq_len: usize) -> Result<f64> {
         let b = ctx.b;
         let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
         let pp_ranks = ctx.rank.pp.ranks();
@@ -523,13 +517,9 @@ impl<B: Backend> Trainer<B> {
             } else {
                 Some(ctx.comm.recv(b, pp_ranks[(stage - 1) % pp])?)
             };
-            let out = self.model.forward_chunk(
-                &ctx.exec(),
-                chunk,
-                input,
-                Batch::Host { tokens, targets },
-                seq_len,
-            )?;
+            let out =
+                self.model
+                    .forward_chunk(&ctx.exec(), chunk, input, Batch::of(batch), seq_len)?;
             if let Some(h) = &out.hidden {
                 ctx.comm.send(b, pp_ranks[(stage + 1) % pp], h)?;
             }
@@ -613,7 +603,7 @@ impl<B: Backend> Trainer<B> {
     pub fn step(
         &mut self,
         ctx: &Ctx<B>,
-        micro_batches: &[(Vec<i32>, Vec<i32>)],
+        micro_batches: &[impl MicroBatch],
         seq_len: usize,
     ) -> Result<StepStats> {
         let b = ctx.b;
@@ -1033,6 +1023,7 @@ mod tests {
             let batch = Batch::Host {
                 tokens: &tokens,
                 targets: &targets,
+                docs: None,
             };
             let out = big.forward(&ctx.exec(), batch, 4)?;
             let (big_loss, big_aux) = (values(&out.loss)[0], values(&out.aux_loss)[0]);
@@ -1146,7 +1137,7 @@ mod tests {
             TrainConfig::default(),
             |ctx, trainer| {
                 assert!(matches!(
-                    trainer.step(ctx, &[], 4),
+                    trainer.step(ctx, &[] as &[(Vec<i32>, Vec<i32>)], 4),
                     Err(EngineError::Invalid(_))
                 ));
                 // Five tokens are no whole sequence of 4; an id outside the vocabulary.
