@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use foldmoe::core::engine::checkpoint::Source;
-use foldmoe::core::engine::hf::{self, ExpertLayout};
+use foldmoe::core::engine::hf::{self, ExpertLayout, ExportDtype};
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::parallel::Exec;
 use foldmoe::core::layout::{check, LayoutSpec};
@@ -178,7 +178,7 @@ fn export_gives_back_the_original_tensors() {
         let (cfg, ckpt, experts) = import(family, "world=2,ep=2");
         let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
         let out = tmp(&format!("export-{family}"));
-        hf::export(&source, &cfg, experts, &out, max_shard).unwrap();
+        hf::export(&source, &cfg, experts, &out, max_shard, ExportDtype::F32).unwrap();
         let (want, got) = (tensors_of(&fixture(family)), tensors_of(&out));
         assert_eq!(
             want.keys().collect::<Vec<_>>(),
@@ -196,6 +196,43 @@ fn export_gives_back_the_original_tensors() {
     }
 }
 
+/// A bf16 checkpoint (`qwen3_moe_bf16`: the Qwen3-MoE fixture saved by
+/// transformers in bfloat16, `torch_dtype` bfloat16) imports and exports
+/// back in bf16 byte for byte — the dtype the config names, also through
+/// `convert`'s default — and `--dtype f32` widens every value exactly.
+#[test]
+fn bf16_export_gives_back_the_original_tensors() {
+    let (cfg, ckpt, experts) = import("qwen3_moe_bf16", "world=1");
+    assert_eq!(ExportDtype::of_config(&cfg.raw), Some(ExportDtype::Bf16));
+    let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
+    let want = tensors_of(&fixture("qwen3_moe_bf16"));
+    let out = tmp("export-bf16");
+    hf::export(&source, &cfg, experts, &out, u64::MAX, ExportDtype::Bf16).unwrap();
+    let got = tensors_of(&out);
+    assert_eq!(
+        want.keys().collect::<Vec<_>>(),
+        got.keys().collect::<Vec<_>>()
+    );
+    for (name, w) in &want {
+        assert_eq!(w.0, Dtype::BF16, "{name}");
+        assert!(got[name] == *w, "tensor {name} differs");
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["dtype"], "bfloat16");
+    let wide = tmp("export-bf16-as-f32");
+    hf::export(&source, &cfg, experts, &wide, u64::MAX, ExportDtype::F32).unwrap();
+    for (name, (dtype, shape, bytes)) in tensors_of(&wide) {
+        assert_eq!(dtype, Dtype::F32);
+        assert_eq!(shape, want[&name].1);
+        let back: Vec<u8> = bytes.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+        assert_eq!(back, want[&name].2, "{name}: f32 is not the bf16 widened");
+    }
+    for d in [out, wide, ckpt] {
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
 /// DeepSeek's fp8 form: e4m3 weights times their block `weight_scale_inv`
 /// give exactly the dequantised values the script computed.
 #[test]
@@ -204,7 +241,15 @@ fn deepseek_fp8_weights_are_dequantised_on_import() {
     assert_eq!(cfg.fp8_block, Some([128, 128]));
     let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
     let out = tmp("export-fp8");
-    hf::export(&source, &cfg, ExpertLayout::PerExpert, &out, u64::MAX).unwrap();
+    hf::export(
+        &source,
+        &cfg,
+        ExpertLayout::PerExpert,
+        &out,
+        u64::MAX,
+        ExportDtype::F32,
+    )
+    .unwrap();
     let got = tensors_of(&out);
     let bytes = std::fs::read(fixture("deepseek_v3_fp8").join("dequantised.safetensors")).unwrap();
     let want = SafeTensors::deserialize(&bytes).unwrap();
