@@ -656,3 +656,82 @@ fn score_reads_the_text_with_a_tokenizer() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("tokens scored"));
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `score --data-path` scores each document of an indexed dataset on its
+/// own: the fixture's two sequences written as two documents score as
+/// each does alone with `--input` (within transformers' 1e-4 of each
+/// other through the same engine: exactly), their mean weighted by tokens;
+/// a truncated `.bin` is a one-line error.
+#[test]
+fn score_reads_an_indexed_dataset_by_document() {
+    use foldmoe::data::indexed::{IndexedWriter, TokenDtype};
+    let root = tmp("score-bin");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let ckpt = root.join("ckpt");
+    let out = foldmoe(&[
+        "convert",
+        "--from-hf",
+        &s(&fixture("mixtral")),
+        "--out",
+        &s(&ckpt),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (ids, _) = reference("mixtral");
+    let prefix = root.join("data");
+    let mut w = IndexedWriter::create(&prefix, TokenDtype::U16).unwrap();
+    for seq in &ids {
+        let doc: Vec<u32> = seq.iter().map(|&t| t as u32).collect();
+        w.add_document(&doc, &[doc.len()]).unwrap();
+    }
+    w.add_document(&[7], &[1]).unwrap();
+    w.finalize().unwrap();
+    let score = |args: &[&str]| -> serde_json::Value {
+        let mut all = vec!["score", "--checkpoint", &s(&ckpt)];
+        all.extend_from_slice(args);
+        all.push("--json");
+        let out = foldmoe(&all);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let got = score(&["--data-path", &s(&prefix)]);
+    assert_eq!(got["documents"], 2);
+    assert_eq!(got["skipped"], 1);
+    let (mut sum, mut n) = (0.0, 0);
+    for (d, seq) in ids.iter().enumerate() {
+        let input = root.join(format!("doc{d}.txt"));
+        std::fs::write(&input, seq.iter().map(|&t| t as u8).collect::<Vec<_>>()).unwrap();
+        let alone = score(&["--input", &s(&input)]);
+        let doc = &got["per_document"][d];
+        assert_eq!(doc["document"], d);
+        assert_eq!(doc["tokens"], alone["tokens"]);
+        assert_eq!(doc["mean_loss"], alone["mean_loss"], "document {d}");
+        let t = alone["tokens"].as_u64().unwrap() as usize;
+        sum += alone["mean_loss"].as_f64().unwrap() * t as f64;
+        n += t;
+    }
+    assert_eq!(got["tokens"], n);
+    assert!((got["mean_loss"].as_f64().unwrap() - sum / n as f64).abs() < 1e-12);
+    // A truncated .bin: one line naming the file.
+    let bin = prefix.with_extension("bin");
+    let bytes = std::fs::read(&bin).unwrap();
+    std::fs::write(&bin, &bytes[..bytes.len() - 3]).unwrap();
+    let out = foldmoe(&[
+        "score",
+        "--checkpoint",
+        &s(&ckpt),
+        "--data-path",
+        &s(&prefix),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("data.bin"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
