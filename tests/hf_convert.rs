@@ -690,7 +690,8 @@ fn score_reads_an_indexed_dataset_by_document() {
     w.add_document(&[7], &[1]).unwrap();
     w.finalize().unwrap();
     let score = |args: &[&str]| -> serde_json::Value {
-        let mut all = vec!["score", "--checkpoint", &s(&ckpt)];
+        let ckpt = s(&ckpt);
+        let mut all = vec!["score", "--checkpoint", &ckpt];
         all.extend_from_slice(args);
         all.push("--json");
         let out = foldmoe(&all);

@@ -157,11 +157,7 @@ fn reference_of(
 /// losses of `STEPS` steps, as rank 0 of `layout` sees them.
 type RankRun = (Vec<(String, Vec<usize>, Vec<f64>)>, Vec<f64>);
 
-fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
-    parallel_of(spec, layout_text, dtype, false)
-}
-
-/// [`parallel`], the micro-batches with documents when `documents`.
+/// The micro-batches carry documents when `documents`.
 fn parallel_of(spec: &ModelSpec, layout_text: &str, dtype: DType, documents: bool) -> RankRun {
     let layout_spec = LayoutSpec::parse(layout_text).unwrap();
     let layout =
