@@ -199,8 +199,9 @@ fn bpe_dataset_trains_resumes_exactly_and_splits_over_dp_ranks() {
     }
 
     // Positions and attention reset at each end-of-document token, and no
-    // loss after one: the same samples give another first loss (the
-    // documents are short, so the masks matter), and training still runs.
+    // loss after one: the flags reach the run, which trains (their effect
+    // is checked in the engine: `documents_equal_each_document_alone`,
+    // `documents_under_cp_and_tp_match_one_rank`).
     let mut reset = one.clone();
     reset.extend([
         "--reset-position-ids",
@@ -210,8 +211,10 @@ fn bpe_dataset_trains_resumes_exactly_and_splits_over_dp_ranks() {
     let r = d.train("reset", &reset);
     assert!(r.status.success(), "{}", stderr(&r));
     let got = losses(&d.dir.join("reset"));
-    assert!(got.iter().all(|l| l.is_finite()), "{got:?}");
-    assert!((got[0] - want[0]).abs() > 1e-4, "{got:?} vs {want:?}");
+    assert!(
+        got.iter().all(|l| l.is_finite()) && got.len() == 3,
+        "{got:?}"
+    );
     // The byte tokenizer has no end-of-document token.
     let o = foldmoe(&[
         "train",
