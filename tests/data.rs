@@ -197,6 +197,34 @@ fn bpe_dataset_trains_resumes_exactly_and_splits_over_dp_ranks() {
     for (step, (x, y)) in got.iter().zip(&want).enumerate() {
         assert!((x - y).abs() <= 1e-5 * y.abs(), "step {step}: {x} vs {y}");
     }
+
+    // Positions and attention reset at each end-of-document token, and no
+    // loss after one: the flags reach the run, which trains (their effect
+    // is checked in the engine: `documents_equal_each_document_alone`,
+    // `documents_under_cp_and_tp_match_one_rank`).
+    let mut reset = one.clone();
+    reset.extend([
+        "--reset-position-ids",
+        "--reset-attention-mask",
+        "--eod-mask-loss",
+    ]);
+    let r = d.train("reset", &reset);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let got = losses(&d.dir.join("reset"));
+    assert!(
+        got.iter().all(|l| l.is_finite()) && got.len() == 3,
+        "{got:?}"
+    );
+    // The byte tokenizer has no end-of-document token.
+    let o = foldmoe(&[
+        "train",
+        "--out",
+        s(&d.dir.join("bytes-reset")),
+        "--data-path",
+        s(&d.bytes),
+        "--reset-attention-mask",
+    ]);
+    assert_fails_with(&o, &["--reset-attention-mask", "no end-of-document token"]);
 }
 
 #[test]

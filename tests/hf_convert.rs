@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use foldmoe::core::engine::checkpoint::Source;
-use foldmoe::core::engine::hf::{self, ExpertLayout};
+use foldmoe::core::engine::hf::{self, ExpertLayout, ExportDtype};
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::parallel::Exec;
 use foldmoe::core::layout::{check, LayoutSpec};
@@ -178,7 +178,7 @@ fn export_gives_back_the_original_tensors() {
         let (cfg, ckpt, experts) = import(family, "world=2,ep=2");
         let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
         let out = tmp(&format!("export-{family}"));
-        hf::export(&source, &cfg, experts, &out, max_shard).unwrap();
+        hf::export(&source, &cfg, experts, &out, max_shard, ExportDtype::F32).unwrap();
         let (want, got) = (tensors_of(&fixture(family)), tensors_of(&out));
         assert_eq!(
             want.keys().collect::<Vec<_>>(),
@@ -196,6 +196,43 @@ fn export_gives_back_the_original_tensors() {
     }
 }
 
+/// A bf16 checkpoint (`qwen3_moe_bf16`: the Qwen3-MoE fixture saved by
+/// transformers in bfloat16, `torch_dtype` bfloat16) imports and exports
+/// back in bf16 byte for byte — the dtype the config names, also through
+/// `convert`'s default — and `--dtype f32` widens every value exactly.
+#[test]
+fn bf16_export_gives_back_the_original_tensors() {
+    let (cfg, ckpt, experts) = import("qwen3_moe_bf16", "world=1");
+    assert_eq!(ExportDtype::of_config(&cfg.raw), Some(ExportDtype::Bf16));
+    let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
+    let want = tensors_of(&fixture("qwen3_moe_bf16"));
+    let out = tmp("export-bf16");
+    hf::export(&source, &cfg, experts, &out, u64::MAX, ExportDtype::Bf16).unwrap();
+    let got = tensors_of(&out);
+    assert_eq!(
+        want.keys().collect::<Vec<_>>(),
+        got.keys().collect::<Vec<_>>()
+    );
+    for (name, w) in &want {
+        assert_eq!(w.0, Dtype::BF16, "{name}");
+        assert!(got[name] == *w, "tensor {name} differs");
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["dtype"], "bfloat16");
+    let wide = tmp("export-bf16-as-f32");
+    hf::export(&source, &cfg, experts, &wide, u64::MAX, ExportDtype::F32).unwrap();
+    for (name, (dtype, shape, bytes)) in tensors_of(&wide) {
+        assert_eq!(dtype, Dtype::F32);
+        assert_eq!(shape, want[&name].1);
+        let back: Vec<u8> = bytes.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+        assert_eq!(back, want[&name].2, "{name}: f32 is not the bf16 widened");
+    }
+    for d in [out, wide, ckpt] {
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
 /// DeepSeek's fp8 form: e4m3 weights times their block `weight_scale_inv`
 /// give exactly the dequantised values the script computed.
 #[test]
@@ -204,7 +241,15 @@ fn deepseek_fp8_weights_are_dequantised_on_import() {
     assert_eq!(cfg.fp8_block, Some([128, 128]));
     let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
     let out = tmp("export-fp8");
-    hf::export(&source, &cfg, ExpertLayout::PerExpert, &out, u64::MAX).unwrap();
+    hf::export(
+        &source,
+        &cfg,
+        ExpertLayout::PerExpert,
+        &out,
+        u64::MAX,
+        ExportDtype::F32,
+    )
+    .unwrap();
     let got = tensors_of(&out);
     let bytes = std::fs::read(fixture("deepseek_v3_fp8").join("dequantised.safetensors")).unwrap();
     let want = SafeTensors::deserialize(&bytes).unwrap();
@@ -609,5 +654,85 @@ fn score_reads_the_text_with_a_tokenizer() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("tokens scored"));
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// `score --data-path` scores each document of an indexed dataset on its
+/// own: the fixture's two sequences written as two documents score as
+/// each does alone with `--input` (within transformers' 1e-4 of each
+/// other through the same engine: exactly), their mean weighted by tokens;
+/// a truncated `.bin` is a one-line error.
+#[test]
+fn score_reads_an_indexed_dataset_by_document() {
+    use foldmoe::data::indexed::{IndexedWriter, TokenDtype};
+    let root = tmp("score-bin");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let ckpt = root.join("ckpt");
+    let out = foldmoe(&[
+        "convert",
+        "--from-hf",
+        &s(&fixture("mixtral")),
+        "--out",
+        &s(&ckpt),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (ids, _) = reference("mixtral");
+    let prefix = root.join("data");
+    let mut w = IndexedWriter::create(&prefix, TokenDtype::U16).unwrap();
+    for seq in &ids {
+        let doc: Vec<u32> = seq.iter().map(|&t| t as u32).collect();
+        w.add_document(&doc, &[doc.len()]).unwrap();
+    }
+    w.add_document(&[7], &[1]).unwrap();
+    w.finalize().unwrap();
+    let score = |args: &[&str]| -> serde_json::Value {
+        let ckpt = s(&ckpt);
+        let mut all = vec!["score", "--checkpoint", &ckpt];
+        all.extend_from_slice(args);
+        all.push("--json");
+        let out = foldmoe(&all);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let got = score(&["--data-path", &s(&prefix)]);
+    assert_eq!(got["documents"], 2);
+    assert_eq!(got["skipped"], 1);
+    let (mut sum, mut n) = (0.0, 0);
+    for (d, seq) in ids.iter().enumerate() {
+        let input = root.join(format!("doc{d}.txt"));
+        std::fs::write(&input, seq.iter().map(|&t| t as u8).collect::<Vec<_>>()).unwrap();
+        let alone = score(&["--input", &s(&input)]);
+        let doc = &got["per_document"][d];
+        assert_eq!(doc["document"], d);
+        assert_eq!(doc["tokens"], alone["tokens"]);
+        assert_eq!(doc["mean_loss"], alone["mean_loss"], "document {d}");
+        let t = alone["tokens"].as_u64().unwrap() as usize;
+        sum += alone["mean_loss"].as_f64().unwrap() * t as f64;
+        n += t;
+    }
+    assert_eq!(got["tokens"], n);
+    assert!((got["mean_loss"].as_f64().unwrap() - sum / n as f64).abs() < 1e-12);
+    // A truncated .bin: one line naming the file.
+    let bin = prefix.with_extension("bin");
+    let bytes = std::fs::read(&bin).unwrap();
+    std::fs::write(&bin, &bytes[..bytes.len() - 3]).unwrap();
+    let out = foldmoe(&[
+        "score",
+        "--checkpoint",
+        &s(&ckpt),
+        "--data-path",
+        &s(&prefix),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("data.bin"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }

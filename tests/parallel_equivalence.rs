@@ -12,7 +12,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use foldmoe_core::engine::checkpoint::{self, Source, StateKind};
-use foldmoe_core::engine::model::{Batch, Model};
+use foldmoe_core::engine::documents::Documents;
+use foldmoe_core::engine::model::{Batch, HostBatch, Model};
 use foldmoe_core::engine::optim::MasterWeights;
 use foldmoe_core::engine::parallel::trainer::Gather;
 use foldmoe_core::engine::parallel::{run_local_layout, RankLayout, Trainer};
@@ -93,6 +94,40 @@ fn global_batch(step: usize) -> Vec<(Vec<i32>, Vec<i32>)> {
         .collect()
 }
 
+/// [`global_batch`] with documents of 3, 7, 1, 5, 9, 2 ... tokens packed
+/// into each sequence (the pattern shifted per micro-batch and step), RoPE
+/// positions and attention reset at each.
+fn global_batch_with_documents(step: usize) -> Vec<HostBatch> {
+    const LENS: [usize; 6] = [3, 7, 1, 5, 9, 2];
+    global_batch(step)
+        .into_iter()
+        .enumerate()
+        .map(|(m, (tokens, targets))| {
+            let mut ids = Vec::with_capacity(tokens.len());
+            for s in 0..SEQS_PER_MICRO {
+                let (mut doc, mut left) = (0, LENS[(m + s + step) % LENS.len()]);
+                for _ in 0..SEQ {
+                    if left == 0 {
+                        doc += 1;
+                        left = LENS[(m + s + step + doc as usize) % LENS.len()];
+                    }
+                    ids.push(doc);
+                    left -= 1;
+                }
+            }
+            HostBatch {
+                tokens,
+                targets,
+                docs: Some(Documents {
+                    ids,
+                    reset_positions: true,
+                    mask_attention: true,
+                }),
+            }
+        })
+        .collect()
+}
+
 fn config() -> TrainConfig {
     TrainConfig {
         lr: 1e-2,
@@ -107,7 +142,15 @@ fn config() -> TrainConfig {
 /// The reference: gradients of the first global batch, and the losses of
 /// `STEPS` steps, from the same engine at world = 1.
 fn reference(spec: &ModelSpec, dtype: DType) -> (HashMap<String, Vec<f64>>, Vec<f64>) {
-    let (grads, losses) = parallel(spec, "world=1", dtype);
+    reference_of(spec, dtype, false)
+}
+
+fn reference_of(
+    spec: &ModelSpec,
+    dtype: DType,
+    documents: bool,
+) -> (HashMap<String, Vec<f64>>, Vec<f64>) {
+    let (grads, losses) = parallel_of(spec, "world=1", dtype, documents);
     (grads.into_iter().map(|(n, _, g)| (n, g)).collect(), losses)
 }
 
@@ -115,20 +158,37 @@ fn reference(spec: &ModelSpec, dtype: DType) -> (HashMap<String, Vec<f64>>, Vec<
 /// losses of `STEPS` steps, as rank 0 of `layout` sees them.
 type RankRun = (Vec<(String, Vec<usize>, Vec<f64>)>, Vec<f64>);
 
-fn parallel(spec: &ModelSpec, layout_text: &str, dtype: DType) -> RankRun {
-    let (grads, losses, _) = parallel_with(spec, layout_text, dtype, &|step, dp, dp_i| {
-        let batch = global_batch(step);
+/// The micro-batches carry documents when `documents`.
+fn parallel_of(spec: &ModelSpec, layout_text: &str, dtype: DType, documents: bool) -> RankRun {
+    let (grads, losses, _) = parallel_with(spec, layout_text, dtype, &move |step, dp, dp_i| {
+        let batch = if documents {
+            global_batch_with_documents(step)
+        } else {
+            host_batches(global_batch(step))
+        };
         let per = MICRO_BATCHES / dp;
         batch[dp_i * per..(dp_i + 1) * per].to_vec()
     });
     (grads, losses)
 }
 
-/// A dp rank's micro-batches of a step: `(step, dp, dp index) → micro-batches`.
-type Split = dyn Fn(usize, usize, usize) -> Vec<(Vec<i32>, Vec<i32>)> + Sync;
+/// Micro-batches without documents.
+fn host_batches(batch: Vec<(Vec<i32>, Vec<i32>)>) -> Vec<HostBatch> {
+    batch
+        .into_iter()
+        .map(|(tokens, targets)| HostBatch {
+            tokens,
+            targets,
+            docs: None,
+        })
+        .collect()
+}
 
-/// [`parallel`] with the micro-batches of each dp rank given by `mine`; also
-/// returns the aux losses of the `STEPS` steps.
+/// A dp rank's micro-batches of a step: `(step, dp, dp index) → micro-batches`.
+type Split = dyn Fn(usize, usize, usize) -> Vec<HostBatch> + Sync;
+
+/// [`parallel_of`] with the micro-batches of each dp rank given by `mine`;
+/// also returns the aux losses of the `STEPS` steps.
 fn parallel_with(
     spec: &ModelSpec,
     layout_text: &str,
@@ -197,6 +257,11 @@ fn check_layouts_of(spec: &ModelSpec, layouts: &[&str]) {
     check_layouts_in(spec, layouts, DType::F32, 1e-5, 1e-4);
 }
 
+/// [`check_layouts_of`] with documents in every micro-batch.
+fn check_layouts_with_documents(spec: &ModelSpec, layouts: &[&str]) {
+    check_layouts_full(spec, layouts, DType::F32, 1e-5, 1e-4, true);
+}
+
 /// Every layout's losses (relative error `loss_tol` at each step) and
 /// first-batch gradients (relative L2 `grad_tol` per parameter) against one
 /// rank's, the model in `dtype`.
@@ -207,11 +272,22 @@ fn check_layouts_in(
     loss_tol: f64,
     grad_tol: f64,
 ) {
+    check_layouts_full(spec, layouts, dtype, loss_tol, grad_tol, false)
+}
+
+fn check_layouts_full(
+    spec: &ModelSpec,
+    layouts: &[&str],
+    dtype: DType,
+    loss_tol: f64,
+    grad_tol: f64,
+    documents: bool,
+) {
     let spec = spec.clone();
-    let (ref_grads, ref_losses) = reference(&spec, dtype);
+    let (ref_grads, ref_losses) = reference_of(&spec, dtype, documents);
     let mut failures = Vec::new();
     for &text in layouts {
-        let (grads, losses) = parallel(&spec, text, dtype);
+        let (grads, losses) = parallel_of(&spec, text, dtype, documents);
         let (mut worst_loss, mut worst_grad) = (0.0f64, 0.0f64);
         for (step, (got, want)) in losses.iter().zip(&ref_losses).enumerate() {
             let rel = (got - want).abs() / want.abs();
@@ -358,6 +434,17 @@ fn context_parallel_layouts_match_one_rank() {
     check_layouts(None, CP_LAYOUTS);
 }
 
+/// Packed documents (positions and attention reset at each) under cp,
+/// with tp, and with dp: the chunks' key prefixes keep their positions and
+/// documents, so every layout computes the one-rank run's masked attention.
+#[test]
+fn documents_under_cp_and_tp_match_one_rank() {
+    check_layouts_with_documents(
+        &spec(None),
+        &["world=2,cp=2", "world=4,tp=2,cp=2", "world=2,tp=2"],
+    );
+}
+
 /// cp with a pipeline and a tied table (the loss on the last stage is summed
 /// over cp; the embedding gradient over the embedding group and dp×cp).
 #[test]
@@ -403,22 +490,25 @@ fn global_aux_under_dp_matches_one_rank_over_the_union_of_micro_batches() {
         }
         spec
     };
-    let per_rank = |step: usize, dp: usize, dp_i: usize| {
+    let raw = |step: usize, dp: usize, dp_i: usize| {
         let batch = global_batch(step);
         let per = MICRO_BATCHES / dp;
         batch[dp_i * per..(dp_i + 1) * per].to_vec()
     };
+    let per_rank = move |step: usize, dp: usize, dp_i: usize| host_batches(raw(step, dp, dp_i));
     // One rank, micro-batch j = micro-batch j of dp rank 0 then of dp rank 1.
     let union = move |step: usize, _dp: usize, _dp_i: usize| {
-        let (r0, r1) = (per_rank(step, 2, 0), per_rank(step, 2, 1));
-        r0.into_iter()
-            .zip(r1)
-            .map(|((mut t, mut y), (t1, y1))| {
-                t.extend(t1);
-                y.extend(y1);
-                (t, y)
-            })
-            .collect::<Vec<_>>()
+        let (r0, r1) = (raw(step, 2, 0), raw(step, 2, 1));
+        host_batches(
+            r0.into_iter()
+                .zip(r1)
+                .map(|((mut t, mut y), (t1, y1))| {
+                    t.extend(t1);
+                    y.extend(y1);
+                    (t, y)
+                })
+                .collect(),
+        )
     };
     let global = with(LoadBalance::GlobalAux);
     let (ref_grads, ref_losses, ref_aux) = parallel_with(&global, "world=1", DType::F32, &union);
@@ -849,6 +939,7 @@ fn out_of_vocabulary_ids_are_named_errors() {
         let batch = Batch::Host {
             tokens: &tokens,
             targets: &targets,
+            docs: None,
         };
         model.forward(&ctx.exec(), batch, SEQ).map(|_| ())
     });

@@ -17,7 +17,7 @@ pub mod tensor;
 
 pub use backend::{
     AdamWConfig, AttentionOps, Backend, Device, DropPolicy, ElementwiseOps, LinalgOps, LossOps,
-    NormOps, OffloadOps, OptimOps, RoutingOps, RoutingPlan,
+    NormOps, OffloadOps, OptimOps, Rope, RoutingOps, RoutingPlan, Yarn,
 };
 pub use comm::{Communicator, Group, ReduceOp};
 pub use error::{KernelError, Result};

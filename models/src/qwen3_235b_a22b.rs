@@ -6,7 +6,10 @@
 //! `num_key_value_heads` 4, `head_dim` 128, `num_experts` 128,
 //! `num_experts_per_tok` 8, `moe_intermediate_size` 1536, `vocab_size`
 //! 151936, `rope_theta` 1e6, `rms_norm_eps` 1e-6, `router_aux_loss_coef`
-//! 0.001). Published size: 235 B parameters, 22 B active.
+//! 0.001). Published size: 235 B parameters, 22 B active. Every attention
+//! block RMS-normalises each query and key head before RoPE (`qk_norm`,
+//! transformers' `q_norm`/`k_norm`: 2 × 128 weights per block, 24 064 in
+//! all).
 
 use foldmoe_macros::moe_model;
 
@@ -20,7 +23,7 @@ use foldmoe_macros::moe_model;
 /// Qwen3-235B-A22B at full size.
 pub struct Qwen3A22b {
     /// All 94 blocks are MoE blocks.
-    #[blocks(count = 94, attention(heads = 64, kv_heads = 4, head_dim = 128),
+    #[blocks(count = 94, attention(heads = 64, kv_heads = 4, head_dim = 128, qk_norm = true),
         moe(experts = 128, top_k = 8, expert_ffn = 1536, load_balance = global_aux, aux_coef = 1e-3),
         recompute(moe_act))]
     pub layers: Blocks,
@@ -39,7 +42,7 @@ pub struct Qwen3A22b {
 /// Qwen3-235B-A22B's shape (128→32 experts, top-8, GQA 16:1→4:1) on a CPU.
 pub struct Qwen3A22bSmall {
     /// Six MoE blocks.
-    #[blocks(count = 6, attention(heads = 8, kv_heads = 2, head_dim = 16),
+    #[blocks(count = 6, attention(heads = 8, kv_heads = 2, head_dim = 16, qk_norm = true),
         moe(experts = 32, top_k = 8, expert_ffn = 32, load_balance = aux, aux_coef = 1e-3))]
     pub layers: Blocks,
 }

@@ -8,8 +8,9 @@
 //! `num_experts_per_tok` 8, `moe_intermediate_size` 768, `vocab_size` 151936,
 //! `rope_theta` 1e6, `rms_norm_eps` 1e-6, `norm_topk_prob` true,
 //! `router_aux_loss_coef` 0.001). Published size: 30.5 B parameters, 3.3 B
-//! active. Qwen3's per-head q/k RMSNorms (2 × 128 weights per block) are not
-//! in the IR yet.
+//! active. Every attention block RMS-normalises each query and key head
+//! before RoPE (`qk_norm`, transformers' `q_norm`/`k_norm`: 2 × 128 weights
+//! per block, 12 288 in all).
 
 use foldmoe_macros::moe_model;
 
@@ -20,7 +21,7 @@ use foldmoe_macros::moe_model;
 /// Qwen3-30B-A3B at full size.
 pub struct Qwen3A3b {
     /// All 48 blocks are MoE blocks.
-    #[blocks(count = 48, attention(heads = 32, kv_heads = 4, head_dim = 128),
+    #[blocks(count = 48, attention(heads = 32, kv_heads = 4, head_dim = 128, qk_norm = true),
         moe(experts = 128, top_k = 8, expert_ffn = 768, load_balance = global_aux, aux_coef = 1e-3))]
     pub layers: Blocks,
 }
@@ -38,7 +39,7 @@ pub struct Qwen3A3b {
 /// Qwen3-30B-A3B's shape (many small experts, top-k 4, GQA 4:1) on a CPU.
 pub struct Qwen3A3bSmall {
     /// Four MoE blocks.
-    #[blocks(count = 4, attention(heads = 4, kv_heads = 1, head_dim = 32),
+    #[blocks(count = 4, attention(heads = 4, kv_heads = 1, head_dim = 32, qk_norm = true),
         moe(experts = 16, top_k = 4, expert_ffn = 64, load_balance = aux, aux_coef = 1e-3))]
     pub layers: Blocks,
 }

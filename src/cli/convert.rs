@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::Args;
 use foldmoe::core::engine::checkpoint::Source;
-use foldmoe::core::engine::hf::{self, ExpertLayout, HfConfig};
+use foldmoe::core::engine::hf::{self, ExpertLayout, ExportDtype, HfConfig};
 use foldmoe::core::layout::{self, LayoutSpec};
 use foldmoe::data::BatchSampler;
 use serde::{Deserialize, Serialize};
@@ -57,6 +57,11 @@ pub struct ConvertOptions {
     /// (then `model.safetensors.index.json` lists them).
     #[arg(long, value_name = "BYTES", default_value_t = 5_000_000_000)]
     pub max_shard_bytes: u64,
+    /// Export: the tensors' dtype, `bf16` or `f32`; default what the
+    /// imported `config.json`'s `torch_dtype` says, else the checkpoint's
+    /// training dtype.
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
 }
 
 /// Runs `convert`; returns the line it prints.
@@ -65,8 +70,10 @@ pub fn run(o: &ConvertOptions) -> Result<String, CliError> {
     let start = Instant::now();
     match (&o.from_hf, &o.to_hf) {
         (Some(dir), None) => {
-            if o.experts.is_some() {
-                return Err(CliError::usage("--experts applies to --to-hf".to_string()));
+            if o.experts.is_some() || o.dtype.is_some() {
+                return Err(CliError::usage(
+                    "--experts and --dtype apply to --to-hf".to_string(),
+                ));
             }
             let cfg = hf::read_config(dir)?;
             let text = o.layout.as_deref().unwrap_or("world=1");
@@ -108,13 +115,30 @@ pub fn run(o: &ConvertOptions) -> Result<String, CliError> {
                     .as_ref()
                     .map_or(ExpertLayout::PerExpert, |h| h.experts),
             };
-            let files = hf::export(&source, &cfg, experts, &o.out, o.max_shard_bytes)?;
+            let dtype = match o.dtype.as_deref() {
+                Some(d) => ExportDtype::parse(d)?,
+                // An imported model's own dtype, else the one it trained in.
+                None => meta
+                    .hf
+                    .as_ref()
+                    .and_then(|h| ExportDtype::of_config(&h.config))
+                    .unwrap_or(if meta.settings.dtype == "bf16" {
+                        ExportDtype::Bf16
+                    } else {
+                        ExportDtype::F32
+                    }),
+            };
+            let files = hf::export(&source, &cfg, experts, &o.out, o.max_shard_bytes, dtype)?;
             Ok(format!(
-                "exported {} (step {}) as {} with {} experts to {} ({} files) in {:.2} s",
+                "exported {} (step {}) as {} with {} experts in {} to {} ({} files) in {:.2} s",
                 source.dir().display(),
                 source.step(),
                 cfg.family.model_type(),
                 experts_name(experts),
+                match dtype {
+                    ExportDtype::F32 => "f32",
+                    ExportDtype::Bf16 => "bf16",
+                },
                 o.out.display(),
                 files.len(),
                 start.elapsed().as_secs_f64()

@@ -93,8 +93,17 @@ enum Command {
         #[arg(long)]
         checkpoint: PathBuf,
         /// Text file to score.
-        #[arg(long, value_name = "FILE")]
-        input: PathBuf,
+        #[arg(
+            long,
+            value_name = "FILE",
+            conflicts_with = "data_path",
+            required_unless_present = "data_path"
+        )]
+        input: Option<PathBuf>,
+        /// Megatron indexed dataset to score instead (`PATH` of
+        /// `PATH.bin`/`PATH.idx`): each document on its own.
+        #[arg(long, value_name = "PATH")]
+        data_path: Option<PathBuf>,
         /// Hugging Face `tokenizer.json` that reads the text (default: one token per byte).
         #[arg(long, value_name = "FILE")]
         tokenizer: Option<PathBuf>,
@@ -208,11 +217,17 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Score {
             checkpoint,
             input,
+            data_path,
             tokenizer,
             json,
         } => {
             let tok = tokenizer.as_deref();
-            println!("{}", score::run(&Cpu, &checkpoint, &input, tok, json)?);
+            let line = match (input, data_path) {
+                (Some(input), _) => score::run(&Cpu, &checkpoint, &input, tok, json)?,
+                (None, Some(prefix)) => score::run_dataset(&Cpu, &checkpoint, &prefix, json)?,
+                (None, None) => unreachable!("clap requires --input or --data-path"),
+            };
+            println!("{line}");
             Ok(())
         }
         Command::Convert(opts) => {

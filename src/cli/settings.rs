@@ -107,6 +107,22 @@ pub struct TrainOptions {
     /// --data-path the bundled text is tokenized with it.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
+    /// Restart RoPE positions at 0 after every end-of-document token of a
+    /// packed sample (Megatron's `--reset-position-ids`; needs a tokenizer
+    /// with one).
+    #[arg(long)]
+    #[serde(default)]
+    pub reset_position_ids: bool,
+    /// Let no token attend across an end-of-document token of a packed
+    /// sample (Megatron's `--reset-attention-mask`).
+    #[arg(long)]
+    #[serde(default)]
+    pub reset_attention_mask: bool,
+    /// Do not train on predicting the token after an end-of-document token
+    /// (Megatron's `--eod-mask-loss`).
+    #[arg(long)]
+    #[serde(default)]
+    pub eod_mask_loss: bool,
     /// Start even when the memory planner's estimate for a rank exceeds the
     /// memory the device or host has available.
     #[arg(long)]
@@ -188,6 +204,15 @@ pub struct TrainSettings {
     /// Tokenizer file (`None`: bytes).
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+    /// `--reset-position-ids`.
+    #[serde(default)]
+    pub reset_position_ids: bool,
+    /// `--reset-attention-mask`.
+    #[serde(default)]
+    pub reset_attention_mask: bool,
+    /// `--eod-mask-loss`.
+    #[serde(default)]
+    pub eod_mask_loss: bool,
 }
 
 /// Serde default of [`TrainSettings::keep_checkpoints`].
@@ -231,6 +256,9 @@ impl Default for TrainSettings {
             data_path: None,
             split: None,
             tokenizer: None,
+            reset_position_ids: false,
+            reset_attention_mask: false,
+            eod_mask_loss: false,
         }
     }
 }
@@ -276,6 +304,9 @@ impl TrainOptions {
             data_path: self.data_path.or(file.data_path),
             split: self.split.or(file.split),
             tokenizer: self.tokenizer.or(file.tokenizer),
+            reset_position_ids: self.reset_position_ids || file.reset_position_ids,
+            reset_attention_mask: self.reset_attention_mask || file.reset_attention_mask,
+            eod_mask_loss: self.eod_mask_loss || file.eod_mask_loss,
             force: self.force || file.force,
             resume: self.resume,
             config: self.config,
@@ -317,6 +348,9 @@ impl TrainOptions {
             data_path: opts.data_path.clone().or(base.data_path),
             split: opts.split.clone().or(base.split),
             tokenizer: opts.tokenizer.clone().or(base.tokenizer),
+            reset_position_ids: opts.reset_position_ids || base.reset_position_ids,
+            reset_attention_mask: opts.reset_attention_mask || base.reset_attention_mask,
+            eod_mask_loss: opts.eod_mask_loss || base.eod_mask_loss,
         };
         s.validate()?;
         Ok((s, opts))
@@ -385,6 +419,19 @@ impl TrainSettings {
         self.policy_override()?;
         self.model_dtype()?;
         Ok(())
+    }
+
+    /// Whether samples need the end-of-document token (any of
+    /// `--reset-position-ids`, `--reset-attention-mask`, `--eod-mask-loss`):
+    /// the flag named first, if so.
+    pub fn eod_flag(&self) -> Option<&'static str> {
+        [
+            (self.reset_position_ids, "--reset-position-ids"),
+            (self.reset_attention_mask, "--reset-attention-mask"),
+            (self.eod_mask_loss, "--eod-mask-loss"),
+        ]
+        .into_iter()
+        .find_map(|(on, flag)| on.then_some(flag))
     }
 
     /// The model's dtype from `--dtype`.

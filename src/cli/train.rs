@@ -12,7 +12,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use foldmoe::core::config::ModelConfig;
 use foldmoe::core::engine::activations::Counts;
 use foldmoe::core::engine::checkpoint::{self, Source};
-use foldmoe::core::engine::model::Model;
+use foldmoe::core::engine::documents::Documents;
+use foldmoe::core::engine::model::{HostBatch, Model};
 use foldmoe::core::engine::parallel::{Ctx, RankLayout, Trainer};
 use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
@@ -272,7 +273,7 @@ struct ParallelRank<'a, 'c, B: Backend> {
 impl<B: Backend> ParallelRank<'_, '_, B> {
     /// One optimizer step; `mine` is this dp rank's share of the global
     /// batch's micro-batches ([`Loader::rank_batches`]).
-    fn step(&mut self, mine: &[(Vec<i32>, Vec<i32>)]) -> Result<StepStats, CliError> {
+    fn step(&mut self, mine: &[HostBatch]) -> Result<StepStats, CliError> {
         Ok(self.trainer.step(self.ctx, mine, self.seq_len)?)
     }
 
@@ -282,12 +283,12 @@ impl<B: Backend> ParallelRank<'_, '_, B> {
     }
 
     /// Mean loss of the validation batch.
-    fn validation_loss(&mut self, batch: &(Vec<i32>, Vec<i32>)) -> Result<f64, CliError> {
+    fn validation_loss(&mut self, batch: &HostBatch) -> Result<f64, CliError> {
         // An evaluation is not training's peak.
         let t = &self.trainer;
         Ok(t.model
             .ledger
-            .outside_peak(|| t.evaluate(self.ctx, &batch.0, &batch.1, self.seq_len))?)
+            .outside_peak(|| t.evaluate(self.ctx, batch, self.seq_len))?)
     }
 
     /// This rank's counts: the main rank's, which writes the summary
@@ -379,6 +380,9 @@ struct Prepared {
     tokenizer: Tokenizer,
     /// The run's data: built once per process, shared by its ranks.
     loader: Loader,
+    /// The tokenizer's end-of-document id, when the run resets positions
+    /// or attention at documents or masks the loss after them.
+    eod: Option<i32>,
 }
 
 /// The layout of `settings` over its ranks (dp over all ranks by default),
@@ -398,6 +402,42 @@ fn resolve_layout(settings: &TrainSettings, spec: &ModelSpec) -> Result<Option<L
 }
 
 impl Prepared {
+    /// A loader batch as the trainer takes it: with `--reset-position-ids`
+    /// / `--reset-attention-mask` its documents (Megatron's: a document
+    /// ends with each end-of-document token), with `--eod-mask-loss` no
+    /// target after one.
+    fn host_batch(&self, (tokens, mut targets): (Vec<i32>, Vec<i32>)) -> HostBatch {
+        let s = &self.settings;
+        let Some(eod) = self.eod else {
+            return HostBatch {
+                tokens,
+                targets,
+                docs: None,
+            };
+        };
+        if s.eod_mask_loss {
+            for (y, &t) in targets.iter_mut().zip(&tokens) {
+                if t == eod {
+                    *y = -1;
+                }
+            }
+        }
+        let docs = (s.reset_position_ids || s.reset_attention_mask).then(|| {
+            Documents::after_eod(
+                &tokens,
+                self.spec.seq_len,
+                eod,
+                s.reset_position_ids,
+                s.reset_attention_mask,
+            )
+        });
+        HostBatch {
+            tokens,
+            targets,
+            docs,
+        }
+    }
+
     /// The directory resumed from and its checkpoint's step, if resuming.
     fn resume_point(&self) -> Option<(&Path, u64)> {
         let dir = self.opts.resume.as_deref()?;
@@ -613,6 +653,16 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             tokenizer.vocab_size()
         )));
     }
+    let eod = match settings.eod_flag() {
+        None => None,
+        Some(flag) => Some(tokenizer.eod().ok_or_else(|| {
+            CliError::usage(format!(
+                "{flag}: tokenizer {} has no end-of-document token (looked for <|endoftext|>, \
+                 </s>, ...); give --tokenizer one that has",
+                tokenizer.name()
+            ))
+        })? as i32),
+    };
     let loader = build_loader(&settings, &spec, &tokenizer, (seqs * micro_batches) as u64)?;
     let out = opts
         .out
@@ -662,6 +712,7 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         layout,
         tokenizer,
         loader,
+        eod,
     })
 }
 
@@ -994,7 +1045,10 @@ fn train_loop<B: Backend>(
     let (settings, spec, out) = (&prep.settings, &prep.spec, &prep.out);
     let main = engine.is_main();
     let mut meta = prep.meta.clone();
-    let val_batch = prep.loader.validation_batch(VAL_WINDOWS)?;
+    let val_batch = prep
+        .loader
+        .validation_batch(VAL_WINDOWS)?
+        .map(|b| prep.host_batch(b));
     let (params_total, params_active) = spec.param_counts();
 
     let mut metrics = if main {
@@ -1088,6 +1142,7 @@ fn train_loop<B: Backend>(
             dp,
             dp_index,
         )?;
+        let micro: Vec<HostBatch> = micro.into_iter().map(|b| prep.host_batch(b)).collect();
         let comm_before = engine.comm_seconds();
         let stepped = engine.step(&micro);
         step_seconds += step_start.elapsed().as_secs_f64();

@@ -866,6 +866,7 @@ mod tests {
             let batch = Batch::Host {
                 tokens: &tokens,
                 targets: &targets,
+                docs: None,
             };
             let out = m.forward(&ctx.exec(), batch, 4)?;
             let loss = vec![values(&out.loss)[0], values(&out.aux_loss)[0]];

@@ -11,9 +11,10 @@
 //! Shapes: B batch, S sequence, T = B·S tokens, D hidden, Hq query heads,
 //! Hkv key/value heads, Hd head dim.
 
-use foldmoe_kernels::{Backend, DType, Tensor};
+use foldmoe_kernels::{Backend, DType, Rope, Tensor};
 
 use super::activations::Slot;
+use super::documents::DocTensors;
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
@@ -37,7 +38,7 @@ pub struct Attention<B: Backend> {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    rope_theta: f64,
+    rope: Rope,
 }
 
 /// What the attention's backward needs: the input, the rotated q and k, v, the
@@ -51,6 +52,9 @@ pub struct AttentionSaved<B: Backend> {
     lse_bhs: Tensor<B>,
     /// The q and k norms' inputs `[T·H, Hd]` and rstd (`qk_norm`).
     qk_norm: Option<Box<[NormSaved<B>; 2]>>,
+    /// The micro-batch's positions and documents, if any (a few ints per
+    /// token: not counted).
+    docs: Option<DocTensors<B>>,
 }
 
 impl<B: Backend> AttentionSaved<B> {
@@ -123,7 +127,7 @@ impl<B: Backend> Attention<B> {
             heads: spec.heads,
             kv_heads: spec.kv_heads,
             head_dim: spec.head_dim,
-            rope_theta: model.rope_theta,
+            rope: rope_of(model),
         })
     }
 
@@ -171,17 +175,20 @@ impl<B: Backend> Attention<B> {
         self.head_dim
     }
 
-    /// RoPE base.
-    pub fn rope_theta(&self) -> f64 {
-        self.rope_theta
+    /// The rotary frequencies.
+    pub fn rope(&self) -> Rope {
+        self.rope
     }
 
-    /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of `seq_len`.
+    /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of
+    /// `seq_len`; `docs` restarts positions and masks attention at
+    /// documents.
     pub fn forward(
         &self,
         b: &B,
         x_td: &Tensor<B>,
         seq_len: usize,
+        docs: Option<&DocTensors<B>>,
     ) -> Result<(Tensor<B>, AttentionSaved<B>)> {
         let (tokens, _) = x_td.dims2("attention")?;
         if seq_len == 0 || !tokens.is_multiple_of(seq_len) {
@@ -209,10 +216,12 @@ impl<B: Backend> Attention<B> {
                 (q, k, Some(Box::new([qs, ks])))
             }
         };
-        let q_bshd = b.rope(&q_bshd, self.rope_theta, false)?;
-        let k_bshd = b.rope(&k_bshd, self.rope_theta, false)?;
+        let positions = docs.and_then(|d| d.positions.as_ref());
+        let q_bshd = b.rope(&q_bshd, self.rope, false, positions)?;
+        let k_bshd = b.rope(&k_bshd, self.rope, false, positions)?;
         let v_bshd = project(&self.wv, hkv)?;
-        let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd)?;
+        let mask = docs.and_then(|d| d.docs.as_ref());
+        let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd, mask)?;
         // Reshapes move the buffer: no copy of the attention output.
         let o_td = o_bshd.reshape(&[tokens, hq * hd])?;
         let y_td = b.matmul(&o_td, &self.wo.value, false, false)?;
@@ -224,6 +233,7 @@ impl<B: Backend> Attention<B> {
             o_td,
             lse_bhs,
             qk_norm,
+            docs: docs.cloned(),
         };
         Ok((y_td, saved))
     }
@@ -243,6 +253,7 @@ impl<B: Backend> Attention<B> {
             o_td,
             lse_bhs,
             qk_norm,
+            docs,
         } = saved;
         let (batch, seq_len, hq, hd) = q_bshd.dims4("attention backward")?;
         self.wo
@@ -251,11 +262,13 @@ impl<B: Backend> Attention<B> {
         let do_bshd = b
             .matmul(dy_td, &self.wo.value, false, true)?
             .reshape(&[batch, seq_len, hq, hd])?;
+        let mask = docs.as_ref().and_then(|d| d.docs.as_ref());
         let (dq_bshd, dk_bshd, dv_bshd) =
-            b.attention_backward(&do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs)?;
-        // The rotation is orthogonal: its backward rotates back.
-        let dq_bshd = b.rope(&dq_bshd, self.rope_theta, true)?;
-        let dk_bshd = b.rope(&dk_bshd, self.rope_theta, true)?;
+            b.attention_backward(&do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs, mask)?;
+        // The rotation's backward is its transpose: it rotates back.
+        let positions = docs.as_ref().and_then(|d| d.positions.as_ref());
+        let dq_bshd = b.rope(&dq_bshd, self.rope, true, positions)?;
+        let dk_bshd = b.rope(&dk_bshd, self.rope, true, positions)?;
         let (dq_bshd, dk_bshd) = match (&mut self.qk_norm, qk_norm) {
             (Some([q_norm, k_norm]), Some(saved)) => {
                 let [qs, ks] = *saved;
@@ -291,6 +304,11 @@ impl<B: Backend> Attention<B> {
         )?;
         Ok(dx_td)
     }
+}
+
+/// The rotary frequencies of `model`: its base `rope_theta`.
+pub(crate) fn rope_of(model: &ModelSpec) -> Rope {
+    Rope::plain(model.rope_theta)
 }
 
 /// Backward of `d = x·w` seen as heads: accumulates `xᵀ·d` into `w` and
@@ -384,13 +402,13 @@ mod tests {
         let x = uniform(1, t * d, 1.0);
         let r = uniform(2, t * d, 1.0);
         let x_td = f64_tensor(x.clone(), &[t, d]);
-        let (_, saved) = attn.forward(&b, &x_td, seq).unwrap();
+        let (_, saved) = attn.forward(&b, &x_td, seq, None).unwrap();
         let dx = attn
             .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved)
             .unwrap();
         assert_grad("attention dx", &x, &values(&dx), 1e-6, |xs| {
             let (y, _) = attn
-                .forward(&b, &f64_tensor(xs.to_vec(), &[t, d]), seq)
+                .forward(&b, &f64_tensor(xs.to_vec(), &[t, d]), seq, None)
                 .unwrap();
             dot(&y, &r)
         });
@@ -399,7 +417,7 @@ mod tests {
         crate::engine::Module::visit_params(&attn, &mut |_| seen += 1);
         assert_eq!(seen, n_params);
         check_param_grads("attention", &mut attn, 24, 1e-6, |a| {
-            dot(&a.forward(&b, &x_td, seq).unwrap().0, &r)
+            dot(&a.forward(&b, &x_td, seq, None).unwrap().0, &r)
         });
     }
 
@@ -421,14 +439,19 @@ mod tests {
         let mut x = uniform(1, seq * d, 1.0);
         let y1 = values(
             &attn
-                .forward(&b, &f64_tensor(x.clone(), &[seq, d]), seq)
+                .forward(&b, &f64_tensor(x.clone(), &[seq, d]), seq, None)
                 .unwrap()
                 .0,
         );
         for v in &mut x[(seq - 1) * d..] {
             *v += 0.5;
         }
-        let y2 = values(&attn.forward(&b, &f64_tensor(x, &[seq, d]), seq).unwrap().0);
+        let y2 = values(
+            &attn
+                .forward(&b, &f64_tensor(x, &[seq, d]), seq, None)
+                .unwrap()
+                .0,
+        );
         assert_eq!(y1[..(seq - 1) * d], y2[..(seq - 1) * d]);
         assert_ne!(y1[(seq - 1) * d..], y2[(seq - 1) * d..]);
     }
@@ -448,7 +471,7 @@ mod tests {
         .unwrap();
         let x = f64_tensor(vec![0.0; 5 * spec.hidden], &[5, spec.hidden]);
         let err = attn
-            .forward(&b, &x, 2)
+            .forward(&b, &x, 2, None)
             .err()
             .expect("5 tokens in sequences of 2");
         assert!(err.to_string().contains("5 tokens"), "{err}");

@@ -19,6 +19,7 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::activations::{Held, Ledger, Slot, Stash};
 use super::attention::{Attention, AttentionSaved};
+use super::documents::DocTensors;
 use super::mla::{Mla, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
 use super::moe::{MoeLayer, MoeSaved, MoeStats};
@@ -55,20 +56,22 @@ impl<B: Backend> AttnSaved<B> {
 }
 
 impl<B: Backend> Attn<B> {
-    /// `x: [T, D] -> [T, D]` over sequences of `seq_len`.
+    /// `x: [T, D] -> [T, D]` over sequences of `seq_len`, with the
+    /// micro-batch's documents if any.
     pub(crate) fn forward(
         &self,
         b: &B,
         x_td: &Tensor<B>,
         seq_len: usize,
+        docs: Option<&DocTensors<B>>,
     ) -> Result<(Tensor<B>, AttnSaved<B>)> {
         Ok(match self {
             Attn::Gqa(a) => {
-                let (y_td, saved) = a.forward(b, x_td, seq_len)?;
+                let (y_td, saved) = a.forward(b, x_td, seq_len, docs)?;
                 (y_td, AttnSaved::Gqa(saved))
             }
             Attn::Mla(a) => {
-                let (y_td, saved) = a.forward(b, x_td, seq_len)?;
+                let (y_td, saved) = a.forward(b, x_td, seq_len, docs)?;
                 (y_td, AttnSaved::Mla(Box::new(saved)))
             }
         })
@@ -159,9 +162,11 @@ pub struct BlockSaved<B: Backend> {
     /// Dropped, moved or compressed tensors and the ledger bytes held
     /// (none for a rerun's state, which lives only inside backward).
     stash: Option<Stash>,
-    /// Sequence length and micro-batch tokens of the forward, for a rerun.
+    /// Sequence length, micro-batch tokens and documents of the forward,
+    /// for a rerun.
     seq_len: usize,
     tokens: usize,
+    docs: Option<DocTensors<B>>,
 }
 
 /// The input slots of the attention norm (the block's input) and of the
@@ -384,6 +389,13 @@ impl<B: Backend> Block<B> {
             return Ok(None);
         }
         let (seq_len, tokens) = (saved.seq_len, saved.tokens);
+        // The rerun sees the forward's documents (the backward's context
+        // carries none).
+        let docs = saved.docs.clone();
+        let ctx = &Exec {
+            docs: docs.as_ref(),
+            ..*ctx
+        };
         let ranges = saved.ranges();
         let mut fresh: Vec<Option<Tensor<B>>> = vec![None; ranges[3].end];
         if self.policy.recompute.contains(&RecomputePart::Block) {
@@ -434,7 +446,7 @@ impl<B: Backend> Block<B> {
                 (y, BlockAttnSaved::Cp(Box::new(saved)))
             }
             _ => {
-                let (y, saved) = self.attn.forward(ctx.b, &h_full, seq_len)?;
+                let (y, saved) = self.attn.forward(ctx.b, &h_full, seq_len, ctx.docs)?;
                 (y, BlockAttnSaved::Local(saved))
             }
         })
@@ -478,6 +490,7 @@ impl<B: Backend> Block<B> {
             stash: None,
             seq_len,
             tokens,
+            docs: ctx.docs.cloned(),
         };
         Ok((out, saved, stats))
     }

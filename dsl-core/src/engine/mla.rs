@@ -37,9 +37,11 @@
 //! and q is scaled by `sqrt(Hd / Q)` (folded into its maps) so the kernel's
 //! `1/sqrt(Hd)` becomes the paper's `1/sqrt(Q)`.
 
-use foldmoe_kernels::{Backend, DType, HostData, Tensor};
+use foldmoe_kernels::{Backend, DType, HostData, Rope, Tensor};
 
 use super::activations::Slot;
+use super::attention::rope_of;
+use super::documents::DocTensors;
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
@@ -214,7 +216,7 @@ pub struct Mla<B: Backend> {
     maps: HeadMaps<B>,
     heads: usize,
     dims: MlaSpec,
-    rope_theta: f64,
+    rope: Rope,
 }
 
 /// What MLA's backward needs: the input, the latents after their norms, the
@@ -229,6 +231,8 @@ pub struct MlaSaved<B: Backend> {
     v_bshd: Tensor<B>,
     o_nd: Tensor<B>,
     lse_bhs: Tensor<B>,
+    /// The micro-batch's positions and documents, if any (not counted).
+    docs: Option<DocTensors<B>>,
 }
 
 impl<B: Backend> MlaSaved<B> {
@@ -324,7 +328,7 @@ impl<B: Backend> Mla<B> {
             maps,
             heads,
             dims: mla.clone(),
-            rope_theta: model.rope_theta,
+            rope: rope_of(model),
         })
     }
 
@@ -344,19 +348,23 @@ impl<B: Backend> Mla<B> {
         seq_len: usize,
         heads: usize,
         inverse: bool,
+        docs: Option<&DocTensors<B>>,
     ) -> Result<Tensor<B>> {
         let r = self.dims.qk_rope_head_dim;
         let x_bshr = x.reshape(&[batch, seq_len, heads, r])?;
-        Ok(b.rope(&x_bshr, self.rope_theta, inverse)?
+        let positions = docs.and_then(|d| d.positions.as_ref());
+        Ok(b.rope(&x_bshr, self.rope, inverse, positions)?
             .reshape(&[batch * seq_len * heads, r])?)
     }
 
-    /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of `seq_len`.
+    /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of
+    /// `seq_len`; `docs` restarts positions and masks attention at documents.
     pub fn forward(
         &self,
         b: &B,
         x_td: &Tensor<B>,
         seq_len: usize,
+        docs: Option<&DocTensors<B>>,
     ) -> Result<(Tensor<B>, MlaSaved<B>)> {
         let (tokens, _) = x_td.dims2("mla")?;
         if seq_len == 0 || !tokens.is_multiple_of(seq_len) {
@@ -376,14 +384,30 @@ impl<B: Backend> Mla<B> {
         // Query: each head's rotary tail is rotated; the head is rebuilt at width Hd.
         let (q_thq, query) = self.query.forward(b, x_td)?;
         let q_nq = q_thq.reshape(&[n, p + r])?;
-        let qr_nr = self.rotate(b, m.q_rope_in.apply(b, &q_nq)?, batch, seq_len, h, false)?;
+        let qr_nr = self.rotate(
+            b,
+            m.q_rope_in.apply(b, &q_nq)?,
+            batch,
+            seq_len,
+            h,
+            false,
+            docs,
+        )?;
         let q_nd = b.add(&m.q_nope.apply(b, &q_nq)?, &m.q_rope_out.apply(b, &qr_nr)?)?;
 
         // Keys/values: the normed latent expands to every head's position-free
         // key and value; the one rotary key is rotated and copied to every head.
         let kva_ta = b.matmul(x_td, &self.wkv_a.value, false, false)?;
         let (ckv_tl, kv_norm) = self.kv_norm.forward(b, &m.kv_latent.apply(b, &kva_ta)?)?;
-        let kr_tr = self.rotate(b, m.k_rope_in.apply(b, &kva_ta)?, batch, seq_len, 1, false)?;
+        let kr_tr = self.rotate(
+            b,
+            m.k_rope_in.apply(b, &kva_ta)?,
+            batch,
+            seq_len,
+            1,
+            false,
+            docs,
+        )?;
         let kv_nk = b
             .matmul(&ckv_tl, &self.wkv_b.value, false, false)?
             .reshape(&[n, p + v])?;
@@ -397,7 +421,8 @@ impl<B: Backend> Mla<B> {
             k_nd.reshape(&bshd)?,
             v_nd.reshape(&bshd)?,
         );
-        let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd)?;
+        let mask = docs.and_then(|d| d.docs.as_ref());
+        let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd, mask)?;
         let o_nd = o_bshd.reshape(&[n, hd])?;
         // The padded value dims of o are exactly zero; drop them.
         let o_thv = m.o_slice.apply(b, &o_nd)?.reshape(&[tokens, h * v])?;
@@ -412,6 +437,7 @@ impl<B: Backend> Mla<B> {
             v_bshd,
             o_nd,
             lse_bhs,
+            docs: docs.cloned(),
         };
         Ok((y_td, saved))
     }
@@ -428,7 +454,9 @@ impl<B: Backend> Mla<B> {
             v_bshd,
             o_nd,
             lse_bhs,
+            docs,
         } = saved;
+        let docs = docs.as_ref();
         let (batch, seq_len, h, hd) = q_bshd.dims4("mla backward")?;
         let (tokens, n) = (batch * seq_len, batch * seq_len * h);
         let (p, r, v) = (
@@ -447,8 +475,9 @@ impl<B: Backend> Mla<B> {
             .adjoint(b, &do_thv.reshape(&[n, v])?)?
             .reshape(&bshd)?;
         let o_bshd = o_nd.reshape(&bshd)?;
+        let mask = docs.and_then(|d| d.docs.as_ref());
         let (dq_bshd, dk_bshd, dv_bshd) =
-            b.attention_backward(&do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs)?;
+            b.attention_backward(&do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs, mask)?;
 
         // Keys/values in reverse; the shared rotary key sums its heads' gradients.
         let dk_nd = dk_bshd.reshape(&[n, hd])?;
@@ -461,7 +490,7 @@ impl<B: Backend> Mla<B> {
         let dkr_tr = m
             .k_rope_out
             .adjoint(b, &dk_nd.reshape(&[tokens, h * hd])?)?;
-        let dkr_tr = self.rotate(b, dkr_tr, batch, seq_len, 1, true)?;
+        let dkr_tr = self.rotate(b, dkr_tr, batch, seq_len, 1, true, docs)?;
         let dkv_thk = dkv_nk.reshape(&[tokens, h * (p + v)])?;
         let dckv_tl = linear_backward(b, &mut self.wkv_b, &ckv_tl, &dkv_thk)?;
         let dlat_tl = self.kv_norm.backward(b, &dckv_tl, kv_norm)?;
@@ -472,7 +501,7 @@ impl<B: Backend> Mla<B> {
         // Query in reverse: the rotary tail rotates back.
         let dq_nd = dq_bshd.reshape(&[n, hd])?;
         let dqr_nr = m.q_rope_out.adjoint(b, &dq_nd)?;
-        let dqr_nr = self.rotate(b, dqr_nr, batch, seq_len, h, true)?;
+        let dqr_nr = self.rotate(b, dqr_nr, batch, seq_len, h, true, docs)?;
         let mut dq_nq = m.q_nope.adjoint(b, &dq_nd)?;
         b.axpy(&mut dq_nq, 1.0, &m.q_rope_in.adjoint(b, &dqr_nr)?)?;
         let dq_thq = dq_nq.reshape(&[tokens, h * (p + r)])?;
@@ -572,18 +601,18 @@ mod tests {
         let x = uniform(1, t * d, 1.0);
         let r = uniform(2, t * d, 1.0);
         let x_td = f64_tensor(x.clone(), &[t, d]);
-        let (_, saved) = layer.forward(&b, &x_td, seq).unwrap();
+        let (_, saved) = layer.forward(&b, &x_td, seq, None).unwrap();
         let dx = layer
             .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved)
             .unwrap();
         assert_grad(&format!("{what} dx"), &x, &values(&dx), 1e-6, |xs| {
             let (y, _) = layer
-                .forward(&b, &f64_tensor(xs.to_vec(), &[t, d]), seq)
+                .forward(&b, &f64_tensor(xs.to_vec(), &[t, d]), seq, None)
                 .unwrap();
             dot(&y, &r)
         });
         check_param_grads(what, &mut layer, 24, 1e-6, |l| {
-            dot(&l.forward(&b, &x_td, seq).unwrap().0, &r)
+            dot(&l.forward(&b, &x_td, seq, None).unwrap().0, &r)
         });
     }
 
@@ -731,7 +760,7 @@ mod tests {
             let t = 2 * seq;
             let x = uniform(3, t * d, 1.0);
             let (y, _) = layer
-                .forward(&Cpu, &f64_tensor(x.clone(), &[t, d]), seq)
+                .forward(&Cpu, &f64_tensor(x.clone(), &[t, d]), seq, None)
                 .unwrap();
             let got = values(&y);
             let want = reference(&layer, &spec, &x, seq);
@@ -751,7 +780,7 @@ mod tests {
         let mut x = uniform(1, seq * d, 1.0);
         let run = |x: &[f64]| {
             let x_td = f64_tensor(x.to_vec(), &[seq, d]);
-            values(&layer.forward(&Cpu, &x_td, seq).unwrap().0)
+            values(&layer.forward(&Cpu, &x_td, seq, None).unwrap().0)
         };
         let y1 = run(&x);
         for v in &mut x[(seq - 1) * d..] {
@@ -767,7 +796,7 @@ mod tests {
         let (layer, spec) = new_mla(&FULL_RANK);
         let x = f64_tensor(vec![0.0; 5 * spec.hidden], &[5, spec.hidden]);
         let err = layer
-            .forward(&Cpu, &x, 2)
+            .forward(&Cpu, &x, 2, None)
             .err()
             .expect("5 in sequences of 2");
         assert!(err.to_string().contains("5 tokens"), "{err}");

@@ -12,6 +12,7 @@ pub mod attention;
 pub mod block;
 pub mod checkpoint;
 pub mod declared;
+pub mod documents;
 pub mod embedding;
 pub mod hf;
 pub mod mla;

@@ -30,6 +30,7 @@ use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::activations::{hold_all, Held, Ledger, Slot};
 use super::block::{Block, BlockSaved};
+use super::documents::{DocTensors, Documents};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use super::moe::MoeLayer;
 use super::mtp::{self, MtpModule, MtpSaved};
@@ -87,6 +88,9 @@ pub enum Batch<'a, B: Backend> {
         tokens: &'a [i32],
         /// Next-token targets.
         targets: &'a [i32],
+        /// Each token's document, when positions or attention reset at
+        /// document boundaries.
+        docs: Option<&'a Documents>,
     },
     /// Device tensors of i32.
     Device {
@@ -95,6 +99,49 @@ pub enum Batch<'a, B: Backend> {
         /// Next-token targets.
         targets: &'a Tensor<B>,
     },
+}
+
+/// A micro-batch of host ids as the trainer takes it: `(tokens, targets)`
+/// pairs, or [`HostBatch`] with documents.
+pub trait MicroBatch {
+    /// The micro-batch as the model reads it.
+    fn host(&self) -> (&[i32], &[i32], Option<&Documents>);
+}
+
+impl MicroBatch for (Vec<i32>, Vec<i32>) {
+    fn host(&self) -> (&[i32], &[i32], Option<&Documents>) {
+        (&self.0, &self.1, None)
+    }
+}
+
+/// Token ids, next-token targets (`[B·S]` each) and, optionally, each
+/// token's document.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostBatch {
+    /// Token ids.
+    pub tokens: Vec<i32>,
+    /// Next-token targets (`-1`: ignored).
+    pub targets: Vec<i32>,
+    /// Documents, when positions or attention reset at their boundaries.
+    pub docs: Option<Documents>,
+}
+
+impl MicroBatch for HostBatch {
+    fn host(&self) -> (&[i32], &[i32], Option<&Documents>) {
+        (&self.tokens, &self.targets, self.docs.as_ref())
+    }
+}
+
+impl<'a, B: Backend> Batch<'a, B> {
+    /// The host batch of `m`.
+    pub fn of(m: &'a impl MicroBatch) -> Self {
+        let (tokens, targets, docs) = m.host();
+        Batch::Host {
+            tokens,
+            targets,
+            docs,
+        }
+    }
 }
 
 /// This rank's view of a micro-batch: its tokens (the cp chunks of each
@@ -106,6 +153,8 @@ struct RankBatch<B: Backend> {
     ids: Ids<B>,
     /// `[rows]` i32 global targets on the device.
     targets_t: Tensor<B>,
+    /// The micro-batch's documents (whole sequences, natural order).
+    docs: Option<DocTensors<B>>,
     /// The same targets on the host (for the vocabulary-parallel loss).
     host_targets: Option<Vec<i32>>,
     /// The batch moved k = 1..=D places ahead, for MTP module k (only on
@@ -496,6 +545,11 @@ impl<B: Backend> Model<B> {
             )));
         }
         let rb = self.rank_batch(b, batch, seq_len, self.is_last(chunk))?;
+        // The blocks (and MTP modules) see the micro-batch's documents.
+        let ctx = &Exec {
+            docs: rb.docs.as_ref(),
+            ..*ctx
+        };
         if !rb.rows.is_multiple_of(tp) {
             return Err(EngineError::Invalid(format!(
                 "forward: {} tokens of the micro-batch do not split over tp = {tp} \
@@ -598,8 +652,12 @@ impl<B: Backend> Model<B> {
         let (tp, cp) = (self.rank.tp.size(), self.rank.cp.size());
         // MTP shifts the ids on the host, before the cp split.
         let with_mtp = last && !self.mtp.is_empty();
-        let (tokens, targets) = match batch {
-            Batch::Host { tokens, targets } => (tokens.to_vec(), targets.to_vec()),
+        let (tokens, targets, docs) = match batch {
+            Batch::Host {
+                tokens,
+                targets,
+                docs,
+            } => (tokens.to_vec(), targets.to_vec(), docs),
             Batch::Device { tokens, targets } => {
                 check_device_batch(tokens, targets, seq_len)?;
                 let n = tokens.numel();
@@ -609,12 +667,14 @@ impl<B: Backend> Model<B> {
                         ids: Ids::Device(tokens.clone().reshape(&[n])?),
                         targets_t: targets.clone().reshape(&[n])?,
                         host_targets: None,
+                        docs: None,
                         mtp: Vec::new(),
                     });
                 }
                 (
                     b.download(tokens)?.to_i32()?,
                     b.download(targets)?.to_i32()?,
+                    None,
                 )
             }
         };
@@ -626,6 +686,13 @@ impl<B: Backend> Model<B> {
             )));
         }
         self.check_ids(&tokens)?;
+        let docs = match docs {
+            Some(d) => {
+                d.check(n, seq_len)?;
+                DocTensors::new(b, d, seq_len)?
+            }
+            None => None,
+        };
         if let Some(&y) = targets
             .iter()
             .find(|&&y| y < -1 || y >= self.spec.vocab as i32)
@@ -642,7 +709,9 @@ impl<B: Backend> Model<B> {
                 ahead.push(self.split_batch(b, &ids_k, &targets_k, seq_len, Vec::new())?);
             }
         }
-        self.split_batch(b, &tokens, &targets, seq_len, ahead)
+        let mut rb = self.split_batch(b, &tokens, &targets, seq_len, ahead)?;
+        rb.docs = docs;
+        Ok(rb)
     }
 
     /// This rank's cp chunks of checked host `tokens` and `targets`.
@@ -663,6 +732,7 @@ impl<B: Backend> Model<B> {
             ids: Ids::Host(tokens),
             targets_t: b.upload(HostData::I32(targets.clone()), &[rows])?,
             host_targets: (tp > 1).then_some(targets),
+            docs: None,
             mtp,
         })
     }
@@ -1276,6 +1346,81 @@ mod tests {
         )
     }
 
+    /// Loss and every parameter's gradient of a packed sequence whose
+    /// positions and attention reset at its documents equal the runs of
+    /// each document alone, weighted by its share of the tokens (the loss is
+    /// the mean over tokens) — dense and MoE blocks (no aux losses: they
+    /// are statistics of the whole micro-batch).
+    #[test]
+    fn documents_equal_each_document_alone() {
+        use crate::engine::documents::Documents;
+        let b = Cpu;
+        let mut moe = small_moe();
+        if let FfnSpec::Moe(m) = &mut moe {
+            m.router.aux_coef = 0.0;
+            m.router.z_loss_coef = 0.0;
+        }
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, moe], false);
+        let lens = [3usize, 5, 4];
+        let tokens: Vec<i32> = (0..12).map(|i| (i * 5 % 8) as i32).collect();
+        let targets: Vec<i32> = (0..12).map(|i| ((i * 3 + 1) % 8) as i32).collect();
+        let ids: Vec<i32> = lens
+            .iter()
+            .enumerate()
+            .flat_map(|(d, &l)| std::iter::repeat_n(d as i32, l))
+            .collect();
+        let grads = |m: &Model<Cpu>| {
+            let mut g = Vec::new();
+            m.visit_params(&mut |p| g.push(values(&p.grad)));
+            g
+        };
+        let run = |tokens: &[i32], targets: &[i32], docs: Option<&Documents>| {
+            let mut m = Model::single(&b, &spec, 11, DType::F64).unwrap();
+            let batch = Batch::Host {
+                tokens,
+                targets,
+                docs,
+            };
+            let out = m.forward(&Exec::solo(&b), batch, tokens.len()).unwrap();
+            let loss = values(&out.loss)[0];
+            m.backward(&Exec::solo(&b), out.saved, 1.0).unwrap();
+            (loss, grads(&m))
+        };
+        let docs = Documents {
+            ids,
+            reset_positions: true,
+            mask_attention: true,
+        };
+        let (packed_loss, packed_grads) = run(&tokens, &targets, Some(&docs));
+        let (mut loss, mut sum) = (0.0, None::<Vec<Vec<f64>>>);
+        let mut start = 0;
+        for &l in &lens {
+            let (dl, dg) = run(&tokens[start..start + l], &targets[start..start + l], None);
+            let w = l as f64 / 12.0;
+            loss += w * dl;
+            let acc = sum.get_or_insert_with(|| dg.iter().map(|g| vec![0.0; g.len()]).collect());
+            for (a, g) in acc.iter_mut().zip(&dg) {
+                a.iter_mut().zip(g).for_each(|(a, g)| *a += w * g);
+            }
+            start += l;
+        }
+        assert!(
+            (packed_loss - loss).abs() < 1e-12,
+            "{packed_loss} vs {loss}"
+        );
+        for (i, (a, b)) in packed_grads.iter().zip(&sum.unwrap()).enumerate() {
+            let d = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+            assert!(d < 1e-12, "parameter {i}: gradients differ by {d:e}");
+        }
+        // Without the documents the packed run differs (the test can fail).
+        let (plain_loss, _) = run(&tokens, &targets, None);
+        assert!((plain_loss - loss).abs() > 1e-6);
+    }
+
     fn check_model_grad(ffns: &[FfnSpec], tied: bool, what: &str) {
         let b = Cpu;
         let spec = small_spec(ffns, tied);
@@ -1701,6 +1846,7 @@ mod tests {
             let batch = Batch::Host {
                 tokens: &tokens,
                 targets: &targets,
+                docs: None,
             };
             let out = m.forward(&ctx.exec(), batch, 4)?;
             assert_eq!(out.loss.dtype(), DType::F32);

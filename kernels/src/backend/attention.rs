@@ -11,13 +11,22 @@ pub trait AttentionOps: Device {
     /// each query's scaled scores (kept for the backward) in the accumulation
     /// type: f32 for bf16 inputs, so the backward's probabilities are not
     /// recomputed from a rounded lse.
+    ///
+    /// `docs: [B, S]` (i32 document index of each token, nondecreasing
+    /// along each sequence, as packing makes them) also masks every key of
+    /// another document than the query's (Megatron's
+    /// `--reset-attention-mask`); the diagonal is always visible, so no row
+    /// is empty. Without it the mask is causal only.
     fn attention(
         &self,
         q: &Tensor<Self>,
         k: &Tensor<Self>,
         v: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
-    /// Gradients `(dq, dk, dv)`, recomputing probabilities blockwise from `lse`.
+    /// Gradients `(dq, dk, dv)`, recomputing probabilities blockwise from
+    /// `lse`, under the same `docs` mask as the forward.
+    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
         d_o: &Tensor<Self>,
@@ -26,7 +35,21 @@ pub trait AttentionOps: Device {
         v: &Tensor<Self>,
         o: &Tensor<Self>,
         lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)>;
+}
+
+/// Checks `docs` against `q: [B, S, ..]`: `[B, S]` of i32.
+pub(crate) fn check_docs<B: Device>(
+    op: &'static str,
+    q: &Tensor<B>,
+    docs: Option<&Tensor<B>>,
+) -> Result<()> {
+    if let Some(d) = docs {
+        d.expect_shape(op, "docs", &q.shape()[..2])?;
+        d.expect_dtype(op, crate::tensor::DType::I32)?;
+    }
+    Ok(())
 }
 
 /// `(B, S, Hq, Hkv, Hd)` of causal grouped-query attention inputs, after the

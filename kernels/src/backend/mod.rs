@@ -21,15 +21,15 @@ mod offload;
 mod optim;
 mod routing;
 
-pub(crate) use attention::check_qkv;
 pub use attention::AttentionOps;
+pub(crate) use attention::{check_docs, check_qkv};
 pub(crate) use elementwise::rows_cols;
 pub use elementwise::ElementwiseOps;
 pub(crate) use linalg::matmul_dims;
 pub use linalg::LinalgOps;
 pub use loss::LossOps;
-pub(crate) use norm::check_norm_args;
-pub use norm::NormOps;
+pub(crate) use norm::{check_norm_args, check_positions};
+pub use norm::{yarn_mscale, NormOps, Rope, Yarn};
 pub use offload::OffloadOps;
 pub(crate) use optim::{check_adamw_args, check_adamw_master_args};
 pub use optim::{AdamWConfig, OptimOps};

@@ -92,13 +92,75 @@ fn axpy_row<T: Float>(acc: &mut [T], a: T, x: &[T]) {
     acc.iter_mut().zip(x).for_each(|(o, &v)| *o += a * v);
 }
 
+/// The visible keys of each query: `first[i]..=i`, `first[i]` the first
+/// token of query `i`'s document (0 for every query without documents).
+/// Shapes: `[B·S]`; `last[j]` the last token of key `j`'s document (the
+/// last query that sees it).
+struct Spans {
+    first: Vec<usize>,
+    last: Vec<usize>,
+}
+
+impl Spans {
+    /// Spans of `docs: [B, S]` (checked nondecreasing along each sequence),
+    /// or the causal ones.
+    fn new(
+        op: &'static str,
+        q: &Tensor<Cpu>,
+        docs: Option<&Tensor<Cpu>>,
+        b: usize,
+        s: usize,
+    ) -> Result<Self> {
+        crate::backend::check_docs(op, q, docs)?;
+        let Some(docs) = docs else {
+            return Ok(Spans {
+                first: vec![0; b * s],
+                last: vec![s.saturating_sub(1); b * s],
+            });
+        };
+        let ids = super::index_slice(docs, op)?;
+        let (mut first, mut last) = (vec![0; b * s], vec![0; b * s]);
+        for (bi, seq) in ids.chunks(s.max(1)).enumerate() {
+            if let Some(w) = seq.windows(2).position(|w| w[1] < w[0]) {
+                return Err(crate::error::arg_err(
+                    op,
+                    format!(
+                        "document ids must not decrease along a sequence: sequence {bi} has {} \
+                         then {} at position {}",
+                        seq[w],
+                        seq[w + 1],
+                        w + 1
+                    ),
+                ));
+            }
+            let mut start = 0;
+            for i in 0..seq.len() {
+                if seq[i] != seq[start] {
+                    start = i;
+                }
+                first[bi * s + i] = start;
+            }
+            let mut end = seq.len().saturating_sub(1);
+            for i in (0..seq.len()).rev() {
+                if seq[i] != seq[end] {
+                    end = i;
+                }
+                last[bi * s + i] = end;
+            }
+        }
+        Ok(Spans { first, last })
+    }
+}
+
 /// Forward for one head's query block starting at row `i0`: `o` holds the
-/// block's rows, `lse` its log-sum-exps; `q`, `k`, `v` are the head's `[S, Hd]`.
+/// block's rows, `lse` its log-sum-exps; `q`, `k`, `v` are the head's `[S, Hd]`,
+/// `first` its sequence's [`Spans::first`].
 #[allow(clippy::too_many_arguments)]
 fn forward_block<T: Float>(
     q: &[T],
     k: &[T],
     v: &[T],
+    first: &[usize],
     i0: usize,
     o: &mut [T],
     lse: &mut [T],
@@ -115,16 +177,18 @@ fn forward_block<T: Float>(
         let j1 = (j0 + block).min(kv_end);
         for r in 0..rows {
             let qi = i0 + r;
-            // Causal: query `qi` sees keys `0..=qi`.
-            let last = j1.min(qi + 1);
-            if last <= j0 {
+            // Causal within the document: query `qi` sees keys
+            // `first[qi]..=qi`; a block it sees none of is skipped, so the
+            // first block it reads has m = −inf and at least one score.
+            let (lo, last) = (j0.max(first[qi]), j1.min(qi + 1));
+            if last <= lo {
                 continue;
             }
             let qr = &q[qi * hd..][..hd];
-            let sc = &mut scores[..last - j0];
+            let sc = &mut scores[..last - lo];
             let mut mx = m[r];
             for (c, s) in sc.iter_mut().enumerate() {
-                *s = dot(qr, &k[(j0 + c) * hd..][..hd]) * scale;
+                *s = dot(qr, &k[(lo + c) * hd..][..hd]) * scale;
                 mx = mx.max(*s);
             }
             // The first block seen by a row has m = −inf: alpha = 0 clears
@@ -136,7 +200,7 @@ fn forward_block<T: Float>(
             for (c, &s) in sc.iter().enumerate() {
                 let p = (s - mx).exp();
                 psum += p;
-                axpy_row(orow, p, &v[(j0 + c) * hd..][..hd]);
+                axpy_row(orow, p, &v[(lo + c) * hd..][..hd]);
             }
             l[r] = l[r] * alpha + psum;
             m[r] = mx;
@@ -153,11 +217,13 @@ fn attention_t<T: FloatStorage>(
     q: &Tensor<Cpu>,
     k: &Tensor<Cpu>,
     v: &Tensor<Cpu>,
+    docs: Option<&Tensor<Cpu>>,
     block: usize,
 ) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
     const OP: &str = "attention";
     let d = check_qkv(OP, q, k, v)?;
     let Dims { b, s, hq, hkv, hd } = d;
+    let spans = Spans::new(OP, q, docs, b, s)?;
     let block = block.max(1);
     let qh = to_head_major(T::slice(q, OP)?, b, s, hq, hd);
     let kh = to_head_major(T::slice(k, OP)?, b, s, hkv, hd);
@@ -178,12 +244,13 @@ fn attention_t<T: FloatStorage>(
                     &kh[kvo..][..s * hd],
                     &vh[kvo..][..s * hd],
                 );
+                let first = &spans.first[bi * s..][..s];
                 o_head
                     .par_chunks_mut(block * hd)
                     .zip(lse_head.par_chunks_mut(block))
                     .enumerate()
                     .for_each(|(ib, (ob, lb))| {
-                        forward_block(qs, ks, vs, ib * block, ob, lb, hd, block, scale)
+                        forward_block(qs, ks, vs, first, ib * block, ob, lb, hd, block, scale)
                     });
             });
     }
@@ -206,6 +273,8 @@ struct BwdInputs<'a, T> {
     lse: &'a [T],
     /// `[B, Hq, S]` row sums of `dO ⊙ O`.
     delta: &'a [T],
+    /// The visible keys of each query and queries of each key.
+    spans: &'a Spans,
 }
 
 impl<T: Float> BwdInputs<'_, T> {
@@ -231,12 +300,13 @@ impl<T: Float> BwdInputs<'_, T> {
         let (hd, hq) = (self.d.hd, self.d.hq);
         let kvh = (qh / hq) * self.d.hkv + (qh % hq) / self.d.group();
         let rows = dq.len() / hd;
+        let first = &self.spans.first[(qh / hq) * self.d.s..];
         for j0 in (0..i0 + rows).step_by(self.block) {
             let j1 = (j0 + self.block).min(i0 + rows);
             for r in 0..rows {
                 let i = i0 + r;
                 let dqr = &mut dq[r * hd..][..hd];
-                for j in j0..j1.min(i + 1) {
+                for j in j0.max(first[i])..j1.min(i + 1) {
                     let (_, ds) = self.p_ds(qh, kvh, i, j);
                     axpy_row(dqr, ds * self.scale, self.row(self.k, kvh, j));
                 }
@@ -251,6 +321,7 @@ impl<T: Float> BwdInputs<'_, T> {
         let rows = dk.len() / hd;
         let j1 = j0 + rows;
         let (bi, hk) = (kvh / hkv, kvh % hkv);
+        let last = &self.spans.last[bi * s..][..s];
         for qh in (0..g).map(|x| bi * self.d.hq + hk * g + x) {
             // Causal: only queries at or after the block's first key see it.
             let first_block = (j0 / self.block) * self.block;
@@ -259,7 +330,8 @@ impl<T: Float> BwdInputs<'_, T> {
                 for j in j0..j1 {
                     let dkr = &mut dk[(j - j0) * hd..][..hd];
                     let dvr = &mut dv[(j - j0) * hd..][..hd];
-                    for i in i0.max(j)..i1 {
+                    // Queries of key j's document, at or after it.
+                    for i in i0.max(j)..i1.min(last[j] + 1) {
                         let (p, ds) = self.p_ds(qh, kvh, i, j);
                         axpy_row(dvr, p, self.row(self.d_o, qh, i));
                         axpy_row(dkr, ds * self.scale, self.row(self.q, qh, i));
@@ -278,11 +350,13 @@ fn attention_backward_t<T: FloatStorage>(
     v: &Tensor<Cpu>,
     o: &Tensor<Cpu>,
     lse: &Tensor<Cpu>,
+    docs: Option<&Tensor<Cpu>>,
     block: usize,
 ) -> Result<(Tensor<Cpu>, Tensor<Cpu>, Tensor<Cpu>)> {
     const OP: &str = "attention_backward";
     let d = check_qkv(OP, q, k, v)?;
     let Dims { b, s, hq, hkv, hd } = d;
+    let spans = Spans::new(OP, q, docs, b, s)?;
     let block = block.max(1);
     d_o.expect_shape(OP, "d_o", q.shape())?;
     o.expect_shape(OP, "o", q.shape())?;
@@ -317,6 +391,7 @@ fn attention_backward_t<T: FloatStorage>(
         d_o: &doh,
         lse: &lses,
         delta: &delta,
+        spans: &spans,
     };
     let mut dq = vec![T::ZERO; qh.len()];
     let mut dk = vec![T::ZERO; kh.len()];
@@ -352,9 +427,10 @@ pub(crate) fn attention_blocked(
     q: &Tensor<Cpu>,
     k: &Tensor<Cpu>,
     v: &Tensor<Cpu>,
+    docs: Option<&Tensor<Cpu>>,
     block: usize,
 ) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
-    cpu_float_dispatch!("attention", q, attention_t(q, k, v, block))
+    cpu_float_dispatch!("attention", q, attention_t(q, k, v, docs, block))
 }
 
 /// [`AttentionOps::attention_backward`] with an explicit block size.
@@ -366,12 +442,13 @@ pub(crate) fn attention_backward_blocked(
     v: &Tensor<Cpu>,
     o: &Tensor<Cpu>,
     lse: &Tensor<Cpu>,
+    docs: Option<&Tensor<Cpu>>,
     block: usize,
 ) -> Result<(Tensor<Cpu>, Tensor<Cpu>, Tensor<Cpu>)> {
     cpu_float_dispatch!(
         "attention_backward",
         q,
-        attention_backward_t(d_o, q, k, v, o, lse, block)
+        attention_backward_t(d_o, q, k, v, o, lse, docs, block)
     )
 }
 
@@ -381,8 +458,9 @@ impl AttentionOps for Cpu {
         q: &Tensor<Self>,
         k: &Tensor<Self>,
         v: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        attention_blocked(q, k, v, ATTN_BLOCK)
+        attention_blocked(q, k, v, docs, ATTN_BLOCK)
     }
 
     fn attention_backward(
@@ -393,8 +471,9 @@ impl AttentionOps for Cpu {
         v: &Tensor<Self>,
         o: &Tensor<Self>,
         lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
-        attention_backward_blocked(d_o, q, k, v, o, lse, ATTN_BLOCK)
+        attention_backward_blocked(d_o, q, k, v, o, lse, docs, ATTN_BLOCK)
     }
 }
 
@@ -414,8 +493,22 @@ mod tests {
         q: &[f64],
         k: &[f64],
         v: &[f64],
-        (b, s, hq, hkv, hd): (usize, usize, usize, usize, usize),
+        dims: (usize, usize, usize, usize, usize),
     ) -> (Vec<f64>, Vec<f64>) {
+        naive_docs(q, k, v, dims, None)
+    }
+
+    /// [`naive`] with keys of other documents than the query's masked
+    /// (`docs: [B·S]`), each key tested on its own.
+    fn naive_docs(
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        (b, s, hq, hkv, hd): (usize, usize, usize, usize, usize),
+        docs: Option<&[i32]>,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let seen =
+            |bi: usize, i: usize, j: usize| docs.is_none_or(|d| d[bi * s + i] == d[bi * s + j]);
         let mut o = vec![0.0; q.len()];
         let mut lse = vec![0.0; b * hq * s];
         let scale = 1.0 / (hd as f64).sqrt();
@@ -427,6 +520,9 @@ mod tests {
                 for i in 0..s {
                     let sc: Vec<f64> = (0..=i)
                         .map(|j| {
+                            if !seen(bi, i, j) {
+                                return f64::NEG_INFINITY;
+                            }
                             (0..hd)
                                 .map(|d| q[qa(bi, i, h) + d] * k[ka(bi, j, kh) + d])
                                 .sum::<f64>()
@@ -453,6 +549,26 @@ mod tests {
         q: Vec<f64>,
         k: Vec<f64>,
         v: Vec<f64>,
+    }
+
+    /// `[B·S]` document ids: documents of 1, 4, 2, 9, 3, ... tokens
+    /// (restarting per sequence; a lone first token, documents across the
+    /// blocks of the tests).
+    fn doc_ids(b: usize, s: usize) -> Vec<i32> {
+        let lens = [1usize, 4, 2, 9, 3, 70, 5];
+        let mut ids = Vec::with_capacity(b * s);
+        for bi in 0..b {
+            let (mut doc, mut left) = (0i32, lens[bi % lens.len()]);
+            for _ in 0..s {
+                if left == 0 {
+                    doc += 1;
+                    left = lens[(bi + doc as usize) % lens.len()];
+                }
+                ids.push(doc);
+                left -= 1;
+            }
+        }
+        ids
     }
 
     impl Case {
@@ -496,15 +612,36 @@ mod tests {
         ] {
             let c = Case::new(41, dims);
             let [q, k, v] = c.tensors(&c.q, &c.k, &c.v);
-            let (o, lse) = attention_blocked(&q, &k, &v, block).unwrap();
-            let (o_ref, lse_ref) = naive(&c.q, &c.k, &c.v, dims);
-            assert_eq!(lse.shape(), &[dims.0, dims.2, dims.1]);
-            assert!(max_diff(&h64(&o), &o_ref) < 1e-12, "{dims:?} block {block}");
-            assert!(
-                max_diff(&h64(&lse), &lse_ref) < 1e-12,
-                "{dims:?} block {block}"
-            );
+            let ids = doc_ids(dims.0, dims.1);
+            let docs = crate::cpu::index_tensor(ids.clone(), &[dims.0, dims.1]).unwrap();
+            for with_docs in [false, true] {
+                let (o, lse) =
+                    attention_blocked(&q, &k, &v, with_docs.then_some(&docs), block).unwrap();
+                let (o_ref, lse_ref) =
+                    naive_docs(&c.q, &c.k, &c.v, dims, with_docs.then_some(&ids[..]));
+                assert_eq!(lse.shape(), &[dims.0, dims.2, dims.1]);
+                let what = format!("{dims:?} block {block} docs {with_docs}");
+                assert!(max_diff(&h64(&o), &o_ref) < 1e-12, "{what}");
+                assert!(max_diff(&h64(&lse), &lse_ref) < 1e-12, "{what}");
+            }
         }
+    }
+
+    /// Document ids that decrease along a sequence are a named error (the
+    /// kernels rely on documents being contiguous runs).
+    #[test]
+    fn attention_docs_must_not_decrease() {
+        let c = Case::new(49, (1, 4, 2, 1, 2));
+        let [q, k, v] = c.tensors(&c.q, &c.k, &c.v);
+        let docs = crate::cpu::index_tensor(vec![0, 1, 0, 2], &[1, 4]).unwrap();
+        let err = Cpu
+            .attention(&q, &k, &v, Some(&docs))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("must not decrease") && err.contains("position 2"),
+            "{err}"
+        );
     }
 
     fn attention_f32_matches_f64_reference<B: TestOps>(d: &B) {
@@ -514,24 +651,45 @@ mod tests {
             d.t32(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape)
         };
         let (o, lse) = d
-            .attention(&f(&c.q, &c.qs()), &f(&c.k, &c.ks()), &f(&c.v, &c.ks()))
+            .attention(
+                &f(&c.q, &c.qs()),
+                &f(&c.k, &c.ks()),
+                &f(&c.v, &c.ks()),
+                None,
+            )
             .unwrap();
         let (o_ref, lse_ref) = naive(&c.q, &c.k, &c.v, dims);
         assert!(max_diff(&d.h64(&o), &o_ref) < 1e-5);
         assert!(max_diff(&d.h64(&lse), &lse_ref) < 1e-5);
     }
 
-    /// Checks dq, dk, dv of `Σ o ⊙ w` against finite differences.
+    /// Checks dq, dk, dv of `Σ o ⊙ w` against finite differences, without
+    /// and with documents.
     fn grad_case(seed: u64, dims: (usize, usize, usize, usize, usize), block: usize) {
+        let docs = crate::cpu::index_tensor(doc_ids(dims.0, dims.1), &[dims.0, dims.1]).unwrap();
+        grad_case_docs(seed, dims, block, None);
+        grad_case_docs(seed, dims, block, Some(&docs));
+    }
+
+    fn grad_case_docs(
+        seed: u64,
+        dims: (usize, usize, usize, usize, usize),
+        block: usize,
+        docs: Option<&Tensor<Cpu>>,
+    ) {
         let c = Case::new(seed, dims);
         let w = uniform(&mut rng(seed + 100), c.q.len());
         let [q, k, v] = c.tensors(&c.q, &c.k, &c.v);
-        let (o, lse) = attention_blocked(&q, &k, &v, block).unwrap();
+        let (o, lse) = attention_blocked(&q, &k, &v, docs, block).unwrap();
         let d_o = t64(&w, &c.qs());
-        let (dq, dk, dv) = attention_backward_blocked(&d_o, &q, &k, &v, &o, &lse, block).unwrap();
+        let (dq, dk, dv) =
+            attention_backward_blocked(&d_o, &q, &k, &v, &o, &lse, docs, block).unwrap();
         let f = |q: &[f64], k: &[f64], v: &[f64]| {
             let [q, k, v] = c.tensors(q, k, v);
-            dotv(&h64(&attention_blocked(&q, &k, &v, block).unwrap().0), &w)
+            dotv(
+                &h64(&attention_blocked(&q, &k, &v, docs, block).unwrap().0),
+                &w,
+            )
         };
         check("attention dq", &c.q, &h64(&dq), |x| f(x, &c.k, &c.v));
         check("attention dk", &c.k, &h64(&dk), |x| f(&c.q, x, &c.v));
@@ -555,15 +713,18 @@ mod tests {
         let c = Case::new(45, dims);
         let [q, k, v] = c.tensors(&c.q, &c.k, &c.v);
         let d_o = t64(&uniform(&mut rng(46), c.q.len()), &c.qs());
-        let run = |block| {
-            let (o, lse) = attention_blocked(&q, &k, &v, block).unwrap();
-            let (dq, dk, dv) =
-                attention_backward_blocked(&d_o, &q, &k, &v, &o, &lse, block).unwrap();
-            [h64(&dq), h64(&dk), h64(&dv)]
-        };
-        let (a, b) = (run(2), run(64));
-        for (x, y) in a.iter().zip(&b) {
-            assert!(max_diff(x, y) < 1e-12);
+        let docs = crate::cpu::index_tensor(doc_ids(1, 13), &[1, 13]).unwrap();
+        for docs in [None, Some(&docs)] {
+            let run = |block| {
+                let (o, lse) = attention_blocked(&q, &k, &v, docs, block).unwrap();
+                let (dq, dk, dv) =
+                    attention_backward_blocked(&d_o, &q, &k, &v, &o, &lse, docs, block).unwrap();
+                [h64(&dq), h64(&dk), h64(&dv)]
+            };
+            let (a, b) = (run(2), run(64));
+            for (x, y) in a.iter().zip(&b) {
+                assert!(max_diff(x, y) < 1e-12);
+            }
         }
     }
 
@@ -576,8 +737,10 @@ mod tests {
         let (q, k, v) = (f(&c.q, &c.qs()), f(&c.k, &c.ks()), f(&c.v, &c.ks()));
         let d_o = f(&uniform(&mut rng(48), c.q.len()), &c.qs());
         let run = || {
-            let (o, lse) = d.attention(&q, &k, &v).unwrap();
-            let (dq, dk, dv) = d.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+            let (o, lse) = d.attention(&q, &k, &v, None).unwrap();
+            let (dq, dk, dv) = d
+                .attention_backward(&d_o, &q, &k, &v, &o, &lse, None)
+                .unwrap();
             [o, lse, dq, dk, dv].map(|t| d.h64(&t))
         };
         let first = run();
@@ -587,7 +750,7 @@ mod tests {
     fn attention_bad_inputs<B: TestOps>(d: &B) {
         let q = d.t64(&[0.0; 2 * 3 * 4], &[1, 2, 3, 4]);
         let kv = d.t64(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
-        match d.attention(&q, &kv, &kv).unwrap_err() {
+        match d.attention(&q, &kv, &kv, None).unwrap_err() {
             KernelError::ShapeMismatch {
                 op: "attention",
                 detail,
@@ -601,7 +764,7 @@ mod tests {
         }
         let q = d.t64(&[0.0; 2 * 4 * 4], &[1, 2, 4, 4]);
         let k3 = d.t64(&[0.0; 3 * 2 * 4], &[1, 3, 2, 4]);
-        let err = d.attention(&q, &k3, &k3).unwrap_err();
+        let err = d.attention(&q, &k3, &k3, None).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -613,7 +776,7 @@ mod tests {
             "{err:?}"
         );
         let k32 = d.t32(&[0.0; 2 * 2 * 4], &[1, 2, 2, 4]);
-        let err = d.attention(&q, &k32, &k32).unwrap_err();
+        let err = d.attention(&q, &k32, &k32, None).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -625,7 +788,7 @@ mod tests {
             "{err:?}"
         );
         let qi = d.ti32(&[0; 2 * 4 * 4], &[1, 2, 4, 4]);
-        let err = d.attention(&qi, &kv, &kv).unwrap_err();
+        let err = d.attention(&qi, &kv, &kv, None).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -633,20 +796,33 @@ mod tests {
             ),
             "{err:?}"
         );
-        let (o, lse) = d.attention(&q, &kv, &kv).unwrap();
+        let (o, lse) = d.attention(&q, &kv, &kv, None).unwrap();
         let bad_lse = d.t64(&[0.0; 8], &[1, 2, 4]);
         let err = d
-            .attention_backward(&o, &q, &kv, &kv, &o, &bad_lse)
+            .attention_backward(&o, &q, &kv, &kv, &o, &bad_lse, None)
             .unwrap_err();
         assert!(
             matches!(&err, KernelError::ShapeMismatch { op: "attention_backward", detail } if detail.contains("lse")),
             "{err:?}"
         );
-        assert!(d.attention_backward(&o, &q, &kv, &kv, &o, &lse).is_ok());
+        assert!(d
+            .attention_backward(&o, &q, &kv, &kv, &o, &lse, None)
+            .is_ok());
+        // Document ids must be [B, S] of i32.
+        let docs3 = d.ti32(&[0; 3], &[1, 3]);
+        let err = d.attention(&q, &kv, &kv, Some(&docs3)).unwrap_err();
+        assert!(
+            matches!(&err, KernelError::ShapeMismatch { op: "attention", detail } if detail.contains("docs")),
+            "{err:?}"
+        );
+        let docs_f = d.t64(&[0.0; 2], &[1, 2]);
+        let err = d.attention(&q, &kv, &kv, Some(&docs_f)).unwrap_err();
+        assert!(matches!(err, KernelError::DTypeMismatch { .. }), "{err:?}");
     }
 
     /// The backend's own attention (its default blocking) against the naive
-    /// f64 reference, in f64, on GQA, MHA and MQA shapes.
+    /// f64 reference, in f64, on GQA, MHA and MQA shapes, without and with
+    /// documents.
     fn attention_matches_naive_on_device<B: TestOps>(d: &B) {
         for dims in [
             (2, 10, 4, 2, 4),
@@ -656,27 +832,39 @@ mod tests {
         ] {
             let c = Case::new(41, dims);
             let [q, k, v] = c.tensors_on(d, &c.q, &c.k, &c.v);
-            let (o, lse) = d.attention(&q, &k, &v).unwrap();
-            let (o_ref, lse_ref) = naive(&c.q, &c.k, &c.v, dims);
-            assert_eq!(lse.shape(), &[dims.0, dims.2, dims.1]);
-            assert!(max_diff(&d.h64(&o), &o_ref) < 1e-12, "{dims:?}");
-            assert!(max_diff(&d.h64(&lse), &lse_ref) < 1e-12, "{dims:?}");
+            let ids = doc_ids(dims.0, dims.1);
+            let docs = d.ti32(&ids, &[dims.0, dims.1]);
+            for with_docs in [false, true] {
+                let (o, lse) = d.attention(&q, &k, &v, with_docs.then_some(&docs)).unwrap();
+                let (o_ref, lse_ref) =
+                    naive_docs(&c.q, &c.k, &c.v, dims, with_docs.then_some(&ids[..]));
+                assert_eq!(lse.shape(), &[dims.0, dims.2, dims.1]);
+                assert!(max_diff(&d.h64(&o), &o_ref) < 1e-12, "{dims:?} {with_docs}");
+                assert!(
+                    max_diff(&d.h64(&lse), &lse_ref) < 1e-12,
+                    "{dims:?} {with_docs}"
+                );
+            }
         }
     }
 
     /// dq, dk, dv of the backend's own attention against finite differences,
-    /// for GQA and MHA.
+    /// for GQA and MHA, the second with documents.
     fn attention_grad_on_device<B: TestOps>(d: &B) {
-        for (seed, dims) in [(43, (2, 7, 4, 2, 4)), (44, (1, 8, 2, 2, 6))] {
+        for (seed, dims, with_docs) in [(43, (2, 7, 4, 2, 4), false), (44, (1, 8, 2, 2, 6), true)] {
             let c = Case::new(seed, dims);
             let w = uniform(&mut rng(seed + 100), c.q.len());
             let [q, k, v] = c.tensors_on(d, &c.q, &c.k, &c.v);
-            let (o, lse) = d.attention(&q, &k, &v).unwrap();
+            let docs_t = d.ti32(&doc_ids(dims.0, dims.1), &[dims.0, dims.1]);
+            let docs = with_docs.then_some(&docs_t);
+            let (o, lse) = d.attention(&q, &k, &v, docs).unwrap();
             let d_o = d.t64(&w, &c.qs());
-            let (dq, dk, dv) = d.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+            let (dq, dk, dv) = d
+                .attention_backward(&d_o, &q, &k, &v, &o, &lse, docs)
+                .unwrap();
             let f = |q: &[f64], k: &[f64], v: &[f64]| {
                 let [q, k, v] = c.tensors_on(d, q, k, v);
-                dotv(&d.h64(&d.attention(&q, &k, &v).unwrap().0), &w)
+                dotv(&d.h64(&d.attention(&q, &k, &v, docs).unwrap().0), &w)
             };
             check("attention dq", &c.q, &d.h64(&dq), |x| f(x, &c.k, &c.v));
             check("attention dk", &c.k, &d.h64(&dk), |x| f(&c.q, x, &c.v));
@@ -689,14 +877,20 @@ mod tests {
     /// realistic head dim; the backward gets the device's own `o` and `lse`
     /// on both sides.
     fn attention_matches_cpu<B: TestOps>(d: &B) {
-        for dtype in Compare::precisions(d) {
+        let (b, s, hq, hkv, hd) = (2, 100, 8, 2, 64);
+        let ids = doc_ids(b, s);
+        let (docs_t, docs_c) = (d.ti32(&ids, &[b, s]), ti32(&ids, &[b, s]));
+        for (dtype, with_docs) in Compare::precisions(d)
+            .into_iter()
+            .flat_map(|t| [(t, false), (t, true)])
+        {
+            let (docs, docs_c) = (with_docs.then_some(&docs_t), with_docs.then_some(&docs_c));
             let mut c = Compare::new(d, dtype, 95);
-            let (b, s, hq, hkv, hd) = (2, 100, 8, 2, 64);
             let (q, qc) = c.rand(&[b, s, hq, hd], 1.0);
             let (k, kc) = c.rand(&[b, s, hkv, hd], 1.0);
             let (v, vc) = c.rand(&[b, s, hkv, hd], 1.0);
-            let (o, lse) = d.attention(&q, &k, &v).unwrap();
-            let (oc, lsec) = Cpu.attention(&qc, &kc, &vc).unwrap();
+            let (o, lse) = d.attention(&q, &k, &v, docs).unwrap();
+            let (oc, lsec) = Cpu.attention(&qc, &kc, &vc, docs_c).unwrap();
             c.check("attention o", &o, &oc);
             c.check("attention lse", &lse, &lsec);
             let same = |t: &Tensor<B>| {
@@ -704,14 +898,20 @@ mod tests {
                 t32(&h, t.shape())
             };
             let (d_o, d_oc) = c.rand(&[b, s, hq, hd], 1.0);
-            let (dq, dk, dv) = d.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+            let (dq, dk, dv) = d
+                .attention_backward(&d_o, &q, &k, &v, &o, &lse, docs)
+                .unwrap();
             let (dqc, dkc, dvc) = Cpu
-                .attention_backward(&d_oc, &qc, &kc, &vc, &same(&o), &same(&lse))
+                .attention_backward(&d_oc, &qc, &kc, &vc, &same(&o), &same(&lse), docs_c)
                 .unwrap();
             c.check("attention_backward dq", &dq, &dqc);
             c.check("attention_backward dk", &dk, &dkc);
             c.check("attention_backward dv", &dv, &dvc);
-            c.report("attention");
+            c.report(if with_docs {
+                "attention with documents"
+            } else {
+                "attention"
+            });
         }
     }
 

@@ -213,23 +213,25 @@ mod tests {
             inputs(6, &[2, 9, 2, 8]),
             inputs(7, &[2, 9, 2, 8]),
         );
-        let (o, lse) = Cpu.attention(&q, &k, &v).unwrap();
-        let (of, lsef) = Cpu.attention(&qf, &kf, &vf).unwrap();
+        let (o, lse) = Cpu.attention(&q, &k, &v, None).unwrap();
+        let (of, lsef) = Cpu.attention(&qf, &kf, &vf, None).unwrap();
         rounded_once("attention o", &o, &of);
         assert_eq!((lse.dtype(), h64(&lse)), (DType::F32, h64(&lsef)));
         let (d_o, d_of) = inputs(8, &shape);
         // The f32 backward gets the bf16 forward's o, as the bf16 one does.
         let o_as_f32 = Cpu.cast(&o, DType::F32).unwrap();
-        let (dq, dk, dv) = Cpu.attention_backward(&d_o, &q, &k, &v, &o, &lse).unwrap();
+        let (dq, dk, dv) = Cpu
+            .attention_backward(&d_o, &q, &k, &v, &o, &lse, None)
+            .unwrap();
         let (dqf, dkf, dvf) = Cpu
-            .attention_backward(&d_of, &qf, &kf, &vf, &o_as_f32, &lsef)
+            .attention_backward(&d_of, &qf, &kf, &vf, &o_as_f32, &lsef, None)
             .unwrap();
         rounded_once("attention dq", &dq, &dqf);
         rounded_once("attention dk", &dk, &dkf);
         rounded_once("attention dv", &dv, &dvf);
         let lse16 = Cpu.cast(&lse, DType::BF16).unwrap();
         assert!(matches!(
-            Cpu.attention_backward(&d_o, &q, &k, &v, &o, &lse16),
+            Cpu.attention_backward(&d_o, &q, &k, &v, &o, &lse16, None),
             Err(crate::KernelError::DTypeMismatch {
                 expected: DType::F32,
                 got: DType::BF16,

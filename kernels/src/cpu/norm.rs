@@ -6,8 +6,8 @@
 use rayon::prelude::*;
 
 use super::elementwise::{rows_per_task, MAX_PARTIALS};
-use super::{Cpu, FloatStorage};
-use crate::backend::NormOps;
+use super::{index_slice, Cpu, FloatStorage};
+use crate::backend::{check_positions, NormOps, Rope};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::Tensor;
@@ -117,39 +117,50 @@ fn rms_norm_backward_t<T: FloatStorage>(
 }
 
 /// Rotate-half RoPE: channel `i < Hd/2` pairs with `i + Hd/2` and both turn by
-/// `pos · θ^(−2i/Hd)`. Angles are computed in f64 once per (position, pair),
-/// so f32 and f64 see the same rotation up to their own rounding.
-fn rope_t<T: FloatStorage>(x: &Tensor<Cpu>, theta: f64, inverse: bool) -> Result<Tensor<Cpu>> {
+/// `pos · f_i` ([`Rope::frequency`]), at `positions[b, s]` when given, else
+/// `s`. Angles are computed in f64 once per (position, pair), so f32 and f64
+/// see the same rotation up to their own rounding.
+fn rope_t<T: FloatStorage>(
+    x: &Tensor<Cpu>,
+    rope: Rope,
+    inverse: bool,
+    positions: Option<&Tensor<Cpu>>,
+) -> Result<Tensor<Cpu>> {
     const OP: &str = "rope";
     let (_b, s, h, hd) = x.dims4(OP)?;
-    if !hd.is_multiple_of(2) {
-        return Err(arg_err(
-            OP,
-            format!("head dim Hd = {hd} must be even to pair its halves"),
-        ));
-    }
-    if !(theta.is_finite() && theta > 0.0) {
-        return Err(arg_err(
-            OP,
-            format!("theta = {theta} must be finite and > 0"),
-        ));
-    }
+    rope.check(OP, hd)?;
+    check_positions(OP, x, positions)?;
     let xs = T::slice(x, OP)?;
     let mut out = vec![T::ZERO; xs.len()];
     if xs.is_empty() {
         return T::tensor(out, x.shape());
     }
+    // The angles' table: one row per position 0..S, or with `positions`
+    // one per (batch, sequence) row.
+    let rows: Vec<usize> = match positions {
+        None => (0..s).collect(),
+        Some(p) => {
+            let p = index_slice(p, OP)?;
+            if let Some(bad) = p.iter().find(|&&v| v < 0) {
+                return Err(arg_err(OP, format!("position {bad} is negative")));
+            }
+            p.iter().map(|&v| v as usize).collect()
+        }
+    };
     let half = hd / 2;
     let sign = if inverse { -1.0 } else { 1.0 };
-    let mut cos = Vec::with_capacity(s * half);
-    let mut sin = Vec::with_capacity(s * half);
-    for pos in 0..s {
-        for i in 0..half {
-            let a = pos as f64 * theta.powf(-2.0 * i as f64 / hd as f64);
-            cos.push(T::from_f64(a.cos()));
-            sin.push(T::from_f64(sign * a.sin()));
+    let amp = rope.amplitude();
+    let freqs: Vec<f64> = (0..half).map(|i| rope.frequency(i, hd)).collect();
+    let mut cos = Vec::with_capacity(rows.len() * half);
+    let mut sin = Vec::with_capacity(rows.len() * half);
+    for &p in &rows {
+        for f in &freqs {
+            let a = p as f64 * f;
+            cos.push(T::from_f64(amp * a.cos()));
+            sin.push(T::from_f64(amp * sign * a.sin()));
         }
     }
+    let table_row = |bs: usize| if positions.is_some() { bs } else { bs % s };
     // One chunk is one (batch, position): all its heads share the angles.
     let row = h * hd;
     out.par_chunks_mut(row)
@@ -157,8 +168,8 @@ fn rope_t<T: FloatStorage>(x: &Tensor<Cpu>, theta: f64, inverse: bool) -> Result
         .enumerate()
         .with_min_len(rows_per_task(row))
         .for_each(|(bs, (o, xr))| {
-            let pos = bs % s;
-            let (c, sn) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+            let p = table_row(bs);
+            let (c, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
             for (oh, xh) in o.chunks_mut(hd).zip(xr.chunks(hd)) {
                 let (x1, x2) = xh.split_at(half);
                 let (o1, o2) = oh.split_at_mut(half);
@@ -191,14 +202,20 @@ impl NormOps for Cpu {
         cpu_float_dispatch!("rms_norm_backward", x, rms_norm_backward_t(dy, x, w, rstd))
     }
 
-    fn rope(&self, x: &Tensor<Self>, theta: f64, inverse: bool) -> Result<Tensor<Self>> {
-        cpu_float_dispatch!("rope", x, rope_t(x, theta, inverse))
+    fn rope(
+        &self,
+        x: &Tensor<Self>,
+        rope: Rope,
+        inverse: bool,
+        positions: Option<&Tensor<Self>>,
+    ) -> Result<Tensor<Self>> {
+        cpu_float_dispatch!("rope", x, rope_t(x, rope, inverse, positions))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::backend::NormOps;
+    use crate::backend::{NormOps, Rope, Yarn};
     use crate::cpu::test_util::*;
     use crate::cpu::Cpu;
     use crate::error::KernelError;
@@ -242,20 +259,87 @@ mod tests {
         }
     }
 
-    /// RoPE is linear and orthogonal, so the gradient of `Σ rope(x) ⊙ w` is
-    /// `rope⁻¹(w)`, the documented backward.
+    /// A YaRN of factor 4 whose ramp covers pairs 1..3 of a head dim of 8:
+    /// the pairs before, inside and after the ramp all occur.
+    fn yarn() -> Rope {
+        Rope {
+            theta: 10_000.0,
+            yarn: Some(Yarn {
+                factor: 4.0,
+                low: 1.0,
+                high: 3.0,
+                attention_factor: 1.2,
+            }),
+        }
+    }
+
+    /// Positions that restart: documents of 2 and 3 tokens in the first
+    /// sequence of 5, one of 5 in the second.
+    const POSITIONS: [i32; 10] = [0, 1, 0, 1, 2, 0, 1, 2, 3, 4];
+
+    /// RoPE is linear, so the gradient of `Σ rope(x) ⊙ w` is its transpose
+    /// applied to `w`, the documented backward (`inverse`) — plain, with
+    /// restarting positions, and YaRN-scaled (not orthogonal: the
+    /// attention factor).
     fn rope_grad<B: TestOps>(d: &B) {
         let shape = [2, 5, 3, 8];
         let n: usize = shape.iter().product();
         let mut g = rng(23);
         let (x, w) = (uniform(&mut g, n), uniform(&mut g, n));
-        let dx = d.h64(&d.rope(&d.t64(&w, &shape), 10_000.0, true).unwrap());
-        check("rope", &x, &dx, |v| {
-            dotv(
-                &d.h64(&d.rope(&d.t64(v, &shape), 10_000.0, false).unwrap()),
-                &w,
+        let pos = d.ti32(&POSITIONS, &[2, 5]);
+        for (rope, positions) in [
+            (Rope::plain(10_000.0), None),
+            (Rope::plain(10_000.0), Some(&pos)),
+            (yarn(), Some(&pos)),
+        ] {
+            let dx = d.h64(&d.rope(&d.t64(&w, &shape), rope, true, positions).unwrap());
+            check("rope", &x, &dx, |v| {
+                dotv(
+                    &d.h64(&d.rope(&d.t64(v, &shape), rope, false, positions).unwrap()),
+                    &w,
+                )
+            });
+        }
+    }
+
+    /// RoPE at given positions equals RoPE of each document on its own
+    /// (positions from 0), and the YaRN frequencies are the documented
+    /// blend.
+    fn rope_positions_and_yarn<B: TestOps>(d: &B) {
+        let (h, hd) = (2, 8);
+        let mut g = rng(25);
+        let x = uniform(&mut g, 10 * h * hd);
+        let rope = yarn();
+        let all = d.h64(
+            &d.rope(
+                &d.t64(&x, &[2, 5, h, hd]),
+                rope,
+                false,
+                Some(&d.ti32(&POSITIONS, &[2, 5])),
             )
-        });
+            .unwrap(),
+        );
+        let row = h * hd;
+        for (start, len) in [(0, 2), (2, 3), (5, 5)] {
+            let part = &x[start * row..(start + len) * row];
+            let alone = d.h64(
+                &d.rope(&d.t64(part, &[1, len, h, hd]), rope, false, None)
+                    .unwrap(),
+            );
+            assert!(max_diff(&all[start * row..(start + len) * row], &alone) < 1e-12);
+        }
+        // Pair 0 keeps θ^0 = 1, pair 2 is half interpolated, pair 3 all.
+        let f = |i: usize| 10_000f64.powf(-2.0 * i as f64 / hd as f64);
+        assert_eq!(rope.frequency(0, hd), 1.0);
+        assert!((rope.frequency(2, hd) - (f(2) / 4.0 * 0.5 + f(2) * 0.5)).abs() < 1e-15);
+        assert!((rope.frequency(3, hd) - f(3) / 4.0).abs() < 1e-15);
+        // Position 1, pair 0: angle 1, times the attention factor 1.2.
+        let y = d.h64(
+            &d.rope(&d.t64(&x[..2 * row], &[1, 2, h, hd]), rope, false, None)
+                .unwrap(),
+        );
+        let (x1, x2) = (x[row], x[row + hd / 2]);
+        assert!((y[row] - 1.2 * (x1 * 1f64.cos() - x2 * 1f64.sin())).abs() < 1e-12);
     }
 
     fn rope_forward_matches_naive_and_inverts<B: TestOps>(d: &B) {
@@ -263,7 +347,10 @@ mod tests {
         let n = b * s * h * hd;
         let mut g = rng(24);
         let x = uniform(&mut g, n);
-        let y = d.h64(&d.rope(&d.t64(&x, &[b, s, h, hd]), theta, false).unwrap());
+        let y = d.h64(
+            &d.rope(&d.t64(&x, &[b, s, h, hd]), Rope::plain(theta), false, None)
+                .unwrap(),
+        );
         for pos in 0..s {
             for hi in 0..h {
                 let at = (pos * h + hi) * hd;
@@ -275,7 +362,9 @@ mod tests {
                 }
             }
         }
-        let back = d.rope(&d.t64(&y, &[b, s, h, hd]), theta, true).unwrap();
+        let back = d
+            .rope(&d.t64(&y, &[b, s, h, hd]), Rope::plain(theta), true, None)
+            .unwrap();
         assert!(max_diff(&d.h64(&back), &x) < 1e-12);
     }
 
@@ -297,16 +386,53 @@ mod tests {
             KernelError::DTypeMismatch { op: "rms_norm", .. }
         ));
         let err = d
-            .rope(&d.t64(&[0.0; 10], &[1, 2, 1, 5]), 1e4, false)
+            .rope(
+                &d.t64(&[0.0; 10], &[1, 2, 1, 5]),
+                Rope::plain(1e4),
+                false,
+                None,
+            )
             .unwrap_err();
         assert!(
             matches!(&err, KernelError::InvalidArgument { op: "rope", detail } if detail.contains("Hd = 5")),
             "{err:?}"
         );
-        let err = d.rope(&x, 1e4, false).unwrap_err();
+        let err = d.rope(&x, Rope::plain(1e4), false, None).unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { op: "rope", .. }));
+        let x4 = d.t64(&[0.0; 8], &[1, 2, 1, 4]);
         let err = d
-            .rope(&d.ti32(&[0; 4], &[1, 1, 1, 4]), 1e4, false)
+            .rope(
+                &x4,
+                Rope::plain(1e4),
+                false,
+                Some(&d.ti32(&[0; 3], &[1, 3])),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&err, KernelError::ShapeMismatch { op: "rope", detail } if detail.contains("positions")),
+            "{err:?}"
+        );
+        let bad_yarn = Rope {
+            theta: 1e4,
+            yarn: Some(Yarn {
+                factor: 0.5,
+                low: 0.0,
+                high: 1.0,
+                attention_factor: 1.0,
+            }),
+        };
+        let err = d.rope(&x4, bad_yarn, false, None).unwrap_err();
+        assert!(
+            matches!(&err, KernelError::InvalidArgument { op: "rope", detail } if detail.contains("YaRN factor = 0.5")),
+            "{err:?}"
+        );
+        let err = d
+            .rope(
+                &d.ti32(&[0; 4], &[1, 1, 1, 4]),
+                Rope::plain(1e4),
+                false,
+                None,
+            )
             .unwrap_err();
         assert!(matches!(
             err,
@@ -338,12 +464,39 @@ mod tests {
             }
             let shape = [2, 17, 3, 64];
             let (x, xc) = c.rand(&shape, 1.0);
+            // Positions restarting every 5 tokens.
+            let pos: Vec<i32> = (0..2 * 17).map(|i| (i % 17 % 5) as i32).collect();
+            let (pos_d, pos_c) = (d.ti32(&pos, &[2, 17]), ti32(&pos, &[2, 17]));
+            let scaled = Rope {
+                theta: 10_000.0,
+                yarn: Some(Yarn::new(
+                    10_000.0,
+                    64,
+                    40.0,
+                    4096.0,
+                    32.0,
+                    1.0,
+                    Some(1.0),
+                    Some(0.707),
+                )),
+            };
             for inverse in [false, true] {
-                c.check(
-                    &format!("rope inverse={inverse}"),
-                    &d.rope(&x, 10_000.0, inverse).unwrap(),
-                    &Cpu.rope(&xc, 10_000.0, inverse).unwrap(),
-                );
+                for (rope, with_pos) in [
+                    (Rope::plain(10_000.0), false),
+                    (Rope::plain(10_000.0), true),
+                    (scaled, true),
+                ] {
+                    c.check(
+                        &format!(
+                            "rope inverse={inverse} positions={with_pos} yarn={}",
+                            rope.yarn.is_some()
+                        ),
+                        &d.rope(&x, rope, inverse, with_pos.then_some(&pos_d))
+                            .unwrap(),
+                        &Cpu.rope(&xc, rope, inverse, with_pos.then_some(&pos_c))
+                            .unwrap(),
+                    );
+                }
             }
             c.report("norm");
         }
@@ -354,6 +507,7 @@ mod tests {
         rms_norm_grad,
         rms_norm_forward_matches_naive,
         rope_grad,
+        rope_positions_and_yarn,
         rope_forward_matches_naive_and_inverts,
         norm_bad_inputs,
     );

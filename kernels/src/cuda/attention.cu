@@ -13,6 +13,12 @@
 
 __device__ __forceinline__ i64 at4(i64 b, i64 s, i64 h, i64 S, i64 H, i64 HD) { return ((b * S + s) * H + h) * HD; }
 
+// Whether query i sees key j of batch b: causal, and with document ids
+// (docs [B, S], non-null) only within the query's document.
+__device__ __forceinline__ bool attn_visible(const int* docs, i64 b, i64 S, i64 i, i64 j) {
+    return j <= i && (!docs || docs[b * S + j] == docs[b * S + i]);
+}
+
 // [B, S, H, D] → [B, H, S, D] (to_heads = 1) or back (to_heads = 0).
 template <typename T>
 __device__ void attn_heads_impl(const T* src, T* dst, i64 B, i64 S, i64 H, i64 D, int to_heads) {
@@ -32,46 +38,55 @@ __device__ void attn_heads_impl(const T* src, T* dst, i64 B, i64 S, i64 H, i64 D
         attn_heads_impl<T>(src, dst, B, S, H, D, to_heads); }
 FOR_FLOATS(ATTN_HEADS)
 
-// Forward softmax, one block per score row: lse = log Σ_{j<=i} exp(scale·s_j)
-// and p_j = exp(scale·s_j − lse) for j <= i, 0 past the diagonal.
+// Forward softmax, one block per score row: lse = log Σ_{j visible} exp(scale·s_j)
+// and p_j = exp(scale·s_j − lse) for visible j, 0 elsewhere. Row r of the
+// chunk is query i = r % S of kv head unit u0 + r / unit_rows, batch
+// (that unit) / HKV (for the document ids).
 template <typename T>
-__device__ void attn_softmax_impl(const acc_t<T>* scores, T* p, acc_t<T>* lse, i64 rows, i64 S, double scale_d) {
+__device__ void attn_softmax_impl(const acc_t<T>* scores, T* p, acc_t<T>* lse, i64 rows, i64 S, double scale_d,
+                                  const int* docs, i64 u0, i64 unit_rows, i64 HKV) {
     typedef acc_t<T> A;
     __shared__ A sh[32];
     A scale = (A)scale_d;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        i64 i = r % S;
+        i64 i = r % S, b = (u0 + r / unit_rows) / HKV;
         const A* sr = scores + r * S;
         A m = neg_inf<A>();
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) m = fmax(m, sr[j] * scale);
+        for (i64 j = threadIdx.x; j <= i; j += blockDim.x)
+            if (attn_visible(docs, b, S, i, j)) m = fmax(m, sr[j] * scale);
         m = block_max(m, sh);
         A l = 0;
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) l += exp_(sr[j] * scale - m);
+        for (i64 j = threadIdx.x; j <= i; j += blockDim.x)
+            if (attn_visible(docs, b, S, i, j)) l += exp_(sr[j] * scale - m);
         l = block_sum(l, sh);
         A ls = m + log_(l);
         T* pr = p + r * S;
-        for (i64 j = threadIdx.x; j < S; j += blockDim.x) pr[j] = from_acc<T>(j <= i ? exp_(sr[j] * scale - ls) : (A)0);
+        for (i64 j = threadIdx.x; j < S; j += blockDim.x)
+            pr[j] = from_acc<T>(attn_visible(docs, b, S, i, j) ? exp_(sr[j] * scale - ls) : (A)0);
         if (threadIdx.x == 0) lse[r] = ls;
     }
 }
 #define ATTN_SOFTMAX(sfx, T) \
-    extern "C" __global__ void attn_softmax_##sfx(const acc_t<T>* scores, T* p, acc_t<T>* lse, i64 rows, i64 S, double scale) { \
-        attn_softmax_impl<T>(scores, p, lse, rows, S, scale); }
+    extern "C" __global__ void attn_softmax_##sfx(const acc_t<T>* scores, T* p, acc_t<T>* lse, i64 rows, i64 S, double scale, \
+                                                  const int* docs, i64 u0, i64 unit_rows, i64 HKV) { \
+        attn_softmax_impl<T>(scores, p, lse, rows, S, scale, docs, u0, unit_rows, HKV); }
 FOR_FLOATS(ATTN_SOFTMAX)
 
 // Backward: the forward's probabilities again, from the saved lse.
 template <typename T>
-__device__ void attn_probs_impl(const acc_t<T>* scores, T* p, const acc_t<T>* lse, i64 rows, i64 S, double scale_d) {
+__device__ void attn_probs_impl(const acc_t<T>* scores, T* p, const acc_t<T>* lse, i64 rows, i64 S, double scale_d,
+                                const int* docs, i64 u0, i64 unit_rows, i64 HKV) {
     typedef acc_t<T> A;
     A scale = (A)scale_d;
     GRID_LOOP(idx, rows * S) {
-        i64 r = idx / S, j = idx % S, i = r % S;
-        p[idx] = from_acc<T>(j <= i ? exp_(scores[idx] * scale - lse[r]) : (A)0);
+        i64 r = idx / S, j = idx % S, i = r % S, b = (u0 + r / unit_rows) / HKV;
+        p[idx] = from_acc<T>(attn_visible(docs, b, S, i, j) ? exp_(scores[idx] * scale - lse[r]) : (A)0);
     }
 }
 #define ATTN_PROBS(sfx, T) \
-    extern "C" __global__ void attn_probs_##sfx(const acc_t<T>* scores, T* p, const acc_t<T>* lse, i64 rows, i64 S, double scale) { \
-        attn_probs_impl<T>(scores, p, lse, rows, S, scale); }
+    extern "C" __global__ void attn_probs_##sfx(const acc_t<T>* scores, T* p, const acc_t<T>* lse, i64 rows, i64 S, double scale, \
+                                                const int* docs, i64 u0, i64 unit_rows, i64 HKV) { \
+        attn_probs_impl<T>(scores, p, lse, rows, S, scale, docs, u0, unit_rows, HKV); }
 FOR_FLOATS(ATTN_PROBS)
 
 // Score gradients, in place over the probabilities: ds = p·(dp − delta)·scale
@@ -179,10 +194,14 @@ __device__ __forceinline__ void fa_c_to_a(unsigned a[4], const float (*c)[4], in
 
 // Forward: block (query tile, query head, batch), heaviest tiles first.
 // Each warp owns 16 queries; K and V tiles of FA_BN keys stream through
-// shared memory, the next K copied while P·V runs.
+// shared memory, the next K copied while P·V runs. With document ids
+// (docs non-null, nondecreasing along the sequence) key tiles that end
+// before the document of the tile's first query are skipped whole, and
+// the rest masked per element.
 template <int HD>
 __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                               bf16* __restrict__ o, float* __restrict__ lse, i64 S, int HQ, int HKV, float scale_log2) {
+                               bf16* __restrict__ o, float* __restrict__ lse, i64 S, int HQ, int HKV, float scale_log2,
+                               const int* __restrict__ docs) {
     __shared__ __align__(128) bf16 sq[FA_BM * HD];
     __shared__ __align__(128) bf16 sk[FA_BN * HD];
     __shared__ __align__(128) bf16 sv[FA_BN * HD];
@@ -195,8 +214,13 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
     const bf16* qg = q + ((i64)b * S * HQ + h) * HD;
     const bf16* kg = k + ((i64)b * S * HKV + hk) * HD;
     const bf16* vg = v + ((i64)b * S * HKV + hk) * HD;
+    const int* dg = docs ? docs + (i64)b * S : nullptr;
+    // First key tile holding a key of the first query's document.
+    int j0 = 0;
+    if (dg)
+        while (j0 < qt && dg[(i64)(j0 + 1) * FA_BN - 1] < dg[q0]) ++j0;
     fa_load_tile<HD, FA_BM>(sq, qg, ldq, q0, S);
-    fa_load_tile<HD, FA_BN>(sk, kg, ldk, 0, S);
+    fa_load_tile<HD, FA_BN>(sk, kg, ldk, (i64)j0 * FA_BN, S);
     cp_async_commit();
     unsigned qf[HD / 16][4];
     float acc[HD / 8][4];
@@ -204,13 +228,16 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
     float m_row[2] = {neg_inf<float>(), neg_inf<float>()}, l_row[2] = {0.f, 0.f};
     // Query of this thread's accumulator rows hr = 0, 1.
     i64 qrow = q0 + warp * 16 + (lane >> 2);
-    int nkt = qt + 1;  // FA_BN == FA_BM: key tiles 0..qt, only the last masked
-    for (int j = 0; j < nkt; ++j) {
+    // FA_BN == FA_BM: key tiles j0..qt, only the last causally masked.
+    int nkt = qt + 1;
+    int qd[2];
+    for (int hr = 0; hr < 2; ++hr) qd[hr] = dg ? dg[min(qrow + hr * 8, S - 1)] : 0;
+    for (int j = j0; j < nkt; ++j) {
         fa_load_tile<HD, FA_BN>(sv, vg, ldk, (i64)j * FA_BN, S);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        if (j == 0)
+        if (j == j0)
             for (int kk = 0; kk < HD / 16; ++kk) fa_lda<HD>(qf[kk], sq, warp * 16, kk * 16);
         float s[FA_BN / 8][4];
         for (int i = 0; i < FA_BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
@@ -233,19 +260,22 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
                 for (int e = 0; e < 2; ++e) {
                     i64 kj = (i64)j * FA_BN + nt * 8 + (lane & 3) * 2 + e;
                     float x = s[nt][hr * 2 + e] * scale_log2;
-                    if (j == qt && kj > qi) x = neg_inf<float>();
+                    if ((j == qt && kj > qi) || (dg && (kj >= S || dg[kj] != qd[hr]))) x = neg_inf<float>();
                     s[nt][hr * 2 + e] = x;
                     mx = fmaxf(mx, x);
                 }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // Key 0 is never masked, so mx is finite from the first step on.
-            float alpha = exp2f(m_row[hr] - mx);
+            // Without documents key 0 is never masked, so mx is finite from
+            // the first step on; with them a row may see no key of a tile
+            // yet (mx = −inf): nothing is rescaled and every p is 0.
+            float mref = mx == neg_inf<float>() ? 0.f : mx;
+            float alpha = mx == neg_inf<float>() ? 1.f : exp2f(m_row[hr] - mx);
             m_row[hr] = mx;
             float sum = 0.f;
             for (int nt = 0; nt < FA_BN / 8; ++nt)
                 for (int e = 0; e < 2; ++e) {
-                    float p = exp2f(s[nt][hr * 2 + e] - mx);
+                    float p = exp2f(s[nt][hr * 2 + e] - mref);
                     s[nt][hr * 2 + e] = p;
                     sum += p;
                 }
@@ -285,8 +315,9 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
 
 #define FLASH_FWD(HD) \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_fwd_bf16_hd##HD( \
-        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, i64 S, int HQ, int HKV, float scale_log2) { \
-        flash_fwd_impl<HD>(q, k, v, o, lse, S, HQ, HKV, scale_log2); }
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, i64 S, int HQ, int HKV, float scale_log2, \
+        const int* docs) { \
+        flash_fwd_impl<HD>(q, k, v, o, lse, S, HQ, HKV, scale_log2, docs); }
 FLASH_FWD(64)
 FLASH_FWD(128)
 
@@ -340,12 +371,14 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 // dV += Pᵀ·dO, dK += dSᵀ·Q with dSᵀ = Pᵀ ∘ (V·dOᵀ − delta); the block's
 // dS goes through shared memory into dQ += dS·K, added to an f32
 // accumulator with vector reductions. dK gets the scale at the end, dQ in
-// flash_dq_bf16.
+// flash_dq_bf16. With document ids (docs non-null, nondecreasing) query
+// tiles that start past the document of the key tile's last key are
+// skipped whole, and the rest masked per element.
 template <int HD>
 __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ delta,
                                float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv, i64 S, int HQ,
-                               int HKV, float scale) {
+                               int HKV, float scale, const int* __restrict__ docs) {
     extern __shared__ __align__(128) unsigned char fa_dyn[];
     bf16* sk = reinterpret_cast<bf16*>(fa_dyn);
     bf16* sv = sk + FA_BN * HD;
@@ -367,6 +400,11 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
     for (int i = 0; i < HD / 8; ++i)
         for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.f;
     int nq = (int)((S - k0 + FA_BQ - 1) / FA_BQ);  // query tiles from k0 on
+    const int* dg = docs ? docs + (i64)b * S : nullptr;
+    if (dg) {
+        int last_doc = dg[min(k0 + FA_BN, S) - 1];
+        while (nq > 1 && dg[k0 + (i64)(nq - 1) * FA_BQ] > last_doc) --nq;
+    }
     int steps = G * nq;
     // Issues the copies of step `it` (query head, query tile) into buffer `buf`.
     auto load_step = [&](int it, int buf) {
@@ -419,7 +457,8 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
         for (int nt = 0; nt < FA_BQ / 8; ++nt)
             for (int e = 0; e < 4; ++e) {
                 int kr = key_row + (e >> 1) * 8, qc = nt * 8 + (lane & 3) * 2 + (e & 1);
-                bool live = q0 + qc >= k0 + kr;
+                i64 qi = q0 + qc, kj = k0 + kr;
+                bool live = qi >= kj && (!dg || (qi < S && kj < S && dg[qi] == dg[kj]));
                 float p = live ? exp2f(st[nt][e] * scale * LOG2E - tl[qc]) : 0.f;
                 st[nt][e] = p;
                 dpt[nt][e] = p * (dpt[nt][e] - td[qc]);
@@ -487,7 +526,7 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
 #define FLASH_BWD(HD) \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_bf16_hd##HD( \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* delta, \
-        float* dq_acc, bf16* dk, bf16* dv, i64 S, int HQ, int HKV, float scale) { \
-        flash_bwd_impl<HD>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, S, HQ, HKV, scale); }
+        float* dq_acc, bf16* dk, bf16* dv, i64 S, int HQ, int HKV, float scale, const int* docs) { \
+        flash_bwd_impl<HD>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, S, HQ, HKV, scale, docs); }
 FLASH_BWD(64)
 FLASH_BWD(128)

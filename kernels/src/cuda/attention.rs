@@ -132,6 +132,11 @@ impl Dims {
     }
 }
 
+/// The device address of the document ids, or null (0) without them.
+fn docs_ptr(docs: Option<&Tensor<Cuda>>) -> u64 {
+    docs.map_or(0, |t| t.storage().ptr())
+}
+
 /// An address `n` elements of `size` bytes past `base`.
 fn at(base: u64, n: usize, size: usize) -> u64 {
     base + (n * size) as u64
@@ -212,10 +217,13 @@ impl Cuda {
         q: &Tensor<Self>,
         k: &Tensor<Self>,
         v: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
         budget: usize,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention";
         let d = Dims::new(OP, q, k, v, budget)?;
+        crate::backend::check_docs(OP, q, docs)?;
+        let docs_ptr = docs_ptr(docs);
         let sfx = float_sfx(OP, d.dtype)?;
         let lse = self.alloc(OP, &[d.b, d.hq, d.s], acc_type(d.dtype))?;
         if q.numel() == 0 || d.hd == 0 {
@@ -244,7 +252,11 @@ impl Cuda {
                 at(lse.storage().ptr(), u0 * rows, d.acc_elem()),
                 (n * rows) as i64,
                 s as i64,
-                d.scale()
+                d.scale(),
+                docs_ptr,
+                u0 as i64,
+                rows as i64,
+                d.hkv as i64
             )?;
             // oh[u] (G·S × Hd) = p[u] (G·S × S) · vh[u] (S × Hd).
             self.row_gemm(
@@ -283,12 +295,15 @@ impl Cuda {
         v: &Tensor<Self>,
         o: &Tensor<Self>,
         lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
         budget: usize,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention_backward";
         let d = Dims::new(OP, q, k, v, budget)?;
         let sfx = float_sfx(OP, d.dtype)?;
         d.check_backward(OP, q, d_o, o, lse)?;
+        crate::backend::check_docs(OP, q, docs)?;
+        let docs_ptr = docs_ptr(docs);
         if q.numel() == 0 || d.hd == 0 {
             return Ok((
                 self.zeros(q.shape(), d.dtype)?,
@@ -375,7 +390,11 @@ impl Cuda {
                 lse_at,
                 (n * rows) as i64,
                 s as i64,
-                d.scale()
+                d.scale(),
+                docs_ptr,
+                u0 as i64,
+                rows as i64,
+                d.hkv as i64
             )?;
             // dV[u] (S × Hd) = P[u]ᵀ (S × G·S) · dO[u] (G·S × Hd): the sum
             // over the kv head's G query heads is part of the product.
@@ -477,6 +496,7 @@ impl Cuda {
         q: &Tensor<Self>,
         k: &Tensor<Self>,
         v: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention";
         let o = self.alloc(OP, q.shape(), d.dtype)?;
@@ -499,7 +519,8 @@ impl Cuda {
             d.s as i64,
             d.hq as i32,
             d.hkv as i32,
-            (d.scale() * std::f64::consts::LOG2_E) as f32
+            (d.scale() * std::f64::consts::LOG2_E) as f32,
+            docs_ptr(docs)
         )?;
         Ok((o, lse))
     }
@@ -517,6 +538,7 @@ impl Cuda {
         v: &Tensor<Self>,
         o: &Tensor<Self>,
         lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention_backward";
         let rows = d.b * d.hq * d.s;
@@ -567,7 +589,8 @@ impl Cuda {
             d.s as i64,
             d.hq as i32,
             d.hkv as i32,
-            d.scale() as f32
+            d.scale() as f32,
+            docs_ptr(docs)
         )?;
         let dq = self.alloc(OP, q.shape(), d.dtype)?;
         let f = self.func(ATTENTION, "flash_dq_bf16")?;
@@ -590,11 +613,13 @@ impl AttentionOps for Cuda {
         q: &Tensor<Self>,
         k: &Tensor<Self>,
         v: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let d = Dims::new("attention", q, k, v, SCORE_BUDGET)?;
+        crate::backend::check_docs("attention", q, docs)?;
         match flash_head_dim(&d) {
-            Some(hd) if q.numel() > 0 => self.flash_attention(&d, hd, q, k, v),
-            _ => self.attention_chunked(q, k, v, SCORE_BUDGET),
+            Some(hd) if q.numel() > 0 => self.flash_attention(&d, hd, q, k, v, docs),
+            _ => self.attention_chunked(q, k, v, docs, SCORE_BUDGET),
         }
     }
 
@@ -606,15 +631,17 @@ impl AttentionOps for Cuda {
         v: &Tensor<Self>,
         o: &Tensor<Self>,
         lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention_backward";
         let d = Dims::new(OP, q, k, v, SCORE_BUDGET)?;
         match flash_head_dim(&d) {
             Some(hd) if q.numel() > 0 => {
                 d.check_backward(OP, q, d_o, o, lse)?;
-                self.flash_attention_backward(&d, hd, d_o, q, k, v, o, lse)
+                crate::backend::check_docs(OP, q, docs)?;
+                self.flash_attention_backward(&d, hd, d_o, q, k, v, o, lse, docs)
             }
-            _ => self.attention_backward_chunked(d_o, q, k, v, o, lse, SCORE_BUDGET),
+            _ => self.attention_backward_chunked(d_o, q, k, v, o, lse, docs, SCORE_BUDGET),
         }
     }
 }
@@ -684,31 +711,58 @@ mod tests {
             let d_o = random_bf16(&d, &[b, s, hq, hd], 14);
             let dims = Dims::new("test", &q, &k, &v, SCORE_BUDGET).unwrap();
             assert_eq!(flash_head_dim(&dims), Some(hd), "the flash path applies");
-            let (fo, fl) = d.flash_attention(&dims, hd, &q, &k, &v).unwrap();
-            let fg = d
-                .flash_attention_backward(&dims, hd, &d_o, &q, &k, &v, &fo, &fl)
-                .unwrap();
-            // The same inputs through the cuBLAS path (f32 scores).
-            let co = d.attention_chunked(&q, &k, &v, SCORE_BUDGET).unwrap();
-            let cl = d
-                .attention_backward_chunked(&d_o, &q, &k, &v, &fo, &fl, SCORE_BUDGET)
-                .unwrap();
-            let what = format!("B={b} S={s} Hq={hq} Hkv={hkv} Hd={hd}");
-            for (name, got, want, tol) in [
-                ("o", &fo, &co.0, 1e-2),
-                ("lse", &fl, &co.1, 1e-2),
-                ("dq", &fg.0, &cl.0, 2e-2),
-                ("dk", &fg.1, &cl.1, 2e-2),
-                ("dv", &fg.2, &cl.2, 2e-2),
-            ] {
-                let r = rel_diff(&host_bf16(&d, got), &host_bf16(&d, want));
-                println!("flash vs cuBLAS {what} {name}: {r:e}");
-                assert!(
-                    r < tol,
-                    "{what}: flash {name} differs from the cuBLAS path by {r:e}"
+            // Without documents, and with documents of 1 to 90 tokens
+            // (tiles skipped whole and tiles masked in part).
+            for docs in [None, Some(doc_ids(&d, b, s))] {
+                let docs = docs.as_ref();
+                let (fo, fl) = d.flash_attention(&dims, hd, &q, &k, &v, docs).unwrap();
+                let fg = d
+                    .flash_attention_backward(&dims, hd, &d_o, &q, &k, &v, &fo, &fl, docs)
+                    .unwrap();
+                // The same inputs through the cuBLAS path (f32 scores).
+                let co = d.attention_chunked(&q, &k, &v, docs, SCORE_BUDGET).unwrap();
+                let cl = d
+                    .attention_backward_chunked(&d_o, &q, &k, &v, &fo, &fl, docs, SCORE_BUDGET)
+                    .unwrap();
+                let what = format!(
+                    "B={b} S={s} Hq={hq} Hkv={hkv} Hd={hd} docs={}",
+                    docs.is_some()
                 );
+                for (name, got, want, tol) in [
+                    ("o", &fo, &co.0, 1e-2),
+                    ("lse", &fl, &co.1, 1e-2),
+                    ("dq", &fg.0, &cl.0, 2e-2),
+                    ("dk", &fg.1, &cl.1, 2e-2),
+                    ("dv", &fg.2, &cl.2, 2e-2),
+                ] {
+                    let r = rel_diff(&host_bf16(&d, got), &host_bf16(&d, want));
+                    println!("flash vs cuBLAS {what} {name}: {r:e}");
+                    assert!(
+                        r < tol,
+                        "{what}: flash {name} differs from the cuBLAS path by {r:e}"
+                    );
+                }
             }
         }
+    }
+
+    /// `[B, S]` document ids of documents of 1, 90, 5, 37, ... tokens
+    /// (restarting per sequence), uploaded as i32.
+    fn doc_ids(d: &Cuda, b: usize, s: usize) -> Tensor<Cuda> {
+        let lens = [1usize, 90, 5, 37, 64, 3];
+        let mut ids = Vec::with_capacity(b * s);
+        for bi in 0..b {
+            let (mut doc, mut left) = (0i32, lens[bi % lens.len()]);
+            for _ in 0..s {
+                if left == 0 {
+                    doc += 1;
+                    left = lens[(bi + doc as usize) % lens.len()];
+                }
+                ids.push(doc);
+                left -= 1;
+            }
+        }
+        d.upload(HostData::I32(ids), &[b, s]).unwrap()
     }
 
     /// Chunks of one kv head give the results of one chunk of all (to
@@ -728,8 +782,13 @@ mod tests {
         let v = random(&d, &[b, s, hkv, hd], 3);
         let d_o = random(&d, &[b, s, hq, hd], 4);
         let one_head = (hq / hkv) * s * s * 4;
-        let (o1, l1) = d.attention_chunked(&q, &k, &v, one_head).unwrap();
-        let (o2, l2) = d.attention_chunked(&q, &k, &v, usize::MAX).unwrap();
+        let docs = doc_ids(&d, b, s);
+        let (o1, l1) = d
+            .attention_chunked(&q, &k, &v, Some(&docs), one_head)
+            .unwrap();
+        let (o2, l2) = d
+            .attention_chunked(&q, &k, &v, Some(&docs), usize::MAX)
+            .unwrap();
         let close = |a: &Tensor<Cuda>, b: &Tensor<Cuda>, what: &str| {
             let r = rel_diff(&host(&d, a), &host(&d, b));
             assert!(r < 1e-5, "{what}: chunked differs by {r:e}");
@@ -737,10 +796,10 @@ mod tests {
         close(&o1, &o2, "o");
         close(&l1, &l2, "lse");
         let g1 = d
-            .attention_backward_chunked(&d_o, &q, &k, &v, &o1, &l1, one_head)
+            .attention_backward_chunked(&d_o, &q, &k, &v, &o1, &l1, Some(&docs), one_head)
             .unwrap();
         let g2 = d
-            .attention_backward_chunked(&d_o, &q, &k, &v, &o2, &l2, usize::MAX)
+            .attention_backward_chunked(&d_o, &q, &k, &v, &o2, &l2, Some(&docs), usize::MAX)
             .unwrap();
         close(&g1.0, &g2.0, "dq");
         close(&g1.1, &g2.1, "dk");

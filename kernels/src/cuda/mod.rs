@@ -916,15 +916,15 @@ mod tests {
             "attention bf16 fwd (flash; FOLDMOE_ATTENTION=cublas: cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
             causal,
             &|| {
-                d.attention(&q, &kv, &kv).unwrap();
+                d.attention(&q, &kv, &kv, None).unwrap();
             },
         );
-        let (o, lse) = d.attention(&q, &kv, &kv).unwrap();
+        let (o, lse) = d.attention(&q, &kv, &kv, None).unwrap();
         time(
             "attention bf16 bwd (flash; FOLDMOE_ATTENTION=cublas: cuBLAS) B=4 S=4096 Hq=32 Hkv=4 Hd=128",
             2.0 * causal,
             &|| {
-                d.attention_backward(&q, &q, &kv, &kv, &o, &lse).unwrap();
+                d.attention_backward(&q, &q, &kv, &kv, &o, &lse, None).unwrap();
             },
         );
         let y = bf16(&[t, h]);

@@ -88,19 +88,29 @@ template <typename T> __device__ void rmsnorm_dw_finish_impl(const acc_t<T>* par
 FOR_FLOATS(RMSNORM_DW_FINISH)
 
 // Rotate-half RoPE: one thread per (b, s, h, i < Hd/2) pair; channel i pairs
-// with i + Hd/2 and both turn by pos·θ^(−2i/Hd), the angle formed in f64.
+// with i + Hd/2 and both turn by pos·f_i, the angle formed in f64; pos is s,
+// or positions[b, s] when given (non-null). f_i = θ^(−2i/Hd), blended by
+// YaRN's ramp r_i = clamp((i − low)/(high − low), 0, 1) as f_i/factor·r_i +
+// f_i·(1 − r_i) (factor 1, low 0, high 1 leave it f_i); cos and sin are
+// multiplied by amp.
 // The inverse frequencies θ^(−2i/Hd) are formed once per block in shared
 // memory (ROPE_FREQS of them; per pair past that). For f32 and bf16 the
 // angle is reduced to [−π, π] in f64 and turned by the f32 sincos (error
 // ~1e-7, below f32 resolution of the result); f64 keeps f64 sin and cos.
 #define ROPE_FREQS 512
+__device__ __forceinline__ double rope_freq(i64 i, i64 hd, double theta, double factor, double low, double high) {
+    double f = pow(theta, -2.0 * (double)i / (double)hd);
+    double r = fmin(fmax(((double)i - low) / (high - low), 0.0), 1.0);
+    return f / factor * r + f * (1.0 - r);
+}
 template <typename T>
-__device__ void rope_impl(const T* x, T* out, i64 s, i64 h, i64 hd, double theta, double sign, i64 pairs) {
+__device__ void rope_impl(const T* x, T* out, const int* positions, i64 s, i64 h, i64 hd, double theta, double sign,
+                          double factor, double low, double high, double amp, i64 pairs) {
     typedef acc_t<T> A;
     __shared__ double freqs[ROPE_FREQS];
     i64 half = hd / 2;
     for (i64 i = threadIdx.x; i < half && i < ROPE_FREQS; i += blockDim.x)
-        freqs[i] = pow(theta, -2.0 * (double)i / (double)hd);
+        freqs[i] = rope_freq(i, hd, theta, factor, low, high);
     __syncthreads();
     GRID_LOOP(p, pairs) {
         i64 i, bsh, pos;  // bsh: (b, s, h) flattened
@@ -110,24 +120,24 @@ __device__ void rope_impl(const T* x, T* out, i64 s, i64 h, i64 hd, double theta
             unsigned pu = (unsigned)p, hu = (unsigned)half, bu = pu / hu;
             i = pu - bu * hu;
             bsh = bu;
-            pos = (bu / (unsigned)h) % (unsigned)s;
+            pos = positions ? (i64)positions[bu / (unsigned)h] : (i64)((bu / (unsigned)h) % (unsigned)s);
         } else {
             i = p % half;
             bsh = p / half;
-            pos = (bsh / h) % s;
+            pos = positions ? (i64)positions[bsh / h] : (bsh / h) % s;
         }
-        double f = i < ROPE_FREQS ? freqs[i] : pow(theta, -2.0 * (double)i / (double)hd);
+        double f = i < ROPE_FREQS ? freqs[i] : rope_freq(i, hd, theta, factor, low, high);
         double a = (double)pos * f;
         A c, sn;
         if constexpr (sizeof(A) == 8) {
-            c = cos(a);
-            sn = sign * sin(a);
+            c = amp * cos(a);
+            sn = amp * sign * sin(a);
         } else {
             const double two_pi = 6.283185307179586;
             float r = (float)(a - two_pi * rint(a / two_pi)), sf, cf;
             sincosf(r, &sf, &cf);
-            c = cf;
-            sn = (float)sign * sf;
+            c = (float)amp * cf;
+            sn = (float)(amp * sign) * sf;
         }
         i64 at = bsh * hd;
         A x1 = to_acc(x[at + i]), x2 = to_acc(x[at + i + half]);
@@ -136,6 +146,7 @@ __device__ void rope_impl(const T* x, T* out, i64 s, i64 h, i64 hd, double theta
     }
 }
 #define ROPE(sfx, T) \
-    extern "C" __global__ void rope_##sfx(const T* x, T* out, i64 s, i64 h, i64 hd, double theta, double sign, i64 pairs) { \
-        rope_impl<T>(x, out, s, h, hd, theta, sign, pairs); }
+    extern "C" __global__ void rope_##sfx(const T* x, T* out, const int* positions, i64 s, i64 h, i64 hd, double theta, \
+                                          double sign, double factor, double low, double high, double amp, i64 pairs) { \
+        rope_impl<T>(x, out, positions, s, h, hd, theta, sign, factor, low, high, amp, pairs); }
 FOR_FLOATS(ROPE)

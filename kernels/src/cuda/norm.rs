@@ -8,7 +8,7 @@ use cudarc::driver::LaunchConfig;
 
 use super::compile::NORM;
 use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
-use crate::backend::NormOps;
+use crate::backend::{check_positions, NormOps, Rope};
 use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -130,38 +130,42 @@ impl NormOps for Cuda {
         Ok((dx, dw))
     }
 
-    fn rope(&self, x: &Tensor<Self>, theta: f64, inverse: bool) -> Result<Tensor<Self>> {
+    fn rope(
+        &self,
+        x: &Tensor<Self>,
+        rope: Rope,
+        inverse: bool,
+        positions: Option<&Tensor<Self>>,
+    ) -> Result<Tensor<Self>> {
         const OP: &str = "rope";
         let sfx = float_sfx(OP, x.dtype())?;
         let (_b, s, h, hd) = x.dims4(OP)?;
-        if !hd.is_multiple_of(2) {
-            return Err(arg_err(
-                OP,
-                format!("head dim Hd = {hd} must be even to pair its halves"),
-            ));
-        }
-        if !(theta.is_finite() && theta > 0.0) {
-            return Err(arg_err(
-                OP,
-                format!("theta = {theta} must be finite and > 0"),
-            ));
-        }
+        rope.check(OP, hd)?;
+        check_positions(OP, x, positions)?;
         let out = self.alloc(OP, x.shape(), x.dtype())?;
         let pairs = x.numel() / 2;
         if pairs > 0 {
             let f = self.func(NORM, &format!("rope_{sfx}"))?;
             let sign = if inverse { -1.0f64 } else { 1.0 };
+            let (factor, low, high) = rope
+                .yarn
+                .map_or((1.0, 0.0, 1.0), |y| (y.factor, y.low, y.high));
             launch!(
                 self,
                 f,
                 grid_for(pairs),
                 x.storage().ptr(),
                 out.storage().ptr(),
+                positions.map_or(0u64, |p| p.storage().ptr()),
                 s as i64,
                 h as i64,
                 hd as i64,
-                theta,
+                rope.theta,
                 sign,
+                factor,
+                low,
+                high,
+                rope.amplitude(),
                 pairs as i64
             )?;
         }

@@ -328,6 +328,17 @@ fn decode(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
     })
 }
 
+/// `x` rounded to bfloat16 (nearest, ties to even; NaN stays NaN): exact
+/// for a value that came from bf16.
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
 /// IEEE half to f32.
 fn f16_to_f32(h: u16) -> f32 {
     let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
@@ -738,9 +749,64 @@ fn hf_outputs(naming: &Naming<'_>, t: &ParamTensor) -> Result<Vec<Planned>> {
     })
 }
 
+/// The dtype an export writes its tensors in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExportDtype {
+    /// IEEE single precision (`F32`, `float32`).
+    F32,
+    /// bfloat16, rounded to nearest even (`BF16`, `bfloat16`).
+    Bf16,
+}
+
+impl ExportDtype {
+    /// `bf16` or `f32` (a flag's value); anything else is an error naming it.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "f32" | "float32" => Ok(ExportDtype::F32),
+            "bf16" | "bfloat16" => Ok(ExportDtype::Bf16),
+            other => Err(err(format!("--dtype {other}: choose bf16 or f32"))),
+        }
+    }
+
+    /// What a Hugging Face `config.json` says its weights are
+    /// (`torch_dtype`, or transformers 5's `dtype`), when bf16 or f32.
+    pub fn of_config(raw: &serde_json::Map<String, serde_json::Value>) -> Option<Self> {
+        let named = raw.get("torch_dtype").or_else(|| raw.get("dtype"))?;
+        match named.as_str()? {
+            "float32" => Some(ExportDtype::F32),
+            "bfloat16" => Some(ExportDtype::Bf16),
+            _ => None,
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            ExportDtype::F32 => 4,
+            ExportDtype::Bf16 => 2,
+        }
+    }
+
+    /// The safetensors header's name.
+    fn safetensors(self) -> &'static str {
+        match self {
+            ExportDtype::F32 => "F32",
+            ExportDtype::Bf16 => "BF16",
+        }
+    }
+
+    /// The config's name (`torch_dtype`).
+    fn torch(self) -> &'static str {
+        match self {
+            ExportDtype::F32 => "float32",
+            ExportDtype::Bf16 => "bfloat16",
+        }
+    }
+}
+
 /// Exports checkpoint `ckpt` (of `cfg.spec`) as a Hugging Face directory
-/// `out`: `config.json` (`cfg.raw`, less an fp8 `quantization_config`), and the tensors in f32 in files of at
-/// most `max_shard_bytes` (one `model.safetensors`, or shards and
+/// `out`: `config.json` (`cfg.raw`, less an fp8 `quantization_config`, its
+/// dtype `dtype`), and the tensors in `dtype` in files of at most
+/// `max_shard_bytes` (one `model.safetensors`, or shards and
 /// `model.safetensors.index.json`). Returns the files written.
 pub fn export(
     source: &Source,
@@ -748,7 +814,9 @@ pub fn export(
     experts: ExpertLayout,
     out: &Path,
     max_shard_bytes: u64,
+    dtype: ExportDtype,
 ) -> Result<Vec<PathBuf>> {
+    let elem = dtype.bytes();
     let spec = &cfg.spec;
     let tensors = model_tensors(spec);
     // Mixtral's published per-expert names, or transformers 5's fused ones.
@@ -770,7 +838,7 @@ pub fn export(
     let mut size = 0u64;
     for (i, outs) in plans.iter().enumerate() {
         for (k, o) in outs.iter().enumerate() {
-            let bytes = 4 * o.shape.iter().product::<usize>() as u64;
+            let bytes = (elem * o.shape.iter().product::<usize>()) as u64;
             if size > 0 && size + bytes > max_shard_bytes {
                 files.push(Vec::new());
                 size = 0;
@@ -796,10 +864,10 @@ pub fn export(
         let mut at = 0usize;
         for &(i, k) in list {
             let o = &plans[i][k];
-            let len = 4 * o.shape.iter().product::<usize>();
+            let len = elem * o.shape.iter().product::<usize>();
             header.insert(
                 o.name.clone(),
-                serde_json::json!({"dtype": "F32", "shape": o.shape, "data_offsets": [at, at + len]}),
+                serde_json::json!({"dtype": dtype.safetensors(), "shape": o.shape, "data_offsets": [at, at + len]}),
             );
             weight_map.insert(o.name.clone(), file_name(f).into());
             where_of[i].push(f);
@@ -862,14 +930,14 @@ pub fn export(
                         }
                         // Written in the gate's place.
                         let f = where_of[i - 1][0];
-                        write_values(&mut writers[f], &fused)?;
+                        write_values(&mut writers[f], &fused, dtype)?;
                     }
                     (ExpertLayout::Fused, Proj::Down) => chunks.push(per.concat()),
                 }
             }
         }
         for (k, c) in chunks.iter().enumerate() {
-            write_values(&mut writers[where_of[i][k]], c)?;
+            write_values(&mut writers[where_of[i][k]], c, dtype)?;
         }
     }
     let mut paths = Vec::new();
@@ -884,7 +952,7 @@ pub fn export(
         let total: u64 = plans
             .iter()
             .flatten()
-            .map(|o| 4 * o.shape.iter().product::<usize>() as u64)
+            .map(|o| (elem * o.shape.iter().product::<usize>()) as u64)
             .sum();
         let index =
             serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
@@ -893,10 +961,10 @@ pub fn export(
         fs::write(&path, text).map_err(|e| io_err("cannot write", &path, e))?;
         paths.push(path);
     }
-    // The tensors are written dequantised, in f32.
+    // The tensors are written dequantised, in `dtype`.
     let mut raw = cfg.raw.clone();
     raw.remove("quantization_config");
-    raw.insert("dtype".into(), "float32".into());
+    raw.insert("dtype".into(), dtype.torch().into());
     raw.remove("torch_dtype");
     let path = out.join("config.json");
     let text = serde_json::to_string_pretty(&raw).expect("JSON");
@@ -905,10 +973,17 @@ pub fn export(
     Ok(paths)
 }
 
-fn write_values(w: &mut (PathBuf, std::io::BufWriter<fs::File>), v: &[f32]) -> Result<()> {
-    let mut bytes = Vec::with_capacity(4 * v.len());
+fn write_values(
+    w: &mut (PathBuf, std::io::BufWriter<fs::File>),
+    v: &[f32],
+    dtype: ExportDtype,
+) -> Result<()> {
+    let mut bytes = Vec::with_capacity(dtype.bytes() * v.len());
     for x in v {
-        bytes.extend_from_slice(&x.to_le_bytes());
+        match dtype {
+            ExportDtype::F32 => bytes.extend_from_slice(&x.to_le_bytes()),
+            ExportDtype::Bf16 => bytes.extend_from_slice(&bf16_bits(*x).to_le_bytes()),
+        }
     }
     w.1.write_all(&bytes)
         .map_err(|e| io_err("cannot write", &w.0, e))

@@ -17,6 +17,12 @@
 //! RoPE sees each token's original position. Padding rows get a zero output
 //! gradient, which makes their contribution to every gradient exactly zero.
 //!
+//! Documents (reset positions and attention at end-of-document) carry over
+//! unchanged: every tensor here is in natural order, so the keys take the
+//! whole sequences' positions and a chunk's padded queries and key prefix
+//! the prefix's positions and document ids — the padding rows are queries
+//! of the prefix's own tokens, so each sees at least itself.
+//!
 //! Shapes: B sequences of the micro-batch, S sequence, L = S / cp tokens of
 //! a sequence held here, c = S / 2cp chunk, T = B·L tokens held, D hidden,
 //! Hq / Hkv heads held (under tp), Hd head dim, P = (g+1)·c a key prefix.
@@ -25,6 +31,7 @@ use foldmoe_kernels::{Backend, HostData, Tensor};
 
 use super::{Exec, LayerGroups};
 use crate::engine::attention::{project_backward, Attention};
+use crate::engine::documents::DocTensors;
 use crate::engine::{EngineError, Result};
 use crate::layout::{cp_chunks, cp_positions};
 
@@ -167,6 +174,9 @@ pub struct CpAttentionSaved<B: Backend> {
     v_nat: Tensor<B>,
     /// Per held chunk: the rotated padded queries, their output and log-sum-exp.
     slots: Vec<(Tensor<B>, Tensor<B>, Tensor<B>)>,
+    /// The micro-batch's documents (natural order) and each held chunk's
+    /// prefix of them (not counted: a few ints per token).
+    docs: Option<(DocTensors<B>, Vec<DocTensors<B>>)>,
     o_td: Tensor<B>,
     index: CpIndex<B>,
 }
@@ -231,12 +241,22 @@ pub fn forward<B: Backend>(
     }
     let batch = t / local;
     let index = CpIndex::new(b, batch, seq_len, cp, cp_i)?;
-    let (hq, hkv, hd, theta) = (
-        attn.heads(),
-        attn.kv_heads(),
-        attn.head_dim(),
-        attn.rope_theta(),
-    );
+    let (hq, hkv, hd, rope) = (attn.heads(), attn.kv_heads(), attn.head_dim(), attn.rope());
+    let docs = ctx.docs;
+    let prefixes = docs
+        .map(|d| {
+            index
+                .slots
+                .iter()
+                .map(|s| d.prefix(b, s.prefix))
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
+    let positions = |i: Option<usize>| match (docs, &prefixes, i) {
+        (Some(d), _, None) => d.positions.as_ref(),
+        (_, Some(p), Some(i)) => p[i].positions.as_ref(),
+        _ => None,
+    };
     let q_td = b.matmul(x_td, &attn.wq.value, false, false)?;
     let k_td = b.matmul(x_td, &attn.wk.value, false, false)?;
     let v_td = b.matmul(x_td, &attn.wv.value, false, false)?;
@@ -247,25 +267,28 @@ pub fn forward<B: Backend>(
     let k_rot = b
         .rope(
             &natural(&k_td)?.reshape(&[batch, seq_len, hkv, hd])?,
-            theta,
+            rope,
             false,
+            positions(None),
         )?
         .reshape(&[batch * seq_len, hkv * hd])?;
     let v_nat = natural(&v_td)?;
     let q_src = with_zero_row(b, &q_td)?;
     let mut slots = Vec::with_capacity(2);
     let mut chunks = Vec::with_capacity(2);
-    for s in &index.slots {
+    for (i, s) in index.slots.iter().enumerate() {
         let p = s.prefix;
         let q_pad = b.rope(
             &b.permute(&q_src, &s.q_pad_src)?
                 .reshape(&[batch, p, hq, hd])?,
-            theta,
+            rope,
             false,
+            positions(Some(i)),
         )?;
         let k = s.prefix(b, &k_rot, batch, hkv, hd)?;
         let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
-        let (o_pad, lse) = b.attention(&q_pad, &k, &v)?;
+        let mask = prefixes.as_ref().and_then(|p| p[i].docs.as_ref());
+        let (o_pad, lse) = b.attention(&q_pad, &k, &v, mask)?;
         chunks.push(b.permute(&o_pad.clone().reshape(&[batch * p, hq * hd])?, &s.chunk_src)?);
         slots.push((q_pad, o_pad, lse));
     }
@@ -278,6 +301,7 @@ pub fn forward<B: Backend>(
             k_rot,
             v_nat,
             slots,
+            docs: docs.cloned().zip(prefixes),
             o_td,
             index,
         },
@@ -300,16 +324,14 @@ pub fn backward<B: Backend>(
         k_rot,
         v_nat,
         slots,
+        docs,
         o_td,
         index,
     } = saved;
     let (batch, seq) = (index.batch, index.seq);
-    let (hq, hkv, hd, theta) = (
-        attn.heads(),
-        attn.kv_heads(),
-        attn.head_dim(),
-        attn.rope_theta(),
-    );
+    let (hq, hkv, hd, rope) = (attn.heads(), attn.kv_heads(), attn.head_dim(), attn.rope());
+    let whole_positions = docs.as_ref().and_then(|(d, _)| d.positions.as_ref());
+    let prefix = |i: usize| docs.as_ref().map(|(_, p)| &p[i]);
     attn.wo
         .accumulate(b, &b.matmul(&o_td, dy_td, true, false)?)?;
     let do_src = with_zero_row(b, &b.matmul(dy_td, &attn.wo.value, false, true)?)?;
@@ -317,16 +339,20 @@ pub fn backward<B: Backend>(
     let mut dk_rot = b.zeros(&[rows, hkv * hd], k_rot.dtype())?;
     let mut dv_nat = b.zeros(&[rows, hkv * hd], v_nat.dtype())?;
     let mut dq_chunks = Vec::with_capacity(2);
-    for (s, (q_pad, o_pad, lse)) in index.slots.iter().zip(slots) {
+    for (i, (s, (q_pad, o_pad, lse))) in index.slots.iter().zip(slots).enumerate() {
         let p = s.prefix;
+        let (mask, positions) = (
+            prefix(i).and_then(|d| d.docs.as_ref()),
+            prefix(i).and_then(|d| d.positions.as_ref()),
+        );
         let do_pad = b
             .permute(&do_src, &s.q_pad_src)?
             .reshape(&[batch, p, hq, hd])?;
         let k = s.prefix(b, &k_rot, batch, hkv, hd)?;
         let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
-        let (dq_pad, dk, dv) = b.attention_backward(&do_pad, &q_pad, &k, &v, &o_pad, &lse)?;
+        let (dq_pad, dk, dv) = b.attention_backward(&do_pad, &q_pad, &k, &v, &o_pad, &lse, mask)?;
         let dq = b
-            .rope(&dq_pad, theta, true)?
+            .rope(&dq_pad, rope, true, positions)?
             .reshape(&[batch * p, hq * hd])?;
         dq_chunks.push(b.permute(&dq, &s.chunk_src)?);
         let scatter = |d: Tensor<B>| -> Result<Tensor<B>> {
@@ -340,7 +366,12 @@ pub fn backward<B: Backend>(
         &index.assemble_src,
     )?;
     let dk_nat = b
-        .rope(&dk_rot.reshape(&[batch, seq, hkv, hd])?, theta, true)?
+        .rope(
+            &dk_rot.reshape(&[batch, seq, hkv, hd])?,
+            rope,
+            true,
+            whole_positions,
+        )?
         .reshape(&[rows, hkv * hd])?;
     let owned = |d: &Tensor<B>| -> Result<Tensor<B>> {
         let gathered = b.permute(d, &index.gathered_src)?;
@@ -422,7 +453,7 @@ mod tests {
         )
         .unwrap();
         let (y_ref, saved) = reference
-            .forward(&b, &f64_tensor(x.clone(), &[t, d]), seq)
+            .forward(&b, &f64_tensor(x.clone(), &[t, d]), seq, None)
             .unwrap();
         let dx_ref = values(
             &reference

@@ -43,6 +43,7 @@ pub use trainer::Trainer;
 
 use foldmoe_kernels::{Backend, Communicator, Group, ReduceOp, Tensor};
 
+use super::documents::DocTensors;
 use super::{EngineError, Result};
 use crate::layout::{GroupKind, Layout};
 
@@ -262,6 +263,9 @@ pub struct Exec<'a, B: Backend> {
     /// a layer's own tests). What state kept across a step's micro-batches
     /// (`global_aux`'s running loads) is keyed by.
     pub micro: Option<usize>,
+    /// The micro-batch's documents, when it resets positions or masks
+    /// attention at them (set by the model for its blocks).
+    pub docs: Option<&'a DocTensors<B>>,
 }
 
 impl<B: Backend> Clone for Exec<'_, B> {
@@ -279,6 +283,7 @@ impl<'a, B: Backend> Exec<'a, B> {
             b,
             comm: &foldmoe_kernels::comm::solo::SoloComm,
             micro: None,
+            docs: None,
         }
     }
 
@@ -337,6 +342,7 @@ impl<'a, B: Backend> Ctx<'a, B> {
             b: self.b,
             comm: self.comm,
             micro: None,
+            docs: None,
         }
     }
 

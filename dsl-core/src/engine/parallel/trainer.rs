@@ -29,7 +29,7 @@ use foldmoe_kernels::{
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
-use crate::engine::model::{Batch, Model};
+use crate::engine::model::{Batch, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::Param;
 use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig};
@@ -382,7 +382,7 @@ impl<B: Backend> Trainer<B> {
     pub fn accumulate(
         &mut self,
         ctx: &Ctx<B>,
-        micro_batches: &[(Vec<i32>, Vec<i32>)],
+        micro_batches: &[impl MicroBatch],
         seq_len: usize,
     ) -> Result<Accumulated<B>> {
         let b = ctx.b;
@@ -424,7 +424,7 @@ impl<B: Backend> Trainer<B> {
         }
         loads.resize(moe_before[vpp], None);
         for op in ops {
-            let (tokens, targets) = &micro_batches[op.micro];
+            let micro = &micro_batches[op.micro];
             let stage = self.model.virtual_stage(op.chunk);
             match op.pass {
                 Pass::F => {
@@ -445,7 +445,7 @@ impl<B: Backend> Trainer<B> {
                         &ctx.exec().at_micro(op.micro),
                         op.chunk,
                         input,
-                        Batch::Host { tokens, targets },
+                        Batch::of(micro),
                         seq_len,
                     )?;
                     if let Some(l) = &out.loss {
@@ -513,13 +513,7 @@ impl<B: Backend> Trainer<B> {
     /// Mean loss of one batch without gradients (validation), equal on every
     /// rank: the batch passes the virtual stages in order, each sending its
     /// output to the next, and the last stage's loss is summed over pp.
-    pub fn evaluate(
-        &self,
-        ctx: &Ctx<B>,
-        tokens: &[i32],
-        targets: &[i32],
-        seq_len: usize,
-    ) -> Result<f64> {
+    pub fn evaluate(&self, ctx: &Ctx<B>, batch: &impl MicroBatch, seq_len: usize) -> Result<f64> {
         let b = ctx.b;
         let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
         let pp_ranks = ctx.rank.pp.ranks();
@@ -531,13 +525,9 @@ impl<B: Backend> Trainer<B> {
             } else {
                 Some(ctx.comm.recv(b, pp_ranks[(stage - 1) % pp])?)
             };
-            let out = self.model.forward_chunk(
-                &ctx.exec(),
-                chunk,
-                input,
-                Batch::Host { tokens, targets },
-                seq_len,
-            )?;
+            let out =
+                self.model
+                    .forward_chunk(&ctx.exec(), chunk, input, Batch::of(batch), seq_len)?;
             if let Some(h) = &out.hidden {
                 ctx.comm.send(b, pp_ranks[(stage + 1) % pp], h)?;
             }
@@ -624,7 +614,7 @@ impl<B: Backend> Trainer<B> {
     pub fn step(
         &mut self,
         ctx: &Ctx<B>,
-        micro_batches: &[(Vec<i32>, Vec<i32>)],
+        micro_batches: &[impl MicroBatch],
         seq_len: usize,
     ) -> Result<StepStats> {
         let b = ctx.b;
@@ -1052,6 +1042,7 @@ mod tests {
             let batch = Batch::Host {
                 tokens: &tokens,
                 targets: &targets,
+                docs: None,
             };
             let out = big.forward(&ctx.exec(), batch, 4)?;
             let (big_loss, big_aux) = (values(&out.loss)[0], values(&out.aux_loss)[0]);
@@ -1165,7 +1156,7 @@ mod tests {
             TrainConfig::default(),
             |ctx, trainer| {
                 assert!(matches!(
-                    trainer.step(ctx, &[], 4),
+                    trainer.step(ctx, &[] as &[(Vec<i32>, Vec<i32>)], 4),
                     Err(EngineError::Invalid(_))
                 ));
                 // Five tokens are no whole sequence of 4; an id outside the vocabulary.
