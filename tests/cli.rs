@@ -214,7 +214,11 @@ fn same_seed_same_losses_and_resume_is_exact() {
     assert_eq!(records(&events[0]).len(), 1 + 3);
     let second = records(&events[1]);
     assert_eq!(second.len(), 1 + 1 + 3);
-    assert_eq!(second[1][9..], [0x10, 4, 0x3a, 2, 0x08, 1], "session start at step 4");
+    assert_eq!(
+        second[1][9..],
+        [0x10, 4, 0x3a, 2, 0x08, 1],
+        "session start at step 4"
+    );
 }
 
 /// `--dtype bf16`: bf16 weights and compute (emulated on the CPU) with f32
@@ -542,7 +546,10 @@ fn parallel_run_matches_one_rank_and_resumes_under_another_layout() {
     }
     // The tokens routed per expert are the global batch's under dp2·ep2
     // and tp2, as on one rank.
-    assert_eq!(expert_loads(&dir.join("par")), expert_loads(&dir.join("one")));
+    assert_eq!(
+        expert_loads(&dir.join("par")),
+        expert_loads(&dir.join("one"))
+    );
 }
 
 /// Context parallelism under `--layout`: two cp ranks (each holding two of
@@ -806,6 +813,16 @@ fn run_directories_are_never_overwritten_and_resume_restores_the_log() {
             .collect()
     };
     assert_eq!(steps(&c), (1..=6).collect::<Vec<_>>());
+    // c's TensorBoard files: a's (steps 1-4) copied, then c's own (5-6).
+    let loss_events = |d: &Path| -> usize {
+        event_files(d)
+            .iter()
+            .flat_map(|f| records(f))
+            .filter(|r| r.windows(9).any(|w| w == b"\x0a\x07lm loss"))
+            .count()
+    };
+    assert_eq!(event_files(&c).len(), 2);
+    assert_eq!(loss_events(&c), 6);
     // After a kill between checkpoints the log runs past the checkpoint: a
     // resume cuts it back and writes each step once.
     let mut log = std::fs::read_to_string(a.join("metrics.jsonl")).unwrap();
@@ -814,6 +831,7 @@ fn run_directories_are_never_overwritten_and_resume_restores_the_log() {
     let o = foldmoe(&["train", "--resume", a_s, "--steps", "6"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(steps(&a), (1..=6).collect::<Vec<_>>());
+    assert_eq!(loss_events(&a), 6);
 }
 
 /// A run that stops before its first checkpoint does not claim one.

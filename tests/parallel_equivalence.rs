@@ -371,7 +371,12 @@ fn expert_loads_under(spec: &ModelSpec, layout_text: &str) -> Vec<Vec<LayerLoad>
         .map(|r| r.unwrap_or_else(|e| panic!("{layout_text}: {e}")));
     let first = results.next().unwrap();
     for (r, other) in results.enumerate() {
-        assert_eq!(other, first, "{layout_text}: rank {} counts other loads", r + 1);
+        assert_eq!(
+            other,
+            first,
+            "{layout_text}: rank {} counts other loads",
+            r + 1
+        );
     }
     first
 }

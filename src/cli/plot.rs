@@ -90,7 +90,12 @@ pub fn load_heatmap_png(
 ) -> Result<(), CliError> {
     let err = |e: &dyn std::fmt::Display| CliError::io("cannot draw", path, e);
     let _ = register_font("sans-serif", FontStyle::Normal, FONT);
-    let experts = loads.iter().map(|l| l.tokens.len()).max().unwrap_or(1).max(1);
+    let experts = loads
+        .iter()
+        .map(|l| l.tokens.len())
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let rows = loads.len().max(1);
     let height = (160 + 36 * rows).clamp(300, 1400) as u32;
     let root = BitMapBackend::new(path, (1000, height)).into_drawing_area();
@@ -107,29 +112,32 @@ pub fn load_heatmap_png(
         .collect();
     let top = ratios.iter().flatten().copied().fold(2.0f64, f64::max);
     let (left, right) = root.split_horizontally(880);
+    // Cell i spans i ± 0.5, so the integer ticks fall on cell centres; the
+    // first layer is the top row.
+    let (e, r) = (experts as f64, rows as f64);
     let mut chart = ChartBuilder::on(&left)
         .caption(
-            format!("foldmoe: tokens routed per expert over {steps} steps (colour: / layer mean)"),
+            format!(
+                "foldmoe: tokens routed per expert over {steps} steps, against the layer's mean"
+            ),
             ("sans-serif", 20),
         )
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(80)
-        .build_cartesian_2d(
-            (0..experts as u32).into_segmented(),
-            (0..rows as u32).into_segmented(),
-        )
+        .build_cartesian_2d(-0.5..e - 0.5, r - 0.5..-0.5)
         .map_err(|e| err(&e))?;
-    let layer_of = |v: &SegmentValue<u32>| match v {
-        SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => loads
-            .get(*i as usize)
-            .map_or(String::new(), |l| format!("layer {}", l.layer)),
-        SegmentValue::Last => String::new(),
+    // The index a tick names, when it falls on a cell's centre.
+    let index = |v: f64, n: usize| {
+        let i = v.round();
+        ((v - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n).then_some(i as usize)
     };
-    let expert_of = |v: &SegmentValue<u32>| match v {
-        SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => i.to_string(),
-        SegmentValue::Last => String::new(),
+    let layer_of = |v: &f64| {
+        index(*v, rows)
+            .and_then(|i| loads.get(i))
+            .map_or(String::new(), |l| format!("layer {}", l.layer))
     };
+    let expert_of = |v: &f64| index(*v, experts).map_or(String::new(), |i| i.to_string());
     chart
         .configure_mesh()
         .disable_mesh()
@@ -142,12 +150,9 @@ pub fn load_heatmap_png(
         .map_err(|e| err(&e))?;
     let cells = ratios.iter().enumerate().flat_map(|(row, r)| {
         r.iter().enumerate().map(move |(e, &ratio)| {
-            let (x, y) = (e as u32, row as u32);
+            let (x, y) = (e as f64, row as f64);
             Rectangle::new(
-                [
-                    (SegmentValue::Exact(x), SegmentValue::Exact(y)),
-                    (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1)),
-                ],
+                [(x - 0.5, y - 0.5), (x + 0.5, y + 0.5)],
                 load_colour(ratio, top).filled(),
             )
         })

@@ -122,7 +122,9 @@ impl RunLog {
                     let counts: Vec<u64> = counts
                         .as_array()
                         .and_then(|a| a.iter().map(|c| c.as_u64()).collect())
-                        .ok_or_else(|| bad(&format!("expert_load {key} is not a list of counts")))?;
+                        .ok_or_else(|| {
+                            bad(&format!("expert_load {key} is not a list of counts"))
+                        })?;
                     let total = loads.entry(layer).or_insert_with(|| vec![0; counts.len()]);
                     if total.len() != counts.len() {
                         return Err(bad(&format!(
@@ -298,8 +300,11 @@ mod tests {
         assert_eq!(log.losses, [2.5, 2.5]);
         assert_eq!(log.val_losses, [(2, 2.0)]);
         let want = [(1, vec![3, 5]), (3, vec![3, 5])];
-        let got: Vec<(usize, Vec<u64>)> =
-            log.loads.iter().map(|l| (l.layer, l.tokens.clone())).collect();
+        let got: Vec<(usize, Vec<u64>)> = log
+            .loads
+            .iter()
+            .map(|l| (l.layer, l.tokens.clone()))
+            .collect();
         assert_eq!(got, want);
         std::fs::write(dir.join("metrics.jsonl"), format!("{text}\n{{\"step\": 3")).unwrap();
         let err = RunLog::read(&dir).unwrap_err().to_string();

@@ -7,8 +7,9 @@
 //! CRC-32C of the payload. Each payload is a serialized `tensorflow.Event`:
 //! the first names the format (`file_version = "brain.Event:2"`), the others
 //! carry a `Summary` of scalar values (`simple_value`) at a step. A resumed
-//! run starts a new file with a `SessionLog` START at its first step, so
-//! TensorBoard drops whatever an earlier session wrote past its checkpoint.
+//! run cuts the earlier files to its checkpoint's step ([`carry_until`])
+//! and starts a new file with a `SessionLog` START at its first step (what
+//! TensorBoard's own writers mark a restart with).
 //!
 //! Fields are encoded as proto3 does (defaults omitted), so the bytes are
 //! those TensorBoard's own writer makes for the same event.
@@ -121,6 +122,93 @@ pub fn event(wall_time: f64, step: u64, what: What<'_>) -> Vec<u8> {
         What::SessionStart => bytes_field(&mut out, 7, &[1 << 3, 1]),
     }
     out
+}
+
+/// The `step` of a serialized event (0 when absent, as proto3 reads it);
+/// `None` for bytes that are not a well-formed message.
+fn event_step(payload: &[u8]) -> Option<u64> {
+    fn read_varint(data: &[u8], at: &mut usize) -> Option<u64> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = *data.get(*at)?;
+            *at += 1;
+            v |= u64::from(byte & 0x7f) << shift;
+            if byte < 0x80 {
+                return Some(v);
+            }
+        }
+        None
+    }
+    let (mut at, mut step) = (0, 0);
+    while at < payload.len() {
+        let key = read_varint(payload, &mut at)?;
+        match (key >> 3, key & 7) {
+            (2, 0) => step = read_varint(payload, &mut at)?,
+            (_, 0) => {
+                read_varint(payload, &mut at)?;
+            }
+            (_, 1) => at += 8,
+            (_, 5) => at += 4,
+            (_, 2) => at += read_varint(payload, &mut at)? as usize,
+            _ => return None,
+        }
+    }
+    (at == payload.len()).then_some(step)
+}
+
+/// The records of an event file's bytes whose event step is at most
+/// `step`, framed again; reading stops at the first record that is cut
+/// short or fails its CRCs (a write the process did not finish).
+pub fn records_until(bytes: &[u8], step: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while let Some(head) = bytes.get(at..at + 12) {
+        let (len, len_crc) = head.split_at(8);
+        if u32::from_le_bytes(len_crc.try_into().unwrap_or_default()) != masked_crc32c(len) {
+            break;
+        }
+        let n = u64::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
+        let Some(payload) = bytes.get(at + 12..(at + 12).saturating_add(n)) else {
+            break;
+        };
+        let Some(crc) = bytes.get(at + 12 + n..at + 16 + n) else {
+            break;
+        };
+        if u32::from_le_bytes(crc.try_into().unwrap_or_default()) != masked_crc32c(payload) {
+            break;
+        }
+        if event_step(payload).is_some_and(|s| s <= step) {
+            out.extend_from_slice(&bytes[at..at + 16 + n]);
+        }
+        at += 16 + n;
+    }
+    out
+}
+
+/// Copies the event files of directory `from` into `to` (which may be the
+/// same) keeping only the events up to `step`: a resumed run's curves then
+/// hold each step once for every reader, not only for TensorBoard's, which
+/// would also drop them at the new file's session start.
+pub fn carry_until(from: &Path, to: &Path, step: u64) -> Result<(), CliError> {
+    let Ok(entries) = std::fs::read_dir(from) else {
+        return Ok(());
+    };
+    std::fs::create_dir_all(to).map_err(|e| CliError::io("cannot create", to, e))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_string_lossy().starts_with("events.out.tfevents.") {
+            continue;
+        }
+        let bytes = std::fs::read(entry.path())
+            .map_err(|e| CliError::io("cannot read", &entry.path(), e))?;
+        let dest = to.join(&name);
+        // Not named like an event file: TensorBoard reads any `*tfevents*`.
+        let tmp = to.join(".carry.tmp");
+        std::fs::write(&tmp, records_until(&bytes, step))
+            .map_err(|e| CliError::io("cannot write", &tmp, e))?;
+        std::fs::rename(&tmp, &dest).map_err(|e| CliError::io("cannot write", &dest, e))?;
+    }
+    Ok(())
 }
 
 /// Seconds since the epoch, as TensorBoard's `wall_time`.
@@ -248,15 +336,15 @@ mod tests {
     fn scalar_event_golden_bytes() {
         let payload = event(1.5, 3, What::Scalars(&[("lm loss".into(), 2.0)]));
         let want_payload: Vec<u8> = [
-            &[0x09][..],                            // wall_time, 64-bit
-            &1.5f64.to_le_bytes(),                  // 1.5
-            &[0x10, 0x03],                          // step 3
-            &[0x2a, 0x10],                          // summary, 16 bytes
-            &[0x0a, 0x0e],                          //   value, 14 bytes
-            &[0x0a, 0x07],                          //     tag, 7 bytes
-            b"lm loss",                             //
-            &[0x15],                                //     simple_value, 32-bit
-            &2.0f32.to_le_bytes(),                  //     2.0
+            &[0x09][..],           // wall_time, 64-bit
+            &1.5f64.to_le_bytes(), // 1.5
+            &[0x10, 0x03],         // step 3
+            &[0x2a, 0x10],         // summary, 16 bytes
+            &[0x0a, 0x0e],         //   value, 14 bytes
+            &[0x0a, 0x07],         //     tag, 7 bytes
+            b"lm loss",            //
+            &[0x15],               //     simple_value, 32-bit
+            &2.0f32.to_le_bytes(), //     2.0
         ]
         .concat();
         assert_eq!(payload, want_payload);
@@ -278,9 +366,39 @@ mod tests {
     fn file_version_and_session_start_events() {
         let v = event(0.0, 0, What::FileVersion("brain.Event:2"));
         assert_eq!(v, [&[0x1a, 13][..], b"brain.Event:2"].concat());
-        assert_eq!(event(0.0, 7, What::SessionStart), [0x10, 7, 0x3a, 2, 0x08, 1]);
+        assert_eq!(
+            event(0.0, 7, What::SessionStart),
+            [0x10, 7, 0x3a, 2, 0x08, 1]
+        );
         // Varints past one byte: step 300 is 0xac 0x02.
         assert_eq!(event(0.0, 300, What::SessionStart)[..3], [0x10, 0xac, 0x02]);
+    }
+
+    /// A resume keeps the events up to its checkpoint's step and stops at a
+    /// record cut short, as a crash mid-write leaves it.
+    #[test]
+    fn records_until_keeps_early_steps_and_drops_a_torn_tail() {
+        let file: Vec<u8> = [
+            record(&event(1.0, 0, What::FileVersion("brain.Event:2"))),
+            record(&event(2.0, 1, What::Scalars(&[("lm loss".into(), 3.0)]))),
+            record(&event(3.0, 2, What::Scalars(&[("lm loss".into(), 2.0)]))),
+            record(&event(4.0, 3, What::Scalars(&[("lm loss".into(), 1.0)]))),
+        ]
+        .concat();
+        let first_two = record(&event(1.0, 0, What::FileVersion("brain.Event:2"))).len()
+            + record(&event(2.0, 1, What::Scalars(&[("lm loss".into(), 3.0)]))).len();
+        assert_eq!(records_until(&file, 1), file[..first_two]);
+        assert_eq!(records_until(&file, 9), file);
+        // Cut inside the last record, or with a flipped payload byte: the
+        // complete, intact records before it stay.
+        let whole =
+            file.len() - record(&event(4.0, 3, What::Scalars(&[("lm loss".into(), 1.0)]))).len();
+        assert_eq!(records_until(&file[..file.len() - 3], 9), file[..whole]);
+        let mut flipped = file.clone();
+        flipped[whole + 14] ^= 1;
+        assert_eq!(records_until(&flipped, 9), file[..whole]);
+        assert_eq!(event_step(&event(0.0, 300, What::SessionStart)), Some(300));
+        assert_eq!(event_step(&[0x10]), None);
     }
 
     #[test]

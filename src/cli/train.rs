@@ -216,33 +216,13 @@ fn prepare_out(out: &Path, resume: Option<(&Path, u64)>) -> Result<(), CliError>
             &out.join("metrics.jsonl"),
             step,
         )?;
-        if !in_place {
-            carry_events(&from.join(TB_DIR), &out.join(TB_DIR))?;
-        }
+        crate::cli::tensorboard::carry_until(&from.join(TB_DIR), &out.join(TB_DIR), step)?;
     }
     Ok(())
 }
 
 /// Where a run's TensorBoard event files go, under its directory.
 const TB_DIR: &str = "tb";
-
-/// Copies the TensorBoard event files of `from` (if any) into `to`: a run
-/// resumed into another directory keeps its curves from the start, and
-/// its own file's session start drops the steps it runs again.
-fn carry_events(from: &Path, to: &Path) -> Result<(), CliError> {
-    let Ok(entries) = std::fs::read_dir(from) else {
-        return Ok(());
-    };
-    std::fs::create_dir_all(to).map_err(|e| CliError::io("cannot create", to, e))?;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        if name.to_string_lossy().contains("tfevents") {
-            let dest = to.join(&name);
-            std::fs::copy(entry.path(), &dest).map_err(|e| CliError::io("cannot write", &dest, e))?;
-        }
-    }
-    Ok(())
-}
 
 /// Writes to `to` (atomically) the lines of `from` whose `step` is at most
 /// `step`: a resumed run continues the log where its checkpoint stands, with
