@@ -720,8 +720,15 @@ impl<B: Backend> Trainer<B> {
         }
         let mut flat = vec![0.0; len];
         for (&layer, l) in mine.iter().zip(&self.loads) {
-            if let Some(&(_, at, e)) = places.iter().find(|p| p.0 == layer) {
-                flat[at..at + e.min(l.len())].copy_from_slice(&l[..e.min(l.len())]);
+            match places.iter().find(|p| p.0 == layer) {
+                Some(&(_, at, e)) if e == l.len() => flat[at..at + e].copy_from_slice(l),
+                _ => {
+                    return Err(EngineError::Invalid(format!(
+                        "expert_loads: block {layer} holds {} experts' loads, which the \
+                         model's declared groups do not give it",
+                        l.len()
+                    )))
+                }
             }
         }
         let b = ctx.b;
