@@ -49,6 +49,7 @@ fn train_writes_run_files_and_loss_falls() {
         "metrics.jsonl",
         "summary.json",
         "loss.png",
+        "load_heatmap.png",
         "checkpoints/latest",
     ] {
         assert!(out.join(f).exists(), "missing {f}");
@@ -79,8 +80,112 @@ fn train_writes_run_files_and_loss_falls() {
     assert!(l[5] < l[0] - 0.3, "loss did not fall: {l:?}");
     let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(lines.lines().count(), 6);
-    let png = std::fs::read(out.join("loss.png")).unwrap();
-    assert_eq!(&png[..4], b"\x89PNG");
+    for png in ["loss.png", "load_heatmap.png"] {
+        assert_eq!(&std::fs::read(out.join(png)).unwrap()[..4], b"\x89PNG");
+    }
+    // Every step logs the tokens routed to each of tiny's 16 experts in its
+    // 3 MoE layers (blocks 1-3): top-2 copies of the step's 256 tokens.
+    for line in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let loads = v["expert_load"].as_object().unwrap();
+        let keys: Vec<&str> = loads.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["layer_1", "layer_2", "layer_3"], "{line}");
+        for counts in loads.values() {
+            let counts: Vec<u64> = counts
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c.as_u64().unwrap())
+                .collect();
+            assert_eq!(counts.len(), 16);
+            assert_eq!(counts.iter().sum::<u64>(), 512, "{line}");
+        }
+    }
+    // One TensorBoard event file, a scalar event per step.
+    let events = event_files(&out);
+    assert_eq!(events.len(), 1, "{events:?}");
+    let records = records(&events[0]);
+    assert_eq!(records.len(), 1 + 6, "file version, then one event a step");
+    assert!(records[1].windows(9).any(|w| w == b"\x0a\x07lm loss"));
+}
+
+/// The TensorBoard event files of a run, oldest first.
+fn event_files(run: &Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(run.join("tb"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("events.out.tfevents."))
+        .collect();
+    files.sort();
+    files
+}
+
+/// The payloads of an event file's TFRecords (the CRCs are the unit
+/// tests' and TensorBoard's to check; here the framing's lengths are).
+fn records(path: &Path) -> Vec<Vec<u8>> {
+    let bytes = std::fs::read(path).unwrap();
+    let (mut at, mut out) = (0, Vec::new());
+    while at < bytes.len() {
+        let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+        out.push(bytes[at + 12..at + 12 + len].to_vec());
+        at += 16 + len;
+    }
+    assert_eq!(at, bytes.len(), "{} ends inside a record", path.display());
+    out
+}
+
+/// The expert loads of each line of a run's metrics.jsonl.
+fn expert_loads(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["expert_load"].clone())
+        .collect()
+}
+
+/// `foldmoe report RUN_DIR`: the summary printed and both plots drawn
+/// again from the log; a missing or corrupt run directory is one line.
+#[test]
+fn report_prints_the_summary_and_redraws_both_plots() {
+    let dir = scratch("report");
+    let run = dir.join("run");
+    let o = train(&run, &["--steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for png in ["loss.png", "load_heatmap.png"] {
+        std::fs::remove_file(run.join(png)).unwrap();
+    }
+    let o = foldmoe(&["report", run.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    for needle in [
+        "model `tiny`, 2 steps logged",
+        "validation loss",
+        "grad norm",
+        "layer   1: 1024 tokens over 16 experts",
+        "layer   3:",
+        "load_heatmap.png",
+    ] {
+        assert!(text.contains(needle), "report lacks {needle:?}:\n{text}");
+    }
+    for png in ["loss.png", "load_heatmap.png"] {
+        assert_eq!(&std::fs::read(run.join(png)).unwrap()[..4], b"\x89PNG");
+    }
+    assert_fails_with(
+        &foldmoe(&["report", dir.join("absent").to_str().unwrap()]),
+        "no such run directory",
+    );
+    assert_fails_with(
+        &foldmoe(&["report", dir.to_str().unwrap()]),
+        "not a foldmoe run directory",
+    );
+    let metrics = run.join("metrics.jsonl");
+    let mut text = std::fs::read_to_string(&metrics).unwrap();
+    text.push_str("{\"step\": 3, \"loss\"\n");
+    std::fs::write(&metrics, text).unwrap();
+    assert_fails_with(
+        &foldmoe(&["report", run.to_str().unwrap()]),
+        "metrics.jsonl line 3: not JSON",
+    );
 }
 
 #[test]
@@ -99,6 +204,20 @@ fn same_seed_same_losses_and_resume_is_exact() {
         losses(&c),
         losses(&a),
         "resumed run differs from the uninterrupted one"
+    );
+    assert_eq!(expert_loads(&c), expert_loads(&a), "resumed loads differ");
+    // The resumed session writes a second event file: its file version, a
+    // session start at step 4 (TensorBoard drops what an earlier session
+    // wrote from there on), then steps 4-6.
+    let events = event_files(&c);
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(records(&events[0]).len(), 1 + 3);
+    let second = records(&events[1]);
+    assert_eq!(second.len(), 1 + 1 + 3);
+    assert_eq!(
+        second[1][9..],
+        [0x10, 4, 0x3a, 2, 0x08, 1],
+        "session start at step 4"
     );
 }
 
@@ -425,6 +544,12 @@ fn parallel_run_matches_one_rank_and_resumes_under_another_layout() {
     for (step, (a, b)) in got.iter().zip(&want).enumerate() {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "step {step}: {a} vs {b}");
     }
+    // The tokens routed per expert are the global batch's under dp2·ep2
+    // and tp2, as on one rank.
+    assert_eq!(
+        expert_loads(&dir.join("par")),
+        expert_loads(&dir.join("one"))
+    );
 }
 
 /// Context parallelism under `--layout`: two cp ranks (each holding two of
@@ -688,6 +813,16 @@ fn run_directories_are_never_overwritten_and_resume_restores_the_log() {
             .collect()
     };
     assert_eq!(steps(&c), (1..=6).collect::<Vec<_>>());
+    // c's TensorBoard files: a's (steps 1-4) copied, then c's own (5-6).
+    let loss_events = |d: &Path| -> usize {
+        event_files(d)
+            .iter()
+            .flat_map(|f| records(f))
+            .filter(|r| r.windows(9).any(|w| w == b"\x0a\x07lm loss"))
+            .count()
+    };
+    assert_eq!(event_files(&c).len(), 2);
+    assert_eq!(loss_events(&c), 6);
     // After a kill between checkpoints the log runs past the checkpoint: a
     // resume cuts it back and writes each step once.
     let mut log = std::fs::read_to_string(a.join("metrics.jsonl")).unwrap();
@@ -696,6 +831,7 @@ fn run_directories_are_never_overwritten_and_resume_restores_the_log() {
     let o = foldmoe(&["train", "--resume", a_s, "--steps", "6"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(steps(&a), (1..=6).collect::<Vec<_>>());
+    assert_eq!(loss_events(&a), 6);
 }
 
 /// A run that stops before its first checkpoint does not claim one.

@@ -17,7 +17,7 @@ use foldmoe_core::engine::model::{Batch, HostBatch, Model};
 use foldmoe_core::engine::optim::MasterWeights;
 use foldmoe_core::engine::parallel::trainer::Gather;
 use foldmoe_core::engine::parallel::{run_local_layout, RankLayout, Trainer};
-use foldmoe_core::engine::trainer::TrainConfig;
+use foldmoe_core::engine::trainer::{LayerLoad, TrainConfig};
 use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
 use foldmoe_core::spec::{
@@ -450,6 +450,89 @@ fn documents_under_cp_and_tp_match_one_rank() {
 #[test]
 fn context_parallel_with_pipeline_matches_one_rank() {
     check_layouts_of(&deep_spec(true), &["world=4,cp=2,pp=2"]);
+}
+
+/// Tokens routed to each expert ([`Trainer::expert_loads`], what the CLI
+/// logs) as rank 0 sees them after each of 3 steps; every rank reports the
+/// same.
+fn expert_loads_under(spec: &ModelSpec, layout_text: &str) -> Vec<Vec<LayerLoad>> {
+    let layout = layout::check(&LayoutSpec::parse(layout_text).unwrap(), spec)
+        .unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let model = Model::new(ctx.b, spec, rank, SEED, DType::F32)?;
+        let mut trainer = Trainer::new(ctx.b, model, config())?;
+        let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
+        let per = MICRO_BATCHES / dp;
+        let mut loads = vec![trainer.expert_loads(ctx)?];
+        for step in 0..3 {
+            let batch = global_batch(step);
+            trainer.step(ctx, &batch[dp_i * per..(dp_i + 1) * per], SEQ)?;
+            loads.push(trainer.expert_loads(ctx)?);
+        }
+        Ok::<_, EngineError>(loads)
+    });
+    let mut results = results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("{layout_text}: {e}")));
+    let first = results.next().unwrap();
+    for (r, other) in results.enumerate() {
+        assert_eq!(
+            other,
+            first,
+            "{layout_text}: rank {} counts other loads",
+            r + 1
+        );
+    }
+    first
+}
+
+/// The expert loads a run logs are the global batch's, whatever the layout:
+/// dp and cp ranks (and tp's sequence shards) route different tokens of a
+/// layer and their counts are summed, the micro-batches of a step too, and
+/// each pipeline stage's layers reach rank 0 — so they equal one rank's
+/// counts over the same global batch, exactly.
+#[test]
+fn expert_loads_match_one_rank_under_dp_cp_tp_pp() {
+    let spec = deep_spec(false);
+    let want = expert_loads_under(&spec, "world=1");
+    assert!(want[0].is_empty(), "no loads before the first step");
+    // Each MoE layer (blocks 1 and 3) routes top-2 copies of every token.
+    let copies = (MICRO_BATCHES * SEQS_PER_MICRO * SEQ * 2) as u64;
+    for step in &want[1..] {
+        assert_eq!(step.iter().map(|l| l.layer).collect::<Vec<_>>(), [1, 3]);
+        for l in step {
+            assert_eq!(l.tokens.len(), 8);
+            assert_eq!(l.tokens.iter().sum::<u64>(), copies, "{step:?}");
+        }
+    }
+    assert_ne!(want[1], want[3], "the router learns: loads change");
+    for text in [
+        "world=2,dp=2",
+        "world=2,cp=2",
+        "world=2,tp=2",
+        "world=2,ep=2",
+        "world=4,dp=2,pp=2",
+        "world=2,pp=2,vpp=2",
+    ] {
+        assert_eq!(expert_loads_under(&spec, text), want, "{text}");
+    }
+}
+
+/// An MTP module's MoE layer reports its loads after the model's layers
+/// (numbered 4 here, as Hugging Face numbers DeepSeek-V3's MTP layer 61),
+/// from the last stage under a pipeline as on one rank.
+#[test]
+fn mtp_expert_loads_match_one_rank() {
+    let mut spec = deep_spec(false);
+    spec.mtp_layers = 1;
+    let want = expert_loads_under(&spec, "world=1");
+    for step in &want[1..] {
+        assert_eq!(step.iter().map(|l| l.layer).collect::<Vec<_>>(), [1, 3, 4]);
+    }
+    for text in ["world=2,pp=2", "world=4,dp=2,pp=2"] {
+        assert_eq!(expert_loads_under(&spec, text), want, "{text}");
+    }
 }
 
 /// Per-sequence balancing (`seq_aux`) under cp: every cp rank holds part of

@@ -1,5 +1,5 @@
 //! The command line of foldmoe for any binary: `train` (the default),
-//! `launch`, `generate`, `plan`, `bench`, `preprocess`, `train-tokenizer`,
+//! `launch`, `generate`, `plan`, `bench`, `preprocess`, `train-tokenizer`, `report`,
 //! over the models of the
 //! [`Registry`] the binary gives [`main`]. The `foldmoe` command is
 //! `foldmoe::cli::main(foldmoe::models::registry())`; a model crate's binary is
@@ -14,8 +14,10 @@ mod launch;
 mod plan;
 mod plot;
 mod preprocess;
+mod report;
 mod score;
 mod settings;
+mod tensorboard;
 mod train;
 
 use std::path::PathBuf;
@@ -110,6 +112,12 @@ enum Command {
         /// Print JSON with every token's log-probability.
         #[arg(long)]
         json: bool,
+    },
+    /// Print a run's summary (loss, validation loss, expert loads) and redraw its loss.png and load_heatmap.png.
+    Report {
+        /// The run directory (`--out` of `train`).
+        #[arg(value_name = "RUN_DIR")]
+        run_dir: PathBuf,
     },
     /// Convert Hugging Face models (Mixtral, Qwen3-MoE, DeepSeek-V3) to foldmoe checkpoints and back.
     Convert(convert::ConvertOptions),
@@ -228,6 +236,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 (None, None) => unreachable!("clap requires --input or --data-path"),
             };
             println!("{line}");
+            Ok(())
+        }
+        Command::Report { run_dir } => {
+            println!("{}", report::run(&run_dir)?);
             Ok(())
         }
         Command::Convert(opts) => {

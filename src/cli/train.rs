@@ -15,7 +15,7 @@ use foldmoe::core::engine::checkpoint::{self, Source};
 use foldmoe::core::engine::documents::Documents;
 use foldmoe::core::engine::model::{HostBatch, Model};
 use foldmoe::core::engine::parallel::{Ctx, RankLayout, Trainer};
-use foldmoe::core::engine::trainer::{StepStats, TrainConfig};
+use foldmoe::core::engine::trainer::{LayerLoad, StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::{Layout, LayoutSpec};
 use foldmoe::core::memory::{self, MemoryOptions};
@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use crate::cli::dist::ProcessComm;
 use crate::cli::error::CliError;
 use crate::cli::settings::{TrainOptions, TrainSettings};
+use crate::cli::tensorboard::EventWriter;
 
 /// The bundled corpus (public domain; see data/NOTICE).
 const TRAIN_TEXT: &str = include_str!("../../data/train.txt");
@@ -173,6 +174,7 @@ const RUN_FILES: &[&str] = &[
     "checkpoint",
     "checkpoint.old",
     "checkpoint.tmp",
+    "tb",
 ];
 
 /// Whether `a` and `b` name the same existing directory.
@@ -215,9 +217,13 @@ fn prepare_out(out: &Path, resume: Option<(&Path, u64)>) -> Result<(), CliError>
             &out.join("metrics.jsonl"),
             step,
         )?;
+        crate::cli::tensorboard::carry_until(&from.join(TB_DIR), &out.join(TB_DIR), step)?;
     }
     Ok(())
 }
+
+/// Where a run's TensorBoard event files go, under its directory.
+const TB_DIR: &str = "tb";
 
 /// Writes to `to` (atomically) the lines of `from` whose `step` is at most
 /// `step`: a resumed run continues the log where its checkpoint stands, with
@@ -275,6 +281,12 @@ impl<B: Backend> ParallelRank<'_, '_, B> {
     /// batch's micro-batches ([`Loader::rank_batches`]).
     fn step(&mut self, mine: &[HostBatch]) -> Result<StepStats, CliError> {
         Ok(self.trainer.step(self.ctx, mine, self.seq_len)?)
+    }
+
+    /// The last step's tokens per expert of every MoE layer (a collective
+    /// under pp > 1; no device synchronisation: the step read them).
+    fn expert_loads(&self) -> Result<Vec<LayerLoad>, CliError> {
+        Ok(self.trainer.expert_loads(self.ctx)?)
     }
 
     /// `(dp, dp index)` of this rank: which share of a step's micro-batches it takes.
@@ -1062,6 +1074,14 @@ fn train_loop<B: Backend>(
     } else {
         None
     };
+    // TensorBoard's copy of the log (rank 0's, like metrics.jsonl); a
+    // resumed run's file starts a session at its first step.
+    let mut tb = if main {
+        let resumed = (meta.step > 0).then_some(meta.step + 1);
+        Some(EventWriter::create(&out.join(TB_DIR), resumed)?)
+    } else {
+        None
+    };
     let pb = if main {
         ProgressBar::new(settings.steps)
     } else {
@@ -1120,6 +1140,9 @@ fn train_loop<B: Backend>(
         if engine.agree_stop(stop.load(Ordering::SeqCst))? {
             meta.train_seconds += started.elapsed().as_secs_f64();
             let dir = engine.save(out, &meta)?;
+            if let Some(tb) = tb.as_mut() {
+                tb.flush()?;
+            }
             pb.abandon();
             return Err(CliError::Interrupted {
                 step: meta.step,
@@ -1190,7 +1213,38 @@ fn train_loop<B: Backend>(
             last_val = engine.validation_loss(batch)?;
             meta.val_losses.push((meta.step, last_val));
         }
+        // Every rank takes part (the pipeline's stages each hold some layers).
+        let loads = engine.expert_loads()?;
+        if let Some(tb) = tb.as_mut() {
+            let mut scalars = vec![
+                ("lm loss".to_string(), stats.loss),
+                ("learning-rate".to_string(), stats.lr),
+                ("grad-norm".to_string(), stats.grad_norm),
+                ("throughput".to_string(), tokens_per_s),
+                ("moe/aux-loss".to_string(), stats.aux_loss),
+            ];
+            if eval_now {
+                scalars.push(("lm loss validation".to_string(), last_val));
+            }
+            for l in &loads {
+                let s = crate::cli::report::load_stats(&l.tokens);
+                scalars.push((format!("moe/imbalance/layer_{}", l.layer), s.max_over_mean));
+                scalars.push((format!("moe/load-min/layer_{}", l.layer), s.min_over_mean));
+                scalars.push((format!("moe/load-std/layer_{}", l.layer), s.cv));
+                for (e, &t) in l.tokens.iter().enumerate() {
+                    scalars.push((format!("moe/load/layer_{}/expert_{e}", l.layer), t as f64));
+                }
+            }
+            tb.scalars(meta.step, &scalars)?;
+            if eval_now {
+                tb.flush()?;
+            }
+        }
         if let Some(metrics) = metrics.as_mut() {
+            let expert_load: serde_json::Map<String, serde_json::Value> = loads
+                .iter()
+                .map(|l| (format!("layer_{}", l.layer), serde_json::json!(l.tokens)))
+                .collect();
             let record = serde_json::json!({
                 "step": meta.step,
                 "loss": stats.loss,
@@ -1200,6 +1254,7 @@ fn train_loop<B: Backend>(
                 "grad_norm": stats.grad_norm,
                 "load_imbalance": stats.load_imbalance,
                 "tokens_per_s": tokens_per_s,
+                "expert_load": expert_load,
             });
             writeln!(metrics, "{record}")
                 .map_err(|e| CliError::io("cannot write", &out.join("metrics.jsonl"), e))?;
@@ -1217,7 +1272,13 @@ fn train_loop<B: Backend>(
             let mut snapshot = meta.clone();
             snapshot.train_seconds += started.elapsed().as_secs_f64();
             saved_at = Some((meta.step, engine.save_timed(out, &snapshot, &pb)?));
+            if let Some(tb) = tb.as_mut() {
+                tb.flush()?;
+            }
         }
+    }
+    if let Some(tb) = tb.as_mut() {
+        tb.flush()?;
     }
     let session_seconds = started.elapsed().as_secs_f64();
     meta.train_seconds += session_seconds;
@@ -1255,7 +1316,13 @@ fn train_loop<B: Backend>(
         .map_err(|e| CliError::io("cannot encode", &summary_path, e))?;
     std::fs::write(&summary_path, json)
         .map_err(|e| CliError::io("cannot write", &summary_path, e))?;
-    crate::cli::plot::loss_png(&out.join("loss.png"), &meta.losses, &meta.val_losses)?;
+    if let Some(metrics) = metrics.as_mut() {
+        metrics
+            .flush()
+            .map_err(|e| CliError::io("cannot write", &out.join("metrics.jsonl"), e))?;
+    }
+    // The plots come from the log, as `foldmoe report` draws them.
+    crate::cli::report::write_plots(out, &crate::cli::report::RunLog::read(out)?)?;
     if settings.sample_tokens > 0 && meta.step == settings.steps {
         // The sample comes from the full model, rebuilt from the checkpoint's
         // tensors whatever the layout.

@@ -86,17 +86,37 @@ pub struct StepStats {
     pub load_imbalance: f64,
 }
 
+/// Tokens routed to each expert of one MoE layer in one step
+/// ([`super::parallel::Trainer::expert_loads`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerLoad {
+    /// The layer's index among the full model's blocks (0: the first).
+    pub layer: usize,
+    /// Token copies the router sent to each expert (its top-k choices,
+    /// before any capacity drop), summed over the step's micro-batches and
+    /// over every rank that routes other tokens of the layer (dp, cp and
+    /// tp's sequence shards): what one rank routing the whole global batch
+    /// counts. Exact while a layer's count per step stays below 2^24 in f32
+    /// models; bf16 models count in bf16 (exact to 256 per micro-batch).
+    pub tokens: Vec<u64>,
+}
+
+/// Each MoE layer's loads `[E]`, read to the host (once per step: the
+/// imbalance and [`LayerLoad`]s are computed from the same copy).
+pub(crate) fn download_loads<B: Backend>(b: &B, loads: &[Tensor<B>]) -> Result<Vec<Vec<f64>>> {
+    loads.iter().map(|l| Ok(b.download(l)?.to_f64())).collect()
+}
+
 /// max/mean expert load of the worst MoE layer (1 when balanced or without
-/// MoE layers), read to the host for logging.
-pub(crate) fn load_imbalance<B: Backend>(b: &B, loads: &[Tensor<B>]) -> Result<f64> {
+/// MoE layers), for logging.
+pub(crate) fn load_imbalance(loads: &[Vec<f64>]) -> f64 {
     let mut worst: f64 = 1.0;
-    for load in loads {
-        let l = b.download(load)?.to_f64();
+    for l in loads {
         let mean = l.iter().sum::<f64>() / l.len().max(1) as f64;
         let max = l.iter().cloned().fold(0.0, f64::max);
         if mean > 0.0 {
             worst = worst.max(max / mean);
         }
     }
-    Ok(worst)
+    worst
 }

@@ -32,8 +32,9 @@ use super::Ctx;
 use crate::engine::model::{Batch, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::Param;
-use crate::engine::trainer::{load_imbalance, StepStats, TrainConfig};
+use crate::engine::trainer::{download_loads, load_imbalance, LayerLoad, StepStats, TrainConfig};
 use crate::engine::{EngineError, Result};
+use crate::spec::FfnSpec;
 
 /// How a parameter is reduced and updated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -119,6 +120,9 @@ pub struct Trainer<B: Backend> {
     /// The MTP modules' mean cross-entropy of the last [`Self::accumulate`],
     /// scaled as its loss (`[1]`; zero off the last stage and without MTP).
     mtp_loss: Option<Tensor<B>>,
+    /// The last step's loads of this rank's MoE layers, `[E]` each in block
+    /// order, as the step read them to the host (summed over the stage).
+    loads: Vec<Vec<f64>>,
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
@@ -250,6 +254,7 @@ impl<B: Backend> Trainer<B> {
             step: 0,
             pipeline_wait: std::time::Duration::ZERO,
             mtp_loss: None,
+            loads: Vec::new(),
         })
     }
 
@@ -665,7 +670,8 @@ impl<B: Backend> Trainer<B> {
             *load = ctx.sum_over(&rank.stage, load)?;
         }
         self.model.update_expert_biases(b, &loads)?;
-        let mut load_imbalance = load_imbalance(b, &loads)?;
+        self.loads = download_loads(b, &loads)?;
+        let mut load_imbalance = load_imbalance(&self.loads);
         if rank.pp.size() > 1 {
             // Each stage saw its own MoE layers: the worst over the pipeline.
             let mine = upload_as(b, vec![load_imbalance], &[1], DType::F32)?;
@@ -680,6 +686,92 @@ impl<B: Backend> Trainer<B> {
             lr,
             load_imbalance,
         })
+    }
+
+    /// The last step's tokens per expert of every MoE layer of the full
+    /// model, in layer order (none before the first step, or without MoE
+    /// layers): the counts [`Self::step`] already read to the host, so
+    /// calling this costs no device synchronisation. Under pp > 1 each stage
+    /// holds its own layers' counts and they are summed over the pipeline:
+    /// then it is a collective that every rank calls.
+    pub fn expert_loads(&self, ctx: &Ctx<B>) -> Result<Vec<LayerLoad>> {
+        let count = |x: &f64| x.round().max(0.0) as u64;
+        // MTP modules' MoE layers are numbered after the model's layers (as
+        // Hugging Face numbers DeepSeek-V3's MTP layer 61).
+        let layers = self.model.spec.layers();
+        let mine: Vec<usize> = self
+            .model
+            .blocks
+            .iter()
+            .zip(self.model.global_layers())
+            .filter(|(bl, _)| bl.moe().is_some())
+            .map(|(_, &layer)| layer)
+            .chain(
+                self.model
+                    .mtp
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| m.block.moe().is_some())
+                    .map(|(k, _)| layers + k),
+            )
+            .collect();
+        if ctx.rank.pp.size() == 1 {
+            return Ok(mine
+                .iter()
+                .zip(&self.loads)
+                .map(|(&layer, l)| LayerLoad {
+                    layer,
+                    tokens: l.iter().map(count).collect(),
+                })
+                .collect());
+        }
+        // Every MoE layer of the full model and its place in one flat vector;
+        // a stage fills its layers' places, the others add zeros.
+        let mut places = Vec::new();
+        let (mut layer, mut len) = (0, 0);
+        for g in &self.model.spec.groups {
+            for _ in 0..g.count {
+                if let FfnSpec::Moe(m) = &g.ffn {
+                    places.push((layer, len, m.experts));
+                    len += m.experts;
+                }
+                layer += 1;
+            }
+        }
+        if let Some(FfnSpec::Moe(m)) = self.model.spec.groups.last().map(|g| &g.ffn) {
+            for k in 0..self.model.spec.mtp_layers {
+                places.push((layers + k, len, m.experts));
+                len += m.experts;
+            }
+        }
+        let mut flat = vec![0.0; len];
+        for (&layer, l) in mine.iter().zip(&self.loads) {
+            match places.iter().find(|p| p.0 == layer) {
+                Some(&(_, at, e)) if e == l.len() => flat[at..at + e].copy_from_slice(l),
+                _ => {
+                    return Err(EngineError::Invalid(format!(
+                        "expert_loads: block {layer} holds {} experts' loads, which the \
+                         model's declared groups do not give it",
+                        l.len()
+                    )))
+                }
+            }
+        }
+        let b = ctx.b;
+        // f32 holds the sum exactly: each place has one stage's count.
+        let summed = ctx.sum_over(&ctx.rank.pp, &upload_as(b, flat, &[len], DType::F32)?)?;
+        let summed = b.download(&summed)?.to_f64();
+        // Every rank has taken the same steps: none yet is none on all.
+        if self.step == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(places
+            .into_iter()
+            .map(|(layer, at, e)| LayerLoad {
+                layer,
+                tokens: summed[at..at + e].iter().map(count).collect(),
+            })
+            .collect())
     }
 
     /// Step 5: AdamW on this rank's chunk of every bucket, then all-gathers
