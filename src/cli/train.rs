@@ -1062,6 +1062,7 @@ fn train_loop<B: Backend>(
         .validation_batch(VAL_WINDOWS)?
         .map(|b| prep.host_batch(b));
     let (params_total, params_active) = spec.param_counts();
+    let has_mtp = spec.mtp_layers > 0;
 
     let mut metrics = if main {
         Some(
@@ -1226,6 +1227,9 @@ fn train_loop<B: Backend>(
             if eval_now {
                 scalars.push(("lm loss validation".to_string(), last_val));
             }
+            if has_mtp {
+                scalars.push(("mtp loss".to_string(), stats.mtp_loss));
+            }
             for l in &loads {
                 let s = crate::cli::report::load_stats(&l.tokens);
                 scalars.push((format!("moe/imbalance/layer_{}", l.layer), s.max_over_mean));
@@ -1249,6 +1253,7 @@ fn train_loop<B: Backend>(
                 "step": meta.step,
                 "loss": stats.loss,
                 "aux_loss": stats.aux_loss,
+                "mtp_loss": if has_mtp { Some(stats.mtp_loss) } else { None },
                 "val_loss": if eval_now { Some(last_val) } else { None },
                 "lr": stats.lr,
                 "grad_norm": stats.grad_norm,
@@ -1259,8 +1264,13 @@ fn train_loop<B: Backend>(
             writeln!(metrics, "{record}")
                 .map_err(|e| CliError::io("cannot write", &out.join("metrics.jsonl"), e))?;
         }
+        let mtp = if has_mtp {
+            format!(" | mtp {:.4}", stats.mtp_loss)
+        } else {
+            String::new()
+        };
         let line = format!(
-            "step {:>4} | loss {:.4} | val {:.4} | {:>6.0} tok/s | lr {:.2e} | imbalance {:.2}",
+            "step {:>4} | loss {:.4}{mtp} | val {:.4} | {:>6.0} tok/s | lr {:.2e} | imbalance {:.2}",
             meta.step, stats.loss, last_val, tokens_per_s, stats.lr, stats.load_imbalance
         );
         pb.set_message(line.clone());
