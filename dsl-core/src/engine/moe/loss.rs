@@ -60,7 +60,7 @@ impl TokenShard {
 ///
 /// `probs_te` are the full-softmax probabilities (or sigmoid scores
 /// normalised over E) of the shard's rows, `mask_te` is 1 where a token chose
-/// an expert. `reduce` sums a tensor over the ranks sharing the micro-batch
+/// an expert (in the accumulation type, so counts stay exact). `reduce` sums a tensor over the ranks sharing the micro-batch
 /// (the identity on one rank): the routed-copy shares `f` must count every
 /// row of a segment. Returns the shard's part of the loss `[1]` with `coef`
 /// applied.
@@ -85,12 +85,22 @@ pub fn balance_forward<B: Backend>(
             *v = 1.0;
         }
     }
-    let seg_bt = constant(b, seg, &[n_seq, t], probs_te.dtype())?;
+    let seg_bt = constant(b, seg.clone(), &[n_seq, t], probs_te.dtype())?;
     // f_be = copies of e in segment b / (S·K); P_be = mean over b's tokens.
-    let f_be = b.scale(
-        &reduce(&b.matmul(&seg_bt, mask_te, false, false)?)?,
-        1.0 / (seq * top_k) as f64,
-    )?;
+    // The copies are counted in the mask's dtype (the accumulation type: a
+    // bf16 count past 256 would round), the share then takes the probs'.
+    let counts_be = if mask_te.dtype() == probs_te.dtype() {
+        b.matmul(&seg_bt, mask_te, false, false)?
+    } else {
+        let seg_mask_bt = constant(b, seg, &[n_seq, t], mask_te.dtype())?;
+        b.matmul(&seg_mask_bt, mask_te, false, false)?
+    };
+    let f_be = b.scale(&reduce(&counts_be)?, 1.0 / (seq * top_k) as f64)?;
+    let f_be = if f_be.dtype() == probs_te.dtype() {
+        f_be
+    } else {
+        b.cast(&f_be, probs_te.dtype())?
+    };
     let p_be = b.scale(
         &b.matmul(&seg_bt, probs_te, false, false)?,
         1.0 / seq as f64,

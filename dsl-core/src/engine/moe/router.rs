@@ -181,20 +181,34 @@ impl<B: Backend> Router<B> {
             return Ok(());
         };
         let dtype = self.weight.value.dtype();
+        // The comparison runs on the counts as they come (f32 counts of a
+        // bf16 model stay exact); only the ±1 step takes the bias's dtype.
         let load_e = if load_e.dtype() == DType::I32 {
-            b.cast(load_e, dtype)?
+            b.cast(load_e, dtype.acc())?
         } else {
             load_e.clone()
         };
-        self.check_e_vector("update_expert_bias", "load", &load_e)?;
+        let count_dtype = load_e.dtype();
+        if load_e.shape() != [self.experts] || !count_dtype.is_float() {
+            return Err(EngineError::Invalid(format!(
+                "update_expert_bias: load is {count_dtype:?} {:?}, expected [{}] counts (one per expert)",
+                load_e.shape(),
+                self.experts
+            )));
+        }
         let e = self.experts;
         // Broadcast the mean of the loads to [E] with a rank-1 product.
         let total_11 = b.sum(&load_e)?.reshape(&[1, 1])?;
-        let inv_e_e1 = b.fill(&[e, 1], 1.0 / e as f64, dtype)?;
+        let inv_e_e1 = b.fill(&[e, 1], 1.0 / e as f64, count_dtype)?;
         let mean_e = b
             .matmul(&inv_e_e1, &total_11, false, false)?
             .reshape(&[e])?;
         let step_e = b.sign(&b.sub(&mean_e, &load_e)?)?;
+        let step_e = if count_dtype == dtype {
+            step_e
+        } else {
+            b.cast(&step_e, dtype)?
+        };
         if let Some(bias_e) = self.expert_bias_e.as_mut() {
             b.axpy(bias_e, rate, &step_e)?;
         }
@@ -314,7 +328,10 @@ impl<B: Backend> Router<B> {
         };
         let weights_tk = b.scale(&probs_tk, self.spec.scaling_factor)?;
 
-        let ones_tk = b.fill(&[t, k], 1.0, dtype)?;
+        // Counts in the accumulation type: in bf16 a count past 256 would
+        // round (loads, the balancing shares and the expert-bias update all
+        // read them).
+        let ones_tk = b.fill(&[t, k], 1.0, dtype.acc())?;
         let mask_te = b.scatter_cols(&ones_tk, &idx_tk, e)?;
         let load_e = b.sum_cols(&mask_te)?;
 
@@ -672,6 +689,27 @@ mod tests {
 
     fn close(got: f64, want: f64) {
         assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+    }
+
+    /// A bf16 router counts its routed copies exactly: 1000 tokens, all
+    /// choosing expert 0 (bf16 holds integers only up to 256 exactly, so a
+    /// bf16 count would read 1000 only by luck of rounding; 1001 cannot be).
+    #[test]
+    fn bf16_router_counts_are_exact() {
+        use foldmoe_kernels::Device as _;
+        let (mut r, _) = hand_router(1, |r| r.pre_softmax = true);
+        let bf = |v: Vec<f64>, shape: &[usize]| Cpu.cast(&t64(v, shape), DType::BF16).unwrap();
+        r.weight.value = bf(vec![1.0, 0.0, 0.0, 1.0], &[2, 2]);
+        let t = 1001;
+        let x = bf([LN3, 0.0].repeat(t), &[t, 2]);
+        let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
+        assert_eq!(out.load_e.dtype(), DType::F32);
+        assert_eq!(host(&out.load_e), vec![1001.0, 0.0]);
+        // The bias update compares exact counts and steps the bf16 bias.
+        r.spec.expert_bias_rate = Some(0.5);
+        r.expert_bias_e = Some(Cpu.zeros(&[2], DType::BF16).unwrap());
+        r.update_expert_bias(&Cpu, &out.load_e).unwrap();
+        assert_eq!(host(r.expert_bias().unwrap()), vec![-0.5, 0.5]);
     }
 
     #[test]
