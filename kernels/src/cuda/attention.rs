@@ -17,7 +17,9 @@
 //! `attention.cu` instead ([`flash_head_dim`]): tensor-core tiles with an
 //! online softmax, nothing S × S in memory, the causal mask skipping whole
 //! tiles, and q, k, v read in place. Setting `FOLDMOE_ATTENTION=cublas`
-//! forces the cuBLAS path (for comparisons).
+//! forces the cuBLAS path (for comparisons). On Hopper the forward runs
+//! `attention_sm90.rs`'s TMA + wgmma kernels where they fit (bf16, Hd 64,
+//! 128 or 192; `FOLDMOE_ATTENTION=mma` keeps the kernels above).
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
 //! dim, G = Hq / Hkv.
@@ -592,6 +594,11 @@ impl AttentionOps for Cuda {
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let d = Dims::new("attention", q, k, v, SCORE_BUDGET)?;
+        // Hopper: attention_sm90.rs's wgmma kernels where they fit.
+        let shape = (d.b, d.s, d.hq, d.hkv, d.hd);
+        if self.sm90_attention_fits(&[q, k, v], shape) {
+            return self.sm90_attention(q, k, v, shape);
+        }
         match flash_head_dim(&d) {
             Some(hd) if q.numel() > 0 => self.flash_attention(&d, hd, q, k, v),
             _ => self.attention_chunked(q, k, v, SCORE_BUDGET),
