@@ -4,10 +4,12 @@
 // arrive zero-padded to 192, as mla.rs builds them); attention.cu keeps the
 // mma.sync flash kernels for other GPUs and the cuBLAS path for the rest.
 //
-// Forward (fa3_fwd_*): one block of 384 threads per 128 queries of one query
-// head (query tiles longest first, as the causal work is uneven), over the
-// key tiles 0 .. the diagonal:
-// - warpgroup 2 produces: one thread copies the 128 × Hd query tile once and
+// Forward (fa3_fwd_*): a persistent grid of 384-thread blocks over the tiles
+// of 128 queries of one query head (longest tiles first, as the causal work
+// is uneven), each over the key tiles 0 .. the diagonal:
+// - warpgroup 2 produces: one thread copies each 128 × Hd query tile (once
+//   the last product reading the previous one is done, so the next tile's
+//   copies run under the previous tile's last products and its store) and
 //   then each key tile's K and V (BN keys × Hd) with cp.async.bulk.tensor
 //   into a 2-stage ring, K and V behind their own full / empty mbarriers (the
 //   copy's byte count; one arrival per consumer warp), setmaxnreg 24;
@@ -185,29 +187,34 @@ extern __shared__ __align__(1024) unsigned char fa3_smem[];
 // file). o: [B, S, Hq, Hd] bf16, lse: [B, Hq, S] f32.
 template <int HD, int BN, int STAGES>
 __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk, const Fa3Map* tv, bf16* __restrict__ o,
-                                             float* __restrict__ lse, int S, int HQ, int HKV, float scale_log2) {
+                                             float* __restrict__ lse, int S, int B, int HQ, int HKV, float scale_log2) {
     constexpr int NC = HD / 64, QB = FA3_BM * HD * 2, KVB = BN * HD * 2;
     unsigned raw = fa3_u32(fa3_smem);
     unsigned sq = raw + ((1024u - (raw & 1023u)) & 1023u);
     unsigned sk = sq + QB, sv = sk + STAGES * KVB, bars = sv + STAGES * KVB;
-    // q_full, then per stage k_full, k_empty, v_full, v_empty.
-    unsigned q_full = bars;
-#define FA3_KF(s) (bars + 8 * (1 + (s)))
-#define FA3_KE(s) (bars + 8 * (1 + STAGES + (s)))
-#define FA3_VF(s) (bars + 8 * (1 + 2 * STAGES + (s)))
-#define FA3_VE(s) (bars + 8 * (1 + 3 * STAGES + (s)))
-    int nqt = (S + FA3_BM - 1) / FA3_BM;
-    int qt = nqt - 1 - (int)blockIdx.x;
-    int h = blockIdx.y, b = blockIdx.z, hk = h / (HQ / HKV);
-    int q0 = qt * FA3_BM;
-    int kend = min(S, q0 + FA3_BM);
-    int nkt = (kend + BN - 1) / BN;
+    // q_full, q_empty, then per stage k_full, k_empty, v_full, v_empty.
+    unsigned q_full = bars, q_empty = bars + 8;
+#define FA3_KF(s) (bars + 8 * (2 + (s)))
+#define FA3_KE(s) (bars + 8 * (2 + STAGES + (s)))
+#define FA3_VF(s) (bars + 8 * (2 + 2 * STAGES + (s)))
+#define FA3_VE(s) (bars + 8 * (2 + 3 * STAGES + (s)))
+    // Persistent: block x takes tiles x, x + grid, ... of nqt · Hq · B, the
+    // longest query tiles (nearest the end of the sequence) first.
+    int nqt = (S + FA3_BM - 1) / FA3_BM, ntiles = nqt * HQ * B;
+    // Tile t: query tile qt (from the last), query head h, batch b; its
+    // kv head hk, first query q0, key tiles 0 .. nkt - 1.
+#define FA3_TILE(t)                                                  \
+    int qt = nqt - 1 - (t) / (HQ * B), h = ((t) / B) % HQ, b = (t) % B; \
+    int hk = h / (HQ / HKV), q0 = qt * FA3_BM;                       \
+    int nkt = (min(S, q0 + FA3_BM) + BN - 1) / BN
+    int nkt_prev = 0;
     int tid = threadIdx.x;
     // Warp-uniform as far as the compiler can tell (wgmma must not sit on a
     // path it thinks divergent).
     int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     if (tid == 0) {
         fa3_bar_init(q_full, 1);
+        fa3_bar_init(q_empty, 8);
         for (int s = 0; s < STAGES; ++s) {
             fa3_bar_init(FA3_KF(s), 1);
             fa3_bar_init(FA3_KE(s), 8);
@@ -223,12 +230,16 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tq) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tk) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tv) : "memory");
-            fa3_expect_tx(q_full, QB);
+            int cnt = 0, it = 0;
+            for (int t = blockIdx.x; t < ntiles; t += gridDim.x, ++it) {
+                FA3_TILE(t);
+                fa3_wait(q_empty, (it & 1) ^ 1);
+                fa3_expect_tx(q_full, QB);
 #pragma unroll
-            for (int c = 0; c < NC; ++c) fa3_tma_4d(sq + c * FA3_BM * 128, tq, q_full, c * 64, h, q0, b);
-            for (int j = 0; j < nkt; ++j) {
-                int s = j % STAGES;
-                unsigned ph = (j / STAGES) & 1;
+                for (int c = 0; c < NC; ++c) fa3_tma_4d(sq + c * FA3_BM * 128, tq, q_full, c * 64, h, q0, b);
+            for (int j = 0; j < nkt; ++j, ++cnt) {
+                int s = cnt % STAGES;
+                unsigned ph = (cnt / STAGES) & 1;
                 fa3_wait(FA3_KE(s), ph ^ 1);
                 fa3_expect_tx(FA3_KF(s), KVB);
 #pragma unroll
@@ -238,24 +249,32 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
 #pragma unroll
                 for (int c = 0; c < NC; ++c) fa3_tma_4d(sv + s * KVB + c * BN * 128, tv, FA3_VF(s), c * 64, hk, j * BN, b);
             }
+            }
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
     int warp = (tid >> 5) & 3, lane = tid & 31;
-    // This thread's rows: r0 and r0 + 8; the warpgroup's first row.
-    int wrow = q0 + wg * 64, r0 = wrow + warp * 16 + (lane >> 2);
     float sacc[BN / 2], oacc[HD / 2];
     unsigned p[BN / 16][4];
+    if (wg == 1) fa3_named_arrive(2);  // warpgroup 0 issues first
+    unsigned qa = sq + wg * 64 * 128;
+    int cnt = 0, it = 0;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x, ++it, cnt += nkt_prev) {
+    FA3_TILE(t);
+    nkt_prev = nkt;
+    // This thread's rows: r0 and r0 + 8; the warpgroup's first row.
+    int wrow = q0 + wg * 64, r0 = wrow + warp * 16 + (lane >> 2);
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) oacc[i] = 0.f;
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
-    if (wg == 1) fa3_named_arrive(2);  // warpgroup 0 issues first
-    fa3_wait(q_full, 0);
-    unsigned qa = sq + wg * 64 * 128;
+    fa3_wait(q_full, it & 1);
     for (int j = 0; j < nkt; ++j) {
-        int s = j % STAGES, sp = (j + STAGES - 1) % STAGES;
-        unsigned ph = (j / STAGES) & 1, php = ((j - 1) / STAGES) & 1;
+        // Stage and phase of key tile j (c) and of j - 1 (cp), counted over
+        // all the block's tiles.
+        int c = cnt + j, cp = c - 1;
+        int s = c % STAGES, sp = (cp + STAGES) % STAGES;
+        unsigned ph = (c / STAGES) & 1, php = (cp / STAGES) & 1;
         fa3_wait(FA3_KF(s), ph);
         fa3_named_sync(2 + wg);
         fa3_pin(sacc);
@@ -285,11 +304,15 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
                 fa3_rs<1>(oacc, p[kk], fa3_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);
             fa3_commit();
         }
-        if (wg == 0 || j + 1 < nkt) fa3_named_arrive(2 + (1 - wg));
-        // S_j is done (the P V product may still run): K_j can be refilled.
+        fa3_named_arrive(2 + (1 - wg));
+        // S_j is done (the P V product may still run): K_j can be refilled,
+        // and after the last one the query tile.
         if (j > 0) fa3_wait_mma<1>(); else fa3_wait_mma<0>();
         fa3_pin(sacc);
-        if (lane == 0) fa3_arrive(FA3_KE(s));
+        if (lane == 0) {
+            fa3_arrive(FA3_KE(s));
+            if (j == nkt - 1) fa3_arrive(q_empty);
+        }
         // Online softmax of S_j in the log2 domain, masked past the diagonal
         // and past S (only tiles that reach either need the test).
         int k0 = j * BN;
@@ -338,8 +361,8 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
     }
     // The last tile's product.
     {
-        int sp = (nkt - 1) % STAGES;
-        unsigned php = ((nkt - 1) / STAGES) & 1;
+        int sp = (cnt + nkt - 1) % STAGES;
+        unsigned php = ((cnt + nkt - 1) / STAGES) & 1;
 #pragma unroll
         for (int i = 0; i < HD / 8; ++i) {
             oacc[4 * i] *= alpha[0];
@@ -373,6 +396,12 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
             *reinterpret_cast<unsigned*>(orow + 8 * i) = pack_bf16(oacc[4 * i + 2 * hr] * inv, oacc[4 * i + 2 * hr + 1] * inv);
         if ((lane & 3) == 0) lse[((i64)b * HQ + h) * S + row] = FA3_LN2 * (m[hr] + __log2f(lt));
     }
+    }
+    // Warpgroup 1 arrived once more than warpgroup 0 waited (its first
+    // arrival let warpgroup 0 start): take it, so no barrier is left half
+    // complete.
+    if (wg == 0) fa3_named_sync(2);
+#undef FA3_TILE
 #undef FA3_KF
 #undef FA3_KE
 #undef FA3_VF
@@ -382,9 +411,9 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
 #define FA3_ENTRY extern "C" __global__ void __launch_bounds__(FA3_THREADS, 1)
 #define FA3_FWD(HD, BN, STAGES)                                                                                  \
     FA3_ENTRY fa3_fwd_bf16_hd##HD(const __grid_constant__ Fa3Map tq, const __grid_constant__ Fa3Map tk,          \
-                                  const __grid_constant__ Fa3Map tv, bf16* o, float* lse, int S, int HQ, int HKV, \
+                                  const __grid_constant__ Fa3Map tv, bf16* o, float* lse, int S, int B, int HQ, int HKV, \
                                   float scale_log2) {                                                            \
-        fa3_fwd_body<HD, BN, STAGES>(&tq, &tk, &tv, o, lse, S, HQ, HKV, scale_log2);                             \
+        fa3_fwd_body<HD, BN, STAGES>(&tq, &tk, &tv, o, lse, S, B, HQ, HKV, scale_log2);                             \
     }
 // Key tiles: 128 keys (hd 64, 128); 96 at hd 192 so that two stages fit.
 FA3_FWD(64, 128, 2)

@@ -14,7 +14,7 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{sys, LaunchConfig};
 
 use super::compile::ATTENTION_SM90;
 use super::linalg::tma_map;
@@ -57,8 +57,8 @@ fn allowed() -> bool {
 impl Cuda {
     /// Whether the wgmma kernels take attention over `q`, `k`, `v` with
     /// `(B, S, Hq, Hkv, Hd)` already checked: bf16, an sm_90a device, Hd
-    /// 64, 128 or 192, a non-empty problem inside the copy engine's 32-bit
-    /// coordinates and CUDA's grid, 16-byte aligned bases.
+    /// 64, 128 or 192, a non-empty problem whose tile count fits an i32,
+    /// 16-byte aligned bases.
     pub(crate) fn sm90_attention_fits(
         &self,
         tensors: &[&Tensor<Self>],
@@ -73,8 +73,7 @@ impl Cuda {
             && s > 0
             && hkv > 0
             && s < lim
-            && b <= u16::MAX as usize
-            && hq <= u16::MAX as usize
+            && s.div_ceil(FWD_QUERIES) * hq * b < lim
             && tensors.iter().all(|t| t.storage().ptr() % 16 == 0)
     }
 
@@ -103,8 +102,14 @@ impl Cuda {
         let smem = fwd_smem(hd);
         self.bind()?;
         let f = self.func_smem(ATTENTION_SM90, &format!("fa3_fwd_bf16_hd{hd}"), smem)?;
+        // Persistent: one block per multiprocessor (or per tile, if fewer).
+        let sms = self
+            .ctx()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| super::alloc::driver_err("reading the multiprocessor count", e))?;
+        let tiles = s.div_ceil(FWD_QUERIES) * hq * b;
         let cfg = LaunchConfig {
-            grid_dim: (s.div_ceil(FWD_QUERIES) as u32, hq as u32, b as u32),
+            grid_dim: (tiles.clamp(1, sms.max(1) as usize) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -119,6 +124,7 @@ impl Cuda {
             o.storage().ptr(),
             lse.storage().ptr(),
             s as i32,
+            b as i32,
             hq as i32,
             hkv as i32,
             scale_log2 as f32
@@ -137,7 +143,8 @@ mod tests {
     /// On an sm_90a device the wgmma forward is the one that runs (every
     /// head dim, S = 1, ragged S, GQA 1 and 8, several key tiles so the
     /// pipeline's stages wrap), and it matches the CPU in bf16 with peaked
-    /// scores.
+    /// scores; enough tiles at one shape that persistent blocks take more
+    /// than one.
     #[test]
     #[cfg_attr(
         not(foldmoe_gpu_tests),
@@ -156,6 +163,8 @@ mod tests {
             (1, 700, 8, 1, 128),
             (1, 129, 4, 4, 128),
             (1, 500, 2, 1, 192),
+            // 144 tiles: past one per multiprocessor, so blocks take several.
+            (2, 1100, 8, 2, 64),
         ] {
             let (q, qc) = c.rand(&[b, s, hq, hd], 3.0);
             let (k, kc) = c.rand(&[b, s, hkv, hd], 3.0);
