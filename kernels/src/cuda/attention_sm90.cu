@@ -36,6 +36,7 @@
 // 4 j + e holds row 16 warp + lane / 4 (+ 8 for e >= 2), column
 // 8 j + 2 (lane % 4) + e % 2; 16 columns of it packed to bf16 in order are
 // the register A operand of the next product.
+// Backward: see fa3_bwd_body below.
 // The whole module compiles to nothing for other architectures.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -172,6 +173,18 @@ __device__ __forceinline__ void fa3_rs(float (&d)[96], const unsigned (&a)[4], u
 }
 
 
+// d[0..31] (+)= A · B, m64n64k16, A and B from shared memory (descriptors);
+// TA / TB: A / B stored MN-major (1) or K-major (0); acc = 0 overwrites d.
+template <int TA, int TB>
+__device__ __forceinline__ void fa3_ss(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(acc));
+}
+
+
 extern __shared__ __align__(1024) unsigned char fa3_smem[];
 
 #define FA3_THREADS 384
@@ -262,6 +275,7 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
     int cnt = 0, it = 0;
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x, ++it, cnt += nkt_prev) {
     FA3_TILE(t);
+    (void)hk;
     nkt_prev = nkt;
     // This thread's rows: r0 and r0 + 8; the warpgroup's first row.
     int wrow = q0 + wg * 64, r0 = wrow + warp * 16 + (lane >> 2);
@@ -419,5 +433,297 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
 FA3_FWD(64, 128, 2)
 FA3_FWD(128, 128, 2)
 FA3_FWD(192, 96, 2)
+
+// ---------------------------------------------------------------------------
+// Backward (fa3_bwd_*), Hd 64 and 128: one block of 384 threads per 128 keys
+// of one kv head (key tiles from the first: the most work first), over the
+// kv head's G query heads and, for each, the 64-query tiles from the
+// diagonal to the end:
+// - warpgroup 2 produces: one thread copies the block's K and V once, then
+//   per query tile Q_i and dO_i (TMA, boxes of 64 rows) and the tile's
+//   log2-domain lse and delta (bulk copies of 256 bytes from the padded
+//   buffers fa3_bwd_prep fills) into a 2-stage ring;
+// - warpgroup w consumes keys 64 w .. 64 w + 63 of the block, keeping its
+//   dK and dV (64 × Hd each, f32) in registers: Sᵀ = K_w Q_iᵀ and
+//   dPᵀ = V_w dO_iᵀ (wgmma from shared memory), Pᵀ = exp2(scale · Sᵀ − lse),
+//   dSᵀ = Pᵀ ∘ (dPᵀ − delta), then dV += Pᵀ dO_i and dK += dSᵀ Q_i with Pᵀ
+//   and dSᵀ as register operands; dSᵀ is also written to shared memory
+//   (bf16, MN-major) so that dQ_i's part over these 64 keys, dS K_w, is one
+//   more wgmma; that part is staged in shared memory in the accumulator's
+//   own order and added to the f32 dQ accumulator (that order, tile by tile)
+//   with one cp.reduce.async.bulk of the whole tile; fa3_dq_convert scales,
+//   reorders and rounds it into dq.
+// Rows past S arrive as zeros (TMA), the padded lse and delta are 0 there:
+// their P is 1 and their dS 0, and their dK, dV and dQ rows are not stored.
+
+#define FA3_BWD_KEYS 128
+#define FA3_BWD_Q 64
+
+// Bytes of one stage: Q_i and dO_i (64 × Hd bf16 each), lse and delta (64
+// f32 each), rounded up to 1024.
+#define FA3_BWD_STAGE(HD) ((((HD) * 256 + 512) + 1023) / 1024 * 1024)
+// Dynamic shared memory (attention_sm90.rs's bwd_smem): alignment slack, K
+// and V, 2 stages, each warpgroup's dSᵀ (64 × 64 bf16) and dQ part (64 × Hd
+// f32), the mbarriers.
+#define FA3_BWD_SMEM(HD) (1024 + 2 * FA3_BWD_KEYS * (HD) * 2 + 2 * FA3_BWD_STAGE(HD) + 2 * 8192 + 2 * 64 * (HD) * 4 + 64)
+
+__device__ __forceinline__ void fa3_bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void fa3_bulk_add_f32(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void fa3_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fa3_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fa3_wg_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+
+template <int HD>
+__device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk, const Fa3Map* tv, const Fa3Map* tdo,
+                                             const float* __restrict__ lse2, const float* __restrict__ delta,
+                                             float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv,
+                                             int S, int HQ, int HKV, float scale, float scale_log2) {
+    constexpr int NC = HD / 64, KB = FA3_BWD_KEYS * HD * 2, QB = FA3_BWD_Q * HD * 2, ST = FA3_BWD_STAGE(HD);
+    unsigned raw = fa3_u32(fa3_smem);
+    unsigned pad = (1024u - (raw & 1023u)) & 1023u;
+    unsigned char* base = fa3_smem + pad;
+    unsigned sk = raw + pad, sv = sk + KB, st0 = sv + KB, sds = st0 + 2 * ST, sdq = sds + 2 * 8192;
+    unsigned bars = sdq + 2 * 64 * HD * 4;
+    // kv_full, then full[2], empty[2].
+    unsigned kv_full = bars;
+#define FA3_BF(s) (bars + 8 * (1 + (s)))
+#define FA3_BE(s) (bars + 8 * (3 + (s)))
+    int G = HQ / HKV, hk = blockIdx.y, b = blockIdx.z;
+    int k0 = blockIdx.x * FA3_BWD_KEYS;
+    int Sp = (S + FA3_BWD_Q - 1) / FA3_BWD_Q * FA3_BWD_Q, nqt = Sp / FA3_BWD_Q;
+    int i0 = k0 / FA3_BWD_Q, per = nqt - i0;
+    int tid = threadIdx.x;
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    if (tid == 0) {
+        fa3_bar_init(kv_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            fa3_bar_init(FA3_BF(s), 1);
+            // Every consumer thread arrives: each one read the stage's lse
+            // and delta with plain loads, which its own arrival releases.
+            fa3_bar_init(FA3_BE(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (tid == 256) {
+            fa3_expect_tx(kv_full, 2 * KB);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                fa3_tma_4d(sk + c * FA3_BWD_KEYS * 128, tk, kv_full, c * 64, hk, k0, b);
+                fa3_tma_4d(sv + c * FA3_BWD_KEYS * 128, tv, kv_full, c * 64, hk, k0, b);
+            }
+            for (int n = 0; n < G * per; ++n) {
+                int s = n & 1, h = hk * G + n / per, q0 = (i0 + n % per) * FA3_BWD_Q;
+                fa3_wait(FA3_BE(s), ((n >> 1) & 1) ^ 1);
+                unsigned full = FA3_BF(s), sq = st0 + s * ST, sdo = sq + QB;
+                fa3_expect_tx(full, 2 * QB + 512);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    fa3_tma_4d(sq + c * FA3_BWD_Q * 128, tq, full, c * 64, h, q0, b);
+                    fa3_tma_4d(sdo + c * FA3_BWD_Q * 128, tdo, full, c * 64, h, q0, b);
+                }
+                i64 r = ((i64)b * HQ + h) * Sp + q0;
+                fa3_bulk_g2s(sdo + QB, lse2 + r, 256, full);
+                fa3_bulk_g2s(sdo + QB + 256, delta + r, 256, full);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    int t = tid & 127, warp = t >> 5, lane = t & 31;
+    int kw0 = k0 + wg * 64, key0 = kw0 + warp * 16 + (lane >> 2);
+    float dka[HD / 2], dva[HD / 2];
+#pragma unroll
+    for (int x = 0; x < HD / 2; ++x) dka[x] = dva[x] = 0.f;
+    unsigned ka = sk + wg * 64 * 128, va = sv + wg * 64 * 128;
+    unsigned dsw = sds + wg * 8192, dqw = sdq + wg * 64 * HD * 4;
+    unsigned char* dsp = base + (dsw - (raw + pad));
+    unsigned char* dqp = base + (dqw - (raw + pad));
+    fa3_wait(kv_full, 0);
+    for (int n = 0; n < G * per; ++n) {
+        int s = n & 1, h = hk * G + n / per, i = i0 + n % per, q0 = i * FA3_BWD_Q;
+        unsigned sq = st0 + s * ST, sdo = sq + QB;
+        const float* sl = reinterpret_cast<const float*>(base + (sdo + QB - (raw + pad)));
+        fa3_wait(FA3_BF(s), (n >> 1) & 1);
+        float sacc[32], dpa[32];
+        fa3_fence();
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                fa3_ss<0, 0>(sacc, fa3_desc(ka + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
+                             fa3_desc(sq + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                fa3_ss<0, 0>(dpa, fa3_desc(va + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
+                             fa3_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
+        fa3_commit();
+        fa3_wait_mma<0>();
+        fa3_pin(sacc);
+        fa3_pin(dpa);
+        // Pᵀ and dSᵀ: rows are keys, columns queries.
+        bool mask = q0 < kw0 + 63;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int qc = 8 * jj + 2 * (lane & 3) + e;
+                float l2 = sl[qc], dl = sl[64 + qc];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    int x = 4 * jj + 2 * hr + e;
+                    float p = fa3_exp2(sacc[x] * scale_log2 - l2);
+                    if (mask && key0 + 8 * hr > q0 + qc) p = 0.f;
+                    sacc[x] = p;
+                    dpa[x] = p * (dpa[x] - dl);
+                }
+            }
+        unsigned pp[4][4], pds[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pp[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+                pds[kk][e] = pack_bf16(dpa[8 * kk + 2 * e], dpa[8 * kk + 2 * e + 1]);
+            }
+        fa3_pin(dva);
+        fa3_pin(dka);
+        fa3_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dva, pp[kk], fa3_desc(sdo + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dka, pds[kk], fa3_desc(sq + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
+        fa3_commit();
+        // dSᵀ to shared memory, MN-major for dQ = dS K_w: row = key (the
+        // product's inner dimension), 64 queries per 128-byte row, swizzled.
+        // (The last tile's dQ product that read it has completed.)
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                int kr = warp * 16 + (lane >> 2) + 8 * hr, qc = 8 * jj + 2 * (lane & 3);
+                *reinterpret_cast<unsigned*>(dsp + kr * 128 + ((jj ^ (kr & 7)) << 4) + (qc & 7) * 2) =
+                    pds[jj >> 1][(jj & 1) * 2 + hr];
+            }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fa3_wg_sync(2 + wg);
+        float dqa[HD / 2];
+        fa3_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            fa3_ss<1, 1>(dqa, fa3_desc(dsw + kk * 2048, 8192, 1024),
+                         fa3_desc(ka + kk * 2048, FA3_BWD_KEYS * 128, 1024), kk);
+        fa3_commit();
+        fa3_wait_mma<0>();
+        fa3_pin(dqa);
+        fa3_pin(dva);
+        fa3_pin(dka);
+        fa3_pin(pp);
+        fa3_pin(pds);
+        // Q_i, dO_i, lse and delta are no longer read.
+        fa3_arrive(FA3_BE(s));
+        // dQ part: wait for the last bulk add to have read the buffer, stage
+        // in the accumulator's order (float4 per thread and group of 4
+        // registers), add the tile.
+        if (t == 0) fa3_bulk_wait_read();
+        fa3_wg_sync(2 + wg);
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j)
+            *reinterpret_cast<float4*>(dqp + (j * 128 + t) * 16) =
+                make_float4(dqa[4 * j], dqa[4 * j + 1], dqa[4 * j + 2], dqa[4 * j + 3]);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fa3_wg_sync(2 + wg);
+        if (t == 0) fa3_bulk_add_f32(dq_acc + (((i64)b * HQ + h) * nqt + i) * (FA3_BWD_Q * HD), dqw, FA3_BWD_Q * HD * 4);
+    }
+    // dK (scaled) and dV rows of this warpgroup's keys.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        int key = key0 + 8 * hr;
+        if (key >= S) continue;
+        i64 at = (((i64)b * S + key) * HKV + hk) * HD + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            *reinterpret_cast<unsigned*>(dk + at + 8 * j) = pack_bf16(dka[4 * j + 2 * hr] * scale, dka[4 * j + 2 * hr + 1] * scale);
+            *reinterpret_cast<unsigned*>(dv + at + 8 * j) = pack_bf16(dva[4 * j + 2 * hr], dva[4 * j + 2 * hr + 1]);
+        }
+    }
+    if (t == 0) fa3_bulk_wait();
+#undef FA3_BF
+#undef FA3_BE
+}
+
+#define FA3_BWD(HD)                                                                                              \
+    FA3_ENTRY fa3_bwd_bf16_hd##HD(const __grid_constant__ Fa3Map tq, const __grid_constant__ Fa3Map tk,          \
+                                  const __grid_constant__ Fa3Map tv, const __grid_constant__ Fa3Map tdo,         \
+                                  const float* lse2, const float* delta, float* dq_acc, bf16* dk, bf16* dv,     \
+                                  int S, int HQ, int HKV, float scale, float scale_log2) {                       \
+        fa3_bwd_body<HD>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, HQ, HKV, scale, scale_log2);       \
+    }
+FA3_BWD(64)
+FA3_BWD(128)
+
+// The backward's per-query inputs over rows padded to Sp (a multiple of 64):
+// delta = Σ dO ∘ O and lse2 = lse · log2 e, 0 past S. One warp per row.
+extern "C" __global__ void fa3_bwd_prep(const bf16* __restrict__ d_o, const bf16* __restrict__ o,
+                                        const float* __restrict__ lse, float* __restrict__ lse2,
+                                        float* __restrict__ delta, int B, int S, int Sp, int HQ, int HD) {
+    i64 rows = (i64)B * HQ * Sp;
+    int lane = threadIdx.x & 31;
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += ((i64)gridDim.x * blockDim.x) >> 5) {
+        i64 bh = r / Sp;
+        int s = (int)(r - bh * Sp), h = (int)(bh % HQ), b = (int)(bh / HQ);
+        float acc = 0.f;
+        if (s < S) {
+            i64 at = (((i64)b * S + s) * HQ + h) * HD;
+            for (int d = lane * 2; d < HD; d += 64) {
+                float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d_o + at + d));
+                float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + at + d));
+                acc += x.x * y.x + x.y * y.y;
+            }
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if (lane == 0) {
+            delta[r] = acc;
+            lse2[r] = s < S ? lse[bh * S + s] * 1.4426950408889634f : 0.f;
+        }
+    }
+}
+
+// dq [B, S, Hq, Hd] = scale · the accumulator, whose 64-query tiles
+// ([B, Hq, Sp / 64]) each hold 64 × Hd f32 in fa3_bwd_body's staging order:
+// element (j, t, e) at (j · 128 + t) · 4 + e is register 4 j + e of consumer
+// thread t, i.e. row 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column
+// 8 j + 2 (t % 4) + e % 2.
+extern "C" __global__ void fa3_dq_convert(const float* __restrict__ acc, bf16* __restrict__ dq, int B, int S, int HQ,
+                                          int HD, float scale) {
+    i64 n = (i64)B * S * HQ * HD;
+    int nqt = (S + FA3_BWD_Q - 1) / FA3_BWD_Q;
+    for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < n; x += (i64)gridDim.x * blockDim.x) {
+        int d = (int)(x % HD);
+        i64 rest = x / HD;
+        int h = (int)(rest % HQ);
+        rest /= HQ;
+        int s = (int)(rest % S), b = (int)(rest / S);
+        int row = s % FA3_BWD_Q, i = s / FA3_BWD_Q;
+        int rr = row & 15, lane = (rr & 7) * 4 + ((d & 7) >> 1), t = (row >> 4) * 32 + lane;
+        int e = (rr >> 3) * 2 + (d & 1), j = d >> 3;
+        i64 tile = (((i64)b * HQ + h) * nqt + i) * (FA3_BWD_Q * HD);
+        dq[x] = __float2bfloat16_rn(scale * acc[tile + (j * 128 + t) * 4 + e]);
+    }
+}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
