@@ -1,5 +1,6 @@
-//! `foldmoe bench`: throughput of one MoE layer and of a training step, as
-//! one JSON object on stdout, so that runs can be compared with the PyTorch
+//! `foldmoe bench`: throughput of one MoE layer, of a training step, and of
+//! the layer's grouped GEMMs and the attention alone, as one JSON object on
+//! stdout, so that runs can be compared with the PyTorch
 //! peer in `benchmarks/` on the same GPU.
 //!
 //! Times are wall-clock around work the device has finished (the backend is
@@ -200,6 +201,11 @@ fn run_on<B: BenchDevice + ProcessComm>(
     if o.tokens == 0 {
         return Err(CliError::usage("--tokens 0: give at least one token"));
     }
+    if o.kind != BenchKind::Attention && (o.head_dim.is_some() || o.mla) {
+        return Err(CliError::usage(
+            "--head-dim and --mla apply to bench attention only",
+        ));
+    }
     let spec = bench_spec(o)?;
     let report = match (o.kind, dist) {
         (BenchKind::MoeLayer, None) if o.layout.is_none() => Some(moe_layer(b, o, &spec, dtype)?),
@@ -332,19 +338,7 @@ fn moe_layer<B: BenchDevice>(
     spec: &ModelSpec,
     dtype: DType,
 ) -> Result<Value, CliError> {
-    let moe = spec
-        .groups
-        .iter()
-        .find_map(|g| match &g.ffn {
-            FfnSpec::Moe(m) => Some(m.clone()),
-            FfnSpec::Dense { .. } => None,
-        })
-        .ok_or_else(|| {
-            CliError::usage(format!(
-                "moe-layer: {} has no MoE block in its first {} layers",
-                o.model, o.layers
-            ))
-        })?;
+    let moe = first_moe(o, spec, "moe-layer")?;
     let (t, d) = (o.tokens, spec.hidden);
     let seq_len = spec.seq_len.min(t);
     if !t.is_multiple_of(seq_len) {
@@ -421,11 +415,12 @@ fn time_op(
     o: &BenchOptions,
     f: &mut dyn FnMut() -> Result<(), CliError>,
 ) -> Result<f64, CliError> {
-    let quiet = BenchOptions {
+    // At least one warm-up: the first call compiles the kernels.
+    let opts = BenchOptions {
         warmup: o.warmup.max(1),
         ..o.clone()
     };
-    Ok(median_min(&time_iters(&quiet, f, &|| b.finish())?).0)
+    Ok(median_min(&time_iters(&opts, f, &|| b.finish())?).0)
 }
 
 /// `bench gemm`: the grouped GEMMs of the first MoE block on
