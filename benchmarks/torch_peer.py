@@ -7,6 +7,16 @@ PyTorch, so the two can be compared on one GPU:
   moe-layer  forward + backward of one dropless top-k MoE layer (bf16)
   model      one training step (forward, backward, AdamW) of Qwen3-30B-A3B
              cut to --layers layers, every layer MoE
+  gemm       the layer's grouped GEMMs alone (torch._grouped_mm): fc1 and fc2
+             shapes, forward, data gradient and weight gradient, in TFLOP/s
+             (2*M*K*N each), --tokens * --top-k rows in --experts equal groups
+  attention  causal scaled_dot_product_attention, forward and backward alone,
+             with the flash and cuDNN backends (kv heads repeated, and
+             enable_gqa where the backend takes it); --head-dim, --seq, and
+             --mla (query/key 192, value 128); FLOPs count the causal half:
+             forward B*Hq*S^2*(Dqk + Dv), backward twice that
+
+--compile (moe-layer, model) wraps the layer / the model in torch.compile.
 
 The last line on stdout is one JSON object; everything else (tracebacks,
 warnings) goes to stderr. See benchmarks/README.md for the FLOP formulas.
@@ -370,10 +380,14 @@ def bench_moe_layer(a, device, gmm, result):
         result["check_ref_max_abs"] = scale
         result["check_rel_err"] = err / max(scale, 1e-30)
 
+    layer = moe_forward
+    if a.compile:
+        layer = torch.compile(moe_forward)
+
     def step():
         for p in leaves:
             p.grad = None
-        out, aux = moe_forward(x, router_w, w1, w2, a.top_k, a.aux_coef, gmm, a.group_align)
+        out, aux = layer(x, router_w, w1, w2, a.top_k, a.aux_coef, gmm, a.group_align)
         loss = (out.float() * grad_seed).sum() + aux
         loss.backward()
         return loss
@@ -388,6 +402,77 @@ def bench_moe_layer(a, device, gmm, result):
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
 
+def bench_gemm(a, device, result):
+    """The grouped GEMMs of the MoE layer alone, the calls autograd makes."""
+    fn = find_grouped_mm()
+    if fn is None:
+        raise RuntimeError("this PyTorch has no grouped_mm")
+    M, G = a.tokens * a.top_k, a.experts
+    if M % G:
+        raise ValueError(f"{M} routed rows do not split into {G} equal groups")
+    bf16 = torch.bfloat16
+    offs = torch.arange(1, G + 1, device=device, dtype=torch.int32) * (M // G)
+    rows = []
+    for name, K, N in (("fc1", a.hidden, a.expert_ffn), ("fc2", a.expert_ffn, a.hidden)):
+        x = torch.randn(M, K, device=device, dtype=bf16)
+        w = (torch.randn(G, K, N, device=device) * 0.02).to(bf16)
+        dy = torch.randn(M, N, device=device, dtype=bf16)
+        flops = 2.0 * M * K * N
+        products = (
+            ("forward", lambda: fn(x, w, offs=offs)),
+            ("dgrad", lambda: fn(dy, w.transpose(-2, -1), offs=offs)),
+            ("wgrad", lambda: fn(x.t(), dy, offs=offs)),
+        )
+        for product, call in products:
+            med, _ = time_it(call, a.warmup, a.iters, device)
+            rows.append(dict(shape=name, product=product, m=M, k=K, n=N, groups=G,
+                             time_ms=med, tflops=flops / (med * 1e-3) / 1e12))
+    result["results"] = rows
+
+
+def bench_attention(a, device, result):
+    """Causal SDPA forward and backward per backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if a.tokens % a.seq:
+        raise ValueError(f"--tokens {a.tokens} is not a multiple of --seq {a.seq}")
+    B, S, Hq, Hkv = a.tokens // a.seq, a.seq, a.heads, a.kv_heads
+    Dqk, Dv = (192, 128) if a.mla else (a.head_dim, a.head_dim)
+    bf16 = torch.bfloat16
+    q = torch.randn(B, Hq, S, Dqk, device=device, dtype=bf16, requires_grad=True)
+    k = torch.randn(B, Hkv, S, Dqk, device=device, dtype=bf16, requires_grad=True)
+    v = torch.randn(B, Hkv, S, Dv, device=device, dtype=bf16, requires_grad=True)
+    do = torch.randn(B, Hq, S, Dv, device=device, dtype=bf16)
+    fwd_flops = float(B * Hq * S * S * (Dqk + Dv))
+    rows = []
+    for backend, bname in ((SDPBackend.FLASH_ATTENTION, "flash"),
+                           (SDPBackend.CUDNN_ATTENTION, "cudnn")):
+        for gqa in ("repeat", "enable_gqa"):
+            row = dict(backend=bname, gqa=gqa)
+            try:
+                with sdpa_kernel(backend):
+                    def fwd():
+                        if gqa == "repeat":
+                            kk = k.repeat_interleave(Hq // Hkv, dim=1)
+                            vv = v.repeat_interleave(Hq // Hkv, dim=1)
+                            return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                              enable_gqa=True)
+                    with torch.no_grad():
+                        fmed, _ = time_it(fwd, a.warmup, a.iters, device)
+                    out = fwd()
+                    bmed, _ = time_it(lambda: torch.autograd.grad(out, (q, k, v), do,
+                                                                  retain_graph=True),
+                                      a.warmup, a.iters, device)
+                row.update(forward_ms=fmed, forward_tflops=fwd_flops / (fmed * 1e-3) / 1e12,
+                           backward_ms=bmed,
+                           backward_tflops=2 * fwd_flops / (bmed * 1e-3) / 1e12)
+            except Exception as exc:  # a backend that refuses the shape
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+    result["dims"].update(batch=B, qk_head_dim=Dqk, v_head_dim=Dv, causal=True)
+    result["results"] = rows
+
+
 def bench_model(a, device, gmm, result):
     if a.tokens % a.seq != 0:
         raise ValueError(f"--tokens {a.tokens} is not a multiple of --seq {a.seq}")
@@ -400,6 +485,7 @@ def bench_model(a, device, gmm, result):
     with torch.device(device):
         model = Model(a, gmm)
     result["params"] = sum(p.numel() for p in model.parameters())
+    forward = torch.compile(model) if a.compile else model
 
     # Mixed precision: fp32 master parameters, AdamW on them, bf16 compute via
     # autocast; the MoE casts its expert weights to bf16 itself because
@@ -415,7 +501,7 @@ def bench_model(a, device, gmm, result):
 
     def step():
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-            loss, ce = model(ids, targets)
+            loss, ce = forward(ids, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -448,7 +534,7 @@ DIM_FLAGS = [  # (name, type)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bench", choices=["moe-layer", "model"])
+    p.add_argument("bench", choices=["moe-layer", "model", "gemm", "attention"])
     p.add_argument("--device", default="cuda", help="cuda (the real run) or cpu (tiny smoke run)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="dims preset; default qwen3-30b-a3b on cuda, tiny on cpu. "
@@ -469,6 +555,10 @@ def parse_args(argv=None):
                         "loop = one matmul per expert (default on cpu)")
     p.add_argument("--group-align", type=int, default=1,
                    help="pad each expert's rows to a multiple of this (1 = no padding)")
+    p.add_argument("--compile", action="store_true",
+                   help="moe-layer / model: time torch.compile of the layer / the model")
+    p.add_argument("--mla", action="store_true",
+                   help="attention: MLA's head dims (query/key 192, value 128)")
     p.add_argument("--check", action="store_true",
                    help="moe-layer: compare the layer's forward with an fp32 reference first")
     a = p.parse_args(argv)
@@ -500,12 +590,16 @@ def main(argv=None):
         if a.bench == "model":
             result["dims"]["batch"] = a.tokens // a.seq
         result.update(expert_impl=a.expert_impl, group_align=a.group_align,
-                      warmup=a.warmup, iters=a.iters)
+                      warmup=a.warmup, iters=a.iters, compile=a.compile)
 
         torch.manual_seed(a.seed)
         gmm = make_gmm(a.expert_impl)
         if a.bench == "moe-layer":
             bench_moe_layer(a, device, gmm, result)
+        elif a.bench == "gemm":
+            bench_gemm(a, device, result)
+        elif a.bench == "attention":
+            bench_attention(a, device, result)
         else:
             bench_model(a, device, gmm, result)
     except Exception as exc:  # OOM included: still one JSON line for the caller

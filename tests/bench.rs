@@ -113,6 +113,79 @@ fn model_step_reports_tokens_per_second_and_a_finite_loss() {
 }
 
 #[test]
+fn gemm_reports_each_product_of_fc1_and_fc2() {
+    let mut args = vec!["bench", "gemm"];
+    args.extend_from_slice(SMALL);
+    let r = report(&args);
+    assert_eq!(r["bench"], "gemm");
+    let rows = r["results"].as_array().unwrap();
+    // 256 tokens × top-4 rows in 16 groups; hidden 128, expert ffn 64.
+    let mut seen = Vec::new();
+    for row in rows {
+        let (m, k, n) = (
+            row["m"].as_f64().unwrap(),
+            row["k"].as_f64().unwrap(),
+            row["n"].as_f64().unwrap(),
+        );
+        assert_eq!((m, row["groups"].as_u64().unwrap()), (1024.0, 16));
+        let shape = row["shape"].as_str().unwrap();
+        assert_eq!(
+            (k, n),
+            if shape == "fc1" {
+                (128.0, 64.0)
+            } else {
+                (64.0, 128.0)
+            }
+        );
+        let (ms, tflops) = (
+            row["time_ms"].as_f64().unwrap(),
+            row["tflops"].as_f64().unwrap(),
+        );
+        assert!(ms > 0.0);
+        let want = 2.0 * m * k * n / ms / 1e9;
+        assert!((tflops - want).abs() <= 1e-9 * want, "{row}");
+        seen.push(format!("{shape} {}", row["product"].as_str().unwrap()));
+    }
+    let want: Vec<String> = ["fc1", "fc2"]
+        .iter()
+        .flat_map(|s| ["forward", "dgrad", "wgrad"].map(|p| format!("{s} {p}")))
+        .collect();
+    assert_eq!(seen, want);
+}
+
+#[test]
+fn attention_counts_the_causal_half() {
+    for (extra, hd, hv) in [(&[][..], 32.0, 32.0), (&["--mla"][..], 192.0, 128.0)] {
+        let mut args = vec!["bench", "attention", "--seq-len", "64"];
+        args.extend_from_slice(SMALL);
+        args.extend_from_slice(extra);
+        let r = report(&args);
+        assert_eq!(r["bench"], "attention");
+        let dims = &r["dims"];
+        assert_eq!(
+            (dims["batch"].as_u64(), dims["seq_len"].as_u64()),
+            (Some(4), Some(64))
+        );
+        assert_eq!(
+            (dims["heads"].as_u64(), dims["kv_heads"].as_u64()),
+            (Some(4), Some(1))
+        );
+        assert_eq!(dims["head_dim"].as_f64().unwrap(), hd);
+        assert_eq!(dims["value_dim"].as_f64().unwrap(), hv);
+        let fwd = 4.0 * 4.0 * 64.0 * 64.0 * (hd + hv);
+        for (pass, flops) in [("forward", fwd), ("backward", 2.0 * fwd)] {
+            let ms = r[format!("{pass}_ms")].as_f64().unwrap();
+            let tflops = r[format!("{pass}_tflops")].as_f64().unwrap();
+            let want = flops / ms / 1e9;
+            assert!(
+                ms > 0.0 && (tflops - want).abs() <= 1e-9 * want,
+                "{pass}: {r}"
+            );
+        }
+    }
+}
+
+#[test]
 fn bad_flags_are_one_line_errors() {
     for (extra, expect) in [
         (&["--layers", "9"][..], "--layers 9"),
@@ -120,6 +193,7 @@ fn bad_flags_are_one_line_errors() {
         (&["--dtype", "fp8"][..], "--dtype fp8"),
         (&["--iters", "0"][..], "--iters 0"),
         (&["--model", "nope"][..], "nope"),
+        (&["--head-dim", "64"][..], "--head-dim"),
     ] {
         // The bad flag replaces its value in SMALL (clap refuses a flag twice).
         let mut args = vec!["bench", "model"];

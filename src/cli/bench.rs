@@ -1,5 +1,6 @@
-//! `foldmoe bench`: throughput of one MoE layer and of a training step, as
-//! one JSON object on stdout, so that runs can be compared with the PyTorch
+//! `foldmoe bench`: throughput of one MoE layer, of a training step, and of
+//! the layer's grouped GEMMs and the attention alone, as one JSON object on
+//! stdout, so that runs can be compared with the PyTorch
 //! peer in `benchmarks/` on the same GPU.
 //!
 //! Times are wall-clock around work the device has finished (the backend is
@@ -55,6 +56,12 @@ pub enum BenchKind {
     MoeLayer,
     /// One training step (forward, backward, AdamW) of a model cut to `--layers`.
     Model,
+    /// The MoE layer's grouped GEMMs alone (fc1 and fc2 shapes: forward,
+    /// data gradient, weight gradient), uniform groups.
+    Gemm,
+    /// Causal attention alone, forward and backward, at `--seq-len` and
+    /// `--head-dim` (`--mla`: query/key 192, value 128).
+    Attention,
 }
 
 /// Flags of `foldmoe bench`.
@@ -73,8 +80,15 @@ pub struct BenchOptions {
     #[arg(long, default_value_t = 4)]
     pub layers: usize,
     /// Sequence length (default: the model's).
-    #[arg(long)]
+    #[arg(long, alias = "seq")]
     pub seq_len: Option<usize>,
+    /// `attention`: head dim (default: the model's).
+    #[arg(long)]
+    pub head_dim: Option<usize>,
+    /// `attention`: MLA's dims (DeepSeek-V3: query/key 192, value 128; the
+    /// values go to the kernel zero-padded to 192, as the MLA block does).
+    #[arg(long)]
+    pub mla: bool,
     /// Tokens per iteration (a multiple of the sequence length for `model`);
     /// under `foldmoe launch`, each dp rank's micro-batch (per GPU when tp = 1).
     #[arg(long, default_value_t = 16384)]
@@ -187,6 +201,11 @@ fn run_on<B: BenchDevice + ProcessComm>(
     if o.tokens == 0 {
         return Err(CliError::usage("--tokens 0: give at least one token"));
     }
+    if o.kind != BenchKind::Attention && (o.head_dim.is_some() || o.mla) {
+        return Err(CliError::usage(
+            "--head-dim and --mla apply to bench attention only",
+        ));
+    }
     let spec = bench_spec(o)?;
     let report = match (o.kind, dist) {
         (BenchKind::MoeLayer, None) if o.layout.is_none() => Some(moe_layer(b, o, &spec, dtype)?),
@@ -205,6 +224,16 @@ fn run_on<B: BenchDevice + ProcessComm>(
             }
         },
         (BenchKind::Model, Some(env)) => model_step_ranks(b, o, &spec, dtype, env)?,
+        (BenchKind::Gemm | BenchKind::Attention, None) if o.layout.is_none() => {
+            Some(if o.kind == BenchKind::Gemm {
+                gemm(b, o, &spec, dtype)?
+            } else {
+                attention(b, o, &spec, dtype)?
+            })
+        }
+        (BenchKind::Gemm | BenchKind::Attention, _) => return Err(CliError::usage(
+            "bench gemm / attention time one device: run them without foldmoe launch and --layout",
+        )),
     };
     Ok(report.map(|mut report| {
         report["backend"] = json!(backend);
@@ -309,19 +338,7 @@ fn moe_layer<B: BenchDevice>(
     spec: &ModelSpec,
     dtype: DType,
 ) -> Result<Value, CliError> {
-    let moe = spec
-        .groups
-        .iter()
-        .find_map(|g| match &g.ffn {
-            FfnSpec::Moe(m) => Some(m.clone()),
-            FfnSpec::Dense { .. } => None,
-        })
-        .ok_or_else(|| {
-            CliError::usage(format!(
-                "moe-layer: {} has no MoE block in its first {} layers",
-                o.model, o.layers
-            ))
-        })?;
+    let moe = first_moe(o, spec, "moe-layer")?;
     let (t, d) = (o.tokens, spec.hidden);
     let seq_len = spec.seq_len.min(t);
     if !t.is_multiple_of(seq_len) {
@@ -371,6 +388,152 @@ fn moe_layer<B: BenchDevice>(
         "tflops": flops / median / 1e12,
         "host_waits_per_iter": waits,
         "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
+        "iters": o.iters,
+    }))
+}
+
+/// The first MoE block's dims of `spec`, or a usage error naming `what`.
+fn first_moe(o: &BenchOptions, spec: &ModelSpec, what: &str) -> Result<MoeSpec, CliError> {
+    spec.groups
+        .iter()
+        .find_map(|g| match &g.ffn {
+            FfnSpec::Moe(m) => Some(m.clone()),
+            FfnSpec::Dense { .. } => None,
+        })
+        .ok_or_else(|| {
+            CliError::usage(format!(
+                "{what}: {} has no MoE block in its first {} layers",
+                o.model, o.layers
+            ))
+        })
+}
+
+/// Median seconds of `f` over `--iters` after `--warmup` (each call
+/// synchronised), as `time_iters` does for whole steps.
+fn time_op(
+    b: &impl BenchDevice,
+    o: &BenchOptions,
+    f: &mut dyn FnMut() -> Result<(), CliError>,
+) -> Result<f64, CliError> {
+    // At least one warm-up: the first call compiles the kernels.
+    let opts = BenchOptions {
+        warmup: o.warmup.max(1),
+        ..o.clone()
+    };
+    Ok(median_min(&time_iters(&opts, f, &|| b.finish())?).0)
+}
+
+/// `bench gemm`: the grouped GEMMs of the first MoE block on
+/// `--tokens · top_k` routed rows in `experts` equal groups: fc1 (one of the
+/// gate / up projections, hidden → expert_ffn) and fc2 (expert_ffn →
+/// hidden), each as the forward (`x · w[g]`), the data gradient
+/// (`dy · w[g]ᵀ`) and the weight gradient (`x_gᵀ dy_g`); 2·M·K·N FLOPs each.
+fn gemm<B: BenchDevice>(
+    b: &B,
+    o: &BenchOptions,
+    spec: &ModelSpec,
+    dtype: DType,
+) -> Result<Value, CliError> {
+    let moe = first_moe(o, spec, "gemm")?;
+    let (m, g) = (o.tokens * moe.top_k, moe.experts);
+    if !m.is_multiple_of(g) {
+        return Err(CliError::usage(format!(
+            "--tokens {}: {m} routed rows do not split into {g} equal groups",
+            o.tokens
+        )));
+    }
+    let sizes = b.upload(HostData::I32(vec![(m / g) as i32; g]), &[g])?;
+    let mut rows = Vec::new();
+    for (name, k, n) in [
+        ("fc1", spec.hidden, moe.expert_ffn),
+        ("fc2", moe.expert_ffn, spec.hidden),
+    ] {
+        let x = random(b, &[m, k], 1.0, 5, dtype)?;
+        let w = random(b, &[g, k, n], 0.02, 6, dtype)?;
+        let dy = random(b, &[m, n], 1.0, 7, dtype)?;
+        let flops = 2.0 * (m * k * n) as f64;
+        let fwd = time_op(b, o, &mut || {
+            b.grouped_matmul(&x, &w, &sizes, false)?;
+            Ok(())
+        })?;
+        let dgrad = time_op(b, o, &mut || {
+            b.grouped_matmul(&dy, &w, &sizes, true)?;
+            Ok(())
+        })?;
+        let wgrad = time_op(b, o, &mut || {
+            b.grouped_matmul_weight_grad(&x, &dy, &sizes)?;
+            Ok(())
+        })?;
+        for (product, t) in [("forward", fwd), ("dgrad", dgrad), ("wgrad", wgrad)] {
+            rows.push(json!({
+                "shape": name, "product": product, "m": m, "k": k, "n": n, "groups": g,
+                "time_ms": t * 1e3, "tflops": flops / t / 1e12,
+            }));
+        }
+    }
+    Ok(json!({ "bench": "gemm", "results": rows, "iters": o.iters }))
+}
+
+/// `bench attention`: causal grouped-query attention of the model's heads
+/// on `--tokens / --seq-len` sequences, forward and backward timed apart.
+/// FLOPs count the causal half as BENCHMARKS.md does: forward
+/// B·Hq·S²·(Hqk + Hv) (2·B·Hq·S²·Hd at one head dim), backward twice that;
+/// with `--mla` the counted value width is 128 though the kernel runs the
+/// zero-padded 192.
+fn attention<B: BenchDevice>(
+    b: &B,
+    o: &BenchOptions,
+    spec: &ModelSpec,
+    dtype: DType,
+) -> Result<Value, CliError> {
+    let a = &spec
+        .groups
+        .first()
+        .ok_or_else(|| CliError::usage(format!("attention: {} has no blocks", o.model)))?
+        .attention;
+    let (hq, hkv) = (a.heads, a.kv_heads);
+    let (hd, hv) = match (o.mla, o.head_dim) {
+        (true, None | Some(192)) => (192, 128),
+        (true, Some(h)) => {
+            return Err(CliError::usage(format!(
+                "--mla with --head-dim {h}: MLA's query/key width is 192"
+            )))
+        }
+        (false, h) => (h.unwrap_or(a.head_dim), h.unwrap_or(a.head_dim)),
+    };
+    if hd == 0 {
+        return Err(CliError::usage("--head-dim 0: give a positive head dim"));
+    }
+    let s = spec.seq_len;
+    if !o.tokens.is_multiple_of(s) {
+        return Err(CliError::usage(format!(
+            "--tokens {}: not a multiple of the sequence length {s}",
+            o.tokens
+        )));
+    }
+    let batch = o.tokens / s;
+    let q = random(b, &[batch, s, hq, hd], 1.0, 11, dtype)?;
+    let k = random(b, &[batch, s, hkv, hd], 1.0, 12, dtype)?;
+    let v = random(b, &[batch, s, hkv, hd], 1.0, 13, dtype)?;
+    let d_o = random(b, &[batch, s, hq, hd], 1.0, 14, dtype)?;
+    let (out, lse) = b.attention(&q, &k, &v, None)?;
+    let fwd = time_op(b, o, &mut || {
+        b.attention(&q, &k, &v, None)?;
+        Ok(())
+    })?;
+    let bwd = time_op(b, o, &mut || {
+        b.attention_backward(&d_o, &q, &k, &v, &out, &lse, None)?;
+        Ok(())
+    })?;
+    let fwd_flops = (batch * hq * s * s * (hd + hv)) as f64;
+    Ok(json!({
+        "bench": "attention",
+        "dims": { "batch": batch, "seq_len": s, "heads": hq, "kv_heads": hkv,
+                  "head_dim": hd, "value_dim": hv, "causal": true },
+        "forward_ms": fwd * 1e3,
+        "forward_tflops": fwd_flops / fwd / 1e12,
+        "backward_ms": bwd * 1e3,
+        "backward_tflops": 2.0 * fwd_flops / bwd / 1e12,
         "iters": o.iters,
     }))
 }

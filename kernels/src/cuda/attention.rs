@@ -17,7 +17,10 @@
 //! `attention.cu` instead ([`flash_head_dim`]): tensor-core tiles with an
 //! online softmax, nothing S × S in memory, the causal mask skipping whole
 //! tiles, and q, k, v read in place. Setting `FOLDMOE_ATTENTION=cublas`
-//! forces the cuBLAS path (for comparisons).
+//! forces the cuBLAS path (for comparisons). On Hopper the forward (bf16,
+//! Hd 64, 128 or 192) and the backward (Hd 64 or 128) run
+//! `attention_sm90.rs`'s TMA + wgmma kernels where they fit
+//! (`FOLDMOE_ATTENTION=mma` keeps the kernels above).
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
 //! dim, G = Hq / Hkv.
@@ -617,6 +620,12 @@ impl AttentionOps for Cuda {
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let d = Dims::new("attention", q, k, v, SCORE_BUDGET)?;
         crate::backend::check_docs("attention", q, docs)?;
+        // Hopper: attention_sm90.rs's wgmma kernels where they fit (without
+        // documents: a masked call runs the flash kernels, which skip tiles).
+        let shape = (d.b, d.s, d.hq, d.hkv, d.hd);
+        if docs.is_none() && self.sm90_attention_fits(&[q, k, v], shape) {
+            return self.sm90_attention(q, k, v, shape);
+        }
         match flash_head_dim(&d) {
             Some(hd) if q.numel() > 0 => self.flash_attention(&d, hd, q, k, v, docs),
             _ => self.attention_chunked(q, k, v, docs, SCORE_BUDGET),
@@ -635,6 +644,12 @@ impl AttentionOps for Cuda {
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention_backward";
         let d = Dims::new(OP, q, k, v, SCORE_BUDGET)?;
+        let shape = (d.b, d.s, d.hq, d.hkv, d.hd);
+        // Documents run the flash kernels (the wgmma kernels take no mask).
+        if docs.is_none() && self.sm90_attention_backward_fits(&[d_o, q, k, v, o], shape) {
+            d.check_backward(OP, q, d_o, o, lse)?;
+            return self.sm90_attention_backward(d_o, q, k, v, o, lse, shape);
+        }
         match flash_head_dim(&d) {
             Some(hd) if q.numel() > 0 => {
                 d.check_backward(OP, q, d_o, o, lse)?;

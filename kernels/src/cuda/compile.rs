@@ -39,6 +39,11 @@ pub(crate) const GROUPED_SM90: Module = Module {
     name: "grouped_sm90.cu",
     src: include_str!("grouped_sm90.cu"),
 };
+/// The Hopper (sm_90a) attention kernels on TMA and wgmma (empty elsewhere).
+pub(crate) const ATTENTION_SM90: Module = Module {
+    name: "attention_sm90.cu",
+    src: include_str!("attention_sm90.cu"),
+};
 /// RMSNorm and RoPE.
 pub(crate) const NORM: Module = Module {
     name: "norm.cu",
@@ -57,10 +62,11 @@ pub(crate) const OPTIM: Module = Module {
 
 /// Every module, for checks that compile them all.
 #[cfg(test)]
-pub(crate) const ALL: [Module; 9] = [
+pub(crate) const ALL: [Module; 10] = [
     ELEMENTWISE,
     LINALG,
     GROUPED_SM90,
+    ATTENTION_SM90,
     NORM,
     LOSS,
     OPTIM,

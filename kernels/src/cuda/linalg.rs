@@ -79,7 +79,7 @@ const GW_MAX_SMEM: usize = 227 << 10;
 /// (`__grid_constant__ TmaMap`).
 #[repr(transparent)]
 #[derive(Clone, Copy)]
-struct TmaMap(sys::CUtensorMap);
+pub(crate) struct TmaMap(sys::CUtensorMap);
 
 // 128 plain bytes, laid out as the kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for TmaMap {}
@@ -88,7 +88,7 @@ unsafe impl cudarc::driver::DeviceRepr for TmaMap {}
 /// innermost first, are `dims`, copied in boxes of `boxes` elements with the
 /// 128-byte swizzle (the box's inner extent is 64 elements = 128 bytes);
 /// elements outside the array arrive as zeros.
-fn tma_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -> Result<TmaMap> {
+pub(crate) fn tma_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -> Result<TmaMap> {
     let rank = dims.len();
     let mut strides = [0u64; 4];
     let mut s = 2u64;

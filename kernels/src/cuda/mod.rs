@@ -23,6 +23,7 @@
 
 mod alloc;
 mod attention;
+mod attention_sm90;
 mod compile;
 mod elementwise;
 mod graph;

@@ -1,0 +1,729 @@
+// Hopper (sm_90a) causal grouped-query attention on TMA and wgmma, in
+// FlashAttention-3's design: attention.rs picks these kernels for bf16 on
+// sm_90a with head dims 64, 128 and 192 (MLA's query/key width; its values
+// arrive zero-padded to 192, as mla.rs builds them); attention.cu keeps the
+// mma.sync flash kernels for other GPUs and the cuBLAS path for the rest.
+//
+// Forward (fa3_fwd_*): a persistent grid of 384-thread blocks over the tiles
+// of 128 queries of one query head (longest tiles first, as the causal work
+// is uneven), each over the key tiles 0 .. the diagonal:
+// - warpgroup 2 produces: one thread copies each 128 × Hd query tile (once
+//   the last product reading the previous one is done, so the next tile's
+//   copies run under the previous tile's last products and its store) and
+//   then each key tile's K and V (BN keys × Hd) with cp.async.bulk.tensor
+//   into a 2-stage ring, K and V behind their own full / empty mbarriers (the
+//   copy's byte count; one arrival per consumer warp), setmaxnreg 24;
+// - warpgroups 0 and 1 consume, 64 queries each (setmaxnreg 240): per key
+//   tile j, S_j = Q K_jᵀ (wgmma, both operands in shared memory) is issued,
+//   then O += P_{j-1} V_{j-1} (wgmma with P from registers), and the online
+//   softmax of S_j runs while that product is in flight (intra-warpgroup
+//   overlap); P_j is rounded to bf16 into registers only once P_{j-1}'s
+//   product has completed. Named barriers 2 and 3 make the two warpgroups
+//   take turns issuing their products (ping-pong), so one's softmax runs
+//   under the other's GEMMs;
+// - scores are scaled into the log2 domain; lse = ln 2 · (m + log2 l), f32.
+//
+// Tensors are [B, S, H, Hd] bf16, read in place through 4-d tensor maps
+// (Hd, H, S, B) with boxes (64, 1, rows, 1) and the 128-byte swizzle: a box
+// lands as rows × 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8),
+// boxes of the Hd / 64 column chunks side by side; rows past S arrive as
+// zeros. wgmma descriptors over these (start, LBO, SBO):
+//   K-major (Q and K for S = Q Kᵀ): SBO 1024, step of 16 along Hd +32 bytes
+//     inside a chunk, the next chunk rows · 128 bytes on;
+//   MN-major (V for P V, Hd the N side): LBO = BN · 128 (the next 64 of Hd),
+//     SBO 1024 (the next 8 keys), step of 16 keys +2048 bytes.
+// Accumulator layout of m64nN (each consumer warp owns 16 rows): register
+// 4 j + e holds row 16 warp + lane / 4 (+ 8 for e >= 2), column
+// 8 j + 2 (lane % 4) + e % 2; 16 columns of it packed to bf16 in order are
+// the register A operand of the next product.
+// Backward: see fa3_bwd_body below.
+// The whole module compiles to nothing for other architectures.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// A CUtensorMap (128 opaque bytes), passed by value as a __grid_constant__
+// parameter.
+struct __align__(128) Fa3Map {
+    unsigned long long v[16];
+};
+
+__device__ __forceinline__ unsigned fa3_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void fa3_bar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fa3_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fa3_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void fa3_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n"
+            "}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void fa3_tma_4d(unsigned dst, const Fa3Map* map, unsigned bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+        "[%2];\n" ::"r"(dst),
+        "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+// Named barriers between the two consumer warpgroups (256 threads).
+__device__ __forceinline__ void fa3_named_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void fa3_named_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+
+__device__ __forceinline__ void fa3_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void fa3_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void fa3_wait_mma() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving register reads or writes across a wgmma
+// fence, commit or wait.
+template <int N> __device__ __forceinline__ void fa3_pin(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void fa3_pin(unsigned (&p)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[i][e])::"memory");
+}
+
+// A wgmma shared-memory descriptor with the 128-byte swizzle.
+__device__ __forceinline__ unsigned long long fa3_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ float fa3_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// wgmma wrappers (one per shape; overloaded on the accumulator's length).
+// d[0..63] (+)= A · B, m64n128k16, A and B from shared memory (descriptors);
+// TA / TB: A / B stored MN-major (1) or K-major (0); acc = 0 overwrites d.
+template <int TA, int TB>
+__device__ __forceinline__ void fa3_ss(float (&d)[64], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(acc));
+}
+
+// d[0..47] (+)= A · B, m64n96k16, A and B from shared memory (descriptors);
+// TA / TB: A / B stored MN-major (1) or K-major (0); acc = 0 overwrites d.
+template <int TA, int TB>
+__device__ __forceinline__ void fa3_ss(float (&d)[48], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %52, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, %50, %51;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(acc));
+}
+
+// d[0..31] (+)= A · B, m64n64k16, A from registers (a[0..3], the accumulator
+// layout of 16 columns packed to bf16), B from shared memory; TB: B MN-major (1)
+// or K-major (0).
+template <int TB>
+__device__ __forceinline__ void fa3_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB), "r"(acc));
+}
+
+// d[0..63] (+)= A · B, m64n128k16, A from registers (a[0..3], the accumulator
+// layout of 16 columns packed to bf16), B from shared memory; TB: B MN-major (1)
+// or K-major (0).
+template <int TB>
+__device__ __forceinline__ void fa3_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB), "r"(acc));
+}
+
+// d[0..95] (+)= A · B, m64n192k16, A from registers (a[0..3], the accumulator
+// layout of 16 columns packed to bf16), B from shared memory; TB: B MN-major (1)
+// or K-major (0).
+template <int TB>
+__device__ __forceinline__ void fa3_rs(float (&d)[96], const unsigned (&a)[4], unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %102, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, p, 1, 1, %101;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB), "r"(acc));
+}
+
+
+// d[0..31] (+)= A · B, m64n64k16, A and B from shared memory (descriptors);
+// TA / TB: A / B stored MN-major (1) or K-major (0); acc = 0 overwrites d.
+template <int TA, int TB>
+__device__ __forceinline__ void fa3_ss(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(acc));
+}
+
+
+extern __shared__ __align__(1024) unsigned char fa3_smem[];
+
+#define FA3_THREADS 384
+#define FA3_BM 128
+#define FA3_LN2 0.6931471805599453f
+
+// Bytes of the forward's dynamic shared memory for head dim HD, key tile BN
+// and STAGES (attention_sm90.rs's fwd_smem): 1024 of alignment slack, the
+// query tile, STAGES K and V tiles, the mbarriers.
+#define FA3_FWD_SMEM(HD, BN, STAGES) (1024 + FA3_BM * (HD) * 2 + 2 * (STAGES) * (BN) * (HD) * 2 + 256)
+
+// The forward of one 128-query tile of one query head (see the top of the
+// file). o: [B, S, Hq, Hd] bf16, lse: [B, Hq, S] f32.
+template <int HD, int BN, int STAGES>
+__device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk, const Fa3Map* tv, bf16* __restrict__ o,
+                                             float* __restrict__ lse, int S, int B, int HQ, int HKV, float scale_log2) {
+    constexpr int NC = HD / 64, QB = FA3_BM * HD * 2, KVB = BN * HD * 2;
+    unsigned raw = fa3_u32(fa3_smem);
+    unsigned sq = raw + ((1024u - (raw & 1023u)) & 1023u);
+    unsigned sk = sq + QB, sv = sk + STAGES * KVB, bars = sv + STAGES * KVB;
+    // q_full, q_empty, then per stage k_full, k_empty, v_full, v_empty.
+    unsigned q_full = bars, q_empty = bars + 8;
+#define FA3_KF(s) (bars + 8 * (2 + (s)))
+#define FA3_KE(s) (bars + 8 * (2 + STAGES + (s)))
+#define FA3_VF(s) (bars + 8 * (2 + 2 * STAGES + (s)))
+#define FA3_VE(s) (bars + 8 * (2 + 3 * STAGES + (s)))
+    // Persistent: block x takes tiles x, x + grid, ... of nqt · Hq · B, the
+    // longest query tiles (nearest the end of the sequence) first.
+    int nqt = (S + FA3_BM - 1) / FA3_BM, ntiles = nqt * HQ * B;
+    // Tile t: query tile qt (from the last), query head h, batch b; its
+    // kv head hk, first query q0, key tiles 0 .. nkt - 1.
+#define FA3_TILE(t)                                                  \
+    int qt = nqt - 1 - (t) / (HQ * B), h = ((t) / B) % HQ, b = (t) % B; \
+    int hk = h / (HQ / HKV), q0 = qt * FA3_BM;                       \
+    int nkt = (min(S, q0 + FA3_BM) + BN - 1) / BN
+    int nkt_prev = 0;
+    int tid = threadIdx.x;
+    // Warp-uniform as far as the compiler can tell (wgmma must not sit on a
+    // path it thinks divergent).
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    if (tid == 0) {
+        fa3_bar_init(q_full, 1);
+        fa3_bar_init(q_empty, 8);
+        for (int s = 0; s < STAGES; ++s) {
+            fa3_bar_init(FA3_KF(s), 1);
+            fa3_bar_init(FA3_KE(s), 8);
+            fa3_bar_init(FA3_VF(s), 1);
+            fa3_bar_init(FA3_VE(s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (tid == 256) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tq) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tk) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tv) : "memory");
+            int cnt = 0, it = 0;
+            for (int t = blockIdx.x; t < ntiles; t += gridDim.x, ++it) {
+                FA3_TILE(t);
+                fa3_wait(q_empty, (it & 1) ^ 1);
+                fa3_expect_tx(q_full, QB);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) fa3_tma_4d(sq + c * FA3_BM * 128, tq, q_full, c * 64, h, q0, b);
+            for (int j = 0; j < nkt; ++j, ++cnt) {
+                int s = cnt % STAGES;
+                unsigned ph = (cnt / STAGES) & 1;
+                fa3_wait(FA3_KE(s), ph ^ 1);
+                fa3_expect_tx(FA3_KF(s), KVB);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) fa3_tma_4d(sk + s * KVB + c * BN * 128, tk, FA3_KF(s), c * 64, hk, j * BN, b);
+                fa3_wait(FA3_VE(s), ph ^ 1);
+                fa3_expect_tx(FA3_VF(s), KVB);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) fa3_tma_4d(sv + s * KVB + c * BN * 128, tv, FA3_VF(s), c * 64, hk, j * BN, b);
+            }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    int warp = (tid >> 5) & 3, lane = tid & 31;
+    float sacc[BN / 2], oacc[HD / 2];
+    unsigned p[BN / 16][4];
+    if (wg == 1) fa3_named_arrive(2);  // warpgroup 0 issues first
+    unsigned qa = sq + wg * 64 * 128;
+    int cnt = 0, it = 0;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x, ++it, cnt += nkt_prev) {
+    FA3_TILE(t);
+    (void)hk;
+    nkt_prev = nkt;
+    // This thread's rows: r0 and r0 + 8; the warpgroup's first row.
+    int wrow = q0 + wg * 64, r0 = wrow + warp * 16 + (lane >> 2);
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) oacc[i] = 0.f;
+    float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
+    fa3_wait(q_full, it & 1);
+    for (int j = 0; j < nkt; ++j) {
+        // Stage and phase of key tile j (c) and of j - 1 (cp), counted over
+        // all the block's tiles.
+        int c = cnt + j, cp = c - 1;
+        int s = c % STAGES, sp = (cp + STAGES) % STAGES;
+        unsigned ph = (c / STAGES) & 1, php = (cp / STAGES) & 1;
+        fa3_wait(FA3_KF(s), ph);
+        fa3_named_sync(2 + wg);
+        fa3_pin(sacc);
+        fa3_fence();
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                fa3_ss<0, 0>(sacc, fa3_desc(qa + c * FA3_BM * 128 + kk * 32, 16, 1024),
+                             fa3_desc(sk + s * KVB + c * BN * 128 + kk * 32, 16, 1024), c + kk);
+        fa3_commit();
+        if (j > 0) {
+            // O *= alpha_{j-1}, then O += P_{j-1} V_{j-1}.
+#pragma unroll
+            for (int i = 0; i < HD / 8; ++i) {
+                oacc[4 * i] *= alpha[0];
+                oacc[4 * i + 1] *= alpha[0];
+                oacc[4 * i + 2] *= alpha[1];
+                oacc[4 * i + 3] *= alpha[1];
+            }
+            fa3_wait(FA3_VF(sp), php);
+            fa3_pin(oacc);
+            fa3_pin(p);
+            fa3_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                fa3_rs<1>(oacc, p[kk], fa3_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);
+            fa3_commit();
+        }
+        fa3_named_arrive(2 + (1 - wg));
+        // S_j is done (the P V product may still run): K_j can be refilled,
+        // and after the last one the query tile.
+        if (j > 0) fa3_wait_mma<1>(); else fa3_wait_mma<0>();
+        fa3_pin(sacc);
+        if (lane == 0) {
+            fa3_arrive(FA3_KE(s));
+            if (j == nkt - 1) fa3_arrive(q_empty);
+        }
+        // Online softmax of S_j in the log2 domain, masked past the diagonal
+        // and past S (only tiles that reach either need the test).
+        int k0 = j * BN;
+        bool mask = k0 + BN - 1 > wrow || k0 + BN > S;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            int row = r0 + 8 * hr;
+            float mx = m[hr];
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = sacc[4 * jj + 2 * hr + e] * scale_log2;
+                    int key = k0 + 8 * jj + 2 * (lane & 3) + e;
+                    if (mask && (key > row || key >= S)) x = -__int_as_float(0x7f800000);
+                    sacc[4 * jj + 2 * hr + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // Key 0 is in tile 0 and never masked: mx is finite from j = 0 on.
+            alpha[hr] = fa3_exp2(m[hr] - mx);
+            m[hr] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float pv = fa3_exp2(sacc[4 * jj + 2 * hr + e] - mx);
+                    sacc[4 * jj + 2 * hr + e] = pv;
+                    sum += pv;
+                }
+            l[hr] = l[hr] * alpha[hr] + sum;
+        }
+        if (j > 0) {
+            // P_{j-1} V_{j-1} is done: V_{j-1} can be refilled, P rewritten.
+            fa3_wait_mma<0>();
+            fa3_pin(oacc);
+            fa3_pin(p);
+            if (lane == 0) fa3_arrive(FA3_VE(sp));
+        }
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+    }
+    // The last tile's product.
+    {
+        int sp = (cnt + nkt - 1) % STAGES;
+        unsigned php = ((cnt + nkt - 1) / STAGES) & 1;
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            oacc[4 * i] *= alpha[0];
+            oacc[4 * i + 1] *= alpha[0];
+            oacc[4 * i + 2] *= alpha[1];
+            oacc[4 * i + 3] *= alpha[1];
+        }
+        fa3_wait(FA3_VF(sp), php);
+        fa3_pin(oacc);
+        fa3_pin(p);
+        fa3_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            fa3_rs<1>(oacc, p[kk], fa3_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);
+        fa3_commit();
+        fa3_wait_mma<0>();
+        fa3_pin(oacc);
+        if (lane == 0) fa3_arrive(FA3_VE(sp));
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float lt = l[hr];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        int row = r0 + 8 * hr;
+        if (row >= S) continue;
+        float inv = 1.f / lt;
+        bf16* orow = o + (((i64)b * S + row) * HQ + h) * HD + 2 * (lane & 3);
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i)
+            *reinterpret_cast<unsigned*>(orow + 8 * i) = pack_bf16(oacc[4 * i + 2 * hr] * inv, oacc[4 * i + 2 * hr + 1] * inv);
+        if ((lane & 3) == 0) lse[((i64)b * HQ + h) * S + row] = FA3_LN2 * (m[hr] + __log2f(lt));
+    }
+    }
+    // Warpgroup 1 arrived once more than warpgroup 0 waited (its first
+    // arrival let warpgroup 0 start): take it, so no barrier is left half
+    // complete.
+    if (wg == 0) fa3_named_sync(2);
+#undef FA3_TILE
+#undef FA3_KF
+#undef FA3_KE
+#undef FA3_VF
+#undef FA3_VE
+}
+
+#define FA3_ENTRY extern "C" __global__ void __launch_bounds__(FA3_THREADS, 1)
+#define FA3_FWD(HD, BN, STAGES)                                                                                  \
+    FA3_ENTRY fa3_fwd_bf16_hd##HD(const __grid_constant__ Fa3Map tq, const __grid_constant__ Fa3Map tk,          \
+                                  const __grid_constant__ Fa3Map tv, bf16* o, float* lse, int S, int B, int HQ, int HKV, \
+                                  float scale_log2) {                                                            \
+        fa3_fwd_body<HD, BN, STAGES>(&tq, &tk, &tv, o, lse, S, B, HQ, HKV, scale_log2);                             \
+    }
+// Key tiles: 128 keys (hd 64, 128); 96 at hd 192 so that two stages fit.
+FA3_FWD(64, 128, 2)
+FA3_FWD(128, 128, 2)
+FA3_FWD(192, 96, 2)
+
+// ---------------------------------------------------------------------------
+// Backward (fa3_bwd_*), Hd 64 and 128: one block of 384 threads per 128 keys
+// of one kv head (key tiles from the first: the most work first), over the
+// kv head's G query heads and, for each, the 64-query tiles from the
+// diagonal to the end:
+// - warpgroup 2 produces: one thread copies the block's K and V once, then
+//   per query tile Q_i and dO_i (TMA, boxes of 64 rows) and the tile's
+//   log2-domain lse and delta (bulk copies of 256 bytes from the padded
+//   buffers fa3_bwd_prep fills) into a 2-stage ring;
+// - warpgroup w consumes keys 64 w .. 64 w + 63 of the block, keeping its
+//   dK and dV (64 × Hd each, f32) in registers: Sᵀ = K_w Q_iᵀ and
+//   dPᵀ = V_w dO_iᵀ (wgmma from shared memory), Pᵀ = exp2(scale · Sᵀ − lse),
+//   dSᵀ = Pᵀ ∘ (dPᵀ − delta), then dV += Pᵀ dO_i and dK += dSᵀ Q_i with Pᵀ
+//   and dSᵀ as register operands; dSᵀ is also written to shared memory
+//   (bf16, MN-major) so that dQ_i's part over these 64 keys, dS K_w, is one
+//   more wgmma; that part is staged in shared memory in the accumulator's
+//   own order and added to the f32 dQ accumulator (that order, tile by tile)
+//   with one cp.reduce.async.bulk of the whole tile; fa3_dq_convert scales,
+//   reorders and rounds it into dq.
+// Rows past S arrive as zeros (TMA), the padded lse and delta are 0 there:
+// their P is 1 and their dS 0, and their dK, dV and dQ rows are not stored.
+
+#define FA3_BWD_KEYS 128
+#define FA3_BWD_Q 64
+
+// Bytes of one stage: Q_i and dO_i (64 × Hd bf16 each), lse and delta (64
+// f32 each), rounded up to 1024.
+#define FA3_BWD_STAGE(HD) ((((HD) * 256 + 512) + 1023) / 1024 * 1024)
+// Dynamic shared memory (attention_sm90.rs's bwd_smem): alignment slack, K
+// and V, 2 stages, each warpgroup's dSᵀ (64 × 64 bf16) and dQ part (64 × Hd
+// f32), the mbarriers.
+#define FA3_BWD_SMEM(HD) (1024 + 2 * FA3_BWD_KEYS * (HD) * 2 + 2 * FA3_BWD_STAGE(HD) + 2 * 8192 + 2 * 64 * (HD) * 4 + 64)
+
+__device__ __forceinline__ void fa3_bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void fa3_bulk_add_f32(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void fa3_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fa3_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fa3_wg_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+
+template <int HD>
+__device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk, const Fa3Map* tv, const Fa3Map* tdo,
+                                             const float* __restrict__ lse2, const float* __restrict__ delta,
+                                             float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv,
+                                             int S, int HQ, int HKV, float scale, float scale_log2) {
+    constexpr int NC = HD / 64, KB = FA3_BWD_KEYS * HD * 2, QB = FA3_BWD_Q * HD * 2, ST = FA3_BWD_STAGE(HD);
+    unsigned raw = fa3_u32(fa3_smem);
+    unsigned pad = (1024u - (raw & 1023u)) & 1023u;
+    unsigned char* base = fa3_smem + pad;
+    unsigned sk = raw + pad, sv = sk + KB, st0 = sv + KB, sds = st0 + 2 * ST, sdq = sds + 2 * 8192;
+    unsigned bars = sdq + 2 * 64 * HD * 4;
+    // kv_full, then full[2], empty[2].
+    unsigned kv_full = bars;
+#define FA3_BF(s) (bars + 8 * (1 + (s)))
+#define FA3_BE(s) (bars + 8 * (3 + (s)))
+    int G = HQ / HKV, hk = blockIdx.y, b = blockIdx.z;
+    int k0 = blockIdx.x * FA3_BWD_KEYS;
+    int Sp = (S + FA3_BWD_Q - 1) / FA3_BWD_Q * FA3_BWD_Q, nqt = Sp / FA3_BWD_Q;
+    int i0 = k0 / FA3_BWD_Q, per = nqt - i0;
+    int tid = threadIdx.x;
+    int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    if (tid == 0) {
+        fa3_bar_init(kv_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            fa3_bar_init(FA3_BF(s), 1);
+            // Every consumer thread arrives: each one read the stage's lse
+            // and delta with plain loads, which its own arrival releases.
+            fa3_bar_init(FA3_BE(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (tid == 256) {
+            fa3_expect_tx(kv_full, 2 * KB);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                fa3_tma_4d(sk + c * FA3_BWD_KEYS * 128, tk, kv_full, c * 64, hk, k0, b);
+                fa3_tma_4d(sv + c * FA3_BWD_KEYS * 128, tv, kv_full, c * 64, hk, k0, b);
+            }
+            for (int n = 0; n < G * per; ++n) {
+                int s = n & 1, h = hk * G + n / per, q0 = (i0 + n % per) * FA3_BWD_Q;
+                fa3_wait(FA3_BE(s), ((n >> 1) & 1) ^ 1);
+                unsigned full = FA3_BF(s), sq = st0 + s * ST, sdo = sq + QB;
+                fa3_expect_tx(full, 2 * QB + 512);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    fa3_tma_4d(sq + c * FA3_BWD_Q * 128, tq, full, c * 64, h, q0, b);
+                    fa3_tma_4d(sdo + c * FA3_BWD_Q * 128, tdo, full, c * 64, h, q0, b);
+                }
+                i64 r = ((i64)b * HQ + h) * Sp + q0;
+                fa3_bulk_g2s(sdo + QB, lse2 + r, 256, full);
+                fa3_bulk_g2s(sdo + QB + 256, delta + r, 256, full);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    int t = tid & 127, warp = t >> 5, lane = t & 31;
+    int kw0 = k0 + wg * 64, key0 = kw0 + warp * 16 + (lane >> 2);
+    float dka[HD / 2], dva[HD / 2];
+#pragma unroll
+    for (int x = 0; x < HD / 2; ++x) dka[x] = dva[x] = 0.f;
+    unsigned ka = sk + wg * 64 * 128, va = sv + wg * 64 * 128;
+    unsigned dsw = sds + wg * 8192, dqw = sdq + wg * 64 * HD * 4;
+    unsigned char* dsp = base + (dsw - (raw + pad));
+    unsigned char* dqp = base + (dqw - (raw + pad));
+    fa3_wait(kv_full, 0);
+    for (int n = 0; n < G * per; ++n) {
+        int s = n & 1, h = hk * G + n / per, i = i0 + n % per, q0 = i * FA3_BWD_Q;
+        unsigned sq = st0 + s * ST, sdo = sq + QB;
+        const float* sl = reinterpret_cast<const float*>(base + (sdo + QB - (raw + pad)));
+        fa3_wait(FA3_BF(s), (n >> 1) & 1);
+        float sacc[32], dpa[32];
+        fa3_fence();
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                fa3_ss<0, 0>(sacc, fa3_desc(ka + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
+                             fa3_desc(sq + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                fa3_ss<0, 0>(dpa, fa3_desc(va + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
+                             fa3_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
+        fa3_commit();
+        fa3_wait_mma<0>();
+        fa3_pin(sacc);
+        fa3_pin(dpa);
+        // Pᵀ and dSᵀ: rows are keys, columns queries.
+        bool mask = q0 < kw0 + 63;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int qc = 8 * jj + 2 * (lane & 3) + e;
+                float l2 = sl[qc], dl = sl[64 + qc];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    int x = 4 * jj + 2 * hr + e;
+                    float p = fa3_exp2(sacc[x] * scale_log2 - l2);
+                    if (mask && key0 + 8 * hr > q0 + qc) p = 0.f;
+                    sacc[x] = p;
+                    dpa[x] = p * (dpa[x] - dl);
+                }
+            }
+        unsigned pp[4][4], pds[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pp[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+                pds[kk][e] = pack_bf16(dpa[8 * kk + 2 * e], dpa[8 * kk + 2 * e + 1]);
+            }
+        fa3_pin(dva);
+        fa3_pin(dka);
+        fa3_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dva, pp[kk], fa3_desc(sdo + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dka, pds[kk], fa3_desc(sq + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
+        fa3_commit();
+        // dSᵀ to shared memory, MN-major for dQ = dS K_w: row = key (the
+        // product's inner dimension), 64 queries per 128-byte row, swizzled.
+        // (The last tile's dQ product that read it has completed.)
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                int kr = warp * 16 + (lane >> 2) + 8 * hr, qc = 8 * jj + 2 * (lane & 3);
+                *reinterpret_cast<unsigned*>(dsp + kr * 128 + ((jj ^ (kr & 7)) << 4) + (qc & 7) * 2) =
+                    pds[jj >> 1][(jj & 1) * 2 + hr];
+            }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fa3_wg_sync(2 + wg);
+        float dqa[HD / 2];
+        fa3_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            fa3_ss<1, 1>(dqa, fa3_desc(dsw + kk * 2048, 8192, 1024),
+                         fa3_desc(ka + kk * 2048, FA3_BWD_KEYS * 128, 1024), kk);
+        fa3_commit();
+        fa3_wait_mma<0>();
+        fa3_pin(dqa);
+        fa3_pin(dva);
+        fa3_pin(dka);
+        fa3_pin(pp);
+        fa3_pin(pds);
+        // Q_i, dO_i, lse and delta are no longer read.
+        fa3_arrive(FA3_BE(s));
+        // dQ part: wait for the last bulk add to have read the buffer, stage
+        // in the accumulator's order (float4 per thread and group of 4
+        // registers), add the tile.
+        if (t == 0) fa3_bulk_wait_read();
+        fa3_wg_sync(2 + wg);
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j)
+            *reinterpret_cast<float4*>(dqp + (j * 128 + t) * 16) =
+                make_float4(dqa[4 * j], dqa[4 * j + 1], dqa[4 * j + 2], dqa[4 * j + 3]);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fa3_wg_sync(2 + wg);
+        if (t == 0) fa3_bulk_add_f32(dq_acc + (((i64)b * HQ + h) * nqt + i) * (FA3_BWD_Q * HD), dqw, FA3_BWD_Q * HD * 4);
+    }
+    // dK (scaled) and dV rows of this warpgroup's keys.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        int key = key0 + 8 * hr;
+        if (key >= S) continue;
+        i64 at = (((i64)b * S + key) * HKV + hk) * HD + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            *reinterpret_cast<unsigned*>(dk + at + 8 * j) = pack_bf16(dka[4 * j + 2 * hr] * scale, dka[4 * j + 2 * hr + 1] * scale);
+            *reinterpret_cast<unsigned*>(dv + at + 8 * j) = pack_bf16(dva[4 * j + 2 * hr], dva[4 * j + 2 * hr + 1]);
+        }
+    }
+    if (t == 0) fa3_bulk_wait();
+#undef FA3_BF
+#undef FA3_BE
+}
+
+#define FA3_BWD(HD)                                                                                              \
+    FA3_ENTRY fa3_bwd_bf16_hd##HD(const __grid_constant__ Fa3Map tq, const __grid_constant__ Fa3Map tk,          \
+                                  const __grid_constant__ Fa3Map tv, const __grid_constant__ Fa3Map tdo,         \
+                                  const float* lse2, const float* delta, float* dq_acc, bf16* dk, bf16* dv,     \
+                                  int S, int HQ, int HKV, float scale, float scale_log2) {                       \
+        fa3_bwd_body<HD>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, HQ, HKV, scale, scale_log2);       \
+    }
+FA3_BWD(64)
+FA3_BWD(128)
+
+// The backward's per-query inputs over rows padded to Sp (a multiple of 64):
+// delta = Σ dO ∘ O and lse2 = lse · log2 e, 0 past S. One warp per row.
+extern "C" __global__ void fa3_bwd_prep(const bf16* __restrict__ d_o, const bf16* __restrict__ o,
+                                        const float* __restrict__ lse, float* __restrict__ lse2,
+                                        float* __restrict__ delta, int B, int S, int Sp, int HQ, int HD) {
+    i64 rows = (i64)B * HQ * Sp;
+    int lane = threadIdx.x & 31;
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += ((i64)gridDim.x * blockDim.x) >> 5) {
+        i64 bh = r / Sp;
+        int s = (int)(r - bh * Sp), h = (int)(bh % HQ), b = (int)(bh / HQ);
+        float acc = 0.f;
+        if (s < S) {
+            i64 at = (((i64)b * S + s) * HQ + h) * HD;
+            for (int d = lane * 2; d < HD; d += 64) {
+                float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d_o + at + d));
+                float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + at + d));
+                acc += x.x * y.x + x.y * y.y;
+            }
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if (lane == 0) {
+            delta[r] = acc;
+            lse2[r] = s < S ? lse[bh * S + s] * 1.4426950408889634f : 0.f;
+        }
+    }
+}
+
+// dq [B, S, Hq, Hd] = scale · the accumulator, whose 64-query tiles
+// ([B, Hq, Sp / 64]) each hold 64 × Hd f32 in fa3_bwd_body's staging order:
+// element (j, t, e) at (j · 128 + t) · 4 + e is register 4 j + e of consumer
+// thread t, i.e. row 16 (t / 32) + (t % 32) / 4 + 8 (e / 2), column
+// 8 j + 2 (t % 4) + e % 2.
+extern "C" __global__ void fa3_dq_convert(const float* __restrict__ acc, bf16* __restrict__ dq, int B, int S, int HQ,
+                                          int HD, float scale) {
+    i64 n = (i64)B * S * HQ * HD;
+    int nqt = (S + FA3_BWD_Q - 1) / FA3_BWD_Q;
+    for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < n; x += (i64)gridDim.x * blockDim.x) {
+        int d = (int)(x % HD);
+        i64 rest = x / HD;
+        int h = (int)(rest % HQ);
+        rest /= HQ;
+        int s = (int)(rest % S), b = (int)(rest / S);
+        int row = s % FA3_BWD_Q, i = s / FA3_BWD_Q;
+        int rr = row & 15, lane = (rr & 7) * 4 + ((d & 7) >> 1), t = (row >> 4) * 32 + lane;
+        int e = (rr >> 3) * 2 + (d & 1), j = d >> 3;
+        i64 tile = (((i64)b * HQ + h) * nqt + i) * (FA3_BWD_Q * HD);
+        dq[x] = __float2bfloat16_rn(scale * acc[tile + (j * 128 + t) * 4 + e]);
+    }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -1,0 +1,325 @@
+//! Hopper (sm_90a) flash attention on TMA and wgmma (`attention_sm90.cu`,
+//! FlashAttention-3's design: a producer warpgroup copying tiles with the
+//! copy engine, two consumer warpgroups taking turns on the tensor cores
+//! with the softmax of one key tile under the next tile's products).
+//!
+//! `attention.rs` asks [`Cuda::sm90_attention_fits`] first and runs these
+//! kernels where they fit: bf16 on an sm_90a device, head dims 64, 128 and
+//! 192 (MLA's query/key width; `mla.rs` zero-pads its 128-wide values to
+//! it), 16-byte aligned operands. `FOLDMOE_ATTENTION=mma` keeps the mma.sync
+//! flash kernels (and `=cublas` the cuBLAS path) for comparisons.
+//!
+//! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
+//! dim.
+
+use std::sync::OnceLock;
+
+use cudarc::driver::{sys, LaunchConfig};
+
+use super::compile::ATTENTION_SM90;
+use super::linalg::tma_map;
+use super::{launch, Cuda};
+use crate::backend::Device as _;
+use crate::error::Result;
+use crate::tensor::{DType, Tensor};
+
+/// Threads of a block: two consumer warpgroups and one producer
+/// (`FA3_THREADS`).
+const THREADS: u32 = 384;
+
+/// Queries of a forward block (`FA3_BM`).
+const FWD_QUERIES: usize = 128;
+
+/// The forward's key tile and pipeline stages for head dim `hd` (the
+/// `FA3_FWD(HD, BN, STAGES)` instances of the `.cu` file).
+fn fwd_tile(hd: usize) -> (usize, usize) {
+    if hd == 192 {
+        (96, 2)
+    } else {
+        (128, 2)
+    }
+}
+
+/// Dynamic shared memory of the forward (`FA3_FWD_SMEM`): alignment slack,
+/// the query tile, the K and V stages, the mbarriers.
+fn fwd_smem(hd: usize) -> u32 {
+    let (bn, stages) = fwd_tile(hd);
+    (1024 + FWD_QUERIES * hd * 2 + 2 * stages * bn * hd * 2 + 256) as u32
+}
+
+/// Keys of a backward block (`FA3_BWD_KEYS`) and queries of its steps
+/// (`FA3_BWD_Q`).
+const BWD_KEYS: usize = 128;
+const BWD_QUERIES: usize = 64;
+
+/// Dynamic shared memory of the backward (`FA3_BWD_SMEM`): alignment slack,
+/// K and V, two stages of Q, dO, lse and delta (each rounded to 1 KiB), the
+/// two warpgroups' dSᵀ tiles and dQ parts, the mbarriers.
+fn bwd_smem(hd: usize) -> u32 {
+    let stage = (hd * 256 + 512).div_ceil(1024) * 1024;
+    (1024 + 2 * BWD_KEYS * hd * 2 + 2 * stage + 2 * 8192 + 2 * 64 * hd * 4 + 64) as u32
+}
+
+/// Whether `FOLDMOE_ATTENTION` leaves these kernels on (read once).
+fn allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| {
+        std::env::var("FOLDMOE_ATTENTION").map_or(true, |v| v != "mma" && v != "cublas")
+    })
+}
+
+impl Cuda {
+    /// Whether the wgmma kernels take attention over `q`, `k`, `v` with
+    /// `(B, S, Hq, Hkv, Hd)` already checked: bf16, an sm_90a device, Hd
+    /// 64, 128 or 192, a non-empty problem whose tile count fits an i32,
+    /// 16-byte aligned bases.
+    pub(crate) fn sm90_attention_fits(
+        &self,
+        tensors: &[&Tensor<Self>],
+        (b, s, hq, hkv, hd): (usize, usize, usize, usize, usize),
+    ) -> bool {
+        let lim = i32::MAX as usize;
+        allowed()
+            && self.arch() == "sm_90a"
+            && tensors.iter().all(|t| t.dtype() == DType::BF16)
+            && matches!(hd, 64 | 128 | 192)
+            && b > 0
+            && s > 0
+            && hkv > 0
+            && s < lim
+            && s.div_ceil(FWD_QUERIES) * hq * b < lim
+            && tensors.iter().all(|t| t.storage().ptr() % 16 == 0)
+    }
+
+    /// The forward: `(o [B, S, Hq, Hd], lse [B, Hq, S] f32)`; the caller has
+    /// checked the shapes and [`Self::sm90_attention_fits`].
+    pub(crate) fn sm90_attention(
+        &self,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        (b, s, hq, hkv, hd): (usize, usize, usize, usize, usize),
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "attention";
+        let o = self.alloc(OP, q.shape(), DType::BF16)?;
+        let lse = self.alloc(OP, &[b, hq, s], DType::F32)?;
+        let (bn, _) = fwd_tile(hd);
+        let dims = |h: usize| [hd as u64, h as u64, s as u64, b as u64];
+        let tq = tma_map(
+            OP,
+            q.storage().ptr(),
+            &dims(hq),
+            &[64, 1, FWD_QUERIES as u32, 1],
+        )?;
+        let tk = tma_map(OP, k.storage().ptr(), &dims(hkv), &[64, 1, bn as u32, 1])?;
+        let tv = tma_map(OP, v.storage().ptr(), &dims(hkv), &[64, 1, bn as u32, 1])?;
+        let smem = fwd_smem(hd);
+        self.bind()?;
+        let f = self.func_smem(ATTENTION_SM90, &format!("fa3_fwd_bf16_hd{hd}"), smem)?;
+        // Persistent: one block per multiprocessor (or per tile, if fewer).
+        let sms = self
+            .ctx()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| super::alloc::driver_err("reading the multiprocessor count", e))?;
+        let tiles = s.div_ceil(FWD_QUERIES) * hq * b;
+        let cfg = LaunchConfig {
+            grid_dim: (tiles.clamp(1, sms.max(1) as usize) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let scale_log2 = std::f64::consts::LOG2_E / (hd as f64).sqrt();
+        launch!(
+            self,
+            f,
+            cfg,
+            tq,
+            tk,
+            tv,
+            o.storage().ptr(),
+            lse.storage().ptr(),
+            s as i32,
+            b as i32,
+            hq as i32,
+            hkv as i32,
+            scale_log2 as f32
+        )?;
+        Ok((o, lse))
+    }
+
+    /// Whether the wgmma backward takes the problem (on top of
+    /// [`Self::sm90_attention_fits`]): Hd 64 or 128 (at 192 the two
+    /// 64 × Hd f32 accumulators of dK and dV do not fit a consumer's
+    /// registers).
+    pub(crate) fn sm90_attention_backward_fits(
+        &self,
+        tensors: &[&Tensor<Self>],
+        dims: (usize, usize, usize, usize, usize),
+    ) -> bool {
+        matches!(dims.4, 64 | 128) && self.sm90_attention_fits(tensors, dims)
+    }
+
+    /// The backward: `(dq, dk, dv)` from the forward's `o` and f32 `lse`;
+    /// the caller has checked the shapes and
+    /// [`Self::sm90_attention_backward_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn sm90_attention_backward(
+        &self,
+        d_o: &Tensor<Self>,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        o: &Tensor<Self>,
+        lse: &Tensor<Self>,
+        (b, s, hq, hkv, hd): (usize, usize, usize, usize, usize),
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "attention_backward";
+        let sp = s.div_ceil(BWD_QUERIES) * BWD_QUERIES;
+        let rows = b * hq * sp;
+        let lse2 = self.scratch(OP, rows * 4)?;
+        let delta = self.scratch(OP, rows * 4)?;
+        // The dQ accumulator, tile by tile (zeroed: the blocks add into it).
+        let dq_acc = self.zeros(&[rows * hd], DType::F32)?;
+        self.bind()?;
+        let f = self.func(ATTENTION_SM90, "fa3_bwd_prep")?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            d_o.storage().ptr(),
+            o.storage().ptr(),
+            lse.storage().ptr(),
+            lse2.ptr(),
+            delta.ptr(),
+            b as i32,
+            s as i32,
+            sp as i32,
+            hq as i32,
+            hd as i32
+        )?;
+        let dk = self.alloc(OP, k.shape(), DType::BF16)?;
+        let dv = self.alloc(OP, v.shape(), DType::BF16)?;
+        let dims = |h: usize| [hd as u64, h as u64, s as u64, b as u64];
+        let qbox = [64, 1, BWD_QUERIES as u32, 1];
+        let kbox = [64, 1, BWD_KEYS as u32, 1];
+        let tq = tma_map(OP, q.storage().ptr(), &dims(hq), &qbox)?;
+        let tdo = tma_map(OP, d_o.storage().ptr(), &dims(hq), &qbox)?;
+        let tk = tma_map(OP, k.storage().ptr(), &dims(hkv), &kbox)?;
+        let tv = tma_map(OP, v.storage().ptr(), &dims(hkv), &kbox)?;
+        let smem = bwd_smem(hd);
+        let f = self.func_smem(ATTENTION_SM90, &format!("fa3_bwd_bf16_hd{hd}"), smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (s.div_ceil(BWD_KEYS) as u32, hkv as u32, b as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let scale = 1.0 / (hd as f64).sqrt();
+        launch!(
+            self,
+            f,
+            cfg,
+            tq,
+            tk,
+            tv,
+            tdo,
+            lse2.ptr(),
+            delta.ptr(),
+            dq_acc.storage().ptr(),
+            dk.storage().ptr(),
+            dv.storage().ptr(),
+            s as i32,
+            hq as i32,
+            hkv as i32,
+            scale as f32,
+            (scale * std::f64::consts::LOG2_E) as f32
+        )?;
+        let dq = self.alloc(OP, q.shape(), DType::BF16)?;
+        let f = self.func(ATTENTION_SM90, "fa3_dq_convert")?;
+        launch!(
+            self,
+            f,
+            super::grid_for(q.numel()),
+            dq_acc.storage().ptr(),
+            dq.storage().ptr(),
+            b as i32,
+            s as i32,
+            hq as i32,
+            hd as i32,
+            scale as f32
+        )?;
+        Ok((dq, dk, dv))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::AttentionOps as _;
+    use crate::cpu::test_util::{t32, Compare, TestDevice as _};
+    use crate::cpu::Cpu;
+    use crate::tensor::{DType, Tensor};
+
+    /// On an sm_90a device the wgmma kernels are the ones that run (the
+    /// forward at every head dim, the backward at 64 and 128; S = 1, ragged
+    /// S, GQA 1 and 8, several key and query tiles so the pipelines' stages
+    /// wrap, enough tiles at one shape that persistent blocks take more than
+    /// one), and they match the CPU in bf16 with peaked scores: o, lse, and
+    /// dq, dk, dv given the device's own o and lse on both sides.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn wgmma_attention_matches_the_cpu() {
+        let d = crate::cuda::require_test_device();
+        if d.arch() != "sm_90a" {
+            eprintln!("skipping: {} is not sm_90a", d.arch());
+            return;
+        }
+        let mut c = Compare::new(&d, DType::BF16, 7);
+        for (b, s, hq, hkv, hd) in [
+            (1, 1, 8, 8, 128),
+            (2, 300, 8, 1, 64),
+            (1, 700, 8, 1, 128),
+            (1, 129, 4, 4, 128),
+            (1, 500, 2, 1, 192),
+            // 144 tiles: past one per multiprocessor, so blocks take several.
+            (2, 1100, 8, 2, 64),
+        ] {
+            let (q, qc) = c.rand(&[b, s, hq, hd], 3.0);
+            let (k, kc) = c.rand(&[b, s, hkv, hd], 3.0);
+            let (v, vc) = c.rand(&[b, s, hkv, hd], 1.0);
+            assert!(
+                d.sm90_attention_fits(&[&q, &k, &v], (b, s, hq, hkv, hd)),
+                "the wgmma kernels take Hd {hd}"
+            );
+            let (o, lse) = d.attention(&q, &k, &v, None).unwrap();
+            let (oc, lsec) = Cpu.attention(&qc, &kc, &vc, None).unwrap();
+            let what = format!("B={b} S={s} Hq={hq} Hkv={hkv} Hd={hd}");
+            c.check(&format!("wgmma o {what}"), &o, &oc);
+            c.check(&format!("wgmma lse {what}"), &lse, &lsec);
+            assert_eq!(
+                d.sm90_attention_backward_fits(&[&q, &k, &v], (b, s, hq, hkv, hd)),
+                hd != 192
+            );
+            let same = |t: &Tensor<crate::cuda::Cuda>| {
+                let h: Vec<f32> = d.h64(t).iter().map(|&x| x as f32).collect();
+                t32(&h, t.shape())
+            };
+            let (d_o, d_oc) = c.rand(&[b, s, hq, hd], 1.0);
+            let (dq, dk, dv) = d
+                .attention_backward(&d_o, &q, &k, &v, &o, &lse, None)
+                .unwrap();
+            let (dqc, dkc, dvc) = Cpu
+                .attention_backward(&d_oc, &qc, &kc, &vc, &same(&o), &same(&lse), None)
+                .unwrap();
+            c.check(&format!("wgmma dq {what}"), &dq, &dqc);
+            c.check(&format!("wgmma dk {what}"), &dk, &dkc);
+            c.check(&format!("wgmma dv {what}"), &dv, &dvc);
+        }
+        c.report("wgmma attention");
+    }
+}
