@@ -156,7 +156,10 @@ fn reference_of(
 
 /// Gradients of the first global batch gathered from the shards, and the
 /// losses of `STEPS` steps, as rank 0 of `layout` sees them.
-type RankRun = (Vec<(String, Vec<usize>, Vec<f64>)>, Vec<f64>);
+type RankRun = (Vec<FullTensor>, Vec<f64>);
+
+/// One parameter gathered whole: `(name, shape, values)`.
+type FullTensor = (String, Vec<usize>, Vec<f64>);
 
 /// The micro-batches carry documents when `documents`.
 fn parallel_of(spec: &ModelSpec, layout_text: &str, dtype: DType, documents: bool) -> RankRun {
@@ -194,7 +197,7 @@ fn parallel_with(
     layout_text: &str,
     dtype: DType,
     mine: &Split,
-) -> (Vec<(String, Vec<usize>, Vec<f64>)>, Vec<f64>, Vec<f64>) {
+) -> (Vec<FullTensor>, Vec<f64>, Vec<f64>) {
     let layout_spec = LayoutSpec::parse(layout_text).unwrap();
     let layout =
         layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));

@@ -41,7 +41,7 @@ pub enum Attn<B: Backend> {
 
 /// What the attention's backward needs.
 pub(crate) enum AttnSaved<B: Backend> {
-    Gqa(AttentionSaved<B>),
+    Gqa(Box<AttentionSaved<B>>),
     Mla(Box<MlaSaved<B>>),
 }
 
@@ -68,7 +68,7 @@ impl<B: Backend> Attn<B> {
         Ok(match self {
             Attn::Gqa(a) => {
                 let (y_td, saved) = a.forward(b, x_td, seq_len, docs)?;
-                (y_td, AttnSaved::Gqa(saved))
+                (y_td, AttnSaved::Gqa(Box::new(saved)))
             }
             Attn::Mla(a) => {
                 let (y_td, saved) = a.forward(b, x_td, seq_len, docs)?;
@@ -85,7 +85,7 @@ impl<B: Backend> Attn<B> {
         saved: AttnSaved<B>,
     ) -> Result<Tensor<B>> {
         match (self, saved) {
-            (Attn::Gqa(a), AttnSaved::Gqa(s)) => a.backward(b, dy_td, s),
+            (Attn::Gqa(a), AttnSaved::Gqa(s)) => a.backward(b, dy_td, *s),
             (Attn::Mla(a), AttnSaved::Mla(s)) => a.backward(b, dy_td, *s),
             _ => Err(EngineError::Invalid(
                 "block backward: saved attention state comes from attention of another kind".into(),

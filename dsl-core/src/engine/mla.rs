@@ -344,9 +344,7 @@ impl<B: Backend> Mla<B> {
         &self,
         b: &B,
         x: Tensor<B>,
-        batch: usize,
-        seq_len: usize,
-        heads: usize,
+        (batch, seq_len, heads): (usize, usize, usize),
         inverse: bool,
         docs: Option<&DocTensors<B>>,
     ) -> Result<Tensor<B>> {
@@ -387,9 +385,7 @@ impl<B: Backend> Mla<B> {
         let qr_nr = self.rotate(
             b,
             m.q_rope_in.apply(b, &q_nq)?,
-            batch,
-            seq_len,
-            h,
+            (batch, seq_len, h),
             false,
             docs,
         )?;
@@ -402,9 +398,7 @@ impl<B: Backend> Mla<B> {
         let kr_tr = self.rotate(
             b,
             m.k_rope_in.apply(b, &kva_ta)?,
-            batch,
-            seq_len,
-            1,
+            (batch, seq_len, 1),
             false,
             docs,
         )?;
@@ -490,7 +484,7 @@ impl<B: Backend> Mla<B> {
         let dkr_tr = m
             .k_rope_out
             .adjoint(b, &dk_nd.reshape(&[tokens, h * hd])?)?;
-        let dkr_tr = self.rotate(b, dkr_tr, batch, seq_len, 1, true, docs)?;
+        let dkr_tr = self.rotate(b, dkr_tr, (batch, seq_len, 1), true, docs)?;
         let dkv_thk = dkv_nk.reshape(&[tokens, h * (p + v)])?;
         let dckv_tl = linear_backward(b, &mut self.wkv_b, &ckv_tl, &dkv_thk)?;
         let dlat_tl = self.kv_norm.backward(b, &dckv_tl, kv_norm)?;
@@ -501,7 +495,7 @@ impl<B: Backend> Mla<B> {
         // Query in reverse: the rotary tail rotates back.
         let dq_nd = dq_bshd.reshape(&[n, hd])?;
         let dqr_nr = m.q_rope_out.adjoint(b, &dq_nd)?;
-        let dqr_nr = self.rotate(b, dqr_nr, batch, seq_len, h, true, docs)?;
+        let dqr_nr = self.rotate(b, dqr_nr, (batch, seq_len, h), true, docs)?;
         let mut dq_nq = m.q_nope.adjoint(b, &dq_nd)?;
         b.axpy(&mut dq_nq, 1.0, &m.q_rope_in.adjoint(b, &dqr_nr)?)?;
         let dq_thq = dq_nq.reshape(&[tokens, h * (p + r)])?;

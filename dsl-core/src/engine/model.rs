@@ -50,6 +50,9 @@ use crate::spec::{FfnSpec, ModelSpec};
 /// `count + ε = count` exactly for every count ≥ 1, and `1/ε` is finite in f32.
 const COUNT_EPS: f64 = 1e-20;
 
+/// What [`Model::replace_buffers`] calls: `(name, current value) → new value`.
+pub type BufferFn<'a, B> = dyn FnMut(&str, &Tensor<B>) -> Result<Tensor<B>> + 'a;
+
 /// One rank's shard of a decoder-only MoE language model.
 pub struct Model<B: Backend> {
     /// The full model's spec.
@@ -423,10 +426,7 @@ impl<B: Backend> Model<B> {
     /// Replaces each buffer by what `f` returns for its name and current
     /// value (same shape and dtype, checked by the owner), in the order of
     /// [`Model::visit_buffers`]; the first error stops the visit.
-    pub fn replace_buffers(
-        &mut self,
-        f: &mut dyn FnMut(&str, &Tensor<B>) -> Result<Tensor<B>>,
-    ) -> Result<()> {
+    pub fn replace_buffers(&mut self, f: &mut BufferFn<'_, B>) -> Result<()> {
         for moe in self.moe_iter_mut() {
             let fresh = match moe.router.named_expert_bias() {
                 Some((name, bias)) => f(name, bias)?,
@@ -1362,8 +1362,8 @@ mod tests {
         }
         let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, moe], false);
         let lens = [3usize, 5, 4];
-        let tokens: Vec<i32> = (0..12).map(|i| (i * 5 % 8) as i32).collect();
-        let targets: Vec<i32> = (0..12).map(|i| ((i * 3 + 1) % 8) as i32).collect();
+        let tokens: Vec<i32> = (0..12).map(|i| i * 5 % 8).collect();
+        let targets: Vec<i32> = (0..12).map(|i| (i * 3 + 1) % 8).collect();
         let ids: Vec<i32> = lens
             .iter()
             .enumerate()

@@ -33,6 +33,10 @@ use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::spec::ModelSpec;
 
+/// What [`MtpModule::forward`] returns: the block's output `[T, D]`, the
+/// module's state and its MoE layer's stats (when its block has one).
+pub type MtpOut<B> = (Tensor<B>, MtpSaved<B>, Option<MoeStats<B>>);
+
 /// One MTP module (see the module docs).
 pub struct MtpModule<B: Backend> {
     /// Norm of the shifted tokens' embeddings.
@@ -110,7 +114,7 @@ impl<B: Backend> MtpModule<B> {
         h_td: &Tensor<B>,
         seq_len: usize,
         tokens: usize,
-    ) -> Result<(Tensor<B>, MtpSaved<B>, Option<MoeStats<B>>)> {
+    ) -> Result<MtpOut<B>> {
         let b = ctx.b;
         let (en_td, enorm) = self.enorm.forward(b, e_td)?;
         let (hn_td, hnorm) = self.hnorm.forward(b, h_td)?;

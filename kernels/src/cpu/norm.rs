@@ -465,7 +465,7 @@ mod tests {
             let shape = [2, 17, 3, 64];
             let (x, xc) = c.rand(&shape, 1.0);
             // Positions restarting every 5 tokens.
-            let pos: Vec<i32> = (0..2 * 17).map(|i| (i % 17 % 5) as i32).collect();
+            let pos: Vec<i32> = (0..2 * 17).map(|i| i % 17 % 5).collect();
             let (pos_d, pos_c) = (d.ti32(&pos, &[2, 17]), ti32(&pos, &[2, 17]));
             let scaled = Rope {
                 theta: 10_000.0,
