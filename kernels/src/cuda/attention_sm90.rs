@@ -213,7 +213,7 @@ impl Cuda {
         let smem = bwd_smem(hd);
         let f = self.func_smem(ATTENTION_SM90, &format!("fa3_bwd_bf16_hd{hd}"), smem)?;
         let cfg = LaunchConfig {
-            grid_dim: (s.div_ceil(BWD_KEYS) as u32, hkv as u32, b as u32),
+            grid_dim: ((s.div_ceil(BWD_KEYS) * hkv * b) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -232,6 +232,7 @@ impl Cuda {
             dk.storage().ptr(),
             dv.storage().ptr(),
             s as i32,
+            b as i32,
             hq as i32,
             hkv as i32,
             scale as f32,
