@@ -3,10 +3,12 @@
 //! copy engine, two consumer warpgroups taking turns on the tensor cores
 //! with the softmax of one key tile under the next tile's products).
 //!
-//! `attention.rs` asks [`Cuda::sm90_attention_fits`] first and runs these
-//! kernels where they fit: bf16 on an sm_90a device, head dims 64, 128 and
-//! 192 (MLA's query/key width; `mla.rs` zero-pads its 128-wide values to
-//! it), 16-byte aligned operands. `FOLDMOE_ATTENTION=mma` keeps the mma.sync
+//! `attention.rs` asks [`Cuda::sm90_attention_fits`] (and, for the
+//! backward, [`Cuda::sm90_attention_backward_fits`]) first and runs these
+//! kernels where they fit: bf16 on an sm_90a device, 16-byte aligned
+//! operands, head dims 64, 128 and 192 forward (192 is MLA's query/key
+//! width; `mla.rs` zero-pads its 128-wide values to it), 64 and 128
+//! backward. `FOLDMOE_ATTENTION=mma` keeps the mma.sync
 //! flash kernels (and `=cublas` the cuBLAS path) for comparisons.
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
