@@ -187,6 +187,7 @@ __device__ __forceinline__ void fa3_ss(float (&d)[32], unsigned long long da, un
 
 extern __shared__ __align__(1024) unsigned char fa3_smem[];
 
+
 #define FA3_THREADS 384
 #define FA3_BM 128
 #define FA3_LN2 0.6931471805599453f
@@ -283,96 +284,106 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
     for (int i = 0; i < HD / 2; ++i) oacc[i] = 0.f;
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
     fa3_wait(q_full, it & 1);
-    for (int j = 0; j < nkt; ++j) {
-        // Stage and phase of key tile j (c) and of j - 1 (cp), counted over
-        // all the block's tiles.
-        int c = cnt + j, cp = c - 1;
-        int s = c % STAGES, sp = (cp + STAGES) % STAGES;
-        unsigned ph = (c / STAGES) & 1, php = (cp / STAGES) & 1;
-        fa3_wait(FA3_KF(s), ph);
-        fa3_named_sync(2 + wg);
-        fa3_pin(sacc);
-        fa3_fence();
-#pragma unroll
-        for (int c = 0; c < NC; ++c)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                fa3_ss<0, 0>(sacc, fa3_desc(qa + c * FA3_BM * 128 + kk * 32, 16, 1024),
-                             fa3_desc(sk + s * KVB + c * BN * 128 + kk * 32, 16, 1024), c + kk);
-        fa3_commit();
-        if (j > 0) {
-            // O *= alpha_{j-1}, then O += P_{j-1} V_{j-1}.
-#pragma unroll
-            for (int i = 0; i < HD / 8; ++i) {
-                oacc[4 * i] *= alpha[0];
-                oacc[4 * i + 1] *= alpha[0];
-                oacc[4 * i + 2] *= alpha[1];
-                oacc[4 * i + 3] *= alpha[1];
-            }
-            fa3_wait(FA3_VF(sp), php);
-            fa3_pin(oacc);
-            fa3_pin(p);
-            fa3_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                fa3_rs<1>(oacc, p[kk], fa3_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);
-            fa3_commit();
-        }
-        fa3_named_arrive(2 + (1 - wg));
-        // S_j is done (the P V product may still run): K_j can be refilled,
-        // and after the last one the query tile.
-        if (j > 0) fa3_wait_mma<1>(); else fa3_wait_mma<0>();
-        fa3_pin(sacc);
-        if (lane == 0) {
-            fa3_arrive(FA3_KE(s));
-            if (j == nkt - 1) fa3_arrive(q_empty);
-        }
-        // Online softmax of S_j in the log2 domain, masked past the diagonal
-        // and past S (only tiles that reach either need the test).
-        int k0 = j * BN;
-        bool mask = k0 + BN - 1 > wrow || k0 + BN > S;
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            int row = r0 + 8 * hr;
-            float mx = m[hr];
-#pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float x = sacc[4 * jj + 2 * hr + e] * scale_log2;
-                    int key = k0 + 8 * jj + 2 * (lane & 3) + e;
-                    if (mask && (key > row || key >= S)) x = -__int_as_float(0x7f800000);
-                    sacc[4 * jj + 2 * hr + e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // Key 0 is in tile 0 and never masked: mx is finite from j = 0 on.
-            alpha[hr] = fa3_exp2(m[hr] - mx);
-            m[hr] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float pv = fa3_exp2(sacc[4 * jj + 2 * hr + e] - mx);
-                    sacc[4 * jj + 2 * hr + e] = pv;
-                    sum += pv;
-                }
-            l[hr] = l[hr] * alpha[hr] + sum;
-        }
-        if (j > 0) {
-            // P_{j-1} V_{j-1} is done: V_{j-1} can be refilled, P rewritten.
-            fa3_wait_mma<0>();
-            fa3_pin(oacc);
-            fa3_pin(p);
-            if (lane == 0) fa3_arrive(FA3_VE(sp));
-        }
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+    // One key tile (FA3_FWD_STEP); the first (no P V product yet) is its own
+    // instance, so that no wgmma or wait sits under a run-time branch (ptxas
+    // would then wait for every product before touching O, losing the
+    // overlap).
+    int j = 0;
+#define FA3_FWD_STEP(FIRST)                                                                                   \
+    {                                                                                                       \
+        constexpr bool first = (FIRST);                                                                     \
+        /* Stage and phase of key tile j (c) and of j - 1 (cp), counted over */                                \
+        /* all the block's tiles. */                                                                           \
+        int c = cnt + j, cp = c - 1;                                                                           \
+        int s = c % STAGES, sp = (cp + STAGES) % STAGES;                                                       \
+        unsigned ph = (c / STAGES) & 1, php = (cp / STAGES) & 1;                                               \
+        fa3_wait(FA3_KF(s), ph);                                                                               \
+        fa3_named_sync(2 + wg);                                                                                \
+        fa3_pin(sacc);                                                                                         \
+        fa3_fence();                                                                                           \
+_Pragma("unroll")                                                                                              \
+        for (int c = 0; c < NC; ++c)                                                                           \
+_Pragma("unroll")                                                                                              \
+            for (int kk = 0; kk < 4; ++kk)                                                                     \
+                fa3_ss<0, 0>(sacc, fa3_desc(qa + c * FA3_BM * 128 + kk * 32, 16, 1024),                        \
+                             fa3_desc(sk + s * KVB + c * BN * 128 + kk * 32, 16, 1024), c + kk);               \
+        fa3_commit();                                                                                          \
+        if constexpr (!first) {                                                                                \
+            /* O *= alpha_{j-1}, then O += P_{j-1} V_{j-1}. */                                                 \
+_Pragma("unroll")                                                                                              \
+            for (int i = 0; i < HD / 8; ++i) {                                                                 \
+                oacc[4 * i] *= alpha[0];                                                                       \
+                oacc[4 * i + 1] *= alpha[0];                                                                   \
+                oacc[4 * i + 2] *= alpha[1];                                                                   \
+                oacc[4 * i + 3] *= alpha[1];                                                                   \
+            }                                                                                                  \
+            fa3_wait(FA3_VF(sp), php);                                                                         \
+            fa3_pin(oacc);                                                                                     \
+            fa3_pin(p);                                                                                        \
+            fa3_fence();                                                                                       \
+_Pragma("unroll")                                                                                              \
+            for (int kk = 0; kk < BN / 16; ++kk)                                                               \
+                fa3_rs<1>(oacc, p[kk], fa3_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);                \
+            fa3_commit();                                                                                      \
+        }                                                                                                      \
+        fa3_named_arrive(2 + (1 - wg));                                                                        \
+        /* S_j is done (the P V product may still run): K_j can be refilled, */                                \
+        /* and after the last one the query tile. */                                                           \
+        if constexpr (first) fa3_wait_mma<0>(); else fa3_wait_mma<1>();                                        \
+        fa3_pin(sacc);                                                                                         \
+        if (lane == 0) {                                                                                       \
+            fa3_arrive(FA3_KE(s));                                                                             \
+            if (j == nkt - 1) fa3_arrive(q_empty);                                                             \
+        }                                                                                                      \
+        /* Online softmax of S_j in the log2 domain, masked past the diagonal */                               \
+        /* and past S (only tiles that reach either need the test). */                                         \
+        int k0 = j * BN;                                                                                       \
+        bool mask = k0 + BN - 1 > wrow || k0 + BN > S;                                                         \
+_Pragma("unroll")                                                                                              \
+        for (int hr = 0; hr < 2; ++hr) {                                                                       \
+            int row = r0 + 8 * hr;                                                                             \
+            float mx = m[hr];                                                                                  \
+_Pragma("unroll")                                                                                              \
+            for (int jj = 0; jj < BN / 8; ++jj)                                                                \
+_Pragma("unroll")                                                                                              \
+                for (int e = 0; e < 2; ++e) {                                                                  \
+                    float x = sacc[4 * jj + 2 * hr + e] * scale_log2;                                          \
+                    int key = k0 + 8 * jj + 2 * (lane & 3) + e;                                                \
+                    if (mask && (key > row || key >= S)) x = -__int_as_float(0x7f800000);                      \
+                    sacc[4 * jj + 2 * hr + e] = x;                                                             \
+                    mx = fmaxf(mx, x);                                                                         \
+                }                                                                                              \
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));                                               \
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));                                               \
+            /* Key 0 is in tile 0 and never masked: mx is finite from j = 0 on. */                             \
+            alpha[hr] = fa3_exp2(m[hr] - mx);                                                                  \
+            m[hr] = mx;                                                                                        \
+            float sum = 0.f;                                                                                   \
+_Pragma("unroll")                                                                                              \
+            for (int jj = 0; jj < BN / 8; ++jj)                                                                \
+_Pragma("unroll")                                                                                              \
+                for (int e = 0; e < 2; ++e) {                                                                  \
+                    float pv = fa3_exp2(sacc[4 * jj + 2 * hr + e] - mx);                                       \
+                    sacc[4 * jj + 2 * hr + e] = pv;                                                            \
+                    sum += pv;                                                                                 \
+                }                                                                                              \
+            l[hr] = l[hr] * alpha[hr] + sum;                                                                   \
+        }                                                                                                      \
+        if constexpr (!first) {                                                                                \
+            /* P_{j-1} V_{j-1} is done: V_{j-1} can be refilled, P rewritten. */                               \
+            fa3_wait_mma<0>();                                                                                 \
+            fa3_pin(oacc);                                                                                     \
+            fa3_pin(p);                                                                                        \
+            if (lane == 0) fa3_arrive(FA3_VE(sp));                                                             \
+        }                                                                                                      \
+_Pragma("unroll")                                                                                              \
+        for (int kk = 0; kk < BN / 16; ++kk)                                                                   \
+_Pragma("unroll")                                                                                              \
+            for (int e = 0; e < 4; ++e) p[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);  \
     }
+    FA3_FWD_STEP(true)
+    for (j = 1; j < nkt; ++j) FA3_FWD_STEP(false)
+#undef FA3_FWD_STEP
     // The last tile's product.
     {
         int sp = (cnt + nkt - 1) % STAGES;
@@ -436,7 +447,8 @@ FA3_FWD(192, 96, 2)
 
 // ---------------------------------------------------------------------------
 // Backward (fa3_bwd_*), Hd 64 and 128: one block of 384 threads per 128 keys
-// of one kv head (key tiles from the first: the most work first), over the
+// of one kv head (key tiles from the first: the most work first; the two
+// consumer warpgroups take turns issuing, as in the forward), over the
 // kv head's G query heads and, for each, the 64-query tiles from the
 // diagonal to the end:
 // - warpgroup 2 produces: one thread copies the block's K and V once, then
@@ -486,7 +498,7 @@ template <int HD>
 __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk, const Fa3Map* tv, const Fa3Map* tdo,
                                              const float* __restrict__ lse2, const float* __restrict__ delta,
                                              float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv,
-                                             int S, int HQ, int HKV, float scale, float scale_log2) {
+                                             int S, int B, int HQ, int HKV, float scale, float scale_log2) {
     constexpr int NC = HD / 64, KB = FA3_BWD_KEYS * HD * 2, QB = FA3_BWD_Q * HD * 2, ST = FA3_BWD_STAGE(HD);
     unsigned raw = fa3_u32(fa3_smem);
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
@@ -497,8 +509,10 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
     unsigned kv_full = bars;
 #define FA3_BF(s) (bars + 8 * (1 + (s)))
 #define FA3_BE(s) (bars + 8 * (3 + (s)))
-    int G = HQ / HKV, hk = blockIdx.y, b = blockIdx.z;
-    int k0 = blockIdx.x * FA3_BWD_KEYS;
+    // Blocks longest first: all the first key tiles (of every kv head and
+    // batch), then all the second ones, ...
+    int G = HQ / HKV, kt = blockIdx.x / (HKV * B), hk = (blockIdx.x / B) % HKV, b = blockIdx.x % B;
+    int k0 = kt * FA3_BWD_KEYS;
     int Sp = (S + FA3_BWD_Q - 1) / FA3_BWD_Q * FA3_BWD_Q, nqt = Sp / FA3_BWD_Q;
     int i0 = k0 / FA3_BWD_Q, per = nqt - i0;
     int tid = threadIdx.x;
@@ -550,6 +564,7 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
     unsigned dsw = sds + wg * 8192, dqw = sdq + wg * 64 * HD * 4;
     unsigned char* dsp = base + (dsw - (raw + pad));
     unsigned char* dqp = base + (dqw - (raw + pad));
+    if (wg == 1) fa3_named_arrive(4);  // warpgroup 0 issues first
     fa3_wait(kv_full, 0);
     for (int n = 0; n < G * per; ++n) {
         int s = n & 1, h = hk * G + n / per, i = i0 + n % per, q0 = i * FA3_BWD_Q;
@@ -557,6 +572,9 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
         const float* sl = reinterpret_cast<const float*>(base + (sdo + QB - (raw + pad)));
         fa3_wait(FA3_BF(s), (n >> 1) & 1);
         float sacc[32], dpa[32];
+        // Ping-pong: the warpgroups take turns issuing Sᵀ and dPᵀ, so one's
+        // softmax runs under the other's products.
+        fa3_named_sync(4 + wg);
         fa3_fence();
 #pragma unroll
         for (int c = 0; c < NC; ++c)
@@ -571,6 +589,7 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
                 fa3_ss<0, 0>(dpa, fa3_desc(va + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
                              fa3_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
         fa3_commit();
+        fa3_named_arrive(4 + (1 - wg));
         fa3_wait_mma<0>();
         fa3_pin(sacc);
         fa3_pin(dpa);
@@ -660,6 +679,8 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
             *reinterpret_cast<unsigned*>(dv + at + 8 * j) = pack_bf16(dva[4 * j + 2 * hr], dva[4 * j + 2 * hr + 1]);
         }
     }
+    // Warpgroup 1 arrived once more than warpgroup 0 waited.
+    if (wg == 0) fa3_named_sync(4);
     if (t == 0) fa3_bulk_wait();
 #undef FA3_BF
 #undef FA3_BE
@@ -669,8 +690,8 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
     FA3_ENTRY fa3_bwd_bf16_hd##HD(const __grid_constant__ Fa3Map tq, const __grid_constant__ Fa3Map tk,          \
                                   const __grid_constant__ Fa3Map tv, const __grid_constant__ Fa3Map tdo,         \
                                   const float* lse2, const float* delta, float* dq_acc, bf16* dk, bf16* dv,     \
-                                  int S, int HQ, int HKV, float scale, float scale_log2) {                       \
-        fa3_bwd_body<HD>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, HQ, HKV, scale, scale_log2);       \
+                                  int S, int B, int HQ, int HKV, float scale, float scale_log2) {                \
+        fa3_bwd_body<HD>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, B, HQ, HKV, scale, scale_log2);    \
     }
 FA3_BWD(64)
 FA3_BWD(128)

@@ -3,10 +3,12 @@
 //! copy engine, two consumer warpgroups taking turns on the tensor cores
 //! with the softmax of one key tile under the next tile's products).
 //!
-//! `attention.rs` asks [`Cuda::sm90_attention_fits`] first and runs these
-//! kernels where they fit: bf16 on an sm_90a device, head dims 64, 128 and
-//! 192 (MLA's query/key width; `mla.rs` zero-pads its 128-wide values to
-//! it), 16-byte aligned operands. `FOLDMOE_ATTENTION=mma` keeps the mma.sync
+//! `attention.rs` asks [`Cuda::sm90_attention_fits`] (and, for the
+//! backward, [`Cuda::sm90_attention_backward_fits`]) first and runs these
+//! kernels where they fit: bf16 on an sm_90a device, 16-byte aligned
+//! operands, head dims 64, 128 and 192 forward (192 is MLA's query/key
+//! width; `mla.rs` zero-pads its 128-wide values to it), 64 and 128
+//! backward. `FOLDMOE_ATTENTION=mma` keeps the mma.sync
 //! flash kernels (and `=cublas` the cuBLAS path) for comparisons.
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
@@ -213,7 +215,7 @@ impl Cuda {
         let smem = bwd_smem(hd);
         let f = self.func_smem(ATTENTION_SM90, &format!("fa3_bwd_bf16_hd{hd}"), smem)?;
         let cfg = LaunchConfig {
-            grid_dim: (s.div_ceil(BWD_KEYS) as u32, hkv as u32, b as u32),
+            grid_dim: ((s.div_ceil(BWD_KEYS) * hkv * b) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -232,6 +234,7 @@ impl Cuda {
             dk.storage().ptr(),
             dv.storage().ptr(),
             s as i32,
+            b as i32,
             hq as i32,
             hkv as i32,
             scale as f32,
