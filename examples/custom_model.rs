@@ -75,8 +75,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = ByteMoe::new(&b, ByteMoeLayout::Laptop, 0, 42, DType::F32)?;
     println!(
         "dense group: {} block(s), MoE group: {} block(s)",
-        model.dense().len(),
-        model.moe().len()
+        model.dense.len(),
+        model.moe.len()
     );
     let cfg = TrainConfig {
         lr: 3e-3,

@@ -46,6 +46,7 @@ pub use foldmoe_core::__private;
 pub mod prelude {
     pub use crate::moe_model;
     pub use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
+    pub use foldmoe_core::engine::group::{DenseGroup, GroupBlocks, MoeGroup};
     pub use foldmoe_core::engine::model::{Batch, Model};
     pub use foldmoe_core::engine::parallel::{run_local_layout, Ctx, Exec, RankLayout, Trainer};
     pub use foldmoe_core::engine::trainer::TrainConfig;

@@ -11,7 +11,7 @@ use foldmoe_core::engine::declared::{LayoutChoice, MoeModel};
 use foldmoe_core::layout;
 use foldmoe_core::spec::FfnSpec;
 use foldmoe_kernels::cpu::Cpu;
-use foldmoe_kernels::DType;
+use foldmoe_kernels::{DType, Device};
 use foldmoe_macros::moe_model;
 use foldmoe_models::{
     DeepSeekV3, DeepSeekV3Layout, DeepSeekV3Small, DeepSeekV3SmallLayout, Mixtral8x7b,
@@ -65,7 +65,8 @@ fn every_shipped_model_and_layout_checks() {
     norm_eps = 1e-6,
     layout(name = "cpu", world = 1),
     layout(name = "h100x8", world = 8, tp = 2, ep = 4, order = "tp-cp-ep-dp-pp"),
-    layout(name = "cpu-ep4", world = 4, ep = 4)
+    layout(name = "cpu-ep4", world = 4, ep = 4),
+    layout(name = "cpu-pp2", world = 2, pp = 2, pp_layers = [1, 2])
 )]
 /// A small model: a dense block, then two MoE blocks with every option the
 /// macro takes.
@@ -85,7 +86,7 @@ pub struct PassMoe {
     moe: Blocks,
 }
 
-/// A model declared in place: its spec, typed layout enum and group accessors.
+/// A model declared in place: its spec, typed layout enum and group fields.
 /// Its vocabulary (31) does not divide tp = 2: that is padded, not refused
 /// (docs/ARCHITECTURE.md §3), and the checked layout says so. `new` builds the
 /// whole model under the one-rank layout and a rank's shard under the others.
@@ -104,7 +105,8 @@ fn a_declared_model_builds_on_the_cpu() {
         &[
             PassMoeLayout::Cpu,
             PassMoeLayout::H100x8,
-            PassMoeLayout::CpuEp4
+            PassMoeLayout::CpuEp4,
+            PassMoeLayout::CpuPp2
         ]
     );
     assert_eq!(PassMoeLayout::H100x8.spec().ep, 4);
@@ -119,10 +121,13 @@ fn a_declared_model_builds_on_the_cpu() {
     );
     assert_eq!(PassMoeLayout::by_name("cpu"), Ok(PassMoeLayout::Cpu));
 
-    let m = PassMoe::new(&Cpu, PassMoeLayout::Cpu, 0, 7, DType::F32).unwrap();
-    assert_eq!(m.dense().len(), 1);
-    assert_eq!(m.moe().len(), 2);
+    let mut m = PassMoe::new(&Cpu, PassMoeLayout::Cpu, 0, 7, DType::F32).unwrap();
+    assert_eq!(m.dense.len(), 1);
+    assert_eq!(m.moe.len(), 2);
     assert_eq!(m.model().spec, spec);
+    // The lent model has the groups; they are the fields' again after.
+    assert_eq!(m.model().block_count(), 3);
+    assert_eq!((m.dense.len(), m.moe.len()), (1, 2));
 
     // The vocabulary (31) does not divide tp = 2: the rank's shard holds
     // its balanced part of the rows (16 on tp rank 0, 15 on tp rank 1).
@@ -144,8 +149,8 @@ fn a_declared_model_builds_on_the_cpu() {
     // group its MLP, the MoE group its routers (all E experts), the rank's
     // E/ep = 1 routed experts and the shared experts.
     let m = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::CpuEp4, 3, 7, DType::F32).unwrap();
-    assert_eq!((m.dense().len(), m.moe().len()), (1, 2));
-    let (dense, moe) = (m.dense(), m.moe());
+    assert_eq!((m.dense.len(), m.moe.len()), (1, 2));
+    let (dense, moe) = (&m.dense, &m.moe);
     assert_eq!((dense.first_layer(), moe.first_layer()), (0, 1));
     assert_eq!(dense.mlp(0).unwrap().w1.value.shape(), &[16, 32]);
     assert_eq!(moe.router(1).unwrap().weight.value.shape(), &[16, 4]);
@@ -158,6 +163,66 @@ fn a_declared_model_builds_on_the_cpu() {
     assert_eq!(shard.rank.rank, 3);
     assert_eq!(shard.rank.ep.size(), 4);
     assert_eq!(shard.rank.tp.size(), 1);
-    assert_eq!(shard.blocks.len(), 3);
+    assert_eq!(shard.block_count(), 3);
     assert_eq!(shard.embed.vocab(), 31);
+}
+
+/// Each `#[blocks]` field is the group itself, as this rank holds it: what
+/// is changed through a field is what the engine model trains, the struct
+/// visits its parameters in the engine model's order, a pipeline stage
+/// without a group has it empty, and a model of another spec is refused.
+#[test]
+fn group_fields_own_the_rank_blocks() {
+    use foldmoe_core::engine::Module;
+
+    let mut m = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::Cpu, 0, 7, DType::F32).unwrap();
+    let mut names = Vec::new();
+    m.visit_params(&mut |p| names.push(p.name.clone()));
+    // Typed mutable access: zero the second MoE block's router.
+    let router = m.moe.router_mut(1).unwrap();
+    let shape = router.weight.value.shape().to_vec();
+    router.weight.value = Cpu.zeros(&shape, DType::F32).unwrap();
+    assert!(m.dense.mlp_mut(0).is_some() && m.moe.experts_mut(0).is_some());
+    let model = m.into_model();
+    let mut engine_names = Vec::new();
+    model.visit_params(&mut |p| engine_names.push(p.name.clone()));
+    assert_eq!(
+        names, engine_names,
+        "the struct visits in the engine's order"
+    );
+    let zeroed = model
+        .blocks()
+        .nth(2)
+        .and_then(|blk| blk.moe())
+        .map(|moe| Cpu.download(&moe.router.weight.value).unwrap().to_f64())
+        .unwrap();
+    assert!(zeroed.iter().all(|&w| w == 0.0) && !zeroed.is_empty());
+    let groups = model.groups();
+    assert_eq!(groups.len(), 2);
+    assert_eq!((groups[0].kind(), groups[1].kind()), ("dense", "MoE"));
+    assert_eq!(groups[1].blocks().layers(), &[1, 2]);
+
+    // Back into the struct: the same groups.
+    let m = PassMoe::<Cpu>::from_model(model).unwrap();
+    assert_eq!((m.dense.len(), m.moe.len()), (1, 2));
+
+    // Pipeline stage 1 of `pp_layers = [1, 2]` holds no dense block.
+    for (rank, (dense, moe)) in [(1usize, 0usize), (0, 2)].into_iter().enumerate() {
+        let m = PassMoe::<Cpu>::new(&Cpu, PassMoeLayout::CpuPp2, rank, 7, DType::F32).unwrap();
+        assert_eq!((m.dense.len(), m.moe.len()), (dense, moe), "rank {rank}");
+        assert_eq!(m.dense.declared_layers(), 0..1);
+        assert_eq!(m.moe.first_layer(), 1);
+        assert_eq!(m.dense.is_empty(), rank == 1);
+    }
+
+    // A model of another spec is not this struct's.
+    let tiny =
+        foldmoe_models::Tiny::<Cpu>::new(&Cpu, foldmoe_models::TinyLayout::Cpu, 0, 7, DType::F32)
+            .unwrap()
+            .into_model();
+    let err = PassMoe::<Cpu>::from_model(tiny).err().unwrap().to_string();
+    assert!(
+        err.contains("`tiny`") && err.contains("`pass-moe`") && err.contains("3 blocks"),
+        "{err}"
+    );
 }

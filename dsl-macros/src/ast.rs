@@ -134,7 +134,7 @@ fn check_placeholder_type(cx: &Ctxt, ty: &Type) {
         cx.error(
             span_of(ty),
             "a group field has the placeholder type `Blocks`; the macro replaces it with \
-             typed accessors to the engine's blocks",
+             the group's typed blocks (`DenseGroup<B>` or `MoeGroup<B>`)",
         );
     }
 }

@@ -113,12 +113,15 @@ fn expand(c: &Container, decl: &Decl, krate: &TokenStream) -> TokenStream {
     let layout_ident = format_ident!("{}Layout", ident);
     let spec = spec_tokens(&p, &decl.spec);
     let (variants, choice) = layout_enum(&p, decl, &layout_ident);
-    let accessors = accessors(&p, c, decl);
+    let groups = group_fields(&p, c, decl);
+    let (fields, idents, names) = (&groups.fields, &groups.idents, &groups.names);
+    let kinds = &groups.kinds;
     let doc_layouts = format!("The named layouts of [`{ident}`].");
     quote_spanned! {span=>
         #(#attrs)*
         #vis struct #ident<B: #p::Backend> {
-            model: #p::Model<B>,
+            #fields
+            __foldmoe_model: #p::Model<B>,
         }
 
         #[doc = #doc_layouts]
@@ -136,43 +139,53 @@ fn expand(c: &Container, decl: &Decl, krate: &TokenStream) -> TokenStream {
                 #spec
             }
 
-            fn new(
-                b: &B,
-                layout: #layout_ident,
-                rank: usize,
-                seed: u64,
-                dtype: #p::DType,
-            ) -> #p::Result<Self> {
+            fn from_model(mut model: #p::Model<B>) -> #p::Result<Self> {
                 let spec = <Self as #p::MoeModel<B>>::spec();
-                let layout = #p::LayoutChoice::spec(layout);
-                let model = #p::build(b, &spec, &layout, rank, seed, dtype)?;
-                ::core::result::Result::Ok(Self { model })
+                let mut groups = #p::GroupFields::take(&mut model, &spec)?;
+                #(let #idents = groups.next::<#p::#kinds<B>>(#names)?;)*
+                ::core::result::Result::Ok(Self {
+                    #(#idents,)*
+                    __foldmoe_model: model,
+                })
             }
 
-            fn model(&self) -> &#p::Model<B> {
-                &self.model
+            fn into_model(mut self) -> #p::Model<B> {
+                <Self as #p::MoeModel<B>>::join_groups(&mut self);
+                self.__foldmoe_model
             }
 
-            fn model_mut(&mut self) -> &mut #p::Model<B> {
-                &mut self.model
+            fn join_groups(&mut self) {
+                let groups = #p::Vec::from([
+                    #(#p::GroupField::<B>::take(&mut self.#idents),)*
+                ]);
+                self.__foldmoe_model.put_groups(groups);
             }
 
-            fn into_model(self) -> #p::Model<B> {
-                self.model
+            fn split_groups(&mut self) {
+                let mut groups = self.__foldmoe_model.take_groups().into_iter();
+                #(#p::split_back(&mut groups, &mut self.#idents);)*
+            }
+
+            fn engine(&self) -> &#p::Model<B> {
+                &self.__foldmoe_model
+            }
+
+            fn engine_mut(&mut self) -> &mut #p::Model<B> {
+                &mut self.__foldmoe_model
             }
         }
 
         impl<B: #p::Backend> #p::Module<B> for #ident<B> {
             fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a #p::Param<B>)) {
-                #p::Module::visit_params(&self.model, f)
+                self.__foldmoe_model.visit_params_before_groups(f);
+                #(#p::Module::visit_params(&*self.#idents, f);)*
+                self.__foldmoe_model.visit_params_after_groups(f);
             }
             fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut #p::Param<B>)) {
-                #p::Module::visit_params_mut(&mut self.model, f)
+                self.__foldmoe_model.visit_params_before_groups_mut(f);
+                #(#p::Module::visit_params_mut(&mut *self.#idents, f);)*
+                self.__foldmoe_model.visit_params_after_groups_mut(f);
             }
-        }
-
-        impl<B: #p::Backend> #ident<B> {
-            #accessors
         }
     }
 }
@@ -291,23 +304,30 @@ fn opt_usize_field(name: &str, v: Option<usize>) -> TokenStream {
     }
 }
 
-/// One accessor pair per group field: the group as a typed view
-/// (`DenseGroup` or `MoeGroup`: this rank's blocks, with typed access to
-/// their layers) and its blocks mutably, the layer range fixed here from the
-/// declared counts.
-fn accessors(p: &TokenStream, c: &Container, decl: &Decl) -> TokenStream {
+/// The struct's group fields, typed (`DenseGroup<B>` or `MoeGroup<B>`:
+/// this rank's blocks of the group, with typed access to their layers), and
+/// what the impls name them by.
+struct GroupTokens {
+    fields: TokenStream,
+    idents: Vec<syn::Ident>,
+    names: Vec<String>,
+    kinds: Vec<syn::Ident>,
+}
+
+fn group_fields(p: &TokenStream, c: &Container, decl: &Decl) -> GroupTokens {
     let mut start = 0usize;
-    let mut out = TokenStream::new();
+    let mut out = GroupTokens {
+        fields: TokenStream::new(),
+        idents: Vec::new(),
+        names: Vec::new(),
+        kinds: Vec::new(),
+    };
     for (g, spec) in c.groups.iter().zip(&decl.spec.groups) {
         let end = start.saturating_add(spec.count);
         let (ident, vis, docs) = (g.ident, g.vis, &g.docs);
-        let ident_mut = format_ident!("{}_mut", ident);
-        let (s, e) = (
-            Literal::usize_unsuffixed(start),
-            Literal::usize_unsuffixed(end),
-        );
         let what = format!(
-            "Blocks {start}..{end} of the model ({} {} block{}).",
+            "Blocks {start}..{end} of the model ({} {} block{}): this rank's blocks of \
+             them (all on one rank; none on a pipeline stage without them).",
             spec.count,
             match spec.ffn {
                 FfnSpec::Dense { .. } => "dense",
@@ -320,22 +340,15 @@ fn accessors(p: &TokenStream, c: &Container, decl: &Decl) -> TokenStream {
             FfnSpec::Moe(_) => format_ident!("MoeGroup"),
         };
         let span = g.ident.span();
-        out.extend(quote_spanned! {span=>
+        out.fields.extend(quote_spanned! {span=>
             #(#docs)*
             #[doc = ""]
             #[doc = #what]
-            #[doc = "This rank's blocks of them (all on one rank; none on a pipeline stage without them)."]
-            #[allow(dead_code)]
-            #vis fn #ident(&self) -> #p::#kind<'_, B> {
-                #p::#kind::of(&self.model, #s..#e)
-            }
-
-            #[doc = #what]
-            #[allow(dead_code)]
-            #vis fn #ident_mut(&mut self) -> &mut [#p::Block<B>] {
-                self.model.blocks_of_layers_mut(#s..#e)
-            }
+            #vis #ident: #p::#kind<B>,
         });
+        out.idents.push(ident.clone());
+        out.names.push(ident.to_string());
+        out.kinds.push(kind);
         start = end;
     }
     out

@@ -57,7 +57,9 @@ use proc_macro::TokenStream;
 ///
 /// The struct becomes `Name<B: Backend>` implementing
 /// `foldmoe_core::engine::declared::MoeModel<B>`, with an enum `NameLayout`
-/// of the named layouts and one accessor per group (`dense()`, `dense_mut()`).
+/// of the named layouts; each group field becomes that group as this rank
+/// holds it, `DenseGroup<B>` or `MoeGroup<B>` (`m.moe.router(0)`,
+/// `m.moe.experts_mut(1)`), and `m.model()` lends the whole engine model.
 #[proc_macro_attribute]
 pub fn moe_model(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::moe_model(attr.into(), item.into()).into()

@@ -113,7 +113,7 @@ fn full_size_models_match_published_parameter_counts() {
 #[test]
 fn spec_count_matches_the_engine() {
     fn engine_counts<M: MoeModel<Cpu>>(layout: M::Layout) -> (u64, u64) {
-        let m = M::new(&Cpu, layout, 0, 1, DType::F32).unwrap();
+        let mut m = M::new(&Cpu, layout, 0, 1, DType::F32).unwrap();
         let (total, active) = m.model().param_counts();
         (total as u64, active as u64)
     }

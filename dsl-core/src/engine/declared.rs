@@ -3,27 +3,25 @@
 //! layout enum, and [`build`], the one place a declared model is checked
 //! against its layout and built.
 //!
-//! A declared model is a thin typed wrapper around the engine's [`Model`] (one
-//! rank's shard under one of its layouts, the whole model on one rank): the
-//! math lives once, in the engine; the wrapper adds the compile-time spec,
-//! the named layouts and typed access to each declared group of blocks.
+//! A declared model is the engine's [`Model`] (one rank's shard under one of
+//! its layouts, the whole model on one rank) with its groups of blocks as
+//! typed fields ([`DenseGroup`], [`MoeGroup`]): the math lives once, in the
+//! engine; the struct adds the compile-time spec, the named layouts and the
+//! groups by name.
 //!
 //! A crate that declares models depends on `foldmoe-core` (with its default
 //! `engine` feature) and `foldmoe-macros`; the expansion names everything
 //! through `::foldmoe_core::engine::declared::__private`, so the model crate
 //! needs no direct dependency on the kernel crate.
 
-use std::ops::Range;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use super::block::{Attn, Block, Ffn};
-use super::mlp::SwiGluMlp;
+use super::group::Group;
+pub use super::group::{DenseGroup, GroupBlocks, MoeGroup};
 use super::model::{Batch, ForwardOut, Model, ModelSaved};
-use super::moe::experts::Experts;
-use super::moe::router::Router;
-use super::moe::shared::SharedExperts;
-use super::moe::MoeLayer;
 use super::parallel::{Exec, RankLayout};
 use super::param::Module;
 use super::{EngineError, Result};
@@ -59,9 +57,11 @@ pub trait LayoutChoice: Copy + Eq + std::fmt::Debug + 'static {
 }
 
 /// A model declared with `#[moe_model]`: its spec and layouts are fixed at
-/// compile time (and were checked there by the same rules [`build`] applies);
-/// the model itself is the engine's [`Model`], reached through
-/// [`MoeModel::model`].
+/// compile time (and were checked there by the same rules [`build`] applies).
+/// The struct owns this rank's part of each declared group as a field
+/// ([`DenseGroup`] or [`MoeGroup`]); the rest of the engine's [`Model`]
+/// (embedding, head, MTP) it keeps inside. [`MoeModel::model`] lends the
+/// whole engine model, [`MoeModel::into_model`] gives it up to train.
 pub trait MoeModel<B: Backend>: Module<B> + Sized {
     /// The generated enum of the declared layouts.
     type Layout: LayoutChoice;
@@ -77,20 +77,48 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
     /// Builds the shard rank `rank` owns under `layout` (any world size;
     /// the whole model for a one-rank layout), weights from `seed`: what the
     /// engine trains on that rank. See [`build`].
-    fn new(b: &B, layout: Self::Layout, rank: usize, seed: u64, dtype: DType) -> Result<Self>;
+    fn new(b: &B, layout: Self::Layout, rank: usize, seed: u64, dtype: DType) -> Result<Self> {
+        let model = build(b, &Self::spec(), &layout.spec(), rank, seed, dtype)?;
+        Self::from_model(model)
+    }
 
-    /// The engine model of this rank.
-    fn model(&self) -> &Model<B>;
+    /// The declared struct over an engine model of its spec (one [`build`]
+    /// made, or a loaded one): the model's groups move into the fields. An
+    /// error names the difference when the model is of another spec.
+    fn from_model(model: Model<B>) -> Result<Self>;
 
-    /// The engine model, mutably (its backward, loaded weights).
-    fn model_mut(&mut self) -> &mut Model<B>;
-
-    /// The engine model by value (to train it, or generate, without the wrapper).
+    /// The engine model, the fields' groups moved back into it (to train
+    /// it, or generate, without the wrapper).
     fn into_model(self) -> Model<B>;
+
+    /// The whole engine model, lent: the groups join it until the guard drops.
+    fn model(&mut self) -> ModelGuard<'_, B, Self> {
+        self.join_groups();
+        ModelGuard {
+            owner: self,
+            _backend: PhantomData,
+        }
+    }
+
+    /// Moves the fields' groups into the engine model (what [`Self::model`] lends).
+    #[doc(hidden)]
+    fn join_groups(&mut self);
+
+    /// Moves them back into the fields.
+    #[doc(hidden)]
+    fn split_groups(&mut self);
+
+    /// The engine model the struct keeps (without its groups unless joined).
+    #[doc(hidden)]
+    fn engine(&self) -> &Model<B>;
+
+    /// Mutable [`Self::engine`].
+    #[doc(hidden)]
+    fn engine_mut(&mut self) -> &mut Model<B>;
 
     /// Loss of a micro-batch; see [`Model::forward`].
     fn forward(
-        &self,
+        &mut self,
         exec: &Exec<B>,
         batch: Batch<'_, B>,
         seq_len: usize,
@@ -100,151 +128,148 @@ pub trait MoeModel<B: Backend>: Module<B> + Sized {
 
     /// Gradients of the forward that produced `saved`; see [`Model::backward`].
     fn backward(&mut self, exec: &Exec<B>, saved: ModelSaved<B>, loss_scale: f64) -> Result<()> {
-        self.model_mut().backward(exec, saved, loss_scale)
+        self.model().backward(exec, saved, loss_scale)
     }
 
     /// Inference logits; see [`Model::logits`].
-    fn logits(&self, exec: &Exec<B>, tokens: &[i32], seq_len: usize) -> Result<Tensor<B>> {
+    fn logits(&mut self, exec: &Exec<B>, tokens: &[i32], seq_len: usize) -> Result<Tensor<B>> {
         self.model().logits(exec, tokens, seq_len)
     }
 }
 
-/// This rank's blocks of a declared dense group (`#[blocks(.., dense(..))]`):
-/// what the group's accessor returns, with typed access to each block's
-/// attention and MLP. On a pipeline stage without the group it is empty.
-pub struct DenseGroup<'a, B: Backend> {
-    blocks: &'a [Block<B>],
-    mlps: Vec<&'a SwiGluMlp<B>>,
-    first_layer: usize,
+/// The engine model of a declared struct, lent by [`MoeModel::model`]; when
+/// it drops, the groups go back to the struct's fields.
+pub struct ModelGuard<'a, B: Backend, M: MoeModel<B>> {
+    owner: &'a mut M,
+    _backend: PhantomData<B>,
 }
 
-/// This rank's blocks of a declared MoE group (`#[blocks(.., moe(..))]`),
-/// with typed access to each block's router, routed experts (the rank's
-/// experts under ep) and shared experts.
-pub struct MoeGroup<'a, B: Backend> {
-    blocks: &'a [Block<B>],
-    moes: Vec<&'a MoeLayer<B>>,
-    first_layer: usize,
+impl<B: Backend, M: MoeModel<B>> Deref for ModelGuard<'_, B, M> {
+    type Target = Model<B>;
+    fn deref(&self) -> &Model<B> {
+        self.owner.engine()
+    }
 }
 
-impl<'a, B: Backend> DenseGroup<'a, B> {
-    /// The group `layers` (full-model indices) of `model`, as this rank holds it.
-    pub fn of(model: &'a Model<B>, layers: Range<usize>) -> Self {
-        let blocks = model.blocks_of_layers(layers.clone());
-        let first_layer = first_held_layer(model, &layers, blocks.len());
-        let mlps = blocks
-            .iter()
-            .filter_map(|blk| match &blk.ffn {
-                Ffn::Dense(mlp) => Some(&**mlp),
-                Ffn::Moe(_) => None,
-            })
-            .collect();
-        DenseGroup {
-            blocks,
-            mlps,
-            first_layer,
+impl<B: Backend, M: MoeModel<B>> DerefMut for ModelGuard<'_, B, M> {
+    fn deref_mut(&mut self) -> &mut Model<B> {
+        self.owner.engine_mut()
+    }
+}
+
+impl<B: Backend, M: MoeModel<B>> Drop for ModelGuard<'_, B, M> {
+    fn drop(&mut self) {
+        self.owner.split_groups();
+    }
+}
+
+/// The groups of an engine model handed out to a declared struct's fields
+/// in declaration order, each checked to be of its field's kind.
+#[doc(hidden)]
+pub struct GroupFields<B: Backend> {
+    model: String,
+    groups: std::vec::IntoIter<Group<B>>,
+    next: usize,
+}
+
+impl<B: Backend> GroupFields<B> {
+    /// The groups of `model`, taken out of it; `declared` is the struct's
+    /// spec, which the model's must equal.
+    pub fn take(model: &mut Model<B>, declared: &ModelSpec) -> Result<Self> {
+        if model.spec != *declared {
+            return Err(EngineError::Invalid(format!(
+                "the engine model is of spec `{}` ({} blocks), not the declared `{}` ({} blocks)",
+                model.spec.name,
+                model.spec.layers(),
+                declared.name,
+                declared.layers()
+            )));
+        }
+        Ok(GroupFields {
+            model: declared.name.clone(),
+            groups: model.take_groups().into_iter(),
+            next: 0,
+        })
+    }
+
+    /// The next group, for field `field` of kind `G`.
+    pub fn next<G: GroupField<B>>(&mut self, field: &str) -> Result<G> {
+        let index = self.next;
+        self.next += 1;
+        match self.groups.next() {
+            Some(group) => G::from_group(group).map_err(|group| {
+                EngineError::Invalid(format!(
+                    "model `{}`: field `{field}` is a {} group but the engine model's group                      {index} is {}",
+                    self.model,
+                    G::KIND,
+                    group.kind()
+                ))
+            }),
+            None => Err(EngineError::Invalid(format!(
+                "model `{}`: field `{field}` is group {index} but the engine model has {index} groups",
+                self.model
+            ))),
         }
     }
-
-    /// Blocks this rank holds.
-    pub fn len(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// Whether this rank holds none of the group.
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
-
-    /// The full model's layer index of this rank's first block of the group.
-    pub fn first_layer(&self) -> usize {
-        self.first_layer
-    }
-
-    /// The blocks themselves.
-    pub fn blocks(&self) -> &'a [Block<B>] {
-        self.blocks
-    }
-
-    /// Block `i`'s attention.
-    pub fn attention(&self, i: usize) -> Option<&'a Attn<B>> {
-        self.blocks.get(i).map(|blk| &blk.attn)
-    }
-
-    /// Block `i`'s dense MLP.
-    pub fn mlp(&self, i: usize) -> Option<&'a SwiGluMlp<B>> {
-        self.mlps.get(i).copied()
-    }
 }
 
-impl<'a, B: Backend> MoeGroup<'a, B> {
-    /// The group `layers` (full-model indices) of `model`, as this rank holds it.
-    pub fn of(model: &'a Model<B>, layers: Range<usize>) -> Self {
-        let blocks = model.blocks_of_layers(layers.clone());
-        let first_layer = first_held_layer(model, &layers, blocks.len());
-        let moes = blocks.iter().filter_map(|blk| blk.moe()).collect();
-        MoeGroup {
-            blocks,
-            moes,
-            first_layer,
+/// A declared group's field type: [`DenseGroup`] or [`MoeGroup`].
+#[doc(hidden)]
+pub trait GroupField<B: Backend>: Sized {
+    /// `"dense"` or `"MoE"`.
+    const KIND: &'static str;
+    /// The group if it is of this kind, else the group back.
+    fn from_group(group: Group<B>) -> std::result::Result<Self, Group<B>>;
+    /// The group as the engine model holds it.
+    fn into_group(self) -> Group<B>;
+    /// Moves the group out, leaving an empty one (while the model holds it).
+    fn take(&mut self) -> Group<B>;
+}
+
+impl<B: Backend> GroupField<B> for DenseGroup<B> {
+    const KIND: &'static str = "dense";
+    fn from_group(group: Group<B>) -> std::result::Result<Self, Group<B>> {
+        match group {
+            Group::Dense(g) => Ok(g),
+            other => Err(other),
         }
     }
-
-    /// Blocks this rank holds.
-    pub fn len(&self) -> usize {
-        self.blocks.len()
+    fn into_group(self) -> Group<B> {
+        Group::Dense(self)
     }
-
-    /// Whether this rank holds none of the group.
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
-
-    /// The full model's layer index of this rank's first block of the group.
-    pub fn first_layer(&self) -> usize {
-        self.first_layer
-    }
-
-    /// The blocks themselves.
-    pub fn blocks(&self) -> &'a [Block<B>] {
-        self.blocks
-    }
-
-    /// Block `i`'s attention.
-    pub fn attention(&self, i: usize) -> Option<&'a Attn<B>> {
-        self.blocks.get(i).map(|blk| &blk.attn)
-    }
-
-    /// Block `i`'s MoE layer.
-    pub fn moe(&self, i: usize) -> Option<&'a MoeLayer<B>> {
-        self.moes.get(i).copied()
-    }
-
-    /// Block `i`'s router (replicated on every rank).
-    pub fn router(&self, i: usize) -> Option<&'a Router<B>> {
-        self.moe(i).map(|m| &m.router)
-    }
-
-    /// Block `i`'s routed experts: this rank's `E/ep`, their ffn split over etp.
-    pub fn experts(&self, i: usize) -> Option<&'a Experts<B>> {
-        self.moe(i).map(|m| &m.experts)
-    }
-
-    /// Block `i`'s shared experts, when the group has them.
-    pub fn shared_experts(&self, i: usize) -> Option<&'a SharedExperts<B>> {
-        self.moe(i).and_then(|m| m.shared.as_ref())
+    fn take(&mut self) -> Group<B> {
+        Group::Dense(std::mem::replace(self, DenseGroup::empty()))
     }
 }
 
-/// The full-model index of the first of `held` blocks of `layers` on this rank.
-fn first_held_layer<B: Backend>(model: &Model<B>, layers: &Range<usize>, held: usize) -> usize {
-    model
-        .global_layers()
-        .iter()
-        .copied()
-        .find(|l| layers.contains(l))
-        .filter(|_| held > 0)
-        .unwrap_or(layers.start)
+impl<B: Backend> GroupField<B> for MoeGroup<B> {
+    const KIND: &'static str = "MoE";
+    fn from_group(group: Group<B>) -> std::result::Result<Self, Group<B>> {
+        match group {
+            Group::Moe(g) => Ok(g),
+            other => Err(other),
+        }
+    }
+    fn into_group(self) -> Group<B> {
+        Group::Moe(self)
+    }
+    fn take(&mut self) -> Group<B> {
+        Group::Moe(std::mem::replace(self, MoeGroup::empty()))
+    }
+}
+
+/// Gives a declared struct's fields their groups back from its engine model
+/// after [`MoeModel::join_groups`]; the groups are those it moved in, in
+/// order, so a mismatch is a bug in the caller (a hidden API used by hand).
+#[doc(hidden)]
+pub fn split_back<B: Backend, G: GroupField<B>>(
+    groups: &mut std::vec::IntoIter<Group<B>>,
+    field: &mut G,
+) {
+    match groups.next().map(G::from_group) {
+        Some(Ok(group)) => *field = group,
+        _ => panic!("a declared model's groups were changed while its engine model was lent"),
+    }
 }
 
 /// The models a binary knows by name: what `foldmoe::cli::main` serves
@@ -357,8 +382,10 @@ fn checked_layout(spec: &ModelSpec, layout: &LayoutSpec, rank: usize) -> Result<
 /// Names the expansion of `#[moe_model]` refers to; not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use super::{build, DenseGroup, LayoutChoice, MoeGroup, MoeModel, Registry};
-    pub use crate::engine::block::Block;
+    pub use super::{
+        build, split_back, DenseGroup, GroupField, GroupFields, LayoutChoice, MoeGroup, MoeModel,
+        Registry,
+    };
     pub use crate::engine::model::Model;
     pub use crate::engine::param::{Module, Param};
     pub use crate::engine::Result;

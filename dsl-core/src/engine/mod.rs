@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod declared;
 pub mod documents;
 pub mod embedding;
+pub mod group;
 pub mod hf;
 pub mod mla;
 pub mod mlp;

@@ -32,6 +32,7 @@ use super::activations::{hold_all, Held, Ledger, Slot};
 use super::block::{Block, BlockSaved};
 use super::documents::{DocTensors, Documents};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
+use super::group::Group;
 use super::moe::MoeLayer;
 use super::mtp::{self, MtpModule, MtpSaved};
 use super::norm::{NormSaved, RmsNorm};
@@ -61,8 +62,9 @@ pub struct Model<B: Backend> {
     pub rank: RankLayout,
     /// Rows `vocab_start..vocab_start + V/tp` of the embedding table.
     pub embed: Embedding<B>,
-    /// The rank's blocks, first to last.
-    pub blocks: Vec<Block<B>>,
+    /// The rank's blocks, first to last, one [`Group`] per declared group
+    /// (empty where the rank holds none of it); see [`Self::blocks`].
+    groups: Vec<Group<B>>,
     /// Norm before the head (replicated over tp).
     pub final_norm: RmsNorm<B>,
     /// The head's vocabulary shard (or tied to `embed`).
@@ -75,7 +77,7 @@ pub struct Model<B: Backend> {
     vocab_start: usize,
     /// Indices into `blocks` of each model chunk (virtual stage) of this rank.
     chunks: Vec<Range<usize>>,
-    /// The full model's layer index of each of `blocks`.
+    /// The full model's layer index of each of the rank's blocks.
     layers: Vec<usize>,
 }
 
@@ -293,26 +295,40 @@ impl<B: Backend> Model<B> {
             }
         };
         let ledger = Ledger::default();
-        let groups = rank.layer_groups();
-        let mut blocks = Vec::with_capacity(plan.layers().len());
-        for &layer in plan.layers() {
-            let group = spec.group_of_layer(layer).ok_or_else(|| {
-                EngineError::Invalid(format!(
-                    "layer {layer} is outside model {} of {} layers",
-                    spec.name,
-                    spec.layers()
-                ))
-            })?;
-            let prefix = format!("blocks.{layer}");
-            let mut block = Block::new(b, &prefix, spec, group, init, dtype, groups.clone())?;
-            block.ledger = ledger.clone();
-            blocks.push(block);
+        let layer_groups = rank.layer_groups();
+        let mut groups = Vec::with_capacity(spec.groups.len());
+        let mut first = 0;
+        for group in &spec.groups {
+            let declared = first..first + group.count;
+            first = declared.end;
+            let layers: Vec<usize> = plan
+                .layers()
+                .iter()
+                .copied()
+                .filter(|l| declared.contains(l))
+                .collect();
+            let mut blocks = Vec::with_capacity(layers.len());
+            for &layer in &layers {
+                let prefix = format!("blocks.{layer}");
+                let mut block =
+                    Block::new(b, &prefix, spec, group, init, dtype, layer_groups.clone())?;
+                block.ledger = ledger.clone();
+                blocks.push(block);
+            }
+            let moe = matches!(group.ffn, FfnSpec::Moe(_));
+            groups.push(Group::new(moe, blocks, layers, declared));
+        }
+        if let Some(&layer) = plan.layers().iter().find(|&&l| l >= first) {
+            return Err(EngineError::Invalid(format!(
+                "layer {layer} is outside model {} of {} layers",
+                spec.name, first
+            )));
         }
         let final_norm = RmsNorm::new(b, "final_norm", d, spec.norm_eps, dtype)?;
         let mut mtp = Vec::new();
         if last {
             for k in 0..spec.mtp_layers {
-                let mut module = MtpModule::new(b, spec, k, init, dtype, groups.clone())?;
+                let mut module = MtpModule::new(b, spec, k, init, dtype, layer_groups.clone())?;
                 module.block.ledger = ledger.clone();
                 mtp.push(module);
             }
@@ -329,7 +345,7 @@ impl<B: Backend> Model<B> {
             spec: spec.clone(),
             rank,
             embed,
-            blocks,
+            groups,
             final_norm,
             head,
             mtp,
@@ -406,7 +422,7 @@ impl<B: Backend> Model<B> {
         self.check_ids(tokens)?;
         let b = ctx.b;
         let (mut x_td, _) = self.embed_tokens(ctx, &Ids::Host(tokens.to_vec()))?;
-        for block in &self.blocks {
+        for block in self.blocks() {
             x_td = block.forward_raw(ctx, &x_td, seq_len, tokens.len())?.0;
         }
         let (h_td, _) = self.final_norm.forward(b, &x_td)?;
@@ -494,23 +510,72 @@ impl<B: Backend> Model<B> {
         &self.chunks
     }
 
-    /// This rank's blocks of the full model's layers `layers` (a declared
-    /// group's), in order: a contiguous run of [`Self::blocks`], since a
-    /// rank's layers ascend chunk after chunk.
-    pub fn blocks_of_layers(&self, layers: Range<usize>) -> &[Block<B>] {
-        &self.blocks[self.block_range(layers)]
+    /// This rank's blocks, first to last: its groups' blocks in order (a
+    /// rank's layers ascend chunk after chunk, so each group's are a
+    /// contiguous run). Indices into this sequence are those of
+    /// [`Self::chunk_ranges`].
+    pub fn blocks(&self) -> impl Iterator<Item = &Block<B>> {
+        self.groups.iter().flat_map(|g| g.blocks().blocks().iter())
     }
 
-    /// Mutable [`Self::blocks_of_layers`].
-    pub fn blocks_of_layers_mut(&mut self, layers: Range<usize>) -> &mut [Block<B>] {
-        let range = self.block_range(layers);
-        &mut self.blocks[range]
+    /// Mutable [`Self::blocks`].
+    pub fn blocks_mut(&mut self) -> impl Iterator<Item = &mut Block<B>> {
+        self.groups
+            .iter_mut()
+            .flat_map(|g| g.blocks_mut().blocks_mut().iter_mut())
     }
 
-    fn block_range(&self, layers: Range<usize>) -> Range<usize> {
-        let start = self.layers.partition_point(|&l| l < layers.start);
-        let end = self.layers.partition_point(|&l| l < layers.end);
-        start..end.max(start)
+    /// Number of blocks this rank holds.
+    pub fn block_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Block `i` of [`Self::blocks`].
+    fn block(&self, i: usize) -> Result<&Block<B>> {
+        let (g, j) = self.locate(i)?;
+        Ok(&self.groups[g].blocks().blocks()[j])
+    }
+
+    /// Mutable [`Self::block`].
+    fn block_mut(&mut self, i: usize) -> Result<&mut Block<B>> {
+        let (g, j) = self.locate(i)?;
+        Ok(&mut self.groups[g].blocks_mut().blocks_mut()[j])
+    }
+
+    /// `(group, index in the group)` of block `i`.
+    fn locate(&self, i: usize) -> Result<(usize, usize)> {
+        let mut rest = i;
+        for (g, group) in self.groups.iter().enumerate() {
+            let n = group.blocks().len();
+            if rest < n {
+                return Ok((g, rest));
+            }
+            rest -= n;
+        }
+        Err(EngineError::Invalid(format!(
+            "block {i} of rank {}, which holds {} blocks",
+            self.rank.rank,
+            self.block_count()
+        )))
+    }
+
+    /// This rank's part of each declared group, in declaration order.
+    pub fn groups(&self) -> &[Group<B>] {
+        &self.groups
+    }
+
+    /// Takes the groups out (the model holds none until
+    /// [`Self::put_groups`]): how a `#[moe_model]` struct owns them as its
+    /// fields.
+    #[doc(hidden)]
+    pub fn take_groups(&mut self) -> Vec<Group<B>> {
+        std::mem::take(&mut self.groups)
+    }
+
+    /// Gives back what [`Self::take_groups`] took, in the same order.
+    #[doc(hidden)]
+    pub fn put_groups(&mut self, groups: Vec<Group<B>>) {
+        self.groups = groups;
     }
 
     /// The full model's layer index of each of this rank's blocks.
@@ -578,7 +643,8 @@ impl<B: Backend> Model<B> {
         let mut blocks = Vec::new();
         let mut aux_loss = b.zeros(&[1], dtype)?;
         let mut moe_load = Vec::new();
-        for block in &self.blocks[self.chunks[chunk].clone()] {
+        for i in self.chunks[chunk].clone() {
+            let block = self.block(i)?;
             let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, micro_tokens)?;
             if let Some(stats) = stats {
                 aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
@@ -1016,8 +1082,8 @@ impl<B: Backend> Model<B> {
             if let Some(next) = blocks.last_mut() {
                 next.prefetch(ctx.b)?;
             }
-            dx_td =
-                self.blocks[range.start + blocks.len()].backward(ctx, &dx_td, saved, loss_scale)?;
+            let block = self.block_mut(range.start + blocks.len())?;
+            dx_td = block.backward(ctx, &dx_td, saved, loss_scale)?;
         }
         let Some(embed) = embed else {
             return Ok(Some(dx_td));
@@ -1115,7 +1181,7 @@ impl<B: Backend> Model<B> {
         if self.owns_embed() {
             f(&self.embed.table);
         }
-        for block in &self.blocks {
+        for block in self.blocks() {
             block.visit_dense(f);
         }
         if self.owns_head() {
@@ -1132,7 +1198,7 @@ impl<B: Backend> Model<B> {
         if self.owns_embed() {
             f(&mut self.embed.table);
         }
-        for block in &mut self.blocks {
+        for block in self.blocks_mut() {
             block.visit_dense_mut(f);
         }
         if self.owns_head() {
@@ -1161,17 +1227,18 @@ impl<B: Backend> Model<B> {
     /// This rank's MoE layers in order: its blocks', then the MTP modules'
     /// (the order of [`ForwardOut::moe_load`]).
     pub fn moe_iter(&self) -> impl Iterator<Item = &MoeLayer<B>> {
-        self.blocks
-            .iter()
+        self.blocks()
             .chain(self.mtp.iter().map(|m| &m.block))
             .filter_map(|blk| blk.moe())
     }
 
     /// Mutable [`Self::moe_iter`].
     pub fn moe_iter_mut(&mut self) -> impl Iterator<Item = &mut MoeLayer<B>> {
-        self.blocks
+        let mtp = self.mtp.iter_mut().map(|m| &mut m.block);
+        self.groups
             .iter_mut()
-            .chain(self.mtp.iter_mut().map(|m| &mut m.block))
+            .flat_map(|g| g.blocks_mut().blocks_mut().iter_mut())
+            .chain(mtp)
             .filter_map(|blk| blk.moe_mut())
     }
 
@@ -1184,8 +1251,9 @@ impl<B: Backend> Model<B> {
     /// on the last virtual stage): its share of [`ChunkOut::moe_load`].
     pub fn chunk_moe_layers(&self, chunk: usize) -> usize {
         let blocks = self.chunks.get(chunk).map_or(0, |r| {
-            self.blocks[r.clone()]
-                .iter()
+            self.blocks()
+                .skip(r.start)
+                .take(r.len())
                 .filter(|blk| blk.moe().is_some())
                 .count()
         });
@@ -1205,7 +1273,7 @@ impl<B: Backend> Model<B> {
         let mut total = 0;
         self.visit_params(&mut |p| total += p.value.numel());
         let mut inactive = 0;
-        for (block, &layer) in self.blocks.iter().zip(&self.layers) {
+        for (block, &layer) in self.blocks().zip(&self.layers) {
             let group = self.spec.group_of_layer(layer).map(|g| &g.ffn);
             let (Some(moe), Some(FfnSpec::Moe(m))) = (block.moe(), group) else {
                 continue;
@@ -1281,10 +1349,33 @@ fn check_device_batch<B: Backend>(
 /// Every parameter this rank holds, in the visit order of the module doc.
 impl<B: Backend> Module<B> for Model<B> {
     fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
-        self.embed.visit_params(f);
-        for block in &self.blocks {
-            block.visit_params(f);
+        self.visit_params_before_groups(f);
+        for group in &self.groups {
+            group.blocks().visit_params(f);
         }
+        self.visit_params_after_groups(f);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+        self.visit_params_before_groups_mut(f);
+        for group in &mut self.groups {
+            group.blocks_mut().visit_params_mut(f);
+        }
+        self.visit_params_after_groups_mut(f);
+    }
+}
+
+/// The visit of [`Module`] around the groups, so that a `#[moe_model]`
+/// struct, which owns its groups, visits in the model's order.
+impl<B: Backend> Model<B> {
+    /// The parameters visited before the blocks: the embedding.
+    #[doc(hidden)]
+    pub fn visit_params_before_groups<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
+        self.embed.visit_params(f);
+    }
+
+    /// The parameters visited after the blocks: final norm, head, MTP modules.
+    #[doc(hidden)]
+    pub fn visit_params_after_groups<'a>(&'a self, f: &mut dyn FnMut(&'a Param<B>)) {
         self.final_norm.visit_params(f);
         self.head.visit_params(f);
         for m in &self.mtp {
@@ -1294,11 +1385,16 @@ impl<B: Backend> Module<B> for Model<B> {
             }
         }
     }
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
+
+    /// Mutable [`Self::visit_params_before_groups`].
+    #[doc(hidden)]
+    pub fn visit_params_before_groups_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
         self.embed.visit_params_mut(f);
-        for block in &mut self.blocks {
-            block.visit_params_mut(f);
-        }
+    }
+
+    /// Mutable [`Self::visit_params_after_groups`].
+    #[doc(hidden)]
+    pub fn visit_params_after_groups_mut(&mut self, f: &mut dyn FnMut(&mut Param<B>)) {
         self.final_norm.visit_params_mut(f);
         self.head.visit_params_mut(f);
         for m in &mut self.mtp {

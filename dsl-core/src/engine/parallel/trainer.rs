@@ -701,8 +701,7 @@ impl<B: Backend> Trainer<B> {
         let layers = self.model.spec.layers();
         let mine: Vec<usize> = self
             .model
-            .blocks
-            .iter()
+            .blocks()
             .zip(self.model.global_layers())
             .filter(|(bl, _)| bl.moe().is_some())
             .map(|(_, &layer)| layer)
