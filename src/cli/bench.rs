@@ -138,8 +138,7 @@ impl BenchDevice for Cpu {
         Ok(())
     }
     fn label(&self) -> (&'static str, String) {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        ("cpu", format!("{threads} threads"))
+        ("cpu", format!("{} threads", self.threads()))
     }
 }
 

@@ -1,32 +1,39 @@
 //! CPU causal attention with grouped-query heads, flash-attention style.
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads,
-//! Hd head dim, G = Hq / Hkv query heads per kv head.
+//! Hd head dim, G = Hq / Hkv query heads per kv head, R the rows of a query
+//! block, W the keys it sees.
 //!
-//! The forward walks key blocks with an online softmax (running max `m`,
-//! running sum `l`, rescaled accumulator), so it never holds more than one
-//! block of scores per query row; it keeps `lse = m + ln l` for the backward.
-//! The backward recomputes probabilities from `lse` block by block in two
-//! passes: one owns a query block and produces its `dq`, the other owns a key
-//! block and produces its `dk`, `dv` (summed over the G query heads that read
-//! it). Each output element is thus written by exactly one task, in a fixed
-//! order, so results are deterministic without atomics; the price is that
-//! probabilities are recomputed twice.
+//! Work goes by query blocks of R rows: a block sees keys `lo..i1` (`lo` its
+//! first query's document start, `i1` its end), so its scores are one
+//! `[R, W]` tile, computed by one GEMM (`Q Kᵀ`), masked to each row's
+//! visible keys, soft-maxed in place, and multiplied by `V` in a second GEMM;
+//! `lse = m + ln l` is kept for the backward. The tile bounds the scratch by
+//! `R · S` per task instead of `S²` per head.
 //!
-//! Inputs are first copied to head-major `[B, H, S, Hd]` so every task reads
+//! The backward owns one kv head per task: for each of its G query heads and
+//! query blocks it recomputes `P` from `lse`, takes `dP = dO Vᵀ`, `dS = P ⊙
+//! (dP − D)` (D the row sums of `dO ⊙ O`) and adds `dSᵀ Q`, `Pᵀ dO` to the
+//! head's `dK`, `dV`, writing `dS K` as the block's `dQ` — five GEMMs per
+//! block. Each output element is written by one task in a fixed order, so
+//! results are deterministic without atomics, whatever the thread count.
+//!
+//! Inputs are first copied to head-major `[B, H, S, Hd]` so every GEMM reads
 //! contiguous rows.
 
 use rayon::prelude::*;
 
 use super::elementwise::dot;
+use super::linalg::{gemm_acc_into, gemm_into, MatRef};
 use super::{Cpu, Float, FloatStorage};
 use crate::backend::AttentionOps;
 use crate::cpu_float_dispatch;
 use crate::error::Result;
 use crate::tensor::Tensor;
+use gemm::Parallelism;
 
-/// Query and key rows per block: a block of K and V rows (2·64·Hd values)
-/// stays in L1/L2 while every query row of the block reads it.
+/// Query rows per block: the `[64, W]` score tile of a block and its K and V
+/// rows stay in L2 while the block's GEMMs run.
 pub(crate) const ATTN_BLOCK: usize = 64;
 
 #[derive(Clone, Copy, Debug)]
@@ -87,18 +94,11 @@ fn from_head_major<T: Float>(x: &[T], s: usize, h: usize, hd: usize) -> Vec<T> {
     out
 }
 
-/// `acc += a · x`.
-fn axpy_row<T: Float>(acc: &mut [T], a: T, x: &[T]) {
-    acc.iter_mut().zip(x).for_each(|(o, &v)| *o += a * v);
-}
-
 /// The visible keys of each query: `first[i]..=i`, `first[i]` the first
 /// token of query `i`'s document (0 for every query without documents).
-/// Shapes: `[B·S]`; `last[j]` the last token of key `j`'s document (the
-/// last query that sees it).
+/// Shapes: `[B·S]`.
 struct Spans {
     first: Vec<usize>,
-    last: Vec<usize>,
 }
 
 impl Spans {
@@ -115,11 +115,10 @@ impl Spans {
         let Some(docs) = docs else {
             return Ok(Spans {
                 first: vec![0; b * s],
-                last: vec![s.saturating_sub(1); b * s],
             });
         };
         let ids = super::index_slice(docs, op)?;
-        let (mut first, mut last) = (vec![0; b * s], vec![0; b * s]);
+        let mut first = vec![0; b * s];
         for (bi, seq) in ids.chunks(s.max(1)).enumerate() {
             if let Some(w) = seq.windows(2).position(|w| w[1] < w[0]) {
                 return Err(crate::error::arg_err(
@@ -140,15 +139,48 @@ impl Spans {
                 }
                 first[bi * s + i] = start;
             }
-            let mut end = seq.len().saturating_sub(1);
-            for i in (0..seq.len()).rev() {
-                if seq[i] != seq[end] {
-                    end = i;
-                }
-                last[bi * s + i] = end;
-            }
         }
-        Ok(Spans { first, last })
+        Ok(Spans { first })
+    }
+}
+
+/// The keys query block `i0..i1` sees: `lo..i1`, `lo` the first query's
+/// document start (document ids do not decrease, so no later query of the
+/// block sees an earlier key).
+fn key_range(first: &[usize], i0: usize, i1: usize) -> (usize, usize) {
+    (first[i0], i1)
+}
+
+/// `p_RW = softmax(scale · s_RW)` over each row's visible keys (row `r` is
+/// query `i0 + r`, column `c` key `lo + c`: visible from `first[i0 + r]` to
+/// the query itself), masked entries 0; returns nothing but writes each
+/// row's log-sum-exp of the scaled scores to `lse`.
+fn softmax_rows<T: Float>(
+    s_rw: &mut [T],
+    w: usize,
+    first: &[usize],
+    (i0, lo): (usize, usize),
+    scale: T,
+    lse: &mut [T],
+) {
+    for (r, (row, lse_r)) in s_rw.chunks_mut(w).zip(lse.iter_mut()).enumerate() {
+        let qi = i0 + r;
+        let (a, e) = (first[qi] - lo, qi + 1 - lo);
+        let mut mx = T::NEG_INF;
+        for x in &mut row[a..e] {
+            *x *= scale;
+            mx = mx.max(*x);
+        }
+        let mut sum = T::ZERO;
+        for x in &mut row[a..e] {
+            *x = (*x - mx).exp();
+            sum += *x;
+        }
+        let inv = T::ONE / sum;
+        row[a..e].iter_mut().for_each(|x| *x *= inv);
+        row[..a].fill(T::ZERO);
+        row[e..].fill(T::ZERO);
+        *lse_r = mx + sum.ln();
     }
 }
 
@@ -156,7 +188,7 @@ impl Spans {
 /// block's rows, `lse` its log-sum-exps; `q`, `k`, `v` are the head's `[S, Hd]`,
 /// `first` its sequence's [`Spans::first`].
 #[allow(clippy::too_many_arguments)]
-fn forward_block<T: Float>(
+fn forward_block<T: FloatStorage>(
     q: &[T],
     k: &[T],
     v: &[T],
@@ -165,52 +197,30 @@ fn forward_block<T: Float>(
     o: &mut [T],
     lse: &mut [T],
     hd: usize,
-    block: usize,
     scale: T,
 ) {
     let rows = lse.len();
-    let mut m = vec![T::NEG_INF; rows];
-    let mut l = vec![T::ZERO; rows];
-    let mut scores = vec![T::ZERO; block];
-    let kv_end = i0 + rows;
-    for j0 in (0..kv_end).step_by(block) {
-        let j1 = (j0 + block).min(kv_end);
-        for r in 0..rows {
-            let qi = i0 + r;
-            // Causal within the document: query `qi` sees keys
-            // `first[qi]..=qi`; a block it sees none of is skipped, so the
-            // first block it reads has m = −inf and at least one score.
-            let (lo, last) = (j0.max(first[qi]), j1.min(qi + 1));
-            if last <= lo {
-                continue;
-            }
-            let qr = &q[qi * hd..][..hd];
-            let sc = &mut scores[..last - lo];
-            let mut mx = m[r];
-            for (c, s) in sc.iter_mut().enumerate() {
-                *s = dot(qr, &k[(lo + c) * hd..][..hd]) * scale;
-                mx = mx.max(*s);
-            }
-            // The first block seen by a row has m = −inf: alpha = 0 clears
-            // the (still zero) accumulator instead of producing NaN.
-            let alpha = (m[r] - mx).exp();
-            let orow = &mut o[r * hd..][..hd];
-            orow.iter_mut().for_each(|x| *x *= alpha);
-            let mut psum = T::ZERO;
-            for (c, &s) in sc.iter().enumerate() {
-                let p = (s - mx).exp();
-                psum += p;
-                axpy_row(orow, p, &v[(lo + c) * hd..][..hd]);
-            }
-            l[r] = l[r] * alpha + psum;
-            m[r] = mx;
-        }
-    }
-    for r in 0..rows {
-        let inv = T::ONE / l[r];
-        o[r * hd..][..hd].iter_mut().for_each(|x| *x *= inv);
-        lse[r] = m[r] + l[r].ln();
-    }
+    let i1 = i0 + rows;
+    let (lo, hi) = key_range(first, i0, i1);
+    let w = hi - lo;
+    let mut s_rw = vec![T::ZERO; rows * w];
+    let (k_w, v_w) = (&k[lo * hd..hi * hd], &v[lo * hd..hi * hd]);
+    let q_r = &q[i0 * hd..i1 * hd];
+    gemm_into(
+        &mut s_rw,
+        (rows, w, hd),
+        MatRef::row_major(q_r, hd, false),
+        MatRef::row_major(k_w, hd, true),
+        Parallelism::None,
+    );
+    softmax_rows(&mut s_rw, w, first, (i0, lo), scale, lse);
+    gemm_into(
+        o,
+        (rows, hd, w),
+        MatRef::row_major(&s_rw, w, false),
+        MatRef::row_major(v_w, hd, false),
+        Parallelism::None,
+    );
 }
 
 fn attention_t<T: FloatStorage>(
@@ -250,7 +260,7 @@ fn attention_t<T: FloatStorage>(
                     .zip(lse_head.par_chunks_mut(block))
                     .enumerate()
                     .for_each(|(ib, (ob, lb))| {
-                        forward_block(qs, ks, vs, first, ib * block, ob, lb, hd, block, scale)
+                        forward_block(qs, ks, vs, first, ib * block, ob, lb, hd, scale)
                     });
             });
     }
@@ -277,66 +287,96 @@ struct BwdInputs<'a, T> {
     spans: &'a Spans,
 }
 
-impl<T: Float> BwdInputs<'_, T> {
-    fn row<'s>(&self, x: &'s [T], head: usize, i: usize) -> &'s [T] {
-        let hd = self.d.hd;
-        &x[(head * self.d.s + i) * hd..][..hd]
+impl<T: FloatStorage> BwdInputs<'_, T> {
+    /// Head `head`'s rows `i0..i1` of a head-major operand.
+    fn rows<'s>(&self, x: &'s [T], head: usize, i0: usize, i1: usize) -> &'s [T] {
+        let (s, hd) = (self.d.s, self.d.hd);
+        &x[(head * s + i0) * hd..(head * s + i1) * hd]
     }
 
-    /// `(p, ds)` for query `i` of global query head `qh` (index `bi*Hq + h`)
-    /// against key `j` of global kv head `kvh`: the probability recomputed from
-    /// `lse`, and the score gradient `p (dO·v − D)` before the scale factor.
-    fn p_ds(&self, qh: usize, kvh: usize, i: usize, j: usize) -> (T, T) {
-        let s = dot(self.row(self.q, qh, i), self.row(self.k, kvh, j)) * self.scale;
-        let ri = qh * self.d.s + i;
-        let p = (s - self.lse[ri]).exp();
-        let dp = dot(self.row(self.d_o, qh, i), self.row(self.v, kvh, j));
-        (p, p * (dp - self.delta[ri]))
-    }
-
-    /// `dq` rows `i0..i0+rows` of global query head `qh`, walking key blocks
-    /// in order.
-    fn dq_block(&self, qh: usize, i0: usize, dq: &mut [T]) {
-        let (hd, hq) = (self.d.hd, self.d.hq);
-        let kvh = (qh / hq) * self.d.hkv + (qh % hq) / self.d.group();
-        let rows = dq.len() / hd;
-        let first = &self.spans.first[(qh / hq) * self.d.s..];
-        for j0 in (0..i0 + rows).step_by(self.block) {
-            let j1 = (j0 + self.block).min(i0 + rows);
-            for r in 0..rows {
-                let i = i0 + r;
-                let dqr = &mut dq[r * hd..][..hd];
-                for j in j0.max(first[i])..j1.min(i + 1) {
-                    let (_, ds) = self.p_ds(qh, kvh, i, j);
-                    axpy_row(dqr, ds * self.scale, self.row(self.k, kvh, j));
-                }
-            }
-        }
-    }
-
-    /// `dk`, `dv` rows `j0..j0+rows` of global kv head `kvh`, summing over its
-    /// query heads and then query blocks in order.
-    fn dkv_block(&self, kvh: usize, j0: usize, dk: &mut [T], dv: &mut [T]) {
+    /// Global kv head `kvh`'s `dk`, `dv` (`[S, Hd]` each, accumulated) and
+    /// its G query heads' `dq` (`[G, S, Hd]`, written), query block after
+    /// query block of each query head in order.
+    fn kv_head(&self, kvh: usize, dq: &mut [T], dk: &mut [T], dv: &mut [T]) {
         let (s, hd, hkv, g) = (self.d.s, self.d.hd, self.d.hkv, self.d.group());
-        let rows = dk.len() / hd;
-        let j1 = j0 + rows;
         let (bi, hk) = (kvh / hkv, kvh % hkv);
-        let last = &self.spans.last[bi * s..][..s];
-        for qh in (0..g).map(|x| bi * self.d.hq + hk * g + x) {
-            // Causal: only queries at or after the block's first key see it.
-            let first_block = (j0 / self.block) * self.block;
-            for i0 in (first_block..s).step_by(self.block) {
-                let i1 = (i0 + self.block).min(s);
-                for j in j0..j1 {
-                    let dkr = &mut dk[(j - j0) * hd..][..hd];
-                    let dvr = &mut dv[(j - j0) * hd..][..hd];
-                    // Queries of key j's document, at or after it.
-                    for i in i0.max(j)..i1.min(last[j] + 1) {
-                        let (p, ds) = self.p_ds(qh, kvh, i, j);
-                        axpy_row(dvr, p, self.row(self.d_o, qh, i));
-                        axpy_row(dkr, ds * self.scale, self.row(self.q, qh, i));
+        let first = &self.spans.first[bi * s..][..s];
+        let block = self.block;
+        let mut p_rw = Vec::new();
+        let mut ds_rw = Vec::new();
+        for x in 0..g {
+            let qh = bi * self.d.hq + hk * g + x;
+            let dq_head = &mut dq[x * s * hd..][..s * hd];
+            for i0 in (0..s).step_by(block) {
+                let i1 = (i0 + block).min(s);
+                let rows = i1 - i0;
+                let (lo, hi) = key_range(first, i0, i1);
+                let w = hi - lo;
+                let (q_r, do_r) = (
+                    self.rows(self.q, qh, i0, i1),
+                    self.rows(self.d_o, qh, i0, i1),
+                );
+                let (k_w, v_w) = (
+                    self.rows(self.k, kvh, lo, hi),
+                    self.rows(self.v, kvh, lo, hi),
+                );
+                p_rw.resize(rows * w, T::ZERO);
+                ds_rw.resize(rows * w, T::ZERO);
+                // P from lse; dP = dO Vᵀ.
+                gemm_into(
+                    &mut p_rw,
+                    (rows, w, hd),
+                    MatRef::row_major(q_r, hd, false),
+                    MatRef::row_major(k_w, hd, true),
+                    Parallelism::None,
+                );
+                gemm_into(
+                    &mut ds_rw,
+                    (rows, w, hd),
+                    MatRef::row_major(do_r, hd, false),
+                    MatRef::row_major(v_w, hd, true),
+                    Parallelism::None,
+                );
+                let stats = qh * s + i0;
+                for r in 0..rows {
+                    let qi = i0 + r;
+                    let (a, e) = (first[qi] - lo, qi + 1 - lo);
+                    let (lse, delta) = (self.lse[stats + r], self.delta[stats + r]);
+                    let p_row = &mut p_rw[r * w..][..w];
+                    let ds_row = &mut ds_rw[r * w..][..w];
+                    for (p, ds) in p_row[a..e].iter_mut().zip(&mut ds_row[a..e]) {
+                        *p = (*p * self.scale - lse).exp();
+                        // dS scaled once here: dQ and dK both carry the scale.
+                        *ds = *p * (*ds - delta) * self.scale;
+                    }
+                    for row in [p_row, ds_row] {
+                        row[..a].fill(T::ZERO);
+                        row[e..].fill(T::ZERO);
                     }
                 }
+                // dQ = dS K (this block's rows, written once).
+                gemm_into(
+                    &mut dq_head[i0 * hd..i1 * hd],
+                    (rows, hd, w),
+                    MatRef::row_major(&ds_rw, w, false),
+                    MatRef::row_major(k_w, hd, false),
+                    Parallelism::None,
+                );
+                // dK += dSᵀ Q, dV += Pᵀ dO over the block's keys.
+                gemm_acc_into(
+                    &mut dk[lo * hd..hi * hd],
+                    (w, hd, rows),
+                    MatRef::strided(&ds_rw, 1, w),
+                    MatRef::row_major(q_r, hd, false),
+                    Parallelism::None,
+                );
+                gemm_acc_into(
+                    &mut dv[lo * hd..hi * hd],
+                    (w, hd, rows),
+                    MatRef::strided(&p_rw, 1, w),
+                    MatRef::row_major(do_r, hd, false),
+                    Parallelism::None,
+                );
             }
         }
     }
@@ -397,22 +437,12 @@ fn attention_backward_t<T: FloatStorage>(
     let mut dk = vec![T::ZERO; kh.len()];
     let mut dv = vec![T::ZERO; vh.len()];
     if !qh.is_empty() {
-        dq.par_chunks_mut(s * hd)
-            .enumerate()
-            .for_each(|(qhead, dqh)| {
-                dqh.par_chunks_mut(block * hd)
-                    .enumerate()
-                    .for_each(|(ib, dqb)| inp.dq_block(qhead, ib * block, dqb));
-            });
-        dk.par_chunks_mut(s * hd)
+        let g = d.group();
+        dq.par_chunks_mut(g * s * hd)
+            .zip(dk.par_chunks_mut(s * hd))
             .zip(dv.par_chunks_mut(s * hd))
             .enumerate()
-            .for_each(|(kvh, (dkh, dvh))| {
-                dkh.par_chunks_mut(block * hd)
-                    .zip(dvh.par_chunks_mut(block * hd))
-                    .enumerate()
-                    .for_each(|(jb, (dkb, dvb))| inp.dkv_block(kvh, jb * block, dkb, dvb));
-            });
+            .for_each(|(kvh, ((dqg, dkh), dvh))| inp.kv_head(kvh, dqg, dkh, dvh));
     }
     Ok((
         T::tensor(from_head_major(&dq, s, hq, hd), q.shape())?,

@@ -26,15 +26,20 @@ const GROUPED_PARALLEL_MIN_MACS: usize = 1 << 18;
 /// A strided read-only view of a matrix inside a slice: element `(i, j)` is at
 /// `i·rs + j·cs`.
 #[derive(Clone, Copy)]
-struct MatRef<'a, T> {
+pub(crate) struct MatRef<'a, T> {
     data: &'a [T],
     rs: usize,
     cs: usize,
 }
 
 impl<'a, T> MatRef<'a, T> {
+    /// Element `(i, j)` at `data[i·rs + j·cs]`.
+    pub(crate) fn strided(data: &'a [T], rs: usize, cs: usize) -> Self {
+        MatRef { data, rs, cs }
+    }
+
     /// A row-major `[rows, cols]` matrix, read transposed when `trans`.
-    fn row_major(data: &'a [T], cols: usize, trans: bool) -> Self {
+    pub(crate) fn row_major(data: &'a [T], cols: usize, trans: bool) -> Self {
         if trans {
             MatRef {
                 data,
@@ -72,7 +77,7 @@ fn parallelism_for(macs: usize) -> Parallelism {
 /// The views were built from validated shapes, so a failing bounds check is a
 /// bug in this file, not bad user input; it panics rather than read out of
 /// bounds.
-fn gemm_into<T: FloatStorage>(
+pub(crate) fn gemm_into<T: FloatStorage>(
     dst: &mut [T],
     dims: (usize, usize, usize),
     a: MatRef<'_, T>,
@@ -84,7 +89,7 @@ fn gemm_into<T: FloatStorage>(
 
 /// `dst[m×n] += a[m×k] · b[k×n]`, in the gemm type (f32 for bf16: `dst`
 /// holds unrounded values until the result's one rounding).
-fn gemm_acc_into<T: FloatStorage>(
+pub(crate) fn gemm_acc_into<T: FloatStorage>(
     dst: &mut [T],
     dims: (usize, usize, usize),
     a: MatRef<'_, T>,

@@ -28,6 +28,14 @@ use crate::tensor::{DType, HostData, StorageInfo, Tensor};
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
 
+impl Cpu {
+    /// Threads the CPU backend's parallel loops and GEMMs use (rayon's pool:
+    /// `RAYON_NUM_THREADS`, else one per core).
+    pub fn threads(&self) -> usize {
+        rayon::current_num_threads()
+    }
+}
+
 /// Values of a CPU tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CpuStorage {
