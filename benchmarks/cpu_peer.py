@@ -112,18 +112,18 @@ class Moe(nn.Module):
         aux = self.e * (counts / (t * self.k) * probs.mean(0)).sum() * self.aux_coef
         z = torch.logsumexp(logits, -1).pow(2).mean() * self.z_coef
         out = self.shared(x)
-        flat = experts.flatten()
-        order = flat.argsort()
+        order = experts.flatten().argsort()
         token_of = order // self.k
+        w_sorted = weights.flatten()[order]
+        start = 0
         for j, n in enumerate(counts.long().tolist()):
             if n == 0:
                 continue
-            start = int(counts[:j].sum().item())
             idx = token_of[start:start + n]
             h = x[idx]
             y = (F.silu(h @ self.w1[j]) * (h @ self.w3[j])) @ self.w2[j]
-            w = weights.flatten()[order[start:start + n]]
-            out = out.index_add(0, idx, y * w[:, None])
+            out = out.index_add(0, idx, y * w_sorted[start:start + n, None])
+            start += n
         return out, aux + z
 
 

@@ -90,7 +90,7 @@ impl Float for Bf16 {
         self.0 as f64
     }
     fn exp(self) -> Self {
-        Bf16(self.0.exp())
+        Bf16(super::exp_f32(self.0))
     }
     fn ln(self) -> Self {
         Bf16(self.0.ln())
