@@ -135,32 +135,38 @@ fn rope_t<T: FloatStorage>(
     if xs.is_empty() {
         return T::tensor(out, x.shape());
     }
-    // The angles' table: one row per position 0..S, or with `positions`
-    // one per (batch, sequence) row.
-    let rows: Vec<usize> = match positions {
-        None => (0..s).collect(),
+    // The angles' table: one row per position `0..=max` (positions repeat
+    // across sequences and heads, so each angle is computed once), or one
+    // per (batch, sequence) row when the positions are sparser than that.
+    // `at[bs]` is row `bs`'s table row.
+    let (table, at): (Vec<usize>, Vec<usize>) = match positions {
+        None => ((0..s).collect(), (0..xs.len() / (h * hd)).map(|bs| bs % s).collect()),
         Some(p) => {
             let p = index_slice(p, OP)?;
             if let Some(bad) = p.iter().find(|&&v| v < 0) {
                 return Err(arg_err(OP, format!("position {bad} is negative")));
             }
-            p.iter().map(|&v| v as usize).collect()
+            let max = p.iter().map(|&v| v as usize).max().unwrap_or(0);
+            if max < p.len() {
+                ((0..=max).collect(), p.iter().map(|&v| v as usize).collect())
+            } else {
+                (p.iter().map(|&v| v as usize).collect(), (0..p.len()).collect())
+            }
         }
     };
     let half = hd / 2;
     let sign = if inverse { -1.0 } else { 1.0 };
     let amp = rope.amplitude();
     let freqs: Vec<f64> = (0..half).map(|i| rope.frequency(i, hd)).collect();
-    let mut cos = Vec::with_capacity(rows.len() * half);
-    let mut sin = Vec::with_capacity(rows.len() * half);
-    for &p in &rows {
+    let mut cos = Vec::with_capacity(table.len() * half);
+    let mut sin = Vec::with_capacity(table.len() * half);
+    for &p in &table {
         for f in &freqs {
             let a = p as f64 * f;
             cos.push(T::from_f64(amp * a.cos()));
             sin.push(T::from_f64(amp * sign * a.sin()));
         }
     }
-    let table_row = |bs: usize| if positions.is_some() { bs } else { bs % s };
     // One chunk is one (batch, position): all its heads share the angles.
     let row = h * hd;
     out.par_chunks_mut(row)
@@ -168,7 +174,7 @@ fn rope_t<T: FloatStorage>(
         .enumerate()
         .with_min_len(rows_per_task(row))
         .for_each(|(bs, (o, xr))| {
-            let p = table_row(bs);
+            let p = at[bs];
             let (c, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
             for (oh, xh) in o.chunks_mut(hd).zip(xr.chunks(hd)) {
                 let (x1, x2) = xh.split_at(half);
@@ -340,6 +346,25 @@ mod tests {
         );
         let (x1, x2) = (x[row], x[row + hd / 2]);
         assert!((y[row] - 1.2 * (x1 * 1f64.cos() - x2 * 1f64.sin())).abs() < 1e-12);
+        // Positions past the row count (a table per row): rows at position
+        // 9 equal row 9 of a ten-row run.
+        let ten = d.h64(
+            &d.rope(&d.t64(&x, &[1, 10, h, hd]), rope, false, None)
+                .unwrap(),
+        );
+        let last = &x[9 * row..10 * row];
+        let twice: Vec<f64> = last.iter().chain(last).copied().collect();
+        let at9 = d.h64(
+            &d.rope(
+                &d.t64(&twice, &[1, 2, h, hd]),
+                rope,
+                false,
+                Some(&d.ti32(&[9, 9], &[1, 2])),
+            )
+            .unwrap(),
+        );
+        assert!(max_diff(&at9[..row], &ten[9 * row..]) < 1e-12);
+        assert!(max_diff(&at9[row..], &ten[9 * row..]) < 1e-12);
     }
 
     fn rope_forward_matches_naive_and_inverts<B: TestOps>(d: &B) {
