@@ -140,7 +140,10 @@ fn rope_t<T: FloatStorage>(
     // per (batch, sequence) row when the positions are sparser than that.
     // `at[bs]` is row `bs`'s table row.
     let (table, at): (Vec<usize>, Vec<usize>) = match positions {
-        None => ((0..s).collect(), (0..xs.len() / (h * hd)).map(|bs| bs % s).collect()),
+        None => (
+            (0..s).collect(),
+            (0..xs.len() / (h * hd)).map(|bs| bs % s).collect(),
+        ),
         Some(p) => {
             let p = index_slice(p, OP)?;
             if let Some(bad) = p.iter().find(|&&v| v < 0) {
@@ -150,7 +153,10 @@ fn rope_t<T: FloatStorage>(
             if max < p.len() {
                 ((0..=max).collect(), p.iter().map(|&v| v as usize).collect())
             } else {
-                (p.iter().map(|&v| v as usize).collect(), (0..p.len()).collect())
+                (
+                    p.iter().map(|&v| v as usize).collect(),
+                    (0..p.len()).collect(),
+                )
             }
         }
     };
