@@ -47,13 +47,25 @@ fn same_shape<'a, T: FloatStorage>(
     Ok((T::slice(a, op)?, T::slice(b, op)?))
 }
 
+// The maps below write into preallocated outputs chunk by chunk: each
+// chunk's loop is plain indexing, which the compiler vectorises (rayon's
+// `collect`/`unzip` over element iterators does not, and `unzip` splits
+// every result in two buffers on the way).
+
 fn unary<T: FloatStorage>(
     op: &'static str,
     x: &Tensor<Cpu>,
     f: impl Fn(T) -> T + Sync + Send,
 ) -> Result<Tensor<Cpu>> {
     let xs = T::slice(x, op)?;
-    let out: Vec<T> = xs.par_iter().with_min_len(GRAIN).map(|&a| f(a)).collect();
+    let mut out = vec![T::ZERO; xs.len()];
+    out.par_chunks_mut(GRAIN)
+        .zip(xs.par_chunks(GRAIN))
+        .for_each(|(o, x)| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = f(x);
+            }
+        });
     T::tensor(out, x.shape())
 }
 
@@ -64,12 +76,14 @@ fn binary<T: FloatStorage>(
     f: impl Fn(T, T) -> T + Sync + Send,
 ) -> Result<Tensor<Cpu>> {
     let (xs, ys) = same_shape::<T>(op, a, b)?;
-    let out: Vec<T> = xs
-        .par_iter()
-        .zip(ys.par_iter())
-        .with_min_len(GRAIN)
-        .map(|(&x, &y)| f(x, y))
-        .collect();
+    let mut out = vec![T::ZERO; xs.len()];
+    out.par_chunks_mut(GRAIN)
+        .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
+        .for_each(|(o, (x, y))| {
+            for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                *o = f(x, y);
+            }
+        });
     T::tensor(out, a.shape())
 }
 
@@ -82,23 +96,30 @@ fn ternary<T: FloatStorage>(
 ) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
     let (xs, ys) = same_shape::<T>(op, a, b)?;
     let (_, zs) = same_shape::<T>(op, a, c)?;
-    let (o1, o2): (Vec<T>, Vec<T>) = xs
-        .par_iter()
-        .zip(ys.par_iter())
-        .zip(zs.par_iter())
-        .with_min_len(GRAIN)
-        .map(|((&x, &y), &z)| f(x, y, z))
-        .unzip();
+    let (mut o1, mut o2) = (vec![T::ZERO; xs.len()], vec![T::ZERO; xs.len()]);
+    o1.par_chunks_mut(GRAIN)
+        .zip(o2.par_chunks_mut(GRAIN))
+        .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
+        .zip(zs.par_chunks(GRAIN))
+        .for_each(|(((o1, o2), (x, y)), z)| {
+            for i in 0..o1.len() {
+                (o1[i], o2[i]) = f(x[i], y[i], z[i]);
+            }
+        });
     Ok((T::tensor(o1, a.shape())?, T::tensor(o2, a.shape())?))
 }
 
-/// Logistic function, split by sign so `exp` never overflows.
+/// Logistic function from `e = exp(−|x|)`, which never overflows: `1/(1+e)`
+/// for x ≥ 0, `e/(1+e)` below (both computed, one selected, so that loops
+/// over it vectorise).
 pub(crate) fn sigmoid_f<T: Float>(x: T) -> T {
+    let ax = if x >= T::ZERO { x } else { T::ZERO - x };
+    let e = (T::ZERO - ax).exp();
+    let s = T::ONE / (T::ONE + e);
     if x >= T::ZERO {
-        T::ONE / (T::ONE + (-x).exp())
+        s
     } else {
-        let e = x.exp();
-        e / (T::ONE + e)
+        e * s
     }
 }
 
