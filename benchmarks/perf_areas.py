@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Shares of a CPU training step by op area, from perf's call stacks.
+
+    perf record -F 199 --call-graph dwarf,16384 -o step.data \\
+        foldmoe bench model --device cpu --model tiny --layers 4 --tokens 4096 --iters 3
+    perf script -i step.data | python3 benchmarks/perf_areas.py
+
+Each sample goes to the innermost frame of foldmoe's CPU backend on its
+stack (`foldmoe_kernels::cpu::<area>`, the op being run; a GEMM's frames
+belong to the op that called it), to the engine when no backend frame is
+on it, else to the leaf's library (rayon's idle spinning, the kernel)."""
+import collections
+import re
+import sys
+
+BACKEND = re.compile(r"foldmoe_kernels::cpu::([a-z_0-9]+)")
+ENGINE = re.compile(r"foldmoe_core::")
+
+counts = collections.Counter()
+stack = []
+
+
+
+
+def flush():
+    if not stack:
+        return
+    area = None
+    for frame in stack:  # leaf first
+        # The op's module, wherever it is named in the (inlined) frame;
+        # `bf16` names only the Bf16 type of folded instantiations.
+        mods = [m for m in BACKEND.findall(frame) if m != "bf16"]
+        if mods:
+            area = mods[0]
+            break
+    if area is None:
+        if any(ENGINE.search(f) for f in stack):
+            area = "engine (outside backend ops)"
+        else:
+            leaf = stack[0]
+            area = "idle / runtime: " + ("kernel" if "[kernel" in leaf else
+                                        "rayon" if "rayon" in leaf else "other")
+    counts[area] += 1
+    stack.clear()
+
+
+for line in sys.stdin:
+    if not line.strip():
+        flush()
+    elif line.startswith((" ", "\t")):
+        stack.append(line.strip())
+flush()
+total = sum(counts.values()) or 1
+print(f"| area | share of {total} samples |")
+print("|---|---|")
+for area, n in counts.most_common():
+    print(f"| {area} | {100 * n / total:.1f} % |")
