@@ -7,8 +7,9 @@
 
 Each sample goes to the innermost frame of foldmoe's CPU backend on its
 stack (`foldmoe_kernels::cpu::<area>`, the op being run; a GEMM's frames
-belong to the op that called it), to the engine when no backend frame is
-on it, else to the leaf's library (rayon's idle spinning, the kernel)."""
+belong to the op that called it, and a GEMM job stolen by another rayon
+worker to `linalg`), to the engine when no backend frame is on it, else to
+the leaf's library (rayon's idle spinning, the kernel)."""
 import collections
 import re
 import sys
@@ -34,7 +35,11 @@ def flush():
             area = mods[0]
             break
     if area is None:
-        if any(ENGINE.search(f) for f in stack):
+        if any("gemm_f32" in f or "gemm_common" in f for f in stack):
+            # A GEMM's job run by another rayon worker: its stack starts
+            # at the worker, without the op that queued it.
+            area = "linalg"
+        elif any(ENGINE.search(f) for f in stack):
             area = "engine (outside backend ops)"
         else:
             leaf = stack[0]
