@@ -100,22 +100,119 @@ pub fn block_count(shape: &[usize]) -> usize {
 }
 
 /// Host reference of compression: the codes (one byte per value) and the
-/// scales of `values`, rows of `row` elements.
+/// scales of `values`, rows of `row` elements: [`quantize_blocks_host`]
+/// with 1 × [`FP8_BLOCK`] blocks.
 pub fn compress_host(values: &[f32], row: usize) -> (Vec<u8>, Vec<f32>) {
-    let mut codes = Vec::with_capacity(values.len());
-    let mut scales = Vec::with_capacity(values.len().div_ceil(FP8_BLOCK.max(1)));
     if row == 0 {
-        return (codes, scales);
+        return (Vec::new(), Vec::new());
     }
-    for r in values.chunks(row) {
-        for block in r.chunks(FP8_BLOCK) {
-            let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-            codes.extend(block.iter().map(|&x| e4m3_encode(x / scale)));
-            scales.push(scale);
+    quantize_blocks_host(values, values.len() / row, row, (1, FP8_BLOCK))
+}
+
+/// The side of the square weight blocks of DeepSeek-V3's fp8 recipe
+/// (activations use 1 × [`FP8_BLOCK`] tiles along their rows).
+pub const FP8_WEIGHT_BLOCK: usize = 128;
+
+/// The scale of a block of absolute maximum `amax`: `amax / 448`, or 1 for
+/// an all-zero block (so its codes are 0 and it expands to zeros).
+fn block_scale(amax: f32) -> f32 {
+    if amax > 0.0 {
+        amax / E4M3_MAX
+    } else {
+        1.0
+    }
+}
+
+/// Host reference of blockwise quantisation of a row-major `[rows, cols]`
+/// matrix, one f32 scale per `br × bc` block (`1 × 128` for activations,
+/// `128 × 128` for weights; the blocks at the bottom and right edges may be
+/// smaller): the codes `[rows, cols]` and the scales `[⌈rows/br⌉,
+/// ⌈cols/bc⌉]`, both row-major. Each code is `e4m3(x / scale)`, rounded to
+/// nearest even and saturated.
+pub fn quantize_blocks_host(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    (br, bc): (usize, usize),
+) -> (Vec<u8>, Vec<f32>) {
+    quantize_strided(values, rows, cols, (cols, 1), (br, bc))
+}
+
+/// Host reference of the quantisation the backward needs: the blocks of
+/// `xᵀ` (`[cols, rows]`, blocks `br × bc` of the transpose) read straight
+/// from the row-major `[rows, cols]` values, with no transposed copy made
+/// first; equal, code for code, to quantising the transpose.
+pub fn quantize_transposed_host(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    (br, bc): (usize, usize),
+) -> (Vec<u8>, Vec<f32>) {
+    quantize_strided(values, cols, rows, (1, cols), (br, bc))
+}
+
+/// Blockwise quantisation of the `[rows, cols]` matrix whose element
+/// `(i, j)` is `values[i·rs + j·cs]`.
+fn quantize_strided(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    (rs, cs): (usize, usize),
+    (br, bc): (usize, usize),
+) -> (Vec<u8>, Vec<f32>) {
+    let (br, bc) = (br.max(1), bc.max(1));
+    let at = |i: usize, j: usize| values[i * rs + j * cs];
+    let (grid_r, grid_c) = (rows.div_ceil(br), cols.div_ceil(bc));
+    let mut scales = vec![1.0f32; grid_r * grid_c];
+    for (g, scale) in scales.iter_mut().enumerate() {
+        let (r0, c0) = ((g / grid_c) * br, (g % grid_c) * bc);
+        let mut amax = 0f32;
+        for i in r0..(r0 + br).min(rows) {
+            for j in c0..(c0 + bc).min(cols) {
+                amax = amax.max(at(i, j).abs());
+            }
+        }
+        *scale = block_scale(amax);
+    }
+    let mut codes = Vec::with_capacity(rows * cols);
+    for i in 0..rows {
+        for j in 0..cols {
+            codes.push(e4m3_encode(at(i, j) / scales[(i / br) * grid_c + j / bc]));
         }
     }
     (codes, scales)
+}
+
+/// Host reference of the blockwise fp8 GEMM `C[m, n] = A[m, k] · B[k, n]`:
+/// `A` quantised in 1 × 128 tiles (scales `[m, ⌈k/128⌉]`), `B` in 128 × 128
+/// blocks (scales `[⌈k/128⌉, ⌈n/128⌉]`), codes row-major. Each 128-long slice
+/// of K is accumulated in f32 from the decoded codes and then promoted: its
+/// sum, times the two blocks' scales, is added to the f32 result (as
+/// DeepSeek-V3 does on the tensor cores, whose own accumulator is narrower).
+pub fn blockwise_matmul_host(
+    (a_codes, a_scales): (&[u8], &[f32]),
+    (b_codes, b_scales): (&[u8], &[f32]),
+    (m, k, n): (usize, usize, usize),
+) -> Vec<f32> {
+    let kb = k.div_ceil(FP8_BLOCK);
+    let nb = n.div_ceil(FP8_WEIGHT_BLOCK);
+    let a: Vec<f32> = a_codes.iter().map(|&c| e4m3_decode(c)).collect();
+    let b: Vec<f32> = b_codes.iter().map(|&c| e4m3_decode(c)).collect();
+    let mut c = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut total = 0f32;
+            for q in 0..kb {
+                let mut part = 0f32;
+                for l in q * FP8_BLOCK..((q + 1) * FP8_BLOCK).min(k) {
+                    part += a[i * k + l] * b[l * n + j];
+                }
+                total += part * (a_scales[i * kb + q] * b_scales[q * nb + j / FP8_WEIGHT_BLOCK]);
+            }
+            c[i * n + j] = total;
+        }
+    }
+    c
 }
 
 /// Host reference of expansion: `decode(code) · scale`, rows of `row`.
@@ -258,5 +355,107 @@ mod tests {
         // An all-zero block has scale 1 and comes back as zeros.
         let (c, s) = compress_host(&[0.0; 5], 5);
         assert_eq!((c, s), (vec![0; 5], vec![1.0]));
+    }
+
+    fn sample(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 20_001) as f32 / 10_000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Weight blocks of 128 × 128 (ragged at the edges): each block's largest
+    /// value maps to ±448, every value comes back within its block's
+    /// amax / 16, and the transposed quantisation is code for code that of
+    /// the explicit transpose.
+    #[test]
+    fn square_blocks_and_their_transpose() {
+        let (rows, cols) = (200, 300);
+        let mut v = sample(rows * cols, 7);
+        v[150 * cols + 290] = -40.0;
+        let (codes, scales) = quantize_blocks_host(&v, rows, cols, (128, 128));
+        assert_eq!(scales.len(), 2 * 3);
+        assert_eq!(scales[3 + 2], 40.0 / E4M3_MAX);
+        assert_eq!(e4m3_decode(codes[150 * cols + 290]), -448.0);
+        for i in 0..rows {
+            for j in 0..cols {
+                let s = scales[(i / 128) * 3 + j / 128];
+                let back = e4m3_decode(codes[i * cols + j]) * s;
+                assert!((back - v[i * cols + j]).abs() <= s * E4M3_MAX / 16.0);
+            }
+        }
+        let mut vt = vec![0f32; v.len()];
+        for i in 0..rows {
+            for j in 0..cols {
+                vt[j * rows + i] = v[i * cols + j];
+            }
+        }
+        for block in [(1, 128), (128, 128)] {
+            assert_eq!(
+                quantize_transposed_host(&v, rows, cols, block),
+                quantize_blocks_host(&vt, cols, rows, block),
+                "{block:?}"
+            );
+        }
+        // Row tiles are the compression of the stored activations.
+        assert_eq!(
+            quantize_blocks_host(&v, rows, cols, (1, FP8_BLOCK)),
+            compress_host(&v, cols)
+        );
+    }
+
+    /// The blockwise GEMM against the f64 product of its dequantised inputs:
+    /// within f32 accumulation error (k · 2⁻²³ of Σ|a·b|, with room for the
+    /// per-block promotion), K and N not multiples of 128.
+    #[test]
+    fn blockwise_matmul_matches_the_f64_product_of_its_inputs() {
+        let (m, k, n) = (5, 300, 130);
+        let (a, b) = (sample(m * k, 3), sample(k * n, 11));
+        let qa = quantize_blocks_host(&a, m, k, (1, FP8_BLOCK));
+        let qb = quantize_blocks_host(&b, k, n, (FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK));
+        let c = blockwise_matmul_host((&qa.0, &qa.1), (&qb.0, &qb.1), (m, k, n));
+        let kb = k.div_ceil(FP8_BLOCK);
+        let nb = n.div_ceil(FP8_WEIGHT_BLOCK);
+        let da =
+            |i: usize, l: usize| f64::from(e4m3_decode(qa.0[i * k + l]) * qa.1[i * kb + l / 128]);
+        let db = |l: usize, j: usize| {
+            f64::from(e4m3_decode(qb.0[l * n + j]) * qb.1[(l / 128) * nb + j / 128])
+        };
+        let mut worst = 0f64;
+        for i in 0..m {
+            for j in 0..n {
+                let (mut exact, mut mag) = (0f64, 0f64);
+                for l in 0..k {
+                    exact += da(i, l) * db(l, j);
+                    mag += (da(i, l) * db(l, j)).abs();
+                }
+                let err = (f64::from(c[i * n + j]) - exact).abs();
+                assert!(
+                    err <= 2.0 * k as f64 * f64::from(f32::EPSILON) * mag,
+                    "({i}, {j})"
+                );
+                worst = worst.max(err / mag.max(1e-30));
+            }
+        }
+        assert!(
+            worst > 0.0,
+            "an f32 accumulation should not be exact everywhere"
+        );
+        // Against the unquantised product: e4m3 keeps about 2 significant digits.
+        let exact = |i: usize, j: usize| {
+            (0..k)
+                .map(|l| f64::from(a[i * k + l] * b[l * n + j]))
+                .sum::<f64>()
+        };
+        let rel: f64 = (0..m * n)
+            .map(|x| (f64::from(c[x]) - exact(x / n, x % n)).powi(2))
+            .sum::<f64>()
+            .sqrt()
+            / (0..m * n)
+                .map(|x| exact(x / n, x % n).powi(2))
+                .sum::<f64>()
+                .sqrt();
+        assert!(rel < 0.05, "norm-wise error {rel} against the f32 inputs");
     }
 }
