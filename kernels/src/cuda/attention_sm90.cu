@@ -387,8 +387,10 @@ FA3_FWD(192, 96, 2)
 // Backward (fa3_bwd_*), Hd 64, 128 and MLA's 192 / 128: one block of 384
 // threads per 128 keys of one kv head (key tiles from the first: the most
 // work first; the two consumer warpgroups take turns issuing, as in the
-// forward), over the kv head's G query heads and, for each, the 64-query
-// tiles from the diagonal to the end. HD is the width of q, k (and of the
+// forward), over the 64-query tiles from the last down to the diagonal and,
+// for each, the kv head's G query heads (so that the blocks of one kv head
+// running at once read the same Q / dO tiles and add to the same dQ tiles
+// at about the same time, from the L2). HD is the width of q, k (and of the
 // tensors v, dO, dv); HV <= HD the value columns that are read: MLA's values
 // arrive zero-padded from 128 to 192 (mla.rs), so its kernel reads 128
 // columns of v and dO, and writes zeros to dv's padding (fa3_pad_check has
@@ -465,6 +467,14 @@ template <int N> __device__ __forceinline__ void fa3_dq_add(float* tile, const f
         fa3_red_add_v4(tile + ((col0 / 8 + j) * 128 + t) * 4, d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]);
 }
 
+// dPᵀ = V_w dO_iᵀ (inside fa3_bwd_body).
+#define FA3_BWD_DP()                                                                                   \
+    do {                                                                                               \
+        _Pragma("unroll") for (int c = 0; c < NCV; ++c) _Pragma("unroll") for (int kk = 0; kk < 4; ++kk) \
+            fa3_ss<0, 0>(dpa, wgmma_desc(va + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),             \
+                         wgmma_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);           \
+    } while (0)
+
 template <int HD, int HV, int NS>
 __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv, const TmaMap* tdo,
                                              const float* __restrict__ lse2, const float* __restrict__ delta,
@@ -509,7 +519,7 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
 #pragma unroll
             for (int c = 0; c < NCV; ++c) tma_4d(sv + c * FA3_BWD_KEYS * 128, tv, kv_full, c * 64, hk, k0, b);
             for (int n = 0; n < G * per; ++n) {
-                int s = n % NS, h = hk * G + n / per, q0 = (i0 + n % per) * FA3_BWD_Q;
+                int s = n % NS, h = hk * G + n % G, q0 = (nqt - 1 - n / G) * FA3_BWD_Q;
                 mbar_wait(FA3_BE(s), ((n / NS) & 1) ^ 1);
                 unsigned full = FA3_BF(s), sq = st0 + s * ST, sdo = sq + QB;
                 mbar_expect_tx(full, QB + OB + 512);
@@ -536,7 +546,7 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
     if (wg == 1) fa3_named_arrive(4);  // warpgroup 0 issues first
     mbar_wait(kv_full, 0);
     for (int n = 0; n < G * per; ++n) {
-        int s = n % NS, h = hk * G + n / per, i = i0 + n % per, q0 = i * FA3_BWD_Q;
+        int s = n % NS, h = hk * G + n % G, i = nqt - 1 - n / G, q0 = i * FA3_BWD_Q;
         unsigned sq = st0 + s * ST, sdo = sq + QB;
         const float* sl = reinterpret_cast<const float*>(base + (sdo + OB - (raw + pad)));
         // This step's dSᵀ buffer (both warpgroups' keys) and this
@@ -545,7 +555,9 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
         unsigned char* dsp = base + (dsb + wg * 8192 - (raw + pad));
         mbar_wait(FA3_BF(s), (n / NS) & 1);
         float sacc[32], dpa[32];
-        // Ping-pong: the warpgroups take turns issuing Sᵀ and dPᵀ, so one's
+        unsigned pp[4][4], pds[4][4];
+        bool mask = q0 < kw0 + 63;
+        // Ping-pong: the warpgroups take turns issuing Sᵀ (and dPᵀ), so one's
         // softmax runs under the other's products.
         fa3_named_sync(4 + wg);
         wg_fence();
@@ -555,42 +567,62 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
             for (int kk = 0; kk < 4; ++kk)
                 fa3_ss<0, 0>(sacc, wgmma_desc(ka + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
                              wgmma_desc(sq + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
-#pragma unroll
-        for (int c = 0; c < NCV; ++c)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                fa3_ss<0, 0>(dpa, wgmma_desc(va + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
-                             wgmma_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
+        if constexpr (HD != 192) FA3_BWD_DP();
         wg_commit();
         fa3_named_arrive(4 + (1 - wg));
         wg_wait<0>();
         wg_pin(sacc);
-        wg_pin(dpa);
-        // Pᵀ and dSᵀ: rows are keys, columns queries.
-        bool mask = q0 < kw0 + 63;
+        // Pᵀ: rows are keys, columns queries.
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 int qc = 8 * jj + 2 * (lane & 3) + e;
-                float l2 = sl[qc], dl = sl[64 + qc];
+                float l2 = sl[qc];
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {
                     int x = 4 * jj + 2 * hr + e;
                     float p = fa3_exp2(sacc[x] * scale_log2 - l2);
                     if (mask && key0 + 8 * hr > q0 + qc) p = 0.f;
                     sacc[x] = p;
-                    dpa[x] = p * (dpa[x] - dl);
                 }
             }
-        unsigned pp[4][4], pds[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                pp[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
-                pds[kk][e] = pack_bf16(dpa[8 * kk + 2 * e], dpa[8 * kk + 2 * e + 1]);
+            for (int e = 0; e < 4; ++e) pp[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+        if constexpr (HD == 192) {
+            // dK's 96 and dV's 64 registers leave no room for Sᵀ and dPᵀ in
+            // flight together (ptxas serialised every product, C7512): dPᵀ
+            // is issued once Pᵀ is packed, and dSᵀ takes the rounded Pᵀ (it
+            // is rounded to bf16 itself right after).
+            wg_fence();
+            FA3_BWD_DP();
+            wg_commit();
+            wg_wait<0>();
+            wg_pin(dpa);
+            wg_pin(pp);
+        } else {
+            wg_pin(dpa);
+        }
+        // dSᵀ = Pᵀ ∘ (dPᵀ − delta).
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float dl = sl[64 + 8 * jj + 2 * (lane & 3) + e];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    int x = 4 * jj + 2 * hr + e;
+                    unsigned w = pp[x / 8][(x % 8) / 2];
+                    float p = HD == 192 ? __uint_as_float(x % 2 ? w & 0xffff0000u : w << 16) : sacc[x];
+                    dpa[x] = p * (dpa[x] - dl);
+                }
             }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pds[kk][e] = pack_bf16(dpa[8 * kk + 2 * e], dpa[8 * kk + 2 * e + 1]);
         wg_pin(dva);
         wg_pin(dka);
         wg_fence();
@@ -677,6 +709,7 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
 #undef FA3_BF
 #undef FA3_BE
 }
+#undef FA3_BWD_DP
 
 #define FA3_BWD(NAME, HD, HV, NS)                                                                                \
     FA3_ENTRY fa3_bwd_bf16_##NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
