@@ -314,11 +314,9 @@ mod tests {
         ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
     )]
     fn wgmma_attention_matches_the_cpu() {
-        let d = crate::cuda::require_test_device();
-        if d.arch() != "sm_90a" {
-            eprintln!("skipping: {} is not sm_90a", d.arch());
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
             return;
-        }
+        };
         let mut c = Compare::new(&d, DType::BF16, 7);
         for (b, s, hq, hkv, hd) in [
             (1, 1, 8, 8, 128),
@@ -370,11 +368,9 @@ mod tests {
         ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
     )]
     fn mla_backward_rejects_nonzero_value_padding() {
-        let d = crate::cuda::require_test_device();
-        if d.arch() != "sm_90a" {
-            eprintln!("skipping: {} is not sm_90a", d.arch());
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
             return;
-        }
+        };
         let mut c = Compare::new(&d, DType::BF16, 5);
         let (b, s, hq, hkv, hd) = (1, 70, 2, 1, 192);
         let (q, _) = c.rand(&[b, s, hq, hd], 1.0);

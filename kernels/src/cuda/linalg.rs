@@ -1132,11 +1132,9 @@ mod tests {
         ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
     )]
     fn wgmma_grouped_gemms_small() {
-        let d = crate::cuda::require_test_device();
-        if d.arch() != "sm_90a" {
-            eprintln!("skipping: {} is not sm_90a", d.arch());
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
             return;
-        }
+        };
         let sizes = vec![1, 0, 130, 64, 3];
         let (m, k, n, g) = (210usize, 136usize, 264usize, 5usize);
         let gs = d.upload(HostData::I32(sizes), &[g]).unwrap();
@@ -1187,11 +1185,9 @@ mod tests {
     }
 
     fn check_fused(sizes: Vec<i32>, m: usize, k: usize, n: usize) {
-        let d = crate::cuda::require_test_device();
-        if d.arch() != "sm_90a" {
-            eprintln!("skipping: {} is not sm_90a", d.arch());
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
             return;
-        }
+        };
         let kn = Some(GroupedKernel::Wgmma);
         {
             let g = sizes.len();

@@ -690,6 +690,18 @@ pub fn require_test_device() -> Cuda {
     })
 }
 
+/// [`require_test_device`] for the tests of the sm_90a (TMA + wgmma)
+/// kernels: `None`, saying so, on a device of another architecture.
+#[cfg(test)]
+pub(crate) fn require_sm90_test_device() -> Option<Cuda> {
+    let d = require_test_device();
+    if d.arch() != "sm_90a" {
+        eprintln!("skipping: {} is not sm_90a", d.arch());
+        return None;
+    }
+    Some(d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,14 +20,23 @@ template <typename A> __device__ __forceinline__ AdamwCoeffs<A> adamw_coeffs(con
     return k;
 }
 
+// Products and sums rounded one by one (never contracted into an FMA):
+// whether the compiler fuses depends on the code around the statement, and
+// the plain and master steps, scalar or four at a time, must agree bit for
+// bit.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
 // One element's update: the moments in place, returns the new weight.
 // Decoupled decay scales p by (1 − lr·wd) before the Adam step.
 template <typename A>
 __device__ __forceinline__ A adamw_update(const AdamwCoeffs<A>& k, A p, A g, A& m, A& v) {
-    g *= k.gscale;
-    m = k.b1 * m + k.c1 * g;
-    v = k.b2 * v + k.c2 * g * g;
-    return p * k.decay - k.step * m / (sqrt_(v * k.inv_bc2) + k.eps);
+    g = mul_rn(g, k.gscale);
+    m = add_rn(mul_rn(k.b1, m), mul_rn(k.c1, g));
+    v = add_rn(mul_rn(k.b2, v), mul_rn(mul_rn(k.c2, g), g));
+    return add_rn(mul_rn(p, k.decay), -(mul_rn(k.step, m) / add_rn(sqrt_(mul_rn(v, k.inv_bc2)), k.eps)));
 }
 
 
