@@ -311,9 +311,32 @@ fn random<B: Backend>(
     seed: u64,
     dtype: DType,
 ) -> Result<Tensor<B>, CliError> {
+    random_padded(b, shape, scale, seed, dtype, usize::MAX)
+}
+
+/// [`random`] with the last dimension's columns from `keep` on zero (MLA's
+/// values, zero-padded to the query/key width as the MLA block gives them).
+fn random_padded<B: Backend>(
+    b: &B,
+    shape: &[usize],
+    scale: f32,
+    seed: u64,
+    dtype: DType,
+    keep: usize,
+) -> Result<Tensor<B>, CliError> {
     let n = shape.iter().product();
+    let w = shape.last().copied().unwrap_or(1).max(1);
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+    let v: Vec<f32> = (0..n)
+        .map(|i| {
+            let x = rng.gen_range(-scale..scale);
+            if i % w < keep {
+                x
+            } else {
+                0.0
+            }
+        })
+        .collect();
     let t = b.upload(HostData::F32(v), shape)?;
     Ok(if dtype == DType::F32 {
         t
@@ -513,8 +536,10 @@ fn attention<B: BenchDevice>(
     let batch = o.tokens / s;
     let q = random(b, &[batch, s, hq, hd], 1.0, 11, dtype)?;
     let k = random(b, &[batch, s, hkv, hd], 1.0, 12, dtype)?;
-    let v = random(b, &[batch, s, hkv, hd], 1.0, 13, dtype)?;
-    let d_o = random(b, &[batch, s, hq, hd], 1.0, 14, dtype)?;
+    // With --mla, v and the output's gradient are zero past the value width,
+    // as the MLA block builds them (the Hd-192 backward reads 128 columns).
+    let v = random_padded(b, &[batch, s, hkv, hd], 1.0, 13, dtype, hv)?;
+    let d_o = random_padded(b, &[batch, s, hq, hd], 1.0, 14, dtype, hv)?;
     let (out, lse) = b.attention(&q, &k, &v, None)?;
     let fwd = time_op(b, o, &mut || {
         b.attention(&q, &k, &v, None)?;

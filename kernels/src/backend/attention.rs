@@ -26,6 +26,12 @@ pub trait AttentionOps: Device {
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
     /// Gradients `(dq, dk, dv)`, recomputing probabilities blockwise from
     /// `lse`, under the same `docs` mask as the forward.
+    ///
+    /// Hd 192 without `docs` on a Hopper (sm_90a) device is taken as MLA's
+    /// query/key width with 128-wide values zero-padded to 192 (as the MLA
+    /// block builds `v` and, by slicing `o`, `d_o`): a nonzero element of
+    /// `v` or `d_o` past column 128 is an invalid-argument error (reported
+    /// at the next read of a result) rather than a gradient that drops it.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,

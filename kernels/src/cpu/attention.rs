@@ -947,9 +947,11 @@ mod tests {
 
     /// Forward (o, lse) and backward (dq, dk, dv) against the CPU at the
     /// shapes the tensor-core kernels specialise on: head dims 64, 128 and
-    /// 192 (MLA's query/key width), S = 1 and lengths that are not a
-    /// multiple of any tile, GQA ratios 1 and 8; inputs scaled so that the
-    /// softmax is peaked (a wrong mask or running maximum shows).
+    /// MLA's query/key 192 with values 128 (zero-padded to 192, as mla.rs
+    /// gives them, and so the gradient of the output), S = 1 and lengths
+    /// that are not a multiple of any tile, GQA ratios 1 and 8; inputs
+    /// scaled so that the softmax is peaked (a wrong mask or running maximum
+    /// shows).
     fn attention_matches_cpu_at_kernel_shapes<B: TestOps>(d: &B) {
         for dtype in Compare::precisions(d) {
             let mut c = Compare::new(d, dtype, 97);
@@ -959,10 +961,12 @@ mod tests {
                 (1, 130, 8, 1, 128),
                 (1, 1, 2, 1, 192),
                 (1, 101, 2, 2, 192),
+                (1, 75, 8, 1, 192),
             ] {
+                let hv = if hd == 192 { 128 } else { hd };
                 let (q, qc) = c.rand(&[b, s, hq, hd], 2.0);
                 let (k, kc) = c.rand(&[b, s, hkv, hd], 2.0);
-                let (v, vc) = c.rand(&[b, s, hkv, hd], 1.0);
+                let (v, vc) = c.rand_padded(&[b, s, hkv, hd], 1.0, hv);
                 let what = |t: &str| format!("attention {t} B={b} S={s} Hq={hq} Hkv={hkv} Hd={hd}");
                 let (o, lse) = d.attention(&q, &k, &v, None).unwrap();
                 let (oc, lsec) = Cpu.attention(&qc, &kc, &vc, None).unwrap();
@@ -972,7 +976,7 @@ mod tests {
                     let h: Vec<f32> = d.h64(t).iter().map(|&x| x as f32).collect();
                     t32(&h, t.shape())
                 };
-                let (d_o, d_oc) = c.rand(&[b, s, hq, hd], 1.0);
+                let (d_o, d_oc) = c.rand_padded(&[b, s, hq, hd], 1.0, hv);
                 let (dq, dk, dv) = d
                     .attention_backward(&d_o, &q, &k, &v, &o, &lse, None)
                     .unwrap();

@@ -202,6 +202,24 @@ impl<'a, B: Device> Compare<'a, B> {
         self.pair(&v, shape)
     }
 
+    /// [`Self::rand`] with the last dimension's columns from `keep` on set
+    /// to zero (MLA's values, zero-padded to the query/key width).
+    pub(crate) fn rand_padded(
+        &mut self,
+        shape: &[usize],
+        scale: f64,
+        keep: usize,
+    ) -> (Tensor<B>, Tensor<Cpu>) {
+        let n = shape.iter().product();
+        let w = shape.last().copied().unwrap_or(1).max(1);
+        let v: Vec<f64> = uniform(&mut self.g, n)
+            .iter()
+            .enumerate()
+            .map(|(i, x)| if i % w < keep { x * scale } else { 0.0 })
+            .collect();
+        self.pair(&v, shape)
+    }
+
     /// Index values, identical on both sides.
     pub(crate) fn idx(&self, v: &[i32], shape: &[usize]) -> (Tensor<B>, Tensor<Cpu>) {
         (self.d.ti32(v, shape), ti32(v, shape))

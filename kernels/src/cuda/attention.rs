@@ -27,11 +27,10 @@
 
 use super::compile::ATTENTION;
 use super::linalg::RowGemm;
-use super::{dtype_size, float_sfx, grid_for, launch, rows_cfg, Cuda};
+use super::{block_cfg, dtype_size, float_sfx, grid_for, launch, rows_cfg, warp_rows_cfg, Cuda};
 use crate::backend::{AttentionOps, Device};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
-use cudarc::driver::LaunchConfig;
 
 /// Bytes of score matrices (accumulation type) formed at once; kv heads are
 /// processed in chunks that fit (at least one kv head per chunk).
@@ -505,11 +504,11 @@ impl Cuda {
         let o = self.alloc(OP, q.shape(), d.dtype)?;
         let lse = self.alloc(OP, &[d.b, d.hq, d.s], acc_type(d.dtype))?;
         let f = self.func(ATTENTION, &format!("flash_fwd_bf16_hd{hd}"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (d.s.div_ceil(FLASH_TILE) as u32, d.hq as u32, d.b as u32),
-            block_dim: (FLASH_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = block_cfg(
+            (d.s.div_ceil(FLASH_TILE) as u32, d.hq as u32, d.b as u32),
+            FLASH_THREADS,
+            0,
+        );
         launch!(
             self,
             f,
@@ -548,12 +547,7 @@ impl Cuda {
         let delta = self.scratch(OP, rows * 4)?;
         let dq_acc = self.scratch(OP, q.numel() * 4)?;
         let f = self.func(ATTENTION, "flash_delta_bf16")?;
-        // One warp per row, 8 rows per block.
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = warp_rows_cfg(rows);
         launch!(
             self,
             f,
@@ -571,11 +565,11 @@ impl Cuda {
         let dv = self.alloc(OP, v.shape(), d.dtype)?;
         let smem = flash_bwd_smem(hd);
         let f = self.func_smem(ATTENTION, &format!("flash_bwd_bf16_hd{hd}"), smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (d.s.div_ceil(FLASH_TILE) as u32, d.hkv as u32, d.b as u32),
-            block_dim: (FLASH_THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let cfg = block_cfg(
+            (d.s.div_ceil(FLASH_TILE) as u32, d.hkv as u32, d.b as u32),
+            FLASH_THREADS,
+            smem,
+        );
         launch!(
             self,
             f,

@@ -41,71 +41,9 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// A CUtensorMap (128 opaque bytes), passed by value as a __grid_constant__
-// parameter.
-struct __align__(128) Fa3Map {
-    unsigned long long v[16];
-};
-
-__device__ __forceinline__ unsigned fa3_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void fa3_bar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void fa3_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void fa3_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void fa3_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile(
-            "{\n"
-            ".reg .pred p;\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n"
-            "}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void fa3_tma_4d(unsigned dst, const Fa3Map* map, unsigned bar, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
-        "[%2];\n" ::"r"(dst),
-        "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-}
 // Named barriers between the two consumer warpgroups (256 threads).
 __device__ __forceinline__ void fa3_named_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void fa3_named_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
-
-__device__ __forceinline__ void fa3_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void fa3_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void fa3_wait_mma() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving register reads or writes across a wgmma
-// fence, commit or wait.
-template <int N> __device__ __forceinline__ void fa3_pin(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <int N> __device__ __forceinline__ void fa3_pin(unsigned (&p)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[i][e])::"memory");
-}
-
-// A wgmma shared-memory descriptor with the 128-byte swizzle.
-__device__ __forceinline__ unsigned long long fa3_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
 
 __device__ __forceinline__ float fa3_exp2(float x) {
     float y;
@@ -200,10 +138,10 @@ extern __shared__ __align__(1024) unsigned char fa3_smem[];
 // The forward of one 128-query tile of one query head (see the top of the
 // file). o: [B, S, Hq, Hd] bf16, lse: [B, Hq, S] f32.
 template <int HD, int BN, int STAGES>
-__device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk, const Fa3Map* tv, bf16* __restrict__ o,
+__device__ __forceinline__ void fa3_fwd_body(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv, bf16* __restrict__ o,
                                              float* __restrict__ lse, int S, int B, int HQ, int HKV, float scale_log2) {
     constexpr int NC = HD / 64, QB = FA3_BM * HD * 2, KVB = BN * HD * 2;
-    unsigned raw = fa3_u32(fa3_smem);
+    unsigned raw = smem_u32(fa3_smem);
     unsigned sq = raw + ((1024u - (raw & 1023u)) & 1023u);
     unsigned sk = sq + QB, sv = sk + STAGES * KVB, bars = sv + STAGES * KVB;
     // q_full, q_empty, then per stage k_full, k_empty, v_full, v_empty.
@@ -227,13 +165,13 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
     // path it thinks divergent).
     int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     if (tid == 0) {
-        fa3_bar_init(q_full, 1);
-        fa3_bar_init(q_empty, 8);
+        mbar_init(q_full, 1);
+        mbar_init(q_empty, 8);
         for (int s = 0; s < STAGES; ++s) {
-            fa3_bar_init(FA3_KF(s), 1);
-            fa3_bar_init(FA3_KE(s), 8);
-            fa3_bar_init(FA3_VF(s), 1);
-            fa3_bar_init(FA3_VE(s), 8);
+            mbar_init(FA3_KF(s), 1);
+            mbar_init(FA3_KE(s), 8);
+            mbar_init(FA3_VF(s), 1);
+            mbar_init(FA3_VE(s), 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -247,21 +185,21 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
             int cnt = 0, it = 0;
             for (int t = blockIdx.x; t < ntiles; t += gridDim.x, ++it) {
                 FA3_TILE(t);
-                fa3_wait(q_empty, (it & 1) ^ 1);
-                fa3_expect_tx(q_full, QB);
+                mbar_wait(q_empty, (it & 1) ^ 1);
+                mbar_expect_tx(q_full, QB);
 #pragma unroll
-                for (int c = 0; c < NC; ++c) fa3_tma_4d(sq + c * FA3_BM * 128, tq, q_full, c * 64, h, q0, b);
+                for (int c = 0; c < NC; ++c) tma_4d(sq + c * FA3_BM * 128, tq, q_full, c * 64, h, q0, b);
             for (int j = 0; j < nkt; ++j, ++cnt) {
                 int s = cnt % STAGES;
                 unsigned ph = (cnt / STAGES) & 1;
-                fa3_wait(FA3_KE(s), ph ^ 1);
-                fa3_expect_tx(FA3_KF(s), KVB);
+                mbar_wait(FA3_KE(s), ph ^ 1);
+                mbar_expect_tx(FA3_KF(s), KVB);
 #pragma unroll
-                for (int c = 0; c < NC; ++c) fa3_tma_4d(sk + s * KVB + c * BN * 128, tk, FA3_KF(s), c * 64, hk, j * BN, b);
-                fa3_wait(FA3_VE(s), ph ^ 1);
-                fa3_expect_tx(FA3_VF(s), KVB);
+                for (int c = 0; c < NC; ++c) tma_4d(sk + s * KVB + c * BN * 128, tk, FA3_KF(s), c * 64, hk, j * BN, b);
+                mbar_wait(FA3_VE(s), ph ^ 1);
+                mbar_expect_tx(FA3_VF(s), KVB);
 #pragma unroll
-                for (int c = 0; c < NC; ++c) fa3_tma_4d(sv + s * KVB + c * BN * 128, tv, FA3_VF(s), c * 64, hk, j * BN, b);
+                for (int c = 0; c < NC; ++c) tma_4d(sv + s * KVB + c * BN * 128, tv, FA3_VF(s), c * 64, hk, j * BN, b);
             }
             }
         }
@@ -283,7 +221,7 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) oacc[i] = 0.f;
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
-    fa3_wait(q_full, it & 1);
+    mbar_wait(q_full, it & 1);
     // One key tile (FA3_FWD_STEP); the first (no P V product yet) is its own
     // instance, so that no wgmma or wait sits under a run-time branch (ptxas
     // would then wait for every product before touching O, losing the
@@ -297,17 +235,17 @@ __device__ __forceinline__ void fa3_fwd_body(const Fa3Map* tq, const Fa3Map* tk,
         int c = cnt + j, cp = c - 1;                                                                           \
         int s = c % STAGES, sp = (cp + STAGES) % STAGES;                                                       \
         unsigned ph = (c / STAGES) & 1, php = (cp / STAGES) & 1;                                               \
-        fa3_wait(FA3_KF(s), ph);                                                                               \
+        mbar_wait(FA3_KF(s), ph);                                                                               \
         fa3_named_sync(2 + wg);                                                                                \
-        fa3_pin(sacc);                                                                                         \
-        fa3_fence();                                                                                           \
+        wg_pin(sacc);                                                                                         \
+        wg_fence();                                                                                           \
 _Pragma("unroll")                                                                                              \
         for (int c = 0; c < NC; ++c)                                                                           \
 _Pragma("unroll")                                                                                              \
             for (int kk = 0; kk < 4; ++kk)                                                                     \
-                fa3_ss<0, 0>(sacc, fa3_desc(qa + c * FA3_BM * 128 + kk * 32, 16, 1024),                        \
-                             fa3_desc(sk + s * KVB + c * BN * 128 + kk * 32, 16, 1024), c + kk);               \
-        fa3_commit();                                                                                          \
+                fa3_ss<0, 0>(sacc, wgmma_desc(qa + c * FA3_BM * 128 + kk * 32, 16, 1024),                        \
+                             wgmma_desc(sk + s * KVB + c * BN * 128 + kk * 32, 16, 1024), c + kk);               \
+        wg_commit();                                                                                          \
         if constexpr (!first) {                                                                                \
             /* O *= alpha_{j-1}, then O += P_{j-1} V_{j-1}. */                                                 \
 _Pragma("unroll")                                                                                              \
@@ -317,23 +255,23 @@ _Pragma("unroll")                                                               
                 oacc[4 * i + 2] *= alpha[1];                                                                   \
                 oacc[4 * i + 3] *= alpha[1];                                                                   \
             }                                                                                                  \
-            fa3_wait(FA3_VF(sp), php);                                                                         \
-            fa3_pin(oacc);                                                                                     \
-            fa3_pin(p);                                                                                        \
-            fa3_fence();                                                                                       \
+            mbar_wait(FA3_VF(sp), php);                                                                         \
+            wg_pin(oacc);                                                                                     \
+            wg_pin(p);                                                                                        \
+            wg_fence();                                                                                       \
 _Pragma("unroll")                                                                                              \
             for (int kk = 0; kk < BN / 16; ++kk)                                                               \
-                fa3_rs<1>(oacc, p[kk], fa3_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);                \
-            fa3_commit();                                                                                      \
+                fa3_rs<1>(oacc, p[kk], wgmma_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);                \
+            wg_commit();                                                                                      \
         }                                                                                                      \
         fa3_named_arrive(2 + (1 - wg));                                                                        \
         /* S_j is done (the P V product may still run): K_j can be refilled, */                                \
         /* and after the last one the query tile. */                                                           \
-        if constexpr (first) fa3_wait_mma<0>(); else fa3_wait_mma<1>();                                        \
-        fa3_pin(sacc);                                                                                         \
+        if constexpr (first) wg_wait<0>(); else wg_wait<1>();                                        \
+        wg_pin(sacc);                                                                                         \
         if (lane == 0) {                                                                                       \
-            fa3_arrive(FA3_KE(s));                                                                             \
-            if (j == nkt - 1) fa3_arrive(q_empty);                                                             \
+            mbar_arrive(FA3_KE(s));                                                                             \
+            if (j == nkt - 1) mbar_arrive(q_empty);                                                             \
         }                                                                                                      \
         /* Online softmax of S_j in the log2 domain, masked past the diagonal */                               \
         /* and past S (only tiles that reach either need the test). */                                         \
@@ -371,10 +309,10 @@ _Pragma("unroll")                                                               
         }                                                                                                      \
         if constexpr (!first) {                                                                                \
             /* P_{j-1} V_{j-1} is done: V_{j-1} can be refilled, P rewritten. */                               \
-            fa3_wait_mma<0>();                                                                                 \
-            fa3_pin(oacc);                                                                                     \
-            fa3_pin(p);                                                                                        \
-            if (lane == 0) fa3_arrive(FA3_VE(sp));                                                             \
+            wg_wait<0>();                                                                                 \
+            wg_pin(oacc);                                                                                     \
+            wg_pin(p);                                                                                        \
+            if (lane == 0) mbar_arrive(FA3_VE(sp));                                                             \
         }                                                                                                      \
 _Pragma("unroll")                                                                                              \
         for (int kk = 0; kk < BN / 16; ++kk)                                                                   \
@@ -395,17 +333,17 @@ _Pragma("unroll")                                                               
             oacc[4 * i + 2] *= alpha[1];
             oacc[4 * i + 3] *= alpha[1];
         }
-        fa3_wait(FA3_VF(sp), php);
-        fa3_pin(oacc);
-        fa3_pin(p);
-        fa3_fence();
+        mbar_wait(FA3_VF(sp), php);
+        wg_pin(oacc);
+        wg_pin(p);
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            fa3_rs<1>(oacc, p[kk], fa3_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);
-        fa3_commit();
-        fa3_wait_mma<0>();
-        fa3_pin(oacc);
-        if (lane == 0) fa3_arrive(FA3_VE(sp));
+            fa3_rs<1>(oacc, p[kk], wgmma_desc(sv + sp * KVB + kk * 2048, BN * 128, 1024), 1);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(oacc);
+        if (lane == 0) mbar_arrive(FA3_VE(sp));
     }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -435,8 +373,8 @@ _Pragma("unroll")                                                               
 
 #define FA3_ENTRY extern "C" __global__ void __launch_bounds__(FA3_THREADS, 1)
 #define FA3_FWD(HD, BN, STAGES)                                                                                  \
-    FA3_ENTRY fa3_fwd_bf16_hd##HD(const __grid_constant__ Fa3Map tq, const __grid_constant__ Fa3Map tk,          \
-                                  const __grid_constant__ Fa3Map tv, bf16* o, float* lse, int S, int B, int HQ, int HKV, \
+    FA3_ENTRY fa3_fwd_bf16_hd##HD(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
+                                  const __grid_constant__ TmaMap tv, bf16* o, float* lse, int S, int B, int HQ, int HKV, \
                                   float scale_log2) {                                                            \
         fa3_fwd_body<HD, BN, STAGES>(&tq, &tk, &tv, o, lse, S, B, HQ, HKV, scale_log2);                             \
     }
@@ -446,24 +384,36 @@ FA3_FWD(128, 128, 2)
 FA3_FWD(192, 96, 2)
 
 // ---------------------------------------------------------------------------
-// Backward (fa3_bwd_*), Hd 64 and 128: one block of 384 threads per 128 keys
-// of one kv head (key tiles from the first: the most work first; the two
-// consumer warpgroups take turns issuing, as in the forward), over the
-// kv head's G query heads and, for each, the 64-query tiles from the
-// diagonal to the end:
-// - warpgroup 2 produces: one thread copies the block's K and V once, then
-//   per query tile Q_i and dO_i (TMA, boxes of 64 rows) and the tile's
-//   log2-domain lse and delta (bulk copies of 256 bytes from the padded
-//   buffers fa3_bwd_prep fills) into a 2-stage ring;
+// Backward (fa3_bwd_*), Hd 64, 128 and MLA's 192 / 128: one block of 384
+// threads per 128 keys of one kv head (key tiles from the first: the most
+// work first; the two consumer warpgroups take turns issuing, as in the
+// forward), over the 64-query tiles from the last down to the diagonal and,
+// for each, the kv head's G query heads (so that the blocks of one kv head
+// running at once read the same Q / dO tiles and add to the same dQ tiles
+// at about the same time, from the L2). HD is the width of q, k (and of the
+// tensors v, dO, dv); HV <= HD the value columns that are read: MLA's values
+// arrive zero-padded from 128 to 192 (mla.rs), so its kernel reads 128
+// columns of v and dO, and writes zeros to dv's padding (fa3_pad_check has
+// checked that v's and dO's padding is zero).
+// - warpgroup 2 produces: one thread copies the block's K (HD) and V (HV
+//   columns) once, then per query tile Q_i and dO_i (TMA, boxes of 64 rows)
+//   and the tile's log2-domain lse and delta (bulk copies of 256 bytes from
+//   the padded buffers fa3_bwd_prep fills) into an NS-stage ring;
 // - warpgroup w consumes keys 64 w .. 64 w + 63 of the block, keeping its
-//   dK and dV (64 × Hd each, f32) in registers: Sᵀ = K_w Q_iᵀ and
+//   dK (64 × HD) and dV (64 × HV, f32) in registers: Sᵀ = K_w Q_iᵀ and
 //   dPᵀ = V_w dO_iᵀ (wgmma from shared memory), Pᵀ = exp2(scale · Sᵀ − lse),
 //   dSᵀ = Pᵀ ∘ (dPᵀ − delta), then dV += Pᵀ dO_i and dK += dSᵀ Q_i with Pᵀ
 //   and dSᵀ as register operands; dSᵀ is also written to shared memory
-//   (bf16, MN-major) so that dQ_i's part over these 64 keys, dS K_w, is one
-//   more wgmma; that part is staged in shared memory in the accumulator's
-//   own order and added to the f32 dQ accumulator (that order, tile by tile)
-//   with one cp.reduce.async.bulk of the whole tile; fa3_dq_convert scales,
+//   (bf16, MN-major, both warpgroups' 64 keys side by side, two buffers
+//   by step parity) so that, after a barrier of both warpgroups, each one
+//   computes dQ_i = dS K over all 128 keys for half of dQ's columns (one
+//   n HD/2 product; at 192 an n64 and an n32 one, as a descriptor spans at
+//   most one 64-column chunk when it starts inside one); that part goes
+//   straight from the registers to the f32 dQ accumulator (the
+//   accumulator's own order, tile by tile) with red.global.add.v4.f32: each
+//   block adds each dQ element once per step (no shared-memory staging, no
+//   per-warpgroup partial sums: ncu of the earlier kernel showed L2 at 73 %
+//   with two 32 KiB adds per block and step); fa3_dq_convert scales,
 //   reorders and rounds it into dq.
 // Rows past S arrive as zeros (TMA), the padded lse and delta are 0 there:
 // their P is 1 and their dS 0, and their dK, dV and dQ rows are not stored.
@@ -471,44 +421,76 @@ FA3_FWD(192, 96, 2)
 #define FA3_BWD_KEYS 128
 #define FA3_BWD_Q 64
 
-// Bytes of one stage: Q_i and dO_i (64 × Hd bf16 each), lse and delta (64
-// f32 each), rounded up to 1024.
-#define FA3_BWD_STAGE(HD) ((((HD) * 256 + 512) + 1023) / 1024 * 1024)
+// Bytes of one stage: Q_i (64 × HD bf16) and dO_i (64 × HV), lse and delta
+// (64 f32 each), rounded up to 1024.
+#define FA3_BWD_STAGE(HD, HV) (((HD) * 128 + (HV) * 128 + 512 + 1023) / 1024 * 1024)
 // Dynamic shared memory (attention_sm90.rs's bwd_smem): alignment slack, K
-// and V, 2 stages, each warpgroup's dSᵀ (64 × 64 bf16) and dQ part (64 × Hd
-// f32), the mbarriers.
-#define FA3_BWD_SMEM(HD) (1024 + 2 * FA3_BWD_KEYS * (HD) * 2 + 2 * FA3_BWD_STAGE(HD) + 2 * 8192 + 2 * 64 * (HD) * 4 + 64)
+// and V, NS stages, two buffers of dSᵀ (128 × 64 bf16), the mbarriers.
+#define FA3_BWD_SMEM(HD, HV, NS) \
+    (1024 + FA3_BWD_KEYS * ((HD) + (HV)) * 2 + (NS) * FA3_BWD_STAGE(HD, HV) + 2 * 16384 + 64)
 
 __device__ __forceinline__ void fa3_bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-__device__ __forceinline__ void fa3_bulk_add_f32(float* dst, unsigned src, unsigned bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-                 "r"(bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+// dst[0..3] += (a, b, c, d) at the L2 (16-byte aligned, global).
+__device__ __forceinline__ void fa3_red_add_v4(float* dst, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
-__device__ __forceinline__ void fa3_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fa3_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fa3_wg_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 
-template <int HD>
-__device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk, const Fa3Map* tv, const Fa3Map* tdo,
+// d[0..15] (+)= A · B, m64n32k16, A and B from shared memory (descriptors);
+// TA / TB: A / B stored MN-major (1) or K-major (0); acc = 0 overwrites d.
+template <int TA, int TB>
+__device__ __forceinline__ void fa3_ss(float (&d)[16], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %18, %19;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(acc));
+}
+
+
+// One warpgroup's part of dQ_i = dS K over the block's 128 keys: N columns
+// of K from kb (MN-major, inside one 64-column chunk), dSᵀ from ds.
+template <int N> __device__ __forceinline__ void fa3_dq_part(float (&d)[N / 2], unsigned ds, unsigned kb) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+        fa3_ss<1, 1>(d, wgmma_desc(ds + kk * 2048, 8192, 1024), wgmma_desc(kb + kk * 2048, FA3_BWD_KEYS * 128, 1024), kk);
+}
+// Adds that part (columns col0 .. col0 + N - 1) to the accumulator's tile:
+// register 4 j + e of thread t is element (j' · 128 + t) · 4 + e with
+// j' = col0 / 8 + j, so a warp's 32 float4 adds cover 512 contiguous bytes.
+template <int N> __device__ __forceinline__ void fa3_dq_add(float* tile, const float (&d)[N / 2], int col0, int t) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+        fa3_red_add_v4(tile + ((col0 / 8 + j) * 128 + t) * 4, d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]);
+}
+
+// dPᵀ = V_w dO_iᵀ (inside fa3_bwd_body).
+#define FA3_BWD_DP()                                                                                   \
+    do {                                                                                               \
+        _Pragma("unroll") for (int c = 0; c < NCV; ++c) _Pragma("unroll") for (int kk = 0; kk < 4; ++kk) \
+            fa3_ss<0, 0>(dpa, wgmma_desc(va + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),             \
+                         wgmma_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);           \
+    } while (0)
+
+template <int HD, int HV, int NS>
+__device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv, const TmaMap* tdo,
                                              const float* __restrict__ lse2, const float* __restrict__ delta,
                                              float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv,
                                              int S, int B, int HQ, int HKV, float scale, float scale_log2) {
-    constexpr int NC = HD / 64, KB = FA3_BWD_KEYS * HD * 2, QB = FA3_BWD_Q * HD * 2, ST = FA3_BWD_STAGE(HD);
-    unsigned raw = fa3_u32(fa3_smem);
+    constexpr int NC = HD / 64, NCV = HV / 64, KB = FA3_BWD_KEYS * HD * 2, VB = FA3_BWD_KEYS * HV * 2;
+    constexpr int QB = FA3_BWD_Q * HD * 2, OB = FA3_BWD_Q * HV * 2, ST = FA3_BWD_STAGE(HD, HV);
+    unsigned raw = smem_u32(fa3_smem);
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = fa3_smem + pad;
-    unsigned sk = raw + pad, sv = sk + KB, st0 = sv + KB, sds = st0 + 2 * ST, sdq = sds + 2 * 8192;
-    unsigned bars = sdq + 2 * 64 * HD * 4;
-    // kv_full, then full[2], empty[2].
+    unsigned sk = raw + pad, sv = sk + KB, st0 = sv + VB, sds = st0 + NS * ST;
+    unsigned bars = sds + 2 * 16384;
+    // kv_full, then full[NS], empty[NS].
     unsigned kv_full = bars;
 #define FA3_BF(s) (bars + 8 * (1 + (s)))
-#define FA3_BE(s) (bars + 8 * (3 + (s)))
+#define FA3_BE(s) (bars + 8 * (1 + NS + (s)))
     // Blocks longest first: all the first key tiles (of every kv head and
     // batch), then all the second ones, ...
     int G = HQ / HKV, kt = blockIdx.x / (HKV * B), hk = (blockIdx.x / B) % HKV, b = blockIdx.x % B;
@@ -518,12 +500,12 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
     int tid = threadIdx.x;
     int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     if (tid == 0) {
-        fa3_bar_init(kv_full, 1);
-        for (int s = 0; s < 2; ++s) {
-            fa3_bar_init(FA3_BF(s), 1);
+        mbar_init(kv_full, 1);
+        for (int s = 0; s < NS; ++s) {
+            mbar_init(FA3_BF(s), 1);
             // Every consumer thread arrives: each one read the stage's lse
             // and delta with plain loads, which its own arrival releases.
-            fa3_bar_init(FA3_BE(s), 256);
+            mbar_init(FA3_BE(s), 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -531,25 +513,23 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
     if (wg == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid == 256) {
-            fa3_expect_tx(kv_full, 2 * KB);
+            mbar_expect_tx(kv_full, KB + VB);
 #pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                fa3_tma_4d(sk + c * FA3_BWD_KEYS * 128, tk, kv_full, c * 64, hk, k0, b);
-                fa3_tma_4d(sv + c * FA3_BWD_KEYS * 128, tv, kv_full, c * 64, hk, k0, b);
-            }
+            for (int c = 0; c < NC; ++c) tma_4d(sk + c * FA3_BWD_KEYS * 128, tk, kv_full, c * 64, hk, k0, b);
+#pragma unroll
+            for (int c = 0; c < NCV; ++c) tma_4d(sv + c * FA3_BWD_KEYS * 128, tv, kv_full, c * 64, hk, k0, b);
             for (int n = 0; n < G * per; ++n) {
-                int s = n & 1, h = hk * G + n / per, q0 = (i0 + n % per) * FA3_BWD_Q;
-                fa3_wait(FA3_BE(s), ((n >> 1) & 1) ^ 1);
+                int s = n % NS, h = hk * G + n % G, q0 = (nqt - 1 - n / G) * FA3_BWD_Q;
+                mbar_wait(FA3_BE(s), ((n / NS) & 1) ^ 1);
                 unsigned full = FA3_BF(s), sq = st0 + s * ST, sdo = sq + QB;
-                fa3_expect_tx(full, 2 * QB + 512);
+                mbar_expect_tx(full, QB + OB + 512);
 #pragma unroll
-                for (int c = 0; c < NC; ++c) {
-                    fa3_tma_4d(sq + c * FA3_BWD_Q * 128, tq, full, c * 64, h, q0, b);
-                    fa3_tma_4d(sdo + c * FA3_BWD_Q * 128, tdo, full, c * 64, h, q0, b);
-                }
+                for (int c = 0; c < NC; ++c) tma_4d(sq + c * FA3_BWD_Q * 128, tq, full, c * 64, h, q0, b);
+#pragma unroll
+                for (int c = 0; c < NCV; ++c) tma_4d(sdo + c * FA3_BWD_Q * 128, tdo, full, c * 64, h, q0, b);
                 i64 r = ((i64)b * HQ + h) * Sp + q0;
-                fa3_bulk_g2s(sdo + QB, lse2 + r, 256, full);
-                fa3_bulk_g2s(sdo + QB + 256, delta + r, 256, full);
+                fa3_bulk_g2s(sdo + OB, lse2 + r, 256, full);
+                fa3_bulk_g2s(sdo + OB + 256, delta + r, 256, full);
             }
         }
         return;
@@ -557,78 +537,105 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
     int t = tid & 127, warp = t >> 5, lane = t & 31;
     int kw0 = k0 + wg * 64, key0 = kw0 + warp * 16 + (lane >> 2);
-    float dka[HD / 2], dva[HD / 2];
+    float dka[HD / 2], dva[HV / 2];
 #pragma unroll
-    for (int x = 0; x < HD / 2; ++x) dka[x] = dva[x] = 0.f;
+    for (int x = 0; x < HD / 2; ++x) dka[x] = 0.f;
+#pragma unroll
+    for (int x = 0; x < HV / 2; ++x) dva[x] = 0.f;
     unsigned ka = sk + wg * 64 * 128, va = sv + wg * 64 * 128;
-    unsigned dsw = sds + wg * 8192, dqw = sdq + wg * 64 * HD * 4;
-    unsigned char* dsp = base + (dsw - (raw + pad));
-    unsigned char* dqp = base + (dqw - (raw + pad));
     if (wg == 1) fa3_named_arrive(4);  // warpgroup 0 issues first
-    fa3_wait(kv_full, 0);
+    mbar_wait(kv_full, 0);
     for (int n = 0; n < G * per; ++n) {
-        int s = n & 1, h = hk * G + n / per, i = i0 + n % per, q0 = i * FA3_BWD_Q;
+        int s = n % NS, h = hk * G + n % G, i = nqt - 1 - n / G, q0 = i * FA3_BWD_Q;
         unsigned sq = st0 + s * ST, sdo = sq + QB;
-        const float* sl = reinterpret_cast<const float*>(base + (sdo + QB - (raw + pad)));
-        fa3_wait(FA3_BF(s), (n >> 1) & 1);
+        const float* sl = reinterpret_cast<const float*>(base + (sdo + OB - (raw + pad)));
+        // This step's dSᵀ buffer (both warpgroups' keys) and this
+        // warpgroup's rows of it.
+        unsigned dsb = sds + (n & 1) * 16384;
+        unsigned char* dsp = base + (dsb + wg * 8192 - (raw + pad));
+        mbar_wait(FA3_BF(s), (n / NS) & 1);
         float sacc[32], dpa[32];
-        // Ping-pong: the warpgroups take turns issuing Sᵀ and dPᵀ, so one's
+        unsigned pp[4][4], pds[4][4];
+        bool mask = q0 < kw0 + 63;
+        // Ping-pong: the warpgroups take turns issuing Sᵀ (and dPᵀ), so one's
         // softmax runs under the other's products.
         fa3_named_sync(4 + wg);
-        fa3_fence();
+        wg_fence();
 #pragma unroll
         for (int c = 0; c < NC; ++c)
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-                fa3_ss<0, 0>(sacc, fa3_desc(ka + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
-                             fa3_desc(sq + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
-#pragma unroll
-        for (int c = 0; c < NC; ++c)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                fa3_ss<0, 0>(dpa, fa3_desc(va + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
-                             fa3_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
-        fa3_commit();
+                fa3_ss<0, 0>(sacc, wgmma_desc(ka + c * FA3_BWD_KEYS * 128 + kk * 32, 16, 1024),
+                             wgmma_desc(sq + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);
+        if constexpr (HD != 192) FA3_BWD_DP();
+        wg_commit();
         fa3_named_arrive(4 + (1 - wg));
-        fa3_wait_mma<0>();
-        fa3_pin(sacc);
-        fa3_pin(dpa);
-        // Pᵀ and dSᵀ: rows are keys, columns queries.
-        bool mask = q0 < kw0 + 63;
+        wg_wait<0>();
+        wg_pin(sacc);
+        // Pᵀ: rows are keys, columns queries.
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 int qc = 8 * jj + 2 * (lane & 3) + e;
-                float l2 = sl[qc], dl = sl[64 + qc];
+                float l2 = sl[qc];
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {
                     int x = 4 * jj + 2 * hr + e;
                     float p = fa3_exp2(sacc[x] * scale_log2 - l2);
                     if (mask && key0 + 8 * hr > q0 + qc) p = 0.f;
                     sacc[x] = p;
-                    dpa[x] = p * (dpa[x] - dl);
                 }
             }
-        unsigned pp[4][4], pds[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                pp[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
-                pds[kk][e] = pack_bf16(dpa[8 * kk + 2 * e], dpa[8 * kk + 2 * e + 1]);
+            for (int e = 0; e < 4; ++e) pp[kk][e] = pack_bf16(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+        if constexpr (HD == 192) {
+            // dK's 96 and dV's 64 registers leave no room for Sᵀ and dPᵀ in
+            // flight together (ptxas serialised every product, C7512): dPᵀ
+            // is issued once Pᵀ is packed, and dSᵀ takes the rounded Pᵀ (it
+            // is rounded to bf16 itself right after).
+            wg_fence();
+            FA3_BWD_DP();
+            wg_commit();
+            wg_wait<0>();
+            wg_pin(dpa);
+            wg_pin(pp);
+        } else {
+            wg_pin(dpa);
+        }
+        // dSᵀ = Pᵀ ∘ (dPᵀ − delta).
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float dl = sl[64 + 8 * jj + 2 * (lane & 3) + e];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    int x = 4 * jj + 2 * hr + e;
+                    unsigned w = pp[x / 8][(x % 8) / 2];
+                    float p = HD == 192 ? __uint_as_float(x % 2 ? w & 0xffff0000u : w << 16) : sacc[x];
+                    dpa[x] = p * (dpa[x] - dl);
+                }
             }
-        fa3_pin(dva);
-        fa3_pin(dka);
-        fa3_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dva, pp[kk], fa3_desc(sdo + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
+        for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dka, pds[kk], fa3_desc(sq + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
-        fa3_commit();
-        // dSᵀ to shared memory, MN-major for dQ = dS K_w: row = key (the
+            for (int e = 0; e < 4; ++e) pds[kk][e] = pack_bf16(dpa[8 * kk + 2 * e], dpa[8 * kk + 2 * e + 1]);
+        wg_pin(dva);
+        wg_pin(dka);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dva, pp[kk], wgmma_desc(sdo + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) fa3_rs<1>(dka, pds[kk], wgmma_desc(sq + kk * 2048, FA3_BWD_Q * 128, 1024), 1);
+        wg_commit();
+        // dSᵀ to shared memory, MN-major for dQ = dS K: row = key (the
         // product's inner dimension), 64 queries per 128-byte row, swizzled.
-        // (The last tile's dQ product that read it has completed.)
+        // The other warpgroup's dQ product of step n - 2, the last reader of
+        // this buffer, completed before it reached step n - 1's barrier.
+        // These stores run under dV's and dK's products.
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
@@ -638,36 +645,53 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
                     pds[jj >> 1][(jj & 1) * 2 + hr];
             }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        fa3_wg_sync(2 + wg);
-        float dqa[HD / 2];
-        fa3_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            fa3_ss<1, 1>(dqa, fa3_desc(dsw + kk * 2048, 8192, 1024),
-                         fa3_desc(ka + kk * 2048, FA3_BWD_KEYS * 128, 1024), kk);
-        fa3_commit();
-        fa3_wait_mma<0>();
-        fa3_pin(dqa);
-        fa3_pin(dva);
-        fa3_pin(dka);
-        fa3_pin(pp);
-        fa3_pin(pds);
-        // Q_i, dO_i, lse and delta are no longer read.
-        fa3_arrive(FA3_BE(s));
-        // dQ part: wait for the last bulk add to have read the buffer, stage
-        // in the accumulator's order (float4 per thread and group of 4
-        // registers), add the tile.
-        if (t == 0) fa3_bulk_wait_read();
-        fa3_wg_sync(2 + wg);
-#pragma unroll
-        for (int j = 0; j < HD / 8; ++j)
-            *reinterpret_cast<float4*>(dqp + (j * 128 + t) * 16) =
-                make_float4(dqa[4 * j], dqa[4 * j + 1], dqa[4 * j + 2], dqa[4 * j + 3]);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        fa3_wg_sync(2 + wg);
-        if (t == 0) fa3_bulk_add_f32(dq_acc + (((i64)b * HQ + h) * nqt + i) * (FA3_BWD_Q * HD), dqw, FA3_BWD_Q * HD * 4);
+        // Both warpgroups' dSᵀ of this step are in place.
+        fa3_named_sync(6);
+        float* dqt = dq_acc + (((i64)b * HQ + h) * nqt + i) * (FA3_BWD_Q * HD);
+        if constexpr (HD == 192) {
+            // dK's 96 and dV's 64 registers leave no room for dQ's beside the
+            // packed Pᵀ and dSᵀ: let dV and dK complete first.
+            wg_wait<0>();
+            wg_pin(dva);
+            wg_pin(dka);
+            wg_pin(pp);
+            wg_pin(pds);
+            mbar_arrive(FA3_BE(s));
+            // Warpgroup 0: columns 0..63 (chunk 0) and 64..95 (chunk 1's
+            // first half); warpgroup 1: 96..127 and 128..191.
+            float d64[32], d32[16];
+            unsigned c64 = sk + (wg ? 2 : 0) * FA3_BWD_KEYS * 128, c32 = sk + FA3_BWD_KEYS * 128 + wg * 64;
+            wg_fence();
+            fa3_dq_part<64>(d64, dsb, c64);
+            fa3_dq_part<32>(d32, dsb, c32);
+            wg_commit();
+            wg_wait<0>();
+            wg_pin(d64);
+            wg_pin(d32);
+            wg_pin(dva);
+            wg_pin(dka);
+            fa3_dq_add<64>(dqt, d64, wg ? 128 : 0, t);
+            fa3_dq_add<32>(dqt, d32, wg ? 96 : 64, t);
+        } else {
+            // Warpgroup w: columns HD/2 · w .. (one chunk at 128, half of
+            // the one at 64), issued while dV and dK may still run.
+            float dqa[HD / 4];
+            wg_fence();
+            fa3_dq_part<HD / 2>(dqa, dsb, sk + wg * (HD == 128 ? FA3_BWD_KEYS * 128 : 64));
+            wg_commit();
+            wg_wait<0>();
+            wg_pin(dqa);
+            wg_pin(dva);
+            wg_pin(dka);
+            wg_pin(pp);
+            wg_pin(pds);
+            // Q_i, dO_i, lse and delta are no longer read.
+            mbar_arrive(FA3_BE(s));
+            fa3_dq_add<HD / 2>(dqt, dqa, wg * (HD / 2), t);
+        }
     }
-    // dK (scaled) and dV rows of this warpgroup's keys.
+    // dK (scaled) and dV rows of this warpgroup's keys (dV's columns past HV:
+    // zeros, as v's are).
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         int key = key0 + 8 * hr;
@@ -676,25 +700,50 @@ __device__ __forceinline__ void fa3_bwd_body(const Fa3Map* tq, const Fa3Map* tk,
 #pragma unroll
         for (int j = 0; j < HD / 8; ++j) {
             *reinterpret_cast<unsigned*>(dk + at + 8 * j) = pack_bf16(dka[4 * j + 2 * hr] * scale, dka[4 * j + 2 * hr + 1] * scale);
-            *reinterpret_cast<unsigned*>(dv + at + 8 * j) = pack_bf16(dva[4 * j + 2 * hr], dva[4 * j + 2 * hr + 1]);
+            *reinterpret_cast<unsigned*>(dv + at + 8 * j) =
+                j < HV / 8 ? pack_bf16(dva[4 * j + 2 * hr], dva[4 * j + 2 * hr + 1]) : 0u;
         }
     }
     // Warpgroup 1 arrived once more than warpgroup 0 waited.
     if (wg == 0) fa3_named_sync(4);
-    if (t == 0) fa3_bulk_wait();
 #undef FA3_BF
 #undef FA3_BE
 }
+#undef FA3_BWD_DP
 
-#define FA3_BWD(HD)                                                                                              \
-    FA3_ENTRY fa3_bwd_bf16_hd##HD(const __grid_constant__ Fa3Map tq, const __grid_constant__ Fa3Map tk,          \
-                                  const __grid_constant__ Fa3Map tv, const __grid_constant__ Fa3Map tdo,         \
+#define FA3_BWD(NAME, HD, HV, NS)                                                                                \
+    FA3_ENTRY fa3_bwd_bf16_##NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
+                                  const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,         \
                                   const float* lse2, const float* delta, float* dq_acc, bf16* dk, bf16* dv,     \
                                   int S, int B, int HQ, int HKV, float scale, float scale_log2) {                \
-        fa3_bwd_body<HD>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, B, HQ, HKV, scale, scale_log2);    \
+        fa3_bwd_body<HD, HV, NS>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, B, HQ, HKV, scale,         \
+                                 scale_log2);                                                                    \
     }
-FA3_BWD(64)
-FA3_BWD(128)
+// Three stages of Q / dO at 64 and 128; two fit at MLA's 192 / 128.
+FA3_BWD(hd64, 64, 64, 3)
+FA3_BWD(hd128, 128, 128, 3)
+FA3_BWD(mla, 192, 128, 2)
+
+// MLA's backward reads 128 of v's and dO's 192 columns: records an error
+// (code) at the first nonzero padding element of v ([B, S, Hkv, 192]) or dO
+// ([B, S, Hq, 192]), whose value the kernel would otherwise drop.
+extern "C" __global__ void fa3_pad_check(const bf16* __restrict__ v, const bf16* __restrict__ d_o, i64 nv, i64 ndo,
+                                         ErrRec* err, unsigned code_v, unsigned code_do) {
+    for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < (nv + ndo) * 8; x += (i64)gridDim.x * blockDim.x) {
+        // 8 bf16 (16 bytes) per thread: columns 128..191 of row x / 8.
+        i64 row = x >> 3;
+        bool isv = row < nv;
+        const bf16* p = (isv ? v + row * 192 : d_o + (row - nv) * 192) + 128 + (x & 7) * 8;
+        uint4 raw = *reinterpret_cast<const uint4*>(p);
+        if ((raw.x | raw.y | raw.z | raw.w) & 0x7fff7fffu) {
+            const bf16* h = reinterpret_cast<const bf16*>(&raw);
+            int e = 0;
+            while (e < 7 && (__bfloat16_as_ushort(h[e]) & 0x7fffu) == 0) ++e;
+            report_err(err, isv ? code_v : code_do, (isv ? row : row - nv) * 192 + 128 + (x & 7) * 8 + e,
+                       (double)__bfloat162float(h[e]));
+        }
+    }
+}
 
 // The backward's per-query inputs over rows padded to Sp (a multiple of 64):
 // delta = Σ dO ∘ O and lse2 = lse · log2 e, 0 past S. One warp per row.

@@ -6,9 +6,10 @@
 //! `attention.rs` asks [`Cuda::sm90_attention_fits`] (and, for the
 //! backward, [`Cuda::sm90_attention_backward_fits`]) first and runs these
 //! kernels where they fit: bf16 on an sm_90a device, 16-byte aligned
-//! operands, head dims 64, 128 and 192 forward (192 is MLA's query/key
-//! width; `mla.rs` zero-pads its 128-wide values to it), 64 and 128
-//! backward. `FOLDMOE_ATTENTION=mma` keeps the mma.sync
+//! operands, head dims 64, 128 and 192 (192 is MLA's query/key width;
+//! `mla.rs` zero-pads its 128-wide values to it: the backward at 192 reads
+//! 128 value columns and reports nonzero padding of v or dO as an
+//! invalid argument). `FOLDMOE_ATTENTION=mma` keeps the mma.sync
 //! flash kernels (and `=cublas` the cuBLAS path) for comparisons.
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
@@ -16,13 +17,11 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{sys, LaunchConfig};
-
 use super::compile::ATTENTION_SM90;
 use super::linalg::tma_map;
-use super::{launch, Cuda};
+use super::{block_cfg, grid_for, launch, warp_rows_cfg, Cuda};
 use crate::backend::Device as _;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
 /// Threads of a block: two consumer warpgroups and one producer
@@ -53,13 +52,27 @@ fn fwd_smem(hd: usize) -> u32 {
 /// (`FA3_BWD_Q`).
 const BWD_KEYS: usize = 128;
 const BWD_QUERIES: usize = 64;
+/// The backward's kernel for head dim `hd`: its name suffix, the value
+/// columns it reads and its Q / dO stages (the `FA3_BWD(NAME, HD, HV, NS)`
+/// instances of the `.cu` file).
+fn bwd_kernel(hd: usize) -> (&'static str, usize, usize) {
+    match hd {
+        64 => ("hd64", 64, 3),
+        128 => ("hd128", 128, 3),
+        _ => ("mla", MLA_VALUES, 2),
+    }
+}
+
+/// MLA's value width inside the head dim 192 (`mla.rs` zero-pads to 192).
+const MLA_VALUES: usize = 128;
 
 /// Dynamic shared memory of the backward (`FA3_BWD_SMEM`): alignment slack,
-/// K and V, two stages of Q, dO, lse and delta (each rounded to 1 KiB), the
-/// two warpgroups' dSᵀ tiles and dQ parts, the mbarriers.
+/// K and V, the stages of Q, dO, lse and delta (each rounded to 1 KiB), two
+/// dSᵀ buffers, the mbarriers.
 fn bwd_smem(hd: usize) -> u32 {
-    let stage = (hd * 256 + 512).div_ceil(1024) * 1024;
-    (1024 + 2 * BWD_KEYS * hd * 2 + 2 * stage + 2 * 8192 + 2 * 64 * hd * 4 + 64) as u32
+    let (_, hv, stages) = bwd_kernel(hd);
+    let stage = (hd * 128 + hv * 128 + 512).div_ceil(1024) * 1024;
+    (1024 + BWD_KEYS * (hd + hv) * 2 + stages * stage + 2 * 16384 + 64) as u32
 }
 
 /// Whether `FOLDMOE_ATTENTION` leaves these kernels on (read once).
@@ -119,16 +132,8 @@ impl Cuda {
         self.bind()?;
         let f = self.func_smem(ATTENTION_SM90, &format!("fa3_fwd_bf16_hd{hd}"), smem)?;
         // Persistent: one block per multiprocessor (or per tile, if fewer).
-        let sms = self
-            .ctx()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| super::alloc::driver_err("reading the multiprocessor count", e))?;
-        let tiles = s.div_ceil(FWD_QUERIES) * hq * b;
-        let cfg = LaunchConfig {
-            grid_dim: (tiles.clamp(1, sms.max(1) as usize) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let grid = self.persistent_grid(s.div_ceil(FWD_QUERIES) * hq * b)?;
+        let cfg = block_cfg((grid, 1, 1), THREADS, smem);
         let scale_log2 = std::f64::consts::LOG2_E / (hd as f64).sqrt();
         launch!(
             self,
@@ -148,16 +153,16 @@ impl Cuda {
         Ok((o, lse))
     }
 
-    /// Whether the wgmma backward takes the problem (on top of
-    /// [`Self::sm90_attention_fits`]): Hd 64 or 128 (at 192 the two
-    /// 64 × Hd f32 accumulators of dK and dV do not fit a consumer's
-    /// registers).
+    /// Whether the wgmma backward takes the problem: as
+    /// [`Self::sm90_attention_fits`] (at Hd 192 it is MLA's kernel, whose
+    /// values are 128 wide: two 64 × 192 f32 accumulators of dK and dV
+    /// would not fit a consumer's registers).
     pub(crate) fn sm90_attention_backward_fits(
         &self,
         tensors: &[&Tensor<Self>],
         dims: (usize, usize, usize, usize, usize),
     ) -> bool {
-        matches!(dims.4, 64 | 128) && self.sm90_attention_fits(tensors, dims)
+        self.sm90_attention_fits(tensors, dims)
     }
 
     /// The backward: `(dq, dk, dv)` from the forward's `o` and f32 `lse`;
@@ -183,15 +188,10 @@ impl Cuda {
         let dq_acc = self.zeros(&[rows * hd], DType::F32)?;
         self.bind()?;
         let f = self.func(ATTENTION_SM90, "fa3_bwd_prep")?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         launch!(
             self,
             f,
-            cfg,
+            warp_rows_cfg(rows),
             d_o.storage().ptr(),
             o.storage().ptr(),
             lse.storage().ptr(),
@@ -213,12 +213,16 @@ impl Cuda {
         let tk = tma_map(OP, k.storage().ptr(), &dims(hkv), &kbox)?;
         let tv = tma_map(OP, v.storage().ptr(), &dims(hkv), &kbox)?;
         let smem = bwd_smem(hd);
-        let f = self.func_smem(ATTENTION_SM90, &format!("fa3_bwd_bf16_hd{hd}"), smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: ((s.div_ceil(BWD_KEYS) * hkv * b) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let (name, _, _) = bwd_kernel(hd);
+        if hd == 192 {
+            self.mla_padding_check(v, d_o)?;
+        }
+        let f = self.func_smem(ATTENTION_SM90, &format!("fa3_bwd_bf16_{name}"), smem)?;
+        let cfg = block_cfg(
+            ((s.div_ceil(BWD_KEYS) * hkv * b) as u32, 1, 1),
+            THREADS,
+            smem,
+        );
         let scale = 1.0 / (hd as f64).sqrt();
         launch!(
             self,
@@ -245,7 +249,7 @@ impl Cuda {
         launch!(
             self,
             f,
-            super::grid_for(q.numel()),
+            grid_for(q.numel()),
             dq_acc.storage().ptr(),
             dq.storage().ptr(),
             b as i32,
@@ -256,17 +260,50 @@ impl Cuda {
         )?;
         Ok((dq, dk, dv))
     }
+
+    /// MLA's backward reads 128 of v's and dO's 192 columns: a nonzero
+    /// padding element (which it would drop) is reported at the next read as
+    /// an invalid argument naming it (`fa3_pad_check`, no host wait).
+    fn mla_padding_check(&self, v: &Tensor<Self>, d_o: &Tensor<Self>) -> Result<()> {
+        const OP: &str = "attention_backward";
+        let code = |what: &'static str| {
+            self.check(move |index, value| KernelError::InvalidArgument {
+                op: OP,
+                detail: format!(
+                    "head dim 192 runs MLA's kernel, whose values are {MLA_VALUES} wide and \
+                     zero-padded: {what} element {index} (column {}) is {value}",
+                    index % 192
+                ),
+            })
+        };
+        let (cv, cdo) = (code("v")?, code("d_o")?);
+        let (nv, ndo) = (v.numel() / 192, d_o.numel() / 192);
+        let f = self.func(ATTENTION_SM90, "fa3_pad_check")?;
+        launch!(
+            self,
+            f,
+            grid_for((nv + ndo) * 8),
+            v.storage().ptr(),
+            d_o.storage().ptr(),
+            nv as i64,
+            ndo as i64,
+            self.err_ptr(),
+            cv,
+            cdo
+        )
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use crate::backend::AttentionOps as _;
+    use crate::backend::Device as _;
     use crate::cpu::test_util::{t32, Compare, TestDevice as _};
     use crate::cpu::Cpu;
     use crate::tensor::{DType, Tensor};
 
-    /// On an sm_90a device the wgmma kernels are the ones that run (the
-    /// forward at every head dim, the backward at 64 and 128; S = 1, ragged
+    /// On an sm_90a device the wgmma kernels are the ones that run (forward
+    /// and backward at every head dim, MLA's values zero-padded; S = 1, ragged
     /// S, GQA 1 and 8, several key and query tiles so the pipelines' stages
     /// wrap, enough tiles at one shape that persistent blocks take more than
     /// one), and they match the CPU in bf16 with peaked scores: o, lse, and
@@ -277,11 +314,9 @@ mod tests {
         ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
     )]
     fn wgmma_attention_matches_the_cpu() {
-        let d = crate::cuda::require_test_device();
-        if d.arch() != "sm_90a" {
-            eprintln!("skipping: {} is not sm_90a", d.arch());
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
             return;
-        }
+        };
         let mut c = Compare::new(&d, DType::BF16, 7);
         for (b, s, hq, hkv, hd) in [
             (1, 1, 8, 8, 128),
@@ -289,12 +324,14 @@ mod tests {
             (1, 700, 8, 1, 128),
             (1, 129, 4, 4, 128),
             (1, 500, 2, 1, 192),
+            (2, 333, 16, 2, 192),
             // 144 tiles: past one per multiprocessor, so blocks take several.
             (2, 1100, 8, 2, 64),
         ] {
             let (q, qc) = c.rand(&[b, s, hq, hd], 3.0);
             let (k, kc) = c.rand(&[b, s, hkv, hd], 3.0);
-            let (v, vc) = c.rand(&[b, s, hkv, hd], 1.0);
+            let hv = if hd == 192 { 128 } else { hd };
+            let (v, vc) = c.rand_padded(&[b, s, hkv, hd], 1.0, hv);
             assert!(
                 d.sm90_attention_fits(&[&q, &k, &v], (b, s, hq, hkv, hd)),
                 "the wgmma kernels take Hd {hd}"
@@ -304,15 +341,12 @@ mod tests {
             let what = format!("B={b} S={s} Hq={hq} Hkv={hkv} Hd={hd}");
             c.check(&format!("wgmma o {what}"), &o, &oc);
             c.check(&format!("wgmma lse {what}"), &lse, &lsec);
-            assert_eq!(
-                d.sm90_attention_backward_fits(&[&q, &k, &v], (b, s, hq, hkv, hd)),
-                hd != 192
-            );
+            assert!(d.sm90_attention_backward_fits(&[&q, &k, &v], (b, s, hq, hkv, hd)));
             let same = |t: &Tensor<crate::cuda::Cuda>| {
                 let h: Vec<f32> = d.h64(t).iter().map(|&x| x as f32).collect();
                 t32(&h, t.shape())
             };
-            let (d_o, d_oc) = c.rand(&[b, s, hq, hd], 1.0);
+            let (d_o, d_oc) = c.rand_padded(&[b, s, hq, hd], 1.0, hv);
             let (dq, dk, dv) = d
                 .attention_backward(&d_o, &q, &k, &v, &o, &lse, None)
                 .unwrap();
@@ -324,5 +358,37 @@ mod tests {
             c.check(&format!("wgmma dv {what}"), &dv, &dvc);
         }
         c.report("wgmma attention");
+    }
+
+    /// At Hd 192 the backward is MLA's (values 128 wide): nonzero padding
+    /// in v or dO is a typed error naming the element, not a wrong result.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn mla_backward_rejects_nonzero_value_padding() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let mut c = Compare::new(&d, DType::BF16, 5);
+        let (b, s, hq, hkv, hd) = (1, 70, 2, 1, 192);
+        let (q, _) = c.rand(&[b, s, hq, hd], 1.0);
+        let (k, _) = c.rand(&[b, s, hkv, hd], 1.0);
+        let (v, _) = c.rand_padded(&[b, s, hkv, hd], 1.0, 128);
+        let (o, lse) = d.attention(&q, &k, &v, None).unwrap();
+        for (what, vp, dp) in [("v", 150, 128), ("d_o", 128, 131)] {
+            let (v2, _) = c.rand_padded(&[b, s, hkv, hd], 1.0, vp);
+            let (d_o, _) = c.rand_padded(&[b, s, hq, hd], 1.0, dp);
+            let err = d
+                .attention_backward(&d_o, &q, &k, &v2, &o, &lse, None)
+                .and_then(|(dq, _, _)| d.download(&dq).map(|_| ()))
+                .expect_err("nonzero padding must be reported");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("invalid argument") && msg.contains(&format!("{what} element")),
+                "{msg}"
+            );
+        }
     }
 }

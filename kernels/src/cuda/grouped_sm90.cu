@@ -75,71 +75,6 @@
 #define GW_STG_WARP (16 * 144)
 #define GW_OFFS_OFF (GW_STG_OFF + 8 * GW_STG_WARP)
 
-// A CUtensorMap (128 opaque bytes), passed by value as a __grid_constant__
-// parameter.
-struct __align__(128) TmaMap {
-    unsigned long long v[16];
-};
-
-__device__ __forceinline__ unsigned gw_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile(
-            "{\n"
-            ".reg .pred p;\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n"
-            "}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-
-__device__ __forceinline__ void tma_2d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
-            dst),
-        "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1)
-        : "memory");
-}
-__device__ __forceinline__ void tma_3d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
-            dst),
-        "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-        : "memory");
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accumulator reads or writes across a wgmma
-// fence, commit or wait.
-__device__ __forceinline__ void wg_fence_acc(float (&d)[128]) {
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// A wgmma shared-memory descriptor with the 128-byte swizzle.
-__device__ __forceinline__ unsigned long long gw_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
-
 // The activations of elementwise.cu (same expressions: the fused stores
 // round as binary_bf16 / swiglu_bwd_bf16 do).
 __device__ __forceinline__ float gw_sigmoid(float x) {
@@ -256,7 +191,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
                                         bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
                                         const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g) {
-    unsigned raw = gw_smem_u32(gw_smem);
+    unsigned raw = smem_u32(gw_smem);
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = gw_smem + pad;
     unsigned stage0 = raw + pad;
@@ -364,23 +299,23 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                         asm volatile("bar.sync 1, 256;\n" ::: "memory");
                     }
                 }
-                wg_fence_acc(d);
+                wg_pin(d);
                 wg_fence();
 #pragma unroll
                 for (int kk = 0; kk < GW_BK / 16; ++kk) {
                     if (KIND == 0)
-                        gw_mma<0, 1>(d, gw_desc(a + wg * 8192 + kk * 32, 16, 1024), gw_desc(b + kk * 2048, 8192, 1024), 1);
+                        gw_mma<0, 1>(d, wgmma_desc(a + wg * 8192 + kk * 32, 16, 1024), wgmma_desc(b + kk * 2048, 8192, 1024), 1);
                     else if (KIND == 1)
-                        gw_mma<0, 0>(d, gw_desc(a + wg * 8192 + kk * 32, 16, 1024), gw_desc(b + kk * 32, 16, 1024), 1);
+                        gw_mma<0, 0>(d, wgmma_desc(a + wg * 8192 + kk * 32, 16, 1024), wgmma_desc(b + kk * 32, 16, 1024), 1);
                     else
-                        gw_mma<1, 1>(d, gw_desc(a + wg * 8192 + kk * 2048, 8192, 1024), gw_desc(b + kk * 2048, 8192, 1024),
+                        gw_mma<1, 1>(d, wgmma_desc(a + wg * 8192 + kk * 2048, 8192, 1024), wgmma_desc(b + kk * 2048, 8192, 1024),
                                      1);
                 }
                 wg_commit();
-                wg_fence_acc(d);
+                wg_pin(d);
                 // The group of step ks - 1 is done: its stage can be refilled.
                 wg_wait<1>();
-                wg_fence_acc(d);
+                wg_pin(d);
                 if (ks > 0 && lane == 0) mbar_arrive(bar0 + 8 * (GW_STAGES + prev));
                 prev = s;
                 if (++s == GW_STAGES) {
@@ -389,7 +324,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                 }
             }
             wg_wait<0>();
-            wg_fence_acc(d);
+            wg_pin(d);
             if (tl.nk > 0 && lane == 0) mbar_arrive(bar0 + 8 * (GW_STAGES + prev));
             // Accumulator layout: register 4 j + e holds row 16 warp + lane / 4
             // (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2. Each warp

@@ -276,9 +276,9 @@ impl Cuda {
         }
     }
 
-    /// Blocks of a persistent wgmma launch over at most `tiles` tiles: one per
-    /// multiprocessor.
-    fn gw_grid(&self, tiles: usize) -> Result<u32> {
+    /// Blocks of a persistent launch over at most `tiles` tiles: one per
+    /// multiprocessor (the wgmma GEMMs and attention forward).
+    pub(crate) fn persistent_grid(&self, tiles: usize) -> Result<u32> {
         let sms = self
             .ctx()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -324,7 +324,7 @@ impl Cuda {
         // `tiles` counts 128-row tiles (TC_TILE, the wgmma kernels' GW_BM
         // too). At most M / 128 + G + 1 row tiles (the last for the rows
         // past the groups), each ceil(N / 256) column tiles.
-        let grid = self.gw_grid((m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N))?;
+        let grid = self.persistent_grid((m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N))?;
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (GW_THREADS, 1, 1),
@@ -669,7 +669,7 @@ impl Cuda {
                 let smem = gw_smem_bytes(g) as u32;
                 self.bind()?;
                 let f = self.func_smem(GROUPED_SM90, "grouped_wgrad_wgmma_bf16", smem)?;
-                let grid = self.gw_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
+                let grid = self.persistent_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
                 let cfg = LaunchConfig {
                     grid_dim: (grid, 1, 1),
                     block_dim: (GW_THREADS, 1, 1),
@@ -1132,11 +1132,9 @@ mod tests {
         ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
     )]
     fn wgmma_grouped_gemms_small() {
-        let d = crate::cuda::require_test_device();
-        if d.arch() != "sm_90a" {
-            eprintln!("skipping: {} is not sm_90a", d.arch());
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
             return;
-        }
+        };
         let sizes = vec![1, 0, 130, 64, 3];
         let (m, k, n, g) = (210usize, 136usize, 264usize, 5usize);
         let gs = d.upload(HostData::I32(sizes), &[g]).unwrap();
@@ -1187,11 +1185,9 @@ mod tests {
     }
 
     fn check_fused(sizes: Vec<i32>, m: usize, k: usize, n: usize) {
-        let d = crate::cuda::require_test_device();
-        if d.arch() != "sm_90a" {
-            eprintln!("skipping: {} is not sm_90a", d.arch());
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
             return;
-        }
+        };
         let kn = Some(GroupedKernel::Wgmma);
         {
             let g = sizes.len();

@@ -181,6 +181,27 @@ pub(crate) fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     }
 }
 
+/// One warp per row, 8 rows (256 threads) per block, at most 2^16 blocks
+/// (the kernels stride over the rest): the attention backward's per-row
+/// delta kernels.
+pub(crate) fn warp_rows_cfg(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `grid` blocks of `threads` threads with `smem` bytes of dynamic shared
+/// memory.
+pub(crate) fn block_cfg(grid: (u32, u32, u32), threads: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
 /// Launches `$func` on the handle's stream with `cfg` and the arguments
 /// (device addresses as `u64`, sizes as `i64`, scalars as `f64`/`i32`/`u32`).
 /// Each argument is bound to a local so its address lives until the launch.
@@ -667,6 +688,18 @@ pub fn require_test_device() -> Cuda {
             panic!("this test needs a CUDA GPU, and no CUDA device was found: {e}")
         }
     })
+}
+
+/// [`require_test_device`] for the tests of the sm_90a (TMA + wgmma)
+/// kernels: `None`, saying so, on a device of another architecture.
+#[cfg(test)]
+pub(crate) fn require_sm90_test_device() -> Option<Cuda> {
+    let d = require_test_device();
+    if d.arch() != "sm_90a" {
+        eprintln!("skipping: {} is not sm_90a", d.arch());
+        return None;
+    }
+    Some(d)
 }
 
 #[cfg(test)]
