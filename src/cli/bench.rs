@@ -537,7 +537,7 @@ fn attention<B: BenchDevice>(
     let q = random(b, &[batch, s, hq, hd], 1.0, 11, dtype)?;
     let k = random(b, &[batch, s, hkv, hd], 1.0, 12, dtype)?;
     // With --mla, v and the output's gradient are zero past the value width,
-    // as the MLA block builds them (the Hd-192 backward reads 128 columns).
+    // as the MLA block builds them (its backward may read only those columns).
     let v = random_padded(b, &[batch, s, hkv, hd], 1.0, 13, dtype, hv)?;
     let d_o = random_padded(b, &[batch, s, hq, hd], 1.0, 14, dtype, hv)?;
     let (out, lse) = b.attention(&q, &k, &v, None)?;
@@ -546,7 +546,7 @@ fn attention<B: BenchDevice>(
         Ok(())
     })?;
     let bwd = time_op(b, o, &mut || {
-        b.attention_backward(&d_o, &q, &k, &v, &out, &lse, None)?;
+        b.attention_backward_padded_values(&d_o, &q, &k, &v, &out, &lse, None, hv)?;
         Ok(())
     })?;
     let fwd_flops = (batch * hq * s * s * (hd + hv)) as f64;

@@ -470,8 +470,11 @@ impl<B: Backend> Mla<B> {
             .reshape(&bshd)?;
         let o_bshd = o_nd.reshape(&bshd)?;
         let mask = docs.and_then(|d| d.docs.as_ref());
-        let (dq_bshd, dk_bshd, dv_bshd) =
-            b.attention_backward(&do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs, mask)?;
+        // v and dO are zero past the value width `v`: MLA's backward may
+        // read only those columns.
+        let (dq_bshd, dk_bshd, dv_bshd) = b.attention_backward_padded_values(
+            &do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs, mask, v,
+        )?;
 
         // Keys/values in reverse; the shared rotary key sums its heads' gradients.
         let dk_nd = dk_bshd.reshape(&[n, hd])?;

@@ -26,12 +26,6 @@ pub trait AttentionOps: Device {
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
     /// Gradients `(dq, dk, dv)`, recomputing probabilities blockwise from
     /// `lse`, under the same `docs` mask as the forward.
-    ///
-    /// Hd 192 without `docs` on a Hopper (sm_90a) device is taken as MLA's
-    /// query/key width with 128-wide values zero-padded to 192 (as the MLA
-    /// block builds `v` and, by slicing `o`, `d_o`): a nonzero element of
-    /// `v` or `d_o` past column 128 is an invalid-argument error (reported
-    /// at the next read of a result) rather than a gradient that drops it.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -43,6 +37,29 @@ pub trait AttentionOps: Device {
         lse: &Tensor<Self>,
         docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)>;
+
+    /// [`Self::attention_backward`] of MLA's shape: values `value_dim` wide
+    /// zero-padded to the query/key head dim in `v` and `d_o` (as the MLA
+    /// block builds `v`, and `d_o` by slicing `o`). A backend may read only
+    /// their first `value_dim` columns (Hopper's kernel at Hd 192 / values
+    /// 128 does, and reports a nonzero padding element as an invalid
+    /// argument at the next read of a result); the default is the general
+    /// backward.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_padded_values(
+        &self,
+        d_o: &Tensor<Self>,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        o: &Tensor<Self>,
+        lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
+        value_dim: usize,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        let _ = value_dim;
+        self.attention_backward(d_o, q, k, v, o, lse, docs)
+    }
 }
 
 /// Checks `docs` against `q: [B, S, ..]`: `[B, S]` of i32.

@@ -978,7 +978,7 @@ mod tests {
                 };
                 let (d_o, d_oc) = c.rand_padded(&[b, s, hq, hd], 1.0, hv);
                 let (dq, dk, dv) = d
-                    .attention_backward(&d_o, &q, &k, &v, &o, &lse, None)
+                    .attention_backward_padded_values(&d_o, &q, &k, &v, &o, &lse, None, hv)
                     .unwrap();
                 let (dqc, dkc, dvc) = Cpu
                     .attention_backward(&d_oc, &qc, &kc, &vc, &same(&o), &same(&lse), None)

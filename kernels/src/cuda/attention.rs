@@ -18,7 +18,8 @@
 //! online softmax, nothing S × S in memory, the causal mask skipping whole
 //! tiles, and q, k, v read in place. Setting `FOLDMOE_ATTENTION=cublas`
 //! forces the cuBLAS path (for comparisons). On Hopper the forward (bf16,
-//! Hd 64, 128 or 192) and the backward (Hd 64 or 128) run
+//! Hd 64, 128 or 192) and the backward (Hd 64 or 128, and MLA's 192 with
+//! 128-wide values through `attention_backward_padded_values`) run
 //! `attention_sm90.rs`'s TMA + wgmma kernels where they fit
 //! (`FOLDMOE_ATTENTION=mma` keeps the kernels above).
 //!
@@ -636,11 +637,46 @@ impl AttentionOps for Cuda {
         lse: &Tensor<Self>,
         docs: Option<&Tensor<Self>>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        self.attention_backward_with(d_o, q, k, v, o, lse, docs, None)
+    }
+
+    fn attention_backward_padded_values(
+        &self,
+        d_o: &Tensor<Self>,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        o: &Tensor<Self>,
+        lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
+        value_dim: usize,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        self.attention_backward_with(d_o, q, k, v, o, lse, docs, Some(value_dim))
+    }
+}
+
+impl Cuda {
+    /// The backward's dispatch: the wgmma kernels where they take the shape
+    /// (at Hd 192 only for MLA's padded 128-wide values, `value_dim`), else
+    /// the flash kernels, else the chunked cuBLAS path.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_with(
+        &self,
+        d_o: &Tensor<Self>,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        o: &Tensor<Self>,
+        lse: &Tensor<Self>,
+        docs: Option<&Tensor<Self>>,
+        value_dim: Option<usize>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
         const OP: &str = "attention_backward";
         let d = Dims::new(OP, q, k, v, SCORE_BUDGET)?;
         let shape = (d.b, d.s, d.hq, d.hkv, d.hd);
         // Documents run the flash kernels (the wgmma kernels take no mask).
-        if docs.is_none() && self.sm90_attention_backward_fits(&[d_o, q, k, v, o], shape) {
+        if docs.is_none() && self.sm90_attention_backward_fits(&[d_o, q, k, v, o], shape, value_dim)
+        {
             d.check_backward(OP, q, d_o, o, lse)?;
             return self.sm90_attention_backward(d_o, q, k, v, o, lse, shape);
         }

@@ -6,10 +6,12 @@
 //! `attention.rs` asks [`Cuda::sm90_attention_fits`] (and, for the
 //! backward, [`Cuda::sm90_attention_backward_fits`]) first and runs these
 //! kernels where they fit: bf16 on an sm_90a device, 16-byte aligned
-//! operands, head dims 64, 128 and 192 (192 is MLA's query/key width;
-//! `mla.rs` zero-pads its 128-wide values to it: the backward at 192 reads
-//! 128 value columns and reports nonzero padding of v or dO as an
-//! invalid argument). `FOLDMOE_ATTENTION=mma` keeps the mma.sync
+//! operands, head dims 64, 128 and 192 (192 is MLA's query/key width; the
+//! backward at 192 is MLA's only, asked for through
+//! `attention_backward_padded_values` with 128-wide values zero-padded, as
+//! `mla.rs` builds them: it reads 128 value columns and reports nonzero
+//! padding of v or dO as an invalid argument; a general Hd-192 backward
+//! takes the other paths). `FOLDMOE_ATTENTION=mma` keeps the mma.sync
 //! flash kernels (and `=cublas` the cuBLAS path) for comparisons.
 //!
 //! Shape letters: B batch, S sequence, Hq query heads, Hkv kv heads, Hd head
@@ -154,15 +156,17 @@ impl Cuda {
     }
 
     /// Whether the wgmma backward takes the problem: as
-    /// [`Self::sm90_attention_fits`] (at Hd 192 it is MLA's kernel, whose
-    /// values are 128 wide: two 64 × 192 f32 accumulators of dK and dV
-    /// would not fit a consumer's registers).
+    /// [`Self::sm90_attention_fits`], and at Hd 192 only MLA's values
+    /// (`value_dim` 128, zero-padded): the kernel there is MLA's, since two
+    /// 64 × 192 f32 accumulators of dK and dV would not fit a consumer's
+    /// registers.
     pub(crate) fn sm90_attention_backward_fits(
         &self,
         tensors: &[&Tensor<Self>],
         dims: (usize, usize, usize, usize, usize),
+        value_dim: Option<usize>,
     ) -> bool {
-        self.sm90_attention_fits(tensors, dims)
+        (dims.4 != 192 || value_dim == Some(MLA_VALUES)) && self.sm90_attention_fits(tensors, dims)
     }
 
     /// The backward: `(dq, dk, dv)` from the forward's `o` and f32 `lse`;
@@ -341,14 +345,19 @@ mod tests {
             let what = format!("B={b} S={s} Hq={hq} Hkv={hkv} Hd={hd}");
             c.check(&format!("wgmma o {what}"), &o, &oc);
             c.check(&format!("wgmma lse {what}"), &lse, &lsec);
-            assert!(d.sm90_attention_backward_fits(&[&q, &k, &v], (b, s, hq, hkv, hd)));
+            let value_dim = (hd == 192).then_some(hv);
+            assert!(d.sm90_attention_backward_fits(&[&q, &k, &v], (b, s, hq, hkv, hd), value_dim));
+            if hd == 192 {
+                // A general Hd-192 backward (no value width) is not MLA's kernel.
+                assert!(!d.sm90_attention_backward_fits(&[&q, &k, &v], (b, s, hq, hkv, hd), None));
+            }
             let same = |t: &Tensor<crate::cuda::Cuda>| {
                 let h: Vec<f32> = d.h64(t).iter().map(|&x| x as f32).collect();
                 t32(&h, t.shape())
             };
             let (d_o, d_oc) = c.rand_padded(&[b, s, hq, hd], 1.0, hv);
             let (dq, dk, dv) = d
-                .attention_backward(&d_o, &q, &k, &v, &o, &lse, None)
+                .attention_backward_padded_values(&d_o, &q, &k, &v, &o, &lse, None, hv)
                 .unwrap();
             let (dqc, dkc, dvc) = Cpu
                 .attention_backward(&d_oc, &qc, &kc, &vc, &same(&o), &same(&lse), None)
@@ -360,8 +369,8 @@ mod tests {
         c.report("wgmma attention");
     }
 
-    /// At Hd 192 the backward is MLA's (values 128 wide): nonzero padding
-    /// in v or dO is a typed error naming the element, not a wrong result.
+    /// MLA's backward (Hd 192, values 128 wide): nonzero padding in v or dO
+    /// is a typed error naming the element, not a wrong result.
     #[test]
     #[cfg_attr(
         not(foldmoe_gpu_tests),
@@ -381,7 +390,7 @@ mod tests {
             let (v2, _) = c.rand_padded(&[b, s, hkv, hd], 1.0, vp);
             let (d_o, _) = c.rand_padded(&[b, s, hq, hd], 1.0, dp);
             let err = d
-                .attention_backward(&d_o, &q, &k, &v2, &o, &lse, None)
+                .attention_backward_padded_values(&d_o, &q, &k, &v2, &o, &lse, None, 128)
                 .and_then(|(dq, _, _)| d.download(&dq).map(|_| ()))
                 .expect_err("nonzero padding must be reported");
             let msg = err.to_string();
