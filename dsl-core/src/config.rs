@@ -46,7 +46,7 @@ use toml::{Table, Value};
 use crate::layout::{self, LayoutSpec};
 use crate::spec::{
     keywords, AttentionSpec, BlockGroup, CapacitySpec, FfnSpec, MlaSpec, ModelSpec, MoeSpec,
-    Policy, RouterSpec,
+    Policy, RopeScaling, RouterSpec,
 };
 
 /// A model read from a config file: the same IR the macro produces.
@@ -641,6 +641,9 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
     let rope_theta = s
         .float(cx, "rope_theta")
         .unwrap_or(keywords::DEFAULT_ROPE_THETA);
+    let rope_scaling = s
+        .section(cx, "rope_scaling", keywords::ROPE_SCALING_KEYS)
+        .map(|r| read_rope_scaling(cx, &r));
     let tied_embeddings = s.bool(cx, "tied_embeddings").unwrap_or(false);
     let init_std = s
         .float(cx, "init_std")
@@ -685,6 +688,7 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
             seq_len,
             norm_eps,
             rope_theta,
+            rope_scaling,
             tied_embeddings,
             init_std,
             groups,
@@ -693,6 +697,32 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
         },
         layouts,
     }
+}
+
+/// `[rope_scaling]`: `type` and `factor`, `original_max_position_embeddings`
+/// required, the betas defaulting to YaRN's 32 and 1.
+fn read_rope_scaling(cx: &mut Cx, s: &Section) -> RopeScaling {
+    let kind = match s.get("type") {
+        Some(_) => s.keyword(cx, "type", keywords::ROPE_SCALING_TYPE),
+        None => {
+            s.missing(cx, "type", "type = \"yarn\"");
+            None
+        }
+    };
+    let factor = match s.get("factor") {
+        Some(_) => s.float(cx, "factor").unwrap_or(1.0),
+        None => {
+            s.missing(cx, "factor", "factor = 4");
+            1.0
+        }
+    };
+    let mut r = RopeScaling::yarn(factor, s.req_int(cx, "original_max_position_embeddings"));
+    r.kind = kind.unwrap_or(r.kind);
+    r.beta_fast = s.float(cx, "beta_fast").unwrap_or(r.beta_fast);
+    r.beta_slow = s.float(cx, "beta_slow").unwrap_or(r.beta_slow);
+    r.mscale = s.float(cx, "mscale");
+    r.mscale_all_dim = s.float(cx, "mscale_all_dim");
+    r
 }
 
 /// One `[[layout]]`: the keys given, the rest `LayoutSpec::default()`.

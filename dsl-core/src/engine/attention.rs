@@ -11,7 +11,7 @@
 //! Shapes: B batch, S sequence, T = B·S tokens, D hidden, Hq query heads,
 //! Hkv key/value heads, Hd head dim.
 
-use foldmoe_kernels::{Backend, DType, Rope, Tensor};
+use foldmoe_kernels::{Backend, DType, Rope, Tensor, Yarn};
 
 use super::activations::Slot;
 use super::documents::DocTensors;
@@ -19,7 +19,7 @@ use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
-use crate::spec::{AttentionSpec, ModelSpec, OffloadPart, RecomputePart};
+use crate::spec::{AttentionSpec, ModelSpec, OffloadPart, RecomputePart, RopeScalingType};
 
 /// The attention projections `wq: [D, Hq·Hd]`, `wk, wv: [D, Hkv·Hd]`,
 /// `wo: [Hq·Hd, D]` and the head layout.
@@ -127,7 +127,7 @@ impl<B: Backend> Attention<B> {
             heads: spec.heads,
             kv_heads: spec.kv_heads,
             head_dim: spec.head_dim,
-            rope: rope_of(model),
+            rope: rope_of(model, spec.head_dim),
         })
     }
 
@@ -306,9 +306,26 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-/// The rotary frequencies of `model`: its base `rope_theta`.
-pub(crate) fn rope_of(model: &ModelSpec) -> Rope {
-    Rope::plain(model.rope_theta)
+/// The rotary frequencies of `model` over a rotary dim of `dim` (GQA's
+/// head dim, MLA's `qk_rope_head_dim`): its base `rope_theta`, with YaRN's
+/// ramp and attention factor when it has a `rope_scaling`.
+pub(crate) fn rope_of(model: &ModelSpec, dim: usize) -> Rope {
+    let yarn = model.rope_scaling.as_ref().map(|r| match r.kind {
+        RopeScalingType::Yarn => Yarn::new(
+            model.rope_theta,
+            dim,
+            r.factor,
+            r.original_max_position_embeddings as f64,
+            r.beta_fast,
+            r.beta_slow,
+            r.mscale,
+            r.mscale_all_dim,
+        ),
+    });
+    Rope {
+        theta: model.rope_theta,
+        yarn,
+    }
 }
 
 /// Backward of `d = x·w` seen as heads: accumulates `xᵀ·d` into `w` and

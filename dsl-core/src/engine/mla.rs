@@ -297,7 +297,13 @@ impl<B: Backend> Mla<B> {
                 wq: mk("wq", &[d, h * q])?,
             }
         };
-        let q_scale = (hd as f64 / q as f64).sqrt();
+        // The kernel scales scores by 1/√Hd; MLA's are 1/√(P + R), times
+        // YaRN's m(factor, mscale_all_dim)² (DeepSeek-V3's softmax scale).
+        let yarn_softmax = model
+            .rope_scaling
+            .as_ref()
+            .map_or(1.0, |s| s.softmax_scale_factor());
+        let q_scale = (hd as f64 / q as f64).sqrt() * yarn_softmax;
         let map = |cols_in, cols_out, pairs: Vec<(usize, usize)>, value| {
             ColMap::new(b, cols_in, cols_out, pairs, value, dtype)
         };
@@ -328,7 +334,7 @@ impl<B: Backend> Mla<B> {
             maps,
             heads,
             dims: mla.clone(),
-            rope: rope_of(model),
+            rope: rope_of(model, r),
         })
     }
 
