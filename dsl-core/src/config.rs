@@ -1077,6 +1077,32 @@ capacity = { factor = 1.25, drop = "position", pad = true }
         );
     }
 
+    /// `[rope_scaling]`: YaRN in Hugging Face's names, the betas defaulted;
+    /// a stretch below 1, betas the wrong way round or another type are
+    /// problems at their keys.
+    #[test]
+    fn rope_scaling_reads_and_its_rules_name_the_key() {
+        let yarn = "seq_len = 8\n\n[rope_scaling]\ntype = \"yarn\"\nfactor = 40\n\
+                    original_max_position_embeddings = 4\nmscale_all_dim = 1.0\n";
+        let c = ModelConfig::from_toml_str(&edit("seq_len = 8\n", yarn)).unwrap();
+        let mut want = crate::spec::RopeScaling::yarn(40.0, 4);
+        want.mscale_all_dim = Some(1.0);
+        assert_eq!(c.spec.rope_scaling, Some(want));
+        let bad = |from: &str, to: &str| problems(&edit("seq_len = 8\n", &yarn.replacen(from, to, 1)));
+        assert_eq!(
+            bad("factor = 40", "factor = 0.5"),
+            ["rope_scaling.factor = 0.5: factor = 0.5; YaRN stretches the context by a finite factor ≥ 1"]
+        );
+        assert_eq!(
+            bad("factor = 40", "factor = 40\nbeta_fast = 1\nbeta_slow = 2"),
+            ["rope_scaling.beta_fast = 1: beta_fast = 1 is not above beta_slow = 2; the ramp runs from beta_slow up to beta_fast (32 and 1 by default)"]
+        );
+        assert_eq!(
+            bad("\"yarn\"", "\"llama3\""),
+            ["rope_scaling.type = \"llama3\": unknown `type` value `llama3`; choose one of yarn"]
+        );
+    }
+
     #[test]
     fn missing_keys_name_the_table_and_an_example() {
         let text = edit("top_k = 2\n", "");
@@ -1096,7 +1122,7 @@ capacity = { factor = 1.25, drop = "position", pad = true }
         let text = SMALL.replacen("hidden = 16", "hidden_size = 16", 1);
         assert_eq!(
             problems(&text),
-            ["hidden_size = 16: unknown key `hidden_size` in the model's top level; did you mean `hidden`? expected one of: name, vocab, hidden, seq_len, norm_eps, rope_theta, tied_embeddings, init_std, mtp_layers, mtp_loss_coef, layout, blocks"]
+            ["hidden_size = 16: unknown key `hidden_size` in the model's top level; did you mean `hidden`? expected one of: name, vocab, hidden, seq_len, norm_eps, rope_theta, rope_scaling, tied_embeddings, init_std, mtp_layers, mtp_loss_coef, layout, blocks"]
         );
     }
 

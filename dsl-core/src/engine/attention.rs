@@ -374,24 +374,37 @@ mod tests {
     use crate::engine::testutil::{
         check_param_grads, dot, f64_tensor, small_spec, uniform, values,
     };
-    use crate::spec::FfnSpec;
+    use crate::spec::{FfnSpec, RopeScaling};
 
     #[test]
     fn attention_block_grad() {
-        check_attention_grad(false);
+        check_attention_grad(false, None);
+    }
+
+    /// YaRN (Qwen3-MoE's `rope_scaling`): the rotation and its attention
+    /// factor in forward and backward, against finite differences.
+    #[test]
+    fn attention_with_yarn_grad() {
+        let mut yarn = RopeScaling::yarn(4.0, 2);
+        (yarn.beta_fast, yarn.beta_slow) = (0.5, 0.05);
+        check_attention_grad(true, Some(yarn));
     }
 
     /// Qwen3's per-head q/k norms: their scales and the input checked
     /// against finite differences like every other parameter.
     #[test]
     fn attention_with_qk_norm_grad() {
-        check_attention_grad(true);
+        check_attention_grad(true, None);
     }
 
-    fn check_attention_grad(qk_norm: bool) {
+    fn check_attention_grad(qk_norm: bool, scaling: Option<RopeScaling>) {
         let b = Cpu;
         let mut spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
         spec.groups[0].attention.qk_norm = qk_norm;
+        if scaling.is_some() {
+            spec.rope_theta = 100.0;
+        }
+        spec.rope_scaling = scaling;
         let attn_spec = &spec.groups[0].attention;
         assert!(attn_spec.kv_heads < attn_spec.heads, "the check covers GQA");
         let mut attn = Attention::new(
@@ -403,6 +416,7 @@ mod tests {
             DType::F64,
         )
         .unwrap();
+        assert_eq!(attn.rope().yarn.is_some(), spec.rope_scaling.is_some());
         if let Some(norms) = &mut attn.qk_norm {
             // Scales away from 1, so their gradients are not symmetric.
             for (i, n) in norms.iter_mut().enumerate() {

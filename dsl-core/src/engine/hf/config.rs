@@ -953,13 +953,39 @@ mod tests {
             c.insert("attn_logit_softcapping".into(), 30.into());
         });
         assert!(e.contains("field `attn_logit_softcapping`"), "{e}");
-        let e = error("deepseek_v3", |c| {
-            c.insert(
-                "rope_parameters".into(),
-                serde_json::json!({"rope_type": "yarn", "factor": 40, "rope_theta": 10000}),
+        for kind in ["linear", "dynamic", "longrope", "llama3"] {
+            let e = error("deepseek_v3", |c| {
+                c.insert(
+                    "rope_parameters".into(),
+                    serde_json::json!({"rope_type": kind, "factor": 4, "rope_theta": 10000}),
+                );
+            });
+            assert!(
+                e.contains("`rope_parameters`") && e.contains(&format!("`{kind}`")),
+                "{e}"
             );
+        }
+        for (extra, want) in [
+            (
+                serde_json::json!({"attention_factor": 1.5}),
+                "attention_factor",
+            ),
+            (serde_json::json!({"truncate": false}), "truncate"),
+            (serde_json::json!({"low_freq_factor": 1}), "low_freq_factor"),
+        ] {
+            let e = error("qwen3_moe_yarn", |c| {
+                let p = c["rope_parameters"].as_object_mut().unwrap();
+                p.extend(extra.as_object().unwrap().clone());
+            });
+            assert!(e.contains("`rope_parameters`") && e.contains(want), "{e}");
+        }
+        let e = error("qwen3_moe_yarn", |c| {
+            c["rope_parameters"]["beta_slow"] = 40.into();
         });
-        assert!(e.contains("`rope_parameters`") && e.contains("yarn"), "{e}");
+        assert!(
+            e.contains("rope_scaling.beta_fast") && e.contains("beta_slow = 40"),
+            "{e}"
+        );
         let e = error("mixtral", |c| {
             c.insert("sliding_window".into(), 16.into());
         });
@@ -972,10 +998,6 @@ mod tests {
             c.insert("topk_group".into(), 1.into());
         });
         assert!(e.contains("`topk_group`") && e.contains("top 2"), "{e}");
-        let e = error("deepseek_v3", |c| {
-            c.insert("num_nextn_predict_layers".into(), 1.into());
-        });
-        assert!(e.contains("`num_nextn_predict_layers`"), "{e}");
         let e = error("qwen3_moe", |c| {
             c.remove("hidden_size");
         });
@@ -989,7 +1011,13 @@ mod tests {
     /// A spec read from a config writes the same model back.
     #[test]
     fn specs_write_back_as_configs_that_read_the_same() {
-        for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
+        for family in [
+            "mixtral",
+            "qwen3_moe",
+            "deepseek_v3",
+            "qwen3_moe_yarn",
+            "deepseek_v3_yarn_mtp",
+        ] {
             let cfg = parse_with(family, |_| {}).unwrap();
             let (fam, raw) = to_config(&cfg.spec).unwrap();
             assert_eq!(fam, cfg.family);
@@ -998,5 +1026,93 @@ mod tests {
             want.name = back.spec.name.clone();
             assert_eq!(back.spec, want, "{family}");
         }
+    }
+
+    /// YaRN reads from transformers 5's `rope_parameters` and from the
+    /// older `rope_scaling` + `rope_theta` the same way, with
+    /// transformers' defaults for what is left out.
+    #[test]
+    fn yarn_reads_from_either_spelling() {
+        let new = parse_with("deepseek_v3_yarn_mtp", |_| {}).unwrap();
+        let r = new.spec.rope_scaling.clone().expect("YaRN");
+        assert_eq!(r.kind, RopeScalingType::Yarn);
+        assert_eq!((r.factor, r.original_max_position_embeddings), (4.0, 8));
+        assert_eq!((r.beta_fast, r.beta_slow), (0.5, 0.05));
+        assert_eq!((r.mscale, r.mscale_all_dim), (Some(1.0), Some(0.5)));
+        assert_eq!(new.spec.rope_theta, 100.0);
+        assert_eq!(new.spec.mtp_layers, 1);
+        let old = parse_with("deepseek_v3_yarn_mtp", |c| {
+            let Some(Value::Object(mut p)) = c.remove("rope_parameters") else {
+                panic!("an object")
+            };
+            c.insert("rope_theta".into(), p.remove("rope_theta").unwrap());
+            let kind = p.remove("rope_type").unwrap();
+            p.insert("type".into(), kind);
+            c.insert("rope_scaling".into(), Value::Object(p));
+        })
+        .unwrap();
+        assert_eq!(old.spec, new.spec);
+        let bare = parse_with("qwen3_moe", |c| {
+            c.insert(
+                "rope_scaling".into(),
+                serde_json::json!({"type": "yarn", "factor": 4, "beta_fast": 0}),
+            );
+        })
+        .unwrap();
+        // original_max_position_embeddings: the model's max_position_embeddings.
+        assert_eq!(
+            bare.spec.rope_scaling,
+            Some(RopeScaling::yarn(4.0, bare.spec.seq_len))
+        );
+    }
+
+    /// The published DeepSeek-V3 `config.json` (deepseek-ai/DeepSeek-V3 on
+    /// the Hugging Face hub; its weights are too large for a test) reads
+    /// into a spec: YaRN of factor 40, one MTP module, fp8 blocks.
+    #[test]
+    fn the_published_deepseek_v3_config_reads() {
+        let text = r#"{
+          "architectures": ["DeepseekV3ForCausalLM"],
+          "attention_bias": false, "attention_dropout": 0.0,
+          "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                       "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+          "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+          "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+          "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+          "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+          "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+          "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+          "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+          "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "quant_method": "fp8", "weight_block_size": [128, 128]},
+          "rms_norm_eps": 1e-06,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                           "type": "yarn"},
+          "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+          "seq_aux": true, "tie_word_embeddings": false, "topk_group": 4,
+          "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+          "transformers_version": "4.46.3", "use_cache": true, "v_head_dim": 128,
+          "vocab_size": 129280
+        }"#;
+        let cfg = parse(text, "DeepSeek-V3/config.json").unwrap();
+        let s = &cfg.spec;
+        assert_eq!((s.layers(), s.mtp_layers, s.vocab), (61, 1, 129280));
+        let r = s.rope_scaling.as_ref().expect("YaRN");
+        assert_eq!((r.factor, r.original_max_position_embeddings), (40.0, 4096));
+        assert_eq!((r.beta_fast, r.beta_slow), (32.0, 1.0));
+        assert_eq!((r.mscale, r.mscale_all_dim), (Some(1.0), Some(1.0)));
+        // m(40, 1)² = (0.1·ln 40 + 1)²: MLA's softmax scale correction.
+        let m = 0.1 * 40f64.ln() + 1.0;
+        assert!((r.softmax_scale_factor() - m * m).abs() < 1e-12);
+        assert_eq!(cfg.fp8_block, Some([128, 128]));
+        assert_eq!(s.param_counts().0 / 1_000_000_000, 671);
+        let (_, back) = to_config(s).unwrap();
+        let again = parse(&Value::Object(back).to_string(), "exported").unwrap();
+        assert_eq!(again.spec.rope_scaling, s.rope_scaling);
+        assert_eq!(again.spec.mtp_layers, 1);
     }
 }

@@ -1116,11 +1116,16 @@ mod tests {
 
     /// `model_tensors` lists exactly what the engine builds, for a model of
     /// each family's shape (GQA + MoE, q/k norms + dense layers, MLA with
-    /// shared experts and expert bias).
+    /// shared experts and expert bias, and an MTP module).
     #[test]
     fn model_tensors_are_the_engines() {
         let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf");
-        for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
+        for family in [
+            "mixtral",
+            "qwen3_moe",
+            "deepseek_v3",
+            "deepseek_v3_yarn_mtp",
+        ] {
             let mut spec = read_config(&fixtures.join(family)).unwrap().spec;
             if family == "qwen3_moe" {
                 // A dense layer among the MoE ones, as mlp_only_layers makes.
