@@ -699,13 +699,13 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
     }
 }
 
-/// `[rope_scaling]`: `type` and `factor`, `original_max_position_embeddings`
+/// `[rope_scaling]`: `rope_type` and `factor`, `original_max_position_embeddings`
 /// required, the betas defaulting to YaRN's 32 and 1.
 fn read_rope_scaling(cx: &mut Cx, s: &Section) -> RopeScaling {
-    let kind = match s.get("type") {
-        Some(_) => s.keyword(cx, "type", keywords::ROPE_SCALING_TYPE),
+    let kind = match s.get("rope_type") {
+        Some(_) => s.keyword(cx, "rope_type", keywords::ROPE_SCALING_TYPE),
         None => {
-            s.missing(cx, "type", "type = \"yarn\"");
+            s.missing(cx, "rope_type", "rope_type = \"yarn\"");
             None
         }
     };
@@ -1082,13 +1082,14 @@ capacity = { factor = 1.25, drop = "position", pad = true }
     /// problems at their keys.
     #[test]
     fn rope_scaling_reads_and_its_rules_name_the_key() {
-        let yarn = "seq_len = 8\n\n[rope_scaling]\ntype = \"yarn\"\nfactor = 40\n\
+        let yarn = "seq_len = 8\n\n[rope_scaling]\nrope_type = \"yarn\"\nfactor = 40\n\
                     original_max_position_embeddings = 4\nmscale_all_dim = 1.0\n";
         let c = ModelConfig::from_toml_str(&edit("seq_len = 8\n", yarn)).unwrap();
         let mut want = crate::spec::RopeScaling::yarn(40.0, 4);
         want.mscale_all_dim = Some(1.0);
         assert_eq!(c.spec.rope_scaling, Some(want));
-        let bad = |from: &str, to: &str| problems(&edit("seq_len = 8\n", &yarn.replacen(from, to, 1)));
+        let bad =
+            |from: &str, to: &str| problems(&edit("seq_len = 8\n", &yarn.replacen(from, to, 1)));
         assert_eq!(
             bad("factor = 40", "factor = 0.5"),
             ["rope_scaling.factor = 0.5: factor = 0.5; YaRN stretches the context by a finite factor ≥ 1"]
@@ -1099,7 +1100,7 @@ capacity = { factor = 1.25, drop = "position", pad = true }
         );
         assert_eq!(
             bad("\"yarn\"", "\"llama3\""),
-            ["rope_scaling.type = \"llama3\": unknown `type` value `llama3`; choose one of yarn"]
+            ["rope_scaling.rope_type = \"llama3\": unknown `rope_type` value `llama3`; choose one of yarn"]
         );
     }
 

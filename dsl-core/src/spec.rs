@@ -45,7 +45,7 @@ fn default_mtp_loss_coef() -> f64 {
     keywords::DEFAULT_MTP_LOSS_COEF
 }
 
-/// A rotary-embedding scaling method (`rope_scaling`'s `type`).
+/// A rotary-embedding scaling method (`rope_scaling`'s `rope_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RopeScalingType {
     /// YaRN (Peng et al. 2023): the frequency ramp between the original and
@@ -67,7 +67,7 @@ pub enum RopeScalingType {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RopeScaling {
     /// The method (only YaRN).
-    #[serde(rename = "type")]
+    #[serde(rename = "rope_type")]
     pub kind: RopeScalingType,
     /// The context stretch s ≥ 1.
     pub factor: f64,
@@ -425,7 +425,7 @@ pub mod keywords {
     ];
     /// Keys of `rope_scaling` (Hugging Face's names).
     pub const ROPE_SCALING_KEYS: &[(&str, &str)] = &[
-        ("type", "type"),
+        ("rope_type", "rope_type"),
         ("factor", "factor"),
         (
             "original_max_position_embeddings",
@@ -436,7 +436,9 @@ pub mod keywords {
         ("mscale", "mscale"),
         ("mscale_all_dim", "mscale_all_dim"),
     ];
-    /// Values of `rope_scaling`'s `type`.
+    /// Values of `rope_scaling`'s `rope_type` (transformers 5's key; older
+    /// Hugging Face configs also spell it `type`, which the macro cannot,
+    /// `type` being a Rust keyword).
     pub const ROPE_SCALING_TYPE: &[(&str, RopeScalingType)] = &[("yarn", RopeScalingType::Yarn)];
     /// Default `beta_fast` of YaRN.
     pub const DEFAULT_YARN_BETA_FAST: f64 = 32.0;

@@ -564,13 +564,13 @@ pub fn parse(cx: &Ctxt, attr: TokenStream, c: &Container) -> Decl {
     }
 }
 
-/// `rope_scaling(type = yarn, factor, original_max_position_embeddings, ...)`,
+/// `rope_scaling(rope_type = yarn, factor, original_max_position_embeddings, ...)`,
 /// the betas defaulting to YaRN's 32 and 1.
 fn parse_rope_scaling(s: &Section) -> RopeScaling {
-    let kind = match s.get("type") {
-        Some(_) => s.keyword("type", keywords::ROPE_SCALING_TYPE),
+    let kind = match s.get("rope_type") {
+        Some(_) => s.keyword("rope_type", keywords::ROPE_SCALING_TYPE),
         None => {
-            s.missing("type", "type = yarn");
+            s.missing("rope_type", "rope_type = yarn");
             None
         }
     };

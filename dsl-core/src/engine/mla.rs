@@ -821,7 +821,11 @@ mod tests {
 
     #[test]
     fn mla_matches_reference() {
-        for (mla, scaling) in [(LOW_RANK, None), (FULL_RANK, None), (LOW_RANK, Some(yarn()))] {
+        for (mla, scaling) in [
+            (LOW_RANK, None),
+            (FULL_RANK, None),
+            (LOW_RANK, Some(yarn())),
+        ] {
             let (layer, spec) = new_mla_scaled(&mla, scaling);
             let (seq, d) = (4, spec.hidden);
             let t = 2 * seq;

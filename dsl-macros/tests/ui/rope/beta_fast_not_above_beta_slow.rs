@@ -2,7 +2,7 @@
 use foldmoe_macros::moe_model;
 
 #[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
-    rope_scaling(type = yarn, factor = 40, original_max_position_embeddings = 4,
+    rope_scaling(rope_type = yarn, factor = 40, original_max_position_embeddings = 4,
         beta_fast = 1, beta_slow = 32),
     layout(name = "cpu", world = 1))]
 pub struct Ui {
