@@ -1,6 +1,6 @@
 //! Hugging Face conversion against transformers: the fixtures of
 //! `tests/fixtures/hf/` (made once by `make_fixtures.py` with transformers
-//! 5.17 and PyTorch 2.11; no Python at test time) imported, run through the
+//! 5.17 and 5.24 and PyTorch 2.11; no Python at test time) imported, run through the
 //! engine and compared with transformers' fp32 logits; exported back and
 //! compared byte for byte; and bad inputs, each a one-line error.
 
