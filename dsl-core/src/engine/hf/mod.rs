@@ -559,36 +559,26 @@ impl Naming<'_> {
             (Some(m), true) => Some(m),
             _ => None,
         };
+        // A query projection: each head's rotary columns de-interleaved.
+        let query = |hf: &str| {
+            let perm = rope.map(|m| {
+                let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
+                (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
+            });
+            Ok(Recipe::Linear(format!("{at}.self_attn.{hf}.weight"), perm))
+        };
         match part {
             "attn_norm.weight" => same("input_layernorm.weight"),
             "ffn_norm.weight" => same("post_attention_layernorm.weight"),
             "attn.wo" => lin("self_attn.o_proj"),
             "attn.wk" => lin("self_attn.k_proj"),
             "attn.wv" => lin("self_attn.v_proj"),
-            "attn.wq" => {
-                let perm = rope.map(|m| {
-                    let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
-                    (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
-                });
-                Ok(Recipe::Linear(
-                    format!("{at}.self_attn.q_proj.weight"),
-                    perm,
-                ))
-            }
+            "attn.wq" => query("q_proj"),
             "attn.q_norm.weight" if g.attention.mla.is_none() => same("self_attn.q_norm.weight"),
             "attn.k_norm.weight" => same("self_attn.k_norm.weight"),
             "attn.wq_a" => lin("self_attn.q_a_proj"),
             "attn.q_norm.weight" => same("self_attn.q_a_layernorm.weight"),
-            "attn.wq_b" => {
-                let perm = rope.map(|m| {
-                    let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
-                    (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
-                });
-                Ok(Recipe::Linear(
-                    format!("{at}.self_attn.q_b_proj.weight"),
-                    perm,
-                ))
-            }
+            "attn.wq_b" => query("q_b_proj"),
             "attn.wkv_a" => {
                 let perm = rope.map(|m| {
                     let w = m.kv_lora_rank + m.qk_rope_head_dim;
