@@ -4,11 +4,13 @@
 //!
 //! Every field of the file is either read into the spec, checked to hold
 //! the one value foldmoe implements (`hidden_act = "silu"`, no attention
-//! bias, no sliding window, default RoPE, ...), or listed as not affecting
+//! bias, no sliding window, RoPE plain or YaRN, ...), or listed as not affecting
 //! the forward pass (token ids, `use_cache`, training-only coefficients that
 //! foldmoe sets itself). Anything else — an unknown field, or a value foldmoe
 //! cannot represent — is an error naming the field: nothing is defaulted
-//! silently.
+//! silently. DeepSeek-V3's `num_nextn_predict_layers` is the spec's
+//! `mtp_layers`; YaRN (`rope_parameters` or `rope_scaling`) its
+//! `rope_scaling`.
 
 use serde_json::{Map, Value};
 

@@ -22,6 +22,8 @@
 //! | `mlp.w1`, `w3`, `w2`; `moe.shared_experts.*` | `mlp.gate_proj`, `up_proj`, `down_proj`; `mlp.shared_experts.*`, transposed |
 //! | `moe.router.weight` `[D, E]`, `moe.router.expert_bias` | `mlp.gate.weight` (Mixtral: `block_sparse_moe.gate`) transposed, `mlp.gate.e_score_correction_bias` |
 //! | `moe.experts.w1`, `w3` `[E, D, F]`, `w2` `[E, F, D]` | per expert `mlp.experts.{j}.{gate,up,down}_proj.weight` (Mixtral `block_sparse_moe.experts.{j}.w1/w3/w2`), or fused `mlp.experts.gate_up_proj [E, 2F, D]` / `down_proj [E, D, F]`; transposed |
+//! | MTP module k: `mtp.{k}.enorm.weight`, `hnorm.weight`, `eh_proj.weight` `[2D, D]`, `norm.weight`, `block.*` | DeepSeek-V3's layer `L + k` (L = `num_hidden_layers`): `enorm`, `hnorm`, `eh_proj.weight` `[D, 2D]` transposed, `shared_head.norm`, and the block's tensors as a layer's |
+//! | (the embedding and head, shared) | also that layer's `embed_tokens.weight` and `shared_head.head.weight`: checked equal to the main ones on import, written again on export |
 //!
 //! DeepSeek's fp8 release stores 2-d weights as e4m3 with a
 //! `weight_scale_inv` per `weight_block_size` block: import multiplies them
