@@ -44,6 +44,7 @@ fn spec() -> ModelSpec {
         seq_len: SEQ,
         norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: None,
         tied_embeddings: false,
         init_std: 0.02,
         groups: (0..4).flat_map(|_| pair.clone()).collect(),

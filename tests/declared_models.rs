@@ -63,6 +63,7 @@ fn every_shipped_model_and_layout_checks() {
     hidden = 16,
     seq_len = 8,
     norm_eps = 1e-6,
+    rope_scaling(rope_type = yarn, factor = 4, original_max_position_embeddings = 4, mscale_all_dim = 1.0),
     layout(name = "cpu", world = 1),
     layout(name = "h100x8", world = 8, tp = 2, ep = 4, order = "tp-cp-ep-dp-pp"),
     layout(name = "cpu-ep4", world = 4, ep = 4),
@@ -95,6 +96,9 @@ fn a_declared_model_builds_on_the_cpu() {
     let spec = <PassMoe<Cpu> as MoeModel<Cpu>>::spec();
     spec.check().unwrap();
     assert_eq!(spec.layers(), 3);
+    let mut yarn = foldmoe_core::spec::RopeScaling::yarn(4.0, 4);
+    yarn.mscale_all_dim = Some(1.0);
+    assert_eq!(spec.rope_scaling, Some(yarn));
     assert!(spec.groups[1].attention.qk_norm && !spec.groups[0].attention.qk_norm);
     match &spec.groups[1].ffn {
         FfnSpec::Moe(m) => assert_eq!(m.shared_ffn, 8),

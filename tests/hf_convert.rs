@@ -1,15 +1,16 @@
 //! Hugging Face conversion against transformers: the fixtures of
 //! `tests/fixtures/hf/` (made once by `make_fixtures.py` with transformers
-//! 5.17 and PyTorch 2.11; no Python at test time) imported, run through the
+//! 5.17 and 5.24 and PyTorch 2.11; no Python at test time) imported, run through the
 //! engine and compared with transformers' fp32 logits; exported back and
 //! compared byte for byte; and bad inputs, each a one-line error.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::Output;
 
-use foldmoe::core::engine::checkpoint::Source;
+use foldmoe::core::engine::checkpoint::{load_params, Source};
 use foldmoe::core::engine::hf::{self, ExpertLayout, ExportDtype};
-use foldmoe::core::engine::model::Model;
+use foldmoe::core::engine::model::{Batch, Model};
 use foldmoe::core::engine::parallel::Exec;
 use foldmoe::core::layout::{check, LayoutSpec};
 use foldmoe::kernels::cpu::Cpu;
@@ -23,56 +24,132 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("foldmoe-hf-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A fresh scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let d = std::env::temp_dir().join(format!("foldmoe-hf-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        Scratch(d)
+    }
+
+    fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
 }
 
-/// Imports `family`'s fixture under `layout` into a fresh directory.
-fn import(family: &str, layout: &str) -> (hf::HfConfig, PathBuf, ExpertLayout) {
-    let dir = fixture(family);
-    let cfg = hf::read_config(&dir).unwrap();
-    let l = check(&LayoutSpec::parse(layout).unwrap(), &cfg.spec).unwrap();
-    let out = tmp(&format!("{family}-{}", layout.replace([',', '='], "_")));
-    let experts = hf::import(&dir, &cfg, &l, &out, &serde_json::Value::Null).unwrap();
-    (cfg, out, experts)
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fixture imported by the library: its config (as read, or edited
+/// before import), the checkpoint and the expert layout found.
+struct Imported {
+    cfg: hf::HfConfig,
+    experts: ExpertLayout,
+    ckpt: PathBuf,
+    _dir: Scratch,
+}
+
+impl Imported {
+    /// `family`'s fixture under `layout`, its config read and then changed
+    /// by `edit`.
+    fn with(family: &str, layout: &str, edit: impl FnOnce(&mut hf::HfConfig)) -> Self {
+        let src = fixture(family);
+        let mut cfg = hf::read_config(&src).unwrap();
+        edit(&mut cfg);
+        let l = check(&LayoutSpec::parse(layout).unwrap(), &cfg.spec).unwrap();
+        let dir = Scratch::new(&format!("{family}-{}", layout.replace([',', '='], "_")));
+        let ckpt = dir.join("ckpt");
+        let experts = hf::import(&src, &cfg, &l, &ckpt, &serde_json::Value::Null).unwrap();
+        Imported {
+            cfg,
+            experts,
+            ckpt,
+            _dir: dir,
+        }
+    }
+
+    fn new(family: &str, layout: &str) -> Self {
+        Self::with(family, layout, |_| {})
+    }
+
+    fn source(&self) -> Source {
+        let (source, _): (Source, serde_json::Value) = Source::open(&self.ckpt).unwrap();
+        source
+    }
+
+    /// The imported model on one CPU rank, in f32.
+    fn model(&self) -> Model<Cpu> {
+        let mut model = Model::single(&Cpu, &self.cfg.spec, 1, DType::F32).unwrap();
+        load_params(&Cpu, &self.source(), &mut model, true).unwrap();
+        model
+    }
+
+    /// The engine's logits for the sequences `ids`, one after the other.
+    fn logits(&self, ids: &[Vec<i32>]) -> Vec<f32> {
+        let model = self.model();
+        let exec = Exec::solo(&Cpu);
+        let mut out = Vec::new();
+        for seq in ids {
+            let l = model.logits(&exec, seq, seq.len()).unwrap();
+            out.extend(Cpu.download(&l).unwrap().to_f32());
+        }
+        out
+    }
+
+    /// Exports the import into a fresh directory.
+    fn export(&self, tag: &str, max_shard: u64, dtype: ExportDtype) -> Scratch {
+        let out = Scratch::new(tag);
+        hf::export(
+            &self.source(),
+            &self.cfg,
+            self.experts,
+            &out.0,
+            max_shard,
+            dtype,
+        )
+        .unwrap();
+        out
+    }
+}
+
+/// A safetensors file of `dir`, by name: its tensors as f32 values
+/// (`I64` ids too).
+fn read_safetensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let vals = match t.dtype() {
+                Dtype::I64 => t
+                    .data()
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+                    .collect(),
+                Dtype::F32 => t
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+                    .collect(),
+                other => panic!("{name}: {other:?}"),
+            };
+            (name, (t.shape().to_vec(), vals))
+        })
+        .collect()
 }
 
 /// The fixture's input ids `[B, S]` and transformers' logits `[B, S, V]`.
 fn reference(family: &str) -> (Vec<Vec<i32>>, Vec<f32>) {
-    let bytes = std::fs::read(fixture(family).join("logits.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let ids = st.tensor("input_ids").unwrap();
-    assert_eq!(ids.dtype(), Dtype::I64);
-    let (b, s) = (ids.shape()[0], ids.shape()[1]);
-    let flat: Vec<i32> = ids
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as i32)
-        .collect();
-    let logits = st.tensor("logits").unwrap();
-    let vals = logits
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    (flat.chunks(s).take(b).map(<[i32]>::to_vec).collect(), vals)
-}
-
-/// The engine's logits for `family`'s fixture input from checkpoint `ckpt`.
-fn engine_logits(cfg: &hf::HfConfig, ckpt: &Path, ids: &[Vec<i32>]) -> Vec<f32> {
-    let b = Cpu;
-    let (source, _): (Source, serde_json::Value) = Source::open(ckpt).unwrap();
-    let mut model = Model::single(&b, &cfg.spec, 1, DType::F32).unwrap();
-    foldmoe::core::engine::checkpoint::load_params(&b, &source, &mut model, true).unwrap();
-    let exec = Exec::solo(&b);
-    let mut out = Vec::new();
-    for seq in ids {
-        let l = model.logits(&exec, seq, seq.len()).unwrap();
-        out.extend(b.download(&l).unwrap().to_f32());
-    }
-    out
+    let t = read_safetensors(&fixture(family).join("logits.safetensors"));
+    let (shape, ids) = &t["input_ids"];
+    let ids: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+    let logits = t["logits"].1.iter().map(|&x| x as f32).collect();
+    (ids.chunks(shape[1]).map(<[i32]>::to_vec).collect(), logits)
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -85,9 +162,9 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Import → engine logits within 1e-4 of transformers' (max abs).
 fn check_parity(family: &str, layout: &str) -> f32 {
-    let (cfg, out, _) = import(family, layout);
+    let imported = Imported::new(family, layout);
     let (ids, want) = reference(&family.replace("_fused", ""));
-    let got = engine_logits(&cfg, &out, &ids);
+    let got = imported.logits(&ids);
     let diff = max_abs_diff(&got, &want);
     let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     println!("{family} ({layout}): max |logit diff| {diff:.2e} (logits up to {scale:.2})");
@@ -95,7 +172,6 @@ fn check_parity(family: &str, layout: &str) -> f32 {
         diff <= 1e-4,
         "{family}: max abs logit difference {diff:e} > 1e-4"
     );
-    let _ = std::fs::remove_dir_all(&out);
     diff
 }
 
@@ -119,20 +195,41 @@ fn deepseek_v3_logits_match_transformers() {
     check_parity("deepseek_v3", "world=1");
 }
 
-/// The fixture exercises DeepSeek's interleaved rotary layout: imported as
-/// if its rotary dims were halves, the logits are far off.
+/// YaRN (factor 4 over an original context of 8, the input 12 long, the
+/// ramp inside the rotary dims): Qwen3-MoE's cos/sin attention factor, and
+/// DeepSeek-V3's too with its mscale² softmax scale; the DeepSeek fixture
+/// also carries an MTP module, which transformers' logits ignore.
 #[test]
-fn deepseek_v3_rope_interleave_matters() {
-    let dir = fixture("deepseek_v3");
-    let mut cfg = hf::read_config(&dir).unwrap();
-    cfg.rope_interleave = false;
-    let l = check(&LayoutSpec::default(), &cfg.spec).unwrap();
-    let out = tmp("deepseek-no-interleave");
-    hf::import(&dir, &cfg, &l, &out, &serde_json::Value::Null).unwrap();
-    let (ids, want) = reference("deepseek_v3");
-    let diff = max_abs_diff(&engine_logits(&cfg, &out, &ids), &want);
-    assert!(diff > 1e-2, "without de-interleaving: {diff:e}");
-    let _ = std::fs::remove_dir_all(&out);
+fn yarn_logits_match_transformers() {
+    check_parity("qwen3_moe_yarn", "world=1");
+    check_parity("deepseek_v3_yarn_mtp", "world=1");
+}
+
+/// What the fixtures exercise: imported as if their rotary dims were
+/// halves (DeepSeek's interleaved layout ignored), or without their YaRN
+/// scaling, the logits are far off.
+#[test]
+fn rope_interleave_and_yarn_matter() {
+    for (family, edit) in [
+        (
+            "deepseek_v3",
+            Box::new(|c: &mut hf::HfConfig| c.rope_interleave = false)
+                as Box<dyn FnOnce(&mut hf::HfConfig)>,
+        ),
+        (
+            "deepseek_v3_yarn_mtp",
+            Box::new(|c: &mut hf::HfConfig| c.spec.rope_scaling = None),
+        ),
+        (
+            "qwen3_moe_yarn",
+            Box::new(|c: &mut hf::HfConfig| c.spec.rope_scaling = None),
+        ),
+    ] {
+        let imported = Imported::with(family, "world=1", edit);
+        let (ids, want) = reference(family);
+        let diff = max_abs_diff(&imported.logits(&ids), &want);
+        assert!(diff > 1e-2, "{family}, edited: {diff:e}");
+    }
 }
 
 /// A checkpoint imported for a parallel layout (each rank's file its own
@@ -141,6 +238,59 @@ fn deepseek_v3_rope_interleave_matters() {
 fn import_for_a_layout_reads_back_on_one_rank() {
     check_parity("qwen3_moe", "world=4,tp=2,ep=4");
     check_parity("deepseek_v3", "world=6,pp=3,ep=2");
+    check_parity("deepseek_v3_yarn_mtp", "world=4,pp=2,ep=2");
+}
+
+/// The imported MTP module's loss on the fixture input (the mean
+/// cross-entropy of its predictions two tokens ahead) is the one the
+/// fixture script computed in PyTorch from the same weights.
+#[test]
+fn mtp_loss_matches_the_reference() {
+    let imported = Imported::new("deepseek_v3_yarn_mtp", "world=1");
+    assert_eq!(imported.cfg.spec.mtp_layers, 1);
+    let want =
+        read_safetensors(&fixture("deepseek_v3_yarn_mtp").join("mtp.safetensors"))["mtp_loss"].1[0];
+    let (ids, _) = reference("deepseek_v3_yarn_mtp");
+    let s = ids[0].len();
+    let tokens: Vec<i32> = ids.concat();
+    // Next-token targets, the last of each sequence ignored.
+    let targets: Vec<i32> = ids
+        .iter()
+        .flat_map(|seq| seq[1..].iter().copied().chain([-1]))
+        .collect();
+    let out = imported
+        .model()
+        .forward(
+            &Exec::solo(&Cpu),
+            Batch::Host {
+                tokens: &tokens,
+                targets: &targets,
+                docs: None,
+            },
+            s,
+        )
+        .unwrap();
+    let got = Cpu
+        .download(out.mtp_loss.as_ref().unwrap())
+        .unwrap()
+        .to_f32()[0] as f64;
+    println!("mtp loss {got:.6} (PyTorch {want:.6})");
+    assert!((got - want).abs() <= 1e-4, "mtp loss {got} vs {want}");
+}
+
+/// An MTP module's copy of the embedding that is not the main model's is
+/// a one-line error naming both.
+#[test]
+fn an_mtp_copy_that_differs_is_named() {
+    let copy = "model.layers.2.shared_head.head.weight";
+    let dir = edited("deepseek_v3_yarn_mtp", "mtp-copy", |t| {
+        t.get_mut(copy).unwrap().2[0] ^= 1;
+    });
+    let e = import_error(&dir.0);
+    assert!(
+        e.contains(copy) && e.contains("differs from lm_head.weight"),
+        "{e}"
+    );
 }
 
 /// Every tensor of a safetensors file, by name: dtype, shape, bytes.
@@ -151,6 +301,7 @@ fn tensors_of(dir: &Path) -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
         if path.extension().is_some_and(|e| e == "safetensors")
             && !path.ends_with("logits.safetensors")
             && !path.ends_with("dequantised.safetensors")
+            && !path.ends_with("mtp.safetensors")
         {
             let bytes = std::fs::read(&path).unwrap();
             let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -166,7 +317,8 @@ fn tensors_of(dir: &Path) -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
 }
 
 /// Export → every tensor byte-identical to the original, in the expert
-/// layout the model came in (per expert; fused, over shards).
+/// layout the model came in (per expert; fused, over shards), the MTP
+/// module's tensors and its copies of the embedding and head included.
 #[test]
 fn export_gives_back_the_original_tensors() {
     for (family, max_shard) in [
@@ -174,12 +326,12 @@ fn export_gives_back_the_original_tensors() {
         ("qwen3_moe", u64::MAX),
         ("deepseek_v3", u64::MAX),
         ("qwen3_moe_fused", 100_000),
+        ("qwen3_moe_yarn", u64::MAX),
+        ("deepseek_v3_yarn_mtp", u64::MAX),
     ] {
-        let (cfg, ckpt, experts) = import(family, "world=2,ep=2");
-        let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
-        let out = tmp(&format!("export-{family}"));
-        hf::export(&source, &cfg, experts, &out, max_shard, ExportDtype::F32).unwrap();
-        let (want, got) = (tensors_of(&fixture(family)), tensors_of(&out));
+        let imported = Imported::new(family, "world=2,ep=2");
+        let out = imported.export(&format!("export-{family}"), max_shard, ExportDtype::F32);
+        let (want, got) = (tensors_of(&fixture(family)), tensors_of(&out.0));
         assert_eq!(
             want.keys().collect::<Vec<_>>(),
             got.keys().collect::<Vec<_>>(),
@@ -191,8 +343,6 @@ fn export_gives_back_the_original_tensors() {
         if max_shard != u64::MAX {
             assert!(out.join("model.safetensors.index.json").exists());
         }
-        let _ = std::fs::remove_dir_all(&out);
-        let _ = std::fs::remove_dir_all(&ckpt);
     }
 }
 
@@ -202,13 +352,14 @@ fn export_gives_back_the_original_tensors() {
 /// `convert`'s default — and `--dtype f32` widens every value exactly.
 #[test]
 fn bf16_export_gives_back_the_original_tensors() {
-    let (cfg, ckpt, experts) = import("qwen3_moe_bf16", "world=1");
-    assert_eq!(ExportDtype::of_config(&cfg.raw), Some(ExportDtype::Bf16));
-    let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
+    let imported = Imported::new("qwen3_moe_bf16", "world=1");
+    assert_eq!(
+        ExportDtype::of_config(&imported.cfg.raw),
+        Some(ExportDtype::Bf16)
+    );
     let want = tensors_of(&fixture("qwen3_moe_bf16"));
-    let out = tmp("export-bf16");
-    hf::export(&source, &cfg, experts, &out, u64::MAX, ExportDtype::Bf16).unwrap();
-    let got = tensors_of(&out);
+    let out = imported.export("export-bf16", u64::MAX, ExportDtype::Bf16);
+    let got = tensors_of(&out.0);
     assert_eq!(
         want.keys().collect::<Vec<_>>(),
         got.keys().collect::<Vec<_>>()
@@ -220,16 +371,12 @@ fn bf16_export_gives_back_the_original_tensors() {
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["dtype"], "bfloat16");
-    let wide = tmp("export-bf16-as-f32");
-    hf::export(&source, &cfg, experts, &wide, u64::MAX, ExportDtype::F32).unwrap();
-    for (name, (dtype, shape, bytes)) in tensors_of(&wide) {
+    let wide = imported.export("export-bf16-as-f32", u64::MAX, ExportDtype::F32);
+    for (name, (dtype, shape, bytes)) in tensors_of(&wide.0) {
         assert_eq!(dtype, Dtype::F32);
         assert_eq!(shape, want[&name].1);
         let back: Vec<u8> = bytes.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
         assert_eq!(back, want[&name].2, "{name}: f32 is not the bf16 widened");
-    }
-    for d in [out, wide, ckpt] {
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
@@ -237,20 +384,11 @@ fn bf16_export_gives_back_the_original_tensors() {
 /// give exactly the dequantised values the script computed.
 #[test]
 fn deepseek_fp8_weights_are_dequantised_on_import() {
-    let (cfg, ckpt, _) = import("deepseek_v3_fp8", "world=1");
-    assert_eq!(cfg.fp8_block, Some([128, 128]));
-    let (source, _): (Source, serde_json::Value) = Source::open(&ckpt).unwrap();
-    let out = tmp("export-fp8");
-    hf::export(
-        &source,
-        &cfg,
-        ExpertLayout::PerExpert,
-        &out,
-        u64::MAX,
-        ExportDtype::F32,
-    )
-    .unwrap();
-    let got = tensors_of(&out);
+    let imported = Imported::new("deepseek_v3_fp8", "world=1");
+    assert_eq!(imported.cfg.fp8_block, Some([128, 128]));
+    assert_eq!(imported.experts, ExpertLayout::PerExpert);
+    let out = imported.export("export-fp8", u64::MAX, ExportDtype::F32);
+    let got = tensors_of(&out.0);
     let bytes = std::fs::read(fixture("deepseek_v3_fp8").join("dequantised.safetensors")).unwrap();
     let want = SafeTensors::deserialize(&bytes).unwrap();
     let mut checked = 0;
@@ -260,21 +398,20 @@ fn deepseek_fp8_weights_are_dequantised_on_import() {
     }
     assert!(checked > 10, "{checked} fp8 tensors");
     assert!(!got.keys().any(|k| k.ends_with("_scale_inv")));
-    let _ = std::fs::remove_dir_all(&out);
-    let _ = std::fs::remove_dir_all(&ckpt);
 }
 
-/// The Mixtral fixture copied with its tensors edited by `edit` (name →
+/// `family`'s fixture copied with its tensors edited by `edit` (name →
 /// (dtype, shape, bytes)).
-fn edited_mixtral(
+fn edited(
+    family: &str,
     tag: &str,
     edit: impl FnOnce(&mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
-) -> PathBuf {
-    let src = fixture("mixtral");
+) -> Scratch {
+    let src = fixture(family);
     let mut t = tensors_of(&src);
     edit(&mut t);
-    let dir = tmp(tag);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new(tag);
+    std::fs::create_dir_all(&dir.0).unwrap();
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = t
         .iter()
@@ -296,66 +433,100 @@ fn import_error(dir: &Path) -> String {
         .to_string();
     assert!(!e.contains('\n'), "one line: {e}");
     assert!(!out.exists(), "no checkpoint left behind");
-    let _ = std::fs::remove_dir_all(dir);
     e
 }
 
 #[test]
 fn missing_unexpected_and_misshapen_tensors_are_named() {
     let name = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
-    let dir = edited_mixtral("missing", |t| {
+    let dir = edited("mixtral", "missing", |t| {
         t.remove(name);
     });
-    let e = import_error(&dir);
+    let e = import_error(&dir.0);
     assert!(e.contains(name) && e.contains("missing"), "{e}");
 
-    let dir = edited_mixtral("extra", |t| {
+    let dir = edited("mixtral", "extra", |t| {
         let v = t["model.norm.weight"].clone();
         t.insert("model.layers.0.self_attn.q_bias".into(), v);
     });
-    let e = import_error(&dir);
+    let e = import_error(&dir.0);
     assert!(
         e.contains("model.layers.0.self_attn.q_bias") && e.contains("not used"),
         "{e}"
     );
 
-    let dir = edited_mixtral("shape", |t| {
+    let dir = edited("mixtral", "shape", |t| {
         let (d, _, b) = t["model.layers.0.self_attn.k_proj.weight"].clone();
         t.insert(
             "model.layers.0.self_attn.k_proj.weight".into(),
             (d, vec![32, 16], b),
         );
     });
-    let e = import_error(&dir);
+    let e = import_error(&dir.0);
     assert!(
         e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("[32, 16]"),
         "{e}"
     );
 
-    let dir = edited_mixtral("dtype", |t| {
+    let dir = edited("mixtral", "dtype", |t| {
         let (_, s, b) = t["model.norm.weight"].clone();
         t.insert("model.norm.weight".into(), (Dtype::I32, s, b));
     });
-    let e = import_error(&dir);
+    let e = import_error(&dir.0);
     assert!(e.contains("model.norm.weight") && e.contains("I32"), "{e}");
 }
 
-fn foldmoe(args: &[&str]) -> std::process::Output {
+fn foldmoe(args: &[&str]) -> Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_foldmoe"))
         .args(args)
         .output()
         .unwrap()
 }
 
+/// `foldmoe args`, which must succeed (its stderr shown otherwise).
+fn foldmoe_ok<S: AsRef<str>>(args: &[S]) -> Output {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
+    let out = foldmoe(&args);
+    assert!(
+        out.status.success(),
+        "foldmoe {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// `foldmoe args`, which must fail with one line on stderr containing `want`.
+fn foldmoe_err(args: &[&str], want: &str) {
+    let out = foldmoe(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains(want), "{err}");
+}
+
+fn s(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+/// `foldmoe convert --from-hf` of `family`'s fixture into `ckpt`.
+fn convert_fixture(family: &str, ckpt: &Path) -> Output {
+    foldmoe_ok(&[
+        "convert",
+        "--from-hf",
+        &s(&fixture(family)),
+        "--out",
+        &s(ckpt),
+    ])
+}
+
 /// `foldmoe convert --from-hf`, `generate` from the import, `convert
 /// --to-hf`: the exported tensors and config are the originals.
 #[test]
 fn cli_round_trip_and_errors() {
-    let root = tmp("cli");
+    let root = Scratch::new("cli");
     let (ckpt, back) = (root.join("ckpt"), root.join("hf"));
     let src = fixture("qwen3_moe");
-    let s = |p: &Path| p.to_str().unwrap().to_string();
-    let out = foldmoe(&[
+    let out = foldmoe_ok(&[
         "convert",
         "--from-hf",
         &s(&src),
@@ -364,17 +535,12 @@ fn cli_round_trip_and_errors() {
         "--layout",
         "world=2,tp=2",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let line = String::from_utf8_lossy(&out.stdout);
     assert!(
         line.contains("qwen3_moe") && line.contains("per-expert"),
         "{line}"
     );
-    let out = foldmoe(&[
+    let out = foldmoe_ok(&[
         "generate",
         "--checkpoint",
         &s(&ckpt),
@@ -384,18 +550,8 @@ fn cli_round_trip_and_errors() {
         "0",
         "--raw",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(out.stdout.len() >= 8, "{:?}", out.stdout);
-    let out = foldmoe(&["convert", "--to-hf", &s(&ckpt), "--out", &s(&back)]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    foldmoe_ok(&["convert", "--to-hf", &s(&ckpt), "--out", &s(&back)]);
     assert!(tensors_of(&src) == tensors_of(&back), "tensors differ");
     let cfg = |d: &Path| -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
@@ -408,16 +564,20 @@ fn cli_round_trip_and_errors() {
     let mut c = cfg(&src);
     c["use_qk_clip"] = true.into();
     std::fs::write(bad.join("config.json"), c.to_string()).unwrap();
+    let mut c = cfg(&src);
+    c["rope_parameters"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0});
+    let dynamic = root.join("dynamic");
+    std::fs::create_dir_all(&dynamic).unwrap();
+    std::fs::write(dynamic.join("config.json"), c.to_string()).unwrap();
+    let x = s(&root.join("x"));
     for (args, want) in [
         (
-            vec![
-                "convert",
-                "--from-hf",
-                &s(&bad),
-                "--out",
-                &s(&root.join("x")),
-            ],
+            vec!["convert", "--from-hf", &s(&bad), "--out", &x],
             "field `use_qk_clip`",
+        ),
+        (
+            vec!["convert", "--from-hf", &s(&dynamic), "--out", &x],
+            "rope_type `dynamic`",
         ),
         (
             vec!["convert", "--from-hf", &s(&src), "--out", &s(&ckpt)],
@@ -436,43 +596,31 @@ fn cli_round_trip_and_errors() {
             "--layout",
         ),
     ] {
-        let out = foldmoe(&args);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{args:?}");
-        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-        assert!(err.contains(want), "{err}");
+        foldmoe_err(&args, want);
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `foldmoe score` on an imported model: its per-token log-probabilities
 /// are transformers' (log-softmax of the fixture's logits at the next
-/// token) within 1e-4, for every family.
+/// token) within 1e-4, for every family, YaRN included.
 #[test]
 fn score_matches_transformers_log_probs() {
-    for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
-        let root = tmp(&format!("score-{family}"));
+    for family in [
+        "mixtral",
+        "qwen3_moe",
+        "deepseek_v3",
+        "deepseek_v3_yarn_mtp",
+    ] {
+        let root = Scratch::new(&format!("score-{family}"));
         let ckpt = root.join("ckpt");
-        let s = |p: &Path| p.to_str().unwrap().to_string();
-        let out = foldmoe(&[
-            "convert",
-            "--from-hf",
-            &s(&fixture(family)),
-            "--out",
-            &s(&ckpt),
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        convert_fixture(family, &ckpt);
         let (ids, logits) = reference(family);
         let vocab = logits.len() / (ids.len() * ids[0].len());
         // The fixture's first sequence, one byte per id (all below 128).
         let text: Vec<u8> = ids[0].iter().map(|&t| t as u8).collect();
         let input = root.join("input.txt");
         std::fs::write(&input, &text).unwrap();
-        let out = foldmoe(&[
+        let out = foldmoe_ok(&[
             "score",
             "--checkpoint",
             &s(&ckpt),
@@ -480,11 +628,6 @@ fn score_matches_transformers_log_probs() {
             &s(&input),
             "--json",
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let lp: Vec<f64> = got["token_logprobs"]
             .as_array()
@@ -508,7 +651,6 @@ fn score_matches_transformers_log_probs() {
         let mean = -lp.iter().sum::<f64>() / lp.len() as f64;
         assert!((got["mean_loss"].as_f64().unwrap() - mean).abs() < 1e-12);
         assert!((got["perplexity"].as_f64().unwrap() - mean.exp()).abs() < 1e-9);
-        let _ = std::fs::remove_dir_all(&root);
     }
 }
 
@@ -517,13 +659,12 @@ fn score_matches_transformers_log_probs() {
 /// run settings are only defaults), its moments at zero.
 #[test]
 fn trained_model_exports_imports_and_fine_tunes() {
-    let root = tmp("finetune");
-    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let root = Scratch::new("finetune");
     let (run, hf_dir, ckpt, ft) = (
-        root.join("run"),
-        root.join("hf"),
-        root.join("ckpt"),
-        root.join("ft"),
+        s(&root.join("run")),
+        s(&root.join("hf")),
+        s(&root.join("ckpt")),
+        s(&root.join("ft")),
     );
     let small = [
         "--batch-tokens",
@@ -540,121 +681,58 @@ fn trained_model_exports_imports_and_fine_tunes() {
         "--steps",
         "1",
         "--out",
+        &run,
     ];
-    let run_s = s(&run);
-    args.push(&run_s);
     args.extend(small);
-    let out = foldmoe(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for args in [
-        vec![
-            "convert".to_string(),
-            "--to-hf".into(),
-            s(&run),
-            "--out".into(),
-            s(&hf_dir),
-        ],
-        vec![
-            "convert".to_string(),
-            "--from-hf".into(),
-            s(&hf_dir),
-            "--out".into(),
-            s(&ckpt),
-        ],
-    ] {
-        let out = foldmoe(&args.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let (ckpt_s, ft_s) = (s(&ckpt), s(&ft));
-    let mut args = vec!["train", "--resume", &ckpt_s, "--steps", "2", "--out"];
-    args.push(&ft_s);
+    foldmoe_ok(&args);
+    foldmoe_ok(&["convert", "--to-hf", &run, "--out", &hf_dir]);
+    foldmoe_ok(&["convert", "--from-hf", &hf_dir, "--out", &ckpt]);
+    let mut args = vec!["train", "--resume", &ckpt, "--steps", "2", "--out", &ft];
     args.extend(small);
-    let out = foldmoe(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    foldmoe_ok(&args);
     let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(ft.join("summary.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(root.join("ft/summary.json")).unwrap())
+            .unwrap();
     assert_eq!(summary["steps"], 2);
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `score --tokenizer`: a BPE's ids read the text; an id past the model's
 /// vocabulary is a one-line error naming it.
 #[test]
 fn score_reads_the_text_with_a_tokenizer() {
-    let root = tmp("score-tok");
-    std::fs::create_dir_all(&root).unwrap();
-    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let root = Scratch::new("score-tok");
+    std::fs::create_dir_all(&root.0).unwrap();
     let (ckpt, text, tok) = (root.join("ckpt"), root.join("t.txt"), root.join("tok.json"));
     std::fs::write(&text, "abab abab abab cdcd cdcd abab cdcd ".repeat(20)).unwrap();
-    for args in [
-        vec![
-            "convert".to_string(),
-            "--from-hf".into(),
-            s(&fixture("mixtral")),
-            "--out".into(),
-            s(&ckpt),
-        ],
-        vec![
-            "train-tokenizer".to_string(),
-            "--input".into(),
-            s(&text),
-            "--vocab-size".into(),
-            "300".into(),
-            "--out".into(),
-            s(&tok),
-        ],
-    ] {
-        let out = foldmoe(&args.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let out = foldmoe(&[
-        "score",
-        "--checkpoint",
-        &s(&ckpt),
+    convert_fixture("mixtral", &ckpt);
+    foldmoe_ok(&[
+        "train-tokenizer",
         "--input",
         &s(&text),
-        "--tokenizer",
+        "--vocab-size",
+        "300",
+        "--out",
         &s(&tok),
     ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("outside the model's vocabulary of 128"),
-        "{err}"
+    let score = |tokenizer: &str| {
+        vec![
+            "score".to_string(),
+            "--checkpoint".into(),
+            s(&ckpt),
+            "--input".into(),
+            s(&text),
+            "--tokenizer".into(),
+            tokenizer.into(),
+        ]
+    };
+    let args = score(&s(&tok));
+    foldmoe_err(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        "outside the model's vocabulary of 128",
     );
-    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     // Bytes as the tokenizer: the same text scores.
-    let out = foldmoe(&[
-        "score",
-        "--checkpoint",
-        &s(&ckpt),
-        "--input",
-        &s(&text),
-        "--tokenizer",
-        "byte",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = foldmoe_ok(&score("byte"));
     assert!(String::from_utf8_lossy(&out.stdout).contains("tokens scored"));
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `score --data-path` scores each document of an indexed dataset on its
@@ -665,21 +743,9 @@ fn score_reads_the_text_with_a_tokenizer() {
 #[test]
 fn score_reads_an_indexed_dataset_by_document() {
     use foldmoe::data::indexed::{IndexedWriter, TokenDtype};
-    let root = tmp("score-bin");
-    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let root = Scratch::new("score-bin");
     let ckpt = root.join("ckpt");
-    let out = foldmoe(&[
-        "convert",
-        "--from-hf",
-        &s(&fixture("mixtral")),
-        "--out",
-        &s(&ckpt),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    convert_fixture("mixtral", &ckpt);
     let (ids, _) = reference("mixtral");
     let prefix = root.join("data");
     let mut w = IndexedWriter::create(&prefix, TokenDtype::U16).unwrap();
@@ -694,20 +760,14 @@ fn score_reads_an_indexed_dataset_by_document() {
         let mut all = vec!["score", "--checkpoint", &ckpt];
         all.extend_from_slice(args);
         all.push("--json");
-        let out = foldmoe(&all);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        serde_json::from_slice(&foldmoe_ok(&all).stdout).unwrap()
     };
     let got = score(&["--data-path", &s(&prefix)]);
     assert_eq!(got["documents"], 2);
     assert_eq!(got["skipped"], 1);
     let (mut sum, mut n) = (0.0, 0);
     for (d, seq) in ids.iter().enumerate() {
-        let input = root.join(format!("doc{d}.txt"));
+        let input = root.join(&format!("doc{d}.txt"));
         std::fs::write(&input, seq.iter().map(|&t| t as u8).collect::<Vec<_>>()).unwrap();
         let alone = score(&["--input", &s(&input)]);
         let doc = &got["per_document"][d];
@@ -724,15 +784,14 @@ fn score_reads_an_indexed_dataset_by_document() {
     let bin = prefix.with_extension("bin");
     let bytes = std::fs::read(&bin).unwrap();
     std::fs::write(&bin, &bytes[..bytes.len() - 3]).unwrap();
-    let out = foldmoe(&[
-        "score",
-        "--checkpoint",
-        &s(&ckpt),
-        "--data-path",
-        &s(&prefix),
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("data.bin"), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    let _ = std::fs::remove_dir_all(&root);
+    foldmoe_err(
+        &[
+            "score",
+            "--checkpoint",
+            &s(&ckpt),
+            "--data-path",
+            &s(&prefix),
+        ],
+        "data.bin",
+    );
 }

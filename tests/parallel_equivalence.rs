@@ -64,6 +64,7 @@ fn spec(capacity: Option<f64>) -> ModelSpec {
         seq_len: SEQ,
         norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: None,
         tied_embeddings: false,
         init_std: 0.2,
         groups: vec![

@@ -32,6 +32,7 @@ fn wide_experts() -> ModelSpec {
         seq_len: 16,
         norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: None,
         tied_embeddings: true,
         init_std: 0.02,
         groups: vec![BlockGroup::new(

@@ -46,7 +46,7 @@ use toml::{Table, Value};
 use crate::layout::{self, LayoutSpec};
 use crate::spec::{
     keywords, AttentionSpec, BlockGroup, CapacitySpec, FfnSpec, MlaSpec, ModelSpec, MoeSpec,
-    Policy, RouterSpec,
+    Policy, RopeScaling, RouterSpec,
 };
 
 /// A model read from a config file: the same IR the macro produces.
@@ -641,6 +641,9 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
     let rope_theta = s
         .float(cx, "rope_theta")
         .unwrap_or(keywords::DEFAULT_ROPE_THETA);
+    let rope_scaling = s
+        .section(cx, "rope_scaling", keywords::ROPE_SCALING_KEYS)
+        .map(|r| read_rope_scaling(cx, &r));
     let tied_embeddings = s.bool(cx, "tied_embeddings").unwrap_or(false);
     let init_std = s
         .float(cx, "init_std")
@@ -685,6 +688,7 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
             seq_len,
             norm_eps,
             rope_theta,
+            rope_scaling,
             tied_embeddings,
             init_std,
             groups,
@@ -693,6 +697,32 @@ fn read_model(cx: &mut Cx, table: &Table) -> ModelConfig {
         },
         layouts,
     }
+}
+
+/// `[rope_scaling]`: `rope_type` and `factor`, `original_max_position_embeddings`
+/// required, the betas defaulting to YaRN's 32 and 1.
+fn read_rope_scaling(cx: &mut Cx, s: &Section) -> RopeScaling {
+    let kind = match s.get("rope_type") {
+        Some(_) => s.keyword(cx, "rope_type", keywords::ROPE_SCALING_TYPE),
+        None => {
+            s.missing(cx, "rope_type", "rope_type = \"yarn\"");
+            None
+        }
+    };
+    let factor = match s.get("factor") {
+        Some(_) => s.float(cx, "factor").unwrap_or(1.0),
+        None => {
+            s.missing(cx, "factor", "factor = 4");
+            1.0
+        }
+    };
+    let mut r = RopeScaling::yarn(factor, s.req_int(cx, "original_max_position_embeddings"));
+    r.kind = kind.unwrap_or(r.kind);
+    r.beta_fast = s.float(cx, "beta_fast").unwrap_or(r.beta_fast);
+    r.beta_slow = s.float(cx, "beta_slow").unwrap_or(r.beta_slow);
+    r.mscale = s.float(cx, "mscale");
+    r.mscale_all_dim = s.float(cx, "mscale_all_dim");
+    r
 }
 
 /// One `[[layout]]`: the keys given, the rest `LayoutSpec::default()`.
@@ -1047,6 +1077,33 @@ capacity = { factor = 1.25, drop = "position", pad = true }
         );
     }
 
+    /// `[rope_scaling]`: YaRN in Hugging Face's names, the betas defaulted;
+    /// a stretch below 1, betas the wrong way round or another type are
+    /// problems at their keys.
+    #[test]
+    fn rope_scaling_reads_and_its_rules_name_the_key() {
+        let yarn = "seq_len = 8\n\n[rope_scaling]\nrope_type = \"yarn\"\nfactor = 40\n\
+                    original_max_position_embeddings = 4\nmscale_all_dim = 1.0\n";
+        let c = ModelConfig::from_toml_str(&edit("seq_len = 8\n", yarn)).unwrap();
+        let mut want = crate::spec::RopeScaling::yarn(40.0, 4);
+        want.mscale_all_dim = Some(1.0);
+        assert_eq!(c.spec.rope_scaling, Some(want));
+        let bad =
+            |from: &str, to: &str| problems(&edit("seq_len = 8\n", &yarn.replacen(from, to, 1)));
+        assert_eq!(
+            bad("factor = 40", "factor = 0.5"),
+            ["rope_scaling.factor = 0.5: factor = 0.5; YaRN stretches the context by a finite factor ≥ 1"]
+        );
+        assert_eq!(
+            bad("factor = 40", "factor = 40\nbeta_fast = 1\nbeta_slow = 2"),
+            ["rope_scaling.beta_fast = 1: beta_fast = 1 is not above beta_slow = 2; the ramp runs from beta_slow up to beta_fast (32 and 1 by default)"]
+        );
+        assert_eq!(
+            bad("\"yarn\"", "\"llama3\""),
+            ["rope_scaling.rope_type = \"llama3\": unknown `rope_type` value `llama3`; choose one of yarn"]
+        );
+    }
+
     #[test]
     fn missing_keys_name_the_table_and_an_example() {
         let text = edit("top_k = 2\n", "");
@@ -1066,7 +1123,7 @@ capacity = { factor = 1.25, drop = "position", pad = true }
         let text = SMALL.replacen("hidden = 16", "hidden_size = 16", 1);
         assert_eq!(
             problems(&text),
-            ["hidden_size = 16: unknown key `hidden_size` in the model's top level; did you mean `hidden`? expected one of: name, vocab, hidden, seq_len, norm_eps, rope_theta, tied_embeddings, init_std, mtp_layers, mtp_loss_coef, layout, blocks"]
+            ["hidden_size = 16: unknown key `hidden_size` in the model's top level; did you mean `hidden`? expected one of: name, vocab, hidden, seq_len, norm_eps, rope_theta, rope_scaling, tied_embeddings, init_std, mtp_layers, mtp_loss_coef, layout, blocks"]
         );
     }
 

@@ -1417,6 +1417,7 @@ mod tests {
             seq_len,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             tied_embeddings: false,
             init_std: 0.02,
             groups,

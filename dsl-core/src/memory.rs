@@ -772,6 +772,7 @@ mod tests {
             seq_len: 16,
             norm_eps: 1e-5,
             rope_theta: 1e4,
+            rope_scaling: None,
             tied_embeddings: false,
             init_std: 0.02,
             groups: vec![

@@ -21,6 +21,10 @@ pub struct ModelSpec {
     pub norm_eps: f64,
     /// RoPE base.
     pub rope_theta: f64,
+    /// Context extension of the rotary embedding (YaRN), if any: the
+    /// `rope_scaling` of a Hugging Face config (docs/ARCHITECTURE.md §4).
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
     /// Whether the LM head reuses the embedding table.
     pub tied_embeddings: bool,
     /// Standard deviation of the normal initialisation of weights.
@@ -39,6 +43,82 @@ pub struct ModelSpec {
 
 fn default_mtp_loss_coef() -> f64 {
     keywords::DEFAULT_MTP_LOSS_COEF
+}
+
+/// A rotary-embedding scaling method (`rope_scaling`'s `rope_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RopeScalingType {
+    /// YaRN (Peng et al. 2023): the frequency ramp between the original and
+    /// interpolated frequencies, and the attention (magnitude) factor.
+    Yarn,
+}
+
+/// YaRN scaling of the rotary embedding, in the published `rope_scaling`
+/// fields (DeepSeek-V3's: `factor = 40`, `original_max_position_embeddings =
+/// 4096`, `beta_fast = 32`, `beta_slow = 1`, `mscale = mscale_all_dim = 1`).
+///
+/// The rotary frequencies blend the original and the `factor`-interpolated
+/// ones along a ramp between the dims that turn `beta_fast` and `beta_slow`
+/// times over `original_max_position_embeddings`; cos and sin are scaled by
+/// `m(factor, mscale) / m(factor, mscale_all_dim)` when both are given
+/// (else `m(factor, 1)`), `m(s, k) = 0.1·k·ln s + 1`. MLA attention also
+/// multiplies its softmax scale by `m(factor, mscale_all_dim)²`, as
+/// DeepSeek-V3 does (GQA models do not: transformers' Mixtral and Qwen3-MoE).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    /// The method (only YaRN).
+    #[serde(rename = "rope_type")]
+    pub kind: RopeScalingType,
+    /// The context stretch s ≥ 1.
+    pub factor: f64,
+    /// The context length the model was pretrained at.
+    pub original_max_position_embeddings: usize,
+    /// Rotations over the original context below which a dim is
+    /// interpolated fully (ramp end; default 32).
+    pub beta_fast: f64,
+    /// Rotations above which a dim keeps its frequency (ramp start;
+    /// default 1; below `beta_fast`).
+    pub beta_slow: f64,
+    /// The numerator's k of the attention factor.
+    #[serde(default)]
+    pub mscale: Option<f64>,
+    /// The denominator's k of the attention factor, and MLA's softmax
+    /// correction.
+    #[serde(default)]
+    pub mscale_all_dim: Option<f64>,
+}
+
+impl RopeScaling {
+    /// YaRN with the published defaults `beta_fast = 32`, `beta_slow = 1`
+    /// and no `mscale`s.
+    pub fn yarn(factor: f64, original_max_position_embeddings: usize) -> Self {
+        RopeScaling {
+            kind: RopeScalingType::Yarn,
+            factor,
+            original_max_position_embeddings,
+            beta_fast: keywords::DEFAULT_YARN_BETA_FAST,
+            beta_slow: keywords::DEFAULT_YARN_BETA_SLOW,
+            mscale: None,
+            mscale_all_dim: None,
+        }
+    }
+
+    /// YaRN's magnitude correction `0.1·k·ln s + 1` of the stretch s =
+    /// `factor` (1 when s ≤ 1).
+    pub fn mscale_of(&self, k: f64) -> f64 {
+        if self.factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * k * self.factor.ln() + 1.0
+        }
+    }
+
+    /// The factor on MLA's softmax scale: `m(factor, mscale_all_dim)²`
+    /// (1 without `mscale_all_dim`).
+    pub fn softmax_scale_factor(&self) -> f64 {
+        let m = self.mscale_of(self.mscale_all_dim.unwrap_or(0.0));
+        m * m
+    }
 }
 
 /// `count` identical transformer blocks.
@@ -261,7 +341,8 @@ impl GemmPrecision {
 /// a rule's error back at the key the user wrote.
 pub mod keywords {
     use super::{
-        DropPolicySpec, GemmPrecision, LoadBalance, OffloadPart, RecomputePart, ScoreFunction,
+        DropPolicySpec, GemmPrecision, LoadBalance, OffloadPart, RecomputePart, RopeScalingType,
+        ScoreFunction,
     };
 
     /// Keys of the model (`#[moe_model(...)]`, a config file's top level).
@@ -272,6 +353,7 @@ pub mod keywords {
         ("seq_len", "seq_len"),
         ("norm_eps", "norm_eps"),
         ("rope_theta", "rope_theta"),
+        ("rope_scaling", "rope_scaling"),
         ("tied_embeddings", "tied_embeddings"),
         ("init_std", "init_std"),
         ("mtp_layers", "mtp_layers"),
@@ -341,6 +423,27 @@ pub mod keywords {
         ("z_loss", "router.z_loss_coef"),
         ("capacity", "capacity"),
     ];
+    /// Keys of `rope_scaling` (Hugging Face's names).
+    pub const ROPE_SCALING_KEYS: &[(&str, &str)] = &[
+        ("rope_type", "rope_type"),
+        ("factor", "factor"),
+        (
+            "original_max_position_embeddings",
+            "original_max_position_embeddings",
+        ),
+        ("beta_fast", "beta_fast"),
+        ("beta_slow", "beta_slow"),
+        ("mscale", "mscale"),
+        ("mscale_all_dim", "mscale_all_dim"),
+    ];
+    /// Values of `rope_scaling`'s `rope_type` (transformers 5's key; older
+    /// Hugging Face configs also spell it `type`, which the macro cannot,
+    /// `type` being a Rust keyword).
+    pub const ROPE_SCALING_TYPE: &[(&str, RopeScalingType)] = &[("yarn", RopeScalingType::Yarn)];
+    /// Default `beta_fast` of YaRN.
+    pub const DEFAULT_YARN_BETA_FAST: f64 = 32.0;
+    /// Default `beta_slow` of YaRN.
+    pub const DEFAULT_YARN_BETA_SLOW: f64 = 1.0;
     /// Keys of `capacity`.
     pub const CAPACITY_KEYS: &[(&str, &str)] = &[
         ("factor", "factor"),
@@ -770,6 +873,9 @@ impl ModelSpec {
                 format!("norm_eps = {}; it must be > 0", self.norm_eps),
             );
         }
+        if let Some(r) = &self.rope_scaling {
+            check_rope_scaling(r, &mut err);
+        }
         if self.groups.is_empty() {
             err(
                 "groups".into(),
@@ -867,6 +973,55 @@ impl ModelSpec {
             Ok(())
         } else {
             Err(errs)
+        }
+    }
+}
+
+/// YaRN's stretch is at least 1, its ramp runs from `beta_slow` up to
+/// `beta_fast` (both > 0: the dims are found from their logarithms), the
+/// original context is at least one position and the `mscale`s finite.
+fn check_rope_scaling(r: &RopeScaling, err: &mut impl FnMut(String, String)) {
+    let p = "rope_scaling";
+    if !(r.factor.is_finite() && r.factor >= 1.0) {
+        err(
+            format!("{p}.factor"),
+            format!(
+                "factor = {}; YaRN stretches the context by a finite factor ≥ 1",
+                r.factor
+            ),
+        );
+    }
+    if !(r.beta_slow.is_finite() && r.beta_slow > 0.0) {
+        err(
+            format!("{p}.beta_slow"),
+            format!(
+                "beta_slow = {}; it must be a finite number > 0",
+                r.beta_slow
+            ),
+        );
+    } else if !(r.beta_fast.is_finite() && r.beta_fast > r.beta_slow) {
+        err(
+            format!("{p}.beta_fast"),
+            format!(
+                "beta_fast = {} is not above beta_slow = {}; the ramp runs from beta_slow up \
+                 to beta_fast (32 and 1 by default)",
+                r.beta_fast, r.beta_slow
+            ),
+        );
+    }
+    if r.original_max_position_embeddings == 0 {
+        err(
+            format!("{p}.original_max_position_embeddings"),
+            "original_max_position_embeddings = 0; it is the pretraining context, at least 1"
+                .into(),
+        );
+    }
+    for (name, v) in [("mscale", r.mscale), ("mscale_all_dim", r.mscale_all_dim)] {
+        if let Some(v) = v.filter(|v| !v.is_finite()) {
+            err(
+                format!("{p}.{name}"),
+                format!("{name} = {v}; it must be a finite number"),
+            );
         }
     }
 }
@@ -1237,6 +1392,7 @@ mod tests {
             seq_len: 8,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             tied_embeddings: false,
             init_std: 0.02,
             groups: vec![group],

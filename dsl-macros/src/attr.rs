@@ -9,7 +9,7 @@
 use foldmoe_core::layout::LayoutSpec;
 use foldmoe_core::spec::{
     keywords, AttentionSpec, BlockGroup, CapacitySpec, FfnSpec, MlaSpec, ModelSpec, MoeSpec,
-    Policy, RouterSpec,
+    Policy, RopeScaling, RouterSpec,
 };
 use proc_macro2::{Span, TokenStream};
 use quote::format_ident;
@@ -52,6 +52,8 @@ pub mod kw {
     pub const MOE: &[(&str, &str)] = keywords::MOE_KEYS;
     /// Keys of `capacity(...)`.
     pub const CAPACITY: &[(&str, &str)] = keywords::CAPACITY_KEYS;
+    /// Keys of `rope_scaling(...)`.
+    pub const ROPE_SCALING: &[(&str, &str)] = keywords::ROPE_SCALING_KEYS;
 }
 
 /// One `key`, `key = value` or `key(...)` as written.
@@ -520,6 +522,9 @@ pub fn parse(cx: &Ctxt, attr: TokenStream, c: &Container) -> Decl {
         seq_len: s.req_int("seq_len"),
         norm_eps: s.float("norm_eps").unwrap_or(defaults.0),
         rope_theta: s.float("rope_theta").unwrap_or(defaults.1),
+        rope_scaling: s
+            .section(&mut spans, "rope_scaling", kw::ROPE_SCALING)
+            .map(|r| parse_rope_scaling(&r)),
         tied_embeddings: s.bool("tied_embeddings").unwrap_or(false),
         init_std: s.float("init_std").unwrap_or(defaults.2),
         groups,
@@ -557,6 +562,32 @@ pub fn parse(cx: &Ctxt, attr: TokenStream, c: &Container) -> Decl {
         layouts,
         spans,
     }
+}
+
+/// `rope_scaling(rope_type = yarn, factor, original_max_position_embeddings, ...)`,
+/// the betas defaulting to YaRN's 32 and 1.
+fn parse_rope_scaling(s: &Section) -> RopeScaling {
+    let kind = match s.get("rope_type") {
+        Some(_) => s.keyword("rope_type", keywords::ROPE_SCALING_TYPE),
+        None => {
+            s.missing("rope_type", "rope_type = yarn");
+            None
+        }
+    };
+    let factor = match s.get("factor") {
+        Some(_) => s.float("factor").unwrap_or(1.0),
+        None => {
+            s.missing("factor", "factor = 4");
+            1.0
+        }
+    };
+    let mut r = RopeScaling::yarn(factor, s.req_int("original_max_position_embeddings"));
+    r.kind = kind.unwrap_or(r.kind);
+    r.beta_fast = s.float("beta_fast").unwrap_or(r.beta_fast);
+    r.beta_slow = s.float("beta_slow").unwrap_or(r.beta_slow);
+    r.mscale = s.float("mscale");
+    r.mscale_all_dim = s.float("mscale_all_dim");
+    r
 }
 
 /// One `layout(...)`: a [`LayoutSpec`] with the keys given, the rest default.

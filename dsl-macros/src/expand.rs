@@ -374,12 +374,14 @@ fn spec_tokens(p: &TokenStream, s: &ModelSpec) -> TokenStream {
         seq_len,
         norm_eps,
         rope_theta,
+        rope_scaling,
         tied_embeddings,
         init_std,
         groups,
         mtp_layers,
         mtp_loss_coef,
     } = s;
+    let rope_scaling = rope_scaling_tokens(p, rope_scaling.as_ref());
     let (norm_eps, rope_theta, init_std, mtp_loss_coef) = (
         lit_f64(*norm_eps),
         lit_f64(*rope_theta),
@@ -395,6 +397,7 @@ fn spec_tokens(p: &TokenStream, s: &ModelSpec) -> TokenStream {
             seq_len: #seq_len,
             norm_eps: #norm_eps,
             rope_theta: #rope_theta,
+            rope_scaling: #rope_scaling,
             tied_embeddings: #tied_embeddings,
             init_std: #init_std,
             groups: #p::Vec::from([#(#groups),*]),
@@ -592,5 +595,40 @@ fn policy_tokens(p: &TokenStream, policy: &Policy) -> TokenStream {
             store_fp8: #p::Vec::from([#(#fp8),*]),
             precision: #p::GemmPrecision::#precision,
         }
+    }
+}
+
+/// `rope_scaling` as an `Option<RopeScaling>` literal.
+fn rope_scaling_tokens(
+    p: &TokenStream,
+    r: Option<&foldmoe_core::spec::RopeScaling>,
+) -> TokenStream {
+    let Some(r) = r else {
+        return quote!(::core::option::Option::None);
+    };
+    let opt = |v: Option<f64>| match v {
+        Some(v) => {
+            let v = lit_f64(v);
+            quote!(::core::option::Option::Some(#v))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let (factor, beta_fast, beta_slow) = (
+        lit_f64(r.factor),
+        lit_f64(r.beta_fast),
+        lit_f64(r.beta_slow),
+    );
+    let (mscale, mscale_all_dim) = (opt(r.mscale), opt(r.mscale_all_dim));
+    let original = r.original_max_position_embeddings;
+    quote! {
+        ::core::option::Option::Some(#p::RopeScaling {
+            kind: #p::RopeScalingType::Yarn,
+            factor: #factor,
+            original_max_position_embeddings: #original,
+            beta_fast: #beta_fast,
+            beta_slow: #beta_slow,
+            mscale: #mscale,
+            mscale_all_dim: #mscale_all_dim,
+        })
     }
 }

@@ -23,6 +23,7 @@ fn ui() {
         "policy",
         "precision",
         "multi",
+        "rope",
     ] {
         t.compile_fail(format!("tests/ui/{topic}/*.rs"));
     }

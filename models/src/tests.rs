@@ -22,6 +22,7 @@ fn tiny_by_hand() -> ModelSpec {
         seq_len: 128,
         norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: None,
         tied_embeddings: false,
         init_std: 0.02,
         groups: vec![

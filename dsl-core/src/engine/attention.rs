@@ -11,7 +11,7 @@
 //! Shapes: B batch, S sequence, T = B·S tokens, D hidden, Hq query heads,
 //! Hkv key/value heads, Hd head dim.
 
-use foldmoe_kernels::{Backend, DType, Rope, Tensor};
+use foldmoe_kernels::{Backend, DType, Rope, Tensor, Yarn};
 
 use super::activations::Slot;
 use super::documents::DocTensors;
@@ -19,7 +19,7 @@ use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
-use crate::spec::{AttentionSpec, ModelSpec, OffloadPart, RecomputePart};
+use crate::spec::{AttentionSpec, ModelSpec, OffloadPart, RecomputePart, RopeScalingType};
 
 /// The attention projections `wq: [D, Hq·Hd]`, `wk, wv: [D, Hkv·Hd]`,
 /// `wo: [Hq·Hd, D]` and the head layout.
@@ -127,7 +127,7 @@ impl<B: Backend> Attention<B> {
             heads: spec.heads,
             kv_heads: spec.kv_heads,
             head_dim: spec.head_dim,
-            rope: rope_of(model),
+            rope: rope_of(model, spec.head_dim),
         })
     }
 
@@ -306,9 +306,26 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-/// The rotary frequencies of `model`: its base `rope_theta`.
-pub(crate) fn rope_of(model: &ModelSpec) -> Rope {
-    Rope::plain(model.rope_theta)
+/// The rotary frequencies of `model` over a rotary dim of `dim` (GQA's
+/// head dim, MLA's `qk_rope_head_dim`): its base `rope_theta`, with YaRN's
+/// ramp and attention factor when it has a `rope_scaling`.
+pub(crate) fn rope_of(model: &ModelSpec, dim: usize) -> Rope {
+    let yarn = model.rope_scaling.as_ref().map(|r| match r.kind {
+        RopeScalingType::Yarn => Yarn::new(
+            model.rope_theta,
+            dim,
+            r.factor,
+            r.original_max_position_embeddings as f64,
+            r.beta_fast,
+            r.beta_slow,
+            r.mscale,
+            r.mscale_all_dim,
+        ),
+    });
+    Rope {
+        theta: model.rope_theta,
+        yarn,
+    }
 }
 
 /// Backward of `d = x·w` seen as heads: accumulates `xᵀ·d` into `w` and
@@ -357,24 +374,37 @@ mod tests {
     use crate::engine::testutil::{
         check_param_grads, dot, f64_tensor, small_spec, uniform, values,
     };
-    use crate::spec::FfnSpec;
+    use crate::spec::{FfnSpec, RopeScaling};
 
     #[test]
     fn attention_block_grad() {
-        check_attention_grad(false);
+        check_attention_grad(false, None);
+    }
+
+    /// YaRN (Qwen3-MoE's `rope_scaling`): the rotation and its attention
+    /// factor in forward and backward, against finite differences.
+    #[test]
+    fn attention_with_yarn_grad() {
+        let mut yarn = RopeScaling::yarn(4.0, 2);
+        (yarn.beta_fast, yarn.beta_slow) = (0.5, 0.05);
+        check_attention_grad(true, Some(yarn));
     }
 
     /// Qwen3's per-head q/k norms: their scales and the input checked
     /// against finite differences like every other parameter.
     #[test]
     fn attention_with_qk_norm_grad() {
-        check_attention_grad(true);
+        check_attention_grad(true, None);
     }
 
-    fn check_attention_grad(qk_norm: bool) {
+    fn check_attention_grad(qk_norm: bool, scaling: Option<RopeScaling>) {
         let b = Cpu;
         let mut spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
         spec.groups[0].attention.qk_norm = qk_norm;
+        if scaling.is_some() {
+            spec.rope_theta = 100.0;
+        }
+        spec.rope_scaling = scaling;
         let attn_spec = &spec.groups[0].attention;
         assert!(attn_spec.kv_heads < attn_spec.heads, "the check covers GQA");
         let mut attn = Attention::new(
@@ -386,6 +416,7 @@ mod tests {
             DType::F64,
         )
         .unwrap();
+        assert_eq!(attn.rope().yarn.is_some(), spec.rope_scaling.is_some());
         if let Some(norms) = &mut attn.qk_norm {
             // Scales away from 1, so their gradients are not symmetric.
             for (i, n) in norms.iter_mut().enumerate() {

@@ -1328,6 +1328,7 @@ mod tests {
             seq_len: 8,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             tied_embeddings: false,
             init_std: 0.1,
             groups: vec![

@@ -297,7 +297,13 @@ impl<B: Backend> Mla<B> {
                 wq: mk("wq", &[d, h * q])?,
             }
         };
-        let q_scale = (hd as f64 / q as f64).sqrt();
+        // The kernel scales scores by 1/√Hd; MLA's are 1/√(P + R), times
+        // YaRN's m(factor, mscale_all_dim)² (DeepSeek-V3's softmax scale).
+        let yarn_softmax = model
+            .rope_scaling
+            .as_ref()
+            .map_or(1.0, |s| s.softmax_scale_factor());
+        let q_scale = (hd as f64 / q as f64).sqrt() * yarn_softmax;
         let map = |cols_in, cols_out, pairs: Vec<(usize, usize)>, value| {
             ColMap::new(b, cols_in, cols_out, pairs, value, dtype)
         };
@@ -328,7 +334,7 @@ impl<B: Backend> Mla<B> {
             maps,
             heads,
             dims: mla.clone(),
-            rope: rope_of(model),
+            rope: rope_of(model, r),
         })
     }
 
@@ -548,7 +554,21 @@ mod tests {
         check_param_grads, dot, f64_tensor, one_rank, small_moe, small_spec, uniform, values,
     };
     use crate::engine::trainer::TrainConfig;
-    use crate::spec::{FfnSpec, MlaSpec, ModelSpec};
+    use crate::spec::{FfnSpec, MlaSpec, ModelSpec, RopeScaling};
+
+    /// YaRN over the test model (base 100, an original context of 2 below
+    /// the tests' sequences of 3 and 4): with LOW_RANK's rotary dim 4 the
+    /// ramp leaves pair 0 at its frequency and interpolates pair 1; the
+    /// mscales differ, so both cos/sin and the softmax scale change.
+    fn yarn() -> RopeScaling {
+        RopeScaling {
+            beta_fast: 0.5,
+            beta_slow: 0.05,
+            mscale: Some(1.0),
+            mscale_all_dim: Some(0.5),
+            ..RopeScaling::yarn(4.0, 2)
+        }
+    }
 
     /// Low-rank query; V = 3 below Q = 6, so v is padded.
     const LOW_RANK: MlaSpec = MlaSpec {
@@ -575,7 +595,16 @@ mod tests {
     }
 
     fn new_mla(mla: &MlaSpec) -> (Mla<Cpu>, ModelSpec) {
-        let spec = mla_spec(mla.clone(), FfnSpec::Dense { ffn: 4 });
+        new_mla_scaled(mla, None)
+    }
+
+    /// [`new_mla`] with the model's `rope_scaling` (and base 100 when set).
+    fn new_mla_scaled(mla: &MlaSpec, scaling: Option<RopeScaling>) -> (Mla<Cpu>, ModelSpec) {
+        let mut spec = mla_spec(mla.clone(), FfnSpec::Dense { ffn: 4 });
+        if scaling.is_some() {
+            spec.rope_theta = 100.0;
+        }
+        spec.rope_scaling = scaling;
         let heads = spec.groups[0].attention.heads;
         let layer = Mla::new(
             &Cpu,
@@ -590,9 +619,9 @@ mod tests {
         (layer, spec)
     }
 
-    fn check_grad(mla: &MlaSpec, what: &str) {
+    fn check_grad(mla: &MlaSpec, scaling: Option<RopeScaling>, what: &str) {
         let b = Cpu;
-        let (mut layer, spec) = new_mla(mla);
+        let (mut layer, spec) = new_mla_scaled(mla, scaling);
         let (seq, d) = (3, spec.hidden);
         let t = 2 * seq;
         let x = uniform(1, t * d, 1.0);
@@ -615,12 +644,17 @@ mod tests {
 
     #[test]
     fn mla_grad_low_rank_query() {
-        check_grad(&LOW_RANK, "mla low-rank query");
+        check_grad(&LOW_RANK, None, "mla low-rank query");
+    }
+
+    #[test]
+    fn mla_grad_with_yarn() {
+        check_grad(&LOW_RANK, Some(yarn()), "mla with YaRN");
     }
 
     #[test]
     fn mla_grad_full_rank_query() {
-        check_grad(&FULL_RANK, "mla full-rank query");
+        check_grad(&FULL_RANK, None, "mla full-rank query");
     }
 
     #[test]
@@ -674,23 +708,62 @@ mod tests {
             .collect()
     }
 
-    /// Rotate-half RoPE of one head vector at position `pos`.
-    fn rope(x: &[f64], pos: usize, theta: f64) -> Vec<f64> {
+    /// The rotary frequencies of a dim `r` and their amplitude, written out
+    /// from YaRN's definition (Peng et al. 2023, as transformers computes
+    /// it) when `scaling` is given.
+    fn frequencies(r: usize, theta: f64, scaling: Option<&RopeScaling>) -> (Vec<f64>, f64) {
+        let plain = |i: usize| 1.0 / theta.powf(2.0 * i as f64 / r as f64);
+        let Some(y) = scaling else {
+            return ((0..r / 2).map(plain).collect(), 1.0);
+        };
+        let m = |k: f64| 0.1 * k * y.factor.ln() + 1.0;
+        // The dim whose wavelength turns `turns` times over the original context.
+        let dim_of = |turns: f64| {
+            r as f64
+                * (y.original_max_position_embeddings as f64 / (turns * 2.0 * std::f64::consts::PI))
+                    .ln()
+                / (2.0 * theta.ln())
+        };
+        let low = dim_of(y.beta_fast).floor().max(0.0);
+        let mut high = dim_of(y.beta_slow).ceil().min(r as f64 - 1.0);
+        if low == high {
+            high += 0.001;
+        }
+        let freqs = (0..r / 2)
+            .map(|i| {
+                let interpolated = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                plain(i) * (1.0 - interpolated) + plain(i) / y.factor * interpolated
+            })
+            .collect();
+        (freqs, m(y.mscale.unwrap()) / m(y.mscale_all_dim.unwrap()))
+    }
+
+    /// Rotate-half RoPE of one head vector at position `pos`, cos and sin
+    /// times `amp`.
+    fn rope(x: &[f64], pos: usize, (freqs, amp): &(Vec<f64>, f64)) -> Vec<f64> {
         let half = x.len() / 2;
         let mut out = x.to_vec();
         for i in 0..half {
-            let a = pos as f64 * theta.powf(-2.0 * i as f64 / x.len() as f64);
-            let (c, s) = (a.cos(), a.sin());
+            let a = pos as f64 * freqs[i];
+            let (c, s) = (amp * a.cos(), amp * a.sin());
             out[i] = x[i] * c - x[half + i] * s;
             out[half + i] = x[half + i] * c + x[i] * s;
         }
         out
     }
 
-    /// MLA written out per token and head, with a materialised causal softmax.
+    /// MLA written out per token and head, with a materialised causal
+    /// softmax of scale `1/√(P + R)`, times `m(factor, mscale_all_dim)²`
+    /// under YaRN (DeepSeek-V3's).
     fn reference(layer: &Mla<Cpu>, spec: &ModelSpec, x: &[f64], seq: usize) -> Vec<f64> {
         let m = &layer.dims;
-        let (d, h, eps, theta) = (spec.hidden, layer.heads, spec.norm_eps, spec.rope_theta);
+        let (d, h, eps) = (spec.hidden, layer.heads, spec.norm_eps);
+        let scaling = spec.rope_scaling.as_ref();
+        let theta = frequencies(m.qk_rope_head_dim, spec.rope_theta, scaling);
+        let softmax = scaling.map_or(1.0, |y| {
+            let mscale = 0.1 * y.mscale_all_dim.unwrap() * y.factor.ln() + 1.0;
+            mscale * mscale
+        });
         let (l, p, r, v) = (
             m.kv_lora_rank,
             m.qk_nope_head_dim,
@@ -719,20 +792,20 @@ mod tests {
         let ckv = rms(&latent, &values(&layer.kv_norm.weight.value), eps);
         let kv = mm(&ckv, &values(&layer.wkv_b.value), l, h * (p + v));
         let k_rope: Vec<Vec<f64>> = (0..t)
-            .map(|i| rope(&kva[i * (l + r) + l..][..r], i % seq, theta))
+            .map(|i| rope(&kva[i * (l + r) + l..][..r], i % seq, &theta))
             .collect();
         let mut o = vec![0.0; t * h * v];
         for i in 0..t {
             let start = i - i % seq;
             for head in 0..h {
                 let qh = &q[(i * h + head) * q_dim..][..q_dim];
-                let q_rope = rope(&qh[p..], i % seq, theta);
+                let q_rope = rope(&qh[p..], i % seq, &theta);
                 let scores: Vec<f64> = (start..=i)
                     .map(|j| {
                         let kh = &kv[(j * h + head) * (p + v)..][..p];
                         let nope: f64 = qh[..p].iter().zip(kh).map(|(a, b)| a * b).sum();
                         let rot: f64 = q_rope.iter().zip(&k_rope[j]).map(|(a, b)| a * b).sum();
-                        (nope + rot) / (q_dim as f64).sqrt()
+                        (nope + rot) * softmax / (q_dim as f64).sqrt()
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -751,8 +824,12 @@ mod tests {
 
     #[test]
     fn mla_matches_reference() {
-        for mla in [LOW_RANK, FULL_RANK] {
-            let (layer, spec) = new_mla(&mla);
+        for (mla, scaling) in [
+            (LOW_RANK, None),
+            (FULL_RANK, None),
+            (LOW_RANK, Some(yarn())),
+        ] {
+            let (layer, spec) = new_mla_scaled(&mla, scaling);
             let (seq, d) = (4, spec.hidden);
             let t = 2 * seq;
             let x = uniform(3, t * d, 1.0);

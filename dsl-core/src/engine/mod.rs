@@ -79,6 +79,7 @@ pub(crate) mod testutil {
             seq_len: 4,
             norm_eps: 1e-6,
             rope_theta: 10000.0,
+            rope_scaling: None,
             tied_embeddings: tied,
             init_std: 0.4,
             groups: ffns

@@ -4,18 +4,20 @@
 //!
 //! Every field of the file is either read into the spec, checked to hold
 //! the one value foldmoe implements (`hidden_act = "silu"`, no attention
-//! bias, no sliding window, default RoPE, ...), or listed as not affecting
+//! bias, no sliding window, RoPE plain or YaRN, ...), or listed as not affecting
 //! the forward pass (token ids, `use_cache`, training-only coefficients that
 //! foldmoe sets itself). Anything else — an unknown field, or a value foldmoe
 //! cannot represent — is an error naming the field: nothing is defaulted
-//! silently.
+//! silently. DeepSeek-V3's `num_nextn_predict_layers` is the spec's
+//! `mtp_layers`; YaRN (`rope_parameters` or `rope_scaling`) its
+//! `rope_scaling`.
 
 use serde_json::{Map, Value};
 
 use crate::engine::{EngineError, Result};
 use crate::spec::{
     keywords, AttentionSpec, BlockGroup, FfnSpec, LoadBalance, MlaSpec, ModelSpec, MoeSpec,
-    RouterSpec, ScoreFunction,
+    RopeScaling, RopeScalingType, RouterSpec, ScoreFunction,
 };
 
 /// The model families converted.
@@ -99,88 +101,72 @@ const IGNORED: &[&str] = &[
     "max_window_layers",
 ];
 
-/// Fields of each family that are read or checked below.
-const MIXTRAL_FIELDS: &[&str] = &[
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_local_experts",
-    "num_experts_per_tok",
-    "rms_norm_eps",
+/// Every field that is read or checked below, with the families that have
+/// it (one table: a field shared by families is listed once).
+const FIELDS: &[(&str, &[Family])] = {
+    use Family::{DeepseekV3 as D, Mixtral as M, Qwen3Moe as Q};
+    &[
+        ("vocab_size", &[M, Q, D]),
+        ("hidden_size", &[M, Q, D]),
+        ("intermediate_size", &[M, Q, D]),
+        ("num_hidden_layers", &[M, Q, D]),
+        ("num_attention_heads", &[M, Q, D]),
+        ("num_key_value_heads", &[M, Q, D]),
+        ("head_dim", &[M, Q, D]),
+        ("num_experts_per_tok", &[M, Q, D]),
+        ("rms_norm_eps", &[M, Q, D]),
+        ("rope_theta", &[M, Q, D]),
+        ("rope_parameters", &[M, Q, D]),
+        ("rope_scaling", &[M, Q, D]),
+        ("tie_word_embeddings", &[M, Q, D]),
+        ("hidden_act", &[M, Q, D]),
+        ("num_local_experts", &[M, Q]),
+        ("sliding_window", &[M, Q]),
+        ("router_jitter_noise", &[M]),
+        ("attention_bias", &[Q, D]),
+        ("moe_intermediate_size", &[Q, D]),
+        ("norm_topk_prob", &[Q, D]),
+        ("num_experts", &[Q]),
+        ("decoder_sparse_step", &[Q]),
+        ("mlp_only_layers", &[Q]),
+        ("use_sliding_window", &[Q]),
+        ("n_shared_experts", &[D]),
+        ("n_routed_experts", &[D]),
+        ("routed_scaling_factor", &[D]),
+        ("kv_lora_rank", &[D]),
+        ("q_lora_rank", &[D]),
+        ("qk_rope_head_dim", &[D]),
+        ("qk_nope_head_dim", &[D]),
+        ("qk_head_dim", &[D]),
+        ("v_head_dim", &[D]),
+        ("n_group", &[D]),
+        ("topk_group", &[D]),
+        ("first_k_dense_replace", &[D]),
+        ("rope_interleave", &[D]),
+        ("num_nextn_predict_layers", &[D]),
+        ("pretraining_tp", &[D]),
+        ("scoring_func", &[D]),
+        ("topk_method", &[D]),
+        ("moe_layer_freq", &[D]),
+        ("quantization_config", &[D]),
+    ]
+};
+
+/// Fields of one `rope_parameters` / `rope_scaling` object, beside the
+/// type's key: those read into [`RopeScaling`] or checked.
+const ROPE_FIELDS: &[&str] = &[
+    "rope_type",
+    "type",
     "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "sliding_window",
-    "tie_word_embeddings",
-    "hidden_act",
-    "router_jitter_noise",
-];
-const QWEN3_MOE_FIELDS: &[&str] = &[
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_experts",
-    "num_local_experts",
-    "num_experts_per_tok",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "sliding_window",
-    "use_sliding_window",
-    "tie_word_embeddings",
-    "hidden_act",
-    "attention_bias",
-];
-const DEEPSEEK_V3_FIELDS: &[&str] = &[
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "n_shared_experts",
-    "n_routed_experts",
-    "routed_scaling_factor",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "qk_head_dim",
-    "v_head_dim",
-    "head_dim",
-    "n_group",
-    "topk_group",
-    "num_experts_per_tok",
-    "first_k_dense_replace",
-    "norm_topk_prob",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "rope_interleave",
-    "tie_word_embeddings",
-    "hidden_act",
-    "attention_bias",
-    "num_nextn_predict_layers",
-    "pretraining_tp",
-    "scoring_func",
-    "topk_method",
-    "moe_layer_freq",
-    "quantization_config",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "attention_factor",
+    "partial_rotary_factor",
 ];
 
 /// The transformers `rms_norm_eps` of DeepSeek-V3's latent norms
@@ -203,13 +189,14 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
              qwen3_moe and deepseek_v3"
         ))
     })?;
-    let known = match family {
-        Family::Mixtral => MIXTRAL_FIELDS,
-        Family::Qwen3Moe => QWEN3_MOE_FIELDS,
-        Family::DeepseekV3 => DEEPSEEK_V3_FIELDS,
+    let known = |key: &str| {
+        IGNORED.contains(&key)
+            || FIELDS
+                .iter()
+                .any(|(k, families)| *k == key && families.contains(&family))
     };
     for key in raw.keys() {
-        if !known.contains(&key.as_str()) && !IGNORED.contains(&key.as_str()) {
+        if !known(key) {
             return Err(EngineError::Invalid(format!(
                 "{what}: field `{key}` is not one foldmoe knows for {model_type}; it cannot \
                  say whether the model needs it (remove it if it does not change the model)"
@@ -218,7 +205,7 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
     }
     c.expect_str("hidden_act", "silu")?;
     c.expect_bool("attention_bias", false)?;
-    let rope_theta = c.rope_theta()?;
+    let (rope_theta, rope_scaling) = c.rope()?;
     let norm_eps = c.f64_or("rms_norm_eps", keywords::DEFAULT_NORM_EPS)?;
     let (hidden, heads) = (c.usize("hidden_size")?, c.usize("num_attention_heads")?);
     let layers = c.usize("num_hidden_layers")?;
@@ -236,6 +223,7 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
         seq_len,
         norm_eps,
         rope_theta,
+        rope_scaling,
         tied_embeddings: c.bool_or("tie_word_embeddings", false)?,
         init_std: c.f64_or("initializer_range", keywords::DEFAULT_INIT_STD)?,
         groups: Vec::new(),
@@ -321,12 +309,9 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
                      rms_norm_eps = 1e-6 converts exactly",
                 ));
             }
-            if c.usize_or("num_nextn_predict_layers", 0)? != 0 {
-                return Err(c.unsupported(
-                    "num_nextn_predict_layers",
-                    "foldmoe has no multi-token-prediction module to load into",
-                ));
-            }
+            // DeepSeek-V3's MTP modules (`model.layers.{L + k}`), which
+            // transformers does not run.
+            spec.mtp_layers = c.usize_or("num_nextn_predict_layers", 0)?;
             if c.usize_or("pretraining_tp", 1)? != 1 {
                 return Err(c.unsupported("pretraining_tp", "only 1 is the plain model"));
             }
@@ -510,10 +495,7 @@ pub fn to_config(spec: &ModelSpec) -> Result<(Family, Map<String, Value>)> {
     put("num_key_value_heads", a.kv_heads.into());
     put("max_position_embeddings", spec.seq_len.into());
     put("rms_norm_eps", spec.norm_eps.into());
-    put(
-        "rope_parameters",
-        serde_json::json!({ "rope_theta": spec.rope_theta, "rope_type": "default" }),
-    );
+    put("rope_parameters", rope_parameters(spec));
     put("tie_word_embeddings", spec.tied_embeddings.into());
     put("initializer_range", spec.init_std.into());
     put("hidden_act", "silu".into());
@@ -527,6 +509,9 @@ pub fn to_config(spec: &ModelSpec) -> Result<(Family, Map<String, Value>)> {
             }
             if m.shared_ffn > 0 {
                 return Err(no("it has shared experts without MLA"));
+            }
+            if spec.mtp_layers > 0 {
+                return Err(no("it has multi-token-prediction modules without MLA"));
             }
             put("head_dim", a.head_dim.into());
             put("sliding_window", Value::Null);
@@ -618,10 +603,39 @@ pub fn to_config(spec: &ModelSpec) -> Result<(Family, Map<String, Value>)> {
             put("qk_rope_head_dim", mla.qk_rope_head_dim.into());
             put("v_head_dim", mla.v_head_dim.into());
             put("rope_interleave", false.into());
-            put("num_nextn_predict_layers", 0.into());
+            put("num_nextn_predict_layers", spec.mtp_layers.into());
         }
     }
     Ok((family, c))
+}
+
+/// transformers 5's `rope_parameters` of `spec`: the base, and YaRN's
+/// fields when scaled (the mscales only when the spec has them).
+fn rope_parameters(spec: &ModelSpec) -> Value {
+    let mut p = Map::new();
+    p.insert("rope_theta".into(), spec.rope_theta.into());
+    match &spec.rope_scaling {
+        None => {
+            p.insert("rope_type".into(), "default".into());
+        }
+        Some(r) => {
+            let RopeScalingType::Yarn = r.kind;
+            p.insert("rope_type".into(), "yarn".into());
+            p.insert("factor".into(), r.factor.into());
+            p.insert(
+                "original_max_position_embeddings".into(),
+                r.original_max_position_embeddings.into(),
+            );
+            p.insert("beta_fast".into(), r.beta_fast.into());
+            p.insert("beta_slow".into(), r.beta_slow.into());
+            for (k, v) in [("mscale", r.mscale), ("mscale_all_dim", r.mscale_all_dim)] {
+                if let Some(v) = v {
+                    p.insert(k.into(), v.into());
+                }
+            }
+        }
+    }
+    Value::Object(p)
 }
 
 /// Typed reads of a config's fields, each error naming the field.
@@ -719,37 +733,114 @@ impl Fields<'_> {
         }
     }
 
-    /// The RoPE base: `rope_parameters.rope_theta` (transformers 5) or
-    /// `rope_theta`; any scaling (YaRN, linear, dynamic, ...) is an error.
-    fn rope_theta(&self) -> Result<f64> {
+    /// The RoPE base and its scaling: `rope_parameters` (transformers 5)
+    /// or `rope_scaling` with `rope_theta` (older files). YaRN reads into
+    /// [`RopeScaling`]; any other type (linear, dynamic, longrope, llama3,
+    /// ...) is an error naming it, as is a YaRN field foldmoe does not
+    /// implement (an explicit `attention_factor`, `truncate = false`,
+    /// partial rotary dims). Missing YaRN fields take transformers'
+    /// defaults: `beta_fast` 32, `beta_slow` 1 (also for 0, as transformers
+    /// reads them), `original_max_position_embeddings` the model's
+    /// `max_position_embeddings`.
+    fn rope(&self) -> Result<(f64, Option<RopeScaling>)> {
+        let mut theta = None;
+        let mut scaling: Option<(&str, RopeScaling)> = None;
         for key in ["rope_parameters", "rope_scaling"] {
-            match self.raw.get(key) {
-                None | Some(Value::Null) => {}
-                Some(Value::Object(p)) => {
-                    let kind = p
-                        .get("rope_type")
-                        .or_else(|| p.get("type"))
-                        .and_then(Value::as_str)
-                        .unwrap_or("default");
-                    if kind != "default" {
-                        return Err(self.unsupported(
-                            key,
-                            &format!(
-                                "rope_type `{kind}`: foldmoe's rotary embedding has no \
-                                 scaling (only `default`)"
-                            ),
-                        ));
-                    }
-                    if let Some(t) = p.get("rope_theta") {
-                        return t
-                            .as_f64()
-                            .ok_or_else(|| self.bad(key, "a rope_theta number"));
-                    }
-                }
+            let p = match self.raw.get(key) {
+                None | Some(Value::Null) => continue,
+                Some(Value::Object(p)) => p,
                 Some(_) => return Err(self.bad(key, "an object")),
+            };
+            let field = |f: &str| p.get(f).filter(|v| !v.is_null());
+            let num = |f: &str| -> Result<Option<f64>> {
+                field(f)
+                    .map(|v| {
+                        v.as_f64().ok_or_else(|| {
+                            self.unsupported(key, &format!("its `{f}` = {v} is not a number"))
+                        })
+                    })
+                    .transpose()
+            };
+            if let Some(f) = p.keys().find(|f| !ROPE_FIELDS.contains(&f.as_str())) {
+                return Err(
+                    self.unsupported(key, &format!("its field `{f}` is not one foldmoe knows"))
+                );
+            }
+            if let Some(t) = num("rope_theta")? {
+                theta.get_or_insert(t);
+            }
+            let kind = field("rope_type")
+                .or_else(|| field("type"))
+                .map(|v| v.as_str().unwrap_or("?"))
+                .unwrap_or("default");
+            match kind {
+                "default" => continue,
+                "yarn" => {}
+                other => {
+                    return Err(self.unsupported(
+                        key,
+                        &format!(
+                            "rope_type `{other}`: foldmoe's rotary embedding is plain or YaRN \
+                             (`default`, `yarn`)"
+                        ),
+                    ))
+                }
+            }
+            if num("attention_factor")?.is_some() {
+                return Err(self.unsupported(
+                    key,
+                    "an explicit YaRN `attention_factor`: foldmoe derives it from factor and \
+                     the mscales",
+                ));
+            }
+            if field("truncate").is_some_and(|v| v != &Value::Bool(true)) {
+                return Err(self.unsupported(
+                    key,
+                    "YaRN `truncate` other than true: foldmoe rounds the ramp's ends",
+                ));
+            }
+            if num("partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
+                return Err(self.unsupported(
+                    key,
+                    "a `partial_rotary_factor`: foldmoe rotates whole heads",
+                ));
+            }
+            let factor =
+                num("factor")?.ok_or_else(|| self.unsupported(key, "YaRN without its `factor`"))?;
+            let original = match field("original_max_position_embeddings") {
+                None => self.usize_or("max_position_embeddings", 4096)?,
+                Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                    self.unsupported(
+                        key,
+                        &format!(
+                            "its `original_max_position_embeddings` = {v} is not a whole number"
+                        ),
+                    )
+                })?,
+            };
+            let mut r = RopeScaling::yarn(factor, original);
+            // transformers reads the betas with `or`: 0 is the default too.
+            r.beta_fast = num("beta_fast")?
+                .filter(|&b| b != 0.0)
+                .unwrap_or(r.beta_fast);
+            r.beta_slow = num("beta_slow")?
+                .filter(|&b| b != 0.0)
+                .unwrap_or(r.beta_slow);
+            r.mscale = num("mscale")?;
+            r.mscale_all_dim = num("mscale_all_dim")?;
+            match &scaling {
+                Some((first, s)) if *s != r => {
+                    return Err(self
+                        .unsupported(key, &format!("its YaRN differs from `{first}`'s; keep one")))
+                }
+                _ => scaling = Some((key, r)),
             }
         }
-        self.f64_or("rope_theta", keywords::DEFAULT_ROPE_THETA)
+        let theta = match theta {
+            Some(t) => t,
+            None => self.f64_or("rope_theta", keywords::DEFAULT_ROPE_THETA)?,
+        };
+        Ok((theta, scaling.map(|(_, r)| r)))
     }
 
     /// GQA attention: `head_dim` (default `hidden / heads`), kv heads.
@@ -864,13 +955,39 @@ mod tests {
             c.insert("attn_logit_softcapping".into(), 30.into());
         });
         assert!(e.contains("field `attn_logit_softcapping`"), "{e}");
-        let e = error("deepseek_v3", |c| {
-            c.insert(
-                "rope_parameters".into(),
-                serde_json::json!({"rope_type": "yarn", "factor": 40, "rope_theta": 10000}),
+        for kind in ["linear", "dynamic", "longrope", "llama3"] {
+            let e = error("deepseek_v3", |c| {
+                c.insert(
+                    "rope_parameters".into(),
+                    serde_json::json!({"rope_type": kind, "factor": 4, "rope_theta": 10000}),
+                );
+            });
+            assert!(
+                e.contains("`rope_parameters`") && e.contains(&format!("`{kind}`")),
+                "{e}"
             );
+        }
+        for (extra, want) in [
+            (
+                serde_json::json!({"attention_factor": 1.5}),
+                "attention_factor",
+            ),
+            (serde_json::json!({"truncate": false}), "truncate"),
+            (serde_json::json!({"low_freq_factor": 1}), "low_freq_factor"),
+        ] {
+            let e = error("qwen3_moe_yarn", |c| {
+                let p = c["rope_parameters"].as_object_mut().unwrap();
+                p.extend(extra.as_object().unwrap().clone());
+            });
+            assert!(e.contains("`rope_parameters`") && e.contains(want), "{e}");
+        }
+        let e = error("qwen3_moe_yarn", |c| {
+            c["rope_parameters"]["beta_slow"] = 40.into();
         });
-        assert!(e.contains("`rope_parameters`") && e.contains("yarn"), "{e}");
+        assert!(
+            e.contains("rope_scaling.beta_fast") && e.contains("beta_slow = 40"),
+            "{e}"
+        );
         let e = error("mixtral", |c| {
             c.insert("sliding_window".into(), 16.into());
         });
@@ -883,10 +1000,6 @@ mod tests {
             c.insert("topk_group".into(), 1.into());
         });
         assert!(e.contains("`topk_group`") && e.contains("top 2"), "{e}");
-        let e = error("deepseek_v3", |c| {
-            c.insert("num_nextn_predict_layers".into(), 1.into());
-        });
-        assert!(e.contains("`num_nextn_predict_layers`"), "{e}");
         let e = error("qwen3_moe", |c| {
             c.remove("hidden_size");
         });
@@ -900,7 +1013,13 @@ mod tests {
     /// A spec read from a config writes the same model back.
     #[test]
     fn specs_write_back_as_configs_that_read_the_same() {
-        for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
+        for family in [
+            "mixtral",
+            "qwen3_moe",
+            "deepseek_v3",
+            "qwen3_moe_yarn",
+            "deepseek_v3_yarn_mtp",
+        ] {
             let cfg = parse_with(family, |_| {}).unwrap();
             let (fam, raw) = to_config(&cfg.spec).unwrap();
             assert_eq!(fam, cfg.family);
@@ -909,5 +1028,93 @@ mod tests {
             want.name = back.spec.name.clone();
             assert_eq!(back.spec, want, "{family}");
         }
+    }
+
+    /// YaRN reads from transformers 5's `rope_parameters` and from the
+    /// older `rope_scaling` + `rope_theta` the same way, with
+    /// transformers' defaults for what is left out.
+    #[test]
+    fn yarn_reads_from_either_spelling() {
+        let new = parse_with("deepseek_v3_yarn_mtp", |_| {}).unwrap();
+        let r = new.spec.rope_scaling.clone().expect("YaRN");
+        assert_eq!(r.kind, RopeScalingType::Yarn);
+        assert_eq!((r.factor, r.original_max_position_embeddings), (4.0, 8));
+        assert_eq!((r.beta_fast, r.beta_slow), (0.5, 0.05));
+        assert_eq!((r.mscale, r.mscale_all_dim), (Some(1.0), Some(0.5)));
+        assert_eq!(new.spec.rope_theta, 100.0);
+        assert_eq!(new.spec.mtp_layers, 1);
+        let old = parse_with("deepseek_v3_yarn_mtp", |c| {
+            let Some(Value::Object(mut p)) = c.remove("rope_parameters") else {
+                panic!("an object")
+            };
+            c.insert("rope_theta".into(), p.remove("rope_theta").unwrap());
+            let kind = p.remove("rope_type").unwrap();
+            p.insert("type".into(), kind);
+            c.insert("rope_scaling".into(), Value::Object(p));
+        })
+        .unwrap();
+        assert_eq!(old.spec, new.spec);
+        let bare = parse_with("qwen3_moe", |c| {
+            c.insert(
+                "rope_scaling".into(),
+                serde_json::json!({"type": "yarn", "factor": 4, "beta_fast": 0}),
+            );
+        })
+        .unwrap();
+        // original_max_position_embeddings: the model's max_position_embeddings.
+        assert_eq!(
+            bare.spec.rope_scaling,
+            Some(RopeScaling::yarn(4.0, bare.spec.seq_len))
+        );
+    }
+
+    /// The published DeepSeek-V3 `config.json` (deepseek-ai/DeepSeek-V3 on
+    /// the Hugging Face hub; its weights are too large for a test) reads
+    /// into a spec: YaRN of factor 40, one MTP module, fp8 blocks.
+    #[test]
+    fn the_published_deepseek_v3_config_reads() {
+        let text = r#"{
+          "architectures": ["DeepseekV3ForCausalLM"],
+          "attention_bias": false, "attention_dropout": 0.0,
+          "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                       "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+          "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+          "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+          "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+          "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+          "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+          "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+          "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+          "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "quant_method": "fp8", "weight_block_size": [128, 128]},
+          "rms_norm_eps": 1e-06,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                           "type": "yarn"},
+          "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+          "seq_aux": true, "tie_word_embeddings": false, "topk_group": 4,
+          "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+          "transformers_version": "4.46.3", "use_cache": true, "v_head_dim": 128,
+          "vocab_size": 129280
+        }"#;
+        let cfg = parse(text, "DeepSeek-V3/config.json").unwrap();
+        let s = &cfg.spec;
+        assert_eq!((s.layers(), s.mtp_layers, s.vocab), (61, 1, 129280));
+        let r = s.rope_scaling.as_ref().expect("YaRN");
+        assert_eq!((r.factor, r.original_max_position_embeddings), (40.0, 4096));
+        assert_eq!((r.beta_fast, r.beta_slow), (32.0, 1.0));
+        assert_eq!((r.mscale, r.mscale_all_dim), (Some(1.0), Some(1.0)));
+        // m(40, 1)² = (0.1·ln 40 + 1)²: MLA's softmax scale correction.
+        let m = 0.1 * 40f64.ln() + 1.0;
+        assert!((r.softmax_scale_factor() - m * m).abs() < 1e-12);
+        assert_eq!(cfg.fp8_block, Some([128, 128]));
+        assert_eq!(s.param_counts().0 / 1_000_000_000, 671);
+        let (_, back) = to_config(s).unwrap();
+        let again = parse(&Value::Object(back).to_string(), "exported").unwrap();
+        assert_eq!(again.spec.rope_scaling, s.rope_scaling);
+        assert_eq!(again.spec.mtp_layers, 1);
     }
 }

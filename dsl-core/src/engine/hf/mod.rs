@@ -22,6 +22,8 @@
 //! | `mlp.w1`, `w3`, `w2`; `moe.shared_experts.*` | `mlp.gate_proj`, `up_proj`, `down_proj`; `mlp.shared_experts.*`, transposed |
 //! | `moe.router.weight` `[D, E]`, `moe.router.expert_bias` | `mlp.gate.weight` (Mixtral: `block_sparse_moe.gate`) transposed, `mlp.gate.e_score_correction_bias` |
 //! | `moe.experts.w1`, `w3` `[E, D, F]`, `w2` `[E, F, D]` | per expert `mlp.experts.{j}.{gate,up,down}_proj.weight` (Mixtral `block_sparse_moe.experts.{j}.w1/w3/w2`), or fused `mlp.experts.gate_up_proj [E, 2F, D]` / `down_proj [E, D, F]`; transposed |
+//! | MTP module k: `mtp.{k}.enorm.weight`, `hnorm.weight`, `eh_proj.weight` `[2D, D]`, `norm.weight`, `block.*` | DeepSeek-V3's layer `L + k` (L = `num_hidden_layers`): `enorm`, `hnorm`, `eh_proj.weight` `[D, 2D]` transposed, `shared_head.norm`, and the block's tensors as a layer's |
+//! | (the embedding and head, shared) | also that layer's `embed_tokens.weight` and `shared_head.head.weight`: checked equal to the main ones on import, written again on export |
 //!
 //! DeepSeek's fp8 release stores 2-d weights as e4m3 with a
 //! `weight_scale_inv` per `weight_block_size` block: import multiplies them
@@ -45,7 +47,7 @@ pub use config::{Family, HfConfig};
 use super::checkpoint::{self, ParamTensor, Source, StateKind, StoredDType};
 use crate::engine::{EngineError, Result};
 use crate::layout::Layout;
-use crate::spec::{FfnSpec, ModelSpec};
+use crate::spec::{BlockGroup, FfnSpec, ModelSpec};
 
 /// The single-file checkpoint and the index of a sharded one.
 const SINGLE: &str = "model.safetensors";
@@ -67,92 +69,120 @@ pub fn read_config(dir: &Path) -> Result<HfConfig> {
 }
 
 /// Every tensor of `spec`'s model, as the engine names and shapes them (its
-/// parameters and the routers' expert biases), in the engine's order.
+/// parameters and the routers' expert biases), in the engine's order: the
+/// main model's, then each MTP module's (`mtp.{k}.*`, its block one of the
+/// last group).
 pub fn model_tensors(spec: &ModelSpec) -> Vec<ParamTensor> {
     let (v, d) = (spec.vocab, spec.hidden);
-    let mut out = Vec::new();
+    let mut params = Vec::new();
+    let mut buffers = Vec::new();
+    let param = |name: String, shape: &[usize]| ParamTensor {
+        name,
+        shape: shape.to_vec(),
+        kind: StateKind::Param,
+    };
+    params.push(param("embed.weight".into(), &[v, d]));
+    for l in 0..spec.layers() {
+        let g = spec.group_of_layer(l).expect("layer in range");
+        block_tensors(&format!("blocks.{l}"), g, d, &mut params, &mut buffers);
+    }
+    params.push(param("final_norm.weight".into(), &[d]));
+    if !spec.tied_embeddings {
+        params.push(param("head.weight".into(), &[v, d]));
+    }
+    if let Some(last) = spec.groups.last() {
+        for k in 0..spec.mtp_layers {
+            let p = format!("mtp.{k}");
+            params.push(param(format!("{p}.enorm.weight"), &[d]));
+            params.push(param(format!("{p}.hnorm.weight"), &[d]));
+            params.push(param(format!("{p}.eh_proj.weight"), &[2 * d, d]));
+            block_tensors(&format!("{p}.block"), last, d, &mut params, &mut buffers);
+            params.push(param(format!("{p}.norm.weight"), &[d]));
+        }
+    }
+    params.extend(buffers);
+    params
+}
+
+/// The tensors of one block of group `g` under `p` (hidden size `d`): its
+/// parameters onto `params`, its router's expert bias onto `buffers`.
+fn block_tensors(
+    p: &str,
+    g: &BlockGroup,
+    d: usize,
+    params: &mut Vec<ParamTensor>,
+    buffers: &mut Vec<ParamTensor>,
+) {
     let mut put = |name: String, shape: &[usize]| {
-        out.push(ParamTensor {
+        params.push(ParamTensor {
             name,
             shape: shape.to_vec(),
             kind: StateKind::Param,
         })
     };
-    put("embed.weight".into(), &[v, d]);
-    let mut buffers = Vec::new();
-    for l in 0..spec.layers() {
-        let g = spec.group_of_layer(l).expect("layer in range");
-        let p = format!("blocks.{l}");
-        put(format!("{p}.attn_norm.weight"), &[d]);
-        let a = &g.attention;
-        match &a.mla {
-            None => {
-                let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-                put(format!("{p}.attn.wq"), &[d, q]);
-                put(format!("{p}.attn.wk"), &[d, kv]);
-                put(format!("{p}.attn.wv"), &[d, kv]);
-                put(format!("{p}.attn.wo"), &[q, d]);
-                if a.qk_norm {
-                    put(format!("{p}.attn.q_norm.weight"), &[a.head_dim]);
-                    put(format!("{p}.attn.k_norm.weight"), &[a.head_dim]);
-                }
-            }
-            Some(m) => {
-                let h = a.heads;
-                let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
-                if m.q_lora_rank > 0 {
-                    put(format!("{p}.attn.wq_a"), &[d, m.q_lora_rank]);
-                    put(format!("{p}.attn.q_norm.weight"), &[m.q_lora_rank]);
-                    put(format!("{p}.attn.wq_b"), &[m.q_lora_rank, h * q]);
-                } else {
-                    put(format!("{p}.attn.wq"), &[d, h * q]);
-                }
-                let l_r = m.kv_lora_rank + m.qk_rope_head_dim;
-                put(format!("{p}.attn.wkv_a"), &[d, l_r]);
-                put(format!("{p}.attn.kv_norm.weight"), &[m.kv_lora_rank]);
-                let kv = h * (m.qk_nope_head_dim + m.v_head_dim);
-                put(format!("{p}.attn.wkv_b"), &[m.kv_lora_rank, kv]);
-                put(format!("{p}.attn.wo"), &[h * m.v_head_dim, d]);
+    put(format!("{p}.attn_norm.weight"), &[d]);
+    let a = &g.attention;
+    match &a.mla {
+        None => {
+            let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+            put(format!("{p}.attn.wq"), &[d, q]);
+            put(format!("{p}.attn.wk"), &[d, kv]);
+            put(format!("{p}.attn.wv"), &[d, kv]);
+            put(format!("{p}.attn.wo"), &[q, d]);
+            if a.qk_norm {
+                put(format!("{p}.attn.q_norm.weight"), &[a.head_dim]);
+                put(format!("{p}.attn.k_norm.weight"), &[a.head_dim]);
             }
         }
-        put(format!("{p}.ffn_norm.weight"), &[d]);
-        match &g.ffn {
-            FfnSpec::Dense { ffn } => {
-                put(format!("{p}.mlp.w1"), &[d, *ffn]);
-                put(format!("{p}.mlp.w3"), &[d, *ffn]);
-                put(format!("{p}.mlp.w2"), &[*ffn, d]);
+        Some(m) => {
+            let h = a.heads;
+            let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
+            if m.q_lora_rank > 0 {
+                put(format!("{p}.attn.wq_a"), &[d, m.q_lora_rank]);
+                put(format!("{p}.attn.q_norm.weight"), &[m.q_lora_rank]);
+                put(format!("{p}.attn.wq_b"), &[m.q_lora_rank, h * q]);
+            } else {
+                put(format!("{p}.attn.wq"), &[d, h * q]);
             }
-            FfnSpec::Moe(m) => {
-                if m.shared_ffn > 0 {
-                    let s = m.shared_ffn;
-                    put(format!("{p}.moe.shared_experts.w1"), &[d, s]);
-                    put(format!("{p}.moe.shared_experts.w3"), &[d, s]);
-                    put(format!("{p}.moe.shared_experts.w2"), &[s, d]);
-                    if m.shared_gate {
-                        put(format!("{p}.moe.shared_experts.gate"), &[d, 1]);
-                    }
+            let l_r = m.kv_lora_rank + m.qk_rope_head_dim;
+            put(format!("{p}.attn.wkv_a"), &[d, l_r]);
+            put(format!("{p}.attn.kv_norm.weight"), &[m.kv_lora_rank]);
+            let kv = h * (m.qk_nope_head_dim + m.v_head_dim);
+            put(format!("{p}.attn.wkv_b"), &[m.kv_lora_rank, kv]);
+            put(format!("{p}.attn.wo"), &[h * m.v_head_dim, d]);
+        }
+    }
+    put(format!("{p}.ffn_norm.weight"), &[d]);
+    match &g.ffn {
+        FfnSpec::Dense { ffn } => {
+            put(format!("{p}.mlp.w1"), &[d, *ffn]);
+            put(format!("{p}.mlp.w3"), &[d, *ffn]);
+            put(format!("{p}.mlp.w2"), &[*ffn, d]);
+        }
+        FfnSpec::Moe(m) => {
+            if m.shared_ffn > 0 {
+                let s = m.shared_ffn;
+                put(format!("{p}.moe.shared_experts.w1"), &[d, s]);
+                put(format!("{p}.moe.shared_experts.w3"), &[d, s]);
+                put(format!("{p}.moe.shared_experts.w2"), &[s, d]);
+                if m.shared_gate {
+                    put(format!("{p}.moe.shared_experts.gate"), &[d, 1]);
                 }
-                put(format!("{p}.moe.router.weight"), &[d, m.experts]);
-                let (e, f) = (m.experts, m.expert_ffn);
-                put(format!("{p}.moe.experts.w1"), &[e, d, f]);
-                put(format!("{p}.moe.experts.w3"), &[e, d, f]);
-                put(format!("{p}.moe.experts.w2"), &[e, f, d]);
-                if m.router.expert_bias_rate.is_some() {
-                    buffers.push(ParamTensor {
-                        name: format!("{p}.moe.router.expert_bias"),
-                        shape: vec![e],
-                        kind: StateKind::Buffer,
-                    });
-                }
+            }
+            put(format!("{p}.moe.router.weight"), &[d, m.experts]);
+            let (e, f) = (m.experts, m.expert_ffn);
+            put(format!("{p}.moe.experts.w1"), &[e, d, f]);
+            put(format!("{p}.moe.experts.w3"), &[e, d, f]);
+            put(format!("{p}.moe.experts.w2"), &[e, f, d]);
+            if m.router.expert_bias_rate.is_some() {
+                buffers.push(ParamTensor {
+                    name: format!("{p}.moe.router.expert_bias"),
+                    shape: vec![e],
+                    kind: StateKind::Buffer,
+                });
             }
         }
     }
-    put("final_norm.weight".into(), &[d]);
-    if !spec.tied_embeddings {
-        put("head.weight".into(), &[v, d]);
-    }
-    out.extend(buffers);
-    out
 }
 
 /// How the routed experts are stored on the Hugging Face side.
@@ -262,6 +292,29 @@ impl HfSource {
             .filter(|k| !used.contains(*k))
             .map(String::as_str)
             .collect()
+    }
+
+    /// Checks that tensor `copy` holds exactly what `main` does (dtype,
+    /// shape and bytes, compared in place in the mapped files) and marks
+    /// it used: DeepSeek-V3's MTP copies of the embedding and head.
+    fn check_copy(&self, copy: &str, main: &str) -> Result<()> {
+        let entry = |name: &str| {
+            self.tensors.get(name).ok_or_else(|| {
+                err(format!(
+                    "tensor {name} is missing from the Hugging Face checkpoint"
+                ))
+            })
+        };
+        let (c, m) = (entry(copy)?, entry(main)?);
+        let bytes = |e: &Entry| &self.maps[e.file][e.range.0..e.range.1];
+        if c.dtype != m.dtype || c.shape != m.shape || bytes(c) != bytes(m) {
+            return Err(err(format!(
+                "tensor {copy} differs from {main}: foldmoe's multi-token-prediction modules \
+                 share the main model's embedding and head, so the two must be equal"
+            )));
+        }
+        self.used.borrow_mut().insert(copy.to_string());
+        Ok(())
     }
 
     /// Tensor `name` as f32 values, checked to have `shape`; fp8 weights
@@ -418,6 +471,7 @@ struct Naming<'a> {
 }
 
 impl Naming<'_> {
+    /// The MoE module of Hugging Face layer `l` (an MTP module's too).
     fn moe_prefix(&self, l: usize) -> String {
         match self.cfg.family {
             Family::Mixtral => format!("model.layers.{l}.{}", self.mixtral_moe),
@@ -438,6 +492,28 @@ impl Naming<'_> {
         format!("{moe}.experts.{j}.{p}.weight")
     }
 
+    /// The Hugging Face copies of foldmoe tensor `name` beside its own:
+    /// each DeepSeek-V3 MTP module's `embed_tokens` and `shared_head.head`
+    /// (the main model's embedding and head, which foldmoe's modules share).
+    fn copies(&self, name: &str) -> Vec<String> {
+        let spec = &self.cfg.spec;
+        let mtp = |part: &str| -> Vec<String> {
+            (0..spec.mtp_layers)
+                .map(|k| format!("model.layers.{}.{part}.weight", spec.layers() + k))
+                .collect()
+        };
+        match name {
+            "embed.weight" if spec.tied_embeddings => {
+                let mut v = mtp("embed_tokens");
+                v.extend(mtp("shared_head.head"));
+                v
+            }
+            "embed.weight" => mtp("embed_tokens"),
+            "head.weight" => mtp("shared_head.head"),
+            _ => Vec::new(),
+        }
+    }
+
     /// The recipe of foldmoe tensor `name`.
     fn recipe(&self, name: &str) -> Result<Recipe> {
         let spec = &self.cfg.spec;
@@ -448,10 +524,35 @@ impl Naming<'_> {
             "final_norm.weight" => return Ok(Recipe::Same("model.norm.weight".into())),
             _ => {}
         }
-        let rest = name.strip_prefix("blocks.").ok_or_else(unknown)?;
-        let (l, part) = rest.split_once('.').ok_or_else(unknown)?;
-        let l: usize = l.parse().map_err(|_| unknown())?;
-        let g = spec.group_of_layer(l).ok_or_else(unknown)?;
+        // Block l of the main model, or MTP module k: DeepSeek-V3 stores it
+        // as layer L + k, its block's tensors named as a layer's.
+        let (l, part, g) = if let Some(rest) = name.strip_prefix("blocks.") {
+            let (l, part) = rest.split_once('.').ok_or_else(unknown)?;
+            let l: usize = l.parse().map_err(|_| unknown())?;
+            (l, part, spec.group_of_layer(l).ok_or_else(unknown)?)
+        } else if let Some(rest) = name.strip_prefix("mtp.") {
+            let (k, part) = rest.split_once('.').ok_or_else(unknown)?;
+            let k: usize = k.parse().map_err(|_| unknown())?;
+            if k >= spec.mtp_layers {
+                return Err(unknown());
+            }
+            let l = spec.layers() + k;
+            let at = format!("model.layers.{l}");
+            match part {
+                "enorm.weight" | "hnorm.weight" => return Ok(Recipe::Same(format!("{at}.{part}"))),
+                "norm.weight" => return Ok(Recipe::Same(format!("{at}.shared_head.norm.weight"))),
+                // [2D, D], embedding rows first: HF's Linear(2D → D) of
+                // cat(enorm(e), hnorm(h)), transposed.
+                "eh_proj.weight" => {
+                    return Ok(Recipe::Linear(format!("{at}.eh_proj.weight"), None))
+                }
+                _ => {}
+            }
+            let part = part.strip_prefix("block.").ok_or_else(unknown)?;
+            (l, part, spec.groups.last().ok_or_else(unknown)?)
+        } else {
+            return Err(unknown());
+        };
         let at = format!("model.layers.{l}");
         let lin = |hf: &str| Ok(Recipe::Linear(format!("{at}.{hf}.weight"), None));
         let same = |hf: &str| Ok(Recipe::Same(format!("{at}.{hf}")));
@@ -460,36 +561,26 @@ impl Naming<'_> {
             (Some(m), true) => Some(m),
             _ => None,
         };
+        // A query projection: each head's rotary columns de-interleaved.
+        let query = |hf: &str| {
+            let perm = rope.map(|m| {
+                let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
+                (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
+            });
+            Ok(Recipe::Linear(format!("{at}.self_attn.{hf}.weight"), perm))
+        };
         match part {
             "attn_norm.weight" => same("input_layernorm.weight"),
             "ffn_norm.weight" => same("post_attention_layernorm.weight"),
             "attn.wo" => lin("self_attn.o_proj"),
             "attn.wk" => lin("self_attn.k_proj"),
             "attn.wv" => lin("self_attn.v_proj"),
-            "attn.wq" => {
-                let perm = rope.map(|m| {
-                    let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
-                    (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
-                });
-                Ok(Recipe::Linear(
-                    format!("{at}.self_attn.q_proj.weight"),
-                    perm,
-                ))
-            }
+            "attn.wq" => query("q_proj"),
             "attn.q_norm.weight" if g.attention.mla.is_none() => same("self_attn.q_norm.weight"),
             "attn.k_norm.weight" => same("self_attn.k_norm.weight"),
             "attn.wq_a" => lin("self_attn.q_a_proj"),
             "attn.q_norm.weight" => same("self_attn.q_a_layernorm.weight"),
-            "attn.wq_b" => {
-                let perm = rope.map(|m| {
-                    let q = m.qk_nope_head_dim + m.qk_rope_head_dim;
-                    (q, m.qk_nope_head_dim, m.qk_rope_head_dim)
-                });
-                Ok(Recipe::Linear(
-                    format!("{at}.self_attn.q_b_proj.weight"),
-                    perm,
-                ))
-            }
+            "attn.wq_b" => query("q_b_proj"),
             "attn.wkv_a" => {
                 let perm = rope.map(|m| {
                     let w = m.kv_lora_rank + m.qk_rope_head_dim;
@@ -630,6 +721,15 @@ pub fn import<M: Serialize>(
         .iter()
         .map(|t| naming.recipe(&t.name))
         .collect::<Result<Vec<_>>>()?;
+    // The MTP modules' copies of the embedding and head, checked in place
+    // before anything is written.
+    for (t, r) in tensors.iter().zip(&recipes) {
+        if let Recipe::Same(hf) = r {
+            for copy in naming.copies(&t.name) {
+                src.check_copy(&copy, hf)?;
+            }
+        }
+    }
     let fp8 = cfg.fp8_block;
     let mut fetch = |i: usize, block: &[(usize, usize)]| -> Result<HostData> {
         let t = &tensors[i];
@@ -725,7 +825,10 @@ struct Planned {
 fn hf_outputs(naming: &Naming<'_>, t: &ParamTensor) -> Result<Vec<Planned>> {
     let p = |name: String, shape: Vec<usize>| Planned { name, shape };
     Ok(match naming.recipe(&t.name)? {
-        Recipe::Same(hf) => vec![p(hf, t.shape.clone())],
+        Recipe::Same(hf) => std::iter::once(hf)
+            .chain(naming.copies(&t.name))
+            .map(|name| p(name, t.shape.clone()))
+            .collect(),
         Recipe::Linear(hf, _) => vec![p(hf, vec![t.shape[1], t.shape[0]])],
         Recipe::Experts { moe, which } => {
             let (e, rows, cols) = (t.shape[0], t.shape[1], t.shape[2]);
@@ -898,7 +1001,12 @@ pub fn export(
         };
         let mut chunks: Vec<Vec<f32>> = Vec::new();
         match naming.recipe(&t.name)? {
-            Recipe::Same(_) => chunks.push(vals),
+            Recipe::Same(_) => {
+                for _ in naming.copies(&t.name) {
+                    chunks.push(vals.clone());
+                }
+                chunks.push(vals);
+            }
             Recipe::Linear(_, perm) => {
                 let (rows, cols) = (t.shape[0], t.shape[1]);
                 let mut w = vec![0.0; rows * cols];
@@ -1000,11 +1108,16 @@ mod tests {
 
     /// `model_tensors` lists exactly what the engine builds, for a model of
     /// each family's shape (GQA + MoE, q/k norms + dense layers, MLA with
-    /// shared experts and expert bias).
+    /// shared experts and expert bias, and an MTP module).
     #[test]
     fn model_tensors_are_the_engines() {
         let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf");
-        for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
+        for family in [
+            "mixtral",
+            "qwen3_moe",
+            "deepseek_v3",
+            "deepseek_v3_yarn_mtp",
+        ] {
             let mut spec = read_config(&fixtures.join(family)).unwrap().spec;
             if family == "qwen3_moe" {
                 // A dense layer among the MoE ones, as mlp_only_layers makes.
