@@ -235,7 +235,7 @@ impl Default for TrainSettings {
         TrainSettings {
             model: super::registry().default_name().unwrap_or("tiny").into(),
             layers: None,
-            steps: 250,
+            steps: 500,
             seed: 1234,
             batch_tokens: 4096,
             micro_batches: 1,
