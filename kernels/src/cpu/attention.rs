@@ -13,7 +13,7 @@
 //!
 //! The backward owns one kv head per task: for each of its G query heads and
 //! query blocks it recomputes `P` from `lse`, takes `dP = dO Vᵀ`, `dS = P ⊙
-//! (dP − D)` (D the row sums of `dO ⊙ O`) and adds `dSᵀ Q`, `Pᵀ dO` to the
+//! (dP − D)` (D = Σ_j P_j dP_j, which is `dO · O`) and adds `dSᵀ Q`, `Pᵀ dO` to the
 //! head's `dK`, `dV`, writing `dS K` as the block's `dQ` — five GEMMs per
 //! block. Each output element is written by one task in a fixed order, so
 //! results are deterministic without atomics, whatever the thread count.
@@ -23,7 +23,6 @@
 
 use rayon::prelude::*;
 
-use super::elementwise::dot;
 use super::linalg::{gemm_acc_into, gemm_into, MatRef};
 use super::{Cpu, Float, FloatStorage};
 use crate::backend::AttentionOps;
@@ -281,8 +280,6 @@ struct BwdInputs<'a, T> {
     d_o: &'a [T],
     /// `[B, Hq, S]` log-sum-exps from the forward.
     lse: &'a [T],
-    /// `[B, Hq, S]` row sums of `dO ⊙ O`.
-    delta: &'a [T],
     /// The visible keys of each query and queries of each key.
     spans: &'a Spans,
 }
@@ -341,13 +338,20 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                 for r in 0..rows {
                     let qi = i0 + r;
                     let (a, e) = (first[qi] - lo, qi + 1 - lo);
-                    let (lse, delta) = (self.lse[stats + r], self.delta[stats + r]);
+                    let lse = self.lse[stats + r];
                     let p_row = &mut p_rw[r * w..][..w];
                     let ds_row = &mut ds_rw[r * w..][..w];
-                    for (p, ds) in p_row[a..e].iter_mut().zip(&mut ds_row[a..e]) {
+                    // The softmax backward's row term D = Σ_j P_j dP_j (=
+                    // dO·O), from the tile's own P and dP: a row whose P is
+                    // one key's 1 gets dS = 0 exactly.
+                    let mut delta = T::ZERO;
+                    for (p, &dp) in p_row[a..e].iter_mut().zip(&ds_row[a..e]) {
                         *p = (*p * self.scale - lse).exp();
+                        delta += *p * dp;
+                    }
+                    for (&p, ds) in p_row[a..e].iter().zip(&mut ds_row[a..e]) {
                         // dS scaled once here: dQ and dK both carry the scale.
-                        *ds = *p * (*ds - delta) * self.scale;
+                        *ds = p * (*ds - delta) * self.scale;
                     }
                     for row in [p_row, ds_row] {
                         row[..a].fill(T::ZERO);
@@ -401,22 +405,11 @@ fn attention_backward_t<T: FloatStorage>(
     d_o.expect_shape(OP, "d_o", q.shape())?;
     o.expect_shape(OP, "o", q.shape())?;
     lse.expect_shape(OP, "lse", &[b, hq, s])?;
-    let (dos, os) = (T::slice(d_o, OP)?, T::slice(o, OP)?);
+    let dos = T::slice(d_o, OP)?;
     let lses: Vec<T> = (T::Acc::slice(lse, OP)?.iter())
         .map(|&x| T::from_acc(x))
         .collect();
 
-    // D_i = dO_i · O_i, the softmax-backward row term, stored like lse.
-    let mut delta = vec![T::ZERO; b * hq * s];
-    if !delta.is_empty() {
-        delta.par_chunks_mut(s).enumerate().for_each(|(bh, dh)| {
-            let (bi, h) = (bh / hq, bh % hq);
-            for (si, x) in dh.iter_mut().enumerate() {
-                let at = ((bi * s + si) * hq + h) * hd;
-                *x = dot(&dos[at..at + hd], &os[at..at + hd]);
-            }
-        });
-    }
     let qh = to_head_major(T::slice(q, OP)?, b, s, hq, hd);
     let kh = to_head_major(T::slice(k, OP)?, b, s, hkv, hd);
     let vh = to_head_major(T::slice(v, OP)?, b, s, hkv, hd);
@@ -430,7 +423,6 @@ fn attention_backward_t<T: FloatStorage>(
         v: &vh,
         d_o: &doh,
         lse: &lses,
-        delta: &delta,
         spans: &spans,
     };
     let mut dq = vec![T::ZERO; qh.len()];
