@@ -342,8 +342,7 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                     let p_row = &mut p_rw[r * w..][..w];
                     let ds_row = &mut ds_rw[r * w..][..w];
                     // The softmax backward's row term D = Σ_j P_j dP_j (=
-                    // dO·O), from the tile's own P and dP: a row whose P is
-                    // one key's 1 gets dS = 0 exactly.
+                    // dO·O), from the tile's own P and dP.
                     let mut delta = T::ZERO;
                     for (p, &dp) in p_row[a..e].iter_mut().zip(&ds_row[a..e]) {
                         *p = (*p * self.scale - lse).exp();
@@ -352,6 +351,11 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                     for (&p, ds) in p_row[a..e].iter().zip(&mut ds_row[a..e]) {
                         // dS scaled once here: dQ and dK both carry the scale.
                         *ds = p * (*ds - delta) * self.scale;
+                    }
+                    if e - a == 1 {
+                        // A softmax over one key is constant: its dS is 0,
+                        // not the rounding left by a P that is 1 ± ulp.
+                        ds_row[a] = T::ZERO;
                     }
                     for row in [p_row, ds_row] {
                         row[..a].fill(T::ZERO);
