@@ -215,6 +215,318 @@ pub fn blockwise_matmul_host(
     c
 }
 
+/// How an [`Fp8Matrix`] is cut into scaling blocks: DeepSeek-V3's blockwise
+/// recipe, where each GEMM operand is scaled along the dimension its product
+/// sums over, in slices of [`FP8_BLOCK`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Tiles {
+    /// 1 × 128 tiles along each row of an `[M, K]` activation: the left
+    /// operand of a forward or data-gradient GEMM, which sums over K. Codes
+    /// `[M, K]`, scales `[M, ⌈K/128⌉]`.
+    Rows,
+    /// 128 × 1 tiles down each column of an `[M, K]` activation whose rows
+    /// are in groups, restarting at each group's first row: an operand of
+    /// the grouped weight-gradient GEMM, which sums over a group's rows.
+    /// Codes stored transposed, `[K, M]` (rows past the groups are code 0);
+    /// scales `[K, column_tiles(M, G)]`, group `g`'s `⌈m_g/128⌉` tiles after
+    /// those of the groups before it (the rest are 1).
+    GroupColumns,
+    /// 128 × 128 blocks of each matrix of a `[G, R, C]` weight. Codes `[G, R,
+    /// C]`, or `[G, C, R]` when `transposed` (the layout a GEMM that sums over
+    /// R reads: the tensor cores take fp8 operands with the summed dimension
+    /// contiguous); scales `[G, ⌈R/128⌉, ⌈C/128⌉]` of the logical matrix either way.
+    Blocks {
+        /// Whether each matrix's codes are stored transposed.
+        transposed: bool,
+    },
+}
+
+/// A matrix (or a stack of them) quantised to e4m3 with one f32 scale per
+/// block of its [`Fp8Tiles`]: the operands of the blockwise fp8 GEMMs, and
+/// what the experts keep for their backward in place of the activation.
+pub struct Fp8Matrix<B: Device> {
+    /// The codes in their stored layout, four to an i32 element
+    /// (little-endian bytes, element order).
+    pub codes: Tensor<B>,
+    /// f32 scales, laid out as [`Fp8Tiles`] says.
+    pub scales: Tensor<B>,
+    /// The logical shape: `[M, K]` for activations, `[G, R, C]` for weights.
+    pub shape: Vec<usize>,
+    /// How the codes are blocked and laid out.
+    pub tiles: Fp8Tiles,
+}
+
+impl<B: Device> std::fmt::Debug for Fp8Matrix<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fp8Matrix({:?}, {:?} on {})", self.shape, self.tiles, B::NAME)
+    }
+}
+
+/// The scale columns of [`Fp8Tiles::GroupColumns`] for `m` rows in `groups`
+/// groups: room for `Σ ⌈m_g/128⌉`, which is at most `⌈m/128⌉ + groups`
+/// whatever the sizes (so the buffer is sized without reading them).
+pub fn column_tiles(m: usize, groups: usize) -> usize {
+    m.div_ceil(FP8_BLOCK) + groups
+}
+
+/// Host reference of [`Fp8Tiles::GroupColumns`] quantisation of a row-major
+/// `[m, k]` matrix whose first rows are groups of `sizes` (their sum at most
+/// `m`): the transposed codes `[k, m]` and the scales `[k, column_tiles(m,
+/// G)]`, each group's tiles quantised as [`quantize_transposed_host`] would
+/// quantise that group alone.
+pub fn quantize_group_columns_host(
+    values: &[f32],
+    m: usize,
+    k: usize,
+    sizes: &[usize],
+) -> (Vec<u8>, Vec<f32>) {
+    let t = column_tiles(m, sizes.len());
+    let (mut codes, mut scales) = (vec![0u8; k * m], vec![1f32; k * t]);
+    let (mut row0, mut tile0) = (0, 0);
+    for &size in sizes {
+        let (c, s) = quantize_transposed_host(
+            &values[row0 * k..(row0 + size) * k],
+            size,
+            k,
+            (1, FP8_BLOCK),
+        );
+        let tiles = size.div_ceil(FP8_BLOCK);
+        for j in 0..k {
+            codes[j * m + row0..j * m + row0 + size].copy_from_slice(&c[j * size..(j + 1) * size]);
+            scales[j * t + tile0..j * t + tile0 + tiles]
+                .copy_from_slice(&s[j * tiles..(j + 1) * tiles]);
+        }
+        row0 += size;
+        tile0 += tiles;
+    }
+    (codes, scales)
+}
+
+/// Host reference of quantisation: the codes (stored layout, one byte per
+/// value) and scales of the row-major values of logical `shape` under
+/// `tiles` (`sizes`: the row groups, for [`Fp8Tiles::GroupColumns`]).
+pub fn quantize_host(
+    values: &[f32],
+    shape: &[usize],
+    tiles: Fp8Tiles,
+    sizes: &[usize],
+) -> (Vec<u8>, Vec<f32>) {
+    match (tiles, shape) {
+        (Fp8Tiles::Rows, &[m, k]) => quantize_blocks_host(values, m, k, (1, FP8_BLOCK)),
+        (Fp8Tiles::GroupColumns, &[m, k]) => quantize_group_columns_host(values, m, k, sizes),
+        (Fp8Tiles::Blocks { transposed }, &[g, r, c]) => {
+            let block = (FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK);
+            let (mut codes, mut scales) = (Vec::with_capacity(g * r * c), Vec::new());
+            for w in values.chunks(r * c).take(g) {
+                let (cw, sw) = if transposed {
+                    let (ct, st) = quantize_transposed_host(w, r, c, block);
+                    // The transpose's block grid is the logical one's
+                    // transpose: give the scales back in the logical order.
+                    let (gr, gc) = (r.div_ceil(block.0), c.div_ceil(block.1));
+                    let st = (0..gr * gc).map(|i| st[(i % gc) * gr + i / gc]).collect();
+                    (ct, st)
+                } else {
+                    quantize_blocks_host(w, r, c, block)
+                };
+                codes.extend(cw);
+                scales.extend(sw);
+            }
+            (codes, scales)
+        }
+        _ => (Vec::new(), Vec::new()),
+    }
+}
+
+/// Host reference of dequantisation: the logical row-major values (the
+/// matrix that was quantised) of codes and scales laid out as `tiles` says.
+pub fn dequantize_host(
+    codes: &[u8],
+    scales: &[f32],
+    shape: &[usize],
+    tiles: Fp8Tiles,
+    sizes: &[usize],
+) -> Vec<f32> {
+    let dec = |c: u8| e4m3_decode(c);
+    match (tiles, shape) {
+        (Fp8Tiles::Rows, &[m, k]) => {
+            let kb = k.div_ceil(FP8_BLOCK);
+            (0..m * k)
+                .map(|x| dec(codes[x]) * scales[(x / k) * kb + (x % k) / FP8_BLOCK])
+                .collect()
+        }
+        (Fp8Tiles::GroupColumns, &[m, k]) => {
+            let t = column_tiles(m, sizes.len());
+            let mut out = vec![0f32; m * k];
+            let (mut row0, mut tile0) = (0, 0);
+            for &size in sizes {
+                for i in row0..row0 + size {
+                    let tile = tile0 + (i - row0) / FP8_BLOCK;
+                    for j in 0..k {
+                        out[i * k + j] = dec(codes[j * m + i]) * scales[j * t + tile];
+                    }
+                }
+                row0 += size;
+                tile0 += size.div_ceil(FP8_BLOCK);
+            }
+            out
+        }
+        (Fp8Tiles::Blocks { transposed }, &[g, r, c]) => {
+            let (gr, gc) = (r.div_ceil(FP8_WEIGHT_BLOCK), c.div_ceil(FP8_WEIGHT_BLOCK));
+            let mut out = Vec::with_capacity(g * r * c);
+            for e in 0..g {
+                for i in 0..r {
+                    for j in 0..c {
+                        let code = if transposed {
+                            codes[e * r * c + j * r + i]
+                        } else {
+                            codes[e * r * c + i * c + j]
+                        };
+                        let s = scales
+                            [e * gr * gc + (i / FP8_WEIGHT_BLOCK) * gc + j / FP8_WEIGHT_BLOCK];
+                        out.push(dec(code) * s);
+                    }
+                }
+            }
+            out
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// The checks every backend's quantisation makes: `shape` suits `tiles`
+/// (2-d activations, 3-d weights) and `sizes` are given exactly for
+/// [`Fp8Tiles::GroupColumns`].
+pub fn check_tiles(
+    op: &'static str,
+    shape: &[usize],
+    tiles: Fp8Tiles,
+    has_sizes: bool,
+) -> Result<()> {
+    let want = match tiles {
+        Fp8Tiles::Rows | Fp8Tiles::GroupColumns => 2,
+        Fp8Tiles::Blocks { .. } => 3,
+    };
+    if shape.len() != want {
+        return Err(crate::error::shape_err(
+            op,
+            format!("{tiles:?} quantises {want}-d tensors, got shape {shape:?}"),
+        ));
+    }
+    if has_sizes != (tiles == Fp8Tiles::GroupColumns) {
+        return Err(arg_err(op, format!("{tiles:?}: group sizes are given {has_sizes}, but only GroupColumns takes (and needs) them")));
+    }
+    Ok(())
+}
+
+/// Group sizes read to the host and checked against `m` rows.
+fn host_sizes<B: Device>(
+    b: &B,
+    op: &'static str,
+    sizes: Option<&Tensor<B>>,
+    m: usize,
+) -> Result<Vec<usize>> {
+    let Some(sizes) = sizes else {
+        return Ok(Vec::new());
+    };
+    let v = match b.download(sizes)? {
+        HostData::I32(v) => v,
+        other => {
+            return Err(arg_err(
+                op,
+                format!("group sizes must be I32, got {:?}", other.dtype()),
+            ))
+        }
+    };
+    let mut total = 0usize;
+    let mut out = Vec::with_capacity(v.len());
+    for (g, &s) in v.iter().enumerate() {
+        let s =
+            usize::try_from(s).map_err(|_| arg_err(op, format!("group {g} has size {s} < 0")))?;
+        total += s;
+        out.push(s);
+    }
+    if total > m {
+        return Err(arg_err(
+            op,
+            format!("group sizes sum to {total}, more than the {m} rows"),
+        ));
+    }
+    Ok(out)
+}
+
+/// Quantisation through the host: what [`crate::Fp8Ops::quantize_fp8`]
+/// provides by default (the CPU's own, whose device memory is host memory).
+pub fn quantize_via_host<B: Device>(
+    b: &B,
+    x: &Tensor<B>,
+    tiles: Fp8Tiles,
+    sizes: Option<&Tensor<B>>,
+) -> Result<Fp8Matrix<B>> {
+    const OP: &str = "quantize_fp8";
+    check_tiles(OP, x.shape(), tiles, sizes.is_some())?;
+    if !x.dtype().is_float() {
+        return Err(arg_err(OP, format!("{:?} is not a float dtype", x.dtype())));
+    }
+    let sizes = host_sizes(b, OP, sizes, x.shape()[0])?;
+    let values = b.download(x)?.to_f32();
+    let (codes, scales) = quantize_host(&values, x.shape(), tiles, &sizes);
+    let packed = pack_codes(&codes);
+    let (np, ns) = (packed.len(), scales.len());
+    Ok(Fp8Matrix {
+        codes: b.upload(HostData::I32(packed), &[np])?,
+        scales: b.upload(HostData::F32(scales), &[ns])?,
+        shape: x.shape().to_vec(),
+        tiles,
+    })
+}
+
+/// Dequantisation through the host: what [`crate::Fp8Ops::dequantize_fp8`]
+/// provides by default; f32, in the logical shape.
+pub fn dequantize_via_host<B: Device>(
+    b: &B,
+    q: &Fp8Matrix<B>,
+    sizes: Option<&Tensor<B>>,
+) -> Result<Tensor<B>> {
+    const OP: &str = "dequantize_fp8";
+    check_tiles(OP, &q.shape, q.tiles, sizes.is_some())?;
+    let sizes = host_sizes(b, OP, sizes, q.shape[0])?;
+    let n: usize = q.shape.iter().product();
+    let codes = match b.download(&q.codes)? {
+        HostData::I32(v) => unpack_codes(&v, n),
+        other => {
+            return Err(arg_err(
+                OP,
+                format!("codes must be I32, got {:?}", other.dtype()),
+            ))
+        }
+    };
+    let scales = b.download(&q.scales)?.to_f32();
+    let want_scales = match (q.tiles, q.shape.as_slice()) {
+        (Fp8Tiles::Rows, &[m, k]) => m * k.div_ceil(FP8_BLOCK),
+        (Fp8Tiles::GroupColumns, &[m, k]) => k * column_tiles(m, sizes.len()),
+        (Fp8Tiles::Blocks { .. }, &[g, r, c]) => {
+            g * r.div_ceil(FP8_WEIGHT_BLOCK) * c.div_ceil(FP8_WEIGHT_BLOCK)
+        }
+        _ => 0,
+    };
+    if codes.len() != n || scales.len() != want_scales {
+        return Err(arg_err(
+            OP,
+            format!(
+                "{:?} of shape {:?}: {} codes and {} scales, want {n} and {want_scales}",
+                q.tiles,
+                q.shape,
+                codes.len(),
+                scales.len()
+            ),
+        ));
+    }
+    b.upload(
+        HostData::F32(dequantize_host(&codes, &scales, &q.shape, q.tiles, &sizes)),
+        &q.shape,
+    )
+}
+
 /// Host reference of expansion: `decode(code) · scale`, rows of `row`.
 pub fn expand_host(codes: &[u8], scales: &[f32], row: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(codes.len());

@@ -14,6 +14,7 @@
 
 mod attention;
 mod elementwise;
+pub(crate) mod fp8;
 pub(crate) mod linalg;
 mod loss;
 mod norm;
@@ -25,6 +26,7 @@ pub use attention::AttentionOps;
 pub(crate) use attention::{check_docs, check_qkv};
 pub(crate) use elementwise::rows_cols;
 pub use elementwise::ElementwiseOps;
+pub use fp8::Fp8Ops;
 pub(crate) use linalg::matmul_dims;
 pub use linalg::LinalgOps;
 pub use loss::LossOps;
@@ -214,6 +216,7 @@ pub trait Backend:
     + LossOps
     + OptimOps
     + OffloadOps
+    + Fp8Ops
 {
 }
 
@@ -227,6 +230,7 @@ impl<T> Backend for T where
         + LossOps
         + OptimOps
         + OffloadOps
+        + Fp8Ops
 {
 }
 

@@ -7,6 +7,7 @@
 mod attention;
 mod bf16;
 mod elementwise;
+mod fp8;
 mod linalg;
 mod loss;
 mod norm;

@@ -26,6 +26,7 @@ mod attention;
 mod attention_sm90;
 mod compile;
 mod elementwise;
+mod fp8;
 mod graph;
 mod linalg;
 mod loss;

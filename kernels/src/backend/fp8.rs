@@ -1,0 +1,119 @@
+use super::{Device, ElementwiseOps, LinalgOps};
+use crate::error::{arg_err, Result};
+use crate::fp8::{dequantize_via_host, quantize_via_host, Fp8Matrix, Fp8Tiles};
+use crate::tensor::{DType, Tensor};
+
+/// Blockwise fp8 (e4m3) GEMMs, DeepSeek-V3's recipe (Megatron-Core's
+/// `--fp8-recipe blockwise`): activations scaled per 1 × 128 tile along the
+/// summed dimension, weights per 128 × 128 block, products accumulated in
+/// f32 (docs/ARCHITECTURE.md §6).
+///
+/// The provided methods emulate the tensor cores: quantise, dequantise to
+/// f32 and run the f32 grouped GEMM, whose sums differ from an fp8 kernel's
+/// (promoted every 128 of K, [`crate::fp8::blockwise_matmul_host`]) only in
+/// f32 rounding. The CPU uses them as they are.
+pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
+    /// `x` quantised under `tiles`: `[M, K]` activations (`Rows`, or
+    /// `GroupColumns` with the row groups `group_sizes: [G]`, i32), or
+    /// `[G, R, C]` weights (`Blocks`).
+    fn quantize_fp8(
+        &self,
+        x: &Tensor<Self>,
+        tiles: Fp8Tiles,
+        group_sizes: Option<&Tensor<Self>>,
+    ) -> Result<Fp8Matrix<Self>> {
+        quantize_via_host(self, x, tiles, group_sizes)
+    }
+
+    /// The matrix `q` was quantised from, as its codes and scales give it
+    /// back: f32, in the logical shape (`group_sizes` as quantised).
+    fn dequantize_fp8(
+        &self,
+        q: &Fp8Matrix<Self>,
+        group_sizes: Option<&Tensor<Self>>,
+    ) -> Result<Tensor<Self>> {
+        dequantize_via_host(self, q, group_sizes)
+    }
+
+    /// [`LinalgOps::grouped_matmul`] of fp8 operands: `x: [M, K]` in `Rows`
+    /// tiles, `w: [G, K, N]` in `Blocks` (`[G, N, K]` with `trans_w`),
+    /// stored with K contiguous (transposed exactly when `trans_w` is false),
+    /// → `[M, N]` in `dtype`.
+    fn grouped_matmul_fp8(
+        &self,
+        x: &Fp8Matrix<Self>,
+        w: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+        dtype: DType,
+    ) -> Result<Tensor<Self>> {
+        check_gemm_operands(x, w, trans_w)?;
+        let x32 = self.dequantize_fp8(x, None)?;
+        let w32 = self.dequantize_fp8(w, None)?;
+        let y = self.grouped_matmul(&x32, &w32, group_sizes, trans_w)?;
+        in_dtype(self, y, dtype)
+    }
+
+    /// [`LinalgOps::grouped_matmul_weight_grad`] of fp8 operands: `x: [M,
+    /// K]` and `dy: [M, N]`, both in `GroupColumns` tiles of the same
+    /// `group_sizes` → `[G, K, N]` in `dtype`.
+    fn grouped_matmul_weight_grad_fp8(
+        &self,
+        x: &Fp8Matrix<Self>,
+        dy: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        dtype: DType,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_weight_grad_fp8";
+        for (name, q) in [("x", x), ("dy", dy)] {
+            if q.tiles != Fp8Tiles::GroupColumns {
+                return Err(arg_err(
+                    OP,
+                    format!("{name} must be in GroupColumns tiles, got {:?}", q.tiles),
+                ));
+            }
+        }
+        let x32 = self.dequantize_fp8(x, Some(group_sizes))?;
+        let dy32 = self.dequantize_fp8(dy, Some(group_sizes))?;
+        let dw = self.grouped_matmul_weight_grad(&x32, &dy32, group_sizes)?;
+        in_dtype(self, dw, dtype)
+    }
+}
+
+/// The operand checks of [`Fp8Ops::grouped_matmul_fp8`], shared by every
+/// implementation: `x` in row tiles, `w` in blocks stored with the summed
+/// dimension contiguous.
+pub(crate) fn check_gemm_operands<B: Device>(
+    x: &Fp8Matrix<B>,
+    w: &Fp8Matrix<B>,
+    trans_w: bool,
+) -> Result<()> {
+    const OP: &str = "grouped_matmul_fp8";
+    if x.tiles != Fp8Tiles::Rows {
+        return Err(arg_err(
+            OP,
+            format!("x must be in Rows tiles, got {:?}", x.tiles),
+        ));
+    }
+    let want = Fp8Tiles::Blocks {
+        transposed: !trans_w,
+    };
+    if w.tiles != want {
+        return Err(arg_err(
+            OP,
+            format!(
+                "w (trans_w = {trans_w}) must be stored as {want:?}, with the summed dimension contiguous; got {:?}",
+                w.tiles
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn in_dtype<B: Device>(b: &B, t: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
+    if t.dtype() == dtype {
+        Ok(t)
+    } else {
+        b.cast(&t, dtype)
+    }
+}

@@ -1,0 +1,245 @@
+//! CPU blockwise fp8 GEMMs: the emulation [`Fp8Ops`] provides (quantise,
+//! dequantise, f32 GEMM), run as it is, so CI checks the recipe's numerics.
+
+use super::Cpu;
+use crate::backend::Fp8Ops;
+
+impl Fp8Ops for Cpu {}
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::test_util::*;
+    use crate::fp8::*;
+    use crate::tensor::{DType, HostData};
+
+    fn sample(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 20_001) as f32 / 10_000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The codes of `q` as bytes.
+    fn codes<B: TestOps>(d: &B, q: &Fp8Matrix<B>) -> Vec<u8> {
+        let n: usize = q.shape.iter().product();
+        match d.download(&q.codes).unwrap() {
+            HostData::I32(v) => unpack_codes(&v, n),
+            other => panic!("codes are {:?}", other.dtype()),
+        }
+    }
+
+    /// `Σ_l a(i, l)·b(l, j)` in f64 and `Σ |a·b|`, for the error bound of an
+    /// f32 accumulation of `k` terms.
+    fn f64_product(a: impl Fn(usize) -> f64, b: impl Fn(usize) -> f64, k: usize) -> (f64, f64) {
+        (0..k).fold((0.0, 0.0), |(s, m), l| {
+            let p = a(l) * b(l);
+            (s + p, m + p.abs())
+        })
+    }
+
+    /// Quantisation gives the host reference's codes and scales in every
+    /// layout; the three grouped fp8 GEMMs (forward, data gradient, weight
+    /// gradient) equal the f64 products of their dequantised operands within
+    /// f32 accumulation error, over ragged, empty and padded groups and K, N
+    /// not multiples of 128; group tiles restart at each group.
+    fn fp8_gemms_match_their_dequantised_operands<B: TestOps>(d: &B) {
+        let (m, k, n) = (200, 300, 130);
+        let sizes = [70usize, 0, 110]; // 20 padding rows
+        let g = sizes.len();
+        let gs = d.ti32(&sizes.map(|s| s as i32), &[g]);
+        let (x, dy, w) = (sample(m * k, 3), sample(m * n, 5), sample(g * k * n, 9));
+        let mut x = x;
+        x[5 * k + 7] = 30.0; // a large value in group 0 alone
+        let (xt, dyt) = (d.t32(&x, &[m, k]), d.t32(&dy, &[m, n]));
+        let wt = d.t32(&w, &[g, k, n]);
+        let gc = Fp8Tiles::GroupColumns;
+        let q = |t, tiles, s: bool| d.quantize_fp8(t, tiles, s.then_some(&gs)).unwrap();
+        let x_rows = q(&xt, Fp8Tiles::Rows, false);
+        let x_cols = q(&xt, gc, true);
+        let dy_rows = q(&dyt, Fp8Tiles::Rows, false);
+        let dy_cols = q(&dyt, gc, true);
+        let w_fwd = q(&wt, Fp8Tiles::Blocks { transposed: true }, false);
+        let w_bwd = q(&wt, Fp8Tiles::Blocks { transposed: false }, false);
+        for (what, qm, v, shape) in [
+            ("x rows", &x_rows, &x, vec![m, k]),
+            ("x columns", &x_cols, &x, vec![m, k]),
+            ("dy columns", &dy_cols, &dy, vec![m, n]),
+            ("w transposed", &w_fwd, &w, vec![g, k, n]),
+            ("w", &w_bwd, &w, vec![g, k, n]),
+        ] {
+            let (c, s) = quantize_host(v, &shape, qm.tiles, &sizes);
+            assert_eq!(codes(d, qm), c, "{what}: codes");
+            assert_eq!(
+                d.h64(&qm.scales),
+                s.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+                "{what}: scales"
+            );
+        }
+        // x's large value scales its own column tile of group 0 only.
+        let t = column_tiles(m, g);
+        let xs = d.h64(&x_cols.scales);
+        assert_eq!(xs[7 * t], f64::from(30.0 / E4M3_MAX));
+        assert!(
+            xs[7 * t + 1] < 1.0 / f64::from(E4M3_MAX) + 1e-9,
+            "group 2's first tile"
+        );
+        // Dequantised values, logical layout (what the emulation multiplies).
+        let deq =
+            |qm: &Fp8Matrix<B>, s: bool| d.h64(&d.dequantize_fp8(qm, s.then_some(&gs)).unwrap());
+        let (xr, xc, dyr, dyc) = (
+            deq(&x_rows, false),
+            deq(&x_cols, true),
+            deq(&dy_rows, false),
+            deq(&dy_cols, true),
+        );
+        let (wf, wb) = (deq(&w_fwd, false), deq(&w_bwd, false));
+        assert_eq!(wf, wb, "a weight's blocks dequantise alike in both layouts");
+        let in_group = |i: usize| {
+            let mut start = 0;
+            for (e, &s) in sizes.iter().enumerate() {
+                if i < start + s {
+                    return Some(e);
+                }
+                start += s;
+            }
+            None
+        };
+        let check = |what: &str, got: Vec<f64>, want: &dyn Fn(usize) -> (f64, f64), kk: usize| {
+            for (i, &v) in got.iter().enumerate() {
+                let (exact, mag) = want(i);
+                let tol = 2.0 * kk as f64 * f64::from(f32::EPSILON) * mag;
+                assert!(
+                    (v - exact).abs() <= tol,
+                    "{what}[{i}]: {v} vs {exact} (tol {tol})"
+                );
+            }
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let y = d
+                .grouped_matmul_fp8(&x_rows, &w_fwd, &gs, false, dtype)
+                .unwrap();
+            assert_eq!((y.shape(), y.dtype()), (&[m, n][..], dtype));
+            if dtype == DType::BF16 {
+                continue;
+            }
+            check(
+                "y",
+                d.h64(&y),
+                &|idx| {
+                    let (i, j) = (idx / n, idx % n);
+                    in_group(i).map_or((0.0, 0.0), |e| {
+                        f64_product(|l| xr[i * k + l], |l| wf[e * k * n + l * n + j], k)
+                    })
+                },
+                k,
+            );
+        }
+        let dx = d
+            .grouped_matmul_fp8(&dy_rows, &w_bwd, &gs, true, DType::F32)
+            .unwrap();
+        check(
+            "dx",
+            d.h64(&dx),
+            &|idx| {
+                let (i, j) = (idx / k, idx % k);
+                in_group(i).map_or((0.0, 0.0), |e| {
+                    f64_product(|l| dyr[i * n + l], |l| wb[e * k * n + j * n + l], n)
+                })
+            },
+            n,
+        );
+        let dw = d
+            .grouped_matmul_weight_grad_fp8(&x_cols, &dy_cols, &gs, DType::F32)
+            .unwrap();
+        assert_eq!(dw.shape(), &[g, k, n]);
+        check(
+            "dw",
+            d.h64(&dw),
+            &|idx| {
+                let (e, j, l) = (idx / (k * n), (idx / n) % k, idx % n);
+                let start: usize = sizes[..e].iter().sum();
+                f64_product(
+                    |r| xc[(start + r) * k + j],
+                    |r| dyc[(start + r) * n + l],
+                    sizes[e],
+                )
+            },
+            110,
+        );
+        // Against the host blockwise GEMM (promoted every 128 of K) on group 0.
+        let (ca, sa) = quantize_host(&x[..70 * k], &[70, k], Fp8Tiles::Rows, &[]);
+        let (cb, sb) = quantize_host(
+            &w[..k * n],
+            &[1, k, n],
+            Fp8Tiles::Blocks { transposed: false },
+            &[],
+        );
+        let host = blockwise_matmul_host((&ca, &sa), (&cb, &sb), (70, k, n));
+        let y = d.h64(
+            &d.grouped_matmul_fp8(&x_rows, &w_fwd, &gs, false, DType::F32)
+                .unwrap(),
+        );
+        for (i, (&a, &b)) in host.iter().zip(&y[..70 * n]).enumerate() {
+            let (_, mag) = f64_product(|l| xr[(i / n) * k + l], |l| wf[l * n + i % n], k);
+            assert!(
+                (f64::from(a) - b).abs() <= 4.0 * k as f64 * f64::from(f32::EPSILON) * mag,
+                "host blockwise [{i}]"
+            );
+        }
+    }
+
+    /// Wrong operands are errors naming the layouts, not wrong numbers.
+    fn fp8_rejects_mismatched_operands<B: TestOps>(d: &B) {
+        let gs = d.ti32(&[2, 1], &[2]);
+        let x = d.t32(&sample(3 * 16, 1), &[3, 16]);
+        let w = d.t32(&sample(2 * 16 * 8, 2), &[2, 16, 8]);
+        let rows = d.quantize_fp8(&x, Fp8Tiles::Rows, None).unwrap();
+        let w_t = d
+            .quantize_fp8(&w, Fp8Tiles::Blocks { transposed: true }, None)
+            .unwrap();
+        let w_n = d
+            .quantize_fp8(&w, Fp8Tiles::Blocks { transposed: false }, None)
+            .unwrap();
+        let e = d
+            .grouped_matmul_fp8(&rows, &w_n, &gs, false, DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("summed dimension contiguous"), "{e}");
+        assert!(d
+            .grouped_matmul_fp8(&rows, &w_t, &gs, false, DType::F32)
+            .is_ok());
+        let e = d
+            .grouped_matmul_weight_grad_fp8(&rows, &rows, &gs, DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GroupColumns"), "{e}");
+        let e = d
+            .quantize_fp8(&x, Fp8Tiles::GroupColumns, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("group sizes"), "{e}");
+        let e = d
+            .quantize_fp8(&w, Fp8Tiles::Rows, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("2-d"), "{e}");
+        let big = d.ti32(&[3, 1], &[2]);
+        let e = d
+            .quantize_fp8(&x, Fp8Tiles::GroupColumns, Some(&big))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sum to 4"), "{e}");
+        let idx = d.ti32(&[1, 2, 3], &[1, 3]);
+        let e = d
+            .quantize_fp8(&idx, Fp8Tiles::Rows, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a float dtype"), "{e}");
+    }
+
+    device_tests!(
+        fp8_gemms_match_their_dequantised_operands,
+        fp8_rejects_mismatched_operands
+    );
+}
