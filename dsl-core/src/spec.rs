@@ -849,6 +849,44 @@ impl ModelSpec {
         3 * (2 * matmul + attention)
     }
 
+    /// `train --fp8`: blockwise fp8 expert GEMMs in every group that allows
+    /// them — an MoE group whose dims pass the fp8 rules and which does not
+    /// offload `moe_act`. A `store_fp8(moe_act)` is dropped there, since the
+    /// fp8 GEMMs keep that activation in fp8 already. Returns, for each
+    /// group left as it was, its index and why; an error when no group can.
+    pub fn use_fp8_experts(&mut self) -> Result<Vec<(usize, String)>, String> {
+        let mut left = Vec::new();
+        for i in 0..self.groups.len() {
+            let mut g = self.groups[i].clone();
+            if g.policy.precision == GemmPrecision::Fp8Blockwise {
+                continue;
+            }
+            g.policy.precision = GemmPrecision::Fp8Blockwise;
+            g.policy.store_fp8.retain(|o| *o != OffloadPart::MoeAct);
+            let mut why = Vec::new();
+            check_policy(&g, self, &format!("groups[{i}].policy"), &mut |_, m| {
+                why.push(m)
+            });
+            if why.is_empty() {
+                self.groups[i] = g;
+            } else {
+                left.push((i, why.join("; ")));
+            }
+        }
+        if left.len() == self.groups.len() {
+            let why: Vec<String> = left
+                .iter()
+                .map(|(i, w)| format!("groups[{i}]: {w}"))
+                .collect();
+            return Err(format!(
+                "--fp8: no group of model {} can run its experts in fp8: {}",
+                self.name,
+                why.join("; ")
+            ));
+        }
+        Ok(left)
+    }
+
     /// Checks every model rule; returns all violations, not only the first.
     pub fn check(&self) -> Result<(), Vec<SpecError>> {
         let mut errs = Vec::new();
@@ -1221,15 +1259,39 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
             }
         }
     }
-    if g.policy.precision != GemmPrecision::Bf16 {
-        let name = keywords::name_of(keywords::PRECISION, g.policy.precision);
-        err(
+    let precision = keywords::name_of(keywords::PRECISION, g.policy.precision);
+    match g.policy.precision {
+        GemmPrecision::Bf16 => {}
+        GemmPrecision::Fp8Blockwise => {
+            if !matches!(g.ffn, FfnSpec::Moe(_)) {
+                err(
+                    format!("{p}.precision"),
+                    format!(
+                        "precision = {precision} runs a group's routed experts in fp8, and this group has no MoE layer \
+                         (its other GEMMs stay in the model's dtype); remove it"
+                    ),
+                );
+            }
+            for (list, key) in [(&g.policy.store_fp8, "store_fp8"), (&g.policy.offload, "offload")] {
+                if let Some(i) = list.iter().position(|o| *o == OffloadPart::MoeAct) {
+                    err(
+                        format!("{p}.{key}[{i}]"),
+                        format!(
+                            "{key} part `moe_act` with precision = {precision}: the experts keep their activation \
+                             as its fp8 GEMM operand already, which is not {} yet; remove it",
+                            if key == "store_fp8" { "compressed again" } else { "offloaded" }
+                        ),
+                    );
+                }
+            }
+        }
+        GemmPrecision::F32 | GemmPrecision::Fp8Tensorwise => err(
             format!("{p}.precision"),
             format!(
-                "precision = {name}: a group's own GEMM precision is not executed yet (every GEMM \
-                 runs in the model's dtype, `train --dtype`), so the key would be ignored; remove it"
+                "precision = {precision}: this GEMM precision is not executed yet (every GEMM \
+                 runs in the model's dtype, `train --dtype`, or the experts' in fp8_blockwise), so the key would be ignored; remove it"
             ),
-        );
+        ),
     }
     if g.policy.precision.is_fp8() {
         for (name, v) in gemm_dims(g, spec) {
@@ -1486,7 +1548,7 @@ mod tests {
         assert!(text[1].contains("`mla_up_proj` needs MLA attention"));
         assert!(text[2].contains("`expert_fc1` needs an MoE layer"));
         assert!(text[3].contains(
-            "precision = fp8_blockwise: a group's own GEMM precision is not executed yet"
+            "precision = fp8_blockwise runs a group's routed experts in fp8, and this group has no MoE layer"
         ));
         assert!(
             text[4].contains("fp8 GEMMs need head_dim = 8 to be a multiple of 16; pad it to 16")

@@ -258,7 +258,13 @@ pub struct Fp8Matrix<B: Device> {
 
 impl<B: Device> std::fmt::Debug for Fp8Matrix<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Fp8Matrix({:?}, {:?} on {})", self.shape, self.tiles, B::NAME)
+        write!(
+            f,
+            "Fp8Matrix({:?}, {:?} on {})",
+            self.shape,
+            self.tiles,
+            B::NAME
+        )
     }
 }
 

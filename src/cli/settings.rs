@@ -84,6 +84,13 @@ pub struct TrainOptions {
     /// every group; the same parts as --offload.
     #[arg(long, value_name = "LIST")]
     pub store_fp8: Option<String>,
+    /// Run the routed experts' GEMMs in blockwise fp8 (DeepSeek-V3's
+    /// recipe: e4m3, 1×128 activation and 128×128 weight scales, f32
+    /// accumulation) in every MoE group whose dims allow it; the router,
+    /// attention, norms, embeddings and head stay in the model's dtype.
+    /// Emulated on the CPU; needs fp8 tensor cores (sm_89+) on CUDA.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub fp8: Option<bool>,
     /// Parameter and activation dtype: `f32`, or `bf16` (Megatron's
     /// `--bf16`: bf16 weights and compute, f32 master weights and AdamW
     /// moments; emulated on the CPU).
@@ -189,6 +196,10 @@ pub struct TrainSettings {
     /// fp8-storage list of every group (`None`: the model's own policy).
     #[serde(default)]
     pub store_fp8: Option<String>,
+    /// Blockwise fp8 expert GEMMs in every MoE group that allows them
+    /// (`--fp8`), on top of the groups that declare them.
+    #[serde(default)]
+    pub fp8: bool,
     /// Model dtype, `f32` or `bf16`.
     #[serde(default = "f32_name")]
     pub dtype: String,
@@ -251,6 +262,7 @@ impl Default for TrainSettings {
             recompute: None,
             offload: None,
             store_fp8: None,
+            fp8: false,
             dtype: f32_name(),
             keep_checkpoints: two(),
             data_path: None,
@@ -299,6 +311,7 @@ impl TrainOptions {
             recompute: self.recompute.or(file.recompute),
             offload: self.offload.or(file.offload),
             store_fp8: self.store_fp8.or(file.store_fp8),
+            fp8: self.fp8.or(file.fp8),
             dtype: self.dtype.or(file.dtype),
             keep_checkpoints: self.keep_checkpoints.or(file.keep_checkpoints),
             data_path: self.data_path.or(file.data_path),
@@ -343,6 +356,7 @@ impl TrainOptions {
             recompute: opts.recompute.clone().or(base.recompute),
             offload: opts.offload.clone().or(base.offload),
             store_fp8: opts.store_fp8.clone().or(base.store_fp8),
+            fp8: opts.fp8.unwrap_or(base.fp8),
             dtype: opts.dtype.clone().unwrap_or(base.dtype),
             keep_checkpoints: opts.keep_checkpoints.unwrap_or(base.keep_checkpoints),
             data_path: opts.data_path.clone().or(base.data_path),

@@ -605,6 +605,12 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             ))
         })?;
     }
+    if settings.fp8 {
+        let left = spec.use_fp8_experts().map_err(CliError::usage)?;
+        for (i, why) in left {
+            eprintln!("--fp8: group {i} stays in {}: {why}", settings.dtype);
+        }
+    }
     if settings.device != backend {
         return Err(CliError::usage(format!(
             "device `{}` (from the config file or the resumed run) but this run was started on \

@@ -29,7 +29,9 @@ use super::parallel::{Exec, LayerGroups};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
-use crate::spec::{BlockGroup, FfnSpec, ModelSpec, OffloadPart, Policy, RecomputePart};
+use crate::spec::{
+    BlockGroup, FfnSpec, GemmPrecision, ModelSpec, OffloadPart, Policy, RecomputePart,
+};
 
 /// The attention part of a block.
 pub enum Attn<B: Backend> {
@@ -260,15 +262,21 @@ impl<B: Backend> Block<B> {
                 init,
                 dtype,
             )?)),
-            FfnSpec::Moe(moe) => Ffn::Moe(Box::new(MoeLayer::new(
-                b,
-                &format!("{prefix}.moe"),
-                model,
-                moe,
-                init,
-                dtype,
-                groups.clone(),
-            )?)),
+            FfnSpec::Moe(moe) => {
+                let mut layer = MoeLayer::new(
+                    b,
+                    &format!("{prefix}.moe"),
+                    model,
+                    moe,
+                    init,
+                    dtype,
+                    groups.clone(),
+                )?;
+                // The group's GEMM precision covers its routed experts
+                // (docs/ARCHITECTURE.md §6); the rest stays in `dtype`.
+                layer.experts.fp8 = group.policy.precision == GemmPrecision::Fp8Blockwise;
+                Ffn::Moe(Box::new(layer))
+            }
         };
         let attn_prefix = format!("{prefix}.attn");
         let spec = &group.attention;

@@ -6,6 +6,7 @@
 //! the next `counts_e[e]` rows (empty groups allowed; rows past the total
 //! are padding and come out zero).
 
+use foldmoe_kernels::fp8::{Fp8Matrix, Fp8Tiles};
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use crate::engine::activations::Slot;
@@ -21,15 +22,40 @@ pub struct Experts<B: Backend> {
     pub w3: Param<B>,
     /// Down projections `[E, F, D]`, named `{prefix}.w2`.
     pub w2: Param<B>,
+    /// Whether the three products run as blockwise fp8 GEMMs (the group's
+    /// `precision = fp8_blockwise`, or `train --fp8`).
+    pub fp8: bool,
+}
+
+/// A weight gradient's saved input: the activation itself, or under fp8 its
+/// column-tile quantisation, which is all that gradient reads (so the
+/// forward's quantisation is what the backward keeps, at a byte a value).
+pub enum SavedInput<B: Backend> {
+    /// The activation, in the model's dtype.
+    Plain(Tensor<B>),
+    /// Its [`Fp8Tiles::GroupColumns`] codes and scales.
+    Fp8(Fp8Matrix<B>),
+}
+
+impl<B: Backend> SavedInput<B> {
+    fn visit(&mut self, slot: Slot, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        match self {
+            SavedInput::Plain(t) => f(slot, t),
+            SavedInput::Fp8(q) => {
+                f(slot, &mut q.codes);
+                f(slot, &mut q.scales);
+            }
+        }
+    }
 }
 
 /// What the experts' backward needs from their forward.
 pub struct ExpertsSaved<B: Backend> {
-    x_nd: Tensor<B>,
+    x_nd: SavedInput<B>,
     counts_e: Tensor<B>,
     gate_nf: Tensor<B>,
     up_nf: Tensor<B>,
-    act_nf: Tensor<B>,
+    act_nf: SavedInput<B>,
 }
 
 impl<B: Backend> ExpertsSaved<B> {
@@ -38,21 +64,22 @@ impl<B: Backend> ExpertsSaved<B> {
     /// which recompute drops and offload or fp8 may move).
     pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         let e = Slot::kept(Part::RoutedExperts);
-        f(e, &mut self.x_nd);
+        self.x_nd.visit(e, f);
         f(e, &mut self.counts_e);
         f(e.offload(OffloadPart::ExpertFc1), &mut self.gate_nf);
         f(e.offload(OffloadPart::ExpertFc1), &mut self.up_nf);
-        f(
+        self.act_nf.visit(
             e.recompute(RecomputePart::MoeAct)
                 .offload(OffloadPart::MoeAct),
-            &mut self.act_nf,
+            f,
         );
     }
 }
 
 impl<B: Backend> Experts<B> {
     /// The `moe.experts` SwiGLU experts of size `hidden → moe.expert_ffn →
-    /// hidden`, normal(0, std) weights seeded by `(seed, name)`.
+    /// hidden`, normal(0, std) weights seeded by `(seed, name)`, in bf16 (or
+    /// the model's dtype) until [`Experts::fp8`] is set.
     pub fn new(
         b: &B,
         prefix: &str,
@@ -70,6 +97,7 @@ impl<B: Backend> Experts<B> {
             w1: mk("w1", &[experts, hidden, ffn])?,
             w3: mk("w3", &[experts, hidden, ffn])?,
             w2: mk("w2", &[experts, ffn, hidden])?,
+            fp8: false,
         })
     }
 
@@ -80,16 +108,52 @@ impl<B: Backend> Experts<B> {
         x_nd: &Tensor<B>,
         counts_e: &Tensor<B>,
     ) -> Result<(Tensor<B>, ExpertsSaved<B>)> {
+        if self.fp8 {
+            return self.forward_fp8(b, x_nd, counts_e);
+        }
         let gate_nf = b.grouped_matmul(x_nd, &self.w1.value, counts_e, false)?;
         // The up projection stores SwiGLU's output beside its own.
         let (up_nf, act_nf) = b.grouped_matmul_swiglu(x_nd, &self.w3.value, &gate_nf, counts_e)?;
         let y_nd = b.grouped_matmul(&act_nf, &self.w2.value, counts_e, false)?;
         let saved = ExpertsSaved {
-            x_nd: x_nd.clone(),
+            x_nd: SavedInput::Plain(x_nd.clone()),
             counts_e: counts_e.clone(),
             gate_nf,
             up_nf,
-            act_nf,
+            act_nf: SavedInput::Plain(act_nf),
+        };
+        Ok((y_nd, saved))
+    }
+
+    /// The forward in blockwise fp8: each product's input quantised in row
+    /// tiles for its GEMM and in group column tiles for its weight gradient
+    /// (the copy kept), the weights in 128 × 128 blocks; SwiGLU and the
+    /// outputs in the model's dtype.
+    fn forward_fp8(
+        &self,
+        b: &B,
+        x_nd: &Tensor<B>,
+        counts_e: &Tensor<B>,
+    ) -> Result<(Tensor<B>, ExpertsSaved<B>)> {
+        let dtype = x_nd.dtype();
+        let fwd_weight =
+            |w: &Param<B>| b.quantize_fp8(&w.value, Fp8Tiles::Blocks { transposed: true }, None);
+        let x_rows = b.quantize_fp8(x_nd, Fp8Tiles::Rows, None)?;
+        let gate_nf =
+            b.grouped_matmul_fp8(&x_rows, &fwd_weight(&self.w1)?, counts_e, false, dtype)?;
+        let up_nf =
+            b.grouped_matmul_fp8(&x_rows, &fwd_weight(&self.w3)?, counts_e, false, dtype)?;
+        let act_nf = b.swiglu(&gate_nf, &up_nf)?;
+        let act_rows = b.quantize_fp8(&act_nf, Fp8Tiles::Rows, None)?;
+        let y_nd =
+            b.grouped_matmul_fp8(&act_rows, &fwd_weight(&self.w2)?, counts_e, false, dtype)?;
+        let columns = |t: &Tensor<B>| b.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(counts_e));
+        let saved = ExpertsSaved {
+            x_nd: SavedInput::Fp8(columns(x_nd)?),
+            counts_e: counts_e.clone(),
+            act_nf: SavedInput::Fp8(columns(&act_nf)?),
+            gate_nf,
+            up_nf,
         };
         Ok((y_nd, saved))
     }
@@ -108,6 +172,17 @@ impl<B: Backend> Experts<B> {
             up_nf,
             act_nf,
         } = saved;
+        let (x_nd, act_nf) = match (x_nd, act_nf) {
+            (SavedInput::Plain(x), SavedInput::Plain(act)) => (x, act),
+            (SavedInput::Fp8(x), SavedInput::Fp8(act)) => {
+                return self.backward_fp8(b, dy_nd, &counts_e, (&gate_nf, &up_nf), (&x, &act));
+            }
+            _ => {
+                return Err(crate::engine::EngineError::Invalid(
+                    "experts backward: the saved inputs mix fp8 and plain tensors".into(),
+                ))
+            }
+        };
         self.w2
             .accumulate(b, &b.grouped_matmul_weight_grad(&act_nf, dy_nd, &counts_e)?)?;
         // dact = dy · w2ᵀ goes straight into SwiGLU's backward (never stored).
@@ -128,6 +203,42 @@ impl<B: Backend> Experts<B> {
             &counts_e,
             true,
         )?)
+    }
+
+    /// The backward in blockwise fp8: each incoming gradient quantised in
+    /// row tiles for its data gradient and in group column tiles for the
+    /// weight gradients, against the saved column tiles of the inputs.
+    fn backward_fp8(
+        &mut self,
+        b: &B,
+        dy_nd: &Tensor<B>,
+        counts_e: &Tensor<B>,
+        (gate_nf, up_nf): (&Tensor<B>, &Tensor<B>),
+        (x_cols, act_cols): (&Fp8Matrix<B>, &Fp8Matrix<B>),
+    ) -> Result<Tensor<B>> {
+        let dtype = dy_nd.dtype();
+        let rows = |t: &Tensor<B>| b.quantize_fp8(t, Fp8Tiles::Rows, None);
+        let columns = |t: &Tensor<B>| b.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(counts_e));
+        // Data gradients read each weight with its output dimension summed.
+        let bwd_weight =
+            |w: &Param<B>| b.quantize_fp8(&w.value, Fp8Tiles::Blocks { transposed: false }, None);
+        let wgrad = |x: &Fp8Matrix<B>, dy: &Fp8Matrix<B>| {
+            b.grouped_matmul_weight_grad_fp8(x, dy, counts_e, dtype)
+        };
+        let dgrad = |dy: &Fp8Matrix<B>, w: &Param<B>| -> Result<Tensor<B>> {
+            Ok(b.grouped_matmul_fp8(dy, &bwd_weight(w)?, counts_e, true, dtype)?)
+        };
+        let dy_cols = columns(dy_nd)?;
+        let dw2 = wgrad(act_cols, &dy_cols)?;
+        self.w2.accumulate(b, &dw2)?;
+        let dact_nf = dgrad(&rows(dy_nd)?, &self.w2)?;
+        let (dgate_nf, dup_nf) = b.swiglu_backward(gate_nf, up_nf, &dact_nf)?;
+        let (dgate_cols, dup_cols) = (columns(&dgate_nf)?, columns(&dup_nf)?);
+        self.w1.accumulate(b, &wgrad(x_cols, &dgate_cols)?)?;
+        self.w3.accumulate(b, &wgrad(x_cols, &dup_cols)?)?;
+        let dx_gate = dgrad(&rows(&dgate_nf)?, &self.w1)?;
+        let dx_up = dgrad(&rows(&dup_nf)?, &self.w3)?;
+        Ok(b.add(&dx_gate, &dx_up)?)
     }
 }
 
@@ -198,5 +309,86 @@ mod tests {
     fn experts_grad_trailing_empty_groups() {
         check_experts("ragged [2, 3, 0, 0]", vec![2, 3, 0, 0], 5);
         check_experts("one group [0, 0, 4]", vec![0, 0, 4], 4);
+    }
+
+    /// Norm-wise relative distance of `a` from `b`.
+    fn rel(a: &[f64], b: &[f64]) -> f64 {
+        let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+        let n: f64 = b.iter().map(|y| y * y).sum();
+        (d / n).sqrt()
+    }
+
+    /// The fp8 experts (quantised operands, f32 accumulation) against the
+    /// same experts in f64: output, dx and each weight gradient within what
+    /// e4m3's 3-bit mantissa allows (a few percent), yet not equal (the fp8
+    /// path ran); padding rows stay zero; the saved inputs are fp8 codes.
+    #[test]
+    fn fp8_experts_track_the_exact_ones() {
+        let (e, d, f, rows) = (4, 40, 136, 17);
+        let counts = vec![5, 0, 7, 4]; // one padding row
+        let spec = moe_spec(e, 1, f, 0);
+        let mk = |fp8| {
+            let mut m = Experts::new(
+                &Cpu,
+                "x",
+                d,
+                &spec,
+                0.3,
+                crate::engine::Init::full(3),
+                DType::F64,
+            )
+            .unwrap();
+            m.fp8 = fp8;
+            m
+        };
+        let (mut exact, mut quant) = (mk(false), mk(true));
+        let counts_e = ti32(counts, &[e]);
+        let x = t64(uniform(31, rows * d, 1.0), &[rows, d]);
+        let dy = t64(uniform(32, rows * d, 1.0), &[rows, d]);
+        let (y0, s0) = exact.forward(&Cpu, &x, &counts_e).unwrap();
+        let (y1, mut s1) = quant.forward(&Cpu, &x, &counts_e).unwrap();
+        let mut saved = Vec::new();
+        s1.visit_saved(&mut |_, t| saved.push(t.dtype()));
+        // x and act as codes + scales, counts, gate, up.
+        assert_eq!(
+            saved,
+            [
+                DType::I32,
+                DType::F32,
+                DType::I32,
+                DType::F64,
+                DType::F64,
+                DType::I32,
+                DType::F32
+            ]
+        );
+        let dx0 = exact.backward(&Cpu, &dy, s0).unwrap();
+        let dx1 = quant.backward(&Cpu, &dy, s1).unwrap();
+        let (y1v, dx1v) = (host(&y1), host(&dx1));
+        assert!(
+            y1v[16 * d..]
+                .iter()
+                .chain(&dx1v[16 * d..])
+                .all(|v| *v == 0.0),
+            "padding row"
+        );
+        let mut pairs = vec![("y", host(&y0), y1v), ("dx", host(&dx0), dx1v)];
+        for ((name, _, g0), (_, _, g1)) in params(&exact).into_iter().zip(params(&quant)) {
+            pairs.push((
+                if name.ends_with("w1") {
+                    "dw1"
+                } else if name.ends_with("w3") {
+                    "dw3"
+                } else {
+                    "dw2"
+                },
+                g0,
+                g1,
+            ));
+        }
+        for (what, want, got) in pairs {
+            let r = rel(&got, &want);
+            assert!(r > 1e-4 && r < 0.08, "{what}: relative error {r}");
+        }
     }
 }
