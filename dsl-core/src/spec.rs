@@ -1277,9 +1277,13 @@ fn check_policy(g: &BlockGroup, spec: &ModelSpec, p: &str, err: &mut impl FnMut(
                     err(
                         format!("{p}.{key}[{i}]"),
                         format!(
-                            "{key} part `moe_act` with precision = {precision}: the experts keep their activation \
-                             as its fp8 GEMM operand already, which is not {} yet; remove it",
-                            if key == "store_fp8" { "compressed again" } else { "offloaded" }
+                            "{key} part `moe_act` with precision = {precision}: the experts already keep their \
+                             activation as its fp8 GEMM operand, {}; remove it",
+                            if key == "store_fp8" {
+                                "so storing it in fp8 would change nothing"
+                            } else {
+                                "which is not offloaded yet"
+                            }
                         ),
                     );
                 }

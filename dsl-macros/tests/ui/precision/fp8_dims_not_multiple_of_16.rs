@@ -5,7 +5,7 @@ use foldmoe_macros::moe_model;
     layout(name = "cpu", world = 1))]
 pub struct Ui {
     #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 16),
-        moe(experts = 8, top_k = 2, expert_ffn = 24), precision = fp8)]
+        moe(experts = 8, top_k = 2, expert_ffn = 24), precision = fp8_blockwise)]
     moe: Blocks,
 }
 
