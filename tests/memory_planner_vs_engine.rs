@@ -66,11 +66,25 @@ fn planner_predicts_the_engines_activation_peak_within_10_percent() {
     ];
     let seqs = 1;
     let mut rows = Vec::new();
-    for (recompute, offload, fp8) in policies {
+    // The first two again with the experts' GEMMs in fp8 (`train --fp8`),
+    // which keep their inputs as fp8 codes.
+    let fp8_gemms = policies
+        .iter()
+        .map(|p| (p, false))
+        .chain([(&policies[0], true), (&policies[1], true)]);
+    for (&(recompute, offload, fp8), fp8_experts) in fp8_gemms {
         let mut spec = foldmoe::models::by_name("tiny").unwrap();
         PolicyOverride::parse(Some(recompute), Some(offload), Some(fp8))
             .unwrap()
             .apply(&mut spec);
+        if fp8_experts {
+            spec.use_fp8_experts().unwrap();
+        }
+        let fp8 = if fp8_experts {
+            format!("{fp8} + fp8 experts")
+        } else {
+            fp8.to_string()
+        };
         let (dev, host) = measured(&spec, seqs);
         let (p_dev, p_host) = predicted(&spec, seqs);
         let label = format!("recompute {recompute} / offload {offload} / fp8 {fp8}");

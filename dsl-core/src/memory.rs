@@ -30,7 +30,8 @@
 
 use crate::layout::Layout;
 use crate::spec::{
-    FfnSpec, LoadBalance, ModelSpec, OffloadPart, Policy, RecomputePart, ScoreFunction,
+    FfnSpec, GemmPrecision, LoadBalance, ModelSpec, OffloadPart, Policy, RecomputePart,
+    ScoreFunction,
 };
 use serde::Serialize;
 
@@ -200,6 +201,10 @@ enum Kind {
     Fp32,
     /// int32 indices (chosen experts, permutation).
     Int,
+    /// e4m3 codes, a byte each, with an f32 scale per 128: the fp8
+    /// experts' saved GEMM operands (each group's last, partial tile is a
+    /// per-layer constant, left out).
+    Fp8,
 }
 
 /// One tensor a block saves for backward: which part it belongs to, what
@@ -346,9 +351,15 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout) -> Vec<Saved> {
             let etp = layout.etp as f64;
             let rows = k * etp / sp;
             let f = m.expert_ffn as f64 / etp;
+            // fp8 experts keep their products' inputs as fp8 codes.
+            let operand = if g.policy.precision == GemmPrecision::Fp8Blockwise {
+                Kind::Fp8
+            } else {
+                Act
+            };
             // The permutation (source token and slot of each row).
             v.push(s(Part::RoutedExperts, None, None, Int, 2.0 * rows));
-            v.push(s(Part::RoutedExperts, None, None, Act, rows * h));
+            v.push(s(Part::RoutedExperts, None, None, operand, rows * h));
             v.push(s(
                 Part::RoutedExperts,
                 None,
@@ -360,7 +371,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout) -> Vec<Saved> {
                 Part::RoutedExperts,
                 Some(R::MoeAct),
                 Some(O::MoeAct),
-                Act,
+                operand,
                 rows * f,
             ));
             // The experts' outputs, for the routing weights' gradient.
@@ -403,9 +414,11 @@ fn placed(tensor: &Saved, policy: &Policy, block_input: bool, act_bytes: f64) ->
         * match tensor.kind {
             Kind::Act => act_bytes,
             Kind::Fp32 | Kind::Int => 4.0,
+            // A code a byte, and the column tiles' f32 scale per 128 rows.
+            Kind::Fp8 => 1.0 + 4.0 / 128.0,
         };
     if let Some(o) = tensor.offload {
-        if policy.store_fp8.contains(&o) && tensor.kind != Kind::Int {
+        if policy.store_fp8.contains(&o) && matches!(tensor.kind, Kind::Act | Kind::Fp32) {
             bytes = tensor.elems_per_token;
         }
         if policy.offload.contains(&o) {

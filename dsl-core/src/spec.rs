@@ -1467,6 +1467,39 @@ mod tests {
         }
     }
 
+    /// `--fp8` sets blockwise fp8 on every MoE group that passes the fp8
+    /// rules, drops a `store_fp8(moe_act)` it subsumes, says why it leaves
+    /// the others, and is an error when no group can take it.
+    #[test]
+    fn use_fp8_experts_picks_the_groups_that_allow_it() {
+        let mut moe = moe_group();
+        moe.attention = AttentionSpec::gqa(4, 2, 16);
+        moe.policy.store_fp8 = vec![OffloadPart::ExpertFc1, OffloadPart::MoeAct];
+        let mut offloading = moe.clone();
+        offloading.policy.offload = vec![OffloadPart::MoeAct];
+        let mut dense = moe.clone();
+        dense.ffn = FfnSpec::Dense { ffn: 64 };
+        dense.policy.store_fp8.clear();
+        let mut spec = spec_with(dense.clone());
+        spec.groups.extend([moe, offloading]);
+        let left = spec.use_fp8_experts().unwrap();
+        assert_eq!(left.iter().map(|(i, _)| *i).collect::<Vec<_>>(), [0, 2]);
+        assert!(left[0].1.contains("no MoE layer"), "{left:?}");
+        assert!(left[1].1.contains("offload part `moe_act`"), "{left:?}");
+        let g = &spec.groups[1].policy;
+        assert_eq!(
+            (g.precision, g.store_fp8.as_slice()),
+            (GemmPrecision::Fp8Blockwise, &[OffloadPart::ExpertFc1][..])
+        );
+        assert_eq!(spec.groups[2].policy.precision, GemmPrecision::Bf16);
+        assert!(spec.check().is_ok());
+        let e = spec_with(dense).use_fp8_experts().unwrap_err();
+        assert!(
+            e.starts_with("--fp8: no group of model t can run its experts in fp8: groups[0]: "),
+            "{e}"
+        );
+    }
+
     #[test]
     fn first_layers_cuts_groups_in_order() {
         let mut spec = spec_with(moe_group());

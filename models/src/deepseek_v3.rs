@@ -17,9 +17,10 @@
 //! pre-training sequences). Published size: 671 B parameters in the main model
 //! (plus 14 B in the MTP module), 37 B active.
 //!
-//! The report trains its GEMMs in FP8 blockwise; foldmoe does not run fp8
-//! GEMMs yet, so the groups do not declare `precision = fp8_blockwise` (a
-//! declaration that did would be a compile error saying so).
+//! The report trains its routed experts' GEMMs in blockwise FP8: `train
+//! --fp8` runs them so (`precision = fp8_blockwise` on the MoE group, which
+//! subsumes its `store_fp8(moe_act)`). The declaration keeps bf16, so an
+//! imported checkpoint reproduces the reference implementation's logits.
 
 use foldmoe_macros::moe_model;
 

@@ -19,7 +19,9 @@ use foldmoe::core::engine::trainer::{LayerLoad, StepStats, TrainConfig};
 use foldmoe::core::engine::EngineError;
 use foldmoe::core::layout::{Layout, LayoutSpec};
 use foldmoe::core::memory::{self, MemoryOptions};
-use foldmoe::core::spec::{CapacitySpec, DropPolicySpec, FfnSpec, ModelSpec, PolicyOverride};
+use foldmoe::core::spec::{
+    CapacitySpec, DropPolicySpec, FfnSpec, GemmPrecision, ModelSpec, PolicyOverride,
+};
 use foldmoe::data::blend::BlendSpec;
 use foldmoe::data::gpt::Split;
 use foldmoe::data::{BatchSampler, IndexedConfig, Loader, TextDataset, Tokenizer};
@@ -1109,6 +1111,17 @@ fn train_loop<B: Backend>(
     };
     if settings.dtype != "f32" {
         layout_note += &format!(" in {} (f32 master weights)", settings.dtype);
+    }
+    let fp8_groups = spec
+        .groups
+        .iter()
+        .filter(|g| g.policy.precision == GemmPrecision::Fp8Blockwise)
+        .count();
+    if fp8_groups > 0 {
+        layout_note += &format!(
+            ", routed experts of {fp8_groups} of {} groups in blockwise fp8",
+            spec.groups.len()
+        );
     }
     if main {
         say(&pb, format!(
