@@ -68,3 +68,146 @@ __device__ void fp8_expand_impl(const unsigned char* codes, const float* scales,
     extern "C" __global__ void fp8_expand_##sfx(const unsigned char* codes, const float* scales, T* out, i64 rows, i64 cols) { \
         fp8_expand_impl<T>(codes, scales, out, rows, cols); }
 FOR_FLOATS(FP8)
+
+// ---- Blockwise fp8 GEMM operands (kernels/src/fp8.rs: Fp8Tiles). Row tiles
+// are the compression above; these are the weights' 128x128 blocks and the
+// activations' per-group column tiles, each with the host reference's f32
+// steps, so codes and scales are equal bit for bit.
+
+__device__ __forceinline__ unsigned char e4m3_of(float v) {
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ float e4m3_value(unsigned char c) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
+}
+
+// The block's amax over its 256 threads' `a` (every thread gets it).
+__device__ __forceinline__ float block_amax_256(float a) {
+    __shared__ float part[8];
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = a;
+    __syncthreads();
+    float m = part[0];
+#pragma unroll
+    for (int w = 1; w < 8; w++) m = fmaxf(m, part[w]);
+    return m;
+}
+
+// One block of 256 threads per 128x128 block (grid: column blocks, row
+// blocks, matrices) of w [g, r, c]: scale = amax / 448 (1 if all zero) at
+// scales[e][bi][bj] of the logical grid, codes at [e][i][j], or at [e][j][i]
+// when transposed.
+template <typename T>
+__device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) {
+    const i64 e = blockIdx.z, r0 = (i64)blockIdx.y * 128, c0 = (i64)blockIdx.x * 128;
+    const i64 nr = min((i64)128, r - r0), nc = min((i64)128, c - c0);
+    const T* src = w + e * r * c;
+    float a = 0.f;
+    for (int idx = threadIdx.x; idx < 128 * 128; idx += 256) {
+        const int i = idx >> 7, j = idx & 127;
+        if (i < nr && j < nc) a = fmaxf(a, fabsf(to_f32v(src[(r0 + i) * c + c0 + j])));
+    }
+    const float amax = block_amax_256(a);
+    const float scale = amax > 0.f ? amax / 448.f : 1.f;
+    const i64 gr = (r + 127) / 128, gc = (c + 127) / 128;
+    if (threadIdx.x == 0) scales[e * gr * gc + blockIdx.y * gc + blockIdx.x] = scale;
+    unsigned char* dst = codes + e * r * c;
+    for (int idx = threadIdx.x; idx < 128 * 128; idx += 256) {
+        // Stores run along the stored rows (the transpose's, if so).
+        const int i = transposed ? (idx & 127) : (idx >> 7), j = transposed ? (idx >> 7) : (idx & 127);
+        if (i < nr && j < nc) {
+            const unsigned char q = e4m3_of(to_f32v(src[(r0 + i) * c + c0 + j]) / scale);
+            if (transposed) dst[(c0 + j) * r + r0 + i] = q; else dst[(r0 + i) * c + c0 + j] = q;
+        }
+    }
+}
+
+// Tile `tile` of the per-group column tiling of m rows in `groups` groups:
+// its first row and row count (0 rows for a tile past the groups' own).
+// Rows are clamped to m, so sizes summing past m stay in bounds.
+__device__ void group_tile(const int* sizes, i64 groups, i64 m, i64 tile, i64* row0, i64* rows) {
+    i64 start = 0, tile0 = 0;
+    *row0 = 0;
+    *rows = 0;
+    for (i64 g = 0; g < groups; g++) {
+        const i64 size = max(sizes[g], 0);
+        const i64 tiles = (size + 127) / 128;
+        if (tile < tile0 + tiles) {
+            const i64 q = tile - tile0;
+            *row0 = start + q * 128;
+            *rows = max((i64)0, min(min((i64)128, size - q * 128), m - *row0));
+            return;
+        }
+        start += size;
+        tile0 += tiles;
+    }
+}
+
+// One block of 256 threads per (tile, 32 columns) of x [m, k]: each
+// column's amax over the tile's rows gives its scale at scales[col][tile]
+// (1 for a tile past the groups), codes transposed at codes[col][row]
+// (rows past the groups keep the zeros the buffer starts with).
+template <typename T>
+__device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, float* scales, const int* sizes,
+                                          i64 m, i64 k, i64 groups, i64 tiles) {
+    __shared__ float tile_v[128][33];
+    __shared__ float col_scale[32];
+    __shared__ i64 span[2];
+    const i64 tile = blockIdx.x, c0 = (i64)blockIdx.y * 32, nc = min((i64)32, k - c0);
+    if (threadIdx.x == 0) group_tile(sizes, groups, m, tile, &span[0], &span[1]);
+    __syncthreads();
+    const i64 row0 = span[0], rows = span[1];
+    for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
+        const int i = idx >> 5, j = idx & 31;
+        tile_v[i][j] = (i < rows && j < nc) ? to_f32v(x[(row0 + i) * k + c0 + j]) : 0.f;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int j = warp; j < 32; j += 8) {
+        float a = 0.f;
+        for (int i = lane; i < 128; i += 32) a = fmaxf(a, fabsf(tile_v[i][j]));
+        for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        if (lane == 0) col_scale[j] = a > 0.f ? a / 448.f : 1.f;
+    }
+    __syncthreads();
+    if (threadIdx.x < nc) scales[(c0 + threadIdx.x) * tiles + tile] = col_scale[threadIdx.x];
+    for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
+        const int j = idx >> 7, i = idx & 127;
+        if (i < rows && j < nc) codes[(c0 + j) * m + row0 + i] = e4m3_of(tile_v[i][j] / col_scale[j]);
+    }
+}
+
+#define FP8_OPERANDS(sfx, T) \
+    extern "C" __global__ void fp8_quant_blocks_##sfx(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) { \
+        fp8_quant_blocks_impl<T>(w, codes, scales, r, c, transposed); } \
+    extern "C" __global__ void fp8_quant_group_cols_##sfx(const T* x, unsigned char* codes, float* scales, const int* sizes, \
+                                                         i64 m, i64 k, i64 groups, i64 tiles) { \
+        fp8_quant_group_cols_impl<T>(x, codes, scales, sizes, m, k, groups, tiles); }
+FOR_FLOATS(FP8_OPERANDS)
+
+// The logical f32 values of 128x128-block codes (stored transposed or not).
+extern "C" __global__ void fp8_dequant_blocks(const unsigned char* codes, const float* scales, float* out,
+                                              i64 g, i64 r, i64 c, int transposed) {
+    const i64 n = g * r * c, gr = (r + 127) / 128, gc = (c + 127) / 128;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (i64)gridDim.x * blockDim.x) {
+        const i64 e = idx / (r * c), i = (idx / c) % r, j = idx % c;
+        const unsigned char q = transposed ? codes[e * r * c + j * r + i] : codes[idx];
+        out[idx] = e4m3_value(q) * scales[e * gr * gc + (i / 128) * gc + j / 128];
+    }
+}
+
+// The [m, k] f32 values of per-group column-tile codes ([k, m]); rows past
+// the groups keep the zeros `out` starts with. Grid as the quantisation's.
+extern "C" __global__ void fp8_dequant_group_cols(const unsigned char* codes, const float* scales, const int* sizes,
+                                                  float* out, i64 m, i64 k, i64 groups, i64 tiles) {
+    __shared__ i64 span[2];
+    const i64 tile = blockIdx.x, c0 = (i64)blockIdx.y * 32, nc = min((i64)32, k - c0);
+    if (threadIdx.x == 0) group_tile(sizes, groups, m, tile, &span[0], &span[1]);
+    __syncthreads();
+    const i64 row0 = span[0], rows = span[1];
+    for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
+        const int i = idx >> 5, j = idx & 31;
+        if (i < rows && j < nc)
+            out[(row0 + i) * k + c0 + j] = e4m3_value(codes[(c0 + j) * m + row0 + i]) * scales[(c0 + j) * tiles + tile];
+    }
+}
