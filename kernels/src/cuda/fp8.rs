@@ -29,7 +29,10 @@ impl Cuda {
         let Some(s) = sizes else { return Ok(0) };
         s.expect_dtype(op, DType::I32)?;
         if s.shape().len() != 1 {
-            return Err(arg_err(op, format!("group sizes must be 1-d, got shape {:?}", s.shape())));
+            return Err(arg_err(
+                op,
+                format!("group sizes must be 1-d, got shape {:?}", s.shape()),
+            ));
         }
         Ok(s.numel())
     }
@@ -94,6 +97,11 @@ impl Fp8Ops for Cuda {
                 (codes, scales)
             }
             (Fp8Tiles::GroupColumns, &[m, k]) => {
+                if let Some(sizes) = group_sizes {
+                    // Negative sizes or a sum past m are reported at the next
+                    // read, as by the grouped GEMMs (the kernel clamps).
+                    self.group_offsets(OP, sizes, groups, m)?;
+                }
                 let t = column_tiles(m, groups);
                 // Rows past the groups are code 0.
                 let codes = self.zeros(&[n.div_ceil(4)], DType::I32)?;

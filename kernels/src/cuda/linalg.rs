@@ -183,7 +183,7 @@ impl Cuda {
     /// Group offsets `[G + 1]` and the tensor-core kernel's tile offsets
     /// `[G + 1]` (both i64, scratch) from device sizes `[G]`, checked on the
     /// device against `m` rows.
-    fn group_offsets(
+    pub(super) fn group_offsets(
         &self,
         op: &'static str,
         sizes: &Tensor<Self>,
