@@ -47,24 +47,11 @@ pub(crate) enum GroupedKernel {
     Wgmma,
 }
 
-/// What `FOLDMOE_GROUPED_GEMM` asks for (read once per process): unset, the
-/// default; `mma`, the mma.sync kernels on Hopper too; `inline`, the wgmma
-/// kernels with SwiGLU and its backward as their own ops (the CUDA path
-/// before the fused SwiGLU products became the default).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum GemmEnv {
-    Default,
-    Mma,
-    Inline,
-}
-
-fn gemm_env() -> GemmEnv {
-    static ENV: OnceLock<GemmEnv> = OnceLock::new();
-    *ENV.get_or_init(|| match std::env::var("FOLDMOE_GROUPED_GEMM").as_deref() {
-        Ok("mma") => GemmEnv::Mma,
-        Ok("inline") => GemmEnv::Inline,
-        _ => GemmEnv::Default,
-    })
+/// `FOLDMOE_GROUPED_GEMM=mma` keeps the mma.sync kernels on Hopper too (read
+/// once per process).
+fn wgmma_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_GROUPED_GEMM").map_or(true, |v| v != "mma"))
 }
 
 /// Bytes of one pipeline stage of the wgmma kernels (`GW_STAGE_BYTES`: a
@@ -285,23 +272,23 @@ impl Cuda {
                 ),
             )),
             Some(k) => Ok(k),
-            None if !fits => Ok(GroupedKernel::MmaSync),
-            None if gemm_env() == GemmEnv::Mma => Ok(GroupedKernel::MmaSync),
-            None => Ok(GroupedKernel::Wgmma),
+            None if fits && wgmma_allowed() => Ok(GroupedKernel::Wgmma),
+            None => Ok(GroupedKernel::MmaSync),
         }
     }
 
-    /// Whether a SwiGLU product runs as one fused wgmma kernel: asked for,
-    /// or by default where the kernels fit unless `FOLDMOE_GROUPED_GEMM` is
-    /// `mma` or `inline`.
+    /// Whether a SwiGLU product runs as one fused wgmma kernel: only when
+    /// asked for (`Some(Wgmma)`): at the Qwen3-30B-A3B shape the fused
+    /// kernels are slower than the GEMM and the 16-byte elementwise op they
+    /// fuse (BENCHMARKS.md, 2026-12-02), so the default composes.
     fn fused_swiglu(
         &self,
         op: &'static str,
         want: Option<GroupedKernel>,
         fits: bool,
     ) -> Result<bool> {
-        let kernel = self.grouped_kernel(op, want, fits)?;
-        Ok(kernel == GroupedKernel::Wgmma && (want.is_some() || gemm_env() != GemmEnv::Inline))
+        Ok(want == Some(GroupedKernel::Wgmma)
+            && self.grouped_kernel(op, want, fits)? == GroupedKernel::Wgmma)
     }
 
     /// Blocks of a persistent launch over at most `tiles` tiles: one per
@@ -425,10 +412,9 @@ impl Cuda {
         Ok(out)
     }
 
-    /// `grouped_matmul_swiglu` with the bf16 kernel chosen by `kernel`: on
-    /// the wgmma kernels (and by default where they fit) one fused kernel,
-    /// SwiGLU in its deferred epilogue, bit-identical to the two ops it
-    /// fuses (which mma.sync, f32, f64 and `FOLDMOE_GROUPED_GEMM=inline` run).
+    /// `grouped_matmul_swiglu` with the bf16 kernel chosen by `kernel`: asked
+    /// for wgmma, one fused kernel (SwiGLU in its deferred epilogue,
+    /// bit-identical to the two ops it fuses); otherwise those two ops.
     pub(crate) fn grouped_matmul_swiglu_on(
         &self,
         x: &Tensor<Self>,
@@ -1324,9 +1310,8 @@ mod tests {
 
     /// The experts of the Qwen3-30B-A3B MoE layer (128 experts, 16384 tokens
     /// × top-8 = 131072 rows in uneven groups, hidden 2048, ffn 768, bf16),
-    /// forward and backward, by the default path (fused SwiGLU products) and
-    /// by the previous one (`FOLDMOE_GROUPED_GEMM=inline`: inline epilogues,
-    /// SwiGLU as its own ops): the output y, dx and the three weight
+    /// forward and backward, with the fused SwiGLU products and with the
+    /// default path (SwiGLU as its own ops): the output y, dx and the three weight
     /// gradients must agree within bf16 rounding (1e-2 of the largest
     /// magnitude); prints the relative Frobenius differences and how many
     /// elements differ. Ignored (large): run with `--ignored` on a GPU.
@@ -1346,15 +1331,10 @@ mod tests {
         let (_, w2) = pair(&d, &[e, f, h], 24);
         let (_, dy) = pair(&d, &[rows, h], 25);
         let run = |fused: bool| -> Vec<Vec<f32>> {
-            // The previous path names its kernels; the new one takes the defaults.
-            let kn = if fused {
-                None
-            } else {
-                Some(GroupedKernel::Wgmma)
-            };
+            let kn = Some(GroupedKernel::Wgmma);
             let gate = d.grouped_matmul_on(&x, &w1, &gs, false, kn).unwrap();
             let (up, act) = if fused {
-                d.grouped_matmul_swiglu(&x, &w3, &gate, &gs).unwrap()
+                d.grouped_matmul_swiglu_on(&x, &w3, &gate, &gs, kn).unwrap()
             } else {
                 let up = d.grouped_matmul_on(&x, &w3, &gs, false, kn).unwrap();
                 let act = d.swiglu(&gate, &up).unwrap();
@@ -1363,7 +1343,7 @@ mod tests {
             let y = d.grouped_matmul_on(&act, &w2, &gs, false, kn).unwrap();
             let dw2 = d.grouped_wgrad_on(&act, &dy, &gs, kn).unwrap();
             let (dg, du) = if fused {
-                d.grouped_matmul_swiglu_backward(&dy, &w2, &gate, &up, &gs)
+                d.grouped_matmul_swiglu_backward_on(&dy, &w2, &gate, &up, &gs, kn)
                     .unwrap()
             } else {
                 let dact = d.grouped_matmul_on(&dy, &w2, &gs, true, kn).unwrap();
