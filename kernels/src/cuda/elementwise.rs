@@ -573,3 +573,53 @@ impl ElementwiseOps for Cuda {
         self.total("sum_squares", x, true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::{Device, ElementwiseOps};
+    use crate::cpu::test_util::Compare;
+    use crate::cpu::Cpu;
+    use crate::tensor::{DType, HostData};
+
+    /// The bf16 maps with a 16-byte loop (binary ops such as swiglu,
+    /// swiglu_backward, axpy) against the CPU at lengths around multiples
+    /// of 8 (the scalar tail alone, the vector loop alone, both), each output
+    /// allocated from a pool left full of NaN blocks of its size, so an
+    /// element either loop fails to write shows up.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn bf16_vector_maps_match_cpu_at_odd_lengths() {
+        let d = crate::cuda::require_test_device();
+        for n in [1usize, 7, 8, 9, 63, 64, 1021, 4096 + 5] {
+            let poison = || {
+                let nan = d.upload(HostData::F32(vec![f32::NAN; n]), &[n]).unwrap();
+                let held: Vec<_> = (0..4).map(|_| d.cast(&nan, DType::BF16).unwrap()).collect();
+                drop(held);
+            };
+            let mut k = Compare::new(&d, DType::BF16, 90 + n as u64);
+            let (x, xc) = k.rand(&[n], 4.0);
+            let (y, yc) = k.rand(&[n], 1.0);
+            let (p, pc) = k.rand(&[n], 1.0);
+            poison();
+            k.check("mul", &d.mul(&x, &y).unwrap(), &Cpu.mul(&xc, &yc).unwrap());
+            poison();
+            k.check(
+                "swiglu",
+                &d.swiglu(&x, &y).unwrap(),
+                &Cpu.swiglu(&xc, &yc).unwrap(),
+            );
+            poison();
+            let (dg, du) = d.swiglu_backward(&x, &y, &p).unwrap();
+            let (dgc, duc) = Cpu.swiglu_backward(&xc, &yc, &pc).unwrap();
+            k.check("swiglu_backward d gate", &dg, &dgc);
+            k.check("swiglu_backward d up", &du, &duc);
+            let (mut a, mut ac) = k.rand(&[n], 2.0);
+            d.axpy(&mut a, -0.75, &y).unwrap();
+            Cpu.axpy(&mut ac, -0.75, &yc).unwrap();
+            k.check("axpy", &a, &ac);
+        }
+    }
+}

@@ -48,6 +48,16 @@
 //   MN-major tile [64 deep][64 wide] boxes side by side (8 KiB each):
 //     LBO = 8192 (the next 64 of M / N), SBO = 1024 (the next 8 deep);
 //     step kk starts 2048·kk bytes in.
+// Deferred epilogue (DEFER, issue 18): the consumers only round their
+// accumulators into a shared 128 × 256 tile (an `out_full` mbarrier, 256
+// arrivals) and go on to the next tile's wgmmas, while warps 9-11 of the
+// producer warpgroup (96 threads, setmaxnreg 72; the consumers take 216:
+// setmaxnreg.inc only draws on what the block's .dec released, so
+// 256 (216 - 168) <= 128 (168 - 72), else the consumers wait forever)
+// store that tile, with the fused epilogues' loads and activations, then
+// release it (`out_empty`, 96 arrivals). The stores and the SwiGLU math
+// thus run under the next tile's main loop instead of between two tiles;
+// the price is a 3-stage ring (the tile takes the fourth stage's memory).
 // Fused variants (issue 18, second part), the same body with two switches:
 // - PAIR (nn / nt): out = x1 · op(w1[g]) + x2 · op(w2[g]), the steps of K1
 //   from (ta, tb) and then those of K2 from (ta2, tb2) into one accumulator
@@ -64,16 +74,23 @@
 #define GW_BM 128
 #define GW_BN 256
 #define GW_BK 64
-#define GW_STAGES 4
 #define GW_THREADS 384
 #define GW_A_BYTES (GW_BM * GW_BK * 2)
 #define GW_STAGE_BYTES (GW_A_BYTES + GW_BK * GW_BN * 2)
-// After the stages: the 2 · GW_STAGES mbarriers (128 bytes kept), then each
-// consumer warp's epilogue buffer (16 rows of 64 bf16, rows 144 bytes
-// apart), then the group and tile offsets.
-#define GW_STG_OFF (GW_STAGES * GW_STAGE_BYTES + 128)
+// Shared memory, after the stages: the mbarriers (128 bytes kept), then the
+// epilogue's buffers, then the group and tile offsets. Inline epilogue: 4
+// stages, each consumer warp's buffer of 16 rows of 64 bf16 (rows 144 bytes
+// apart). Deferred epilogue (DEFER): 3 stages and the whole 128 × 256 tile
+// (rows 528 bytes apart), 216192 bytes before the offsets either way
+// (linalg.rs's gw_smem_bytes).
 #define GW_STG_WARP (16 * 144)
-#define GW_OFFS_OFF (GW_STG_OFF + 8 * GW_STG_WARP)
+#define GW_OUT_ROW 528
+template <bool DEFER> struct GwLayout {
+    static constexpr int ST = DEFER ? 3 : 4;
+    static constexpr unsigned STG = ST * GW_STAGE_BYTES + 128;
+    static constexpr unsigned OFFS = STG + (DEFER ? GW_BM * GW_OUT_ROW : 8 * GW_STG_WARP);
+};
+static_assert(GwLayout<true>::OFFS == GwLayout<false>::OFFS, "both epilogues fit the same shared memory");
 
 // The activations of elementwise.cu (same expressions: the fused stores
 // round as binary_bf16 / swiglu_bwd_bf16 do).
@@ -180,24 +197,60 @@ __device__ __forceinline__ GwTile gw_tile(i64 t, const i64* so, const i64* st, i
 
 extern __shared__ __align__(1024) unsigned char gw_smem[];
 
+// Stores 8 columns of one output row at `at` from v, the 8 rounded products
+// (EPI 1: v = up, out = up, out2 = silu(gate) · up from g = gate; EPI 2:
+// v = dact, out = dgate, out2 = dup from g = gate and u = up), with
+// the expressions of binary_bf16's swiglu and swiglu_bwd_bf16 so that the
+// results are theirs bit for bit.
+template <int EPI>
+__device__ __forceinline__ void gw_store8(uint4 v, uint4 g, uint4 u, bf16* __restrict__ o, bf16* __restrict__ o2, i64 at) {
+    // Two columns at a time, each pair rounded as soon as it is done (few
+    // registers live: the epilogue warps have 72).
+    uint4 r0, r1;
+    const __nv_bfloat162* hx = reinterpret_cast<const __nv_bfloat162*>(&v);
+    const __nv_bfloat162* hg = reinterpret_cast<const __nv_bfloat162*>(&g);
+    const __nv_bfloat162* hu = reinterpret_cast<const __nv_bfloat162*>(&u);
+    __nv_bfloat162* p0 = reinterpret_cast<__nv_bfloat162*>(&r0);
+    __nv_bfloat162* p1 = reinterpret_cast<__nv_bfloat162*>(&r1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        float2 x = __bfloat1622float2(hx[e]), gt = __bfloat1622float2(hg[e]);
+        if (EPI == 1) {
+            p1[e] = __floats2bfloat162_rn(gt.x * gw_sigmoid(gt.x) * x.x, gt.y * gw_sigmoid(gt.y) * x.y);
+        } else {
+            float2 up = __bfloat1622float2(hu[e]);
+            p0[e] = __floats2bfloat162_rn(x.x * up.x * gw_silu_grad(gt.x), x.y * up.y * gw_silu_grad(gt.y));
+            p1[e] = __floats2bfloat162_rn(x.x * gt.x * gw_sigmoid(gt.x), x.y * gt.y * gw_sigmoid(gt.y));
+        }
+    }
+    *reinterpret_cast<uint4*>(o + at) = EPI == 1 ? v : r0;
+    *reinterpret_cast<uint4*>(o2 + at) = r1;
+}
+
 // The kernel of the three products (see the top of the file). `out`: [M, N]
 // for nn / nt, [G, K, N] for wgrad. Dynamic shared memory: 1024 bytes of
-// alignment slack and GW_OFFS_OFF + 16 (G + 1) bytes (linalg.rs's
+// alignment slack and GwLayout::OFFS + 16 (G + 1) bytes (linalg.rs's
 // gw_smem_bytes).
-// PAIR / EPI: the fused variants (top of the file); ta2 / tb2 and k2 are
-// read with PAIR only, out2 / e0 / e1 with EPI only.
-template <int KIND, int EPI = 0, bool PAIR = false>
+// PAIR / EPI / DEFER: the fused variants and the deferred epilogue (top of
+// the file); ta2 / tb2 and k2 are read with PAIR only, out2 / e0 / e1 with
+// EPI only.
+template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false>
 __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const TmaMap* ta2, const TmaMap* tb2,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
                                         bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
                                         const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g) {
+    static_assert((EPI == 0) != DEFER, "the deferred epilogue is the fused stores'");
+    typedef GwLayout<DEFER> L;
+    constexpr int ST = L::ST;
     unsigned raw = smem_u32(gw_smem);
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = gw_smem + pad;
     unsigned stage0 = raw + pad;
-    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (GW_STAGES + s).
-    unsigned bar0 = stage0 + GW_STAGES * GW_STAGE_BYTES;
-    i64* so = reinterpret_cast<i64*>(base + GW_OFFS_OFF);
+    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (ST + s); with DEFER the
+    // output tile's out_full at bar0 + 16 ST and out_empty 8 bytes on.
+    unsigned bar0 = stage0 + ST * GW_STAGE_BYTES;
+    unsigned bar_of = bar0 + 16 * ST, bar_oe = bar_of + 8;
+    i64* so = reinterpret_cast<i64*>(base + L::OFFS);
     i64* st = so + (g + 1);
     int tid = threadIdx.x;
     for (int i = tid; i <= g; i += GW_THREADS) {
@@ -205,9 +258,13 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         if (KIND != 2) st[i] = tiles[i];
     }
     if (tid == 0) {
-        for (int s = 0; s < GW_STAGES; ++s) {
+        for (int s = 0; s < ST; ++s) {
             mbar_init(bar0 + 8 * s, 1);
-            mbar_init(bar0 + 8 * (GW_STAGES + s), 8);
+            mbar_init(bar0 + 8 * (ST + s), 8);
+        }
+        if (DEFER) {
+            mbar_init(bar_of, 256);
+            mbar_init(bar_oe, 96);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -219,8 +276,12 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                           : (st[g] + (m - so[g] + GW_BM - 1) / GW_BM) * ncol;
     int wg = tid >> 7;
     if (wg == 2) {
-        // Producer: one thread issues every copy.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        // Producer warpgroup: one thread issues every copy; with DEFER,
+        // warps 9-11 store the output tiles.
+        if (DEFER)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n");
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (tid == 256) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
@@ -234,7 +295,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                 GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
                 for (int ks = 0; ks < tl.nk; ++ks) {
                     unsigned full = bar0 + 8 * s;
-                    mbar_wait(bar0 + 8 * (GW_STAGES + s), ph ^ 1);
+                    mbar_wait(bar0 + 8 * (ST + s), ph ^ 1);
                     mbar_expect_tx(full, GW_STAGE_BYTES);
                     unsigned a = stage0 + s * GW_STAGE_BYTES, b = a + GW_A_BYTES;
                     int k0 = ks * GW_BK;
@@ -259,19 +320,58 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
 #pragma unroll
                         for (int i = 0; i < 4; ++i) tma_2d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, r);
                     }
-                    if (++s == GW_STAGES) {
+                    if (++s == ST) {
                         s = 0;
                         ph ^= 1;
                     }
                 }
             }
+        } else if (DEFER && tid >= 288) {
+            // Epilogue warps (EPI 1 / 2): unit u of a tile is row u / 32, columns
+            // 8 (u % 32) .. + 7 (a warp covers one 512-byte row: whole
+            // 128-byte pieces). EB units a thread at once: their loads are
+            // all in flight before the first one's math.
+            constexpr int EB = EPI == 1 ? 3 : 2;
+            const unsigned char* ot = base + L::STG;
+            int e = tid - 288;
+            unsigned oph = 0;
+            for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+                GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
+                bf16* o = KIND == 2 ? out + (i64)tl.grp * k * n : out;
+                mbar_wait(bar_of, oph);
+                for (int u0 = e; u0 < GW_BM * 32; u0 += 96 * EB) {
+                    uint4 v[EB], ga[EB], ua[EB];
+                    i64 at[EB];
+                    bool ok[EB];
+#pragma unroll
+                    for (int b = 0; b < EB; ++b) {
+                        int u = u0 + 96 * b, row = u >> 5, ch = u & 31;
+                        i64 gr = tl.row0 + row, gc = tl.col0 + ch * 8;
+                        ok[b] = u < GW_BM * 32 && gr < tl.row_end && gc < n;
+                        at[b] = gr * n + gc;
+                        if (ok[b]) {
+                            v[b] = *reinterpret_cast<const uint4*>(ot + row * GW_OUT_ROW + ch * 16);
+                            if (EPI >= 1) ga[b] = *reinterpret_cast<const uint4*>(e0 + at[b]);
+                            if (EPI == 2) ua[b] = *reinterpret_cast<const uint4*>(e1 + at[b]);
+                        }
+                    }
+#pragma unroll
+                    for (int b = 0; b < EB; ++b)
+                        if (ok[b]) gw_store8<EPI>(v[b], ga[b], ua[b], o, out2, at[b]);
+                }
+                mbar_arrive(bar_oe);
+                oph ^= 1;
+            }
         }
     } else {
         // Consumers: warpgroup wg computes rows 64 wg .. 64 wg + 63 of the tile.
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        if (DEFER)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
+        else
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
         int warp = (tid >> 5) & 3, lane = tid & 31;
         int s = 0;
-        unsigned ph = 0;
+        unsigned ph = 0, oph = 0;
         float d[128];
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
@@ -316,25 +416,41 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                 // The group of step ks - 1 is done: its stage can be refilled.
                 wg_wait<1>();
                 wg_pin(d);
-                if (ks > 0 && lane == 0) mbar_arrive(bar0 + 8 * (GW_STAGES + prev));
+                if (ks > 0 && lane == 0) mbar_arrive(bar0 + 8 * (ST + prev));
                 prev = s;
-                if (++s == GW_STAGES) {
+                if (++s == ST) {
                     s = 0;
                     ph ^= 1;
                 }
             }
             wg_wait<0>();
             wg_pin(d);
-            if (tl.nk > 0 && lane == 0) mbar_arrive(bar0 + 8 * (GW_STAGES + prev));
+            if (tl.nk > 0 && lane == 0) mbar_arrive(bar0 + 8 * (ST + prev));
             // Accumulator layout: register 4 j + e holds row 16 warp + lane / 4
-            // (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2. Each warp
-            // stages its 16 rows 64 columns at a time in its own padded
-            // buffer (rows 144 bytes apart: the 4-byte writes of a warp hit
-            // 32 different banks), then writes whole 128-byte row pieces
-            // with 16-byte stores, only rows inside the tile's group (and
-            // inside K for wgrad) and columns inside N (a multiple of 8).
+            // (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
+            if (DEFER) {
+                // Round into the shared tile (rows 528 bytes apart: the
+                // 4-byte writes of a warp hit 32 different banks) once the
+                // epilogue warps are done with the previous one.
+                mbar_wait(bar_oe, oph ^ 1);
+                unsigned char* q0 = base + L::STG + (wg * 64 + warp * 16 + (lane >> 2)) * GW_OUT_ROW + 4 * (lane & 3);
+#pragma unroll
+                for (int j = 0; j < 32; ++j) {
+                    *reinterpret_cast<unsigned*>(q0 + 16 * j) = pack_bf16(d[4 * j], d[4 * j + 1]);
+                    *reinterpret_cast<unsigned*>(q0 + 16 * j + 8 * GW_OUT_ROW) = pack_bf16(d[4 * j + 2], d[4 * j + 3]);
+                }
+                mbar_arrive(bar_of);
+                oph ^= 1;
+                continue;
+            }
+            // Inline: each warp stages its 16 rows 64 columns at a time in
+            // its own padded buffer (rows 144 bytes apart: the 4-byte writes
+            // of a warp hit 32 different banks), then writes whole 128-byte
+            // row pieces with 16-byte stores, only rows inside the tile's
+            // group (and inside K for wgrad) and columns inside N (a
+            // multiple of 8).
             bf16* o = KIND == 2 ? out + (i64)tl.grp * k * n : out;
-            unsigned char* sw = base + GW_STG_OFF + (tid >> 5) * GW_STG_WARP;
+            unsigned char* sw = base + L::STG + (tid >> 5) * GW_STG_WARP;
             i64 rw = tl.row0 + wg * 64 + warp * 16;
 #pragma unroll
             for (int c = 0; c < GW_BN / 64; ++c) {
@@ -353,36 +469,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                     i64 gr = rw + row, gc = tl.col0 + c * 64 + ch * 8;
                     if (gr < tl.row_end && gc < n) {
                         uint4 v = *reinterpret_cast<const uint4*>(sw + row * 144 + ch * 16);
-                        i64 at = gr * n + gc;
-                        if (EPI == 0) {
-                            *reinterpret_cast<uint4*>(o + at) = v;
-                        } else {
-                            // v: the rounded up (EPI 1) or dact (EPI 2).
-                            float x[8], gt[8], r0[8], r1[8];
-                            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-                            for (int u = 0; u < 4; ++u) {
-                                float2 f = __bfloat1622float2(h[u]);
-                                x[2 * u] = f.x;
-                                x[2 * u + 1] = f.y;
-                            }
-                            load8f(e0 + at, gt);
-                            if (EPI == 1) {
-#pragma unroll
-                                for (int u = 0; u < 8; ++u) r1[u] = gt[u] * gw_sigmoid(gt[u]) * x[u];
-                                *reinterpret_cast<uint4*>(o + at) = v;
-                            } else {
-                                float up[8];
-                                load8f(e1 + at, up);
-#pragma unroll
-                                for (int u = 0; u < 8; ++u) {
-                                    r0[u] = x[u] * up[u] * gw_silu_grad(gt[u]);
-                                    r1[u] = x[u] * gt[u] * gw_sigmoid(gt[u]);
-                                }
-                                store8f(o + at, r0);
-                            }
-                            store8f(out2 + at, r1);
-                        }
+                        *reinterpret_cast<uint4*>(o + gr * n + gc) = v;
                     }
                 }
                 __syncwarp();
@@ -413,15 +500,15 @@ GW_ENTRY grouped_mm2_wgmma_bf16_nt(GW_ARGS, const __grid_constant__ TmaMap ta2, 
                                    const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
     gw_body<1, 0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
 }
-// up = x · w[g] (out), act = silu(gate) · up (act).
+// up = x · w[g] (out), act = silu(gate) · up (act); deferred epilogue.
 GW_ENTRY grouped_mm_swiglu_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate, bf16* out,
                                          bf16* act, i64 m, i64 k, i64 n, int g) {
-    gw_body<0, 1>(&ta, &tb, nullptr, nullptr, offs, tiles, out, act, gate, nullptr, m, k, 0, n, g);
+    gw_body<0, 1, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, act, gate, nullptr, m, k, 0, n, g);
 }
-// dact = dy · w[g]ᵀ; dgate (out), dup (dup) from gate and up.
+// dact = dy · w[g]ᵀ; dgate (out), dup (dup) from gate and up; deferred epilogue.
 GW_ENTRY grouped_mm_swiglu_bwd_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate,
                                              const bf16* up, bf16* out, bf16* dup, i64 m, i64 k, i64 n, int g) {
-    gw_body<1, 2>(&ta, &tb, nullptr, nullptr, offs, tiles, out, dup, gate, up, m, k, 0, n, g);
+    gw_body<1, 2, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, dup, gate, up, m, k, 0, n, g);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

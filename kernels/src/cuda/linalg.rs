@@ -58,18 +58,19 @@ fn wgmma_allowed() -> bool {
 /// 128 × 64 A tile and a 64 × 256 B tile, bf16).
 const GW_STAGE_BYTES: usize = (128 * 64 + 64 * 256) * 2;
 
-/// Pipeline stages of the wgmma kernels (`GW_STAGES`).
-const GW_STAGES: usize = 4;
-
 /// Threads of a wgmma kernel's block: two consumer warpgroups, one producer.
 const GW_THREADS: u32 = 384;
 
 /// Dynamic shared memory of a wgmma kernel over `g` groups: 1024 bytes to
-/// align the stages, the stages, 128 bytes of mbarriers, the 8 consumer
-/// warps' epilogue buffers (16 × 144 bytes) and the group and tile offsets
-/// (`GW_OFFS_OFF + 16 (G + 1)`).
+/// align the stages, then `GwLayout::OFFS` bytes (inline epilogue: 4 stages,
+/// 128 bytes of mbarriers, the 8 consumer warps' buffers of 16 × 144 bytes;
+/// deferred: 3 stages, the mbarriers, the 128 × 256 tile in rows of 528
+/// bytes; the same total), then the group and tile offsets (16 (G + 1)).
 fn gw_smem_bytes(g: usize) -> usize {
-    1024 + GW_STAGES * GW_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
+    const INLINE: usize = 4 * GW_STAGE_BYTES + 128 + 8 * 16 * 144;
+    const DEFERRED: usize = 3 * GW_STAGE_BYTES + 128 + 128 * 528;
+    const _: () = assert!(INLINE == DEFERRED);
+    1024 + INLINE + 16 * (g + 1)
 }
 
 /// The most dynamic shared memory a Hopper block may ask for.
@@ -276,6 +277,20 @@ impl Cuda {
         }
     }
 
+    /// Whether a SwiGLU product runs as one fused wgmma kernel: only when
+    /// asked for (`Some(Wgmma)`): at the Qwen3-30B-A3B shape the fused
+    /// kernels are slower than the GEMM and the 16-byte elementwise op they
+    /// fuse (BENCHMARKS.md, 2026-12-02), so the default composes.
+    fn fused_swiglu(
+        &self,
+        op: &'static str,
+        want: Option<GroupedKernel>,
+        fits: bool,
+    ) -> Result<bool> {
+        Ok(want == Some(GroupedKernel::Wgmma)
+            && self.grouped_kernel(op, want, fits)? == GroupedKernel::Wgmma)
+    }
+
     /// Blocks of a persistent launch over at most `tiles` tiles: one per
     /// multiprocessor (the wgmma GEMMs and attention forward).
     pub(crate) fn persistent_grid(&self, tiles: usize) -> Result<u32> {
@@ -359,7 +374,8 @@ impl Cuda {
                 w2.storage().ptr(),
             ];
             let fits = self.wgmma_fits(m, k1, n, g, &ptrs) && self.wgmma_fits(m, k2, n, g, &ptrs);
-            if self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma {
+            let kernel = self.grouped_kernel(OP, kernel, fits)?;
+            if kernel == GroupedKernel::Wgmma {
                 let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
                 let out = self.alloc(OP, &[m, n], x1.dtype())?;
                 let (ta, tb) = Self::gw_maps(OP, ptrs[0], ptrs[1], m, k1, n, g, trans_w)?;
@@ -396,11 +412,9 @@ impl Cuda {
         Ok(out)
     }
 
-    /// `grouped_matmul_swiglu` with the bf16 kernel chosen by `kernel`. The
-    /// fused wgmma kernel (SwiGLU in the store) runs only when asked for:
-    /// its store waits on the gate loads with nothing to overlap them (1.34
-    /// ms against 0.92 for the two ops at the Qwen3-30B-A3B shape, H200,
-    /// BENCHMARKS.md), so the default is the two ops it fuses.
+    /// `grouped_matmul_swiglu` with the bf16 kernel chosen by `kernel`: asked
+    /// for wgmma, one fused kernel (SwiGLU in its deferred epilogue,
+    /// bit-identical to the two ops it fuses); otherwise those two ops.
     pub(crate) fn grouped_matmul_swiglu_on(
         &self,
         x: &Tensor<Self>,
@@ -416,9 +430,7 @@ impl Cuda {
         if x.dtype() == DType::BF16 {
             let (xp, wp, gp) = (x.storage().ptr(), w.storage().ptr(), gate.storage().ptr());
             let fits = self.wgmma_fits(m, k, n, g, &[xp, wp, gp]);
-            if kernel == Some(GroupedKernel::Wgmma)
-                && self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma
-            {
+            if self.fused_swiglu(OP, kernel, fits)? {
                 let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
                 let up = self.alloc(OP, &[m, n], x.dtype())?;
                 let act = self.alloc(OP, &[m, n], x.dtype())?;
@@ -449,8 +461,8 @@ impl Cuda {
     }
 
     /// `grouped_matmul_swiglu_backward` with the bf16 kernel chosen by
-    /// `kernel`; as in [`Cuda::grouped_matmul_swiglu_on`], the fused wgmma
-    /// kernel only when asked for (2.48 ms against 1.07 for the two ops).
+    /// `kernel`; as in [`Cuda::grouped_matmul_swiglu_on`], one fused wgmma
+    /// kernel (dact never stored) or the two ops.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn grouped_matmul_swiglu_backward_on(
         &self,
@@ -473,9 +485,7 @@ impl Cuda {
                 up.storage().ptr(),
             ];
             let fits = self.wgmma_fits(m, k, n, g, &ptrs);
-            if kernel == Some(GroupedKernel::Wgmma)
-                && self.grouped_kernel(OP, kernel, fits)? == GroupedKernel::Wgmma
-            {
+            if self.fused_swiglu(OP, kernel, fits)? {
                 let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
                 let dgate = self.alloc(OP, &[m, n], dy.dtype())?;
                 let dup = self.alloc(OP, &[m, n], dy.dtype())?;
@@ -1138,22 +1148,32 @@ mod tests {
         let sizes = vec![1, 0, 130, 64, 3];
         let (m, k, n, g) = (210usize, 136usize, 264usize, 5usize);
         let gs = d.upload(HostData::I32(sizes), &[g]).unwrap();
-        let kn = Some(GroupedKernel::Wgmma);
         let (x32, x16) = pair(&d, &[m, k], 7);
-        for trans_w in [false, true] {
-            let ws = if trans_w { [g, n, k] } else { [g, k, n] };
-            let (w32, w16) = pair(&d, &ws, 8);
-            let want = host(&d, &d.grouped_matmul(&x32, &w32, &gs, trans_w).unwrap());
-            let got = host(
-                &d,
-                &d.grouped_matmul_on(&x16, &w16, &gs, trans_w, kn).unwrap(),
-            );
-            assert_close(&format!("small trans_w={trans_w}"), &got, &want, n);
-        }
         let (dy32, dy16) = pair(&d, &[m, n], 9);
-        let want = host(&d, &d.grouped_matmul_weight_grad(&x32, &dy32, &gs).unwrap());
-        let got = host(&d, &d.grouped_wgrad_on(&x16, &dy16, &gs, kn).unwrap());
-        assert_close("small wgrad", &got, &want, n);
+        {
+            let kernel = GroupedKernel::Wgmma;
+            let kn = Some(kernel);
+            for trans_w in [false, true] {
+                let ws = if trans_w { [g, n, k] } else { [g, k, n] };
+                let (w32, w16) = pair(&d, &ws, 8);
+                let want = host(&d, &d.grouped_matmul(&x32, &w32, &gs, trans_w).unwrap());
+                poison(&d, &[m, n]);
+                let got = host(
+                    &d,
+                    &d.grouped_matmul_on(&x16, &w16, &gs, trans_w, kn).unwrap(),
+                );
+                assert_close(
+                    &format!("small {kernel:?} trans_w={trans_w}"),
+                    &got,
+                    &want,
+                    n,
+                );
+            }
+            let want = host(&d, &d.grouped_matmul_weight_grad(&x32, &dy32, &gs).unwrap());
+            poison(&d, &[g, k, n]);
+            let got = host(&d, &d.grouped_wgrad_on(&x16, &dy16, &gs, kn).unwrap());
+            assert_close(&format!("small {kernel:?} wgrad"), &got, &want, n);
+        }
     }
 
     /// The fused wgmma kernels (sum of two products, SwiGLU after the up
@@ -1288,6 +1308,72 @@ mod tests {
         );
     }
 
+    /// The experts of the Qwen3-30B-A3B MoE layer (128 experts, 16384 tokens
+    /// × top-8 = 131072 rows in uneven groups, hidden 2048, ffn 768, bf16),
+    /// forward and backward, with the fused SwiGLU products and with the
+    /// default path (SwiGLU as its own ops): the output y, dx and the three weight
+    /// gradients must agree within bf16 rounding (1e-2 of the largest
+    /// magnitude); prints the relative Frobenius differences and how many
+    /// elements differ. Ignored (large): run with `--ignored` on a GPU.
+    #[test]
+    #[ignore]
+    fn experts_full_shape_against_previous_path() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let (rows, h, f, e) = (131072usize, 2048usize, 768usize, 128usize);
+        let gs = d
+            .upload(HostData::I32(uneven_sizes(e, rows)), &[e])
+            .unwrap();
+        let (_, x) = pair(&d, &[rows, h], 21);
+        let (_, w1) = pair(&d, &[e, h, f], 22);
+        let (_, w3) = pair(&d, &[e, h, f], 23);
+        let (_, w2) = pair(&d, &[e, f, h], 24);
+        let (_, dy) = pair(&d, &[rows, h], 25);
+        let run = |fused: bool| -> Vec<Vec<f32>> {
+            let kn = Some(GroupedKernel::Wgmma);
+            let gate = d.grouped_matmul_on(&x, &w1, &gs, false, kn).unwrap();
+            let (up, act) = if fused {
+                d.grouped_matmul_swiglu_on(&x, &w3, &gate, &gs, kn).unwrap()
+            } else {
+                let up = d.grouped_matmul_on(&x, &w3, &gs, false, kn).unwrap();
+                let act = d.swiglu(&gate, &up).unwrap();
+                (up, act)
+            };
+            let y = d.grouped_matmul_on(&act, &w2, &gs, false, kn).unwrap();
+            let dw2 = d.grouped_wgrad_on(&act, &dy, &gs, kn).unwrap();
+            let (dg, du) = if fused {
+                d.grouped_matmul_swiglu_backward_on(&dy, &w2, &gate, &up, &gs, kn)
+                    .unwrap()
+            } else {
+                let dact = d.grouped_matmul_on(&dy, &w2, &gs, true, kn).unwrap();
+                d.swiglu_backward(&gate, &up, &dact).unwrap()
+            };
+            let dw1 = d.grouped_wgrad_on(&x, &dg, &gs, kn).unwrap();
+            let dw3 = d.grouped_wgrad_on(&x, &du, &gs, kn).unwrap();
+            let dx = d
+                .grouped_matmul_sum2_on(&dg, &w1, &du, &w3, &gs, true, kn)
+                .unwrap();
+            [y, dx, dw1, dw2, dw3].iter().map(|t| host(&d, t)).collect()
+        };
+        let (new, old) = (run(true), run(false));
+        for (name, (a, b)) in ["y", "dx", "dw1", "dw2", "dw3"]
+            .iter()
+            .zip(new.iter().zip(&old))
+        {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+            let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+            let off = a.iter().zip(b).filter(|(x, y)| x != y).count();
+            println!(
+                "experts {name}: relative Frobenius difference {:.3e}, {off} of {} elements differ",
+                (num / den.max(1e-300)).sqrt(),
+                a.len()
+            );
+            assert!(a.iter().all(|v| !v.is_nan()), "{name}: NaN");
+            assert_close(&format!("experts {name}"), a, b, 1);
+        }
+    }
+
     /// The sizes of `g` uneven groups over `rows` rows: weights 64 + (37 i
     /// mod 128), scaled down, the last group taking the remainder (the
     /// same formula is in kernels/scripts/grouped_gemm_peer.py).
@@ -1396,6 +1482,75 @@ mod tests {
                         );
                     }
                 }
+            }
+            if d.arch() != "sm_90a" {
+                continue;
+            }
+            // The experts' fused products against the ops they replace, at
+            // the fc1 shape: SwiGLU after the up projection, SwiGLU's
+            // backward after dact = dy · w2ᵀ.
+            // "rel. diff" is against the composed run of the same row.
+            let (_, x) = pair(&d, &[rows, h], 1);
+            let (_, w) = pair(&d, &[e, h, f], 2);
+            let (_, w2) = pair(&d, &[e, f, h], 4);
+            let (_, gate) = pair(&d, &[rows, f], 5);
+            let (_, up) = pair(&d, &[rows, f], 6);
+            let (_, dy) = pair(&d, &[rows, h], 7);
+            let wi = Some(GroupedKernel::Wgmma);
+            let flop = 2.0 * (rows * h * f) as f64;
+            let fused: [(&str, Run, Run); 2] = [
+                (
+                    "up + swiglu",
+                    (
+                        "composed",
+                        String::new(),
+                        Box::new(|| {
+                            let u = d.grouped_matmul_on(&x, &w, &gs, false, wi).unwrap();
+                            d.swiglu(&gate, &u).unwrap()
+                        }),
+                    ),
+                    (
+                        "fused",
+                        String::new(),
+                        Box::new(|| {
+                            d.grouped_matmul_swiglu_on(&x, &w, &gate, &gs, wi)
+                                .unwrap()
+                                .1
+                        }),
+                    ),
+                ),
+                (
+                    "dact + swiglu_bwd",
+                    (
+                        "composed",
+                        String::new(),
+                        Box::new(|| {
+                            let da = d.grouped_matmul_on(&dy, &w2, &gs, true, wi).unwrap();
+                            d.swiglu_backward(&gate, &up, &da).unwrap().0
+                        }),
+                    ),
+                    (
+                        "fused",
+                        String::new(),
+                        Box::new(|| {
+                            d.grouped_matmul_swiglu_backward_on(&dy, &w2, &gate, &up, &gs, wi)
+                                .unwrap()
+                                .0
+                        }),
+                    ),
+                ),
+            ];
+            for (what, (na, _, a), (nb, _, b)) in fused.iter() {
+                let (ta, tb) = (time(a.as_ref()), time(b.as_ref()));
+                let (oa, ob) = (a(), b());
+                println!(
+                    "| {what} | {label} | {rows}x{h}x{f} | {na} {:.3} ms / {nb} {:.3} ms | {:.2}x | {:.1} TFLOP/s (GEMM part) | {:.2e} |",
+                    ta * 1e3,
+                    tb * 1e3,
+                    ta / tb,
+                    flop / tb / 1e12,
+                    rel(&ob, &oa)
+                );
             }
         }
     }
