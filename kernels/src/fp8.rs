@@ -21,30 +21,27 @@ pub const E4M3_MAX: f32 = 448.0;
 pub const FP8_BLOCK: usize = 128;
 
 /// The e4m3 code of `v` (already scaled into range), rounded to nearest
-/// even and saturated at ±448; NaN gives the NaN code 0x7f.
+/// even and saturated at ±448; NaN gives the NaN code 0x7f. Normal values
+/// round the f32 mantissa to three bits in its bit pattern (a carry moves
+/// into the exponent); below 2⁻⁶ the quantum is the subnormals' 2⁻⁹.
 pub fn e4m3_encode(v: f32) -> u8 {
-    let v = f64::from(v);
     let sign = if v.is_sign_negative() { 0x80 } else { 0 };
     if v.is_nan() {
         return 0x7f;
     }
-    let a = v.abs().min(f64::from(E4M3_MAX));
-    // The exponent of `a` (subnormals below 2^-6 share exponent -6); a
-    // quantum of 2^(e-3) gives the three mantissa bits.
-    let e = if a > 0.0 {
-        a.log2().floor().max(-6.0)
-    } else {
-        -6.0
-    };
-    let quantum = (e - 3.0).exp2();
-    let q = ((a / quantum).round_ties_even() * quantum).min(f64::from(E4M3_MAX));
-    if q < (-6f64).exp2() {
-        return sign | (q / (-9f64).exp2()) as u8;
+    let a = v.abs().min(E4M3_MAX);
+    if a < E4M3_MIN_NORMAL {
+        // a · 2⁹ < 8 is exact; 8 itself is the smallest normal's code.
+        return sign | (a * 512.0).round_ties_even() as u8;
     }
-    let e = q.log2().floor();
-    let m = (q / e.exp2() * 8.0 - 8.0) as u8;
-    sign | (((e as i32 + 7) as u8) << 3) | m
+    let bits = a.to_bits();
+    let rounded = (bits + 0x7_ffff + ((bits >> 20) & 1)) >> 20;
+    let exponent = (rounded >> 3) - (127 - 7);
+    sign | ((exponent << 3) | (rounded & 7)).min(0x7e) as u8
 }
+
+/// The smallest normal e4m3 value, 2⁻⁶.
+const E4M3_MIN_NORMAL: f32 = 1.0 / 64.0;
 
 /// The value of e4m3 code `c`.
 pub fn e4m3_decode(c: u8) -> f32 {
@@ -618,6 +615,52 @@ pub fn expand_via_host<B: Device>(b: &B, f: &Fp8Tensor<B>) -> Result<Tensor<B>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The definition: the nearest multiple of the quantum `2^(e-3)` of
+    /// `|v|`'s binade (`e ≥ -6`), ties to even, saturated at 448.
+    fn e4m3_by_definition(v: f32) -> u8 {
+        let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+        let a = f64::from(v).abs().min(f64::from(E4M3_MAX));
+        let e = if a > 0.0 {
+            a.log2().floor().max(-6.0)
+        } else {
+            -6.0
+        };
+        let quantum = (e - 3.0).exp2();
+        let q = ((a / quantum).round_ties_even() * quantum).min(f64::from(E4M3_MAX));
+        if q < (-6f64).exp2() {
+            return sign | (q / (-9f64).exp2()) as u8;
+        }
+        let e = q.log2().floor();
+        let m = (q / e.exp2() * 8.0 - 8.0) as u8;
+        sign | (((e as i32 + 7) as u8) << 3) | m
+    }
+
+    /// The bit-pattern encoder is the definition on every f32 from 2⁻¹²
+    /// to past 448, both signs, ties included (midpoints between codes).
+    #[test]
+    fn e4m3_encoding_matches_its_definition() {
+        let mut checked = 0;
+        let mut bits = (-12f32).exp2().to_bits();
+        while f32::from_bits(bits) < 600.0 {
+            let v = f32::from_bits(bits);
+            for x in [v, -v] {
+                assert_eq!(e4m3_encode(x), e4m3_by_definition(x), "{x:e}");
+            }
+            checked += 1;
+            bits += 97; // about 350 thousand values, every exponent
+        }
+        for c in 0u8..0x7e {
+            let mid = (e4m3_decode(c) + e4m3_decode(c + 1)) / 2.0;
+            assert_eq!(
+                e4m3_encode(mid),
+                e4m3_by_definition(mid),
+                "tie after {c:#04x}"
+            );
+        }
+        assert!(checked > 100_000);
+        assert_eq!((e4m3_encode(0.0), e4m3_encode(-0.0)), (0, 0x80));
+    }
 
     #[test]
     fn e4m3_round_trips_its_codes_and_rounds_to_nearest_even() {
