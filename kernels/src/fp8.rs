@@ -421,6 +421,20 @@ pub fn check_tiles(
     Ok(())
 }
 
+/// The checks of every backend's quantisation: a float tensor whose shape
+/// suits `tiles` ([`check_tiles`]).
+pub fn check_quantize_input<B: Device>(
+    op: &'static str,
+    x: &Tensor<B>,
+    tiles: Fp8Tiles,
+    has_sizes: bool,
+) -> Result<()> {
+    if !x.dtype().is_float() {
+        return Err(arg_err(op, format!("{:?} is not a float dtype", x.dtype())));
+    }
+    check_tiles(op, x.shape(), tiles, has_sizes)
+}
+
 /// Group sizes read to the host and checked against `m` rows.
 fn host_sizes<B: Device>(
     b: &B,
@@ -466,10 +480,7 @@ pub fn quantize_via_host<B: Device>(
     sizes: Option<&Tensor<B>>,
 ) -> Result<Fp8Matrix<B>> {
     const OP: &str = "quantize_fp8";
-    check_tiles(OP, x.shape(), tiles, sizes.is_some())?;
-    if !x.dtype().is_float() {
-        return Err(arg_err(OP, format!("{:?} is not a float dtype", x.dtype())));
-    }
+    check_quantize_input(OP, x, tiles, sizes.is_some())?;
     let sizes = host_sizes(b, OP, sizes, x.shape()[0])?;
     let values = b.download(x)?.to_f32();
     let (codes, scales) = quantize_host(&values, x.shape(), tiles, &sizes);

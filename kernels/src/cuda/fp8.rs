@@ -9,7 +9,10 @@ use super::compile::FP8;
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
 use crate::backend::{Device, Fp8Ops, OffloadOps};
 use crate::error::{arg_err, KernelError, Result};
-use crate::fp8::{check_tiles, column_tiles, Fp8Matrix, Fp8Tensor, Fp8Tiles, FP8_WEIGHT_BLOCK};
+use crate::fp8::{
+    check_quantize_input, check_tiles, column_tiles, Fp8Matrix, Fp8Tensor, Fp8Tiles,
+    FP8_WEIGHT_BLOCK,
+};
 use crate::tensor::{DType, Tensor};
 
 /// The oldest architecture with e4m3 tensor cores (Ada, sm_89).
@@ -66,7 +69,7 @@ impl Fp8Ops for Cuda {
                 ),
             });
         }
-        check_tiles(OP, x.shape(), tiles, group_sizes.is_some())?;
+        check_quantize_input(OP, x, tiles, group_sizes.is_some())?;
         let sfx = float_sfx(OP, x.dtype())?;
         let groups = Self::group_count(OP, group_sizes)?;
         let shape = x.shape().to_vec();
