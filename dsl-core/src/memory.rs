@@ -201,9 +201,8 @@ enum Kind {
     Fp32,
     /// int32 indices (chosen experts, permutation).
     Int,
-    /// e4m3 codes, a byte each, with an f32 scale per 128: the fp8
-    /// experts' saved GEMM operands (each group's last, partial tile is a
-    /// per-layer constant, left out).
+    /// e4m3 codes, a byte each: the fp8 experts' saved GEMM operands
+    /// (their scales are a tensor of their own, `Fp32`).
     Fp8,
 }
 
@@ -226,8 +225,9 @@ struct Saved {
 /// checks the two against each other. Where one buffer is kept by several
 /// layers (the norm output the router, shared experts and MLP all keep),
 /// it is counted once. Per-layer constants (the experts' group sizes) are
-/// left out.
-fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout) -> Vec<Saved> {
+/// left out, except the fp8 experts' scale buffers, sized per group, which
+/// `tokens` (of the shard, per micro-batch) spreads over the tokens.
+fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> Vec<Saved> {
     use Kind::{Act, Fp32, Int};
     use OffloadPart as O;
     use RecomputePart as R;
@@ -351,15 +351,25 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout) -> Vec<Saved> {
             let etp = layout.etp as f64;
             let rows = k * etp / sp;
             let f = m.expert_ffn as f64 / etp;
-            // fp8 experts keep their products' inputs as fp8 codes.
-            let operand = if g.policy.precision == GemmPrecision::Fp8Blockwise {
-                Kind::Fp8
-            } else {
-                Act
+            // fp8 experts keep their products' inputs as fp8 codes, with the
+            // f32 scales of their column tiles: `⌈rows/128⌉ + G` per column,
+            // what the engine allocates without reading the group sizes.
+            let fp8 = g.policy.precision == GemmPrecision::Fp8Blockwise;
+            let operand = if fp8 { Kind::Fp8 } else { Act };
+            let local_experts = m.experts as f64 / layout.ep as f64;
+            let scales = |cols: f64| {
+                if tokens > 0.0 {
+                    cols * ((rows * tokens / 128.0).ceil() + local_experts) / tokens
+                } else {
+                    0.0
+                }
             };
             // The permutation (source token and slot of each row).
             v.push(s(Part::RoutedExperts, None, None, Int, 2.0 * rows));
             v.push(s(Part::RoutedExperts, None, None, operand, rows * h));
+            if fp8 {
+                v.push(s(Part::RoutedExperts, None, None, Fp32, scales(h)));
+            }
             v.push(s(
                 Part::RoutedExperts,
                 None,
@@ -374,6 +384,15 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout) -> Vec<Saved> {
                 operand,
                 rows * f,
             ));
+            if fp8 {
+                v.push(s(
+                    Part::RoutedExperts,
+                    Some(R::MoeAct),
+                    Some(O::MoeAct),
+                    Fp32,
+                    scales(f),
+                ));
+            }
             // The experts' outputs, for the routing weights' gradient.
             v.push(s(Part::RoutedExperts, None, None, Act, rows * h));
             if m.shared_ffn > 0 {
@@ -414,8 +433,7 @@ fn placed(tensor: &Saved, policy: &Policy, block_input: bool, act_bytes: f64) ->
         * match tensor.kind {
             Kind::Act => act_bytes,
             Kind::Fp32 | Kind::Int => 4.0,
-            // A code a byte, and the column tiles' f32 scale per 128 rows.
-            Kind::Fp8 => 1.0 + 4.0 / 128.0,
+            Kind::Fp8 => 1.0,
         };
     if let Some(o) = tensor.offload {
         if policy.store_fp8.contains(&o) && matches!(tensor.kind, Kind::Act | Kind::Fp32) {
@@ -436,13 +454,14 @@ fn rematerialised(
     gi: usize,
     layout: &Layout,
     act_bytes: f64,
+    tokens: f64,
 ) -> Vec<(Part, f64)> {
     let policy = &spec.groups[gi].policy;
     let keep = Policy {
         recompute: Vec::new(),
         ..policy.clone()
     };
-    saved_tensors(spec, gi, layout)
+    saved_tensors(spec, gi, layout, tokens)
         .iter()
         .enumerate()
         .map(|(i, t)| {
@@ -532,7 +551,7 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         if n == 0 {
             continue;
         }
-        let r = rematerialised(spec, gi, layout, act_bytes);
+        let r = rematerialised(spec, gi, layout, act_bytes, tokens);
         if r.iter().map(|(_, b)| b).sum::<f64>() * tokens > remat.iter().sum::<f64>() {
             remat = [0.0; 7];
             for (part, b) in r {
@@ -542,7 +561,7 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     }
     for (gi, &n) in blocks.iter().enumerate() {
         let policy = &spec.groups[gi].policy;
-        for (i, tensor) in saved_tensors(spec, gi, layout).iter().enumerate() {
+        for (i, tensor) in saved_tensors(spec, gi, layout, tokens).iter().enumerate() {
             let (dev, off) = placed(tensor, policy, i == 0, act_bytes);
             let k = Part::ALL
                 .iter()
