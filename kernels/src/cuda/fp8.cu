@@ -143,6 +143,22 @@ __device__ void group_tile(const int* sizes, i64 groups, i64 m, i64 tile, i64* r
     }
 }
 
+// The block's share of a per-group column tiling: tile blockIdx.x (its
+// first row and row count) and 32 columns from blockIdx.y · 32.
+struct ColTile { i64 tile, row0, rows, c0, nc; };
+__device__ ColTile block_col_tile(const int* sizes, i64 groups, i64 m, i64 k) {
+    __shared__ i64 span[2];
+    ColTile t;
+    t.tile = blockIdx.x;
+    t.c0 = (i64)blockIdx.y * 32;
+    t.nc = min((i64)32, k - t.c0);
+    if (threadIdx.x == 0) group_tile(sizes, groups, m, t.tile, &span[0], &span[1]);
+    __syncthreads();
+    t.row0 = span[0];
+    t.rows = span[1];
+    return t;
+}
+
 // One block of 256 threads per (tile, 32 columns) of x [m, k]: each
 // column's amax over the tile's rows gives its scale at scales[col][tile]
 // (1 for a tile past the groups), codes transposed at codes[col][row]
@@ -152,11 +168,8 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
                                           i64 m, i64 k, i64 groups, i64 tiles) {
     __shared__ float tile_v[128][33];
     __shared__ float col_scale[32];
-    __shared__ i64 span[2];
-    const i64 tile = blockIdx.x, c0 = (i64)blockIdx.y * 32, nc = min((i64)32, k - c0);
-    if (threadIdx.x == 0) group_tile(sizes, groups, m, tile, &span[0], &span[1]);
-    __syncthreads();
-    const i64 row0 = span[0], rows = span[1];
+    const ColTile t = block_col_tile(sizes, groups, m, k);
+    const i64 tile = t.tile, row0 = t.row0, rows = t.rows, c0 = t.c0, nc = t.nc;
     for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
         const int i = idx >> 5, j = idx & 31;
         tile_v[i][j] = (i < rows && j < nc) ? to_f32v(x[(row0 + i) * k + c0 + j]) : 0.f;
@@ -200,11 +213,8 @@ extern "C" __global__ void fp8_dequant_blocks(const unsigned char* codes, const 
 // the groups keep the zeros `out` starts with. Grid as the quantisation's.
 extern "C" __global__ void fp8_dequant_group_cols(const unsigned char* codes, const float* scales, const int* sizes,
                                                   float* out, i64 m, i64 k, i64 groups, i64 tiles) {
-    __shared__ i64 span[2];
-    const i64 tile = blockIdx.x, c0 = (i64)blockIdx.y * 32, nc = min((i64)32, k - c0);
-    if (threadIdx.x == 0) group_tile(sizes, groups, m, tile, &span[0], &span[1]);
-    __syncthreads();
-    const i64 row0 = span[0], rows = span[1];
+    const ColTile t = block_col_tile(sizes, groups, m, k);
+    const i64 tile = t.tile, row0 = t.row0, rows = t.rows, c0 = t.c0, nc = t.nc;
     for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
         const int i = idx >> 5, j = idx & 31;
         if (i < rows && j < nc)
