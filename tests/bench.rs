@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::foldmoe;
+use common::{foldmoe, stderr};
 use serde_json::Value;
 
 fn report(args: &[&str]) -> Value {
@@ -92,6 +92,31 @@ fn moe_layer_reports_time_and_megatron_flops() {
     assert!(ms > 0.0 && ms >= r["time_ms_min"].as_f64().unwrap());
     let tflops = r["tflops"].as_f64().unwrap();
     assert!((tflops - flops / ms / 1e9).abs() <= 1e-9 * tflops.max(1.0));
+}
+
+/// `--fp8` times the layer with its experts in blockwise fp8 (the same
+/// FLOPs), says so in the report, and is refused where it means nothing.
+#[test]
+fn moe_layer_and_model_take_fp8_experts() {
+    for bench in ["moe-layer", "model"] {
+        let mut args = vec!["bench", bench, "--fp8", "--layers", "1"];
+        args.extend_from_slice(SMALL);
+        let r = report(&args);
+        assert_eq!(
+            (r["bench"].as_str(), r["fp8_experts"].as_bool()),
+            (Some(bench), Some(true))
+        );
+        assert!(r["time_ms"].as_f64().unwrap() > 0.0);
+    }
+    let mut args = vec!["bench", "gemm", "--fp8"];
+    args.extend_from_slice(SMALL);
+    let o = foldmoe(&args);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--fp8 applies to bench moe-layer and model"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]

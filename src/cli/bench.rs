@@ -31,7 +31,7 @@ use foldmoe::core::engine::parallel::{Ctx, Exec, LayerGroups, RankLayout, Traine
 use foldmoe::core::engine::param::{Init, Module as _};
 use foldmoe::core::engine::trainer::TrainConfig;
 use foldmoe::core::layout::Layout;
-use foldmoe::core::spec::{FfnSpec, ModelSpec, MoeSpec};
+use foldmoe::core::spec::{FfnSpec, GemmPrecision, ModelSpec, MoeSpec};
 use foldmoe::kernels::comm::rendezvous::DistEnv;
 use foldmoe::kernels::comm::solo::SoloComm;
 use foldmoe::kernels::comm::timed::TimedComm;
@@ -108,6 +108,12 @@ pub struct BenchOptions {
     /// only), e.g. `ep=2`; default dp over all of them.
     #[arg(long)]
     pub layout: Option<String>,
+    /// The routed experts' GEMMs in blockwise fp8, as `train --fp8`
+    /// (`moe-layer` and `model`); FLOP/s and MFU are still counted against
+    /// the dense bf16 peak. The products are emulated in f32 until the fp8
+    /// tensor-core kernels exist, so this times that emulation.
+    #[arg(long)]
+    pub fp8: bool,
 }
 
 /// What the benchmark needs from a backend beyond [`Backend`]: waiting for
@@ -205,6 +211,11 @@ fn run_on<B: BenchDevice + ProcessComm>(
             "--head-dim and --mla apply to bench attention only",
         ));
     }
+    if o.fp8 && matches!(o.kind, BenchKind::Gemm | BenchKind::Attention) {
+        return Err(CliError::usage(
+            "--fp8 applies to bench moe-layer and model (the experts' GEMMs in their layer)",
+        ));
+    }
     let spec = bench_spec(o)?;
     let report = match (o.kind, dist) {
         (BenchKind::MoeLayer, None) if o.layout.is_none() => Some(moe_layer(b, o, &spec, dtype)?),
@@ -239,6 +250,7 @@ fn run_on<B: BenchDevice + ProcessComm>(
         report["device"] = json!(device);
         report["dtype"] = json!(dtype_name);
         report["model"] = json!(o.model);
+        report["fp8_experts"] = json!(o.fp8);
         report
     }))
 }
@@ -255,6 +267,9 @@ fn bench_spec(o: &BenchOptions) -> Result<ModelSpec, CliError> {
             return Err(CliError::usage("--seq-len 0: give at least one token"));
         }
         spec.seq_len = s;
+    }
+    if o.fp8 {
+        spec.use_fp8_experts().map_err(CliError::usage)?;
     }
     Ok(spec)
 }
@@ -371,6 +386,12 @@ fn moe_layer<B: BenchDevice>(
     // One rank: the layer's groups are all `[0]`, its collectives return at once.
     let groups = LayerGroups::single();
     let mut layer = MoeLayer::new(b, "bench.moe", spec, &moe, Init::full(1), dtype, groups)?;
+    // The first MoE group's precision: declared, or set by `--fp8`.
+    layer.experts.fp8 = spec
+        .groups
+        .iter()
+        .find(|g| matches!(g.ffn, FfnSpec::Moe(_)))
+        .is_some_and(|g| g.policy.precision == GemmPrecision::Fp8Blockwise);
     let exec = Exec::solo(b);
     let x = random(b, &[t, d], 1.0, 2, dtype)?;
     let dy = random(b, &[t, d], 1e-3, 3, dtype)?;
