@@ -23,6 +23,7 @@
 
 use rayon::prelude::*;
 
+use super::elementwise::{dot, lane_max, lane_sum};
 use super::linalg::{gemm_acc_into, gemm_into, MatRef};
 use super::{Cpu, Float, FloatStorage};
 use crate::backend::AttentionOps;
@@ -165,16 +166,11 @@ fn softmax_rows<T: Float>(
     for (r, (row, lse_r)) in s_rw.chunks_mut(w).zip(lse.iter_mut()).enumerate() {
         let qi = i0 + r;
         let (a, e) = (first[qi] - lo, qi + 1 - lo);
-        let mut mx = T::NEG_INF;
-        for x in &mut row[a..e] {
-            *x *= scale;
-            mx = mx.max(*x);
-        }
-        let mut sum = T::ZERO;
-        for x in &mut row[a..e] {
-            *x = (*x - mx).exp();
-            sum += *x;
-        }
+        // Separate maps and lane reductions, so that each loop vectorises.
+        row[a..e].iter_mut().for_each(|x| *x *= scale);
+        let mx = lane_max(&row[a..e]);
+        row[a..e].iter_mut().for_each(|x| *x = (*x - mx).exp());
+        let sum = lane_sum(&row[a..e]);
         let inv = T::ONE / sum;
         row[a..e].iter_mut().for_each(|x| *x *= inv);
         row[..a].fill(T::ZERO);
@@ -343,11 +339,11 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                     let ds_row = &mut ds_rw[r * w..][..w];
                     // The softmax backward's row term D = Σ_j P_j dP_j (=
                     // dO·O), from the tile's own P and dP.
-                    let mut delta = T::ZERO;
-                    for (p, &dp) in p_row[a..e].iter_mut().zip(&ds_row[a..e]) {
+                    // (A map, then a lane dot: both loops vectorise.)
+                    for p in &mut p_row[a..e] {
                         *p = (*p * self.scale - lse).exp();
-                        delta += *p * dp;
                     }
+                    let delta = dot(&p_row[a..e], &ds_row[a..e]);
                     for (&p, ds) in p_row[a..e].iter().zip(&mut ds_row[a..e]) {
                         // dS scaled once here: dQ and dK both carry the scale.
                         *ds = p * (*ds - delta) * self.scale;

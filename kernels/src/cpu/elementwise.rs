@@ -275,13 +275,11 @@ fn reduce_rows<T: FloatStorage>(
 
 fn softmax_t<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
     map_rows::<T>("softmax", x, |row, out| {
-        let mx = row.iter().fold(T::NEG_INF, |m, &v| m.max(v));
-        let mut sum = T::ZERO;
+        let mx = lane_max(row);
         for (o, &v) in out.iter_mut().zip(row) {
             *o = (v - mx).exp();
-            sum += *o;
         }
-        let inv = T::ONE / sum;
+        let inv = T::ONE / lane_sum(out);
         out.iter_mut().for_each(|o| *o *= inv);
     })
 }
@@ -308,11 +306,22 @@ fn softmax_backward_t<T: FloatStorage>(y: &Tensor<Cpu>, dy: &Tensor<Cpu>) -> Res
 /// `log Σ exp(row)`, shifted by the row max; an infinite or NaN max is the
 /// answer itself (shifting by it would turn `inf - inf` into NaN).
 pub(crate) fn row_logsumexp<T: Float>(row: &[T]) -> T {
-    let mx = row.iter().fold(T::NEG_INF, |m, &v| m.max(v));
+    let mx = lane_max(row);
     if !mx.is_finite() {
         return mx;
     }
-    let s: T = row.iter().map(|&v| (v - mx).exp()).sum();
+    // Exponentials in blocks on the stack, so that the map vectorises
+    // before the lane sum adds them.
+    const BLOCK: usize = 256;
+    let mut buf = [T::ZERO; BLOCK];
+    let mut s = T::ZERO;
+    for chunk in row.chunks(BLOCK) {
+        let e = &mut buf[..chunk.len()];
+        for (e, &v) in e.iter_mut().zip(chunk) {
+            *e = (v - mx).exp();
+        }
+        s += lane_sum(e);
+    }
     mx + s.ln()
 }
 
@@ -408,6 +417,45 @@ pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
         s += x * y;
     }
     s
+}
+
+/// Sum in a fixed order, as [`dot`]: eight interleaved partial sums,
+/// combined pairwise, then the tail (so that the loop vectorises).
+pub(crate) fn lane_sum<T: Float>(a: &[T]) -> T {
+    const L: usize = 8;
+    let ca = a.chunks_exact(L);
+    let ra = ca.remainder();
+    let mut acc = [T::ZERO; L];
+    for x in ca {
+        for l in 0..L {
+            acc[l] += x[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &x in ra {
+        s += x;
+    }
+    s
+}
+
+/// Largest element (−∞ for none), over eight interleaved lanes so that the
+/// loop vectorises; the maximum does not depend on the order.
+pub(crate) fn lane_max<T: Float>(a: &[T]) -> T {
+    const L: usize = 8;
+    let ca = a.chunks_exact(L);
+    let ra = ca.remainder();
+    let mut acc = [T::NEG_INF; L];
+    for x in ca {
+        for l in 0..L {
+            acc[l] = acc[l].max(x[l]);
+        }
+    }
+    let mut m = ((acc[0].max(acc[4])).max(acc[1].max(acc[5])))
+        .max((acc[2].max(acc[6])).max(acc[3].max(acc[7])));
+    for &x in ra {
+        m = m.max(x);
+    }
+    m
 }
 
 /// The row scale vector of `mul_rows`: shape `[R]` or the leading dims of `x`.
