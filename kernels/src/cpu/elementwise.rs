@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::{index_tensor, Cpu, Float, FloatStorage};
+use super::{index_tensor, simd, Cpu, Float, FloatStorage};
 use crate::backend::ElementwiseOps;
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -62,9 +62,14 @@ fn unary<T: FloatStorage>(
     out.par_chunks_mut(GRAIN)
         .zip(xs.par_chunks(GRAIN))
         .for_each(|(o, x)| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = f(x);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for (o, &x) in o.iter_mut().zip(x) {
+                        *o = f(x);
+                    }
+                },
+            )
         });
     T::tensor(out, x.shape())
 }
@@ -80,9 +85,14 @@ fn binary<T: FloatStorage>(
     out.par_chunks_mut(GRAIN)
         .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
         .for_each(|(o, (x, y))| {
-            for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-                *o = f(x, y);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                        *o = f(x, y);
+                    }
+                },
+            )
         });
     T::tensor(out, a.shape())
 }
@@ -102,9 +112,14 @@ fn ternary<T: FloatStorage>(
         .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
         .zip(zs.par_chunks(GRAIN))
         .for_each(|(((o1, o2), (x, y)), z)| {
-            for i in 0..o1.len() {
-                (o1[i], o2[i]) = f(x[i], y[i], z[i]);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for i in 0..o1.len() {
+                        (o1[i], o2[i]) = f(x[i], y[i], z[i]);
+                    }
+                },
+            )
         });
     Ok((T::tensor(o1, a.shape())?, T::tensor(o2, a.shape())?))
 }
@@ -248,7 +263,12 @@ fn map_rows<T: FloatStorage>(
         out.par_chunks_mut(c)
             .zip(xs.par_chunks(c))
             .with_min_len(rows_per_task(c))
-            .for_each(|(o, r)| f(r, o));
+            .for_each(|(o, r)| {
+                simd(
+                    #[inline(always)]
+                    || f(r, o),
+                )
+            });
     }
     T::tensor(out, x.shape())
 }
@@ -305,6 +325,7 @@ fn softmax_backward_t<T: FloatStorage>(y: &Tensor<Cpu>, dy: &Tensor<Cpu>) -> Res
 
 /// `log Σ exp(row)`, shifted by the row max; an infinite or NaN max is the
 /// answer itself (shifting by it would turn `inf - inf` into NaN).
+#[inline(always)]
 pub(crate) fn row_logsumexp<T: Float>(row: &[T]) -> T {
     let mx = lane_max(row);
     if !mx.is_finite() {
@@ -400,6 +421,7 @@ fn round_bf16_t<T: RoundBf16>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
 /// Dot product in a fixed order: eight interleaved partial sums, combined
 /// pairwise, then the tail. A single running sum is one long dependency
 /// chain the compiler may not reorder; eight independent lanes vectorise.
+#[inline(always)]
 pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     const L: usize = 8;
     let n = a.len().min(b.len());
@@ -421,6 +443,7 @@ pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
 
 /// Sum in a fixed order, as [`dot`]: eight interleaved partial sums,
 /// combined pairwise, then the tail (so that the loop vectorises).
+#[inline(always)]
 pub(crate) fn lane_sum<T: Float>(a: &[T]) -> T {
     const L: usize = 8;
     let ca = a.chunks_exact(L);
@@ -440,6 +463,7 @@ pub(crate) fn lane_sum<T: Float>(a: &[T]) -> T {
 
 /// Largest element (−∞ for none), over eight interleaved lanes so that the
 /// loop vectorises; the maximum does not depend on the order.
+#[inline(always)]
 pub(crate) fn lane_max<T: Float>(a: &[T]) -> T {
     const L: usize = 8;
     let ca = a.chunks_exact(L);
