@@ -441,45 +441,39 @@ pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     s
 }
 
-/// Sum in a fixed order, as [`dot`]: eight interleaved partial sums,
-/// combined pairwise, then the tail (so that the loop vectorises).
+/// `op` folded over `a` in a fixed order, as [`dot`] sums: eight interleaved
+/// lanes from `init`, combined pairwise, then the tail (so that the loop
+/// vectorises).
 #[inline(always)]
-pub(crate) fn lane_sum<T: Float>(a: &[T]) -> T {
+fn lane_fold<T: Float>(a: &[T], init: T, op: impl Fn(T, T) -> T) -> T {
     const L: usize = 8;
     let ca = a.chunks_exact(L);
     let ra = ca.remainder();
-    let mut acc = [T::ZERO; L];
+    let mut acc = [init; L];
     for x in ca {
         for l in 0..L {
-            acc[l] += x[l];
+            acc[l] = op(acc[l], x[l]);
         }
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    let pair = |i: usize| op(acc[i], acc[i + 4]);
+    let mut r = op(op(pair(0), pair(1)), op(pair(2), pair(3)));
     for &x in ra {
-        s += x;
+        r = op(r, x);
     }
-    s
+    r
 }
 
-/// Largest element (−∞ for none), over eight interleaved lanes so that the
-/// loop vectorises; the maximum does not depend on the order.
+/// Sum in a fixed order ([`lane_fold`]).
+#[inline(always)]
+pub(crate) fn lane_sum<T: Float>(a: &[T]) -> T {
+    lane_fold(a, T::ZERO, |x, y| x + y)
+}
+
+/// Largest element (−∞ for none), over eight lanes ([`lane_fold`]); the
+/// maximum does not depend on the order.
 #[inline(always)]
 pub(crate) fn lane_max<T: Float>(a: &[T]) -> T {
-    const L: usize = 8;
-    let ca = a.chunks_exact(L);
-    let ra = ca.remainder();
-    let mut acc = [T::NEG_INF; L];
-    for x in ca {
-        for l in 0..L {
-            acc[l] = acc[l].max(x[l]);
-        }
-    }
-    let mut m = ((acc[0].max(acc[4])).max(acc[1].max(acc[5])))
-        .max((acc[2].max(acc[6])).max(acc[3].max(acc[7])));
-    for &x in ra {
-        m = m.max(x);
-    }
-    m
+    lane_fold(a, T::NEG_INF, T::max)
 }
 
 /// The row scale vector of `mul_rows`: shape `[R]` or the leading dims of `x`.
