@@ -131,20 +131,10 @@ pub struct Tensor<B: Device> {
     shape: Vec<usize>,
 }
 
-/// Bytes of host memory a tensor's storage holds, for devices whose storage
-/// is host memory owned by the tensor ([`Device::HOST_METERED`]).
-fn metered_bytes<B: Device>(storage: &B::Storage) -> usize {
-    if B::HOST_METERED {
-        storage.len() * storage.dtype().host_size()
-    } else {
-        0
-    }
-}
-
 impl<B: Device> Clone for Tensor<B> {
+    /// A second handle on the same values where the device's storage is
+    /// shared (the CPU's), a copy where its storage's clone copies.
     fn clone(&self) -> Self {
-        // A clone of host storage is a copy: it is counted again.
-        meter::add(metered_bytes::<B>(&self.storage));
         Tensor {
             storage: self.storage.clone(),
             shape: self.shape.clone(),
@@ -152,15 +142,10 @@ impl<B: Device> Clone for Tensor<B> {
     }
 }
 
-impl<B: Device> Drop for Tensor<B> {
-    fn drop(&mut self) {
-        meter::sub(metered_bytes::<B>(&self.storage));
-    }
-}
-
-/// Host memory held by the tensors of metered devices (the CPU backend),
-/// counted per thread: each rank of a local run is one thread, so a rank's
-/// allocation peak is its own.
+/// Host memory held by the CPU backend's buffers ([`crate::cpu::HostBuf`]:
+/// counted when one is made or copied, not when a tensor is cloned, since
+/// clones share it), counted per thread: each rank of a local run is one
+/// thread, so a rank's allocation peak is its own.
 pub mod meter {
     use std::cell::Cell;
 
@@ -186,8 +171,8 @@ pub mod meter {
         }
     }
 
-    /// `(in use, peak)` bytes of this thread's tensors (a tensor dropped
-    /// on another thread than the one that made it moves bytes between
+    /// `(in use, peak)` bytes of this thread's buffers (a buffer freed on
+    /// another thread than the one that made it moves bytes between
     /// threads; both figures are clamped at zero).
     pub fn usage() -> (usize, usize) {
         let now = IN_USE.with(Cell::get).max(0) as usize;
@@ -221,7 +206,6 @@ impl<B: Device> Tensor<B> {
                 ),
             ));
         }
-        meter::add(metered_bytes::<B>(&storage));
         Ok(Tensor {
             storage,
             shape: shape.to_vec(),

@@ -55,11 +55,6 @@ pub trait Device: Clone + Send + Sync + 'static {
     const NAME: &'static str;
     /// The device buffer behind a tensor.
     type Storage: StorageInfo + Clone + Send + Sync;
-    /// Whether tensors own host memory that [`crate::tensor::meter`]
-    /// counts (the CPU); a device with its own allocator reports through
-    /// [`Device::memory_in_use`] instead.
-    const HOST_METERED: bool = false;
-
     /// `(in use, peak)` bytes held by this device's tensors (on the CPU:
     /// this thread's), peak since the last [`Device::reset_peak_memory`].
     fn memory_in_use(&self) -> (usize, usize) {

@@ -23,8 +23,9 @@
 
 use rayon::prelude::*;
 
+use super::elementwise::{dot, lane_max, lane_sum};
 use super::linalg::{gemm_acc_into, gemm_into, MatRef};
-use super::{Cpu, Float, FloatStorage};
+use super::{simd, Cpu, Float, FloatStorage};
 use crate::backend::AttentionOps;
 use crate::cpu_float_dispatch;
 use crate::error::Result;
@@ -162,25 +163,26 @@ fn softmax_rows<T: Float>(
     scale: T,
     lse: &mut [T],
 ) {
-    for (r, (row, lse_r)) in s_rw.chunks_mut(w).zip(lse.iter_mut()).enumerate() {
-        let qi = i0 + r;
-        let (a, e) = (first[qi] - lo, qi + 1 - lo);
-        let mut mx = T::NEG_INF;
-        for x in &mut row[a..e] {
-            *x *= scale;
-            mx = mx.max(*x);
-        }
-        let mut sum = T::ZERO;
-        for x in &mut row[a..e] {
-            *x = (*x - mx).exp();
-            sum += *x;
-        }
-        let inv = T::ONE / sum;
-        row[a..e].iter_mut().for_each(|x| *x *= inv);
-        row[..a].fill(T::ZERO);
-        row[e..].fill(T::ZERO);
-        *lse_r = mx + sum.ln();
-    }
+    let rows = s_rw.chunks_mut(w).zip(lse.iter_mut()).enumerate();
+    simd(
+        #[inline(always)]
+        || {
+            for (r, (row, lse_r)) in rows {
+                let qi = i0 + r;
+                let (a, e) = (first[qi] - lo, qi + 1 - lo);
+                // Separate maps and lane reductions, so that each loop vectorises.
+                row[a..e].iter_mut().for_each(|x| *x *= scale);
+                let mx = lane_max(&row[a..e]);
+                row[a..e].iter_mut().for_each(|x| *x = (*x - mx).exp());
+                let sum = lane_sum(&row[a..e]);
+                let inv = T::ONE / sum;
+                row[a..e].iter_mut().for_each(|x| *x *= inv);
+                row[..a].fill(T::ZERO);
+                row[e..].fill(T::ZERO);
+                *lse_r = mx + sum.ln();
+            }
+        },
+    )
 }
 
 /// Forward for one head's query block starting at row `i0`: `o` holds the
@@ -335,33 +337,38 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                     Parallelism::None,
                 );
                 let stats = qh * s + i0;
-                for r in 0..rows {
-                    let qi = i0 + r;
-                    let (a, e) = (first[qi] - lo, qi + 1 - lo);
-                    let lse = self.lse[stats + r];
-                    let p_row = &mut p_rw[r * w..][..w];
-                    let ds_row = &mut ds_rw[r * w..][..w];
-                    // The softmax backward's row term D = Σ_j P_j dP_j (=
-                    // dO·O), from the tile's own P and dP.
-                    let mut delta = T::ZERO;
-                    for (p, &dp) in p_row[a..e].iter_mut().zip(&ds_row[a..e]) {
-                        *p = (*p * self.scale - lse).exp();
-                        delta += *p * dp;
-                    }
-                    for (&p, ds) in p_row[a..e].iter().zip(&mut ds_row[a..e]) {
-                        // dS scaled once here: dQ and dK both carry the scale.
-                        *ds = p * (*ds - delta) * self.scale;
-                    }
-                    if e - a == 1 {
-                        // A softmax over one key is constant: its dS is 0,
-                        // not the rounding left by a P that is 1 ± ulp.
-                        ds_row[a] = T::ZERO;
-                    }
-                    for row in [p_row, ds_row] {
-                        row[..a].fill(T::ZERO);
-                        row[e..].fill(T::ZERO);
-                    }
-                }
+                simd(
+                    #[inline(always)]
+                    || {
+                        for r in 0..rows {
+                            let qi = i0 + r;
+                            let (a, e) = (first[qi] - lo, qi + 1 - lo);
+                            let lse = self.lse[stats + r];
+                            let p_row = &mut p_rw[r * w..][..w];
+                            let ds_row = &mut ds_rw[r * w..][..w];
+                            // The softmax backward's row term D = Σ_j P_j dP_j (=
+                            // dO·O), from the tile's own P and dP.
+                            // (A map, then a lane dot: both loops vectorise.)
+                            for p in &mut p_row[a..e] {
+                                *p = (*p * self.scale - lse).exp();
+                            }
+                            let delta = dot(&p_row[a..e], &ds_row[a..e]);
+                            for (&p, ds) in p_row[a..e].iter().zip(&mut ds_row[a..e]) {
+                                // dS scaled once here: dQ and dK both carry the scale.
+                                *ds = p * (*ds - delta) * self.scale;
+                            }
+                            if e - a == 1 {
+                                // A softmax over one key is constant: its dS is 0,
+                                // not the rounding left by a P that is 1 ± ulp.
+                                ds_row[a] = T::ZERO;
+                            }
+                            for row in [p_row, ds_row] {
+                                row[..a].fill(T::ZERO);
+                                row[e..].fill(T::ZERO);
+                            }
+                        }
+                    },
+                );
                 // dQ = dS K (this block's rows, written once).
                 gemm_into(
                     &mut dq_head[i0 * hd..i1 * hd],

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::{index_tensor, Cpu, Float, FloatStorage};
+use super::{index_tensor, simd, Cpu, Float, FloatStorage};
 use crate::backend::ElementwiseOps;
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -62,9 +62,14 @@ fn unary<T: FloatStorage>(
     out.par_chunks_mut(GRAIN)
         .zip(xs.par_chunks(GRAIN))
         .for_each(|(o, x)| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = f(x);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for (o, &x) in o.iter_mut().zip(x) {
+                        *o = f(x);
+                    }
+                },
+            )
         });
     T::tensor(out, x.shape())
 }
@@ -80,9 +85,14 @@ fn binary<T: FloatStorage>(
     out.par_chunks_mut(GRAIN)
         .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
         .for_each(|(o, (x, y))| {
-            for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-                *o = f(x, y);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                        *o = f(x, y);
+                    }
+                },
+            )
         });
     T::tensor(out, a.shape())
 }
@@ -102,9 +112,14 @@ fn ternary<T: FloatStorage>(
         .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
         .zip(zs.par_chunks(GRAIN))
         .for_each(|(((o1, o2), (x, y)), z)| {
-            for i in 0..o1.len() {
-                (o1[i], o2[i]) = f(x[i], y[i], z[i]);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for i in 0..o1.len() {
+                        (o1[i], o2[i]) = f(x[i], y[i], z[i]);
+                    }
+                },
+            )
         });
     Ok((T::tensor(o1, a.shape())?, T::tensor(o2, a.shape())?))
 }
@@ -248,7 +263,12 @@ fn map_rows<T: FloatStorage>(
         out.par_chunks_mut(c)
             .zip(xs.par_chunks(c))
             .with_min_len(rows_per_task(c))
-            .for_each(|(o, r)| f(r, o));
+            .for_each(|(o, r)| {
+                simd(
+                    #[inline(always)]
+                    || f(r, o),
+                )
+            });
     }
     T::tensor(out, x.shape())
 }
@@ -275,13 +295,11 @@ fn reduce_rows<T: FloatStorage>(
 
 fn softmax_t<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
     map_rows::<T>("softmax", x, |row, out| {
-        let mx = row.iter().fold(T::NEG_INF, |m, &v| m.max(v));
-        let mut sum = T::ZERO;
+        let mx = lane_max(row);
         for (o, &v) in out.iter_mut().zip(row) {
             *o = (v - mx).exp();
-            sum += *o;
         }
-        let inv = T::ONE / sum;
+        let inv = T::ONE / lane_sum(out);
         out.iter_mut().for_each(|o| *o *= inv);
     })
 }
@@ -307,12 +325,24 @@ fn softmax_backward_t<T: FloatStorage>(y: &Tensor<Cpu>, dy: &Tensor<Cpu>) -> Res
 
 /// `log Σ exp(row)`, shifted by the row max; an infinite or NaN max is the
 /// answer itself (shifting by it would turn `inf - inf` into NaN).
+#[inline(always)]
 pub(crate) fn row_logsumexp<T: Float>(row: &[T]) -> T {
-    let mx = row.iter().fold(T::NEG_INF, |m, &v| m.max(v));
+    let mx = lane_max(row);
     if !mx.is_finite() {
         return mx;
     }
-    let s: T = row.iter().map(|&v| (v - mx).exp()).sum();
+    // Exponentials in blocks on the stack, so that the map vectorises
+    // before the lane sum adds them.
+    const BLOCK: usize = 256;
+    let mut buf = [T::ZERO; BLOCK];
+    let mut s = T::ZERO;
+    for chunk in row.chunks(BLOCK) {
+        let e = &mut buf[..chunk.len()];
+        for (e, &v) in e.iter_mut().zip(chunk) {
+            *e = (v - mx).exp();
+        }
+        s += lane_sum(e);
+    }
     mx + s.ln()
 }
 
@@ -391,6 +421,7 @@ fn round_bf16_t<T: RoundBf16>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
 /// Dot product in a fixed order: eight interleaved partial sums, combined
 /// pairwise, then the tail. A single running sum is one long dependency
 /// chain the compiler may not reorder; eight independent lanes vectorise.
+#[inline(always)]
 pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     const L: usize = 8;
     let n = a.len().min(b.len());
@@ -408,6 +439,41 @@ pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
         s += x * y;
     }
     s
+}
+
+/// `op` folded over `a` in a fixed order, as [`dot`] sums: eight interleaved
+/// lanes from `init`, combined pairwise, then the tail (so that the loop
+/// vectorises).
+#[inline(always)]
+fn lane_fold<T: Float>(a: &[T], init: T, op: impl Fn(T, T) -> T) -> T {
+    const L: usize = 8;
+    let ca = a.chunks_exact(L);
+    let ra = ca.remainder();
+    let mut acc = [init; L];
+    for x in ca {
+        for l in 0..L {
+            acc[l] = op(acc[l], x[l]);
+        }
+    }
+    let pair = |i: usize| op(acc[i], acc[i + 4]);
+    let mut r = op(op(pair(0), pair(1)), op(pair(2), pair(3)));
+    for &x in ra {
+        r = op(r, x);
+    }
+    r
+}
+
+/// Sum in a fixed order ([`lane_fold`]).
+#[inline(always)]
+pub(crate) fn lane_sum<T: Float>(a: &[T]) -> T {
+    lane_fold(a, T::ZERO, |x, y| x + y)
+}
+
+/// Largest element (−∞ for none), over eight lanes ([`lane_fold`]); the
+/// maximum does not depend on the order.
+#[inline(always)]
+pub(crate) fn lane_max<T: Float>(a: &[T]) -> T {
+    lane_fold(a, T::NEG_INF, T::max)
 }
 
 /// The row scale vector of `mul_rows`: shape `[R]` or the leading dims of `x`.

@@ -13,11 +13,14 @@ use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::Tensor;
 
 /// Below this many multiply-adds (`m·n·k`) a product runs on one thread: the
-/// fork-join and the split packing cost more than the second core gives.
-/// Measured with `examples/gemm_bench.rs` on a shared 2-core box: one thread
-/// wins up to 192³ (2^22.8), the two are even at 256³ (2^24), threads win
-/// from 384³ on.
-const PARALLEL_MIN_MACS: usize = 1 << 24;
+/// fork-join and the per-task packing of `b` cost more than the second core
+/// gives.
+const PARALLEL_MIN_MACS: usize = 1 << 22;
+
+/// Fewest rows of one task when a product's rows are split over the pool:
+/// each task packs its own copy of `b`, which a few microkernel tiles of rows
+/// do not repay.
+const MIN_TASK_ROWS: usize = 64;
 
 /// A grouped product whose total work is below this runs its groups one after
 /// another on one thread (a handful of tiny GEMMs cost less than a fork-join).
@@ -99,7 +102,23 @@ pub(crate) fn gemm_acc_into<T: FloatStorage>(
     gemm_with(dst, dims, a, b, par, true)
 }
 
+/// Rows per task of a product with `m` rows split over the pool: about 16
+/// tasks (enough for 16 threads to balance), a multiple of 16 rows, and at
+/// least [`MIN_TASK_ROWS`]. A function of the shape only, so the split, and
+/// with it the result, is the same for every pool size; it is also the same
+/// as unsplit, since each task computes whole rows, each element summed over
+/// `k` as the unsplit product sums it (the `gemm` crate's `k` blocking
+/// depends on `k` and the caches only).
+fn task_rows(m: usize) -> usize {
+    (m.div_ceil(16).div_ceil(16) * 16).max(MIN_TASK_ROWS)
+}
+
 /// [`gemm_into`] (`acc` false: overwrite) or [`gemm_acc_into`] (true: add).
+/// `Parallelism::Rayon` splits the rows of `dst` into [`task_rows`] blocks,
+/// one single-threaded product each, on rayon's pool: a fork-join per
+/// product rather than the `gemm` crate's own threading, whose
+/// synchronisation costs as much as it gains on the K = 128 products of
+/// small models.
 fn gemm_with<T: FloatStorage>(
     dst: &mut [T],
     (m, n, k): (usize, usize, usize),
@@ -119,6 +138,20 @@ fn gemm_with<T: FloatStorage>(
         if !acc {
             dst[..m * n].fill(T::ZERO);
         }
+        return;
+    }
+    let rows = task_rows(m);
+    if matches!(par, Parallelism::Rayon(_)) && m > rows {
+        dst[..m * n]
+            .par_chunks_mut(rows * n)
+            .enumerate()
+            .for_each(|(i, d)| {
+                let a_i = MatRef {
+                    data: &a.data[i * rows * a.rs..],
+                    ..a
+                };
+                gemm_with(d, (d.len() / n, n, k), a_i, b, Parallelism::None, acc);
+            });
         return;
     }
     // SAFETY: `covers` checked that every element the product reads lies in

@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::{row_logsumexp, rows_per_task, GRAIN};
-use super::{index_slice, Cpu, Float, FloatStorage};
+use super::{index_slice, simd, Cpu, Float, FloatStorage};
 use crate::backend::LossOps;
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -60,11 +60,19 @@ fn cross_entropy_t<T: FloatStorage>(
     let xs = T::slice(logits, OP)?;
     // A NaN or infinite logit poisons the loss silently; report where it is
     // (the first in memory order, found deterministically).
-    if let Some(i) = xs.par_iter().position_first(|x| !x.is_finite()) {
+    // Chunk by chunk, each scanned without an early exit (a loop that
+    // vectorises; rayon's per-element `position_first` costs more than the
+    // whole loss); only a chunk that has one is searched for the first.
+    let bad_chunk = xs
+        .par_chunks(GRAIN)
+        .position_first(|c| c.iter().fold(false, |bad, x| bad | !x.is_finite()));
+    if let Some(ci) = bad_chunk {
+        let chunk = &xs[ci * GRAIN..];
+        let i = chunk.iter().position(|x| !x.is_finite()).unwrap_or(0);
         return Err(KernelError::NonFinite {
             op: OP,
             what: "logits",
-            value: xs[i].to_f64(),
+            value: chunk[i].to_f64(),
         });
     }
     // Both outputs stay in the accumulation type (f32 for bf16, unrounded),
@@ -78,7 +86,10 @@ fn cross_entropy_t<T: FloatStorage>(
             .zip(xs.par_chunks(v).zip(tg.par_iter()))
             .with_min_len(rows_per_task(v))
             .for_each(|((l, z), (row, &c))| {
-                let zr = row_logsumexp(row);
+                let zr = simd(
+                    #[inline(always)]
+                    || row_logsumexp(row),
+                );
                 *z = zr.to_acc();
                 *l = if c == IGNORE {
                     <T::Acc as Float>::ZERO
@@ -116,9 +127,14 @@ fn cross_entropy_backward_t<T: FloatStorage>(
                     return;
                 }
                 let (z, d) = (T::from_acc(z), T::from_acc(d));
-                for (o, &x) in o.iter_mut().zip(row) {
-                    *o = d * (x - z).exp();
-                }
+                simd(
+                    #[inline(always)]
+                    || {
+                        for (o, &x) in o.iter_mut().zip(row) {
+                            *o = d * (x - z).exp();
+                        }
+                    },
+                );
                 o[c as usize] -= d;
             });
     }

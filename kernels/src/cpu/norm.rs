@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::{rows_per_task, MAX_PARTIALS};
-use super::{index_slice, Cpu, FloatStorage};
+use super::{index_slice, simd, Cpu, FloatStorage};
 use crate::backend::{check_positions, NormOps, Rope};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, Result};
@@ -182,14 +182,19 @@ fn rope_t<T: FloatStorage>(
         .for_each(|(bs, (o, xr))| {
             let p = at[bs];
             let (c, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
-            for (oh, xh) in o.chunks_mut(hd).zip(xr.chunks(hd)) {
-                let (x1, x2) = xh.split_at(half);
-                let (o1, o2) = oh.split_at_mut(half);
-                for i in 0..half {
-                    o1[i] = x1[i] * c[i] - x2[i] * sn[i];
-                    o2[i] = x2[i] * c[i] + x1[i] * sn[i];
-                }
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for (oh, xh) in o.chunks_mut(hd).zip(xr.chunks(hd)) {
+                        let (x1, x2) = xh.split_at(half);
+                        let (o1, o2) = oh.split_at_mut(half);
+                        for i in 0..half {
+                            o1[i] = x1[i] * c[i] - x2[i] * sn[i];
+                            o2[i] = x2[i] * c[i] + x1[i] * sn[i];
+                        }
+                    }
+                },
+            )
         });
     T::tensor(out, x.shape())
 }
