@@ -366,7 +366,12 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             };
             // The permutation (source token and slot of each row).
             v.push(s(Part::RoutedExperts, None, None, Int, 2.0 * rows));
-            v.push(s(Part::RoutedExperts, None, None, operand, rows * h));
+            // The experts' input rows: on one expert rank the products
+            // gather them from the layer input (kept by the router), so
+            // only fp8 keeps a copy; under ep or etp the received rows.
+            if fp8 || layout.ep > 1 || layout.etp > 1 {
+                v.push(s(Part::RoutedExperts, None, None, operand, rows * h));
+            }
             if fp8 {
                 v.push(s(Part::RoutedExperts, None, None, Fp32, scales(h)));
             }

@@ -16,8 +16,9 @@ pub mod gradcheck;
 pub mod tensor;
 
 pub use backend::{
-    AdamWConfig, AttentionOps, Backend, Device, DropPolicy, ElementwiseOps, Fp8Ops, LinalgOps,
-    LossOps, NormOps, OffloadOps, OptimOps, Rope, RoutingOps, RoutingPlan, Yarn,
+    AdamWConfig, AttentionOps, Backend, Device, DropPolicy, ElementwiseOps, Fp8Ops,
+    GatheredGemmOps, LinalgOps, LossOps, NormOps, OffloadOps, OptimOps, Rope, RoutingOps,
+    RoutingPlan, Yarn,
 };
 pub use comm::{Communicator, Group, ReduceOp};
 pub use error::{KernelError, Result};

@@ -15,6 +15,7 @@
 mod attention;
 mod elementwise;
 pub(crate) mod fp8;
+mod gather;
 pub(crate) mod linalg;
 mod loss;
 mod norm;
@@ -27,6 +28,7 @@ pub(crate) use attention::{check_docs, check_qkv};
 pub(crate) use elementwise::rows_cols;
 pub use elementwise::ElementwiseOps;
 pub use fp8::Fp8Ops;
+pub use gather::GatheredGemmOps;
 pub(crate) use linalg::matmul_dims;
 pub use linalg::LinalgOps;
 pub use loss::LossOps;
@@ -212,6 +214,7 @@ pub trait Backend:
     + OptimOps
     + OffloadOps
     + Fp8Ops
+    + GatheredGemmOps
 {
 }
 
@@ -226,6 +229,7 @@ impl<T> Backend for T where
         + OptimOps
         + OffloadOps
         + Fp8Ops
+        + GatheredGemmOps
 {
 }
 

@@ -67,6 +67,18 @@
 //   EPI 2 (nt): the product is dact = dy · w[g]ᵀ, rounded; the store reads
 //   gate (e0) and up (e1) and writes out = dgate and out2 = dup, as
 //   swiglu_bwd_bf16 does (dact itself is never stored).
+// Gathered A (GATHER, issue 18's fused dispatch; nn forward and wgrad):
+// the rows of A are rows xs[rsrc[r]] of a source matrix (zeros where
+// rsrc[r] = -1 or r >= M), the permutation into expert order read by the
+// loads instead of a separate copy (Megatron-Core's fused permute). The
+// copy engine's tiled mode cannot gather rows, so the whole producer
+// warpgroup loads A with cp.async, one 128-byte row piece a thread and
+// step, into the 128-byte swizzle the descriptors expect (16-byte chunk c
+// of row r at c ^ (r % 8)); each thread's copies arrive on the stage's full
+// barrier (cp.async.mbarrier.arrive.noinc: 128 arrivals and the B copy's
+// expect_tx), and the consumers fence the generic-proxy writes before
+// their wgmmas read them. B still comes by TMA. Registers: consumers 224,
+// producer 56 (256 (224 - 168) <= 128 (168 - 56)).
 // The whole module compiles to nothing for other architectures.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -227,6 +239,75 @@ __device__ __forceinline__ void gw_store8(uint4 v, uint4 g, uint4 u, bf16* __res
     *reinterpret_cast<uint4*>(o2 + at) = r1;
 }
 
+// The producer of a GATHER kernel (all 128 threads of warpgroup 2): thread
+// p loads A's row piece p of each step with cp.async (the 128-byte swizzle
+// by hand), thread 256 also issues B's TMA copies and the expect_tx.
+// nn: A row p of the tile is xs[rsrc[row0 + p]], columns k0 .. k0 + 63;
+// wgrad: row p % 64 of the step (reduction row red0 + k0 + p % 64) in box
+// p / 64, columns row0 + 64 (p / 64) .. + 63 of xs (dw's rows). Chunks past
+// K (nn) or past dw's rows (wgrad) and missing rows are zero-filled.
+template <int KIND>
+__device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16* __restrict__ xs,
+                                                   const int* __restrict__ rsrc, const i64* so, const i64* st,
+                                                   unsigned stage0, unsigned bar0, int ST, i64 m, i64 k, int nkt, i64 n,
+                                                   int g, i64 total) {
+    int p = threadIdx.x - 256;
+    bool lead = p == 0;
+    if (lead) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+    int s = 0;
+    unsigned ph = 0;
+    int rr = KIND == 2 ? (p & 63) : p, box = KIND == 2 ? (p >> 6) : 0;
+    unsigned dst_row = (unsigned)(box * 8192 + rr * 128);
+    for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+        GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
+        // nn: this thread's source row is fixed for the tile.
+        const bf16* srow = nullptr;
+        if (KIND == 0) {
+            i64 r = tl.row0 + p;
+            int src = r < m ? rsrc[r] : -1;
+            if (src >= 0) srow = xs + (i64)src * k;
+        }
+        for (int ks = 0; ks < tl.nk; ++ks) {
+            unsigned full = bar0 + 8 * s;
+            i64 k0 = (i64)ks * GW_BK;
+            i64 col0 = k0;
+            if (KIND == 2) {
+                i64 r = tl.red0 + k0 + rr;
+                int src = r < m ? rsrc[r] : -1;
+                srow = src >= 0 ? xs + (i64)src * k : nullptr;
+                col0 = tl.row0 + 64 * box;
+            }
+            mbar_wait(bar0 + 8 * (ST + s), ph ^ 1);
+            if (lead) {
+                mbar_expect_tx(full, GW_BK * GW_BN * 2);
+                unsigned b = stage0 + s * GW_STAGE_BYTES + GW_A_BYTES;
+                if (KIND == 0) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) tma_3d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, (int)k0, tl.grp);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) tma_2d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, (int)(tl.red0 + k0));
+                }
+            }
+            unsigned a = stage0 + s * GW_STAGE_BYTES + dst_row;
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                i64 col = col0 + 8 * c;
+                int bytes = srow != nullptr && col < k ? 16 : 0;
+                const bf16* src = bytes ? srow + col : xs;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a + ((c ^ (rr & 7)) << 4)),
+                             "l"(src), "r"(bytes)
+                             : "memory");
+            }
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
+            if (++s == ST) {
+                s = 0;
+                ph ^= 1;
+            }
+        }
+    }
+}
+
 // The kernel of the three products (see the top of the file). `out`: [M, N]
 // for nn / nt, [G, K, N] for wgrad. Dynamic shared memory: 1024 bytes of
 // alignment slack and GwLayout::OFFS + 16 (G + 1) bytes (linalg.rs's
@@ -234,12 +315,14 @@ __device__ __forceinline__ void gw_store8(uint4 v, uint4 g, uint4 u, bf16* __res
 // PAIR / EPI / DEFER: the fused variants and the deferred epilogue (top of
 // the file); ta2 / tb2 and k2 are read with PAIR only, out2 / e0 / e1 with
 // EPI only.
-template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false>
+template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false, bool GATHER = false>
 __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const TmaMap* ta2, const TmaMap* tb2,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
                                         bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
-                                        const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g) {
+                                        const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g,
+                                        const bf16* __restrict__ xs = nullptr, const int* __restrict__ rsrc = nullptr) {
     static_assert((EPI == 0) != DEFER, "the deferred epilogue is the fused stores'");
+    static_assert(!GATHER || (KIND != 1 && EPI == 0 && !PAIR && !DEFER), "gathered A: the plain nn and wgrad products");
     typedef GwLayout<DEFER> L;
     constexpr int ST = L::ST;
     unsigned raw = smem_u32(gw_smem);
@@ -259,7 +342,8 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
     }
     if (tid == 0) {
         for (int s = 0; s < ST; ++s) {
-            mbar_init(bar0 + 8 * s, 1);
+            // With GATHER each producer thread's cp.async copies arrive too.
+            mbar_init(bar0 + 8 * s, GATHER ? 129 : 1);
             mbar_init(bar0 + 8 * (ST + s), 8);
         }
         if (DEFER) {
@@ -280,9 +364,13 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         // warps 9-11 store the output tiles.
         if (DEFER)
             asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n");
+        else if (GATHER)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (tid == 256) {
+        if (GATHER) {
+            gw_gather_producer<KIND>(tb, xs, rsrc, so, st, stage0, bar0, ST, m, k, nkt, n, g, total);
+        } else if (tid == 256) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
             if (PAIR) {
@@ -367,6 +455,8 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         // Consumers: warpgroup wg computes rows 64 wg .. 64 wg + 63 of the tile.
         if (DEFER)
             asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
+        else if (GATHER)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
         else
             asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
         int warp = (tid >> 5) & 3, lane = tid & 31;
@@ -380,6 +470,8 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
             int prev = 0;
             for (int ks = 0; ks < tl.nk; ++ks) {
                 mbar_wait(bar0 + 8 * s, ph);
+                // The gathered A arrived through the generic proxy.
+                if (GATHER) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 unsigned a = stage0 + s * GW_STAGE_BYTES, b = a + GW_A_BYTES;
                 if (KIND == 2 && ks == tl.nk - 1) {
                     int v = (int)(so[tl.grp + 1] - (tl.red0 + (i64)ks * GW_BK));
@@ -509,6 +601,21 @@ GW_ENTRY grouped_mm_swiglu_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* ti
 GW_ENTRY grouped_mm_swiglu_bwd_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate,
                                              const bf16* up, bf16* out, bf16* dup, i64 m, i64 k, i64 n, int g) {
     gw_body<1, 2, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, dup, gate, up, m, k, 0, n, g);
+}
+
+// grouped_mm_wgmma_bf16_nn over the rows xs[rsrc[r]] (zeros where
+// rsrc[r] = -1): xs [T, K], rsrc [M]; tb maps w as in the plain kernel.
+GW_ENTRY grouped_mm_gather_wgmma_bf16_nn(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<0, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0,
+                                      n, g, xs, rsrc);
+}
+// grouped_wgrad_wgmma_bf16 with x's rows xs[rsrc[r]]: xs [T, K], rsrc [M]
+// (M permuted rows), tb maps dy [M, N].
+GW_ENTRY grouped_wgrad_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
+                                         const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<2, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr, nullptr, m, k, 0,
+                                      n, g, xs, rsrc);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

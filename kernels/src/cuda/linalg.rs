@@ -16,7 +16,8 @@ use cudarc::driver::{result as drv, sys, LaunchConfig};
 
 use super::compile::{GROUPED_SM90, LINALG};
 use super::{float_sfx, launch, Cuda};
-use crate::backend::{Device, ElementwiseOps, LinalgOps};
+use crate::backend::linalg::grouped_dims;
+use crate::backend::{Device, ElementwiseOps, GatheredGemmOps, LinalgOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -975,6 +976,109 @@ impl LinalgOps for Cuda {
         group_sizes: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         self.grouped_matmul_swiglu_backward_on(dy, w, gate, up, group_sizes, None)
+    }
+}
+
+/// The gathered products on Hopper: `grouped_sm90.cu`'s GATHER kernels read
+/// A's rows through the row map with cp.async (B by TMA), for bf16 where
+/// the wgmma kernels fit and `FOLDMOE_GROUPED_GEMM` is not `mma`; every
+/// other case permutes (the trait's fallback).
+impl GatheredGemmOps for Cuda {
+    fn grouped_matmul_gathered_kernel(
+        &self,
+        x: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        w: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Option<Tensor<Self>>> {
+        const OP: &str = "grouped_matmul_gathered";
+        let (t, k, g, n) = grouped_dims(OP, x, w, false)?;
+        let m = super::routing::row_src_1d(OP, row_src)?;
+        let (xp, wp) = (x.storage().ptr(), w.storage().ptr());
+        if x.dtype() != DType::BF16 || !wgmma_allowed() || !self.wgmma_fits(m, k, n, g, &[xp, wp]) {
+            return Ok(None);
+        }
+        self.check_range(OP, row_src, -1, t as i64)?;
+        let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        let out = self.alloc(OP, &[m, n], x.dtype())?;
+        let (k64, n64, g64) = (k as u64, n as u64, g as u64);
+        let tb = tma_map(OP, wp, &[n64, k64, g64], &[64, 64, 1])?;
+        let (f, cfg) = self.gw_mm_launch("grouped_mm_gather_wgmma_bf16_nn", m, n, g)?;
+        launch!(
+            self,
+            f,
+            cfg,
+            tb,
+            xp,
+            row_src.storage().ptr(),
+            offs.ptr(),
+            tiles.ptr(),
+            out.storage().ptr(),
+            m as i64,
+            k as i64,
+            n as i64,
+            g as i32
+        )?;
+        Ok(Some(out))
+    }
+
+    fn grouped_matmul_weight_grad_gathered_kernel(
+        &self,
+        x: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Option<Tensor<Self>>> {
+        const OP: &str = "grouped_matmul_weight_grad_gathered";
+        let (t, k) = x.dims2(OP)?;
+        let (m, n) = dy.dims2(OP)?;
+        if super::routing::row_src_1d(OP, row_src)? != m {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "row_src {:?} and dy {:?} disagree on the row count",
+                    row_src.shape(),
+                    dy.shape()
+                ),
+            ));
+        }
+        dy.expect_dtype(OP, x.dtype())?;
+        let g = match group_sizes.shape() {
+            [g] => *g,
+            _ => return Ok(None),
+        };
+        let (xp, dp) = (x.storage().ptr(), dy.storage().ptr());
+        if x.dtype() != DType::BF16 || !wgmma_allowed() || !self.wgmma_fits(m, k, n, g, &[xp, dp]) {
+            return Ok(None);
+        }
+        self.check_range(OP, row_src, -1, t as i64)?;
+        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        let out = self.alloc(OP, &[g, k, n], x.dtype())?;
+        let tb = tma_map(OP, dp, &[n as u64, m as u64], &[64, 64])?;
+        let smem = gw_smem_bytes(g) as u32;
+        self.bind()?;
+        let f = self.func_smem(GROUPED_SM90, "grouped_wgrad_gather_wgmma_bf16", smem)?;
+        let grid = self.persistent_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (GW_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            tb,
+            xp,
+            row_src.storage().ptr(),
+            offs.ptr(),
+            out.storage().ptr(),
+            m as i64,
+            k as i64,
+            n as i64,
+            g as i32
+        )?;
+        Ok(Some(out))
     }
 }
 

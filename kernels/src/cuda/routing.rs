@@ -33,7 +33,13 @@ struct Inverse {
 impl Cuda {
     /// Reports, at the next read, the first entry of `idx` outside `[lo, hi)`
     /// as the CPU's [`KernelError::IndexOutOfRange`].
-    fn check_range(&self, op: &'static str, idx: &Tensor<Self>, lo: i64, hi: i64) -> Result<()> {
+    pub(super) fn check_range(
+        &self,
+        op: &'static str,
+        idx: &Tensor<Self>,
+        lo: i64,
+        hi: i64,
+    ) -> Result<()> {
         let n = idx.numel();
         if n == 0 {
             return Ok(());
@@ -309,7 +315,7 @@ fn expert_index(op: &'static str, idx: &Tensor<Cuda>, n_experts: usize) -> Resul
 }
 
 /// Checks that `row_src` is a 1-d i32 tensor; returns N.
-fn row_src_1d(op: &'static str, row_src: &Tensor<Cuda>) -> Result<usize> {
+pub(super) fn row_src_1d(op: &'static str, row_src: &Tensor<Cuda>) -> Result<usize> {
     row_src.expect_dtype(op, DType::I32)?;
     match row_src.shape() {
         [n] => Ok(*n),

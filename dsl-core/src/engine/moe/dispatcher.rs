@@ -1,6 +1,8 @@
 //! Dispatch and combine (docs/ARCHITECTURE.md §4; Megatron-Core `moe/token_dispatcher.py`):
-//! dispatch permutes the token copies into expert-major rows, combine brings
-//! the expert outputs back and sums them weighted by the routing weights.
+//! dispatch plans the token copies' expert-major rows (the rows themselves
+//! are gathered by whoever reads them: the experts' products on one rank,
+//! the all-to-all's send buffer under ep), combine brings the expert
+//! outputs back and sums them weighted by the routing weights.
 //!
 //! Shapes: T tokens, D hidden, E experts, K top-k, N permuted rows.
 //!
@@ -9,6 +11,7 @@
 
 use foldmoe_kernels::{Backend, DropPolicy, RoutingPlan, Tensor};
 
+use super::experts::ExpertRows;
 use crate::engine::activations::Slot;
 use crate::engine::Result;
 use crate::memory::Part;
@@ -78,14 +81,14 @@ impl Dispatcher {
     }
 
     /// Dispatch: plans the rows from `idx: [T, K]` (and `probs: [T, K]` for
-    /// the probs drop policy) and gathers `x: [T, D]` into `[N, D]`.
+    /// the probs drop policy); `x: [T, D]` → the `[N, D]` rows, gathered.
     pub fn dispatch<B: Backend>(
         &self,
         b: &B,
         x_td: &Tensor<B>,
         idx_tk: &Tensor<B>,
         probs_tk: &Tensor<B>,
-    ) -> Result<(Tensor<B>, DispatchSaved<B>)> {
+    ) -> Result<(ExpertRows<B>, DispatchSaved<B>)> {
         let (tokens, _) = x_td.dims2("Dispatcher::dispatch")?;
         let plan = match &self.capacity {
             None => b.routing_plan(idx_tk, self.experts)?,
@@ -105,19 +108,22 @@ impl Dispatcher {
                 )?
             }
         };
-        self.dispatch_planned(b, x_td, plan)
+        self.dispatch_planned(x_td, plan)
     }
 
     /// Dispatch by a plan made elsewhere: the parallel runtime's capacity
     /// plan, decided over the whole micro-batch of every tp×cp rank.
     pub fn dispatch_planned<B: Backend>(
         &self,
-        b: &B,
         x_td: &Tensor<B>,
         plan: RoutingPlan<B>,
-    ) -> Result<(Tensor<B>, DispatchSaved<B>)> {
+    ) -> Result<(ExpertRows<B>, DispatchSaved<B>)> {
         let (tokens, _) = x_td.dims2("Dispatcher::dispatch_planned")?;
-        let x_nd = b.permute(x_td, &plan.row_src)?;
+        let x_nd = ExpertRows::Gathered {
+            source: x_td.clone(),
+            row_src: plan.row_src.clone(),
+            source_is_input: true,
+        };
         Ok((x_nd, DispatchSaved { plan, tokens }))
     }
 
@@ -200,6 +206,7 @@ mod tests {
             let (x_nd, saved) = disp
                 .dispatch(&Cpu, &t64(x.to_vec(), &[T, D]), &idx, &w_tk)
                 .unwrap();
+            let x_nd = x_nd.materialize(&Cpu).unwrap();
             let n = x_nd.shape()[0];
             let c_nd = t64(uniform(43, n * D, 1.0), &[n, D]);
             let y_nd = Cpu.mul(&x_nd, &c_nd).unwrap();
@@ -270,7 +277,7 @@ mod tests {
         let w = t64(vec![0.5; T * K], &[T, K]);
         let x = t64(vec![1.0; T * D], &[T, D]);
         let (x_nd, saved) = disp.dispatch(&Cpu, &x, &idx_tk(), &w).unwrap();
-        assert_eq!(x_nd.shape(), &[E * 3, D]);
+        assert_eq!(x_nd.materialize(&Cpu).unwrap().shape(), &[E * 3, D]);
         assert_eq!(host_i32(saved.counts_e()), vec![3; E]);
     }
 }

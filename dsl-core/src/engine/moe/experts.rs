@@ -27,20 +27,87 @@ pub struct Experts<B: Backend> {
     pub fp8: bool,
 }
 
-/// A weight gradient's saved input: the activation itself, or under fp8 its
+/// The experts' input rows `[N, D]` in expert-major order: a tensor, or
+/// the rows `source[row_src[n]]` (zero where `row_src[n] = -1`) that the
+/// products gather as they read them, so the permuted copy is never
+/// written nor kept for the backward (Megatron-Core's fused permute).
+pub enum ExpertRows<B: Backend> {
+    /// The rows themselves.
+    Dense(Tensor<B>),
+    /// Rows of `source: [T, D]` through `row_src: [N]` (i32).
+    Gathered {
+        /// The tokens the rows are copies of.
+        source: Tensor<B>,
+        /// Each row's source token (`-1`: a zero row).
+        row_src: Tensor<B>,
+        /// Whether `source` is the layer's input (the norm output that the
+        /// router keeps too), so a saved copy counts as an alias of it.
+        source_is_input: bool,
+    },
+}
+
+impl<B: Backend> ExpertRows<B> {
+    /// The rows as a tensor (the permutation, where they are gathered).
+    pub fn materialize(&self, b: &B) -> Result<Tensor<B>> {
+        Ok(match self {
+            ExpertRows::Dense(x) => x.clone(),
+            ExpertRows::Gathered {
+                source, row_src, ..
+            } => b.permute(source, row_src)?,
+        })
+    }
+
+    /// `grouped_matmul(rows, w, counts_e, false)`.
+    fn product(&self, b: &B, w: &Tensor<B>, counts_e: &Tensor<B>) -> Result<Tensor<B>> {
+        Ok(match self {
+            ExpertRows::Dense(x) => b.grouped_matmul(x, w, counts_e, false)?,
+            ExpertRows::Gathered {
+                source, row_src, ..
+            } => b.grouped_matmul_gathered(source, row_src, w, counts_e)?,
+        })
+    }
+
+    /// `grouped_matmul_weight_grad(rows, dy, counts_e)`.
+    fn weight_grad(&self, b: &B, dy: &Tensor<B>, counts_e: &Tensor<B>) -> Result<Tensor<B>> {
+        Ok(match self {
+            ExpertRows::Dense(x) => b.grouped_matmul_weight_grad(x, dy, counts_e)?,
+            ExpertRows::Gathered {
+                source, row_src, ..
+            } => b.grouped_matmul_weight_grad_gathered(source, row_src, dy, counts_e)?,
+        })
+    }
+}
+
+/// A weight gradient's saved input: the rows it reads, or under fp8 their
 /// column-tile quantisation, which is all that gradient reads (so the
 /// forward's quantisation is what the backward keeps, at a byte a value).
 pub enum SavedInput<B: Backend> {
-    /// The activation, in the model's dtype.
-    Plain(Tensor<B>),
-    /// Its [`Fp8Tiles::GroupColumns`] codes and scales.
+    /// The rows, in the model's dtype (gathered rows keep only their source
+    /// and map).
+    Rows(ExpertRows<B>),
+    /// Their [`Fp8Tiles::GroupColumns`] codes and scales.
     Fp8(Fp8Matrix<B>),
 }
 
 impl<B: Backend> SavedInput<B> {
     fn visit(&mut self, slot: Slot, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         match self {
-            SavedInput::Plain(t) => f(slot, t),
+            SavedInput::Rows(ExpertRows::Dense(t)) => f(slot, t),
+            SavedInput::Rows(ExpertRows::Gathered {
+                source,
+                row_src,
+                source_is_input,
+            }) => {
+                // The map is the routing plan's (or the exchange's sort),
+                // counted there; the layer input is counted by the router.
+                let source_slot = if *source_is_input {
+                    Slot::NORM_OUT_ALIAS
+                } else {
+                    slot
+                };
+                f(source_slot, source);
+                f(slot.alias(), row_src);
+            }
             SavedInput::Fp8(q) => {
                 f(slot, &mut q.codes);
                 f(slot, &mut q.scales);
@@ -101,26 +168,35 @@ impl<B: Backend> Experts<B> {
         })
     }
 
-    /// `x: [N, D]` grouped by `counts: [E]` (i32) → `[N, D]`.
+    /// The rows `x: [N, D]` grouped by `counts: [E]` (i32) → `[N, D]`.
     pub fn forward(
         &self,
         b: &B,
-        x_nd: &Tensor<B>,
+        x_nd: ExpertRows<B>,
         counts_e: &Tensor<B>,
     ) -> Result<(Tensor<B>, ExpertsSaved<B>)> {
         if self.fp8 {
-            return self.forward_fp8(b, x_nd, counts_e);
+            return self.forward_fp8(b, &x_nd.materialize(b)?, counts_e);
         }
-        let gate_nf = b.grouped_matmul(x_nd, &self.w1.value, counts_e, false)?;
-        // The up projection stores SwiGLU's output beside its own.
-        let (up_nf, act_nf) = b.grouped_matmul_swiglu(x_nd, &self.w3.value, &gate_nf, counts_e)?;
+        let gate_nf = x_nd.product(b, &self.w1.value, counts_e)?;
+        let (up_nf, act_nf) = match &x_nd {
+            // The up projection stores SwiGLU's output beside its own.
+            ExpertRows::Dense(x) => {
+                b.grouped_matmul_swiglu(x, &self.w3.value, &gate_nf, counts_e)?
+            }
+            ExpertRows::Gathered { .. } => {
+                let up_nf = x_nd.product(b, &self.w3.value, counts_e)?;
+                let act_nf = b.swiglu(&gate_nf, &up_nf)?;
+                (up_nf, act_nf)
+            }
+        };
         let y_nd = b.grouped_matmul(&act_nf, &self.w2.value, counts_e, false)?;
         let saved = ExpertsSaved {
-            x_nd: SavedInput::Plain(x_nd.clone()),
+            x_nd: SavedInput::Rows(x_nd),
             counts_e: counts_e.clone(),
             gate_nf,
             up_nf,
-            act_nf: SavedInput::Plain(act_nf),
+            act_nf: SavedInput::Rows(ExpertRows::Dense(act_nf)),
         };
         Ok((y_nd, saved))
     }
@@ -173,7 +249,7 @@ impl<B: Backend> Experts<B> {
             act_nf,
         } = saved;
         let (x_nd, act_nf) = match (x_nd, act_nf) {
-            (SavedInput::Plain(x), SavedInput::Plain(act)) => (x, act),
+            (SavedInput::Rows(x), SavedInput::Rows(ExpertRows::Dense(act))) => (x, act),
             (SavedInput::Fp8(x), SavedInput::Fp8(act)) => {
                 return self.backward_fp8(b, dy_nd, &counts_e, (&gate_nf, &up_nf), (&x, &act));
             }
@@ -188,12 +264,10 @@ impl<B: Backend> Experts<B> {
         // dact = dy · w2ᵀ goes straight into SwiGLU's backward (never stored).
         let (dgate_nf, dup_nf) =
             b.grouped_matmul_swiglu_backward(dy_nd, &self.w2.value, &gate_nf, &up_nf, &counts_e)?;
-        self.w1.accumulate(
-            b,
-            &b.grouped_matmul_weight_grad(&x_nd, &dgate_nf, &counts_e)?,
-        )?;
+        self.w1
+            .accumulate(b, &x_nd.weight_grad(b, &dgate_nf, &counts_e)?)?;
         self.w3
-            .accumulate(b, &b.grouped_matmul_weight_grad(&x_nd, &dup_nf, &counts_e)?)?;
+            .accumulate(b, &x_nd.weight_grad(b, &dup_nf, &counts_e)?)?;
         // dx = dgate · w1ᵀ + dup · w3ᵀ as one product over both.
         Ok(b.grouped_matmul_sum2(
             &dgate_nf,
@@ -258,6 +332,7 @@ impl<B: Backend> Module<B> for Experts<B> {
 #[cfg(test)]
 mod tests {
     use foldmoe_kernels::cpu::Cpu;
+    use foldmoe_kernels::RoutingOps;
 
     use super::*;
     use crate::engine::moe::testutil::*;
@@ -280,7 +355,7 @@ mod tests {
         let x = uniform(21, rows * D, 1.0);
         let r = uniform(22, rows * D, 1.0);
         let (y, saved) = m
-            .forward(&Cpu, &t64(x.clone(), &[rows, D]), &counts_e)
+            .forward(&Cpu, dense(t64(x.clone(), &[rows, D])), &counts_e)
             .unwrap();
         let dx = m
             .backward(&Cpu, &t64(r.clone(), &[rows, D]), saved)
@@ -292,8 +367,58 @@ mod tests {
             assert_eq!((yv[i], dxv[i]), (0.0, 0.0), "{what}: padding row value {i}");
         }
         check_grads(what, &mut m, &x, &[rows, D], &dxv, |m, x| {
-            dot(&m.forward(&Cpu, x, &counts_e).unwrap().0, &r)
+            dot(&m.forward(&Cpu, dense(x.clone()), &counts_e).unwrap().0, &r)
         });
+    }
+
+    fn dense(x: Tensor<Cpu>) -> ExpertRows<Cpu> {
+        ExpertRows::Dense(x)
+    }
+
+    /// Rows gathered from their source tokens give the dense rows' output,
+    /// dx and weight gradients exactly, and the backward keeps only the
+    /// source (an alias of the layer input) and the map, not the rows.
+    #[test]
+    fn gathered_rows_match_dense_ones() {
+        let (e, t, rows) = (3, 5, 8);
+        let counts_e = ti32(vec![3, 0, 4], &[e]); // one padding row
+        let src = vec![4, 0, 0, 2, -1, 1, 3, -1];
+        let row_src = ti32(src.clone(), &[rows]);
+        let x_td = t64(uniform(51, t * D, 1.0), &[t, D]);
+        let dy = t64(uniform(52, rows * D, 1.0), &[rows, D]);
+        let mk = || {
+            Experts::new(
+                &Cpu,
+                "x",
+                D,
+                &moe_spec(e, 1, 5, 0),
+                0.6,
+                crate::engine::Init::full(4),
+                DType::F64,
+            )
+            .unwrap()
+        };
+        let (mut a, mut g) = (mk(), mk());
+        let x_nd = Cpu.permute(&x_td, &row_src).unwrap();
+        let (ya, sa) = a.forward(&Cpu, dense(x_nd), &counts_e).unwrap();
+        let gathered = ExpertRows::Gathered {
+            source: x_td.clone(),
+            row_src: row_src.clone(),
+            source_is_input: true,
+        };
+        let (yg, mut sg) = g.forward(&Cpu, gathered, &counts_e).unwrap();
+        let mut slots = Vec::new();
+        sg.visit_saved(&mut |s, t| slots.push((s, t.shape().to_vec())));
+        assert_eq!(slots[0], (Slot::NORM_OUT_ALIAS, vec![t, D]), "{slots:?}");
+        assert!(slots[1].0.alias && slots[1].1 == [rows], "{slots:?}");
+        assert!(slots[2..].iter().all(|(s, _)| !s.alias), "{slots:?}");
+        assert_eq!(host(&ya), host(&yg));
+        let dxa = a.backward(&Cpu, &dy, sa).unwrap();
+        let dxg = g.backward(&Cpu, &dy, sg).unwrap();
+        assert_eq!(host(&dxa), host(&dxg));
+        for ((name, _, ga), (_, _, gg)) in params(&a).into_iter().zip(params(&g)) {
+            assert_eq!(ga, gg, "{name}");
+        }
     }
 
     fn counts_e_sum(c: &Tensor<Cpu>) -> i32 {
@@ -345,8 +470,8 @@ mod tests {
         let counts_e = ti32(counts, &[e]);
         let x = t64(uniform(31, rows * d, 1.0), &[rows, d]);
         let dy = t64(uniform(32, rows * d, 1.0), &[rows, d]);
-        let (y0, s0) = exact.forward(&Cpu, &x, &counts_e).unwrap();
-        let (y1, mut s1) = quant.forward(&Cpu, &x, &counts_e).unwrap();
+        let (y0, s0) = exact.forward(&Cpu, dense(x.clone()), &counts_e).unwrap();
+        let (y1, mut s1) = quant.forward(&Cpu, dense(x.clone()), &counts_e).unwrap();
         let mut saved = Vec::new();
         s1.visit_saved(&mut |_, t| saved.push(t.dtype()));
         // x and act as codes + scales, counts, gate, up.

@@ -58,7 +58,7 @@ use std::sync::Mutex;
 use foldmoe_kernels::{Backend, DType, DropPolicy, HostData, RoutingPlan, Tensor};
 
 use self::dispatcher::{CombineSaved, DispatchSaved, Dispatcher};
-use self::experts::{Experts, ExpertsSaved};
+use self::experts::{ExpertRows, Experts, ExpertsSaved};
 use self::loss::TokenShard;
 use self::router::{Router, RouterSaved};
 use self::shared::{SharedExperts, SharedSaved};
@@ -296,10 +296,10 @@ impl<B: Backend> MoeLayer<B> {
             None => self.dispatcher.dispatch(b, x_td, idx, weights)?,
             Some(_) => {
                 let plan = self.capacity_plan(ctx, idx, weights, shard, seq_len)?;
-                self.dispatcher.dispatch_planned(b, x_td, plan)?
+                self.dispatcher.dispatch_planned(x_td, plan)?
             }
         };
-        let (y_nd, exchange, experts) = self.compute(ctx, &x_nd, dispatch.counts_e())?;
+        let (y_nd, exchange, experts) = self.compute(ctx, x_nd, dispatch.counts_e())?;
         let (mut y_td, combine) = self.dispatcher.combine(b, y_nd, &dispatch, weights)?;
         let shared = match &self.shared {
             Some(s) => {
@@ -460,12 +460,15 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// Runs the permuted rows `x: [N, D]` (expert-major over all E, `counts:
-    /// [E]`) through the experts wherever they live; returns `[N, D]`.
+    /// [E]`) through the experts wherever they live; returns `[N, D]`. On
+    /// one expert rank the experts' products gather the rows themselves;
+    /// under ep or etp the send buffer is the permuted copy and the experts
+    /// gather the received rows in their sort order.
     #[allow(clippy::type_complexity)]
     fn compute(
         &self,
         ctx: &Exec<B>,
-        x_nd: &Tensor<B>,
+        x_nd: ExpertRows<B>,
         counts_e: &Tensor<B>,
     ) -> Result<(Tensor<B>, Option<Exchange<B>>, Option<ExpertsSaved<B>>)> {
         let b = ctx.b;
@@ -475,6 +478,7 @@ impl<B: Backend> MoeLayer<B> {
             let (y, saved) = self.experts.forward(b, x_nd, counts_e)?;
             return Ok((y, None, Some(saved)));
         }
+        let x_nd = x_nd.materialize(b)?;
         let e = self.spec.experts;
         let local = e / ep;
         let counts = b.download(counts_e)?.to_i32()?;
@@ -486,7 +490,7 @@ impl<B: Backend> MoeLayer<B> {
                     .sum()
             })
             .collect();
-        let (x_recv, recv_rows) = ctx.comm.all_to_all_v(b, &g.ep, x_nd, &send_rows)?;
+        let (x_recv, recv_rows) = ctx.comm.all_to_all_v(b, &g.ep, &x_nd, &send_rows)?;
         // Every ep rank's counts [ep, E], then every etp member's [etp·ep, E].
         let counts_1e = b.upload(HostData::I32(counts), &[1, e])?;
         let mut all_counts = ctx.comm.all_gather(b, &g.ep, &counts_1e)?;
@@ -534,8 +538,12 @@ impl<B: Backend> MoeLayer<B> {
         }
         let order = b.upload(HostData::I32(order), &[offset])?;
         let groups = b.upload(HostData::I32(group_sizes), &[local])?;
-        let x_sorted = b.embedding(&x_block, &order)?;
-        let (y_sorted, saved) = self.experts.forward(b, &x_sorted, &groups)?;
+        let x_sorted = ExpertRows::Gathered {
+            source: x_block,
+            row_src: order.clone(),
+            source_is_input: false,
+        };
+        let (y_sorted, saved) = self.experts.forward(b, x_sorted, &groups)?;
         let mut y_block = b.embedding_backward(&y_sorted, &order, offset)?;
         let exchange = Exchange {
             send_rows,

@@ -1,0 +1,150 @@
+//! Grouped products whose input rows are gathered as the product reads them
+//! (docs/ARCHITECTURE.md §4, Megatron-Core's fused permute): the MoE
+//! experts read the tokens `x[row_src[n]]` in expert order without the
+//! permuted copy `[N, D]` ever being written or kept for the backward.
+//!
+//! Shapes: T source rows, K inner dimension, N gathered rows, G groups.
+
+use super::{LinalgOps, RoutingOps};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Grouped products over gathered rows: each op equals
+/// [`RoutingOps::permute`] followed by the plain product, bit for bit.
+///
+/// A backend with a kernel that gathers inside its loads overrides the
+/// `*_kernel` hooks (returning `None` where its kernel cannot take the
+/// operands); every other case, and every backend without such a kernel
+/// (the CPU), permutes and runs the plain product.
+pub trait GatheredGemmOps: LinalgOps + RoutingOps {
+    /// `grouped_matmul(permute(x, row_src), w, group_sizes, false)`:
+    /// `x: [T, K]`, `row_src: [N]` (i32, `-1` for a zero row), `w: [G, K,
+    /// Nout]` → `[N, Nout]`.
+    fn grouped_matmul_gathered(
+        &self,
+        x: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        w: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
+        match self.grouped_matmul_gathered_kernel(x, row_src, w, group_sizes)? {
+            Some(out) => Ok(out),
+            None => self.grouped_matmul(&self.permute(x, row_src)?, w, group_sizes, false),
+        }
+    }
+
+    /// `grouped_matmul_weight_grad(permute(x, row_src), dy, group_sizes)`:
+    /// `x: [T, K]`, `row_src: [N]`, `dy: [N, Nout]` → `[G, K, Nout]`.
+    fn grouped_matmul_weight_grad_gathered(
+        &self,
+        x: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
+        match self.grouped_matmul_weight_grad_gathered_kernel(x, row_src, dy, group_sizes)? {
+            Some(out) => Ok(out),
+            None => self.grouped_matmul_weight_grad(&self.permute(x, row_src)?, dy, group_sizes),
+        }
+    }
+
+    /// The backend's gathering kernel for
+    /// [`GatheredGemmOps::grouped_matmul_gathered`], or `None` to permute.
+    fn grouped_matmul_gathered_kernel(
+        &self,
+        _x: &Tensor<Self>,
+        _row_src: &Tensor<Self>,
+        _w: &Tensor<Self>,
+        _group_sizes: &Tensor<Self>,
+    ) -> Result<Option<Tensor<Self>>> {
+        Ok(None)
+    }
+
+    /// The backend's gathering kernel for
+    /// [`GatheredGemmOps::grouped_matmul_weight_grad_gathered`], or `None`.
+    fn grouped_matmul_weight_grad_gathered_kernel(
+        &self,
+        _x: &Tensor<Self>,
+        _row_src: &Tensor<Self>,
+        _dy: &Tensor<Self>,
+        _group_sizes: &Tensor<Self>,
+    ) -> Result<Option<Tensor<Self>>> {
+        Ok(None)
+    }
+}
+
+/// The CPU permutes (the provided methods).
+impl GatheredGemmOps for crate::cpu::Cpu {}
+
+#[cfg(test)]
+mod tests {
+    use rand::Rng;
+
+    use crate::backend::ElementwiseOps;
+    use crate::cpu::test_util::*;
+    use crate::tensor::DType;
+
+    use super::*;
+
+    /// The gathered products against permute + the plain ones, exactly, in
+    /// f64 and bf16 (where a device gathers inside its kernel, the bf16
+    /// case runs it): ragged and empty groups, rows past the groups, zero
+    /// rows (`-1`), repeated sources, K and N off the kernels' tiles; an
+    /// out-of-range source and a non-i32 map are errors naming the op.
+    fn gathered_products_equal_the_permuted_ones<B: TestOps>(d: &B) {
+        let mut r = rng(29);
+        for (sizes, n_rows, t, k, n) in [
+            (vec![2i32, 0, 3, 0], 7, 4, 8, 16),
+            (vec![1, 0, 130, 64, 3], 203, 150, 136, 264),
+            (vec![0, 0], 3, 2, 24, 40),
+        ] {
+            let g = sizes.len();
+            let gs = d.ti32(&sizes, &[g]);
+            // Sources: any token (repeats allowed), -1 on every 9th row.
+            let src: Vec<i32> = (0..n_rows)
+                .map(|i| {
+                    if i % 9 == 4 {
+                        -1
+                    } else {
+                        r.gen_range(0..t as i32)
+                    }
+                })
+                .collect();
+            let row_src = d.ti32(&src, &[n_rows]);
+            for dtype in [DType::F64, DType::BF16] {
+                let mk = |r: &mut rand_chacha::ChaCha8Rng, shape: &[usize]| {
+                    let v = uniform(r, shape.iter().product());
+                    d.cast(&d.t64(&v, shape), dtype).unwrap()
+                };
+                let x = mk(&mut r, &[t, k]);
+                let w = mk(&mut r, &[g, k, n]);
+                let dy = mk(&mut r, &[n_rows, n]);
+                let xp = d.permute(&x, &row_src).unwrap();
+                let what = format!("{sizes:?} {dtype:?}");
+                let got = d.grouped_matmul_gathered(&x, &row_src, &w, &gs).unwrap();
+                let want = d.grouped_matmul(&xp, &w, &gs, false).unwrap();
+                assert_eq!(got.shape(), want.shape(), "forward {what}");
+                assert_eq!(d.h64(&got), d.h64(&want), "forward {what}");
+                let got = d
+                    .grouped_matmul_weight_grad_gathered(&x, &row_src, &dy, &gs)
+                    .unwrap();
+                let want = d.grouped_matmul_weight_grad(&xp, &dy, &gs).unwrap();
+                assert_eq!(got.shape(), want.shape(), "weight grad {what}");
+                assert_eq!(d.h64(&got), d.h64(&want), "weight grad {what}");
+                let bad = d.ti32(&[t as i32; 1].repeat(n_rows), &[n_rows]);
+                let e = d.err_of(d.grouped_matmul_gathered(&x, &bad, &w, &gs));
+                assert!(
+                    e.to_string().contains("permute") || e.to_string().contains("gathered"),
+                    "{e}"
+                );
+                let e = d.err_of(d.grouped_matmul_weight_grad_gathered(&x, &bad, &dy, &gs));
+                assert!(
+                    e.to_string().contains("permute") || e.to_string().contains("gathered"),
+                    "{e}"
+                );
+            }
+        }
+    }
+
+    device_tests!(gathered_products_equal_the_permuted_ones);
+}
