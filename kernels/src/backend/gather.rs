@@ -48,6 +48,13 @@ pub trait GatheredGemmOps: LinalgOps + RoutingOps {
         }
     }
 
+    /// Whether the products gather rows of `source` inside their kernels;
+    /// where they do not, the provided methods permute on every call, so a
+    /// caller reading the same rows several times permutes once itself.
+    fn gathers_rows_of(&self, _source: &Tensor<Self>) -> bool {
+        false
+    }
+
     /// The backend's gathering kernel for
     /// [`GatheredGemmOps::grouped_matmul_gathered`], or `None` to permute.
     fn grouped_matmul_gathered_kernel(

@@ -72,8 +72,8 @@
 // rsrc[r] = -1 or r >= M), the permutation into expert order read by the
 // loads instead of a separate copy (Megatron-Core's fused permute). The
 // copy engine's tiled mode cannot gather rows, so the whole producer
-// warpgroup loads A with cp.async, one 128-byte row piece a thread and
-// step, into the 128-byte swizzle the descriptors expect (16-byte chunk c
+// warpgroup loads A with cp.async, eight lanes to a 128-byte row piece,
+// into the 128-byte swizzle the descriptors expect (16-byte chunk c
 // of row r at c ^ (r % 8)); each thread's copies arrive on the stage's full
 // barrier (cp.async.mbarrier.arrive.noinc: 128 arrivals and the B copy's
 // expect_tx), and the consumers fence the generic-proxy writes before
@@ -239,13 +239,16 @@ __device__ __forceinline__ void gw_store8(uint4 v, uint4 g, uint4 u, bf16* __res
     *reinterpret_cast<uint4*>(o2 + at) = r1;
 }
 
-// The producer of a GATHER kernel (all 128 threads of warpgroup 2): thread
-// p loads A's row piece p of each step with cp.async (the 128-byte swizzle
-// by hand), thread 256 also issues B's TMA copies and the expect_tx.
-// nn: A row p of the tile is xs[rsrc[row0 + p]], columns k0 .. k0 + 63;
-// wgrad: row p % 64 of the step (reduction row red0 + k0 + p % 64) in box
-// p / 64, columns row0 + 64 (p / 64) .. + 63 of xs (dw's rows). Chunks past
-// K (nn) or past dw's rows (wgrad) and missing rows are zero-filled.
+// The producer of a GATHER kernel (all 128 threads of warpgroup 2): warp w
+// of it copies, in instruction i = 0..7 of a step, 16 bytes (chunk l % 8)
+// of row 16 i + 4 w + l / 8 of A (l the lane): eight lanes read one
+// 128-byte row piece, so every warp instruction reads four whole pieces
+// (one thread a row would use half of each 32-byte sector it touched).
+// nn: A row r of the tile is xs[rsrc[row0 + r]], columns k0 .. k0 + 63;
+// wgrad: box i / 4 (dw rows row0 + 64 (i / 4) ..), row 16 (i % 4) + 4 w +
+// l / 8 of the step (reduction row red0 + k0 + that). Chunks past K (nn) or
+// past dw's rows (wgrad) and missing rows (rsrc -1, past M) are zeros.
+// Thread 256 also issues B's TMA copies with the stage's expect_tx.
 template <int KIND>
 __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16* __restrict__ xs,
                                                    const int* __restrict__ rsrc, const i64* so, const i64* st,
@@ -256,31 +259,36 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16*
     if (lead) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
     int s = 0;
     unsigned ph = 0;
-    int rr = KIND == 2 ? (p & 63) : p, box = KIND == 2 ? (p >> 6) : 0;
-    unsigned dst_row = (unsigned)(box * 8192 + rr * 128);
+    int chunk = p & 7, r0 = 4 * (p >> 5) + ((p & 31) >> 3);
+    constexpr int NR = KIND == 2 ? 4 : 8;  // distinct rows a thread copies per step
+    // The source rows of the step (wgrad: of the next step, loaded one step
+    // ahead so that their latency hides under the wait for a free stage).
+    int nxt[NR];
+    auto load_rows = [&](i64 first) {
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            i64 r = first + 16 * i + r0;
+            nxt[i] = r < m ? rsrc[r] : -1;
+        }
+    };
     for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
         GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
-        // nn: this thread's source row is fixed for the tile.
-        const bf16* srow = nullptr;
-        if (KIND == 0) {
-            i64 r = tl.row0 + p;
-            int src = r < m ? rsrc[r] : -1;
-            if (src >= 0) srow = xs + (i64)src * k;
-        }
+        // nn: a thread's rows are fixed for the tile.
+        load_rows(KIND == 2 ? tl.red0 : tl.row0);
+        const bf16* srow[NR];
         for (int ks = 0; ks < tl.nk; ++ks) {
             unsigned full = bar0 + 8 * s;
             i64 k0 = (i64)ks * GW_BK;
-            i64 col0 = k0;
-            if (KIND == 2) {
-                i64 r = tl.red0 + k0 + rr;
-                int src = r < m ? rsrc[r] : -1;
-                srow = src >= 0 ? xs + (i64)src * k : nullptr;
-                col0 = tl.row0 + 64 * box;
+            if (KIND == 2 || ks == 0) {
+#pragma unroll
+                for (int i = 0; i < NR; ++i) srow[i] = nxt[i] >= 0 ? xs + (i64)nxt[i] * k : nullptr;
             }
+            if (KIND == 2 && ks + 1 < tl.nk) load_rows(tl.red0 + k0 + GW_BK);
             mbar_wait(bar0 + 8 * (ST + s), ph ^ 1);
+            unsigned a = stage0 + s * GW_STAGE_BYTES;
             if (lead) {
                 mbar_expect_tx(full, GW_BK * GW_BN * 2);
-                unsigned b = stage0 + s * GW_STAGE_BYTES + GW_A_BYTES;
+                unsigned b = a + GW_A_BYTES;
                 if (KIND == 0) {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) tma_3d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, (int)k0, tl.grp);
@@ -289,14 +297,15 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16*
                     for (int i = 0; i < 4; ++i) tma_2d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, (int)(tl.red0 + k0));
                 }
             }
-            unsigned a = stage0 + s * GW_STAGE_BYTES + dst_row;
 #pragma unroll
-            for (int c = 0; c < 8; ++c) {
-                i64 col = col0 + 8 * c;
-                int bytes = srow != nullptr && col < k ? 16 : 0;
-                const bf16* src = bytes ? srow + col : xs;
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a + ((c ^ (rr & 7)) << 4)),
-                             "l"(src), "r"(bytes)
+            for (int i = 0; i < 8; ++i) {
+                int row = 16 * (i % NR) + r0, box = i / NR;
+                i64 col = (KIND == 2 ? tl.row0 + 64 * box : k0) + 8 * chunk;
+                const bf16* srcp = srow[i % NR];
+                int bytes = srcp != nullptr && col < k ? 16 : 0;
+                unsigned dst = a + box * 8192 + row * 128 + ((chunk ^ (row & 7)) << 4);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(bytes ? srcp + col : xs),
+                             "r"(bytes)
                              : "memory");
             }
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");

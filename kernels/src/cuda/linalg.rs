@@ -55,6 +55,14 @@ fn wgmma_allowed() -> bool {
     *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_GROUPED_GEMM").map_or(true, |v| v != "mma"))
 }
 
+/// `FOLDMOE_GATHER=0` makes the gathered products permute and run the plain
+/// kernels instead of gathering inside their loads (read once per process;
+/// for comparisons).
+fn gather_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_GATHER").map_or(true, |v| v != "0"))
+}
+
 /// Bytes of one pipeline stage of the wgmma kernels (`GW_STAGE_BYTES`: a
 /// 128 × 64 A tile and a 64 × 256 B tile, bf16).
 const GW_STAGE_BYTES: usize = (128 * 64 + 64 * 256) * 2;
@@ -981,9 +989,19 @@ impl LinalgOps for Cuda {
 
 /// The gathered products on Hopper: `grouped_sm90.cu`'s GATHER kernels read
 /// A's rows through the row map with cp.async (B by TMA), for bf16 where
-/// the wgmma kernels fit and `FOLDMOE_GROUPED_GEMM` is not `mma`; every
-/// other case permutes (the trait's fallback).
+/// the wgmma kernels fit, `FOLDMOE_GROUPED_GEMM` is not `mma` and
+/// `FOLDMOE_GATHER` is not `0`; every other case permutes (the trait's
+/// fallback).
 impl GatheredGemmOps for Cuda {
+    fn gathers_rows_of(&self, source: &Tensor<Self>) -> bool {
+        source.dtype() == DType::BF16
+            && self.arch() == "sm_90a"
+            && wgmma_allowed()
+            && gather_allowed()
+            && matches!(source.shape(), [_, k] if k.is_multiple_of(8))
+            && source.storage().ptr() % 16 == 0
+    }
+
     fn grouped_matmul_gathered_kernel(
         &self,
         x: &Tensor<Self>,
@@ -995,7 +1013,11 @@ impl GatheredGemmOps for Cuda {
         let (t, k, g, n) = grouped_dims(OP, x, w, false)?;
         let m = super::routing::row_src_1d(OP, row_src)?;
         let (xp, wp) = (x.storage().ptr(), w.storage().ptr());
-        if x.dtype() != DType::BF16 || !wgmma_allowed() || !self.wgmma_fits(m, k, n, g, &[xp, wp]) {
+        if x.dtype() != DType::BF16
+            || !wgmma_allowed()
+            || !gather_allowed()
+            || !self.wgmma_fits(m, k, n, g, &[xp, wp])
+        {
             return Ok(None);
         }
         self.check_range(OP, row_src, -1, t as i64)?;
@@ -1048,7 +1070,11 @@ impl GatheredGemmOps for Cuda {
             _ => return Ok(None),
         };
         let (xp, dp) = (x.storage().ptr(), dy.storage().ptr());
-        if x.dtype() != DType::BF16 || !wgmma_allowed() || !self.wgmma_fits(m, k, n, g, &[xp, dp]) {
+        if x.dtype() != DType::BF16
+            || !wgmma_allowed()
+            || !gather_allowed()
+            || !self.wgmma_fits(m, k, n, g, &[xp, dp])
+        {
             return Ok(None);
         }
         self.check_range(OP, row_src, -1, t as i64)?;
@@ -1085,6 +1111,7 @@ impl GatheredGemmOps for Cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::RoutingOps;
     use crate::tensor::HostData;
 
     /// f32 values uniform in [-1, 1) rounded to bf16, as an f32 tensor (the
@@ -1476,6 +1503,51 @@ mod tests {
             assert!(a.iter().all(|v| !v.is_nan()), "{name}: NaN");
             assert_close(&format!("experts {name}"), a, b, 1);
         }
+    }
+
+    /// The gathered products at the Qwen3-30B-A3B expert shape (16384
+    /// tokens × top-8 = 131072 rows in 128 uneven groups, hidden 2048, ffn
+    /// 768, bf16; every 97th row a zero row): the GATHER kernels against
+    /// permute + the plain wgmma kernels, bit for bit (the same products in
+    /// the same order, only the loads differ). Ignored (large): run with
+    /// `--ignored` on a GPU.
+    #[test]
+    #[ignore]
+    fn gathered_products_full_shape_equal_the_permuted_ones() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let (tokens, rows, h, f, e) = (16384usize, 131072usize, 2048usize, 768usize, 128usize);
+        let gs = d
+            .upload(HostData::I32(uneven_sizes(e, rows)), &[e])
+            .unwrap();
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let src: Vec<i32> = (0..rows)
+            .map(|r| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                if r % 97 == 5 {
+                    -1
+                } else {
+                    (state % tokens as u64) as i32
+                }
+            })
+            .collect();
+        let row_src = d.upload(HostData::I32(src), &[rows]).unwrap();
+        let (_, x) = pair(&d, &[tokens, h], 31);
+        let (_, w1) = pair(&d, &[e, h, f], 32);
+        let (_, dg) = pair(&d, &[rows, f], 33);
+        let xp = d.permute(&x, &row_src).unwrap();
+        let got = d.grouped_matmul_gathered(&x, &row_src, &w1, &gs).unwrap();
+        let want = d.grouped_matmul(&xp, &w1, &gs, false).unwrap();
+        assert_eq!(host(&d, &got), host(&d, &want), "gate projection");
+        let got = d
+            .grouped_matmul_weight_grad_gathered(&x, &row_src, &dg, &gs)
+            .unwrap();
+        let want = d.grouped_matmul_weight_grad(&xp, &dg, &gs).unwrap();
+        assert_eq!(host(&d, &got), host(&d, &want), "gate weight gradient");
+        println!("gathered products at the full expert shape: bit-identical to permute + product");
     }
 
     /// The sizes of `g` uneven groups over `rows` rows: weights 64 + (37 i

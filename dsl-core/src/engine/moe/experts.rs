@@ -46,7 +46,38 @@ pub enum ExpertRows<B: Backend> {
     },
 }
 
+impl<B: Backend> Clone for ExpertRows<B> {
+    fn clone(&self) -> Self {
+        match self {
+            ExpertRows::Dense(x) => ExpertRows::Dense(x.clone()),
+            ExpertRows::Gathered {
+                source,
+                row_src,
+                source_is_input,
+            } => ExpertRows::Gathered {
+                source: source.clone(),
+                row_src: row_src.clone(),
+                source_is_input: *source_is_input,
+            },
+        }
+    }
+}
+
 impl<B: Backend> ExpertRows<B> {
+    /// The rows for one pass of products: as they are where the backend
+    /// gathers inside its kernels, else permuted once here (a backend
+    /// without a gathering kernel would permute at every product; the
+    /// permuted copy lives for the pass only, never between forward and
+    /// backward).
+    fn for_products(&self, b: &B) -> Result<ExpertRows<B>> {
+        Ok(match self {
+            ExpertRows::Gathered { source, .. } if !b.gathers_rows_of(source) => {
+                ExpertRows::Dense(self.materialize(b)?)
+            }
+            rows => rows.clone(),
+        })
+    }
+
     /// The rows as a tensor (the permutation, where they are gathered).
     pub fn materialize(&self, b: &B) -> Result<Tensor<B>> {
         Ok(match self {
@@ -178,14 +209,15 @@ impl<B: Backend> Experts<B> {
         if self.fp8 {
             return self.forward_fp8(b, &x_nd.materialize(b)?, counts_e);
         }
-        let gate_nf = x_nd.product(b, &self.w1.value, counts_e)?;
-        let (up_nf, act_nf) = match &x_nd {
+        let rows = x_nd.for_products(b)?;
+        let gate_nf = rows.product(b, &self.w1.value, counts_e)?;
+        let (up_nf, act_nf) = match &rows {
             // The up projection stores SwiGLU's output beside its own.
             ExpertRows::Dense(x) => {
                 b.grouped_matmul_swiglu(x, &self.w3.value, &gate_nf, counts_e)?
             }
             ExpertRows::Gathered { .. } => {
-                let up_nf = x_nd.product(b, &self.w3.value, counts_e)?;
+                let up_nf = rows.product(b, &self.w3.value, counts_e)?;
                 let act_nf = b.swiglu(&gate_nf, &up_nf)?;
                 (up_nf, act_nf)
             }
@@ -264,6 +296,7 @@ impl<B: Backend> Experts<B> {
         // dact = dy · w2ᵀ goes straight into SwiGLU's backward (never stored).
         let (dgate_nf, dup_nf) =
             b.grouped_matmul_swiglu_backward(dy_nd, &self.w2.value, &gate_nf, &up_nf, &counts_e)?;
+        let x_nd = x_nd.for_products(b)?;
         self.w1
             .accumulate(b, &x_nd.weight_grad(b, &dgate_nf, &counts_e)?)?;
         self.w3
