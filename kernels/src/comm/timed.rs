@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Communicator, Group, ReduceOp};
+use super::{Communicator, Group, Pending, ReduceOp};
 use crate::backend::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -78,6 +78,12 @@ impl<B: Device> Communicator<B> for TimedComm<'_, B> {
     }
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)
+    }
+    fn reduce_scatter_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        self.timed(|| self.inner.reduce_scatter_start(b, group, t))
+    }
+    fn all_gather_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        self.timed(|| self.inner.all_gather_start(b, group, t))
     }
 }
 
