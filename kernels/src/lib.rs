@@ -19,6 +19,6 @@ pub use backend::{
     AdamWConfig, AttentionOps, Backend, Device, DropPolicy, ElementwiseOps, Fp8Ops, LinalgOps,
     LossOps, NormOps, OffloadOps, OptimOps, Rope, RoutingOps, RoutingPlan, Yarn,
 };
-pub use comm::{Communicator, Group, ReduceOp};
+pub use comm::{Communicator, Group, Pending, ReduceOp};
 pub use error::{KernelError, Result};
 pub use tensor::{DType, HostData, StorageInfo, Tensor};
