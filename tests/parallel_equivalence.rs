@@ -199,9 +199,7 @@ fn parallel_with(
     dtype: DType,
     mine: &Split,
 ) -> (Vec<FullTensor>, Vec<f64>, Vec<f64>) {
-    let layout_spec = LayoutSpec::parse(layout_text).unwrap();
-    let layout =
-        layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
+    let layout = checked_layout(spec, layout_text);
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let model = Model::new(ctx.b, spec, rank, SEED, dtype)?;
@@ -240,6 +238,12 @@ fn parallel_with(
         );
     }
     first
+}
+
+/// `layout_text` checked against `spec`.
+fn checked_layout(spec: &ModelSpec, layout_text: &str) -> layout::Layout {
+    let layout_spec = LayoutSpec::parse(layout_text).unwrap();
+    layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"))
 }
 
 /// Four blocks (dense, MoE, dense, MoE), so pp·vpp ≤ 4 stages get a block
@@ -1044,9 +1048,7 @@ type OverlapRun = (Vec<u64>, Vec<u64>, Vec<(String, Vec<u64>)>);
 /// [`STEPS`] steps of `spec` under `layout_text` with the buckets and
 /// overlaps of `ddp`, as rank 0 sees them (every rank's losses equal).
 fn overlap_run(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig) -> OverlapRun {
-    let layout_spec = LayoutSpec::parse(layout_text).unwrap();
-    let layout =
-        layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
+    let layout = checked_layout(spec, layout_text);
     let cfg = TrainConfig { ddp, ..config() };
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;

@@ -48,8 +48,8 @@ pub mod timed;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
-use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::backend::Device;
 use crate::error::{KernelError, Result};
@@ -187,6 +187,9 @@ pub(crate) type Landed = Result<(HostData, Vec<usize>)>;
 /// count on this rank's contribution); only its result is lost.
 pub struct Pending<B: Device> {
     state: PendingState<B>,
+    /// Where the wait adds the time it blocked and the time the collective
+    /// ran on its thread ([`timed::TimedComm`]).
+    meter: Option<Arc<timed::Meter>>,
 }
 
 enum PendingState<B: Device> {
@@ -196,7 +199,8 @@ enum PendingState<B: Device> {
     /// uploaded on the waiting thread, in `dtype`.
     Started {
         b: B,
-        reply: Receiver<Landed>,
+        /// The result, and how long the collective ran there.
+        reply: Receiver<(Landed, Duration)>,
         dtype: DType,
         rank: usize,
         ctx: String,
@@ -208,14 +212,30 @@ impl<B: Device> Pending<B> {
     pub fn ready(outcome: Result<Tensor<B>>) -> Self {
         Pending {
             state: PendingState::Ready(outcome),
+            meter: None,
+        }
+    }
+
+    /// Whether the collective already finished when it was started (the
+    /// provided methods): its time was the start's.
+    pub(crate) fn finished_at_start(&self) -> bool {
+        matches!(self.state, PendingState::Ready(_))
+    }
+
+    /// The same collective, its wait measured into `meter`.
+    pub(crate) fn metered(self, meter: Arc<timed::Meter>) -> Self {
+        Pending {
+            meter: Some(meter),
+            ..self
         }
     }
 
     /// Waits until the collective has finished and returns its result (on
     /// `b`, in the dtype of the tensor it was started with).
     pub fn wait(self) -> Result<Tensor<B>> {
-        match self.state {
-            PendingState::Ready(outcome) => outcome,
+        let waited = Instant::now();
+        let (outcome, ran) = match self.state {
+            PendingState::Ready(outcome) => (outcome, Duration::ZERO),
             PendingState::Started {
                 b,
                 reply,
@@ -223,14 +243,23 @@ impl<B: Device> Pending<B> {
                 rank,
                 ctx,
             } => match reply.recv() {
-                Ok(Ok((values, shape))) => local::upload_as(&b, values, &shape, dtype),
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(KernelError::Comm {
-                    rank,
-                    detail: format!("{ctx}: the progress thread stopped before finishing it"),
-                }),
+                Ok((Ok((values, shape)), ran)) => {
+                    (local::upload_as(&b, values, &shape, dtype), ran)
+                }
+                Ok((Err(e), ran)) => (Err(e), ran),
+                Err(_) => (
+                    Err(KernelError::Comm {
+                        rank,
+                        detail: format!("{ctx}: the progress thread stopped before finishing it"),
+                    }),
+                    Duration::ZERO,
+                ),
             },
+        };
+        if let Some(meter) = &self.meter {
+            meter.add(waited.elapsed(), ran);
         }
+        outcome
     }
 }
 
@@ -239,7 +268,7 @@ struct Job {
     /// "op on group [..] (call #k on this group)", for messages.
     ctx: String,
     run: Box<dyn FnOnce() -> Landed + Send>,
-    reply: SyncSender<Landed>,
+    reply: SyncSender<(Landed, Duration)>,
 }
 
 /// The progress thread of one communicator handle: runs started
@@ -303,6 +332,7 @@ impl Progress {
                 rank,
                 ctx,
             },
+            meter: None,
         })
     }
 }
@@ -313,6 +343,7 @@ impl Progress {
 fn progress_loop(rank: usize, jobs: Receiver<Job>) {
     let mut failed: Option<String> = None;
     for job in jobs {
+        let began = Instant::now();
         let outcome = match &failed {
             Some(why) => Err(KernelError::Comm {
                 rank,
@@ -332,7 +363,7 @@ fn progress_loop(rank: usize, jobs: Receiver<Job>) {
             failed.get_or_insert_with(|| e.to_string());
         }
         // A waiter that went away needs no reply.
-        let _ = job.reply.send(outcome);
+        let _ = job.reply.send((outcome, began.elapsed()));
     }
 }
 
