@@ -20,8 +20,8 @@
 //! A non-finite loss or norm is seen by every rank (they are reduced first),
 //! so all ranks refuse the step together.
 //!
-//! Buckets are cut to the run's [`DdpConfig`](crate::engine::optim::DdpConfig) (Megatron-Core's
-//! `--ddp-bucket-size`): walking the parameters in backward order, a kind's
+//! Buckets are cut to the run's [`DdpConfig`](crate::engine::optim::DdpConfig)
+//! (Megatron-Core's `--ddp-bucket-size`): walking the parameters in backward order, a kind's
 //! bucket closes once it holds the bucket size. With `overlap_grad_reduce`,
 //! a bucket's reduce-scatter is started in the last micro-batch's backward
 //! as soon as every block holding one of its parameters has run its
@@ -29,8 +29,10 @@
 //! modules start after the backward), on the communicator's progress
 //! thread, and waited for before the norm. With `overlap_param_gather`,
 //! each bucket's all-gather is started once its chunk is updated and waited
-//! for after the last bucket's update. The collectives and their inputs are
-//! the same as without overlap, so the results are bit-identical.
+//! for after the last bucket's update. Every element is summed over the
+//! same ranks in the same group order as without overlap (a tp-replicated
+//! bucket's tp sum is its own all-reduce instead of a part of one for all of
+//! them), so the results are bit-identical.
 
 use std::collections::HashMap;
 
