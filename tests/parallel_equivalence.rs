@@ -16,7 +16,7 @@ use foldmoe_core::engine::documents::Documents;
 use foldmoe_core::engine::model::{Batch, HostBatch, Model};
 use foldmoe_core::engine::optim::{DdpConfig, MasterWeights};
 use foldmoe_core::engine::parallel::trainer::Gather;
-use foldmoe_core::engine::parallel::{run_local_layout, RankLayout, Trainer};
+use foldmoe_core::engine::parallel::{run_local_layout, Ctx, RankLayout, Trainer};
 use foldmoe_core::engine::trainer::{LayerLoad, TrainConfig};
 use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
@@ -24,8 +24,9 @@ use foldmoe_core::spec::{
     AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, LoadBalance, ModelSpec,
     MoeSpec, RouterSpec, ScoreFunction,
 };
+use foldmoe_kernels::comm::tcp::{run_loopback, TcpComm};
 use foldmoe_kernels::cpu::Cpu;
-use foldmoe_kernels::{DType, Device};
+use foldmoe_kernels::{DType, Device, KernelError};
 
 const SEQ: usize = 16;
 const SEQS_PER_MICRO: usize = 2;
@@ -1046,11 +1047,17 @@ fn out_of_vocabulary_ids_are_named_errors() {
 type OverlapRun = (Vec<u64>, Vec<u64>, Vec<(String, Vec<u64>)>);
 
 /// [`STEPS`] steps of `spec` under `layout_text` with the buckets and
-/// overlaps of `ddp`, as rank 0 sees them (every rank's losses equal).
+/// overlaps of `ddp`, as rank 0 sees them (every rank's losses equal): the
+/// ranks as threads, or over TCP on loopback when `tcp`.
 fn overlap_run(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig) -> OverlapRun {
+    overlap_run_on(spec, layout_text, ddp, false)
+}
+
+fn overlap_run_on(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig, tcp: bool) -> OverlapRun {
     let layout = checked_layout(spec, layout_text);
     let cfg = TrainConfig { ddp, ..config() };
-    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+    let timeout = Duration::from_secs(60);
+    let body = |ctx: &Ctx<Cpu>| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let model = Model::new(ctx.b, spec, rank, SEED, DType::F32)?;
         let mut trainer = Trainer::new(ctx.b, model, cfg)?;
@@ -1074,7 +1081,24 @@ fn overlap_run(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig) -> OverlapRu
             .map(|(name, _, v)| (name, v.iter().map(|x| x.to_bits()).collect()))
             .collect();
         Ok::<_, EngineError>((losses, norms, full))
-    });
+    };
+    let results: Vec<Result<OverlapRun, EngineError>> = if tcp {
+        run_loopback(layout.world, timeout, |comm| {
+            let rank = RankLayout::new(&layout, comm.rank()).map_err(|e| comm_error(comm, e))?;
+            let ctx = Ctx {
+                b: &Cpu,
+                comm,
+                rank: &rank,
+            };
+            // A failed rank aborts, so its peers stop instead of waiting.
+            body(&ctx).map_err(|e| comm_error(comm, e))
+        })
+        .into_iter()
+        .map(|r| r.map_err(EngineError::from))
+        .collect()
+    } else {
+        run_local_layout(&Cpu, &layout, timeout, body)
+    };
     let mut results = results.into_iter();
     let first = results
         .next()
@@ -1090,6 +1114,44 @@ fn overlap_run(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig) -> OverlapRu
         );
     }
     first
+}
+
+/// `e` as rank `comm`'s communicator error (what `run_loopback` reports,
+/// aborting the rank).
+fn comm_error(comm: &TcpComm, e: EngineError) -> KernelError {
+    KernelError::Comm {
+        rank: comm.rank(),
+        detail: e.to_string(),
+    }
+}
+
+/// The overlapped schedule over TCP (one connection per pair of ranks, the
+/// communicator of `foldmoe launch` on the CPU) gives the bits of the
+/// unoverlapped one on threads, with buckets small enough for several per
+/// kind, under dp with ep and tp.
+#[test]
+fn overlapped_reduction_over_tcp_is_bit_identical_to_threads() {
+    let spec = deep_spec(false);
+    let bucket_size = Some(500);
+    for layout_text in ["world=2,dp=2", "world=4,dp=2,tp=2,ep=2"] {
+        let off = DdpConfig {
+            bucket_size,
+            ..DdpConfig::default()
+        };
+        let on = DdpConfig {
+            overlap_grad_reduce: true,
+            overlap_param_gather: true,
+            bucket_size,
+        };
+        let want = overlap_run_on(&spec, layout_text, off, false);
+        let got = overlap_run_on(&spec, layout_text, on, true);
+        assert_eq!(got.0, want.0, "{layout_text}: losses");
+        assert_eq!(got.1, want.1, "{layout_text}: gradient norms");
+        assert!(
+            got.2 == want.2,
+            "{layout_text}: parameters or gradients differ"
+        );
+    }
 }
 
 /// Overlapping the gradient reduce-scatters with the backward and the
