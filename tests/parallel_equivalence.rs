@@ -1215,3 +1215,43 @@ fn a_zero_bucket_size_is_a_one_line_error() {
     assert!(err.contains("ddp bucket size 0"), "{err}");
     assert!(!err.contains('\n'), "{err}");
 }
+
+/// A rank that dies while its peer's gradient reduce-scatters are started
+/// but not finished stops the peer with a one-line error naming it, instead
+/// of leaving it waiting: under dp = 2 rank 0 starts its buckets'
+/// reduce-scatters in its backward, then fails in the step's next
+/// collective (the loss's all-reduce), its started ones failing with it.
+#[test]
+fn a_rank_lost_during_a_started_reduction_stops_its_peers() {
+    let spec = deep_spec(false);
+    let layout = checked_layout(&spec, "world=2,dp=2");
+    let cfg = TrainConfig {
+        ddp: DdpConfig {
+            overlap_grad_reduce: true,
+            overlap_param_gather: true,
+            bucket_size: Some(500),
+        },
+        ..config()
+    };
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        if ctx.rank.rank == 1 {
+            return Err(EngineError::Invalid("rank 1 lost its host".into()));
+        }
+        let rank = RankLayout::new(&layout, 0)?;
+        let mut trainer = Trainer::new(
+            ctx.b,
+            Model::new(ctx.b, &spec, rank, SEED, DType::F32)?,
+            cfg,
+        )?;
+        let mine = host_batches(global_batch(0))[..MICRO_BATCHES / 2].to_vec();
+        trainer.step(ctx, &mine, SEQ).map(|_| ())
+    });
+    let err = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("on group [0, 1]")
+            && err.contains("rank 1 aborted")
+            && err.contains("lost its host"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "{err}");
+}
