@@ -53,7 +53,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    abort_failure, wait_for_change, Call, CallSig, Communicator, Group, Landed, Op, Pending,
+    abort_failure, wait_for_change, Call, CallSig, Calls, Communicator, Group, Landed, Op, Pending,
     Progress, ReduceOp,
 };
 use crate::backend::Device;
@@ -106,7 +106,7 @@ impl LocalWorld {
                     timeout: self.timeout,
                     shared: Arc::clone(&shared),
                 },
-                seqs: Mutex::new(HashMap::new()),
+                calls: Calls::default(),
                 managed: false,
                 progress: Progress::new(rank),
             })
@@ -208,9 +208,9 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// end itself, with the error or the panic message as the reason.
 pub struct LocalComm {
     core: Core,
-    /// Calls made so far on each group, keyed by the group's ranks: the
-    /// sequence number that matches a call with its peers' calls.
-    seqs: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Calls made so far on each group: the number that matches a call
+    /// with its peers' calls.
+    calls: Calls,
     /// Run by [`run_local`], which reports the rank's end itself: `Drop`
     /// then does nothing.
     managed: bool,
@@ -380,47 +380,12 @@ impl LocalComm {
         self.core.shared.abort(self.core.rank, reason.to_string());
     }
 
-    /// Checks that `group` is a valid group of this world containing this
-    /// rank, and returns this rank's index in it.
-    fn member_index(&self, group: &Group, op: &'static str) -> Result<usize> {
-        let ranks = group.ranks();
-        if let Some(&r) = ranks.iter().find(|&&r| r >= self.core.shared.n) {
-            return Err(arg_err(
-                op,
-                format!(
-                    "group {ranks:?} names rank {r}, but the world has {} ranks",
-                    self.core.shared.n
-                ),
-            ));
-        }
-        for (i, r) in ranks.iter().enumerate() {
-            if ranks[..i].contains(r) {
-                return Err(arg_err(op, format!("group {ranks:?} names rank {r} twice")));
-            }
-        }
-        group.index_of(self.core.rank).ok_or_else(|| {
-            arg_err(
-                op,
-                format!("rank {} is not a member of group {ranks:?}", self.core.rank),
-            )
-        })
-    }
-
-    /// The next call number on `group` (the first is 0).
-    fn next_seq(&self, group: &Group) -> u64 {
-        let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = seqs.entry(group.ranks().to_vec()).or_insert(0);
-        let this = *seq;
-        *seq += 1;
-        this
-    }
-
     /// Checks `group` and takes this rank's next place among its calls:
     /// the call's number is fixed here, in the order the caller makes its
     /// calls, wherever the call then runs.
     fn enter(&self, group: &Group, op: Op) -> Result<Call> {
-        let me = self.member_index(group, op.name())?;
-        Ok(Call::new(group, me, self.next_seq(group), op))
+        self.calls
+            .enter(self.core.rank, self.core.shared.n, group, op)
     }
 
     /// Contributes `part` to this rank's next call on `group` and waits for

@@ -46,6 +46,7 @@ pub mod solo;
 pub mod tcp;
 pub mod timed;
 
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -174,6 +175,40 @@ impl Call {
                 group.ranks()
             ),
         }
+    }
+}
+
+/// The calls one handle has made on each group, keyed by the group's ranks:
+/// the next call's number there.
+#[derive(Default)]
+pub(crate) struct Calls {
+    counts: Mutex<HashMap<Vec<usize>, u64>>,
+}
+
+impl Calls {
+    /// Checks that `group` is a valid group of a world of `world` ranks
+    /// containing `rank`, and takes its next call number there for `op`.
+    pub(crate) fn enter(&self, rank: usize, world: usize, group: &Group, op: Op) -> Result<Call> {
+        let ranks = group.ranks();
+        let bad = |detail: String| crate::error::arg_err(op.name(), detail);
+        if let Some(&r) = ranks.iter().find(|&&r| r >= world) {
+            return Err(bad(format!(
+                "group {ranks:?} names rank {r}, but the world has {world} ranks"
+            )));
+        }
+        for (i, r) in ranks.iter().enumerate() {
+            if ranks[..i].contains(r) {
+                return Err(bad(format!("group {ranks:?} names rank {r} twice")));
+            }
+        }
+        let me = group
+            .index_of(rank)
+            .ok_or_else(|| bad(format!("rank {rank} is not a member of group {ranks:?}")))?;
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let count = counts.entry(ranks.to_vec()).or_insert(0);
+        let seq = *count;
+        *count += 1;
+        Ok(Call::new(group, me, seq, op))
     }
 }
 

@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 use super::local::{concat_host, needs_dim0, reduce_host, upload_as};
 use super::rendezvous::{configure, listen_any, DistEnv, Rendezvous};
 use super::{
-    abort_failure, wait_for_change, Call, CallSig, Communicator, Group, Landed, Op, Pending,
+    abort_failure, wait_for_change, Call, CallSig, Calls, Communicator, Group, Landed, Op, Pending,
     Progress, ReduceOp,
 };
 use crate::backend::Device;
@@ -185,8 +185,8 @@ struct Gathered {
 /// fail); dropping it while its thread panics aborts the rank first.
 pub struct TcpComm {
     net: Arc<Net>,
-    /// Calls made so far on each group, keyed by the group's ranks.
-    seqs: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Calls made so far on each group.
+    calls: Calls,
     /// Runs the collectives started on this handle.
     progress: Progress,
 }
@@ -311,7 +311,7 @@ impl TcpComm {
                 shared,
                 links,
             }),
-            seqs: Mutex::new(HashMap::new()),
+            calls: Calls::default(),
             progress: Progress::new(rank),
         })
     }
@@ -365,45 +365,9 @@ impl TcpComm {
         }
     }
 
-    /// Checks that `group` is a valid group of this world containing this
-    /// rank, and returns this rank's index in it.
-    fn member_index(&self, group: &Group, op: &'static str) -> Result<usize> {
-        let ranks = group.ranks();
-        if let Some(&r) = ranks.iter().find(|&&r| r >= self.net.world) {
-            return Err(arg_err(
-                op,
-                format!(
-                    "group {ranks:?} names rank {r}, but the world has {} ranks",
-                    self.net.world
-                ),
-            ));
-        }
-        for (i, r) in ranks.iter().enumerate() {
-            if ranks[..i].contains(r) {
-                return Err(arg_err(op, format!("group {ranks:?} names rank {r} twice")));
-            }
-        }
-        group.index_of(self.net.rank).ok_or_else(|| {
-            arg_err(
-                op,
-                format!("rank {} is not a member of group {ranks:?}", self.net.rank),
-            )
-        })
-    }
-
-    /// The next call number on `group` (the first is 0).
-    fn next_seq(&self, group: &Group) -> u64 {
-        let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = seqs.entry(group.ranks().to_vec()).or_insert(0);
-        let this = *seq;
-        *seq += 1;
-        this
-    }
-
     /// Checks `group` and takes this rank's next place among its calls.
     fn enter(&self, group: &Group, op: Op) -> Result<Call> {
-        let me = self.member_index(group, op.name())?;
-        Ok(Call::new(group, me, self.next_seq(group), op))
+        self.calls.enter(self.net.rank, self.net.world, group, op)
     }
 
     /// [`Net::exchange`] as this rank's next call on `group`.
