@@ -223,17 +223,26 @@ fn parallel_with(
         }
         Ok::<_, EngineError>((gathered, losses, aux))
     });
+    rank0_agreed(results, layout_text, |r| (r.1.clone(), r.2.clone()))
+}
+
+/// Rank 0's result of a run under `layout_text`, once every rank has
+/// succeeded and reports what rank 0 does by `losses`.
+fn rank0_agreed<T, K: PartialEq + std::fmt::Debug>(
+    results: Vec<Result<T, EngineError>>,
+    layout_text: &str,
+    losses: impl Fn(&T) -> K,
+) -> T {
     let mut results = results.into_iter();
     let first = results
         .next()
         .unwrap()
         .unwrap_or_else(|e| panic!("{layout_text}: {e}"));
     for (r, other) in results.enumerate() {
-        let (_, losses, aux) =
-            other.unwrap_or_else(|e| panic!("{layout_text} rank {}: {e}", r + 1));
+        let other = other.unwrap_or_else(|e| panic!("{layout_text} rank {}: {e}", r + 1));
         assert_eq!(
-            (losses, aux),
-            (first.1.clone(), first.2.clone()),
+            losses(&other),
+            losses(&first),
             "{layout_text}: rank {} reports other losses",
             r + 1
         );
@@ -1099,21 +1108,7 @@ fn overlap_run_on(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig, tcp: bool
     } else {
         run_local_layout(&Cpu, &layout, timeout, body)
     };
-    let mut results = results.into_iter();
-    let first = results
-        .next()
-        .unwrap()
-        .unwrap_or_else(|e| panic!("{layout_text}: {e}"));
-    for (r, other) in results.enumerate() {
-        let other = other.unwrap_or_else(|e| panic!("{layout_text} rank {}: {e}", r + 1));
-        assert_eq!(
-            other.0,
-            first.0,
-            "{layout_text}: rank {} reports other losses",
-            r + 1
-        );
-    }
-    first
+    rank0_agreed(results, layout_text, |r| r.0.clone())
 }
 
 /// `e` as rank `comm`'s communicator error (what `run_loopback` reports,
