@@ -327,3 +327,33 @@ fn layouts_are_refused_in_one_line_before_ranks_wait() {
     }
     assert!(start.elapsed() < std::time::Duration::from_secs(20));
 }
+
+/// The overlap flags reach the launched trainer and change no bit of the
+/// loss (two TCP processes, small buckets); the report has both the exposed
+/// and the total communication time of a step.
+#[test]
+fn the_overlap_flags_keep_the_loss_and_both_communication_times_are_reported() {
+    let buckets: &[&'static str] = &["--ddp-bucket-size", "5000"];
+    let plain = report(&strs(&launched(2, &tiny("256", "0", "2", buckets))));
+    let overlapped = report(&strs(&launched(
+        2,
+        &tiny(
+            "256",
+            "0",
+            "2",
+            &[
+                "--ddp-bucket-size",
+                "5000",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+            ],
+        ),
+    )));
+    assert_eq!(plain["last_loss"], overlapped["last_loss"]);
+    for r in [&plain, &overlapped] {
+        for key in ["comm_exposed_ms", "comm_total_ms"] {
+            let ms = r[key].as_f64().unwrap();
+            assert!(ms > 0.0 && ms.is_finite(), "{key} = {ms}");
+        }
+    }
+}

@@ -14,9 +14,9 @@ use std::time::Duration;
 use foldmoe_core::engine::checkpoint::{self, Source, StateKind};
 use foldmoe_core::engine::documents::Documents;
 use foldmoe_core::engine::model::{Batch, HostBatch, Model};
-use foldmoe_core::engine::optim::MasterWeights;
+use foldmoe_core::engine::optim::{DdpConfig, MasterWeights};
 use foldmoe_core::engine::parallel::trainer::Gather;
-use foldmoe_core::engine::parallel::{run_local_layout, RankLayout, Trainer};
+use foldmoe_core::engine::parallel::{run_local_layout, Ctx, RankLayout, Trainer};
 use foldmoe_core::engine::trainer::{LayerLoad, TrainConfig};
 use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
@@ -24,8 +24,9 @@ use foldmoe_core::spec::{
     AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, LoadBalance, ModelSpec,
     MoeSpec, RouterSpec, ScoreFunction,
 };
+use foldmoe_kernels::comm::tcp::{run_loopback, TcpComm};
 use foldmoe_kernels::cpu::Cpu;
-use foldmoe_kernels::{DType, Device};
+use foldmoe_kernels::{DType, Device, KernelError};
 
 const SEQ: usize = 16;
 const SEQS_PER_MICRO: usize = 2;
@@ -199,9 +200,7 @@ fn parallel_with(
     dtype: DType,
     mine: &Split,
 ) -> (Vec<FullTensor>, Vec<f64>, Vec<f64>) {
-    let layout_spec = LayoutSpec::parse(layout_text).unwrap();
-    let layout =
-        layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"));
+    let layout = checked_layout(spec, layout_text);
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let model = Model::new(ctx.b, spec, rank, SEED, dtype)?;
@@ -224,22 +223,37 @@ fn parallel_with(
         }
         Ok::<_, EngineError>((gathered, losses, aux))
     });
+    rank0_agreed(results, layout_text, |r| (r.1.clone(), r.2.clone()))
+}
+
+/// Rank 0's result of a run under `layout_text`, once every rank has
+/// succeeded and reports what rank 0 does by `losses`.
+fn rank0_agreed<T, K: PartialEq + std::fmt::Debug>(
+    results: Vec<Result<T, EngineError>>,
+    layout_text: &str,
+    losses: impl Fn(&T) -> K,
+) -> T {
     let mut results = results.into_iter();
     let first = results
         .next()
         .unwrap()
         .unwrap_or_else(|e| panic!("{layout_text}: {e}"));
     for (r, other) in results.enumerate() {
-        let (_, losses, aux) =
-            other.unwrap_or_else(|e| panic!("{layout_text} rank {}: {e}", r + 1));
+        let other = other.unwrap_or_else(|e| panic!("{layout_text} rank {}: {e}", r + 1));
         assert_eq!(
-            (losses, aux),
-            (first.1.clone(), first.2.clone()),
+            losses(&other),
+            losses(&first),
             "{layout_text}: rank {} reports other losses",
             r + 1
         );
     }
     first
+}
+
+/// `layout_text` checked against `spec`.
+fn checked_layout(spec: &ModelSpec, layout_text: &str) -> layout::Layout {
+    let layout_spec = LayoutSpec::parse(layout_text).unwrap();
+    layout::check(&layout_spec, spec).unwrap_or_else(|e| panic!("layout {layout_text}: {e:?}"))
 }
 
 /// Four blocks (dense, MoE, dense, MoE), so pp·vpp ≤ 4 stages get a block
@@ -1034,4 +1048,205 @@ fn out_of_vocabulary_ids_are_named_errors() {
         let err = result.expect_err("target 64 is outside 0..64").to_string();
         assert!(err.contains("target 64"), "{err}");
     }
+}
+
+/// What an overlap run is compared by, bit for bit: each step's loss and
+/// gradient norm, then every full parameter after the steps and every
+/// reduced gradient of one more batch.
+type OverlapRun = (Vec<u64>, Vec<u64>, Vec<(String, Vec<u64>)>);
+
+/// [`STEPS`] steps of `spec` under `layout_text` with the buckets and
+/// overlaps of `ddp`, as rank 0 sees them (every rank's losses equal): the
+/// ranks as threads, or over TCP on loopback when `tcp`.
+fn overlap_run(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig) -> OverlapRun {
+    overlap_run_on(spec, layout_text, ddp, false)
+}
+
+fn overlap_run_on(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig, tcp: bool) -> OverlapRun {
+    let layout = checked_layout(spec, layout_text);
+    let cfg = TrainConfig { ddp, ..config() };
+    let timeout = Duration::from_secs(60);
+    let body = |ctx: &Ctx<Cpu>| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let model = Model::new(ctx.b, spec, rank, SEED, DType::F32)?;
+        let mut trainer = Trainer::new(ctx.b, model, cfg)?;
+        let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
+        let mine = |step| {
+            let per = MICRO_BATCHES / dp;
+            host_batches(global_batch(step))[dp_i * per..(dp_i + 1) * per].to_vec()
+        };
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for step in 0..STEPS {
+            let stats = trainer.step(ctx, &mine(step), SEQ)?;
+            losses.push(stats.loss.to_bits());
+            norms.push(stats.grad_norm.to_bits());
+        }
+        let mut full = trainer.gather_full(ctx, Gather::Values)?;
+        trainer.accumulate(ctx, &mine(STEPS), SEQ)?;
+        let grads = trainer.reduce_gradients(ctx)?;
+        full.extend(trainer.gather_full(ctx, Gather::Grads(&grads))?);
+        let full = full
+            .into_iter()
+            .map(|(name, _, v)| (name, v.iter().map(|x| x.to_bits()).collect()))
+            .collect();
+        Ok::<_, EngineError>((losses, norms, full))
+    };
+    let results: Vec<Result<OverlapRun, EngineError>> = if tcp {
+        run_loopback(layout.world, timeout, |comm| {
+            let rank = RankLayout::new(&layout, comm.rank()).map_err(|e| comm_error(comm, e))?;
+            let ctx = Ctx {
+                b: &Cpu,
+                comm,
+                rank: &rank,
+            };
+            // A failed rank aborts, so its peers stop instead of waiting.
+            body(&ctx).map_err(|e| comm_error(comm, e))
+        })
+        .into_iter()
+        .map(|r| r.map_err(EngineError::from))
+        .collect()
+    } else {
+        run_local_layout(&Cpu, &layout, timeout, body)
+    };
+    rank0_agreed(results, layout_text, |r| r.0.clone())
+}
+
+/// `e` as rank `comm`'s communicator error (what `run_loopback` reports,
+/// aborting the rank).
+fn comm_error(comm: &TcpComm, e: EngineError) -> KernelError {
+    KernelError::Comm {
+        rank: comm.rank(),
+        detail: e.to_string(),
+    }
+}
+
+/// The overlapped schedule over TCP (one connection per pair of ranks, the
+/// communicator of `foldmoe launch` on the CPU) gives the bits of the
+/// unoverlapped one on threads, with buckets small enough for several per
+/// kind, under dp with ep and tp.
+#[test]
+fn overlapped_reduction_over_tcp_is_bit_identical_to_threads() {
+    let spec = deep_spec(false);
+    let bucket_size = Some(500);
+    for layout_text in ["world=2,dp=2", "world=4,dp=2,tp=2,ep=2"] {
+        let off = DdpConfig {
+            bucket_size,
+            ..DdpConfig::default()
+        };
+        let on = DdpConfig {
+            overlap_grad_reduce: true,
+            overlap_param_gather: true,
+            bucket_size,
+        };
+        let want = overlap_run_on(&spec, layout_text, off, false);
+        let got = overlap_run_on(&spec, layout_text, on, true);
+        assert_eq!(got.0, want.0, "{layout_text}: losses");
+        assert_eq!(got.1, want.1, "{layout_text}: gradient norms");
+        assert!(
+            got.2 == want.2,
+            "{layout_text}: parameters or gradients differ"
+        );
+    }
+}
+
+/// Overlapping the gradient reduce-scatters with the backward and the
+/// parameter all-gathers with the optimizer changes no bit: losses,
+/// gradient norms, updated parameters and reduced gradients equal the
+/// unoverlapped run's with the same buckets, under dp (the distributed
+/// optimizer, which always shards its state: ZeRO-1), ep, tp, cp and pp
+/// (1F1B, interleaved with a tied embedding), with small buckets (several
+/// per kind of parameter) and with the default ones.
+#[test]
+fn overlapped_gradient_reduction_is_bit_identical_to_the_unoverlapped_one() {
+    let cases: &[(ModelSpec, &str)] = &[
+        (deep_spec(false), "world=2,dp=2"),
+        (deep_spec(false), "world=4,dp=2,tp=2,ep=2"),
+        (deep_spec(false), "world=4,cp=2,dp=2"),
+        (deep_spec(false), "world=4,dp=2,pp=2"),
+        (deep_spec(true), "world=4,pp=2,vpp=2,dp=2"),
+    ];
+    for (spec, layout_text) in cases {
+        for bucket_size in [Some(500), None] {
+            let off = DdpConfig {
+                bucket_size,
+                ..DdpConfig::default()
+            };
+            let want = overlap_run(spec, layout_text, off);
+            for (grad, param) in [(true, false), (false, true), (true, true)] {
+                let on = DdpConfig {
+                    overlap_grad_reduce: grad,
+                    overlap_param_gather: param,
+                    bucket_size,
+                };
+                let got = overlap_run(spec, layout_text, on);
+                let at = format!("{layout_text}, {on:?}");
+                assert_eq!(got.0, want.0, "{at}: losses");
+                assert_eq!(got.1, want.1, "{at}: gradient norms");
+                for ((name, g), (_, w)) in got.2.iter().zip(&want.2) {
+                    assert!(g == w, "{at}: {name} differs");
+                }
+            }
+        }
+    }
+}
+
+/// A bucket size of 0 is a one-line error naming it.
+#[test]
+fn a_zero_bucket_size_is_a_one_line_error() {
+    let layout = layout::check(&LayoutSpec::parse("world=2,dp=2").unwrap(), &spec(None)).unwrap();
+    let cfg = TrainConfig {
+        ddp: DdpConfig {
+            bucket_size: Some(0),
+            ..DdpConfig::default()
+        },
+        ..config()
+    };
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let model = Model::new(ctx.b, &spec(None), rank, SEED, DType::F32)?;
+        Trainer::new(ctx.b, model, cfg).map(|_| ())
+    });
+    let err = results[0].as_ref().unwrap_err().to_string();
+    assert!(err.contains("ddp bucket size 0"), "{err}");
+    assert!(!err.contains('\n'), "{err}");
+}
+
+/// A rank that dies while its peer's gradient reduce-scatters are started
+/// but not finished stops the peer with a one-line error naming it, instead
+/// of leaving it waiting: under dp = 2 rank 0 starts its buckets'
+/// reduce-scatters in its backward, then fails in the step's next
+/// collective (the loss's all-reduce), its started ones failing with it.
+#[test]
+fn a_rank_lost_during_a_started_reduction_stops_its_peers() {
+    let spec = deep_spec(false);
+    let layout = checked_layout(&spec, "world=2,dp=2");
+    let cfg = TrainConfig {
+        ddp: DdpConfig {
+            overlap_grad_reduce: true,
+            overlap_param_gather: true,
+            bucket_size: Some(500),
+        },
+        ..config()
+    };
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        if ctx.rank.rank == 1 {
+            return Err(EngineError::Invalid("rank 1 lost its host".into()));
+        }
+        let rank = RankLayout::new(&layout, 0)?;
+        let mut trainer = Trainer::new(
+            ctx.b,
+            Model::new(ctx.b, &spec, rank, SEED, DType::F32)?,
+            cfg,
+        )?;
+        let mine = host_batches(global_batch(0))[..MICRO_BATCHES / 2].to_vec();
+        trainer.step(ctx, &mine, SEQ).map(|_| ())
+    });
+    let err = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("on group [0, 1]")
+            && err.contains("rank 1 aborted")
+            && err.contains("lost its host"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "{err}");
 }

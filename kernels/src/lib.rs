@@ -20,6 +20,6 @@ pub use backend::{
     GatheredGemmOps, LinalgOps, LossOps, NormOps, OffloadOps, OptimOps, Rope, RoutingOps,
     RoutingPlan, Yarn,
 };
-pub use comm::{Communicator, Group, ReduceOp};
+pub use comm::{Communicator, Group, Pending, ReduceOp};
 pub use error::{KernelError, Result};
 pub use tensor::{DType, HostData, StorageInfo, Tensor};

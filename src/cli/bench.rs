@@ -27,6 +27,7 @@ use std::time::Instant;
 
 use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
+use foldmoe::core::engine::optim::DdpConfig;
 use foldmoe::core::engine::parallel::{Ctx, Exec, LayerGroups, RankLayout, Trainer};
 use foldmoe::core::engine::param::{Init, Module as _};
 use foldmoe::core::engine::trainer::TrainConfig;
@@ -114,6 +115,18 @@ pub struct BenchOptions {
     /// tensor-core kernels exist, so this times that emulation.
     #[arg(long)]
     pub fp8: bool,
+    /// `model`: start the gradient buckets' reduce-scatters in the backward,
+    /// as `train --overlap-grad-reduce`.
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
+    /// `model`: overlap the parameter all-gathers with the updates, as
+    /// `train --overlap-param-gather`.
+    #[arg(long)]
+    pub overlap_param_gather: bool,
+    /// `model`: parameter elements per gradient bucket, as `train
+    /// --ddp-bucket-size`.
+    #[arg(long, value_name = "ELEMENTS")]
+    pub ddp_bucket_size: Option<usize>,
 }
 
 /// What the benchmark needs from a backend beyond [`Backend`]: waiting for
@@ -677,7 +690,15 @@ fn rank_step<B: BenchDevice>(
     // `Trainer::new` rather than from a full trainer's state.
     let t0 = Instant::now();
     let model = Model::new(b, spec, rank.clone(), 1, dtype)?;
-    let mut trainer = Trainer::new(b, model, TrainConfig::default())?;
+    let cfg = TrainConfig {
+        ddp: DdpConfig {
+            overlap_grad_reduce: o.overlap_grad_reduce,
+            overlap_param_gather: o.overlap_param_gather,
+            bucket_size: o.ddp_bucket_size,
+        },
+        ..TrainConfig::default()
+    };
+    let mut trainer = Trainer::new(b, model, cfg)?;
     eprintln!(
         "bench: rank {}: shard and optimizer ready at {:.1} s",
         rank.rank,
@@ -695,13 +716,18 @@ fn rank_step<B: BenchDevice>(
         y[dp_i * t..(dp_i + 1) * t].to_vec(),
     )];
     let mut last_loss = f64::NAN;
-    // Seconds in collectives of every step (warmup included).
+    // Seconds of every step (warmup included) the rank was blocked in
+    // collectives (exposed), and that collectives ran (total: started ones
+    // on the progress thread too, overlapped with compute or not).
     let mut comm_seconds = Vec::with_capacity(o.warmup + o.iters);
     b.reset_peak();
     let mut step = || -> Result<(), CliError> {
-        let before = timed.elapsed();
+        let before = (timed.elapsed(), timed.busy());
         last_loss = trainer.step(&ctx, &mine, s)?.loss;
-        comm_seconds.push((timed.elapsed() - before).as_secs_f64());
+        comm_seconds.push((
+            (timed.elapsed() - before.0).as_secs_f64(),
+            (timed.busy() - before.1).as_secs_f64(),
+        ));
         Ok(())
     };
     // The barrier goes around `timed`: waiting there is not the step's.
@@ -718,7 +744,10 @@ fn rank_step<B: BenchDevice>(
     let global_tokens = dp * t;
     let flops = spec.flops_per_token() as f64 * global_tokens as f64;
     let tflops = flops / layout.world as f64 / median / 1e12;
-    let timed_comm: f64 = comm_seconds[comm_seconds.len() - o.iters..].iter().sum();
+    let timed = &comm_seconds[comm_seconds.len() - o.iters..];
+    let exposed: f64 = timed.iter().map(|c| c.0).sum();
+    let total: f64 = timed.iter().map(|c| c.1).sum();
+    let per_step_ms = |s: f64| s / o.iters.max(1) as f64 * 1e3;
     Ok(Some(json!({
         "bench": "model",
         "dims": {
@@ -735,7 +764,9 @@ fn rank_step<B: BenchDevice>(
         "tokens_per_s": global_tokens as f64 / median,
         "tflops": tflops,
         "mfu": b.peak_flops().map(|p| tflops * 1e12 / p),
-        "comm_share": timed_comm / times.iter().sum::<f64>(),
+        "comm_share": exposed / times.iter().sum::<f64>(),
+        "comm_exposed_ms": per_step_ms(exposed),
+        "comm_total_ms": per_step_ms(total),
         "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
         "last_loss": last_loss,
         "iters": o.iters,

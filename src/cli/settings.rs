@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use foldmoe::core::engine::optim::DdpConfig;
 use foldmoe::core::spec::PolicyOverride;
 use foldmoe::kernels::DType;
 
@@ -67,6 +68,22 @@ pub struct TrainOptions {
     /// and edp derived from --ranks). Default: data parallel over all ranks.
     #[arg(long)]
     pub layout: Option<String>,
+    /// Start each gradient bucket's reduce-scatter in the backward as soon
+    /// as its gradients are final (Megatron-Core's `--overlap-grad-reduce`);
+    /// results are bit-identical to not overlapping.
+    #[arg(long)]
+    #[serde(default)]
+    pub overlap_grad_reduce: bool,
+    /// Start each bucket's parameter all-gather once its shard is updated,
+    /// while the next buckets update (`--overlap-param-gather`).
+    #[arg(long)]
+    #[serde(default)]
+    pub overlap_param_gather: bool,
+    /// Parameter elements per gradient bucket (Megatron-Core's
+    /// `--ddp-bucket-size`; default: one bucket per kind of parameter, or
+    /// max(40M, 1M·dp) with --overlap-grad-reduce).
+    #[arg(long, value_name = "ELEMENTS")]
+    pub ddp_bucket_size: Option<usize>,
     /// Switch every MoE layer to capacity mode with this capacity factor
     /// (tokens over capacity dropped by lowest probability).
     #[arg(long)]
@@ -184,6 +201,15 @@ pub struct TrainSettings {
     /// Layout text over the ranks (`None`: data parallel).
     #[serde(default)]
     pub layout: Option<String>,
+    /// `--overlap-grad-reduce`.
+    #[serde(default)]
+    pub overlap_grad_reduce: bool,
+    /// `--overlap-param-gather`.
+    #[serde(default)]
+    pub overlap_param_gather: bool,
+    /// `--ddp-bucket-size` (`None`: the default buckets).
+    #[serde(default)]
+    pub ddp_bucket_size: Option<usize>,
     /// Capacity factor of every MoE layer (`None`: the model's own setting).
     #[serde(default)]
     pub capacity_factor: Option<f64>,
@@ -258,6 +284,9 @@ impl Default for TrainSettings {
             sample_tokens: 240,
             ranks: 1,
             layout: None,
+            overlap_grad_reduce: false,
+            overlap_param_gather: false,
+            ddp_bucket_size: None,
             capacity_factor: None,
             recompute: None,
             offload: None,
@@ -307,6 +336,9 @@ impl TrainOptions {
             sample_tokens: self.sample_tokens.or(file.sample_tokens),
             ranks: self.ranks.or(file.ranks),
             layout: self.layout.or(file.layout),
+            overlap_grad_reduce: self.overlap_grad_reduce || file.overlap_grad_reduce,
+            overlap_param_gather: self.overlap_param_gather || file.overlap_param_gather,
+            ddp_bucket_size: self.ddp_bucket_size.or(file.ddp_bucket_size),
             capacity_factor: self.capacity_factor.or(file.capacity_factor),
             recompute: self.recompute.or(file.recompute),
             offload: self.offload.or(file.offload),
@@ -352,6 +384,9 @@ impl TrainOptions {
             sample_tokens: opts.sample_tokens.unwrap_or(base.sample_tokens),
             ranks: opts.ranks.unwrap_or(base.ranks),
             layout: opts.layout.clone().or(base.layout),
+            overlap_grad_reduce: opts.overlap_grad_reduce || base.overlap_grad_reduce,
+            overlap_param_gather: opts.overlap_param_gather || base.overlap_param_gather,
+            ddp_bucket_size: opts.ddp_bucket_size.or(base.ddp_bucket_size),
             capacity_factor: opts.capacity_factor.or(base.capacity_factor),
             recompute: opts.recompute.clone().or(base.recompute),
             offload: opts.offload.clone().or(base.offload),
@@ -405,6 +440,9 @@ impl TrainSettings {
         if self.ranks == 0 {
             return bad("ranks", &self.ranks, "must be at least 1");
         }
+        if let Err(why) = self.ddp().resolved_bucket_size(self.ranks) {
+            return bad("ddp-bucket-size", &0, &why);
+        }
         if self.keep_checkpoints == 0 {
             return bad(
                 "keep-checkpoints",
@@ -446,6 +484,16 @@ impl TrainSettings {
         ]
         .into_iter()
         .find_map(|(on, flag)| on.then_some(flag))
+    }
+
+    /// The distributed optimizer's buckets and overlaps
+    /// (`--overlap-grad-reduce`, `--overlap-param-gather`, `--ddp-bucket-size`).
+    pub fn ddp(&self) -> DdpConfig {
+        DdpConfig {
+            overlap_grad_reduce: self.overlap_grad_reduce,
+            overlap_param_gather: self.overlap_param_gather,
+            bucket_size: self.ddp_bucket_size,
+        }
     }
 
     /// The model's dtype from `--dtype`.
@@ -632,5 +680,40 @@ mod tests {
             err.starts_with("--recompute: unknown recompute part `moe_actt`; choose one of norm"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn overlap_keys_come_from_flags_or_the_file_and_a_zero_bucket_is_refused() {
+        let cfg = write(
+            "ddp.toml",
+            "overlap_grad_reduce = true\nddp_bucket_size = 1000\n",
+        );
+        let (s, _) = TrainOptions {
+            overlap_param_gather: true,
+            config: Some(cfg),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap();
+        assert_eq!(
+            s.ddp(),
+            DdpConfig {
+                overlap_grad_reduce: true,
+                overlap_param_gather: true,
+                bucket_size: Some(1000),
+            }
+        );
+        let err = TrainOptions {
+            ddp_bucket_size: Some(0),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("--ddp-bucket-size 0: ddp bucket size 0"),
+            "{err}"
+        );
+        assert!(!err.contains('\n'), "{err}");
     }
 }

@@ -118,6 +118,7 @@ fn trainer_config(s: &TrainSettings) -> TrainConfig {
         min_lr: s.lr / 10.0,
         warmup_steps: s.warmup_steps,
         total_steps: s.steps,
+        ddp: s.ddp(),
         ..TrainConfig::default()
     }
 }

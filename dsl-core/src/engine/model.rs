@@ -1031,6 +1031,20 @@ impl<B: Backend> Model<B> {
         output_grad: Option<Tensor<B>>,
         loss_scale: f64,
     ) -> Result<Option<Tensor<B>>> {
+        self.backward_chunk_with(ctx, saved, output_grad, loss_scale, &mut |_, _| Ok(()))
+    }
+
+    /// [`Self::backward_chunk`], calling `after_block(model, i)` once block
+    /// `i` (of [`Self::blocks`]) has added its gradients: where the trainer
+    /// starts reducing the gradients that are final.
+    pub fn backward_chunk_with(
+        &mut self,
+        ctx: &Exec<B>,
+        saved: ChunkSaved<B>,
+        output_grad: Option<Tensor<B>>,
+        loss_scale: f64,
+        after_block: &mut dyn FnMut(&Self, usize) -> Result<()>,
+    ) -> Result<Option<Tensor<B>>> {
         let b = ctx.b;
         let ChunkSaved {
             chunk,
@@ -1084,6 +1098,7 @@ impl<B: Backend> Model<B> {
             }
             let block = self.block_mut(range.start + blocks.len())?;
             dx_td = block.backward(ctx, &dx_td, saved, loss_scale)?;
+            after_block(self, range.start + blocks.len())?;
         }
         let Some(embed) = embed else {
             return Ok(Some(dx_td));

@@ -10,6 +10,9 @@
 //! and writes the parameter as the rounded master, so updates smaller than
 //! bf16's resolution accumulate instead of rounding away. f32 and f64
 //! parameters are their own master.
+//!
+//! How the distributed optimizer's gradient buckets are cut and reduced
+//! ([`DdpConfig`]) follows Megatron-Core's `DistributedDataParallelConfig`.
 
 use foldmoe_kernels::DType;
 
@@ -52,5 +55,52 @@ pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
         1.0
     } else {
         max_norm / (norm + 1e-6)
+    }
+}
+
+/// Megatron-Core's default bucket size, in parameter elements: 40M, or 1M
+/// per data-parallel rank where that is more (`max(40M, 1M·dp)`).
+pub fn default_bucket_size(dp: usize) -> usize {
+    40_000_000usize.max(1_000_000 * dp)
+}
+
+/// How the distributed optimizer cuts its gradient buckets and overlaps
+/// their collectives with compute (Megatron-Core's
+/// `DistributedDataParallelConfig`). None of it changes a result: losses,
+/// gradients and parameters are bit-identical with the overlaps on or off
+/// for the same buckets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DdpConfig {
+    /// Start a bucket's reduce-scatter in the backward of the step's last
+    /// micro-batch as soon as its parameters' gradients are final, and wait
+    /// for it before the optimizer step (`--overlap-grad-reduce`).
+    pub overlap_grad_reduce: bool,
+    /// Start each bucket's parameter all-gather as soon as its chunk is
+    /// updated, while the next buckets' updates run, and wait for them at
+    /// the end of the step (`--overlap-param-gather`; Megatron-Core waits
+    /// later, before each layer's first use in the next forward).
+    pub overlap_param_gather: bool,
+    /// Parameter elements per bucket (`--ddp-bucket-size`): a bucket is
+    /// closed once it holds at least this many (parameters are not split),
+    /// walking the parameters in backward order. `None`: one bucket per
+    /// kind of parameter without `overlap_grad_reduce` (a single bucket, as
+    /// Megatron-Core), [`default_bucket_size`] with it.
+    pub bucket_size: Option<usize>,
+}
+
+impl DdpConfig {
+    /// The bucket size in elements for `dp` data-parallel ranks
+    /// (`usize::MAX`: one bucket per kind); an error for a size of 0.
+    pub fn resolved_bucket_size(&self, dp: usize) -> Result<usize, String> {
+        match self.bucket_size {
+            Some(0) => Err(
+                "ddp bucket size 0: a bucket needs at least 1 parameter element; give a \
+                 positive size (Megatron-Core's default is 40000000)"
+                    .into(),
+            ),
+            Some(n) => Ok(n),
+            None if self.overlap_grad_reduce => Ok(default_bucket_size(dp)),
+            None => Ok(usize::MAX),
+        }
     }
 }

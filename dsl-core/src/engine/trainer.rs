@@ -7,7 +7,7 @@
 
 use foldmoe_kernels::{Backend, Tensor};
 
-use super::optim::MasterWeights;
+use super::optim::{DdpConfig, MasterWeights};
 use super::schedule::WarmupCosine;
 use super::Result;
 
@@ -35,6 +35,8 @@ pub struct TrainConfig {
     /// Which parameters AdamW updates through an f32 master copy (bf16 ones
     /// by default), chosen when the optimizer state is created.
     pub master_weights: MasterWeights,
+    /// Gradient buckets and their overlap with compute.
+    pub ddp: DdpConfig,
 }
 
 impl Default for TrainConfig {
@@ -51,6 +53,7 @@ impl Default for TrainConfig {
             eps: 1e-8,
             grad_clip: 1.0,
             master_weights: MasterWeights::Bf16,
+            ddp: DdpConfig::default(),
         }
     }
 }

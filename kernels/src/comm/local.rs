@@ -52,7 +52,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{abort_failure, wait_for_change, CallSig, Communicator, Group, Op, ReduceOp};
+use super::{
+    abort_failure, wait_for_change, Call, CallSig, Calls, Communicator, Group, Landed, Op, Pending,
+    Progress, ReduceOp,
+};
 use crate::backend::Device;
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
@@ -98,11 +101,14 @@ impl LocalWorld {
         });
         (0..self.n)
             .map(|rank| LocalComm {
-                rank,
-                timeout: self.timeout,
-                shared: Arc::clone(&shared),
-                seqs: Mutex::new(HashMap::new()),
+                core: Core {
+                    rank,
+                    timeout: self.timeout,
+                    shared: Arc::clone(&shared),
+                },
+                calls: Calls::default(),
                 managed: false,
+                progress: Progress::new(rank),
             })
             .collect()
     }
@@ -125,12 +131,12 @@ where
         let threads: Vec<_> = comms
             .into_iter()
             .map(|mut comm| {
-                let rank = comm.rank;
+                let rank = comm.core.rank;
                 // `f` consumes the handle, and would drop it (leaving the
                 // world) before its error could be reported: `run_rank`
                 // reports the outcome itself, through a second reference.
                 comm.managed = true;
-                let shared = Arc::clone(&comm.shared);
+                let shared = Arc::clone(&comm.core.shared);
                 let spawned = std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, {
@@ -201,23 +207,33 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// Under [`run_local`] the drop does neither: `run_local` reports the rank's
 /// end itself, with the error or the panic message as the reason.
 pub struct LocalComm {
-    rank: usize,
-    timeout: Duration,
-    shared: Arc<Shared>,
-    /// Calls made so far on each group, keyed by the group's ranks: the
-    /// sequence number that matches a call with its peers' calls.
-    seqs: Mutex<HashMap<Vec<usize>, u64>>,
+    core: Core,
+    /// Calls made so far on each group: the number that matches a call
+    /// with its peers' calls.
+    calls: Calls,
     /// Run by [`run_local`], which reports the rank's end itself: `Drop`
     /// then does nothing.
     managed: bool,
+    /// Runs the collectives started on this handle.
+    progress: Progress,
+}
+
+/// What a collective of one rank needs once its place among the group's
+/// calls is taken: the blocking calls use it on the caller's thread, the
+/// started ones on the handle's progress thread.
+#[derive(Clone)]
+struct Core {
+    rank: usize,
+    timeout: Duration,
+    shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for LocalComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalComm")
-            .field("rank", &self.rank)
-            .field("world", &self.shared.n)
-            .field("timeout", &self.timeout)
+            .field("rank", &self.core.rank)
+            .field("world", &self.core.shared.n)
+            .field("timeout", &self.core.timeout)
             .finish()
     }
 }
@@ -330,17 +346,17 @@ impl LocalComm {
 
     /// This rank's global index.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.core.rank
     }
 
     /// Number of ranks in the world.
     pub fn world(&self) -> usize {
-        self.shared.n
+        self.core.shared.n
     }
 
     /// How long a call waits for its peers before failing.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.core.timeout
     }
 
     /// Returns once every member of `group` has called it (also reachable as
@@ -361,9 +377,59 @@ impl LocalComm {
     /// [`Communicator::abort`]): every pending and later call on every rank
     /// returns an error naming this rank and the reason.
     pub fn abort(&self, reason: &str) {
-        self.shared.abort(self.rank, reason.to_string());
+        self.core.shared.abort(self.core.rank, reason.to_string());
     }
 
+    /// Checks `group` and takes this rank's next place among its calls:
+    /// the call's number is fixed here, in the order the caller makes its
+    /// calls, wherever the call then runs.
+    fn enter(&self, group: &Group, op: Op) -> Result<Call> {
+        self.calls
+            .enter(self.core.rank, self.core.shared.n, group, op)
+    }
+
+    /// Contributes `part` to this rank's next call on `group` and waits for
+    /// every member's contribution, then checks that they agree.
+    fn exchange(&self, group: &Group, part: Part) -> Result<Gathered> {
+        self.core.exchange(&self.enter(group, part.op)?, part)
+    }
+
+    /// Runs `finish` (a collective's host part) on this thread and uploads
+    /// its result as `dtype`.
+    fn run<B: Device>(
+        &self,
+        b: &B,
+        dtype: DType,
+        call: Call,
+        part: Part,
+        finish: Finish,
+    ) -> Result<Tensor<B>> {
+        let (values, shape) = finish(&self.core, &call, part)?;
+        upload_as(b, values, &shape, dtype)
+    }
+
+    /// Queues `finish` on the progress thread (see [`super`], "Started
+    /// collectives").
+    fn start<B: Device>(
+        &self,
+        b: &B,
+        dtype: DType,
+        call: Call,
+        part: Part,
+        finish: Finish,
+    ) -> Result<Pending<B>> {
+        let core = self.core.clone();
+        let ctx = call.ctx.clone();
+        self.progress
+            .start(b, dtype, ctx, move || finish(&core, &call, part))
+    }
+}
+
+/// The host part of a collective whose arguments were checked and whose
+/// place is taken: the exchange and this rank's result.
+type Finish = fn(&Core, &Call, Part) -> Landed;
+
+impl Core {
     fn comm_err(&self, detail: String) -> KernelError {
         KernelError::Comm {
             rank: self.rank,
@@ -376,52 +442,11 @@ impl LocalComm {
         abort_failure(self.rank, &st.aborted, ctx)
     }
 
-    /// Checks that `group` is a valid group of this world containing this
-    /// rank, and returns this rank's index in it.
-    fn member_index(&self, group: &Group, op: &'static str) -> Result<usize> {
-        let ranks = group.ranks();
-        if let Some(&r) = ranks.iter().find(|&&r| r >= self.shared.n) {
-            return Err(arg_err(
-                op,
-                format!(
-                    "group {ranks:?} names rank {r}, but the world has {} ranks",
-                    self.shared.n
-                ),
-            ));
-        }
-        for (i, r) in ranks.iter().enumerate() {
-            if ranks[..i].contains(r) {
-                return Err(arg_err(op, format!("group {ranks:?} names rank {r} twice")));
-            }
-        }
-        group.index_of(self.rank).ok_or_else(|| {
-            arg_err(
-                op,
-                format!("rank {} is not a member of group {ranks:?}", self.rank),
-            )
-        })
-    }
-
-    /// The next call number on `group` (the first is 0).
-    fn next_seq(&self, group: &Group) -> u64 {
-        let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = seqs.entry(group.ranks().to_vec()).or_insert(0);
-        let this = *seq;
-        *seq += 1;
-        this
-    }
-
-    /// Contributes `part` to this rank's next call on `group` and waits for
-    /// every member's contribution, then checks that they agree.
-    fn exchange(&self, group: &Group, part: Part) -> Result<Gathered> {
-        let op = part.op;
-        let me = self.member_index(group, op.name())?;
-        let seq = self.next_seq(group);
-        let ctx = format!(
-            "{} on group {:?} (call #{seq} on this group)",
-            op.name(),
-            group.ranks()
-        );
+    /// Contributes `part` to `call` and waits for every member's
+    /// contribution, then checks that they agree.
+    fn exchange(&self, call: &Call, part: Part) -> Result<Gathered> {
+        let (group, me, seq) = (&call.group, call.me, call.seq);
+        let ctx = call.ctx.clone();
         let size = group.size();
         let key = (group.ranks().to_vec(), seq);
         let deadline = Instant::now() + self.timeout;
@@ -674,6 +699,82 @@ pub(super) fn concat_host(pieces: &[(&HostData, Range<usize>)]) -> Option<HostDa
     }
 }
 
+impl LocalComm {
+    /// `reduce_scatter`'s contribution (its arguments checked, its values
+    /// read to the host) and place.
+    fn reduce_scatter_call<B: Device>(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+    ) -> Result<(Call, Part)> {
+        let invalid = super::reduce_scatter_args_error(t.shape(), group.size());
+        let data = if invalid.is_none() {
+            Some(b.download(t)?)
+        } else {
+            None
+        };
+        let part = Part {
+            invalid,
+            ..Part::of(Op::ReduceScatter, t, data)
+        };
+        Ok((self.enter(group, Op::ReduceScatter)?, part))
+    }
+
+    /// `all_gather`'s contribution and place.
+    fn all_gather_call<B: Device>(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+    ) -> Result<(Call, Part)> {
+        let invalid = needs_dim0("all_gather", t.shape());
+        let data = if invalid.is_none() {
+            Some(b.download(t)?)
+        } else {
+            None
+        };
+        let part = Part {
+            invalid,
+            ..Part::of(Op::AllGather, t, data)
+        };
+        Ok((self.enter(group, Op::AllGather)?, part))
+    }
+}
+
+impl Core {
+    /// `reduce_scatter` from its place: only this member's part is summed,
+    /// elementwise, so the same bits as summing everything and splitting.
+    fn reduce_scatter(&self, call: &Call, part: Part) -> Landed {
+        let size = call.group.size();
+        let mut shape = part.shape.clone();
+        let numel: usize = shape.iter().product();
+        let g = self.exchange(call, part)?;
+        let hosts = (0..g.parts.len())
+            .map(|i| self.data(&g, i))
+            .collect::<Result<Vec<_>>>()?;
+        let chunk = numel / size;
+        let range = g.me * chunk..(g.me + 1) * chunk;
+        let out = self.internal(&g, reduce_host(&hosts, range, ReduceOp::Sum))?;
+        shape[0] /= size;
+        Ok((out, shape))
+    }
+
+    /// `all_gather` from its place: every member's values in group order.
+    fn all_gather(&self, call: &Call, part: Part) -> Landed {
+        let mut shape = part.shape.clone();
+        let g = self.exchange(call, part)?;
+        let mut pieces = Vec::with_capacity(g.parts.len());
+        for i in 0..g.parts.len() {
+            let h = self.data(&g, i)?;
+            pieces.push((h, 0..h.len()));
+        }
+        let out = self.internal(&g, concat_host(&pieces))?;
+        shape[0] = g.parts.iter().map(|p| p.shape[0]).sum();
+        Ok((out, shape))
+    }
+}
+
 impl<B: Device> Communicator<B> for LocalComm {
     fn rank(&self) -> usize {
         LocalComm::rank(self)
@@ -687,72 +788,32 @@ impl<B: Device> Communicator<B> for LocalComm {
         let part = Part::of(Op::AllReduce(op), t, Some(b.download(t)?));
         let g = self.exchange(group, part)?;
         let hosts = (0..g.parts.len())
-            .map(|i| self.data(&g, i))
+            .map(|i| self.core.data(&g, i))
             .collect::<Result<Vec<_>>>()?;
-        let out = self.internal(&g, reduce_host(&hosts, 0..t.numel(), op))?;
+        let out = self
+            .core
+            .internal(&g, reduce_host(&hosts, 0..t.numel(), op))?;
         upload_as(b, out, t.shape(), t.dtype())
     }
 
     fn reduce_scatter(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Tensor<B>> {
-        let op = "reduce_scatter";
-        let size = group.size();
-        let shape = t.shape();
-        let invalid = needs_dim0(op, shape).or_else(|| {
-            (!shape[0].is_multiple_of(size)).then(|| {
-                arg_err(
-                    op,
-                    format!(
-                        "dimension 0 of shape {shape:?} is {}, not divisible by the group size \
-                         {size}",
-                        shape[0]
-                    ),
-                )
-            })
-        });
-        let data = if invalid.is_none() {
-            Some(b.download(t)?)
-        } else {
-            None
-        };
-        let part = Part {
-            invalid,
-            ..Part::of(Op::ReduceScatter, t, data)
-        };
-        let g = self.exchange(group, part)?;
-        let hosts = (0..g.parts.len())
-            .map(|i| self.data(&g, i))
-            .collect::<Result<Vec<_>>>()?;
-        // Only this member's part is summed: elementwise, so the same bits
-        // as summing everything and splitting.
-        let chunk = t.numel() / size;
-        let range = g.me * chunk..(g.me + 1) * chunk;
-        let out = self.internal(&g, reduce_host(&hosts, range, ReduceOp::Sum))?;
-        let mut out_shape = shape.to_vec();
-        out_shape[0] /= size;
-        upload_as(b, out, &out_shape, t.dtype())
+        let (call, part) = self.reduce_scatter_call(b, group, t)?;
+        self.run(b, t.dtype(), call, part, Core::reduce_scatter)
+    }
+
+    fn reduce_scatter_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        let (call, part) = self.reduce_scatter_call(b, group, t)?;
+        self.start(b, t.dtype(), call, part, Core::reduce_scatter)
     }
 
     fn all_gather(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Tensor<B>> {
-        let invalid = needs_dim0("all_gather", t.shape());
-        let data = if invalid.is_none() {
-            Some(b.download(t)?)
-        } else {
-            None
-        };
-        let part = Part {
-            invalid,
-            ..Part::of(Op::AllGather, t, data)
-        };
-        let g = self.exchange(group, part)?;
-        let mut pieces = Vec::with_capacity(g.parts.len());
-        for i in 0..g.parts.len() {
-            let h = self.data(&g, i)?;
-            pieces.push((h, 0..h.len()));
-        }
-        let out = self.internal(&g, concat_host(&pieces))?;
-        let mut shape = t.shape().to_vec();
-        shape[0] = g.parts.iter().map(|p| p.shape[0]).sum();
-        upload_as(b, out, &shape, t.dtype())
+        let (call, part) = self.all_gather_call(b, group, t)?;
+        self.run(b, t.dtype(), call, part, Core::all_gather)
+    }
+
+    fn all_gather_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        let (call, part) = self.all_gather_call(b, group, t)?;
+        self.start(b, t.dtype(), call, part, Core::all_gather)
     }
 
     fn all_to_all_v(
@@ -782,10 +843,13 @@ impl<B: Device> Communicator<B> for LocalComm {
         for (i, p) in g.parts.iter().enumerate() {
             let start: usize = p.send_rows[..g.me].iter().sum();
             let rows = p.send_rows[g.me];
-            pieces.push((self.data(&g, i)?, start * row_len..(start + rows) * row_len));
+            pieces.push((
+                self.core.data(&g, i)?,
+                start * row_len..(start + rows) * row_len,
+            ));
             counts.push(rows);
         }
-        let out = self.internal(&g, concat_host(&pieces))?;
+        let out = self.core.internal(&g, concat_host(&pieces))?;
         let mut out_shape = shape.to_vec();
         out_shape[0] = counts.iter().sum();
         Ok((upload_as(b, out, &out_shape, t.dtype())?, counts))
@@ -799,7 +863,7 @@ impl<B: Device> Communicator<B> for LocalComm {
                 format!("root {root} is not a group index: the group has {size} members"),
             )
         });
-        let is_root = group.index_of(self.rank) == Some(root);
+        let is_root = group.index_of(self.core.rank) == Some(root);
         let data = if invalid.is_none() && is_root {
             Some(b.download(t)?)
         } else {
@@ -810,13 +874,13 @@ impl<B: Device> Communicator<B> for LocalComm {
             ..Part::of(Op::Broadcast { root }, t, data)
         };
         let g = self.exchange(group, part)?;
-        let out = self.data(&g, root)?.clone();
+        let out = self.core.data(&g, root)?.clone();
         let r = &g.parts[root];
         upload_as(b, out, &r.shape, r.dtype)
     }
 
     fn send(&self, b: &B, to: usize, t: &Tensor<B>) -> Result<()> {
-        let n = self.shared.n;
+        let n = self.core.shared.n;
         if to >= n {
             return Err(arg_err(
                 "send",
@@ -828,51 +892,56 @@ impl<B: Device> Communicator<B> for LocalComm {
             shape: t.shape().to_vec(),
             dtype: t.dtype(),
         };
-        let ctx = format!("send from rank {} to rank {to}", self.rank);
-        let mut st = self.shared.lock();
-        if let Some(e) = self.failure(&st, &ctx) {
+        let ctx = format!("send from rank {} to rank {to}", self.core.rank);
+        let mut st = self.core.shared.lock();
+        if let Some(e) = self.core.failure(&st, &ctx) {
             return Err(e);
         }
         if st.departed[to] {
-            return Err(self.comm_err(format!("{ctx}: rank {to} has dropped its communicator")));
+            return Err(self
+                .core
+                .comm_err(format!("{ctx}: rank {to} has dropped its communicator")));
         }
-        st.mail.entry((self.rank, to)).or_default().push_back(msg);
+        st.mail
+            .entry((self.core.rank, to))
+            .or_default()
+            .push_back(msg);
         drop(st);
-        self.shared.cv.notify_all();
+        self.core.shared.cv.notify_all();
         Ok(())
     }
 
     fn recv(&self, b: &B, from: usize) -> Result<Tensor<B>> {
-        let n = self.shared.n;
+        let n = self.core.shared.n;
         if from >= n {
             return Err(arg_err(
                 "recv",
                 format!("source rank {from} is outside the world of {n} ranks"),
             ));
         }
-        let ctx = format!("recv on rank {} from rank {from}", self.rank);
-        let deadline = Instant::now() + self.timeout;
-        let mut st = self.shared.lock();
+        let ctx = format!("recv on rank {} from rank {from}", self.core.rank);
+        let deadline = Instant::now() + self.core.timeout;
+        let mut st = self.core.shared.lock();
         let msg = loop {
-            if let Some(e) = self.failure(&st, &ctx) {
+            if let Some(e) = self.core.failure(&st, &ctx) {
                 return Err(e);
             }
             if let Some(msg) = st
                 .mail
-                .get_mut(&(from, self.rank))
+                .get_mut(&(from, self.core.rank))
                 .and_then(VecDeque::pop_front)
             {
                 break msg;
             }
             if st.departed[from] {
-                return Err(self.comm_err(format!(
+                return Err(self.core.comm_err(format!(
                     "{ctx}: rank {from} dropped its communicator with nothing left to send"
                 )));
             }
-            st = wait_for_change(st, &self.shared.cv, deadline, || {
-                self.comm_err(format!(
+            st = wait_for_change(st, &self.core.shared.cv, deadline, || {
+                self.core.comm_err(format!(
                     "{ctx}: timed out after {:?}: rank {from} has sent nothing",
-                    self.timeout
+                    self.core.timeout
                 ))
             })?;
         };
@@ -897,10 +966,11 @@ impl Drop for LocalComm {
         // The panic message is not reachable from here; `run_local` catches
         // the panic instead and passes it on.
         if std::thread::panicking() {
-            self.shared
-                .abort(self.rank, format!("rank {} panicked", self.rank));
+            self.core
+                .shared
+                .abort(self.core.rank, format!("rank {} panicked", self.core.rank));
         }
-        self.shared.depart(self.rank);
+        self.core.shared.depart(self.core.rank);
     }
 }
 
@@ -1583,5 +1653,124 @@ mod tests {
             Ok(host(&s))
         }));
         assert_eq!(out, vec![HostData::F32(vec![2.0]); 2]);
+    }
+
+    /// Each rank's values for the started-collective tests: distinct, and
+    /// not exactly representable sums, so an order change would show.
+    fn values_of(rank: usize, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| 0.1 * (rank * n + i) as f32 + 1.0 / (i + 3) as f32)
+            .collect()
+    }
+
+    #[test]
+    fn started_collectives_equal_the_blocking_ones_bit_for_bit_in_call_order() {
+        // Started and blocking calls interleave on one group: the started
+        // ones take their places in call order, so each meets its peers'.
+        let run = |started: bool| {
+            all_ok(run_local(3, TIMEOUT, |c| {
+                let g = world_group(3);
+                let r = c.rank();
+                let x = t32(&values_of(r, 6), &[6]);
+                let y = t32(&values_of(r + 7, 2 + r), &[2 + r]);
+                let mut out = Vec::new();
+                if started {
+                    let rs = c.reduce_scatter_start(&Cpu, &g, &x)?;
+                    let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
+                    let ag = c.all_gather_start(&Cpu, &g, &y)?;
+                    let rs2 = c.reduce_scatter_start(&Cpu, &g, &sum)?;
+                    out.push(host(&ag.wait()?));
+                    out.push(host(&rs.wait()?));
+                    out.push(host(&sum));
+                    out.push(host(&rs2.wait()?));
+                } else {
+                    let rs = c.reduce_scatter(&Cpu, &g, &x)?;
+                    let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
+                    let ag = c.all_gather(&Cpu, &g, &y)?;
+                    let rs2 = c.reduce_scatter(&Cpu, &g, &sum)?;
+                    out.extend([host(&ag), host(&rs), host(&sum), host(&rs2)]);
+                }
+                Ok(out)
+            }))
+        };
+        let (blocking, started) = (run(false), run(true));
+        assert_eq!(started, blocking);
+        // And the values are the sums and concatenations they should be.
+        let sums: Vec<f32> = (0..6)
+            .map(|i| values_of(0, 6)[i] + values_of(1, 6)[i] + values_of(2, 6)[i])
+            .collect();
+        assert_eq!(blocking[1][1], HostData::F32(sums[2..4].to_vec()));
+        let cat: Vec<f32> = (0..3).flat_map(|r| values_of(r + 7, 2 + r)).collect();
+        assert_eq!(blocking[2][0], HostData::F32(cat));
+    }
+
+    #[test]
+    fn a_rank_that_fails_during_a_started_collective_releases_its_peers() {
+        let start = Instant::now();
+        let out = run_local(3, TIMEOUT, |c| {
+            let g = world_group(3);
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(20));
+                return Err(arg_err("test", "died with a collective pending"));
+            }
+            let first = c.reduce_scatter_start(&Cpu, &g, &t32(&[1.0; 3], &[3]))?;
+            let second = c.all_gather_start(&Cpu, &g, &t32(&[1.0], &[1]))?;
+            let first = first.wait().map(|_| ());
+            let second = second.wait().map(|_| ());
+            Ok((first, second))
+        });
+        assert!(start.elapsed() < TIMEOUT / 2, "took {:?}", start.elapsed());
+        for r in [0, 2] {
+            let (first, second) = out[r].as_ref().unwrap();
+            let d = comm_detail(first);
+            assert!(d.contains("rank 1 aborted") && d.contains("died"), "{d}");
+            assert!(!d.contains('\n'), "{d}");
+            // The later one fails at once, naming the first failure.
+            let d = comm_detail(second);
+            assert!(
+                d.contains("all_gather") && d.contains("an earlier started collective failed"),
+                "{d}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_started_collective_of_an_absent_rank_times_out_naming_it() {
+        let timeout = Duration::from_millis(200);
+        let out = run_local(2, timeout, |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(400));
+                return Ok(());
+            }
+            let p = c.reduce_scatter_start(&Cpu, &world_group(2), &t32(&[1.0; 2], &[2]))?;
+            p.wait().map(|_| ())
+        });
+        let d = comm_detail(&out[0]);
+        assert!(
+            d.contains("reduce_scatter on group [0, 1]")
+                && d.contains("timed out after 200ms")
+                && d.contains("ranks [1] have not arrived"),
+            "{d}"
+        );
+    }
+
+    #[test]
+    fn a_started_reduce_scatter_with_bad_arguments_is_an_argument_error() {
+        let out = run_local(2, TIMEOUT, |c| {
+            c.reduce_scatter_start(&Cpu, &world_group(2), &t32(&[1.0; 3], &[3]))?
+                .wait()
+                .map(|_| ())
+        });
+        for r in &out {
+            match r {
+                Err(KernelError::InvalidArgument { detail, .. }) => {
+                    assert!(
+                        detail.contains("not divisible by the group size 2"),
+                        "{detail}"
+                    )
+                }
+                other => panic!("expected InvalidArgument, got {other:?}"),
+            }
+        }
     }
 }

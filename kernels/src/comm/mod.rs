@@ -18,6 +18,27 @@
 //! communicator whose rank aborted (an error or a panic) makes every pending
 //! and later collective on the other ranks return [`crate::KernelError::Comm`]
 //! within the communicator's timeout.
+//!
+//! # Started collectives
+//!
+//! [`Communicator::reduce_scatter_start`] and
+//! [`Communicator::all_gather_start`] start a collective and return a
+//! [`Pending`] handle at once; [`Pending::wait`] returns its result. The
+//! local and TCP communicators run started collectives on a progress thread
+//! of the handle, one at a time in the order they were started, while the
+//! caller computes: the call takes its place among the group's calls when it
+//! is started (so blocking and started calls on a group match their peers'
+//! in the order the caller made them), and its values are copied to the
+//! host then too, so the caller may change or drop its tensor at once. Every
+//! rank must start its collectives in the same order (the progress thread
+//! runs them in that order, whatever their groups). Results are the
+//! blocking call's, bit for bit (the same code folds the contributions in
+//! group order). Failure works as for blocking calls: the wait of a
+//! collective whose turn came ends within the timeout, and once one started
+//! collective has failed the later ones fail at once, naming the first
+//! failure. Communicators without a progress thread (the one-rank
+//! communicator, NCCL for now) use the provided methods, which run the
+//! blocking call at the start.
 
 pub mod local;
 pub mod rendezvous;
@@ -25,12 +46,15 @@ pub mod solo;
 pub mod tcp;
 pub mod timed;
 
-use std::sync::{Condvar, MutexGuard};
-use std::time::Instant;
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::backend::Device;
 use crate::error::{KernelError, Result};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, HostData, Tensor};
 
 /// An ordered set of global ranks that communicate together.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -111,6 +135,271 @@ pub trait Communicator<B: Device>: Send + Sync {
     /// Marks this rank failed with `reason`: the other ranks' pending and
     /// later collectives return an error naming this rank and the reason.
     fn abort(&self, reason: &str);
+
+    /// Starts [`Self::reduce_scatter`] and returns at once (see the module
+    /// docs, "Started collectives"); the provided method runs the blocking
+    /// call here.
+    fn reduce_scatter_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        Ok(Pending::ready(self.reduce_scatter(b, group, t)))
+    }
+    /// Starts [`Self::all_gather`] and returns at once (see the module docs,
+    /// "Started collectives"); the provided method runs the blocking call
+    /// here.
+    fn all_gather_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        Ok(Pending::ready(self.all_gather(b, group, t)))
+    }
+}
+
+/// One call of this rank on a group, its place among the group's calls
+/// taken: the group, this rank's index in it, the call's number on it, and
+/// its description. Taken when the caller makes the call, so started and
+/// blocking calls keep the caller's order wherever they then run.
+pub(crate) struct Call {
+    pub(crate) group: Group,
+    pub(crate) me: usize,
+    pub(crate) seq: u64,
+    /// "op on group [..] (call #k on this group)", prefixed to messages.
+    pub(crate) ctx: String,
+}
+
+impl Call {
+    /// Call number `seq` of `op` on `group`, where this rank is member `me`.
+    pub(crate) fn new(group: &Group, me: usize, seq: u64, op: Op) -> Self {
+        Call {
+            group: group.clone(),
+            me,
+            seq,
+            ctx: format!(
+                "{} on group {:?} (call #{seq} on this group)",
+                op.name(),
+                group.ranks()
+            ),
+        }
+    }
+}
+
+/// The calls one handle has made on each group, keyed by the group's ranks:
+/// the next call's number there.
+#[derive(Default)]
+pub(crate) struct Calls {
+    counts: Mutex<HashMap<Vec<usize>, u64>>,
+}
+
+impl Calls {
+    /// Checks that `group` is a valid group of a world of `world` ranks
+    /// containing `rank`, and takes its next call number there for `op`.
+    pub(crate) fn enter(&self, rank: usize, world: usize, group: &Group, op: Op) -> Result<Call> {
+        let ranks = group.ranks();
+        let bad = |detail: String| crate::error::arg_err(op.name(), detail);
+        if let Some(&r) = ranks.iter().find(|&&r| r >= world) {
+            return Err(bad(format!(
+                "group {ranks:?} names rank {r}, but the world has {world} ranks"
+            )));
+        }
+        for (i, r) in ranks.iter().enumerate() {
+            if ranks[..i].contains(r) {
+                return Err(bad(format!("group {ranks:?} names rank {r} twice")));
+            }
+        }
+        let me = group
+            .index_of(rank)
+            .ok_or_else(|| bad(format!("rank {rank} is not a member of group {ranks:?}")))?;
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let count = counts.entry(ranks.to_vec()).or_insert(0);
+        let seq = *count;
+        *count += 1;
+        Ok(Call::new(group, me, seq, op))
+    }
+}
+
+/// What a started collective's job delivers: this rank's result as host
+/// values and its shape.
+pub(crate) type Landed = Result<(HostData, Vec<usize>)>;
+
+/// A collective started by [`Communicator::reduce_scatter_start`] or
+/// [`Communicator::all_gather_start`]: [`Self::wait`] gives its result.
+/// Dropping it without waiting still lets the collective run (the peers
+/// count on this rank's contribution); only its result is lost.
+pub struct Pending<B: Device> {
+    state: PendingState<B>,
+    /// Where the wait adds the time it blocked and the time the collective
+    /// ran on its thread ([`timed::TimedComm`]).
+    meter: Option<Arc<timed::Meter>>,
+}
+
+enum PendingState<B: Device> {
+    /// Finished at the start (the provided methods).
+    Ready(Result<Tensor<B>>),
+    /// Running on a progress thread, which replies on `reply`; the result is
+    /// uploaded on the waiting thread, in `dtype`.
+    Started {
+        b: B,
+        /// The result, and how long the collective ran there.
+        reply: Receiver<(Landed, Duration)>,
+        dtype: DType,
+        rank: usize,
+        ctx: String,
+    },
+}
+
+impl<B: Device> Pending<B> {
+    /// A collective that has already finished with `outcome`.
+    pub fn ready(outcome: Result<Tensor<B>>) -> Self {
+        Pending {
+            state: PendingState::Ready(outcome),
+            meter: None,
+        }
+    }
+
+    /// Whether the collective already finished when it was started (the
+    /// provided methods): its time was the start's.
+    pub(crate) fn finished_at_start(&self) -> bool {
+        matches!(self.state, PendingState::Ready(_))
+    }
+
+    /// The same collective, its wait measured into `meter`.
+    pub(crate) fn metered(self, meter: Arc<timed::Meter>) -> Self {
+        Pending {
+            meter: Some(meter),
+            ..self
+        }
+    }
+
+    /// Waits until the collective has finished and returns its result (on
+    /// `b`, in the dtype of the tensor it was started with).
+    pub fn wait(self) -> Result<Tensor<B>> {
+        let waited = Instant::now();
+        let (outcome, ran) = match self.state {
+            PendingState::Ready(outcome) => (outcome, Duration::ZERO),
+            PendingState::Started {
+                b,
+                reply,
+                dtype,
+                rank,
+                ctx,
+            } => match reply.recv() {
+                Ok((Ok((values, shape)), ran)) => {
+                    (local::upload_as(&b, values, &shape, dtype), ran)
+                }
+                Ok((Err(e), ran)) => (Err(e), ran),
+                Err(_) => (
+                    Err(KernelError::Comm {
+                        rank,
+                        detail: format!("{ctx}: the progress thread stopped before finishing it"),
+                    }),
+                    Duration::ZERO,
+                ),
+            },
+        };
+        if let Some(meter) = &self.meter {
+            meter.add(waited.elapsed(), ran);
+        }
+        outcome
+    }
+}
+
+/// One started collective waiting for its turn on a progress thread.
+struct Job {
+    /// "op on group [..] (call #k on this group)", for messages.
+    ctx: String,
+    run: Box<dyn FnOnce() -> Landed + Send>,
+    reply: SyncSender<(Landed, Duration)>,
+}
+
+/// The progress thread of one communicator handle: runs started
+/// collectives one at a time, in the order they were started. Started on
+/// the first collective; it ends once the handle is dropped and the
+/// collectives queued before are done (it is never joined: a wait for peers
+/// ends within the communicator's timeout anyway).
+pub(crate) struct Progress {
+    rank: usize,
+    queue: Mutex<Option<Sender<Job>>>,
+}
+
+impl Progress {
+    /// The progress thread of rank `rank`'s handle (not started yet).
+    pub(crate) fn new(rank: usize) -> Self {
+        Progress {
+            rank,
+            queue: Mutex::new(None),
+        }
+    }
+
+    /// Queues `run` (collective `ctx`, its place among its group's calls
+    /// already taken) behind the collectives started before, and returns
+    /// the handle that waits for it, uploading onto `b` as `dtype`.
+    pub(crate) fn start<B: Device>(
+        &self,
+        b: &B,
+        dtype: DType,
+        ctx: String,
+        run: impl FnOnce() -> Landed + Send + 'static,
+    ) -> Result<Pending<B>> {
+        let rank = self.rank;
+        let stopped = |why: String| KernelError::Comm {
+            rank,
+            detail: format!("{ctx}: cannot start it: {why}"),
+        };
+        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if queue.is_none() {
+            let (tx, rx) = mpsc::channel();
+            std::thread::Builder::new()
+                .name(format!("comm-progress-{rank}"))
+                .spawn(move || progress_loop(rank, rx))
+                .map_err(|e| stopped(format!("the progress thread did not start: {e}")))?;
+            *queue = Some(tx);
+        }
+        let (reply, reply_rx) = mpsc::sync_channel(1);
+        let job = Job {
+            ctx: ctx.clone(),
+            run: Box::new(run),
+            reply,
+        };
+        let sent = queue.as_ref().is_some_and(|q| q.send(job).is_ok());
+        if !sent {
+            return Err(stopped("the progress thread has stopped".into()));
+        }
+        Ok(Pending {
+            state: PendingState::Started {
+                b: b.clone(),
+                reply: reply_rx,
+                dtype,
+                rank,
+                ctx,
+            },
+            meter: None,
+        })
+    }
+}
+
+/// The progress thread's body: each job in turn; after a failure the later
+/// jobs fail at once, naming it (their peers are released by the abort
+/// that the failure leads to, or by their own timeout).
+fn progress_loop(rank: usize, jobs: Receiver<Job>) {
+    let mut failed: Option<String> = None;
+    for job in jobs {
+        let began = Instant::now();
+        let outcome = match &failed {
+            Some(why) => Err(KernelError::Comm {
+                rank,
+                detail: format!(
+                    "{}: not run, an earlier started collective failed: {why}",
+                    job.ctx
+                ),
+            }),
+            None => catch_unwind(AssertUnwindSafe(job.run)).unwrap_or_else(|_| {
+                Err(KernelError::Comm {
+                    rank,
+                    detail: format!("{}: panicked on the progress thread", job.ctx),
+                })
+            }),
+        };
+        if let Err(e) = &outcome {
+            failed.get_or_insert_with(|| e.to_string());
+        }
+        // A waiter that went away needs no reply.
+        let _ = job.reply.send((outcome, began.elapsed()));
+    }
 }
 
 /// Which collective a member called, with the arguments every member must
@@ -249,6 +538,23 @@ pub(crate) fn all_to_all_v_args_error(
         } else {
             None
         }
+    })
+}
+
+/// Why `reduce_scatter`'s tensor of `shape` cannot be split over a group of
+/// `size`, if it cannot: it needs a first dimension divisible by the size.
+pub(crate) fn reduce_scatter_args_error(shape: &[usize], size: usize) -> Option<KernelError> {
+    let op = "reduce_scatter";
+    local::needs_dim0(op, shape).or_else(|| {
+        (!shape[0].is_multiple_of(size)).then(|| {
+            crate::error::arg_err(
+                op,
+                format!(
+                    "dimension 0 of shape {shape:?} is {}, not divisible by the group size {size}",
+                    shape[0]
+                ),
+            )
+        })
     })
 }
 

@@ -45,7 +45,10 @@ use std::time::{Duration, Instant};
 
 use super::local::{concat_host, needs_dim0, reduce_host, upload_as};
 use super::rendezvous::{configure, listen_any, DistEnv, Rendezvous};
-use super::{abort_failure, wait_for_change, CallSig, Communicator, Group, Op, ReduceOp};
+use super::{
+    abort_failure, wait_for_change, Call, CallSig, Calls, Communicator, Group, Landed, Op, Pending,
+    Progress, ReduceOp,
+};
 use crate::backend::Device;
 use crate::error::{arg_err, KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
@@ -181,6 +184,18 @@ struct Gathered {
 /// Dropping it tells the peers it has left (their calls that still need it
 /// fail); dropping it while its thread panics aborts the rank first.
 pub struct TcpComm {
+    net: Arc<Net>,
+    /// Calls made so far on each group.
+    calls: Calls,
+    /// Runs the collectives started on this handle.
+    progress: Progress,
+}
+
+/// This rank's connections and what its reader threads file: what a
+/// collective needs once its place among the group's calls is taken (the
+/// blocking calls use it on the caller's thread, the started ones on the
+/// handle's progress thread).
+struct Net {
     rank: usize,
     world: usize,
     timeout: Duration,
@@ -188,16 +203,14 @@ pub struct TcpComm {
     /// The connection to each rank (`None` at this rank's own index), for
     /// writing; a reader thread owns a clone of each for reading.
     links: Vec<Option<Mutex<TcpStream>>>,
-    /// Calls made so far on each group, keyed by the group's ranks.
-    seqs: Mutex<HashMap<Vec<usize>, u64>>,
 }
 
 impl std::fmt::Debug for TcpComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpComm")
-            .field("rank", &self.rank)
-            .field("world", &self.world)
-            .field("timeout", &self.timeout)
+            .field("rank", &self.net.rank)
+            .field("world", &self.net.world)
+            .field("timeout", &self.net.timeout)
             .finish()
     }
 }
@@ -291,12 +304,15 @@ impl TcpComm {
             links.push(Some(Mutex::new(s)));
         }
         Ok(TcpComm {
-            rank,
-            world,
-            timeout,
-            shared,
-            links,
-            seqs: Mutex::new(HashMap::new()),
+            net: Arc::new(Net {
+                rank,
+                world,
+                timeout,
+                shared,
+                links,
+            }),
+            calls: Calls::default(),
+            progress: Progress::new(rank),
         })
     }
 
@@ -305,17 +321,17 @@ impl TcpComm {
 
     /// This rank's global index.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.net.rank
     }
 
     /// Number of ranks in the world.
     pub fn world(&self) -> usize {
-        self.world
+        self.net.world
     }
 
     /// How long a call waits for its peers before failing.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.net.timeout
     }
 
     /// Returns once every member of `group` has called it (also reachable as
@@ -335,20 +351,39 @@ impl TcpComm {
     /// reachable as [`Communicator::abort`]): every pending and later call
     /// on every rank returns an error naming this rank and the reason.
     pub fn abort(&self, reason: &str) {
-        let me = self.rank;
-        self.shared.update(|st| {
+        let me = self.net.rank;
+        self.net.shared.update(|st| {
             if !st.aborted.iter().any(|(r, _)| *r == me) {
                 st.aborted.push((me, reason.to_string()));
             }
         });
         let mut body = Enc::default();
         body.str(reason);
-        for peer in 0..self.world {
+        for peer in 0..self.net.world {
             // Best effort: a peer that is gone needs no telling.
-            let _ = self.write_frame(peer, KIND_ABORT, &[&body.0]);
+            let _ = self.net.write_frame(peer, KIND_ABORT, &[&body.0]);
         }
     }
 
+    /// Checks `group` and takes this rank's next place among its calls.
+    fn enter(&self, group: &Group, op: Op) -> Result<Call> {
+        self.calls.enter(self.net.rank, self.net.world, group, op)
+    }
+
+    /// [`Net::exchange`] as this rank's next call on `group`.
+    fn exchange(
+        &self,
+        group: &Group,
+        header: Header,
+        data: Option<&HostData>,
+        range_for: impl Fn(usize) -> Range<usize>,
+    ) -> Result<Gathered> {
+        let call = self.enter(group, header.op)?;
+        self.net.exchange(&call, header, data, range_for)
+    }
+}
+
+impl Net {
     fn comm_err(&self, detail: String) -> KernelError {
         KernelError::Comm {
             rank: self.rank,
@@ -359,41 +394,6 @@ impl TcpComm {
     /// The error every call returns once some rank has aborted.
     fn failure(&self, st: &State, ctx: &str) -> Option<KernelError> {
         abort_failure(self.rank, &st.aborted, ctx)
-    }
-
-    /// Checks that `group` is a valid group of this world containing this
-    /// rank, and returns this rank's index in it.
-    fn member_index(&self, group: &Group, op: &'static str) -> Result<usize> {
-        let ranks = group.ranks();
-        if let Some(&r) = ranks.iter().find(|&&r| r >= self.world) {
-            return Err(arg_err(
-                op,
-                format!(
-                    "group {ranks:?} names rank {r}, but the world has {} ranks",
-                    self.world
-                ),
-            ));
-        }
-        for (i, r) in ranks.iter().enumerate() {
-            if ranks[..i].contains(r) {
-                return Err(arg_err(op, format!("group {ranks:?} names rank {r} twice")));
-            }
-        }
-        group.index_of(self.rank).ok_or_else(|| {
-            arg_err(
-                op,
-                format!("rank {} is not a member of group {ranks:?}", self.rank),
-            )
-        })
-    }
-
-    /// The next call number on `group` (the first is 0).
-    fn next_seq(&self, group: &Group) -> u64 {
-        let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = seqs.entry(group.ranks().to_vec()).or_insert(0);
-        let this = *seq;
-        *seq += 1;
-        this
     }
 
     /// Writes one frame (`kind`, the total length, then `parts`) to `peer`.
@@ -453,23 +453,17 @@ impl TcpComm {
     }
 
     /// Sends `header` and the elements `range_for(j)` of `data` to every
-    /// other member `j` of `group`, then waits for every member's
+    /// other member `j` of `call`'s group, then waits for every member's
     /// contribution to this call and checks that they agree.
     fn exchange(
         &self,
-        group: &Group,
+        call: &Call,
         header: Header,
         data: Option<&HostData>,
         range_for: impl Fn(usize) -> Range<usize>,
     ) -> Result<Gathered> {
-        let op = header.op;
-        let me = self.member_index(group, op.name())?;
-        let seq = self.next_seq(group);
-        let ranks = group.ranks();
-        let ctx = format!(
-            "{} on group {ranks:?} (call #{seq} on this group)",
-            op.name()
-        );
+        let (me, seq, ctx) = (call.me, call.seq, call.ctx.clone());
+        let ranks = call.group.ranks();
         let key = |peer: usize| (peer, ranks.to_vec(), seq);
         // A member whose arguments to this call were wrong has usually
         // aborted since; its contribution names the mistake itself.
@@ -954,6 +948,67 @@ impl<'a> Dec<'a> {
     }
 }
 
+impl TcpComm {
+    /// `reduce_scatter`'s place, header and host values, its arguments
+    /// checked (wrong ones are told to the peers and returned).
+    fn reduce_scatter_call<B: Device>(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+    ) -> Result<(Call, Header, HostData)> {
+        let header = Header::of(Op::ReduceScatter, t);
+        if let Some(e) = super::reduce_scatter_args_error(t.shape(), group.size()) {
+            return Err(self.reject(group, header, e));
+        }
+        let data = b.download(t)?;
+        Ok((self.enter(group, Op::ReduceScatter)?, header, data))
+    }
+
+    /// `all_gather`'s place, header and host values, its arguments checked.
+    fn all_gather_call<B: Device>(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+    ) -> Result<(Call, Header, HostData)> {
+        let header = Header::of(Op::AllGather, t);
+        if let Some(e) = needs_dim0("all_gather", t.shape()) {
+            return Err(self.reject(group, header, e));
+        }
+        let data = b.download(t)?;
+        Ok((self.enter(group, Op::AllGather)?, header, data))
+    }
+}
+
+impl Net {
+    /// `reduce_scatter` from its place: member j receives only its part from
+    /// everyone and sums it in group order (elementwise, so the same bits as
+    /// summing all and splitting).
+    fn reduce_scatter(&self, call: &Call, header: Header, data: &HostData) -> Landed {
+        let size = call.group.size();
+        let mut shape = header.shape.clone();
+        let chunk = data.len() / size;
+        let g = self.exchange(call, header, Some(data), |j| j * chunk..(j + 1) * chunk)?;
+        let out = reduce_host(&self.values(&g)?, 0..chunk, ReduceOp::Sum);
+        shape[0] /= size;
+        Ok((self.internal(&g, out)?, shape))
+    }
+
+    /// `all_gather` from its place: every member's values in group order.
+    fn all_gather(&self, call: &Call, header: Header, data: &HostData) -> Landed {
+        let mut shape = header.shape.clone();
+        let n = data.len();
+        let g = self.exchange(call, header, Some(data), |_| 0..n)?;
+        let values = self.values(&g)?;
+        let pieces: Vec<(&HostData, Range<usize>)> =
+            values.iter().map(|&h| (h, 0..h.len())).collect();
+        let out = concat_host(&pieces);
+        shape[0] = g.headers.iter().map(|h| h.shape[0]).sum();
+        Ok((self.internal(&g, out)?, shape))
+    }
+}
+
 impl<B: Device> Communicator<B> for TcpComm {
     fn rank(&self) -> usize {
         TcpComm::rank(self)
@@ -969,56 +1024,38 @@ impl<B: Device> Communicator<B> for TcpComm {
         let g = self.exchange(group, Header::of(Op::AllReduce(op), t), Some(&data), |_| {
             0..n
         })?;
-        let out = reduce_host(&self.values(&g)?, 0..n, op);
-        upload_as(b, self.internal(&g, out)?, t.shape(), t.dtype())
+        let out = reduce_host(&self.net.values(&g)?, 0..n, op);
+        upload_as(b, self.net.internal(&g, out)?, t.shape(), t.dtype())
     }
 
     fn reduce_scatter(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Tensor<B>> {
-        let op = "reduce_scatter";
-        let size = group.size();
-        let shape = t.shape();
-        let invalid = needs_dim0(op, shape).or_else(|| {
-            (!shape[0].is_multiple_of(size)).then(|| {
-                arg_err(
-                    op,
-                    format!(
-                        "dimension 0 of shape {shape:?} is {}, not divisible by the group size \
-                         {size}",
-                        shape[0]
-                    ),
-                )
-            })
-        });
-        if let Some(e) = invalid {
-            return Err(self.reject(group, Header::of(Op::ReduceScatter, t), e));
-        }
-        let data = b.download(t)?;
-        // Member j receives only its part from everyone and sums it in group
-        // order: elementwise, so the same bits as summing all and splitting.
-        let chunk = t.numel() / size;
-        let g = self.exchange(group, Header::of(Op::ReduceScatter, t), Some(&data), |j| {
-            j * chunk..(j + 1) * chunk
-        })?;
-        let out = reduce_host(&self.values(&g)?, 0..chunk, ReduceOp::Sum);
-        let mut out_shape = shape.to_vec();
-        out_shape[0] /= size;
-        upload_as(b, self.internal(&g, out)?, &out_shape, t.dtype())
+        let (call, header, data) = self.reduce_scatter_call(b, group, t)?;
+        let (values, shape) = self.net.reduce_scatter(&call, header, &data)?;
+        upload_as(b, values, &shape, t.dtype())
+    }
+
+    fn reduce_scatter_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        let (call, header, data) = self.reduce_scatter_call(b, group, t)?;
+        let net = Arc::clone(&self.net);
+        let ctx = call.ctx.clone();
+        self.progress.start(b, t.dtype(), ctx, move || {
+            net.reduce_scatter(&call, header, &data)
+        })
     }
 
     fn all_gather(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Tensor<B>> {
-        if let Some(e) = needs_dim0("all_gather", t.shape()) {
-            return Err(self.reject(group, Header::of(Op::AllGather, t), e));
-        }
-        let data = b.download(t)?;
-        let n = t.numel();
-        let g = self.exchange(group, Header::of(Op::AllGather, t), Some(&data), |_| 0..n)?;
-        let values = self.values(&g)?;
-        let pieces: Vec<(&HostData, Range<usize>)> =
-            values.iter().map(|&h| (h, 0..h.len())).collect();
-        let out = concat_host(&pieces);
-        let mut shape = t.shape().to_vec();
-        shape[0] = g.headers.iter().map(|h| h.shape[0]).sum();
-        upload_as(b, self.internal(&g, out)?, &shape, t.dtype())
+        let (call, header, data) = self.all_gather_call(b, group, t)?;
+        let (values, shape) = self.net.all_gather(&call, header, &data)?;
+        upload_as(b, values, &shape, t.dtype())
+    }
+
+    fn all_gather_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
+        let (call, header, data) = self.all_gather_call(b, group, t)?;
+        let net = Arc::clone(&self.net);
+        let ctx = call.ctx.clone();
+        self.progress.start(b, t.dtype(), ctx, move || {
+            net.all_gather(&call, header, &data)
+        })
     }
 
     fn all_to_all_v(
@@ -1051,7 +1088,7 @@ impl<B: Device> Communicator<B> for TcpComm {
         let g = self.exchange(group, header, Some(&data), |k| {
             starts[k] * row_len..(starts[k] + send_rows[k]) * row_len
         })?;
-        let values = self.values(&g)?;
+        let values = self.net.values(&g)?;
         let pieces: Vec<(&HostData, Range<usize>)> =
             values.iter().map(|&h| (h, 0..h.len())).collect();
         let counts: Vec<usize> = g.headers.iter().map(|h| h.send_rows[g.me]).collect();
@@ -1059,7 +1096,7 @@ impl<B: Device> Communicator<B> for TcpComm {
         let mut out_shape = shape.to_vec();
         out_shape[0] = counts.iter().sum();
         Ok((
-            upload_as(b, self.internal(&g, out)?, &out_shape, t.dtype())?,
+            upload_as(b, self.net.internal(&g, out)?, &out_shape, t.dtype())?,
             counts,
         ))
     }
@@ -1074,12 +1111,12 @@ impl<B: Device> Communicator<B> for TcpComm {
             );
             return Err(self.reject(group, header, e));
         }
-        let is_root = group.index_of(self.rank) == Some(root);
+        let is_root = group.index_of(self.net.rank) == Some(root);
         let data = if is_root { Some(b.download(t)?) } else { None };
         let n = t.numel();
         let g = self.exchange(group, header, data.as_ref(), |_| 0..n)?;
         let out = g.data[root].clone().ok_or_else(|| {
-            self.comm_err(format!(
+            self.net.comm_err(format!(
                 "{}: the root sent no values (internal error)",
                 g.ctx
             ))
@@ -1089,26 +1126,26 @@ impl<B: Device> Communicator<B> for TcpComm {
     }
 
     fn send(&self, b: &B, to: usize, t: &Tensor<B>) -> Result<()> {
-        if to >= self.world {
+        if to >= self.net.world {
             return Err(arg_err(
                 "send",
                 format!(
                     "destination rank {to} is outside the world of {} ranks",
-                    self.world
+                    self.net.world
                 ),
             ));
         }
         let data = b.download(t)?;
-        let ctx = format!("send from rank {} to rank {to}", self.rank);
+        let ctx = format!("send from rank {} to rank {to}", self.net.rank);
         {
-            let st = self.shared.lock();
-            if let Some(e) = self.failure(&st, &ctx) {
+            let st = self.net.shared.lock();
+            if let Some(e) = self.net.failure(&st, &ctx) {
                 return Err(e);
             }
         }
-        if to == self.rank {
+        if to == self.net.rank {
             let (shape, dtype) = (t.shape().to_vec(), t.dtype());
-            self.shared.update(|st| {
+            self.net.shared.update(|st| {
                 st.mail
                     .entry(to)
                     .or_default()
@@ -1120,39 +1157,40 @@ impl<B: Device> Communicator<B> for TcpComm {
         body.u8(dtype_code(t.dtype()));
         body.usizes(t.shape());
         body.host(Some((&data, 0..data.len())));
-        self.write_frame(to, KIND_P2P, &[&body.0])
-            .map_err(|e| self.write_error(to, e, &ctx))
+        self.net
+            .write_frame(to, KIND_P2P, &[&body.0])
+            .map_err(|e| self.net.write_error(to, e, &ctx))
     }
 
     fn recv(&self, b: &B, from: usize) -> Result<Tensor<B>> {
-        if from >= self.world {
+        if from >= self.net.world {
             return Err(arg_err(
                 "recv",
                 format!(
                     "source rank {from} is outside the world of {} ranks",
-                    self.world
+                    self.net.world
                 ),
             ));
         }
-        let ctx = format!("recv on rank {} from rank {from}", self.rank);
-        let deadline = Instant::now() + self.timeout;
-        let mut st = self.shared.lock();
+        let ctx = format!("recv on rank {} from rank {from}", self.net.rank);
+        let deadline = Instant::now() + self.net.timeout;
+        let mut st = self.net.shared.lock();
         let msg = loop {
-            if let Some(e) = self.failure(&st, &ctx) {
+            if let Some(e) = self.net.failure(&st, &ctx) {
                 return Err(e);
             }
             if let Some(msg) = st.mail.get_mut(&from).and_then(VecDeque::pop_front) {
                 break msg;
             }
             if let Some(why) = &st.gone[from] {
-                return Err(self.comm_err(format!(
+                return Err(self.net.comm_err(format!(
                     "{ctx}: rank {from} {why} with nothing left to send"
                 )));
             }
-            st = wait_for_change(st, &self.shared.cv, deadline, || {
-                self.comm_err(format!(
+            st = wait_for_change(st, &self.net.shared.cv, deadline, || {
+                self.net.comm_err(format!(
                     "{ctx}: timed out after {:?}: rank {from} has sent nothing",
-                    self.timeout
+                    self.net.timeout
                 ))
             })?;
         };
@@ -1189,11 +1227,11 @@ impl TcpComm {
 impl Drop for TcpComm {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.abort(&format!("rank {} panicked", self.rank));
+            self.abort(&format!("rank {} panicked", self.net.rank));
         }
-        for peer in 0..self.world {
-            let _ = self.write_frame(peer, KIND_BYE, &[]);
-            if let Some(Some(link)) = self.links.get(peer) {
+        for peer in 0..self.net.world {
+            let _ = self.net.write_frame(peer, KIND_BYE, &[]);
+            if let Some(Some(link)) = self.net.links.get(peer) {
                 // Closing only the writing side: what the peer still sends
                 // is read (and discarded) until it closes too, so it never
                 // meets a reset that could lose data it has not yet read.
@@ -1303,7 +1341,7 @@ impl TcpComm {
     /// Closes every connection without a goodbye, as a killed process's
     /// kernel would.
     fn sever(&self) {
-        for link in self.links.iter().flatten() {
+        for link in self.net.links.iter().flatten() {
             let s = link.lock().unwrap_or_else(|p| p.into_inner());
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -1741,5 +1779,72 @@ mod tests {
             let mut d = Dec(&bytes[..cut]);
             assert!(d.header().and_then(|_| d.host()?).is_none(), "cut at {cut}");
         }
+    }
+
+    /// Reduce-scatters and all-gathers over two orders of the world, with a
+    /// blocking all-reduce between them on the same group: started (then
+    /// waited in another order) or blocking.
+    fn scatter_and_gather(c: &dyn Communicator<Cpu>, started: bool) -> Result<Vec<HostData>> {
+        let (rank, n) = (c.rank(), c.world());
+        let mut rng = ChaCha8Rng::seed_from_u64(2000 + rank as u64);
+        let mut out = Vec::new();
+        for g in [world_group(n), Group::new((0..n).rev().collect())] {
+            let x = Cpu.upload(HostData::F32(values(&mut rng, 4 * n)), &[2 * n, 2])?;
+            let rows = g.index_of(rank).unwrap_or(0);
+            let y = Cpu.upload(HostData::F32(values(&mut rng, 3 * rows)), &[rows, 3])?;
+            if started {
+                let rs = c.reduce_scatter_start(&Cpu, &g, &x)?;
+                let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
+                let ag = c.all_gather_start(&Cpu, &g, &y)?;
+                let (ag, rs) = (ag.wait()?, rs.wait()?);
+                out.extend([host(&rs), host(&sum), host(&ag)]);
+            } else {
+                let rs = c.reduce_scatter(&Cpu, &g, &x)?;
+                let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
+                let ag = c.all_gather(&Cpu, &g, &y)?;
+                out.extend([host(&rs), host(&sum), host(&ag)]);
+            }
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn started_collectives_are_bit_identical_to_the_local_blocking_ones() {
+        for n in 1..=3 {
+            let local: Vec<_> = run_local(n, TIMEOUT, |c| scatter_and_gather(&c, false))
+                .into_iter()
+                .map(Result::unwrap)
+                .collect();
+            let tcp = run_loopback(n, TIMEOUT, |c| scatter_and_gather(c, true));
+            for (rank, (want, got)) in local.iter().zip(&tcp).enumerate() {
+                let got = got.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                let bits_of = |v: &[HostData]| v.iter().map(bits).collect::<Vec<_>>();
+                assert_eq!(bits_of(want), bits_of(got), "{n} ranks, rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_that_dies_during_a_started_collective_is_named() {
+        let start = Instant::now();
+        let out = run_loopback(3, TIMEOUT, |c| {
+            if c.rank() == 1 {
+                c.sever();
+                std::thread::sleep(Duration::from_millis(300));
+                return Ok(String::new());
+            }
+            let p = c.reduce_scatter_start(&Cpu, &world_group(3), &t32(&[1.0; 3], &[3]))?;
+            Ok(p.wait().unwrap_err().to_string())
+        });
+        for r in [0, 2] {
+            let d = out[r].as_ref().unwrap();
+            assert!(
+                d.contains("reduce_scatter on group [0, 1, 2]")
+                    && d.contains("rank 1 disconnected"),
+                "{d}"
+            );
+            assert!(!d.contains('\n'), "{d}");
+        }
+        assert!(start.elapsed() < TIMEOUT / 2, "took {:?}", start.elapsed());
     }
 }

@@ -19,11 +19,25 @@
 //!
 //! A non-finite loss or norm is seen by every rank (they are reduced first),
 //! so all ranks refuse the step together.
+//!
+//! Buckets are cut to the run's [`DdpConfig`](crate::engine::optim::DdpConfig)
+//! (Megatron-Core's `--ddp-bucket-size`): walking the parameters in backward order, a kind's
+//! bucket closes once it holds the bucket size. With `overlap_grad_reduce`,
+//! a bucket's reduce-scatter is started in the last micro-batch's backward
+//! as soon as every block holding one of its parameters has run its
+//! backward (buckets holding the embedding, the final norm, the head or MTP
+//! modules start after the backward), on the communicator's progress
+//! thread, and waited for before the norm. With `overlap_param_gather`,
+//! each bucket's all-gather is started once its chunk is updated and waited
+//! for after the last bucket's update. Every element is summed over the
+//! same ranks in the same group order as without overlap (a tp-replicated
+//! bucket's tp sum is its own all-reduce instead of a part of one for all of
+//! them), so the results are bit-identical.
 
 use std::collections::HashMap;
 
 use foldmoe_kernels::{
-    AdamWConfig, Backend, DType, Group, HostData, KernelError, ReduceOp, Tensor,
+    AdamWConfig, Backend, DType, Group, HostData, KernelError, Pending, ReduceOp, Tensor,
 };
 
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
@@ -31,7 +45,7 @@ use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
 use crate::engine::model::{Batch, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
-use crate::engine::param::Param;
+use crate::engine::param::{Module, Param};
 use crate::engine::trainer::{download_loads, load_imbalance, LayerLoad, StepStats, TrainConfig};
 use crate::engine::{EngineError, Result};
 use crate::spec::FfnSpec;
@@ -123,6 +137,12 @@ pub struct Trainer<B: Backend> {
     /// The last step's loads of this rank's MoE layers, `[E]` each in block
     /// order, as the step read them to the host (summed over the stage).
     loads: Vec<Vec<f64>>,
+    /// Each parameter's block among this rank's blocks (optimizer order), or
+    /// none for those outside blocks: when its gradient is final.
+    owners: Vec<Option<usize>>,
+    /// The reduce-scatters the last backward started, by bucket
+    /// (`overlap_grad_reduce`).
+    in_flight: Vec<Option<Pending<B>>>,
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
@@ -151,6 +171,59 @@ fn params_of<B: Backend>(model: &Model<B>) -> Vec<(Kind, usize, Option<Box<Shard
     model.visit_dense(&mut |p| push(p, false));
     model.visit_experts(&mut |p| push(p, true));
     out
+}
+
+/// The buckets of parameters `kinds_numels` (kind and elements, in
+/// optimizer order) for a bucket size of `size` elements: walking the
+/// parameters in backward (reverse) order, each kind fills its open bucket
+/// and closes it once it holds `size` elements or more (Megatron-Core's
+/// rule: parameters are never split). Each bucket lists its parameters in
+/// optimizer order, and the buckets are ordered by their first parameter,
+/// so `usize::MAX` gives one bucket per kind in order of first appearance.
+fn plan_buckets(kinds_numels: &[(Kind, usize)], size: usize) -> Vec<(Kind, Vec<usize>)> {
+    let mut closed: Vec<(Kind, Vec<usize>)> = Vec::new();
+    let mut open: Vec<(Kind, Vec<usize>, usize)> = Vec::new();
+    for (i, &(kind, numel)) in kinds_numels.iter().enumerate().rev() {
+        let at = match open.iter().position(|o| o.0 == kind) {
+            Some(at) => at,
+            None => {
+                open.push((kind, Vec::new(), 0));
+                open.len() - 1
+            }
+        };
+        open[at].1.push(i);
+        open[at].2 += numel;
+        if open[at].2 >= size {
+            let (kind, members, _) = open.remove(at);
+            closed.push((kind, members));
+        }
+    }
+    closed.extend(open.into_iter().map(|(kind, members, _)| (kind, members)));
+    for (_, members) in &mut closed {
+        members.reverse();
+    }
+    closed.sort_by_key(|(_, members)| members[0]);
+    closed
+}
+
+/// Each parameter's block among `model`'s blocks, in optimizer order (none
+/// for the embedding, the final norm, the head and the MTP modules).
+fn param_owners<B: Backend>(model: &Model<B>) -> Vec<Option<usize>> {
+    let mut block_of: HashMap<*const Param<B>, usize> = HashMap::new();
+    for (j, block) in model.blocks().enumerate() {
+        let mut mark = |p: &Param<B>| {
+            block_of.insert(std::ptr::from_ref(p), j);
+        };
+        block.visit_dense(&mut mark);
+        if let Some(moe) = block.moe() {
+            moe.experts.visit_params(&mut mark);
+        }
+    }
+    let mut owners = Vec::new();
+    let mut owner = |p: &Param<B>| owners.push(block_of.get(&std::ptr::from_ref(p)).copied());
+    model.visit_dense(&mut owner);
+    model.visit_experts(&mut owner);
+    owners
 }
 
 fn visit_all_mut<B: Backend>(model: &mut Model<B>, f: &mut dyn FnMut(&mut Param<B>)) {
@@ -190,6 +263,64 @@ fn pack<B: Backend>(b: &B, parts: &[Tensor<B>], padded: usize) -> Result<Tensor<
     Ok(b.concat(&refs)?)
 }
 
+/// Bucket `bk`'s flat gradient from its members' gradients `parts`,
+/// zero-padded to a multiple of its data-parallel `group`.
+fn bucket_flat<B: Backend>(
+    b: &B,
+    bk: &Bucket<B>,
+    parts: &[Tensor<B>],
+    group: &Group,
+) -> Result<Tensor<B>> {
+    pack(b, parts, bk.chunk * group.size())
+}
+
+/// Starts the reduction of every bucket not started yet (`in_flight[k]`
+/// none) whose parameters all have final gradients (`is_final` of their
+/// owner block, see [`param_owners`]), in bucket order: a tp-replicated
+/// bucket is summed over tp first (elementwise in tp order, as the
+/// unoverlapped all-reduce of all of them), then every bucket's
+/// reduce-scatter is started over its data-parallel group.
+fn start_final_buckets<B: Backend>(
+    ctx: &Ctx<B>,
+    model: &Model<B>,
+    buckets: &[Bucket<B>],
+    owners: &[Option<usize>],
+    in_flight: &mut [Option<Pending<B>>],
+    is_final: &dyn Fn(Option<usize>) -> bool,
+) -> Result<()> {
+    let b = ctx.b;
+    let ready: Vec<usize> = (0..buckets.len())
+        .filter(|&k| {
+            in_flight[k].is_none() && buckets[k].members.iter().all(|m| is_final(owners[m.0]))
+        })
+        .collect();
+    if ready.is_empty() {
+        return Ok(());
+    }
+    let mut grads = Vec::new();
+    model.visit_dense(&mut |p| grads.push(&p.grad));
+    model.visit_experts(&mut |p| grads.push(&p.grad));
+    for k in ready {
+        let bk = &buckets[k];
+        let group = if bk.kind.expert {
+            &ctx.rank.edp
+        } else {
+            &ctx.rank.dp_cp
+        };
+        let parts: Vec<Tensor<B>> = bk.members.iter().map(|m| grads[m.0].clone()).collect();
+        let mut flat = bucket_flat(b, bk, &parts, group)?;
+        if bk.kind.tp_replicated {
+            flat = ctx.sum_over(&ctx.rank.tp, &flat)?;
+        }
+        in_flight[k] = Some(if group.size() > 1 {
+            ctx.comm.reduce_scatter_start(b, group, &flat)?
+        } else {
+            Pending::ready(Ok(flat))
+        });
+    }
+    Ok(())
+}
+
 impl<B: Backend> Trainer<B> {
     /// A trainer with zero moments for this rank's chunks, and master
     /// copies of them taken from the parameters where `cfg.master_weights`
@@ -200,26 +331,30 @@ impl<B: Backend> Trainer<B> {
         let masters = cfg.master_weights.applies_to(dtype);
         let state = if masters { DType::F32 } else { dtype };
         let params = params_of(&model);
+        let bucket_size = cfg
+            .ddp
+            .resolved_bucket_size(dp_cp)
+            .map_err(EngineError::Invalid)?;
+        let kinds_numels: Vec<(Kind, usize)> = params.iter().map(|(k, n, _)| (*k, *n)).collect();
         let mut buckets: Vec<Bucket<B>> = Vec::new();
-        for (i, (kind, numel, _)) in params.iter().enumerate() {
-            let bucket = match buckets.iter_mut().position(|bk| bk.kind == *kind) {
-                Some(j) => &mut buckets[j],
-                None => {
-                    buckets.push(Bucket {
-                        kind: *kind,
-                        members: Vec::new(),
-                        len: 0,
-                        chunk: 0,
-                        m: b.zeros(&[1], state)?,
-                        v: b.zeros(&[1], state)?,
-                        master: None,
-                    });
-                    buckets.last_mut().expect("just pushed")
-                }
+        for (kind, members) in plan_buckets(&kinds_numels, bucket_size) {
+            let mut bucket = Bucket {
+                kind,
+                members: Vec::new(),
+                len: 0,
+                chunk: 0,
+                m: b.zeros(&[1], state)?,
+                v: b.zeros(&[1], state)?,
+                master: None,
             };
-            bucket.members.push((i, bucket.len, *numel));
-            bucket.len += numel;
+            for i in members {
+                let numel = kinds_numels[i].1;
+                bucket.members.push((i, bucket.len, numel));
+                bucket.len += numel;
+            }
+            buckets.push(bucket);
         }
+        let owners = param_owners(&model);
         let mut values = Vec::new();
         if masters {
             model.visit_dense(&mut |p| values.push(p.value.clone()));
@@ -255,6 +390,8 @@ impl<B: Backend> Trainer<B> {
             pipeline_wait: std::time::Duration::ZERO,
             mtp_loss: None,
             loads: Vec::new(),
+            owners,
+            in_flight: Vec::new(),
         })
     }
 
@@ -421,6 +558,12 @@ impl<B: Backend> Trainer<B> {
         let mut saved = HashMap::new();
         self.pipeline_wait = std::time::Duration::ZERO;
         self.model.begin_step();
+        let overlap = self.cfg.ddp.overlap_grad_reduce;
+        self.in_flight = (0..self.buckets.len()).map(|_| None).collect();
+        // Backward passes run per chunk, and this rank's blocks whose last
+        // one has run (their gradients are final).
+        let mut backwards = vec![0; vpp];
+        let mut finished = vec![false; self.model.block_count()];
         let mut mtp_loss = b.zeros(&[1], dtype.acc())?;
         // MoE layers of the chunks before each chunk: where its loads go.
         let mut moe_before = vec![0; vpp + 1];
@@ -491,11 +634,23 @@ impl<B: Backend> Trainer<B> {
                         self.pipeline_wait += waited.elapsed();
                         Some(d)
                     };
-                    let input_grad = self.model.backward_chunk(
+                    backwards[op.chunk] += 1;
+                    let last = overlap && backwards[op.chunk] == micro_batches.len();
+                    let (buckets, owners) = (&self.buckets, &self.owners);
+                    let (in_flight, finished) = (&mut self.in_flight, &mut finished);
+                    let input_grad = self.model.backward_chunk_with(
                         &ctx.exec().at_micro(op.micro),
                         chunk_saved,
                         output_grad,
                         scale,
+                        &mut |model, block| {
+                            if !last {
+                                return Ok(());
+                            }
+                            finished[block] = true;
+                            let is_final = |o: Option<usize>| o.is_some_and(|j| finished[j]);
+                            start_final_buckets(ctx, model, buckets, owners, in_flight, &is_final)
+                        },
                     )?;
                     if let Some(d) = &input_grad {
                         ctx.comm.send(b, pp_ranks[(stage - 1) % pp], d)?;
@@ -558,6 +713,30 @@ impl<B: Backend> Trainer<B> {
             let summed = ctx.sum_over(&ctx.rank.embedding, g)?;
             self.model.embed.table.grad = summed;
         }
+        if self.cfg.ddp.overlap_grad_reduce {
+            // The buckets the backward did not start (parameters outside
+            // blocks, or no backward ran through `accumulate`) start now.
+            self.in_flight.resize_with(self.buckets.len(), || None);
+            let (buckets, owners) = (&self.buckets, &self.owners);
+            start_final_buckets(
+                ctx,
+                &self.model,
+                buckets,
+                owners,
+                &mut self.in_flight,
+                &|_| true,
+            )?;
+            let chunks = std::mem::take(&mut self.in_flight)
+                .into_iter()
+                .map(|p| match p {
+                    Some(p) => Ok(p.wait()?),
+                    None => Err(EngineError::Invalid(
+                        "reduce_gradients: a bucket was never started (internal error)".into(),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(GradChunks { chunks });
+        }
         let mut grads = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| grads.push(p.grad.clone()));
         if ctx.rank.tp.size() > 1 {
@@ -585,7 +764,7 @@ impl<B: Backend> Trainer<B> {
                 .iter()
                 .map(|&(i, _, _)| grads[i].clone())
                 .collect();
-            let flat = pack(b, &parts, bk.chunk * group.size())?;
+            let flat = bucket_flat(b, bk, &parts, group)?;
             chunks.push(if group.size() > 1 {
                 ctx.comm.reduce_scatter(b, group, &flat)?
             } else {
@@ -796,6 +975,8 @@ impl<B: Backend> Trainer<B> {
         visit_all_mut(&mut self.model, &mut |p| values.push(p.value.clone()));
         let mut updated: Vec<Option<Tensor<B>>> = vec![None; values.len()];
         let me = ctx.rank.rank;
+        let overlap = self.cfg.ddp.overlap_param_gather;
+        let mut gathers = Vec::with_capacity(self.buckets.len());
         for (bk, g) in self.buckets.iter_mut().zip(&grads.chunks) {
             let group = if bk.kind.expert {
                 &ctx.rank.edp
@@ -821,11 +1002,17 @@ impl<B: Backend> Trainer<B> {
                 Some(w) => b.adamw_step_master(&mut chunk, g, w, &mut bk.m, &mut bk.v, &cfg)?,
                 None => b.adamw_step(&mut chunk, g, &mut bk.m, &mut bk.v, &cfg)?,
             }
-            let full = if parts > 1 {
-                ctx.comm.all_gather(b, group, &chunk)?
+            gathers.push(if parts == 1 {
+                Pending::ready(Ok(chunk))
+            } else if overlap {
+                // Gathers while the next buckets update.
+                ctx.comm.all_gather_start(b, group, &chunk)?
             } else {
-                chunk
-            };
+                Pending::ready(ctx.comm.all_gather(b, group, &chunk))
+            });
+        }
+        for (bk, gather) in self.buckets.iter().zip(gathers) {
+            let full = gather.wait()?;
             for &(i, offset, n) in &bk.members {
                 let shape = values[i].shape().to_vec();
                 updated[i] = Some(b.narrow(&full, offset, n)?.reshape(&shape)?);
@@ -1035,7 +1222,7 @@ mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::{Backend, DType, Device, ElementwiseOps as _, HostData};
 
-    use super::{visit_all_mut, Gather, GradChunks, Trainer};
+    use super::{plan_buckets, visit_all_mut, Gather, GradChunks, Kind, Trainer};
     use crate::engine::model::{Batch, Model};
     use crate::engine::optim::{clip_coefficient, MasterWeights};
     use crate::engine::parallel::shard::upload_as;
@@ -1599,6 +1786,98 @@ mod tests {
                 let odd = v.iter().find(|&&x| (x as f32).to_bits() & 0xffff != 0);
                 assert!(odd.is_none(), "{} holds {odd:?}, not a bf16 value", p.name);
             });
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn buckets_close_at_the_size_walking_backwards_and_keep_kinds_apart() {
+        let kind = |expert| Kind {
+            expert,
+            decay: true,
+            tp_replicated: false,
+            pp_copy: false,
+        };
+        let (dense, expert) = (kind(false), kind(true));
+        // Parameters 0..6 in optimizer order: dense 0, 1, 3, 4; experts 2, 5.
+        let params = [
+            (dense, 4),
+            (dense, 3),
+            (expert, 5),
+            (dense, 2),
+            (dense, 6),
+            (expert, 1),
+        ];
+        // One bucket per kind in order of first appearance: today's buckets.
+        assert_eq!(
+            plan_buckets(&params, usize::MAX),
+            vec![(dense, vec![0, 1, 3, 4]), (expert, vec![2, 5])]
+        );
+        // Size 6, from the back: dense {4} (6) closes, then {3, 1} (5)
+        // stays open until 0 joins (9); experts {5, 2} (6) close.
+        assert_eq!(
+            plan_buckets(&params, 6),
+            vec![
+                (dense, vec![0, 1, 3]),
+                (expert, vec![2, 5]),
+                (dense, vec![4])
+            ]
+        );
+        // Size 1: every parameter alone.
+        assert_eq!(plan_buckets(&params, 1).len(), params.len());
+    }
+
+    #[test]
+    fn a_zero_bucket_size_is_an_error_and_the_default_follows_megatron() {
+        use crate::engine::optim::{default_bucket_size, DdpConfig};
+        let zero = DdpConfig {
+            bucket_size: Some(0),
+            ..DdpConfig::default()
+        };
+        let err = zero.resolved_bucket_size(2).unwrap_err();
+        assert!(
+            err.starts_with("ddp bucket size 0") && !err.contains('\n'),
+            "{err}"
+        );
+        assert_eq!(
+            DdpConfig::default().resolved_bucket_size(64),
+            Ok(usize::MAX)
+        );
+        let overlap = DdpConfig {
+            overlap_grad_reduce: true,
+            ..DdpConfig::default()
+        };
+        assert_eq!(overlap.resolved_bucket_size(8), Ok(40_000_000));
+        assert_eq!(overlap.resolved_bucket_size(64), Ok(64_000_000));
+        assert_eq!(default_bucket_size(40), 40_000_000);
+    }
+
+    #[test]
+    fn overlapped_reduction_starts_the_block_buckets_in_the_backward() {
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let cfg = TrainConfig {
+            ddp: crate::engine::optim::DdpConfig {
+                overlap_grad_reduce: true,
+                overlap_param_gather: false,
+                bucket_size: Some(64),
+            },
+            ..TrainConfig::default()
+        };
+        one_rank(&Cpu, &spec, 5, DType::F32, cfg, |ctx, t| {
+            t.accumulate(ctx, &[rows(0..2), rows(2..4)], 4)?;
+            // The blocks' buckets were started by their backward; those
+            // holding the embedding or the head wait for the step's end.
+            let started = t.in_flight.iter().filter(|p| p.is_some()).count();
+            let outside = (0..t.buckets.len())
+                .filter(|&k| t.buckets[k].members.iter().any(|m| t.owners[m.0].is_none()))
+                .count();
+            assert!(
+                outside > 0 && started > 0,
+                "{started} started, {outside} outside"
+            );
+            assert_eq!(started + outside, t.buckets.len());
+            let chunks = t.reduce_gradients(ctx)?;
+            assert_eq!(chunks.chunks.len(), t.buckets.len());
             Ok(())
         });
     }
