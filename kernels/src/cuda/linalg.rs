@@ -999,7 +999,7 @@ impl GatheredGemmOps for Cuda {
             && wgmma_allowed()
             && gather_allowed()
             && matches!(source.shape(), [_, k] if k.is_multiple_of(8))
-            && source.storage().ptr() % 16 == 0
+            && source.storage().ptr().is_multiple_of(16)
     }
 
     fn grouped_matmul_gathered_kernel(
