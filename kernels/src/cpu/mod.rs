@@ -15,6 +15,7 @@ mod loss;
 mod norm;
 mod offload;
 mod optim;
+mod pool;
 mod routing;
 #[cfg(test)]
 pub(crate) mod test_util;
@@ -48,9 +49,9 @@ impl Cpu {
 /// gets it through [`Arc::make_mut`], which copies it first when another
 /// tensor still shares it, so no write is ever seen through a clone.
 #[derive(Debug, PartialEq)]
-pub struct HostBuf<T>(Vec<T>);
+pub struct HostBuf<T: pool::Pooled>(Vec<T>);
 
-impl<T> HostBuf<T> {
+impl<T: pool::Pooled> HostBuf<T> {
     /// Takes ownership of `v` and meters its bytes.
     fn new(v: Vec<T>) -> Arc<Self> {
         crate::tensor::meter::add(v.len() * std::mem::size_of::<T>());
@@ -63,18 +64,22 @@ impl<T> HostBuf<T> {
     }
 }
 
-impl<T: Clone> Clone for HostBuf<T> {
+impl<T: pool::Pooled> Clone for HostBuf<T> {
     /// A copy of the values (what [`Arc::make_mut`] makes of a shared
     /// buffer): a second allocation, metered as such.
     fn clone(&self) -> Self {
         crate::tensor::meter::add(self.0.len() * std::mem::size_of::<T>());
-        HostBuf(self.0.clone())
+        let mut v = pool::take(self.0.len());
+        v.copy_from_slice(&self.0);
+        HostBuf(v)
     }
 }
 
-impl<T> Drop for HostBuf<T> {
+impl<T: pool::Pooled> Drop for HostBuf<T> {
+    /// Unmeters the buffer and gives it to [`pool`] for the next op's output.
     fn drop(&mut self) {
         crate::tensor::meter::sub(self.0.len() * std::mem::size_of::<T>());
+        pool::recycle(std::mem::take(&mut self.0));
     }
 }
 
@@ -267,7 +272,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 }
 
 /// Float-typed views of CPU storage, so generic kernels can borrow their inputs.
-pub trait FloatStorage: Float {
+pub trait FloatStorage: Float + pool::Pooled {
     /// The accumulation type: statistics a GPU keeps in it for this dtype
     /// (attention's log-sum-exp) are stored in it. f32 for bf16, else `Self`.
     type Acc: FloatStorage;
@@ -492,10 +497,10 @@ impl Device for Cpu {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor<Self>> {
         let n = shape.iter().product();
         let storage = match dtype {
-            DType::F32 => CpuStorage::f32(vec![0.0; n]),
-            DType::F64 => CpuStorage::f64(vec![0.0; n]),
-            DType::I32 => CpuStorage::i32(vec![0; n]),
-            DType::BF16 => CpuStorage::bf16(vec![Bf16::default(); n]),
+            DType::F32 => CpuStorage::f32(pool::zeroed(n)),
+            DType::F64 => CpuStorage::f64(pool::zeroed(n)),
+            DType::I32 => CpuStorage::i32(pool::zeroed(n)),
+            DType::BF16 => CpuStorage::bf16(pool::zeroed(n)),
         };
         Tensor::from_storage(storage, shape)
     }
