@@ -69,9 +69,7 @@ impl<T: pool::Pooled> Clone for HostBuf<T> {
     /// buffer): a second allocation, metered as such.
     fn clone(&self) -> Self {
         crate::tensor::meter::add(self.0.len() * std::mem::size_of::<T>());
-        let mut v = pool::take(self.0.len());
-        v.copy_from_slice(&self.0);
-        HostBuf(v)
+        HostBuf(pool::copied(&self.0))
     }
 }
 
@@ -435,10 +433,10 @@ impl Device for Cpu {
         let row: usize = out_shape[1..].iter().product();
         let (a, b) = (start * row, (start + len) * row);
         let storage = match t.storage() {
-            CpuStorage::F32(v) => CpuStorage::f32(v.0[a..b].to_vec()),
-            CpuStorage::F64(v) => CpuStorage::f64(v.0[a..b].to_vec()),
-            CpuStorage::BF16(v) => CpuStorage::bf16(v.0[a..b].to_vec()),
-            CpuStorage::I32(v) => CpuStorage::i32(v.0[a..b].to_vec()),
+            CpuStorage::F32(v) => CpuStorage::f32(pool::copied(&v.0[a..b])),
+            CpuStorage::F64(v) => CpuStorage::f64(pool::copied(&v.0[a..b])),
+            CpuStorage::BF16(v) => CpuStorage::bf16(pool::copied(&v.0[a..b])),
+            CpuStorage::I32(v) => CpuStorage::i32(pool::copied(&v.0[a..b])),
         };
         Tensor::from_storage(storage, &out_shape)
     }
@@ -450,10 +448,14 @@ impl Device for Cpu {
         let n: usize = shape.iter().product();
         macro_rules! join {
             ($variant:ident, $make:ident) => {{
-                let mut out = Vec::with_capacity(n);
+                let mut out = pool::take(n);
+                let mut at = 0;
                 for p in parts {
                     match p.storage() {
-                        CpuStorage::$variant(v) => out.extend_from_slice(v.as_slice()),
+                        CpuStorage::$variant(v) => {
+                            out[at..at + v.0.len()].copy_from_slice(v.as_slice());
+                            at += v.0.len();
+                        }
                         other => {
                             return Err(KernelError::DTypeMismatch {
                                 op: "concat",

@@ -25,10 +25,11 @@ use super::Bf16;
 /// poisoned recycled buffers too.
 const MIN_POOLED_BYTES: usize = if cfg!(test) { 0 } else { 64 << 10 };
 
-/// The most bytes the pool keeps per element type; past it the pool is
-/// emptied (a change of shapes, as between tests, leaves buffers no op asks
-/// for again).
-const MAX_POOLED_BYTES: usize = 512 << 20;
+/// The most bytes the pool keeps per element type: about a `tiny` step's
+/// activations at 4096 tokens with room to spare. Past it the lengths used
+/// longest ago are dropped first (a change of shapes, as between tests or
+/// from training to evaluation, leaves buffers no op asks for again).
+const MAX_POOLED_BYTES: usize = 1 << 30;
 
 /// Elements below this many are cleared on one thread by [`zeroed`].
 const PARALLEL_FILL_MIN: usize = 1 << 16;
@@ -39,8 +40,26 @@ pub struct Pool<T> {
 }
 
 struct Shelf<T> {
-    by_len: BTreeMap<usize, Vec<Vec<T>>>,
+    /// The free buffers of each length, and when that length was last
+    /// given back or handed out (a count of those events).
+    by_len: BTreeMap<usize, (u64, Vec<Vec<T>>)>,
     bytes: usize,
+    clock: u64,
+}
+
+impl<T> Shelf<T> {
+    /// Drops the buffers of the lengths used longest ago until `incoming`
+    /// more bytes fit under [`MAX_POOLED_BYTES`].
+    fn make_room(&mut self, incoming: usize) {
+        while self.bytes + incoming > MAX_POOLED_BYTES {
+            let Some((&oldest, _)) = self.by_len.iter().min_by_key(|(_, (used, _))| *used) else {
+                return;
+            };
+            if let Some((_, freed)) = self.by_len.remove(&oldest) {
+                self.bytes -= freed.len() * oldest * std::mem::size_of::<T>();
+            }
+        }
+    }
 }
 
 impl<T> Pool<T> {
@@ -49,6 +68,7 @@ impl<T> Pool<T> {
             shelf: Mutex::new(Shelf {
                 by_len: BTreeMap::new(),
                 bytes: 0,
+                clock: 0,
             }),
         }
     }
@@ -96,12 +116,16 @@ pub(crate) fn recycle<T: Pooled>(mut v: Vec<T>) {
     let Ok(mut shelf) = T::pool().shelf.lock() else {
         return;
     };
-    if shelf.bytes + bytes > MAX_POOLED_BYTES {
-        shelf.by_len.clear();
-        shelf.bytes = 0;
+    if bytes > MAX_POOLED_BYTES {
+        return;
     }
+    shelf.make_room(bytes);
     shelf.bytes += bytes;
-    shelf.by_len.entry(v.len()).or_default().push(v);
+    shelf.clock += 1;
+    let now = shelf.clock;
+    let entry = shelf.by_len.entry(v.len()).or_default();
+    entry.0 = now;
+    entry.1.push(v);
 }
 
 /// A buffer of `n` elements whose values are unspecified: the caller writes
@@ -110,7 +134,11 @@ pub(crate) fn recycle<T: Pooled>(mut v: Vec<T>) {
 pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
     if pooled_len::<T>(n) {
         let reused = T::pool().shelf.lock().ok().and_then(|mut shelf| {
-            let v = shelf.by_len.get_mut(&n)?.pop()?;
+            shelf.clock += 1;
+            let now = shelf.clock;
+            let (used, free) = shelf.by_len.get_mut(&n)?;
+            let v = free.pop()?;
+            *used = now;
             shelf.bytes -= n * std::mem::size_of::<T>();
             Some(v)
         });
@@ -122,6 +150,13 @@ pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
         }
     }
     vec![T::ZEROED; n]
+}
+
+/// A copy of `src` in a recycled buffer when there is one.
+pub(crate) fn copied<T: Pooled>(src: &[T]) -> Vec<T> {
+    let mut v = take::<T>(src.len());
+    v.copy_from_slice(src);
+    v
 }
 
 /// A buffer of `n` zeros: a recycled one cleared on rayon's pool, or a new
