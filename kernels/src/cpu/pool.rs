@@ -21,9 +21,9 @@ use super::Bf16;
 /// Buffers smaller than this are not kept: `malloc` serves them from its own
 /// free lists without page faults, and the lock would cost more.
 ///
-/// Tests pool every buffer, so that each kernel's small test cases run on
+/// Tests pool every non-empty buffer, so that each kernel's small test cases run on
 /// poisoned recycled buffers too.
-const MIN_POOLED_BYTES: usize = if cfg!(test) { 0 } else { 64 << 10 };
+const MIN_POOLED_BYTES: usize = if cfg!(test) { 1 } else { 64 << 10 };
 
 /// The most bytes the pool keeps per element type: about a `tiny` step's
 /// activations at 4096 tokens with room to spare. Past it the lengths used
