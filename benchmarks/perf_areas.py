@@ -30,8 +30,9 @@ def flush():
     for frame in stack:  # leaf first
         # The op's module, wherever it is named in the (inlined) frame;
         # `bf16` names only the Bf16 type of folded instantiations, `simd`
-        # the wrapper that runs an op's loop compiled for AVX2.
-        mods = [m for m in BACKEND.findall(frame) if m not in ("bf16", "simd")]
+        # the wrapper that runs an op's loop compiled for AVX2, `pool` the
+        # buffer pool an op takes its output from.
+        mods = [m for m in BACKEND.findall(frame) if m not in ("bf16", "simd", "pool")]
         if mods:
             area = mods[0]
             break

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use super::elementwise::{dot, lane_max, lane_sum};
 use super::linalg::{gemm_acc_into, gemm_into, MatRef};
-use super::{simd, Cpu, Float, FloatStorage};
+use super::{pool, simd, Cpu, Float, FloatStorage};
 use crate::backend::AttentionOps;
 use crate::cpu_float_dispatch;
 use crate::error::Result;
@@ -58,8 +58,8 @@ fn check_qkv(op: &'static str, q: &Tensor<Cpu>, k: &Tensor<Cpu>, v: &Tensor<Cpu>
 }
 
 /// `[B, S, H, Hd]` → `[B, H, S, Hd]`.
-fn to_head_major<T: Float>(x: &[T], b: usize, s: usize, h: usize, hd: usize) -> Vec<T> {
-    let mut out = vec![T::ZERO; x.len()];
+fn to_head_major<T: FloatStorage>(x: &[T], b: usize, s: usize, h: usize, hd: usize) -> Vec<T> {
+    let mut out = pool::take::<T>(x.len());
     if x.is_empty() {
         return out;
     }
@@ -77,8 +77,8 @@ fn to_head_major<T: Float>(x: &[T], b: usize, s: usize, h: usize, hd: usize) -> 
 }
 
 /// `[B, H, S, Hd]` → `[B, S, H, Hd]`.
-fn from_head_major<T: Float>(x: &[T], s: usize, h: usize, hd: usize) -> Vec<T> {
-    let mut out = vec![T::ZERO; x.len()];
+fn from_head_major<T: FloatStorage>(x: &[T], s: usize, h: usize, hd: usize) -> Vec<T> {
+    let mut out = pool::take::<T>(x.len());
     if x.is_empty() {
         return out;
     }
@@ -239,8 +239,8 @@ fn attention_t<T: FloatStorage>(
     let qh = to_head_major(T::slice(q, OP)?, b, s, hq, hd);
     let kh = to_head_major(T::slice(k, OP)?, b, s, hkv, hd);
     let vh = to_head_major(T::slice(v, OP)?, b, s, hkv, hd);
-    let mut oh = vec![T::ZERO; qh.len()];
-    let mut lse = vec![T::ZERO; b * hq * s];
+    let mut oh = pool::take::<T>(qh.len());
+    let mut lse = pool::take::<T>(b * hq * s);
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     if !qh.is_empty() {
         let g = d.group();

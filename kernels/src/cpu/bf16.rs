@@ -15,6 +15,9 @@ use super::Float;
 pub struct Bf16(f32);
 
 impl Bf16 {
+    /// Not a number (a poison value for buffers whose values are unspecified).
+    pub(crate) const NAN: Bf16 = Bf16(f32::NAN);
+
     /// The bf16 value nearest to `x` (ties to even).
     pub fn round(x: f32) -> Self {
         Bf16(round_f32(x))

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::{index_tensor, simd, Cpu, Float, FloatStorage};
+use super::{index_tensor, pool, simd, Cpu, Float, FloatStorage};
 use crate::backend::ElementwiseOps;
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -58,7 +58,7 @@ fn unary<T: FloatStorage>(
     f: impl Fn(T) -> T + Sync + Send,
 ) -> Result<Tensor<Cpu>> {
     let xs = T::slice(x, op)?;
-    let mut out = vec![T::ZERO; xs.len()];
+    let mut out = pool::take::<T>(xs.len());
     out.par_chunks_mut(GRAIN)
         .zip(xs.par_chunks(GRAIN))
         .for_each(|(o, x)| {
@@ -81,7 +81,7 @@ fn binary<T: FloatStorage>(
     f: impl Fn(T, T) -> T + Sync + Send,
 ) -> Result<Tensor<Cpu>> {
     let (xs, ys) = same_shape::<T>(op, a, b)?;
-    let mut out = vec![T::ZERO; xs.len()];
+    let mut out = pool::take::<T>(xs.len());
     out.par_chunks_mut(GRAIN)
         .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
         .for_each(|(o, (x, y))| {
@@ -106,7 +106,7 @@ fn ternary<T: FloatStorage>(
 ) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
     let (xs, ys) = same_shape::<T>(op, a, b)?;
     let (_, zs) = same_shape::<T>(op, a, c)?;
-    let (mut o1, mut o2) = (vec![T::ZERO; xs.len()], vec![T::ZERO; xs.len()]);
+    let (mut o1, mut o2) = (pool::take::<T>(xs.len()), pool::take::<T>(xs.len()));
     o1.par_chunks_mut(GRAIN)
         .zip(o2.par_chunks_mut(GRAIN))
         .zip(xs.par_chunks(GRAIN).zip(ys.par_chunks(GRAIN)))
@@ -258,7 +258,7 @@ fn map_rows<T: FloatStorage>(
 ) -> Result<Tensor<Cpu>> {
     let (_, c, _) = rows_cols(op, x)?;
     let xs = T::slice(x, op)?;
-    let mut out = vec![T::ZERO; xs.len()];
+    let mut out = pool::take::<T>(xs.len());
     if c > 0 {
         out.par_chunks_mut(c)
             .zip(xs.par_chunks(c))
@@ -308,7 +308,7 @@ fn softmax_backward_t<T: FloatStorage>(y: &Tensor<Cpu>, dy: &Tensor<Cpu>) -> Res
     const OP: &str = "softmax_backward";
     let (ys, dys) = same_shape::<T>(OP, y, dy)?;
     let (_, c, _) = rows_cols(OP, y)?;
-    let mut out = vec![T::ZERO; ys.len()];
+    let mut out = pool::take::<T>(ys.len());
     if c > 0 {
         out.par_chunks_mut(c)
             .zip(ys.par_chunks(c).zip(dys.par_chunks(c)))
@@ -517,7 +517,7 @@ fn mul_rows_t<T: FloatStorage>(x: &Tensor<Cpu>, s: &Tensor<Cpu>) -> Result<Tenso
     check_row_vector(OP, x, s, r, lead)?;
     let ss = T::slice(s, OP)?;
     let xs = T::slice(x, OP)?;
-    let mut out = vec![T::ZERO; xs.len()];
+    let mut out = pool::take::<T>(xs.len());
     if c > 0 {
         out.par_chunks_mut(c)
             .zip(xs.par_chunks(c))

@@ -6,7 +6,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::{index_slice, Cpu, FloatStorage};
+use super::{index_slice, pool, Cpu, FloatStorage};
 use crate::backend::{ElementwiseOps, LinalgOps};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, Result};
@@ -213,6 +213,15 @@ fn group_offsets(
     Ok(offsets)
 }
 
+/// The `[m, n]` output of a grouped product: the groups' rows left for
+/// their GEMMs to overwrite, the padding rows past the last group zero.
+fn grouped_output<T: FloatStorage>(m: usize, n: usize, offsets: &[usize]) -> Vec<T> {
+    let mut out = pool::take::<T>(m * n);
+    let used = offsets.last().copied().unwrap_or(0) * n;
+    out[used..].fill(T::ZERO);
+    out
+}
+
 /// Splits `out` into the consecutive row blocks of the groups, `width`
 /// elements per row; what is left after the last group is dropped.
 fn split_groups<'a, T>(mut out: &'a mut [T], offsets: &[usize], width: usize) -> Vec<&'a mut [T]> {
@@ -264,7 +273,7 @@ fn matmul_impl<T: FloatStorage>(
     let (m, ka, n, ac, bc) = crate::backend::matmul_dims(OP, a, b, trans_a, trans_b)?;
     let av = T::slice(a, OP)?;
     let bv = T::slice(b, OP)?;
-    let mut out = vec![T::ZERO; m * n];
+    let mut out = pool::take::<T>(m * n);
     gemm_into(
         &mut out,
         (m, n, ka),
@@ -298,7 +307,7 @@ fn grouped_matmul_impl<T: FloatStorage>(
     let xv = T::slice(x, OP)?;
     let wv = T::slice(w, OP)?;
     let offsets = group_offsets(OP, group_sizes, g, m)?;
-    let mut out = vec![T::ZERO; m * n];
+    let mut out = grouped_output::<T>(m, n, &offsets);
     let macs: Vec<usize> = offsets.windows(2).map(|o| (o[1] - o[0]) * k * n).collect();
     let parts = split_groups(&mut out, &offsets, n);
     run_groups(parts, &macs, |gi, dst, par| {
@@ -331,7 +340,7 @@ fn grouped_matmul_sum2_impl<T: FloatStorage>(
     let (x1v, w1v) = (T::slice(x1, OP)?, T::slice(w1, OP)?);
     let (x2v, w2v) = (T::slice(x2, OP)?, T::slice(w2, OP)?);
     let offsets = group_offsets(OP, group_sizes, g, m)?;
-    let mut out = vec![T::ZERO; m * n];
+    let mut out = grouped_output::<T>(m, n, &offsets);
     let macs: Vec<usize> = offsets
         .windows(2)
         .map(|o| (o[1] - o[0]) * (k1 + k2) * n)
@@ -390,7 +399,7 @@ fn grouped_matmul_weight_grad_impl<T: FloatStorage>(
     let xv = T::slice(x, OP)?;
     let dyv = T::slice(dy, OP)?;
     let offsets = group_offsets(OP, group_sizes, g, m)?;
-    let mut out = vec![T::ZERO; g * k * n];
+    let mut out = pool::take::<T>(g * k * n);
     let macs: Vec<usize> = offsets.windows(2).map(|o| (o[1] - o[0]) * k * n).collect();
     let parts: Vec<&mut [T]> = if k * n == 0 {
         (0..g).map(|_| <&mut [T]>::default()).collect()

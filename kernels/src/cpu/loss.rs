@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::{row_logsumexp, rows_per_task, GRAIN};
-use super::{index_slice, simd, Cpu, Float, FloatStorage};
+use super::{index_slice, pool, simd, Cpu, Float, FloatStorage};
 use crate::backend::LossOps;
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -116,7 +116,8 @@ fn cross_entropy_backward_t<T: FloatStorage>(
     // returns); only `dlogits` is rounded, once, to the logits' dtype.
     let zs = T::Acc::slice(lse, OP)?;
     let ds = T::Acc::slice(dloss, OP)?;
-    let mut dx = vec![T::ZERO; xs.len()];
+    // Zeros: the rows of ignored tokens are left as they are.
+    let mut dx = pool::zeroed::<T>(xs.len());
     if t > 0 {
         dx.par_chunks_mut(v)
             .zip(xs.par_chunks(v))

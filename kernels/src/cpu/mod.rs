@@ -15,6 +15,7 @@ mod loss;
 mod norm;
 mod offload;
 mod optim;
+mod pool;
 mod routing;
 #[cfg(test)]
 pub(crate) mod test_util;
@@ -48,9 +49,9 @@ impl Cpu {
 /// gets it through [`Arc::make_mut`], which copies it first when another
 /// tensor still shares it, so no write is ever seen through a clone.
 #[derive(Debug, PartialEq)]
-pub struct HostBuf<T>(Vec<T>);
+pub struct HostBuf<T: pool::Pooled>(Vec<T>);
 
-impl<T> HostBuf<T> {
+impl<T: pool::Pooled> HostBuf<T> {
     /// Takes ownership of `v` and meters its bytes.
     fn new(v: Vec<T>) -> Arc<Self> {
         crate::tensor::meter::add(v.len() * std::mem::size_of::<T>());
@@ -63,18 +64,20 @@ impl<T> HostBuf<T> {
     }
 }
 
-impl<T: Clone> Clone for HostBuf<T> {
+impl<T: pool::Pooled> Clone for HostBuf<T> {
     /// A copy of the values (what [`Arc::make_mut`] makes of a shared
     /// buffer): a second allocation, metered as such.
     fn clone(&self) -> Self {
         crate::tensor::meter::add(self.0.len() * std::mem::size_of::<T>());
-        HostBuf(self.0.clone())
+        HostBuf(pool::copied(&self.0))
     }
 }
 
-impl<T> Drop for HostBuf<T> {
+impl<T: pool::Pooled> Drop for HostBuf<T> {
+    /// Unmeters the buffer and gives it to [`pool`] for the next op's output.
     fn drop(&mut self) {
         crate::tensor::meter::sub(self.0.len() * std::mem::size_of::<T>());
+        pool::recycle(std::mem::take(&mut self.0));
     }
 }
 
@@ -267,7 +270,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 }
 
 /// Float-typed views of CPU storage, so generic kernels can borrow their inputs.
-pub trait FloatStorage: Float {
+pub trait FloatStorage: Float + pool::Pooled {
     /// The accumulation type: statistics a GPU keeps in it for this dtype
     /// (attention's log-sum-exp) are stored in it. f32 for bf16, else `Self`.
     type Acc: FloatStorage;
@@ -430,10 +433,10 @@ impl Device for Cpu {
         let row: usize = out_shape[1..].iter().product();
         let (a, b) = (start * row, (start + len) * row);
         let storage = match t.storage() {
-            CpuStorage::F32(v) => CpuStorage::f32(v.0[a..b].to_vec()),
-            CpuStorage::F64(v) => CpuStorage::f64(v.0[a..b].to_vec()),
-            CpuStorage::BF16(v) => CpuStorage::bf16(v.0[a..b].to_vec()),
-            CpuStorage::I32(v) => CpuStorage::i32(v.0[a..b].to_vec()),
+            CpuStorage::F32(v) => CpuStorage::f32(pool::copied(&v.0[a..b])),
+            CpuStorage::F64(v) => CpuStorage::f64(pool::copied(&v.0[a..b])),
+            CpuStorage::BF16(v) => CpuStorage::bf16(pool::copied(&v.0[a..b])),
+            CpuStorage::I32(v) => CpuStorage::i32(pool::copied(&v.0[a..b])),
         };
         Tensor::from_storage(storage, &out_shape)
     }
@@ -445,10 +448,14 @@ impl Device for Cpu {
         let n: usize = shape.iter().product();
         macro_rules! join {
             ($variant:ident, $make:ident) => {{
-                let mut out = Vec::with_capacity(n);
+                let mut out = pool::take(n);
+                let mut at = 0;
                 for p in parts {
                     match p.storage() {
-                        CpuStorage::$variant(v) => out.extend_from_slice(v.as_slice()),
+                        CpuStorage::$variant(v) => {
+                            out[at..at + v.0.len()].copy_from_slice(v.as_slice());
+                            at += v.0.len();
+                        }
                         other => {
                             return Err(KernelError::DTypeMismatch {
                                 op: "concat",
@@ -492,10 +499,10 @@ impl Device for Cpu {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor<Self>> {
         let n = shape.iter().product();
         let storage = match dtype {
-            DType::F32 => CpuStorage::f32(vec![0.0; n]),
-            DType::F64 => CpuStorage::f64(vec![0.0; n]),
-            DType::I32 => CpuStorage::i32(vec![0; n]),
-            DType::BF16 => CpuStorage::bf16(vec![Bf16::default(); n]),
+            DType::F32 => CpuStorage::f32(pool::zeroed(n)),
+            DType::F64 => CpuStorage::f64(pool::zeroed(n)),
+            DType::I32 => CpuStorage::i32(pool::zeroed(n)),
+            DType::BF16 => CpuStorage::bf16(pool::zeroed(n)),
         };
         Tensor::from_storage(storage, shape)
     }

@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::{rows_per_task, MAX_PARTIALS};
-use super::{index_slice, simd, Cpu, FloatStorage};
+use super::{index_slice, pool, simd, Cpu, FloatStorage};
 use crate::backend::{check_positions, NormOps, Rope};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, Result};
@@ -32,8 +32,8 @@ fn rms_norm_t<T: FloatStorage>(
     }
     let xs = T::slice(x, OP)?;
     let ws = T::slice(w, OP)?;
-    let mut y = vec![T::ZERO; xs.len()];
-    let mut rstd = vec![T::ZERO; r];
+    let mut y = pool::take::<T>(xs.len());
+    let mut rstd = pool::take::<T>(r);
     y.par_chunks_mut(d)
         .zip(rstd.par_iter_mut())
         .zip(xs.par_chunks(d))
@@ -78,7 +78,7 @@ fn rms_norm_backward_t<T: FloatStorage>(
     let ws = T::slice(w, OP)?;
     let dys = T::slice(dy, OP)?;
     let rs = T::slice(rstd, OP)?;
-    let mut dx = vec![T::ZERO; xs.len()];
+    let mut dx = pool::take::<T>(xs.len());
     let mut dw = vec![T::ZERO; d];
     if r > 0 {
         let br = norm_block_rows(r, d);
@@ -131,7 +131,7 @@ fn rope_t<T: FloatStorage>(
     rope.check(OP, hd)?;
     check_positions(OP, x, positions)?;
     let xs = T::slice(x, OP)?;
-    let mut out = vec![T::ZERO; xs.len()];
+    let mut out = pool::take::<T>(xs.len());
     if xs.is_empty() {
         return T::tensor(out, x.shape());
     }
