@@ -357,6 +357,28 @@ impl Cuda {
         Ok((f, cfg))
     }
 
+    /// The function and launch of a wgmma weight-gradient kernel `name` with
+    /// a `[G, K, N]` output: one block per SM over the G · ⌈K / 128⌉ ·
+    /// ⌈N / 256⌉ tiles.
+    fn gw_wgrad_launch(
+        &self,
+        name: &str,
+        g: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(cudarc::driver::CudaFunction, LaunchConfig)> {
+        let smem = gw_smem_bytes(g) as u32;
+        self.bind()?;
+        let f = self.func_smem(GROUPED_SM90, name, smem)?;
+        let grid = self.persistent_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (GW_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        Ok((f, cfg))
+    }
+
     /// `grouped_matmul_sum2` with the bf16 kernel chosen by `kernel` (None:
     /// the default). The wgmma kernels accumulate both products before one
     /// rounding; elsewhere (mma.sync, f32, f64) the two products are added
@@ -685,15 +707,7 @@ impl Cuda {
                 let (m64, k64, n64) = (m as u64, k as u64, n as u64);
                 let ta = tma_map(OP, xp, &[k64, m64], &[64, 64])?;
                 let tb = tma_map(OP, dp, &[n64, m64], &[64, 64])?;
-                let smem = gw_smem_bytes(g) as u32;
-                self.bind()?;
-                let f = self.func_smem(GROUPED_SM90, "grouped_wgrad_wgmma_bf16", smem)?;
-                let grid = self.persistent_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
-                let cfg = LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (GW_THREADS, 1, 1),
-                    shared_mem_bytes: smem,
-                };
+                let (f, cfg) = self.gw_wgrad_launch("grouped_wgrad_wgmma_bf16", g, k, n)?;
                 launch!(
                     self,
                     f,
@@ -1081,15 +1095,7 @@ impl GatheredGemmOps for Cuda {
         let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
         let out = self.alloc(OP, &[g, k, n], x.dtype())?;
         let tb = tma_map(OP, dp, &[n as u64, m as u64], &[64, 64])?;
-        let smem = gw_smem_bytes(g) as u32;
-        self.bind()?;
-        let f = self.func_smem(GROUPED_SM90, "grouped_wgrad_gather_wgmma_bf16", smem)?;
-        let grid = self.persistent_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (GW_THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let (f, cfg) = self.gw_wgrad_launch("grouped_wgrad_gather_wgmma_bf16", g, k, n)?;
         launch!(
             self,
             f,
