@@ -87,11 +87,8 @@ impl GatheredGemmOps for crate::cpu::Cpu {}
 mod tests {
     use rand::Rng;
 
-    use crate::backend::ElementwiseOps;
     use crate::cpu::test_util::*;
     use crate::tensor::DType;
-
-    use super::*;
 
     /// The gathered products against permute + the plain ones, exactly, in
     /// f64 and bf16 (where a device gathers inside its kernel, the bf16
