@@ -1027,11 +1027,7 @@ impl GatheredGemmOps for Cuda {
         let (t, k, g, n) = grouped_dims(OP, x, w, false)?;
         let m = super::routing::row_src_1d(OP, row_src)?;
         let (xp, wp) = (x.storage().ptr(), w.storage().ptr());
-        if x.dtype() != DType::BF16
-            || !wgmma_allowed()
-            || !gather_allowed()
-            || !self.wgmma_fits(m, k, n, g, &[xp, wp])
-        {
+        if !self.gathers_rows_of(x) || !self.wgmma_fits(m, k, n, g, &[xp, wp]) {
             return Ok(None);
         }
         self.check_range(OP, row_src, -1, t as i64)?;
@@ -1084,11 +1080,7 @@ impl GatheredGemmOps for Cuda {
             _ => return Ok(None),
         };
         let (xp, dp) = (x.storage().ptr(), dy.storage().ptr());
-        if x.dtype() != DType::BF16
-            || !wgmma_allowed()
-            || !gather_allowed()
-            || !self.wgmma_fits(m, k, n, g, &[xp, dp])
-        {
+        if !self.gathers_rows_of(x) || !self.wgmma_fits(m, k, n, g, &[xp, dp]) {
             return Ok(None);
         }
         self.check_range(OP, row_src, -1, t as i64)?;
