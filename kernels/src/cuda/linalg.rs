@@ -333,8 +333,28 @@ impl Cuda {
         Ok((ta, tb))
     }
 
-    /// The function and launch of an nn / nt wgmma kernel `name` with an
-    /// `[M, N]` output over `g` groups.
+    /// The function and launch of a wgmma kernel `name` over `g` groups:
+    /// one block per multiprocessor, at most one per tile of `tiles`.
+    fn gw_launch(
+        &self,
+        name: &str,
+        g: usize,
+        tiles: usize,
+    ) -> Result<(cudarc::driver::CudaFunction, LaunchConfig)> {
+        let smem = gw_smem_bytes(g) as u32;
+        self.bind()?;
+        let f = self.func_smem(GROUPED_SM90, name, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (self.persistent_grid(tiles)?, 1, 1),
+            block_dim: (GW_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        Ok((f, cfg))
+    }
+
+    /// [`Cuda::gw_launch`] of an nn / nt kernel with an `[M, N]` output:
+    /// at most M / 128 + G + 1 row tiles (TC_TILE, the kernels' GW_BM; the
+    /// last for the rows past the groups), each ⌈N / 256⌉ column tiles.
     fn gw_mm_launch(
         &self,
         name: &str,
@@ -342,24 +362,15 @@ impl Cuda {
         n: usize,
         g: usize,
     ) -> Result<(cudarc::driver::CudaFunction, LaunchConfig)> {
-        let smem = gw_smem_bytes(g) as u32;
-        self.bind()?;
-        let f = self.func_smem(GROUPED_SM90, name, smem)?;
-        // `tiles` counts 128-row tiles (TC_TILE, the wgmma kernels' GW_BM
-        // too). At most M / 128 + G + 1 row tiles (the last for the rows
-        // past the groups), each ceil(N / 256) column tiles.
-        let grid = self.persistent_grid((m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N))?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (GW_THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        Ok((f, cfg))
+        self.gw_launch(
+            name,
+            g,
+            (m.div_ceil(TC_TILE) + g + 1) * n.div_ceil(TC_TILE_N),
+        )
     }
 
-    /// The function and launch of a wgmma weight-gradient kernel `name` with
-    /// a `[G, K, N]` output: one block per SM over the G · ⌈K / 128⌉ ·
-    /// ⌈N / 256⌉ tiles.
+    /// [`Cuda::gw_launch`] of a weight-gradient kernel with a `[G, K, N]`
+    /// output: G · ⌈K / 128⌉ · ⌈N / 256⌉ tiles.
     fn gw_wgrad_launch(
         &self,
         name: &str,
@@ -367,16 +378,7 @@ impl Cuda {
         k: usize,
         n: usize,
     ) -> Result<(cudarc::driver::CudaFunction, LaunchConfig)> {
-        let smem = gw_smem_bytes(g) as u32;
-        self.bind()?;
-        let f = self.func_smem(GROUPED_SM90, name, smem)?;
-        let grid = self.persistent_grid(g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (GW_THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        Ok((f, cfg))
+        self.gw_launch(name, g, g * k.div_ceil(TC_TILE) * n.div_ceil(TC_TILE_N))
     }
 
     /// `grouped_matmul_sum2` with the bf16 kernel chosen by `kernel` (None:
