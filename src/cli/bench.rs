@@ -115,6 +115,11 @@ pub struct BenchOptions {
     /// tensor-core kernels exist, so this times that emulation.
     #[arg(long)]
     pub fp8: bool,
+    /// `moe-layer`, CUDA: after the eager timing, capture one iteration as a
+    /// CUDA graph and time its replays too (reported under `graph`, with
+    /// the gradients' agreement with the eager run).
+    #[arg(long)]
+    pub cuda_graph: bool,
     /// `model`: start the gradient buckets' reduce-scatters in the backward,
     /// as `train --overlap-grad-reduce`.
     #[arg(long)]
@@ -150,7 +155,22 @@ pub trait BenchDevice: Backend {
     fn peak_flops(&self) -> Option<f64> {
         None
     }
+    /// Captures one run of `step` as a CUDA graph and returns its replay
+    /// (which queues the same work without the host) and the bytes the graph
+    /// holds; only CUDA has graphs.
+    fn capture_step(
+        &self,
+        step: &mut dyn FnMut() -> Result<(), CliError>,
+    ) -> Result<(Replay, usize), CliError> {
+        let _ = step;
+        Err(CliError::usage(
+            "--cuda-graph: CUDA graphs need --device cuda",
+        ))
+    }
 }
+
+/// Queues one replay of a captured step.
+type Replay = Box<dyn FnMut() -> Result<(), CliError>>;
 
 impl BenchDevice for Cpu {
     fn finish(&self) -> Result<(), CliError> {
@@ -180,6 +200,26 @@ impl BenchDevice for Cuda {
     fn peak_flops(&self) -> Option<f64> {
         // Hopper (sm_90): H100 and H200 share the 989 TFLOP/s dense bf16 peak.
         self.arch().starts_with("sm_90").then_some(HOPPER_BF16_PEAK)
+    }
+    fn capture_step(
+        &self,
+        step: &mut dyn FnMut() -> Result<(), CliError>,
+    ) -> Result<(Replay, usize), CliError> {
+        // The step's own error (a CliError) is kept aside: the capture only
+        // carries kernel errors.
+        let mut failed = None;
+        let captured = self.capture(|_| {
+            if let Err(e) = step() {
+                failed = Some(e);
+            }
+            Ok(())
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let (graph, ()) = captured?;
+        let held = graph.held_bytes();
+        Ok((Box::new(move || Ok(graph.replay()?)), held))
     }
 }
 
@@ -408,7 +448,7 @@ fn moe_layer<B: BenchDevice>(
     let exec = Exec::solo(b);
     let x = random(b, &[t, d], 1.0, 2, dtype)?;
     let dy = random(b, &[t, d], 1e-3, 3, dtype)?;
-    let mut step = || -> Result<(), CliError> {
+    let run = |layer: &mut MoeLayer<B>| -> Result<(), CliError> {
         // As in a training step (and the peer's `grad = None`): gradients
         // start from zero, not from the last iteration's.
         let mut zeroed = Ok(());
@@ -422,16 +462,38 @@ fn moe_layer<B: BenchDevice>(
         layer.backward(&exec, &dy, saved, 1.0)?;
         Ok(())
     };
-    // One iteration alone to count its host waits (after compilation).
+    let mut step = || run(&mut layer);
+    // One iteration alone to count its host waits (after compilation) and
+    // the host time to queue it: when that is close to the iteration's time,
+    // the device waits for launches.
     step()?;
     b.finish()?;
     let waits_before = b.host_waits();
+    let t0 = Instant::now();
     step()?;
+    let queue_ms = t0.elapsed().as_secs_f64() * 1e3;
     let waits = b.host_waits().zip(waits_before).map(|(a, z)| a - z);
     b.reset_peak();
     let times = time_iters(o, &mut step, &|| b.finish())?;
     let (median, min) = median_min(&times);
     let flops = moe_flops_per_token(d, &moe) * t as f64;
+    let graph = if o.cuda_graph {
+        let eager = grad_sums(b, &layer)?;
+        let (mut replay, held) = b.capture_step(&mut || run(&mut layer))?;
+        eprintln!("bench: captured one iteration as a CUDA graph");
+        let graph_times = time_iters(o, &mut replay, &|| b.finish())?;
+        let replayed = grad_sums(b, &layer)?;
+        let (g_median, g_min) = median_min(&graph_times);
+        Some(json!({
+            "time_ms": g_median * 1e3,
+            "time_ms_min": g_min * 1e3,
+            "tflops": flops / g_median / 1e12,
+            "held_gib": held as f64 / (1u64 << 30) as f64,
+            "grad_sums_max_rel_diff": max_rel_diff(&replayed, &eager),
+        }))
+    } else {
+        None
+    };
     Ok(json!({
         "bench": "moe-layer",
         "dims": {
@@ -443,9 +505,30 @@ fn moe_layer<B: BenchDevice>(
         "time_ms_min": min * 1e3,
         "tflops": flops / median / 1e12,
         "host_waits_per_iter": waits,
+        "host_queue_ms": queue_ms,
         "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
         "iters": o.iters,
+        "graph": graph,
     }))
+}
+
+/// The sum of squares of every parameter's gradient of `layer`, on the host:
+/// a cheap fingerprint to compare two runs' gradients.
+fn grad_sums<B: BenchDevice>(b: &B, layer: &MoeLayer<B>) -> Result<Vec<f64>, CliError> {
+    let mut squares = Vec::new();
+    layer.visit_params(&mut |p| squares.push(b.sum_squares(&p.grad)));
+    squares
+        .into_iter()
+        .map(|s| Ok(b.download(&s?)?.to_f64()[0]))
+        .collect()
+}
+
+/// The largest `|a - b| / max(|b|, tiny)` over paired values.
+fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(f64::MIN_POSITIVE))
+        .fold(0.0, f64::max)
 }
 
 /// The first MoE block's dims of `spec`, or a usage error naming `what`.

@@ -7,6 +7,12 @@
 //! is queued behind them (the same rule as PyTorch's caching allocator).
 //! NCCL's communication stream (`nccl.rs`) keeps the rule: the compute stream
 //! waits for each of its calls before the work queued after the call.
+//!
+//! A CUDA graph replays its captured work on the addresses the capture used,
+//! long after the host freed them, so blocks freed while a graph is being
+//! captured are not returned to the pool: the capture may reuse them (its
+//! work is ordered like the stream's), and then the graph holds them
+//! ([`GraphBlocks`]) until it is dropped.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -40,6 +46,9 @@ struct Cache {
     in_use: usize,
     /// The highest `in_use` since the last [`Pool::reset_peak`].
     peak_in_use: usize,
+    /// While a graph is being captured: the blocks freed since it began, by
+    /// rounded size. They stay counted in `in_use` (the graph's memory).
+    capture: Option<HashMap<usize, Vec<sys::CUdeviceptr>>>,
 }
 
 impl Cache {
@@ -77,9 +86,39 @@ impl Drop for Block {
             return;
         }
         let mut c = self.pool.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(held) = &mut c.capture {
+            held.entry(self.bytes).or_default().push(self.ptr);
+            return;
+        }
         c.free.entry(self.bytes).or_default().push(self.ptr);
         c.cached_bytes += self.bytes;
         c.in_use -= self.bytes;
+    }
+}
+
+/// The blocks a captured CUDA graph reads and writes that no tensor owns any
+/// more: back to the pool when the graph is dropped (work queued after that
+/// runs after its replays, on the same stream).
+pub(crate) struct GraphBlocks {
+    blocks: Vec<(usize, sys::CUdeviceptr)>,
+    pool: Arc<Pool>,
+}
+
+impl GraphBlocks {
+    /// Bytes the graph holds.
+    pub(crate) fn bytes(&self) -> usize {
+        self.blocks.iter().map(|b| b.0).sum()
+    }
+}
+
+impl Drop for GraphBlocks {
+    fn drop(&mut self) {
+        let mut c = self.pool.cache.lock().unwrap_or_else(|p| p.into_inner());
+        for (size, ptr) in self.blocks.drain(..) {
+            c.free.entry(size).or_default().push(ptr);
+            c.cached_bytes += size;
+            c.in_use -= size;
+        }
     }
 }
 
@@ -106,6 +145,19 @@ impl Pool {
         let size = round_size(bytes);
         {
             let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            // A block the capture freed is still counted in use.
+            if let Some(ptr) = c
+                .capture
+                .as_mut()
+                .and_then(|held| held.get_mut(&size))
+                .and_then(Vec::pop)
+            {
+                return Ok(Block {
+                    ptr,
+                    bytes: size,
+                    pool: self.clone(),
+                });
+            }
             if let Some(ptr) = c.free.get_mut(&size).and_then(Vec::pop) {
                 c.cached_bytes -= size;
                 c.hand_out(size);
@@ -120,8 +172,12 @@ impl Pool {
             Ok(p) => p,
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 // Cached blocks of other sizes may be what is missing: give
-                // them back to the driver and try once more.
+                // them back to the driver and try once more (not during a
+                // graph capture, where the stream cannot be waited for).
                 let cached = self.cached_bytes();
+                if self.capturing() {
+                    return Err(self.oom_error(bytes, size, what, cached));
+                }
                 self.release_cached()?;
                 self.driver_alloc(size)
                     .map_err(|_| self.oom_error(bytes, size, what, cached))?
@@ -176,6 +232,50 @@ impl Pool {
     pub(crate) fn usage(&self) -> (usize, usize) {
         let c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         (c.in_use, c.peak_in_use)
+    }
+
+    /// Holds the blocks freed from now on for a graph being captured; an
+    /// error if a capture is already under way on this pool.
+    pub(crate) fn begin_capture(&self) -> Result<()> {
+        let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if c.capture.is_some() {
+            return Err(KernelError::DeviceUnavailable {
+                device: "cuda",
+                reason: "a CUDA graph capture began while another was under way on the same \
+                         device handle"
+                    .into(),
+            });
+        }
+        c.capture = Some(HashMap::new());
+        Ok(())
+    }
+
+    /// Ends [`Pool::begin_capture`]: the blocks freed during the capture,
+    /// for the graph to hold.
+    pub(crate) fn end_capture(self: &Arc<Self>) -> GraphBlocks {
+        let held = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .capture
+            .take()
+            .unwrap_or_default();
+        GraphBlocks {
+            blocks: held
+                .into_iter()
+                .flat_map(|(size, ptrs)| ptrs.into_iter().map(move |p| (size, p)))
+                .collect(),
+            pool: self.clone(),
+        }
+    }
+
+    /// Whether a graph is being captured on this pool's stream.
+    pub(crate) fn capturing(&self) -> bool {
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .capture
+            .is_some()
     }
 
     /// Starts a new peak measurement from the current use.

@@ -3,71 +3,159 @@
 //! with the host except [`crate::Device::download`] and
 //! [`Cuda::synchronize`] (counted by [`Cuda::host_syncs`]).
 //!
-//! Replays write the same buffers as the captured run: keep every tensor the
-//! captured work reads or writes alive as long as the graph. A data error a
-//! kernel finds during a replay (rather than during the capture) is reported
-//! at the next read as an unknown check, since the capture's checks were
-//! resolved at the first read after it.
+//! Replays write the same buffers as the captured run. The graph holds what
+//! the capture freed (its scratch and intermediate tensors, see `alloc.rs`)
+//! and the pinned host copies of what it uploaded; the tensors still alive
+//! when the capture ended (its inputs, outputs and parameters) are the
+//! caller's: keep them alive as long as the graph. A data error a kernel finds
+//! during a replay (rather than during the capture) is reported at the next
+//! read as an unknown check, since the capture's checks were resolved at the
+//! first read after it.
 
-use cudarc::driver::sys;
+use std::sync::Mutex;
 
-use super::alloc::driver_err;
+use cudarc::driver::{result as drv, sys};
+
+use super::alloc::{driver_err, GraphBlocks};
 use super::Cuda;
 use crate::error::Result;
 
 /// A captured graph of device work on one [`Cuda`] handle's stream.
 pub struct CudaGraphExec {
     graph: cudarc::driver::CudaGraph,
+    /// Device blocks the capture freed: the graph's own buffers.
+    memory: GraphBlocks,
+    /// Pinned host copies of the capture's uploads, which replays read.
+    uploads: Vec<PinnedUpload>,
+    cuda: Cuda,
 }
 
 impl std::fmt::Debug for CudaGraphExec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("CudaGraphExec")
+        write!(
+            f,
+            "CudaGraphExec({} bytes held, {} uploads)",
+            self.memory.bytes(),
+            self.uploads.len()
+        )
     }
 }
 
 impl CudaGraphExec {
     /// Queues one replay of the captured work on the handle's stream.
     pub fn replay(&self) -> Result<()> {
+        self.cuda.bind()?;
         self.graph
             .launch()
             .map_err(|e| driver_err("replaying a CUDA graph", e))
     }
+
+    /// Device bytes the graph holds beyond the caller's tensors.
+    pub fn held_bytes(&self) -> usize {
+        self.memory.bytes()
+    }
 }
+
+impl Drop for CudaGraphExec {
+    fn drop(&mut self) {
+        // A replay still queued may be reading the pinned uploads: wait for
+        // it before they are freed (device blocks need no wait, see alloc.rs).
+        if !self.uploads.is_empty() {
+            let _ = self.cuda.bind();
+            let _ = self.cuda.stream().synchronize();
+        }
+    }
+}
+
+/// Pinned host memory holding one upload of a capture (freed on drop).
+pub(crate) struct PinnedUpload {
+    ptr: usize,
+}
+
+impl Drop for PinnedUpload {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `malloc_host` and is freed once, after the
+        // graph that reads it (see `CudaGraphExec`'s drop).
+        let _ = unsafe { drv::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// The uploads of the capture under way on a handle (see [`Cuda::capture`]).
+pub(crate) type CaptureUploads = Mutex<Vec<PinnedUpload>>;
 
 impl Cuda {
     /// Runs `f` with this handle's stream in capture mode and returns the
     /// captured graph with `f`'s result. `f` must not read to the host (a
-    /// download would fail the capture); allocations it makes come from the
-    /// pool and are not part of the graph (relaxed capture mode allows the
-    /// pool to call the driver on a cache miss).
+    /// download fails the capture). Allocations it makes come from the pool
+    /// (relaxed capture mode allows the pool to call the driver on a cache
+    /// miss); the blocks it frees and the host data it uploads are kept for
+    /// the graph's replays.
     pub fn capture<R>(&self, f: impl FnOnce(&Cuda) -> Result<R>) -> Result<(CudaGraphExec, R)> {
         self.bind()?;
-        self.stream()
+        self.pool().begin_capture()?;
+        let begun = self
+            .stream()
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(|e| driver_err("beginning a CUDA graph capture", e))?;
-        let out = f(self);
+            .map_err(|e| driver_err("beginning a CUDA graph capture", e));
+        let out = begun.and_then(|()| f(self));
         let graph = self
             .stream()
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .map_err(|e| driver_err("ending a CUDA graph capture", e));
+        // Nothing captured has run: on failure the blocks are free at once.
+        let memory = self.pool().end_capture();
+        let uploads = std::mem::take(
+            &mut *self
+                .capture_uploads()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
         let out = out?;
         match graph? {
-            Some(graph) => Ok((CudaGraphExec { graph }, out)),
+            Some(graph) => Ok((
+                CudaGraphExec {
+                    graph,
+                    memory,
+                    uploads,
+                    cuda: self.clone(),
+                },
+                out,
+            )),
             None => Err(crate::error::KernelError::DeviceUnavailable {
                 device: "cuda",
                 reason: "the CUDA graph capture recorded nothing".into(),
             }),
         }
     }
+
+    /// During a capture, copies `bytes` at `src` to pinned host memory the
+    /// graph keeps and returns its address (a replay reads the copy, long
+    /// after the caller's buffer is gone); `None` outside a capture.
+    pub(crate) fn stage_upload(&self, src: *const u8, bytes: usize) -> Result<Option<usize>> {
+        if !self.pool().capturing() {
+            return Ok(None);
+        }
+        let ptr = unsafe { drv::malloc_host(bytes.max(1), 0) }
+            .map_err(|e| driver_err("pinning an upload captured in a CUDA graph", e))?
+            as usize;
+        // SAFETY: `src` holds `bytes` bytes (the caller's slice) and the new
+        // pinned buffer as many; they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, ptr as *mut u8, bytes) };
+        self.capture_uploads()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(PinnedUpload { ptr });
+        Ok(Some(ptr))
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::backend::{Backend, Device};
+    use crate::backend::{Backend, Device, ElementwiseOps};
     use crate::cpu::test_util::{rel_err, rng, uniform, TestDevice};
     use crate::cpu::Cpu;
-    use crate::tensor::Tensor;
+    use crate::cuda::Cuda;
+    use crate::tensor::{DType, HostData, Tensor};
 
     /// Shape letters: T tokens, D hidden, E experts, K top-k, F expert ffn.
     const T: usize = 256;
@@ -160,11 +248,55 @@ mod tests {
             assert!(e < 1e-5, "{name}: {e:.3e}");
         }
         let (graph, outs) = d.capture(|d| moe_step(d, &inp)).unwrap();
+        assert!(
+            graph.held_bytes() > 0,
+            "the capture's intermediates are the graph's"
+        );
+        // Tensors made after the capture, of the intermediates' shapes, get
+        // blocks of their own: replays must leave them alone.
+        let bystanders: Vec<Tensor<Cuda>> = [[T, D], [T * K, F], [T * K, D], [T, E]]
+            .iter()
+            .flat_map(|s| (0..4).map(move |_| s))
+            .map(|s| d.fill(s, 7.0, DType::F32).unwrap())
+            .collect();
         for _ in 0..2 {
             graph.replay().unwrap();
             for ((name, t), e) in names.iter().zip(&outs).zip(&eager_h) {
                 assert_eq!(&d.h64(t), e, "{name} after a graph replay");
             }
         }
+        for t in &bystanders {
+            assert!(
+                d.h64(t).iter().all(|&v| v == 7.0),
+                "a replay wrote a bystander"
+            );
+        }
+    }
+
+    /// An upload captured in a graph is replayed from a pinned copy: the
+    /// caller's host buffer is gone by then.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn captured_uploads_replay_from_their_own_copy() {
+        let d = crate::cuda::require_test_device();
+        let x = d.t32(&[1.0, 2.0, 3.0, 4.0], &[4]);
+        let (graph, (sum, _)) = d
+            .capture(|d| {
+                let c = d.upload(HostData::F32(vec![10.0, 20.0, 30.0, 40.0]), &[4])?;
+                Ok((d.add(&x, &c)?, c))
+            })
+            .unwrap();
+        // Overwrite the output, then let the replay write it again.
+        let mut sum = sum;
+        d.axpy(&mut sum, -1.0, &x.clone()).unwrap();
+        // Host allocations of the uploaded vector's size, likely to take its
+        // freed memory, held while the replay runs.
+        let reused: Vec<Vec<f32>> = (0..8).map(|i| vec![i as f32; 4]).collect();
+        graph.replay().unwrap();
+        assert_eq!(d.h64(&sum), vec![11.0, 22.0, 33.0, 44.0]);
+        drop(reused);
     }
 }

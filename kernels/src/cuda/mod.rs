@@ -96,6 +96,8 @@ struct Inner {
     syncs: AtomicU64,
     /// Activation offload's copy stream and pinned buffers (at first use).
     offload: Mutex<Option<offload::OffloadState>>,
+    /// Pinned copies of the uploads of a CUDA graph capture under way.
+    capture_uploads: graph::CaptureUploads,
 }
 
 /// Device memory of a tensor: a pooled block shared by clones (copied before
@@ -310,6 +312,7 @@ impl Cuda {
                 blas: Mutex::new(None),
                 syncs: AtomicU64::new(0),
                 offload: Mutex::new(None),
+                capture_uploads: Default::default(),
             })
         });
         match opened {
@@ -385,6 +388,14 @@ impl Cuda {
 
     pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
         &self.inner.ctx
+    }
+
+    pub(crate) fn pool(&self) -> &Arc<Pool> {
+        &self.inner.pool
+    }
+
+    pub(crate) fn capture_uploads(&self) -> &graph::CaptureUploads {
+        &self.inner.capture_uploads
     }
 
     /// A kernel of `m`, compiling the module on first use.
@@ -566,15 +577,25 @@ impl Device for Cuda {
         let t = self.alloc("upload", shape, data.dtype())?;
         self.bind()?;
         let (dst, cu) = (t.storage().ptr(), self.stream().cu_stream());
-        // From pageable memory the driver stages the data before returning,
-        // so `data` may be dropped as soon as the call is back.
-        let r = match &data {
-            _ if n == 0 => Ok(()),
-            HostData::F32(v) => unsafe { drv::memcpy_htod_async(dst, v, cu) },
-            HostData::F64(v) => unsafe { drv::memcpy_htod_async(dst, v, cu) },
-            HostData::I32(v) => unsafe { drv::memcpy_htod_async(dst, v, cu) },
+        if n == 0 {
+            return Ok(t);
+        }
+        let (src, bytes) = match &data {
+            HostData::F32(v) => (v.as_ptr() as *const u8, std::mem::size_of_val(&v[..])),
+            HostData::F64(v) => (v.as_ptr() as *const u8, std::mem::size_of_val(&v[..])),
+            HostData::I32(v) => (v.as_ptr() as *const u8, std::mem::size_of_val(&v[..])),
         };
-        r.map_err(|e| driver_err("upload", e))?;
+        // From pageable memory the driver stages the data before returning,
+        // so `data` may be dropped as soon as the call is back. A graph being
+        // captured would record the pageable address instead: its copy reads
+        // a pinned buffer the graph keeps.
+        let src = self
+            .stage_upload(src, bytes)?
+            .map_or(src, |p| p as *const u8);
+        // SAFETY: `src` holds `bytes` bytes until the call is back (pageable)
+        // or as long as the graph that reads it (pinned).
+        let host = unsafe { std::slice::from_raw_parts(src, bytes) };
+        unsafe { drv::memcpy_htod_async(dst, host, cu) }.map_err(|e| driver_err("upload", e))?;
         Ok(t)
     }
 
