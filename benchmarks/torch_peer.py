@@ -16,7 +16,8 @@ PyTorch, so the two can be compared on one GPU:
              --mla (query/key 192, value 128); FLOPs count the causal half:
              forward B*Hq*S^2*(Dqk + Dv), backward twice that
 
---compile (moe-layer, model) wraps the layer / the model in torch.compile.
+--compile (moe-layer, model) wraps the layer / the model in torch.compile;
+--compile-mode passes its mode (reduce-overhead: replayed as CUDA graphs).
 
 The last line on stdout is one JSON object; everything else (tracebacks,
 warnings) goes to stderr. See benchmarks/README.md for the FLOP formulas.
@@ -382,9 +383,14 @@ def bench_moe_layer(a, device, gmm, result):
 
     layer = moe_forward
     if a.compile:
-        layer = torch.compile(moe_forward)
+        layer = torch.compile(moe_forward, mode=a.compile_mode)
+
+    graphs = a.compile and a.compile_mode == "reduce-overhead"
 
     def step():
+        if graphs:
+            # Each call is a new step: cudagraph trees may reuse its buffers.
+            torch.compiler.cudagraph_mark_step_begin()
         for p in leaves:
             p.grad = None
         out, aux = layer(x, router_w, w1, w2, a.top_k, a.aux_coef, gmm, a.group_align)
@@ -485,7 +491,7 @@ def bench_model(a, device, gmm, result):
     with torch.device(device):
         model = Model(a, gmm)
     result["params"] = sum(p.numel() for p in model.parameters())
-    forward = torch.compile(model) if a.compile else model
+    forward = torch.compile(model, mode=a.compile_mode) if a.compile else model
 
     # Mixed precision: fp32 master parameters, AdamW on them, bf16 compute via
     # autocast; the MoE casts its expert weights to bf16 itself because
@@ -557,6 +563,10 @@ def parse_args(argv=None):
                    help="pad each expert's rows to a multiple of this (1 = no padding)")
     p.add_argument("--compile", action="store_true",
                    help="moe-layer / model: time torch.compile of the layer / the model")
+    p.add_argument("--compile-mode", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune",
+                            "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode (reduce-overhead replays CUDA graphs)")
     p.add_argument("--mla", action="store_true",
                    help="attention: MLA's head dims (query/key 192, value 128)")
     p.add_argument("--check", action="store_true",
@@ -590,7 +600,8 @@ def main(argv=None):
         if a.bench == "model":
             result["dims"]["batch"] = a.tokens // a.seq
         result.update(expert_impl=a.expert_impl, group_align=a.group_align,
-                      warmup=a.warmup, iters=a.iters, compile=a.compile)
+                      warmup=a.warmup, iters=a.iters, compile=a.compile,
+                      compile_mode=a.compile_mode)
 
         torch.manual_seed(a.seed)
         gmm = make_gmm(a.expert_impl)

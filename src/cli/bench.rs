@@ -29,7 +29,7 @@ use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
 use foldmoe::core::engine::optim::DdpConfig;
 use foldmoe::core::engine::parallel::{Ctx, Exec, LayerGroups, RankLayout, Trainer};
-use foldmoe::core::engine::param::{Init, Module as _};
+use foldmoe::core::engine::param::{Init, Module as _, Param};
 use foldmoe::core::engine::trainer::TrainConfig;
 use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{FfnSpec, GemmPrecision, ModelSpec, MoeSpec};
@@ -450,16 +450,13 @@ fn moe_layer<B: BenchDevice>(
     let dy = random(b, &[t, d], 1e-3, 3, dtype)?;
     let run = |layer: &mut MoeLayer<B>| -> Result<(), CliError> {
         // As in a training step (and the peer's `grad = None`): gradients
-        // start from zero, not from the last iteration's.
-        let mut zeroed = Ok(());
-        layer.visit_params_mut(&mut |p| {
-            if zeroed.is_ok() {
-                zeroed = p.zero_grad(b);
-            }
-        });
-        zeroed?;
+        // start from zero, not from the last iteration's, cleared without
+        // writing zeros, which are written at the end for a parameter the
+        // backward did not reach.
+        each_param(layer, b, Param::clear_grad)?;
         let (_y, saved, _stats) = layer.forward(&exec, &x, seq_len, t)?;
         layer.backward(&exec, &dy, saved, 1.0)?;
+        each_param(layer, b, Param::settle_grad)?;
         Ok(())
     };
     let mut step = || run(&mut layer);
@@ -510,6 +507,21 @@ fn moe_layer<B: BenchDevice>(
         "iters": o.iters,
         "graph": graph,
     }))
+}
+
+/// Calls `f` (a gradient reset) on every parameter of `layer`.
+fn each_param<B: Backend>(
+    layer: &mut MoeLayer<B>,
+    b: &B,
+    f: fn(&mut Param<B>, &B) -> foldmoe::core::engine::Result<()>,
+) -> Result<(), CliError> {
+    let mut failed = Ok(());
+    layer.visit_params_mut(&mut |p| {
+        if failed.is_ok() {
+            failed = f(p, b);
+        }
+    });
+    Ok(failed?)
 }
 
 /// The sum of squares of every parameter's gradient of `layer`, on the host:

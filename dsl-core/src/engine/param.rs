@@ -19,10 +19,15 @@ pub struct Param<B: Device> {
     /// Code other than [`Param::accumulate`] may replace it only once the
     /// backward passes of the step are done (reductions, clipping).
     pub grad: Tensor<B>,
-    /// Whether `grad` is still the zeros of `new` / `zero_grad`: the first
-    /// accumulation then takes the incoming gradient as it is (a shared
-    /// handle; copy-on-write keeps both safe) instead of adding it to zeros.
+    /// Whether the gradient is still zero (since `new`, `zero_grad` or
+    /// `clear_grad`): the first accumulation then takes the incoming
+    /// gradient as it is (a shared handle; copy-on-write keeps both safe)
+    /// instead of adding it to zeros.
     grad_is_zero: bool,
+    /// Whether the zero gradient was never written (`clear_grad`): `grad`
+    /// is then an empty placeholder until an accumulation or
+    /// [`Param::settle_grad`].
+    grad_unwritten: bool,
     /// Where this tensor sits in the full parameter when it is one rank's
     /// shard (`None`: the whole parameter).
     pub shard: Option<Box<ShardSpec>>,
@@ -37,29 +42,66 @@ impl<B: Backend> Param<B> {
             value,
             grad,
             grad_is_zero: true,
+            grad_unwritten: false,
             shard: None,
         })
     }
 
     /// Adds `g` into the gradient.
     pub fn accumulate(&mut self, b: &B, g: &Tensor<B>) -> Result<()> {
-        let same_kind = g.shape() == self.grad.shape() && g.dtype() == self.grad.dtype();
+        let same_kind = g.shape() == self.value.shape() && g.dtype() == self.value.dtype();
         if self.grad_is_zero && same_kind {
             // 0 + g is g (up to the sign of a zero): skips a pass over the
             // gradient.
             self.grad = g.clone();
         } else {
+            self.settle_grad(b)?;
             b.axpy(&mut self.grad, 1.0, g)?;
         }
         self.grad_is_zero = false;
+        self.grad_unwritten = false;
         Ok(())
     }
 
-    /// Resets the gradient to zero.
+    /// Resets the gradient to zero, written out.
     pub fn zero_grad(&mut self, b: &B) -> Result<()> {
         self.grad = b.zeros(self.value.shape(), self.value.dtype())?;
         self.grad_is_zero = true;
+        self.grad_unwritten = false;
         Ok(())
+    }
+
+    /// Resets the gradient to zero without writing zeros (PyTorch's
+    /// `set_to_none`): the old gradient's memory is freed at once, and the
+    /// first accumulation takes its input as the gradient, so a step spends
+    /// no pass over a gradient-sized buffer. Until an accumulation, read the
+    /// gradient through [`Param::grad_or_zeros`] or call
+    /// [`Param::settle_grad`] first.
+    pub fn clear_grad(&mut self, b: &B) -> Result<()> {
+        self.grad = b.zeros(&[0], self.value.dtype())?;
+        self.grad_is_zero = true;
+        self.grad_unwritten = true;
+        Ok(())
+    }
+
+    /// Writes the zeros a [`Param::clear_grad`] left unwritten (a parameter
+    /// no backward pass reached); nothing otherwise.
+    pub fn settle_grad(&mut self, b: &B) -> Result<()> {
+        if self.grad_unwritten {
+            self.grad = b.zeros(self.value.shape(), self.value.dtype())?;
+            self.grad_unwritten = false;
+        }
+        Ok(())
+    }
+
+    /// The gradient, or fresh zeros of the parameter's shape if it was
+    /// cleared and not yet written (for readers that cannot settle it).
+    pub fn grad_or_zeros(&self, b: &B) -> Result<Tensor<B>> {
+        if self.grad_unwritten {
+            Ok(b.zeros(self.value.shape(), self.value.dtype())?)
+        } else {
+            Ok(self.grad.clone())
+        }
     }
 }
 
@@ -337,6 +379,28 @@ mod tests {
         assert_eq!(vals(&p.grad), vec![1.0; 3]);
         p.zero_grad(&b).unwrap();
         assert_eq!(vals(&p.grad), vec![0.0; 3]);
+        let wrong = init_const(&b, &[4], 0.5, DType::F32).unwrap();
+        assert!(p.accumulate(&b, &wrong).is_err());
+    }
+
+    /// A cleared gradient reads as zeros before any accumulation, takes the
+    /// first accumulation as it is, and refuses a misshapen one as before.
+    #[test]
+    fn cleared_grad_is_zero_until_written() {
+        let b = Cpu;
+        let mut p = Param::new(&b, "w", init_const(&b, &[3], 1.0, DType::F32).unwrap()).unwrap();
+        let g = init_const(&b, &[3], 0.5, DType::F32).unwrap();
+        p.accumulate(&b, &g).unwrap();
+        p.clear_grad(&b).unwrap();
+        assert_eq!(p.grad.numel(), 0, "nothing written, the old gradient freed");
+        assert_eq!(vals(&p.grad_or_zeros(&b).unwrap()), vec![0.0; 3]);
+        p.accumulate(&b, &g).unwrap();
+        p.accumulate(&b, &g).unwrap();
+        assert_eq!(vals(&p.grad), vec![1.0; 3]);
+        p.clear_grad(&b).unwrap();
+        p.settle_grad(&b).unwrap();
+        assert_eq!(vals(&p.grad), vec![0.0; 3]);
+        p.clear_grad(&b).unwrap();
         let wrong = init_const(&b, &[4], 0.5, DType::F32).unwrap();
         assert!(p.accumulate(&b, &wrong).is_err());
     }

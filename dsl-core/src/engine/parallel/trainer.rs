@@ -297,9 +297,11 @@ fn start_final_buckets<B: Backend>(
     if ready.is_empty() {
         return Ok(());
     }
+    // A parameter no backward reached still holds a cleared gradient.
     let mut grads = Vec::new();
-    model.visit_dense(&mut |p| grads.push(&p.grad));
-    model.visit_experts(&mut |p| grads.push(&p.grad));
+    model.visit_dense(&mut |p| grads.push(p.grad_or_zeros(b)));
+    model.visit_experts(&mut |p| grads.push(p.grad_or_zeros(b)));
+    let grads = grads.into_iter().collect::<Result<Vec<_>>>()?;
     for k in ready {
         let bk = &buckets[k];
         let group = if bk.kind.expert {
@@ -537,15 +539,9 @@ impl<B: Backend> Trainer<B> {
         }
         // Not over cp: a cp rank's loss is already its share of the micro-batch's mean.
         let scale = 1.0 / (micro_batches.len() * ctx.rank.dp.size()) as f64;
-        let mut failure = None;
-        visit_all_mut(&mut self.model, &mut |p| {
-            if let Err(e) = p.zero_grad(b) {
-                failure.get_or_insert(e);
-            }
-        });
-        if let Some(e) = failure {
-            return Err(e);
-        }
+        // Cleared, not zeroed: the first backward's gradients are taken as
+        // they are, and the last step's are freed before the forward.
+        self.settle_grads(b, Param::clear_grad)?;
         let dtype = self.model.embed.table.value.dtype();
         let mut loss = b.zeros(&[1], dtype.acc())?;
         let mut aux = b.zeros(&[1], dtype)?;
@@ -667,7 +663,21 @@ impl<B: Backend> Trainer<B> {
             })
             .collect::<Result<Vec<_>>>()?;
         self.mtp_loss = Some(mtp_loss);
+        // Parameters no backward reached get their zeros written now.
+        self.settle_grads(b, Param::settle_grad)?;
         Ok((loss, aux, loads))
+    }
+
+    /// Calls `f` (a [`Param`] gradient reset) on every parameter of the
+    /// model, returning the first error.
+    fn settle_grads(&mut self, b: &B, f: fn(&mut Param<B>, &B) -> Result<()>) -> Result<()> {
+        let mut failure = None;
+        visit_all_mut(&mut self.model, &mut |p| {
+            if let Err(e) = f(p, b) {
+                failure.get_or_insert(e);
+            }
+        });
+        failure.map_or(Ok(()), Err)
     }
 
     /// Mean loss of one batch without gradients (validation), equal on every
