@@ -36,9 +36,12 @@
 //! group order). Failure works as for blocking calls: the wait of a
 //! collective whose turn came ends within the timeout, and once one started
 //! collective has failed the later ones fail at once, naming the first
-//! failure. Communicators without a progress thread (the one-rank
-//! communicator, NCCL for now) use the provided methods, which run the
-//! blocking call at the start.
+//! failure. NCCL queues a started collective on its communication stream
+//! and leaves the compute stream free to run ahead; the wait (or dropping
+//! the handle) makes the compute stream wait for it, with no host wait
+//! (`cuda/nccl.rs`). Communicators without either (the one-rank
+//! communicator) use the provided methods, which run the blocking call at
+//! the start.
 
 pub mod local;
 pub mod rendezvous;
@@ -240,6 +243,13 @@ enum PendingState<B: Device> {
         rank: usize,
         ctx: String,
     },
+    /// Queued on the device, with its result's memory already given: the
+    /// guard, when dropped, orders the caller's device work queued after it
+    /// behind the collective (declared first, so it is dropped first).
+    Queued {
+        guard: Box<dyn Send>,
+        out: Tensor<B>,
+    },
 }
 
 impl<B: Device> Pending<B> {
@@ -247,6 +257,16 @@ impl<B: Device> Pending<B> {
     pub fn ready(outcome: Result<Tensor<B>>) -> Self {
         Pending {
             state: PendingState::Ready(outcome),
+            meter: None,
+        }
+    }
+
+    /// A collective queued on the device that writes `out`; dropping
+    /// `guard` must order later device work after it (see
+    /// [`PendingState::Queued`]).
+    pub fn queued(out: Tensor<B>, guard: Box<dyn Send>) -> Self {
+        Pending {
+            state: PendingState::Queued { guard, out },
             meter: None,
         }
     }
@@ -290,6 +310,11 @@ impl<B: Device> Pending<B> {
                     Duration::ZERO,
                 ),
             },
+            // The host does not see the device's time: none is counted.
+            PendingState::Queued { guard, out } => {
+                drop(guard);
+                (Ok(out), Duration::ZERO)
+            }
         };
         if let Some(meter) = &self.meter {
             meter.add(waited.elapsed(), ran);

@@ -10,10 +10,13 @@
 //! two events made once and reused: before a call the communication stream
 //! waits for the compute work queued so far (which writes the call's
 //! inputs), and after it the compute stream waits for the call (whose
-//! outputs it reads next). The host waits for neither. The compute stream
-//! waits after every call, so compute does not overlap communication yet;
-//! the separate stream is where overlapping (waiting for a collective later
-//! than its call) will go.
+//! outputs it reads next). The host waits for neither. A blocking call makes
+//! the compute stream wait at once; a started one
+//! ([`Communicator::reduce_scatter_start`], [`Communicator::all_gather_start`])
+//! records an event of its own and returns an [`InFlight`] guard in its
+//! [`Pending`], and the compute stream waits for that event only at
+//! [`Pending::wait`] (or when the handle is dropped): the compute queued in
+//! between overlaps the collective.
 //!
 //! That wait is also what keeps the caching allocator (`alloc.rs`) safe: the
 //! pool hands a freed block to the next op at once because that op queues
@@ -21,7 +24,9 @@
 //! call (a temporary of the call, an input its caller drops) may still be
 //! read or written by NCCL on the communication stream; since the compute
 //! stream waits for the call's end before anything queued after it, no
-//! compute op reuses the block too early.
+//! compute op reuses the block too early. A started call's guard holds its
+//! input and output until the compute stream waits for it, for the same
+//! reason.
 //!
 //! NCCL has no all-to-all-v and its `recv` needs the size up front, so:
 //! - [`Communicator::all_to_all_v`] exchanges the row counts (a small
@@ -48,7 +53,7 @@ use cudarc::nccl::sys;
 
 use super::{dtype_size, Cuda};
 use crate::backend::Device;
-use crate::comm::{Communicator, Group, ReduceOp};
+use crate::comm::{Communicator, Group, Pending, ReduceOp};
 use crate::error::{KernelError, Result};
 use crate::tensor::{DType, HostData, Tensor};
 
@@ -58,6 +63,23 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 /// Entries of the header [`Communicator::send`] puts before a tensor: dtype,
 /// number of dimensions, then up to 6 dimensions.
 const HEADER_LEN: usize = 8;
+
+/// A started collective the compute stream has not waited for yet: dropping
+/// it makes the compute stream wait for the call's event (no host wait),
+/// then releases the call's buffers, whose blocks later compute may reuse.
+struct InFlight {
+    done: CudaEvent,
+    compute: Arc<CudaStream>,
+    _buffers: [Tensor<Cuda>; 2],
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Nowhere to report a failure at drop; the stream's next call would
+        // report a broken context anyway.
+        let _ = self.compute.wait(&self.done);
+    }
+}
 
 /// A raw NCCL communicator handle, destroyed on drop.
 struct RawComm(sys::ncclComm_t);
@@ -299,19 +321,173 @@ impl NcclComm {
         s: &State,
         enqueue: impl FnOnce(sys::cudaStream_t) -> Result<T>,
     ) -> Result<T> {
-        let c = &s.streams;
-        c.ready
-            .record(self.cuda.stream())
-            .and_then(|()| c.stream.wait(&c.ready))
-            .map_err(|e| self.driver("ordering the communication stream after compute", e))?;
-        let out = enqueue(c.stream.cu_stream() as sys::cudaStream_t);
+        let out = self.after_compute(s, enqueue)?;
         // Also after a failed call: compute must not run ahead of (or reuse
         // the buffers of) whatever part of it was queued.
+        let c = &s.streams;
         c.done
             .record(&c.stream)
             .and_then(|()| self.cuda.stream().wait(&c.done))
             .map_err(|e| self.driver("ordering compute after the communication stream", e))?;
         out
+    }
+
+    /// Queues `enqueue`'s work on the communication stream after the compute
+    /// work queued so far; the outer result is the ordering's.
+    fn after_compute<T>(
+        &self,
+        s: &State,
+        enqueue: impl FnOnce(sys::cudaStream_t) -> Result<T>,
+    ) -> Result<Result<T>> {
+        let c = &s.streams;
+        c.ready
+            .record(self.cuda.stream())
+            .and_then(|()| c.stream.wait(&c.ready))
+            .map_err(|e| self.driver("ordering the communication stream after compute", e))?;
+        Ok(enqueue(c.stream.cu_stream() as sys::cudaStream_t))
+    }
+
+    /// A started call: `enqueue`'s work on the communication stream after
+    /// the compute queued so far, the compute queued next not waiting for
+    /// it until the returned handle is waited for or dropped. `buffers` (the
+    /// call's input and output) are held until then.
+    fn started(
+        &self,
+        s: &State,
+        out: Tensor<Cuda>,
+        input: &Tensor<Cuda>,
+        enqueue: impl FnOnce(sys::cudaStream_t) -> Result<()>,
+    ) -> Result<Pending<Cuda>> {
+        let queued = self.after_compute(s, enqueue)?;
+        let done = self
+            .cuda
+            .ctx()
+            .new_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .and_then(|ev| ev.record(&s.streams.stream).map(|()| ev))
+            .map_err(|e| self.driver("recording the end of a started collective", e));
+        let done = match done {
+            Ok(ev) => ev,
+            Err(e) => {
+                // Without an event of its own, order compute after the call now.
+                let c = &s.streams;
+                let _ = c
+                    .done
+                    .record(&c.stream)
+                    .and_then(|()| self.cuda.stream().wait(&c.done));
+                return Err(e);
+            }
+        };
+        let guard = InFlight {
+            done,
+            compute: self.cuda.stream().clone(),
+            _buffers: [input.clone(), out.clone()],
+        };
+        // A failed call still has its guard order compute after what was queued.
+        queued?;
+        Ok(Pending::queued(out, Box::new(guard)))
+    }
+
+    /// `enqueue` (which fills `out` from `input`) as a blocking call, its
+    /// result ready in the handle, or started ([`NcclComm::started`]).
+    fn run_or_start(
+        &self,
+        s: &State,
+        out: Tensor<Cuda>,
+        input: &Tensor<Cuda>,
+        start: bool,
+        enqueue: impl FnOnce(sys::cudaStream_t) -> Result<()>,
+    ) -> Result<Pending<Cuda>> {
+        if start {
+            return self.started(s, out, input, enqueue);
+        }
+        self.on_comm_stream(s, enqueue)?;
+        Ok(Pending::ready(Ok(out)))
+    }
+
+    /// [`Communicator::reduce_scatter`], blocking or started.
+    fn reduce_scatter_on(
+        &self,
+        b: &Cuda,
+        group: &Group,
+        t: &Tensor<Cuda>,
+        start: bool,
+    ) -> Result<Pending<Cuda>> {
+        let s = self.state();
+        let (comm, _) = self.comm_of(&s, group)?;
+        let n = group.size();
+        let rows = t.shape().first().copied().unwrap_or(0);
+        if !rows.is_multiple_of(n) {
+            return Err(self.err(format!(
+                "reduce_scatter: {rows} rows do not split over a group of {n}"
+            )));
+        }
+        if n == 1 {
+            return Ok(Pending::ready(Ok(t.clone())));
+        }
+        let mut shape = t.shape().to_vec();
+        shape[0] = rows / n;
+        let out = b.alloc("reduce_scatter", &shape, t.dtype())?;
+        let (optr, count) = (ptr(&out), t.numel() / n);
+        self.run_or_start(&s, out, t, start, |stream| {
+            self.nccl("reduce_scatter", unsafe {
+                sys::ncclReduceScatter(
+                    ptr(t),
+                    optr,
+                    count,
+                    nccl_type(t.dtype()),
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    stream,
+                )
+            })
+        })
+    }
+
+    /// [`Communicator::all_gather`], blocking or started. Unequal row
+    /// counts are exchanged first, which the host reads (a wait for the
+    /// compute queued before, even when started).
+    fn all_gather_on(
+        &self,
+        b: &Cuda,
+        group: &Group,
+        t: &Tensor<Cuda>,
+        start: bool,
+    ) -> Result<Pending<Cuda>> {
+        let s = self.state();
+        let (comm, me) = self.comm_of(&s, group)?;
+        if group.size() == 1 {
+            return Ok(Pending::ready(Ok(t.clone())));
+        }
+        if t.shape().is_empty() {
+            return Err(self.err("all_gather: a scalar has no rows to gather"));
+        }
+        let rows = self.exchange_counts(&s, comm, &[t.shape()[0] as i32])?;
+        let rows: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
+        let mut shape = t.shape().to_vec();
+        shape[0] = rows.iter().sum();
+        let out = b.alloc("all_gather", &shape, t.dtype())?;
+        let target = out.clone();
+        self.run_or_start(&s, out, t, start, |stream| {
+            if rows.iter().all(|&r| r == rows[0]) {
+                self.nccl("all_gather", unsafe {
+                    sys::ncclAllGather(
+                        ptr(t),
+                        ptr(&target),
+                        t.numel(),
+                        nccl_type(t.dtype()),
+                        comm,
+                        stream,
+                    )
+                })
+            } else {
+                // Every member gets all of this rank's rows.
+                let n = group.size();
+                let (from, send) = (vec![0; n], vec![t.shape()[0]; n]);
+                self.exchange_rows(stream, comm, me, t, &from, &send, &target, &rows)
+            }
+        })
     }
 
     /// `t`'s values on the host, read on the communication stream after the
@@ -523,71 +699,24 @@ impl Communicator<Cuda> for NcclComm {
     }
 
     fn reduce_scatter(&self, b: &Cuda, group: &Group, t: &Tensor<Cuda>) -> Result<Tensor<Cuda>> {
-        let s = self.state();
-        let (comm, _) = self.comm_of(&s, group)?;
-        let n = group.size();
-        let rows = t.shape().first().copied().unwrap_or(0);
-        if !rows.is_multiple_of(n) {
-            return Err(self.err(format!(
-                "reduce_scatter: {rows} rows do not split over a group of {n}"
-            )));
-        }
-        if n == 1 {
-            return Ok(t.clone());
-        }
-        let mut shape = t.shape().to_vec();
-        shape[0] = rows / n;
-        let out = b.alloc("reduce_scatter", &shape, t.dtype())?;
-        self.on_comm_stream(&s, |stream| {
-            self.nccl("reduce_scatter", unsafe {
-                sys::ncclReduceScatter(
-                    ptr(t),
-                    ptr(&out),
-                    t.numel() / n,
-                    nccl_type(t.dtype()),
-                    sys::ncclRedOp_t::ncclSum,
-                    comm,
-                    stream,
-                )
-            })
-        })?;
-        Ok(out)
+        self.reduce_scatter_on(b, group, t, false)?.wait()
+    }
+
+    fn reduce_scatter_start(
+        &self,
+        b: &Cuda,
+        group: &Group,
+        t: &Tensor<Cuda>,
+    ) -> Result<Pending<Cuda>> {
+        self.reduce_scatter_on(b, group, t, true)
     }
 
     fn all_gather(&self, b: &Cuda, group: &Group, t: &Tensor<Cuda>) -> Result<Tensor<Cuda>> {
-        let s = self.state();
-        let (comm, me) = self.comm_of(&s, group)?;
-        if group.size() == 1 {
-            return Ok(t.clone());
-        }
-        if t.shape().is_empty() {
-            return Err(self.err("all_gather: a scalar has no rows to gather"));
-        }
-        let rows = self.exchange_counts(&s, comm, &[t.shape()[0] as i32])?;
-        let rows: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
-        let mut shape = t.shape().to_vec();
-        shape[0] = rows.iter().sum();
-        let out = b.alloc("all_gather", &shape, t.dtype())?;
-        self.on_comm_stream(&s, |stream| {
-            if rows.iter().all(|&r| r == rows[0]) {
-                self.nccl("all_gather", unsafe {
-                    sys::ncclAllGather(
-                        ptr(t),
-                        ptr(&out),
-                        t.numel(),
-                        nccl_type(t.dtype()),
-                        comm,
-                        stream,
-                    )
-                })
-            } else {
-                // Every member gets all of this rank's rows.
-                let n = group.size();
-                let (from, send) = (vec![0; n], vec![t.shape()[0]; n]);
-                self.exchange_rows(stream, comm, me, t, &from, &send, &out, &rows)
-            }
-        })?;
-        Ok(out)
+        self.all_gather_on(b, group, t, false)?.wait()
+    }
+
+    fn all_gather_start(&self, b: &Cuda, group: &Group, t: &Tensor<Cuda>) -> Result<Pending<Cuda>> {
+        self.all_gather_on(b, group, t, true)
     }
 
     fn all_to_all_v(
@@ -794,7 +923,11 @@ mod tests {
 
     /// The same collectives on any backend and communicator; returns every
     /// result as f32 values, in call order.
-    fn script<B: Device>(b: &B, c: &dyn Communicator<B>, n: usize) -> Result<Vec<Vec<f32>>> {
+    fn script<B: crate::backend::Backend>(
+        b: &B,
+        c: &dyn Communicator<B>,
+        n: usize,
+    ) -> Result<Vec<Vec<f32>>> {
         let r = c.rank();
         let world = Group::new((0..n).collect());
         // Reversed order: a split communicator must number members by their
@@ -814,6 +947,15 @@ mod tests {
         out.push(f32s(&c.reduce_scatter(b, &reversed, &x)?)?);
         out.push(f32s(&c.all_gather(b, &world, &data(2, 1)?)?)?);
         out.push(f32s(&c.all_gather(b, &reversed, &data(r + 1, 2)?)?)?);
+        // Started: the inputs dropped at once, compute queued before the waits.
+        let scattered = c.reduce_scatter_start(b, &reversed, &data(2 * n, 6)?)?;
+        let gathered = c.all_gather_start(b, &world, &data(2, 7)?)?;
+        let unwaited = c.reduce_scatter_start(b, &world, &x)?;
+        let busy = b.scale(&data(2 * n, 8)?, 3.0)?;
+        drop(unwaited);
+        out.push(f32s(&gathered.wait()?)?);
+        out.push(f32s(&scattered.wait()?)?);
+        out.push(f32s(&busy)?);
         let send_rows: Vec<usize> = (0..n).map(|k| (r + 2 * k) % 3).collect();
         let (got, counts) =
             c.all_to_all_v(b, &reversed, &data(send_rows.iter().sum(), 3)?, &send_rows)?;
@@ -934,6 +1076,17 @@ mod tests {
                 let overwrite = b.scale(&base, -1.0)?;
                 total = b.add(&total, &sum)?;
                 drop(overwrite);
+                // Started: the compute queued before the wait overlaps it,
+                // and reuses no block the collective still reads or writes.
+                let x = b.scale(&base, i as f64)?;
+                let started =
+                    c.reduce_scatter_start(b, &world, &x.clone().reshape(&[n, LEN / n])?)?;
+                drop(x);
+                let overwrite = b.scale(&base, -2.0)?;
+                let part = started.wait()?;
+                drop(overwrite);
+                let all = c.all_gather(b, &world, &part)?;
+                total = b.add(&total, &all.reshape(&[LEN])?)?;
                 // Uneven all-to-all-v: counts read on the host, rows moved
                 // by grouped sends on the communication stream.
                 let rows: Vec<usize> = (0..n).map(|k| (k + i) % 3).collect();
@@ -951,8 +1104,8 @@ mod tests {
             Ok((b.download(&total)?.to_f32(), n))
         });
         let Some(got) = got else { return };
-        // Σ_i i · Σ_r (r + 1)(j mod 7), exact in f32.
-        let rounds: f32 = (0..ROUNDS).map(|i| i as f32).sum();
+        // Twice (blocking, started) Σ_i i · Σ_r (r + 1)(j mod 7), exact in f32.
+        let rounds: f32 = 2.0 * (0..ROUNDS).map(|i| i as f32).sum::<f32>();
         for (rank, (total, n)) in got.iter().enumerate() {
             let ranks: f32 = (1..=*n).map(|r| r as f32).sum();
             for (j, &v) in total.iter().enumerate() {
