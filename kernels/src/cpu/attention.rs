@@ -436,16 +436,23 @@ fn attention_backward_t<T: FloatStorage>(
         lse: &lses,
         spans: &spans,
     };
-    let mut dq = vec![T::ZERO; qh.len()];
-    let mut dk = vec![T::ZERO; kh.len()];
-    let mut dv = vec![T::ZERO; vh.len()];
+    // Recycled buffers, each task clearing its own heads (dK and dV are sums
+    // over the query blocks): no serial memset on the calling thread.
+    let mut dq = pool::take::<T>(qh.len());
+    let mut dk = pool::take::<T>(kh.len());
+    let mut dv = pool::take::<T>(vh.len());
     if !qh.is_empty() {
         let g = d.group();
         dq.par_chunks_mut(g * s * hd)
             .zip(dk.par_chunks_mut(s * hd))
             .zip(dv.par_chunks_mut(s * hd))
             .enumerate()
-            .for_each(|(kvh, ((dqg, dkh), dvh))| inp.kv_head(kvh, dqg, dkh, dvh));
+            .for_each(|(kvh, ((dqg, dkh), dvh))| {
+                for part in [&mut *dqg, &mut *dkh, &mut *dvh] {
+                    part.fill(T::ZERO);
+                }
+                inp.kv_head(kvh, dqg, dkh, dvh)
+            });
     }
     Ok((
         T::tensor(from_head_major(&dq, s, hq, hd), q.shape())?,
