@@ -57,23 +57,24 @@ fn check_qkv(op: &'static str, q: &Tensor<Cpu>, k: &Tensor<Cpu>, v: &Tensor<Cpu>
     Ok(Dims { b, s, hq, hkv, hd })
 }
 
-/// `[B, S, H, Hd]` → `[B, H, S, Hd]`.
-fn to_head_major<T: FloatStorage>(x: &[T], b: usize, s: usize, h: usize, hd: usize) -> Vec<T> {
-    let mut out = pool::take::<T>(x.len());
-    if x.is_empty() {
-        return out;
+/// Rows `i0..` of head `h` of sequence `bi` in a `[B, S, H, Hd]` operand,
+/// in place (row stride `H·Hd`; read transposed when `trans`): the GEMMs pack
+/// their operands anyway, so a head-major copy of the inputs would only add a
+/// pass over them.
+fn head_rows<T>(
+    x: &[T],
+    (s, heads, hd): (usize, usize, usize),
+    (bi, h): (usize, usize),
+    i0: usize,
+    trans: bool,
+) -> MatRef<'_, T> {
+    let rs = heads * hd;
+    let data = &x[((bi * s + i0) * heads + h) * hd..];
+    if trans {
+        MatRef::strided(data, 1, rs)
+    } else {
+        MatRef::strided(data, rs, 1)
     }
-    debug_assert_eq!(x.len(), b * s * h * hd);
-    out.par_chunks_mut(s * hd)
-        .enumerate()
-        .for_each(|(bh, dst)| {
-            let (bi, hi) = (bh / h, bh % h);
-            for (si, d) in dst.chunks_mut(hd).enumerate() {
-                let src = ((bi * s + si) * h + hi) * hd;
-                d.copy_from_slice(&x[src..src + hd]);
-            }
-        });
-    out
 }
 
 /// `[B, H, S, Hd]` → `[B, S, H, Hd]`.
@@ -185,33 +186,40 @@ fn softmax_rows<T: Float>(
     )
 }
 
+/// The `[B, S, H, Hd]` inputs of the forward and the head a task works on.
+struct FwdHead<'a, T> {
+    d: Dims,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    /// Sequence `bi`, query head `h` (of the sequence's `Hq`).
+    bi: usize,
+    h: usize,
+}
+
 /// Forward for one head's query block starting at row `i0`: `o` holds the
-/// block's rows, `lse` its log-sum-exps; `q`, `k`, `v` are the head's `[S, Hd]`,
-/// `first` its sequence's [`Spans::first`].
-#[allow(clippy::too_many_arguments)]
+/// block's rows (`[rows, Hd]`), `lse` its log-sum-exps; `first` is the
+/// sequence's [`Spans::first`].
 fn forward_block<T: FloatStorage>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    x: &FwdHead<'_, T>,
     first: &[usize],
     i0: usize,
     o: &mut [T],
     lse: &mut [T],
-    hd: usize,
     scale: T,
 ) {
+    let Dims { s, hq, hkv, hd, .. } = x.d;
+    let kvh = (x.bi, x.h / x.d.group());
     let rows = lse.len();
     let i1 = i0 + rows;
     let (lo, hi) = key_range(first, i0, i1);
     let w = hi - lo;
     let mut s_rw = vec![T::ZERO; rows * w];
-    let (k_w, v_w) = (&k[lo * hd..hi * hd], &v[lo * hd..hi * hd]);
-    let q_r = &q[i0 * hd..i1 * hd];
     gemm_into(
         &mut s_rw,
         (rows, w, hd),
-        MatRef::row_major(q_r, hd, false),
-        MatRef::row_major(k_w, hd, true),
+        head_rows(x.q, (s, hq, hd), (x.bi, x.h), i0, false),
+        head_rows(x.k, (s, hkv, hd), kvh, lo, true),
         Parallelism::None,
     );
     softmax_rows(&mut s_rw, w, first, (i0, lo), scale, lse);
@@ -219,7 +227,7 @@ fn forward_block<T: FloatStorage>(
         o,
         (rows, hd, w),
         MatRef::row_major(&s_rw, w, false),
-        MatRef::row_major(v_w, hd, false),
+        head_rows(x.v, (s, hkv, hd), kvh, lo, false),
         Parallelism::None,
     );
 }
@@ -233,36 +241,35 @@ fn attention_t<T: FloatStorage>(
 ) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
     const OP: &str = "attention";
     let d = check_qkv(OP, q, k, v)?;
-    let Dims { b, s, hq, hkv, hd } = d;
+    let Dims { b, s, hq, hd, .. } = d;
     let spans = Spans::new(OP, q, docs, b, s)?;
     let block = block.max(1);
-    let qh = to_head_major(T::slice(q, OP)?, b, s, hq, hd);
-    let kh = to_head_major(T::slice(k, OP)?, b, s, hkv, hd);
-    let vh = to_head_major(T::slice(v, OP)?, b, s, hkv, hd);
-    let mut oh = pool::take::<T>(qh.len());
+    let (qs, ks, vs) = (T::slice(q, OP)?, T::slice(k, OP)?, T::slice(v, OP)?);
+    // The output head-major, each task writing its head's rows; one copy
+    // back to `[B, S, Hq, Hd]` at the end.
+    let mut oh = pool::take::<T>(qs.len());
     let mut lse = pool::take::<T>(b * hq * s);
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
-    if !qh.is_empty() {
-        let g = d.group();
+    if !qs.is_empty() {
         oh.par_chunks_mut(s * hd)
             .zip(lse.par_chunks_mut(s))
             .enumerate()
             .for_each(|(bh, (o_head, lse_head))| {
                 let (bi, h) = (bh / hq, bh % hq);
-                let kvo = (bi * hkv + h / g) * s * hd;
-                let (qs, ks, vs) = (
-                    &qh[bh * s * hd..][..s * hd],
-                    &kh[kvo..][..s * hd],
-                    &vh[kvo..][..s * hd],
-                );
+                let x = FwdHead {
+                    d,
+                    q: qs,
+                    k: ks,
+                    v: vs,
+                    bi,
+                    h,
+                };
                 let first = &spans.first[bi * s..][..s];
                 o_head
                     .par_chunks_mut(block * hd)
                     .zip(lse_head.par_chunks_mut(block))
                     .enumerate()
-                    .for_each(|(ib, (ob, lb))| {
-                        forward_block(qs, ks, vs, first, ib * block, ob, lb, hd, scale)
-                    });
+                    .for_each(|(ib, (ob, lb))| forward_block(&x, first, ib * block, ob, lb, scale));
             });
     }
     let o = from_head_major(&oh, s, hq, hd);
@@ -271,7 +278,7 @@ fn attention_t<T: FloatStorage>(
     Ok((T::tensor(o, q.shape())?, T::Acc::tensor(lse, &[b, hq, s])?))
 }
 
-/// Read-only head-major operands of the backward.
+/// Read-only `[B, S, H, Hd]` operands of the backward.
 struct BwdInputs<'a, T> {
     d: Dims,
     block: usize,
@@ -287,10 +294,21 @@ struct BwdInputs<'a, T> {
 }
 
 impl<T: FloatStorage> BwdInputs<'_, T> {
-    /// Head `head`'s rows `i0..i1` of a head-major operand.
-    fn rows<'s>(&self, x: &'s [T], head: usize, i0: usize, i1: usize) -> &'s [T] {
-        let (s, hd) = (self.d.s, self.d.hd);
-        &x[(head * s + i0) * hd..(head * s + i1) * hd]
+    /// Rows `i0..` of query head `h` of sequence `bi` (of `q` or `d_o`).
+    fn q_rows<'s>(&self, x: &'s [T], (bi, h): (usize, usize), i0: usize) -> MatRef<'s, T> {
+        head_rows(x, (self.d.s, self.d.hq, self.d.hd), (bi, h), i0, false)
+    }
+
+    /// Rows `i0..` of kv head `h` of sequence `bi` (of `k` or `v`), read
+    /// transposed when `trans`.
+    fn kv_rows<'s>(
+        &self,
+        x: &'s [T],
+        (bi, h): (usize, usize),
+        i0: usize,
+        trans: bool,
+    ) -> MatRef<'s, T> {
+        head_rows(x, (self.d.s, self.d.hkv, self.d.hd), (bi, h), i0, trans)
     }
 
     /// Global kv head `kvh`'s `dk`, `dv` (`[S, Hd]` each, accumulated) and
@@ -311,29 +329,18 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                 let rows = i1 - i0;
                 let (lo, hi) = key_range(first, i0, i1);
                 let w = hi - lo;
-                let (q_r, do_r) = (
-                    self.rows(self.q, qh, i0, i1),
-                    self.rows(self.d_o, qh, i0, i1),
-                );
-                let (k_w, v_w) = (
-                    self.rows(self.k, kvh, lo, hi),
-                    self.rows(self.v, kvh, lo, hi),
-                );
+                let hqs = (bi, hk * g + x);
+                let (q_r, do_r) = (self.q_rows(self.q, hqs, i0), self.q_rows(self.d_o, hqs, i0));
+                let k_w = |trans| self.kv_rows(self.k, (bi, hk), lo, trans);
                 p_rw.resize(rows * w, T::ZERO);
                 ds_rw.resize(rows * w, T::ZERO);
                 // P from lse; dP = dO Vᵀ.
-                gemm_into(
-                    &mut p_rw,
-                    (rows, w, hd),
-                    MatRef::row_major(q_r, hd, false),
-                    MatRef::row_major(k_w, hd, true),
-                    Parallelism::None,
-                );
+                gemm_into(&mut p_rw, (rows, w, hd), q_r, k_w(true), Parallelism::None);
                 gemm_into(
                     &mut ds_rw,
                     (rows, w, hd),
-                    MatRef::row_major(do_r, hd, false),
-                    MatRef::row_major(v_w, hd, true),
+                    do_r,
+                    self.kv_rows(self.v, (bi, hk), lo, true),
                     Parallelism::None,
                 );
                 let stats = qh * s + i0;
@@ -374,7 +381,7 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                     &mut dq_head[i0 * hd..i1 * hd],
                     (rows, hd, w),
                     MatRef::row_major(&ds_rw, w, false),
-                    MatRef::row_major(k_w, hd, false),
+                    k_w(false),
                     Parallelism::None,
                 );
                 // dK += dSᵀ Q, dV += Pᵀ dO over the block's keys.
@@ -382,14 +389,14 @@ impl<T: FloatStorage> BwdInputs<'_, T> {
                     &mut dk[lo * hd..hi * hd],
                     (w, hd, rows),
                     MatRef::strided(&ds_rw, 1, w),
-                    MatRef::row_major(q_r, hd, false),
+                    q_r,
                     Parallelism::None,
                 );
                 gemm_acc_into(
                     &mut dv[lo * hd..hi * hd],
                     (w, hd, rows),
                     MatRef::strided(&p_rw, 1, w),
-                    MatRef::row_major(do_r, hd, false),
+                    do_r,
                     Parallelism::None,
                 );
             }
@@ -421,31 +428,35 @@ fn attention_backward_t<T: FloatStorage>(
         .map(|&x| T::from_acc(x))
         .collect();
 
-    let qh = to_head_major(T::slice(q, OP)?, b, s, hq, hd);
-    let kh = to_head_major(T::slice(k, OP)?, b, s, hkv, hd);
-    let vh = to_head_major(T::slice(v, OP)?, b, s, hkv, hd);
-    let doh = to_head_major(dos, b, s, hq, hd);
+    let (qs, ks, vs) = (T::slice(q, OP)?, T::slice(k, OP)?, T::slice(v, OP)?);
     let inp = BwdInputs {
         d,
         block,
         scale: T::from_f64(1.0 / (hd as f64).sqrt()),
-        q: &qh,
-        k: &kh,
-        v: &vh,
-        d_o: &doh,
+        q: qs,
+        k: ks,
+        v: vs,
+        d_o: dos,
         lse: &lses,
         spans: &spans,
     };
-    let mut dq = vec![T::ZERO; qh.len()];
-    let mut dk = vec![T::ZERO; kh.len()];
-    let mut dv = vec![T::ZERO; vh.len()];
-    if !qh.is_empty() {
+    // Recycled buffers, each task clearing its own heads (dK and dV are sums
+    // over the query blocks): no serial memset on the calling thread.
+    let mut dq = pool::take::<T>(qs.len());
+    let mut dk = pool::take::<T>(ks.len());
+    let mut dv = pool::take::<T>(vs.len());
+    if !qs.is_empty() {
         let g = d.group();
         dq.par_chunks_mut(g * s * hd)
             .zip(dk.par_chunks_mut(s * hd))
             .zip(dv.par_chunks_mut(s * hd))
             .enumerate()
-            .for_each(|(kvh, ((dqg, dkh), dvh))| inp.kv_head(kvh, dqg, dkh, dvh));
+            .for_each(|(kvh, ((dqg, dkh), dvh))| {
+                for part in [&mut *dqg, &mut *dkh, &mut *dvh] {
+                    part.fill(T::ZERO);
+                }
+                inp.kv_head(kvh, dqg, dkh, dvh)
+            });
     }
     Ok((
         T::tensor(from_head_major(&dq, s, hq, hd), q.shape())?,

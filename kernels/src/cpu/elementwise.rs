@@ -246,7 +246,11 @@ fn fill_t(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor<Cpu>> {
 }
 
 fn silu_grad_f<T: Float>(x: T) -> T {
-    let s = sigmoid_f(x);
+    silu_grad_of(x, sigmoid_f(x))
+}
+
+/// `silu'(x)` from `s = sigmoid(x)`, for callers that need `s` too.
+fn silu_grad_of<T: Float>(x: T, s: T) -> T {
     s * (T::ONE + x * (T::ONE - s))
 }
 
@@ -709,8 +713,10 @@ impl ElementwiseOps for Cpu {
             u: &Tensor<Cpu>,
             dy: &Tensor<Cpu>,
         ) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
+            // One sigmoid per element, shared by both gradients.
             ternary::<T>("swiglu_backward", g, u, dy, |g, u, d| {
-                (d * u * silu_grad_f(g), d * g * sigmoid_f(g))
+                let s = sigmoid_f(g);
+                (d * u * silu_grad_of(g, s), d * g * s)
             })
         }
         cpu_float_dispatch!("swiglu_backward", gate, go(gate, up, dy))

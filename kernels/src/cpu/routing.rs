@@ -13,7 +13,7 @@ use std::cmp::Ordering;
 
 use rayon::prelude::*;
 
-use super::{index_slice, index_tensor, Cpu, FloatStorage};
+use super::{index_slice, index_tensor, pool, Cpu, FloatStorage};
 use crate::backend::{DropPolicy, RoutingOps, RoutingPlan};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
@@ -258,7 +258,7 @@ fn scatter_cols_impl<T: FloatStorage>(
             ),
         ));
     }
-    let mut out = vec![T::ZERO; t * cols];
+    let mut out = pool::zeroed::<T>(t * cols);
     for (p, &c) in iv.iter().enumerate() {
         out[(p / k) * cols + c as usize] += vv[p];
     }
@@ -283,7 +283,7 @@ fn embedding_impl<T: FloatStorage>(table: &Tensor<Cpu>, ids: &Tensor<Cpu>) -> Re
     let tv = T::slice(table, OP)?;
     let iv = ids_1d(OP, ids)?;
     check_range(OP, iv, 0, v as i64)?;
-    let mut out = vec![T::ZERO; iv.len() * d];
+    let mut out = pool::take::<T>(iv.len() * d);
     for_each_row(&mut out, d, |r, o| {
         let s = iv[r] as usize;
         o.copy_from_slice(&tv[s * d..(s + 1) * d]);
@@ -301,8 +301,11 @@ fn scatter_rows<T: FloatStorage>(
     scale: impl Fn(usize) -> T + Sync,
 ) -> Vec<T> {
     let (offsets, items) = invert(src, targets);
-    let mut out = vec![T::ZERO; targets * d];
+    // Each row is cleared by the task that sums into it (on rayon's pool,
+    // not as a serial memset of a new buffer on the calling thread).
+    let mut out = pool::take::<T>(targets * d);
     for_each_row(&mut out, d, |i, o| {
+        o.fill(T::ZERO);
         for &r in &items[offsets[i]..offsets[i + 1]] {
             axpy(o, scale(r), &src_rows[r * d..(r + 1) * d]);
         }
@@ -490,11 +493,10 @@ fn permute_impl<T: FloatStorage>(x: &Tensor<Cpu>, row_src: &Tensor<Cpu>) -> Resu
     let (t, d) = x.dims2(OP)?;
     let xv = T::slice(x, OP)?;
     let rv = row_src_1d(OP, row_src, t)?;
-    let mut out = vec![T::ZERO; rv.len() * d];
-    for_each_row(&mut out, d, |n, o| {
-        if let Ok(s) = usize::try_from(rv[n]) {
-            o.copy_from_slice(&xv[s * d..(s + 1) * d]);
-        }
+    let mut out = pool::take::<T>(rv.len() * d);
+    for_each_row(&mut out, d, |n, o| match usize::try_from(rv[n]) {
+        Ok(s) => o.copy_from_slice(&xv[s * d..(s + 1) * d]),
+        Err(_) => o.fill(T::ZERO),
     });
     T::tensor(out, &[rv.len(), d])
 }
@@ -548,8 +550,9 @@ fn unpermute_impl<T: FloatStorage>(
 ) -> Result<Tensor<Cpu>> {
     const OP: &str = "unpermute";
     let (yv, sv, wv, t, k, _, d) = combine_args::<T>(OP, y, slot, w)?;
-    let mut out = vec![T::ZERO; t * d];
+    let mut out = pool::take::<T>(t * d);
     for_each_row(&mut out, d, |tok, o| {
+        o.fill(T::ZERO);
         for j in tok * k..(tok + 1) * k {
             if let Ok(r) = usize::try_from(sv[j]) {
                 axpy(o, wv[j], &yv[r * d..(r + 1) * d]);
@@ -571,8 +574,9 @@ fn unpermute_backward_impl<T: FloatStorage>(
     dout.expect_shape(OP, "dout", &[t, d])?;
     // dy[r] = Σ over the copies (t, j) placed at row r of w[t, j] · dout[t].
     let (offsets, items) = invert(sv, n);
-    let mut dy = vec![T::ZERO; n * d];
+    let mut dy = pool::take::<T>(n * d);
     for_each_row(&mut dy, d, |r, o| {
+        o.fill(T::ZERO);
         for &copy in &items[offsets[r]..offsets[r + 1]] {
             let tok = copy / k;
             axpy(o, wv[copy], &dov[tok * d..(tok + 1) * d]);
@@ -580,7 +584,8 @@ fn unpermute_backward_impl<T: FloatStorage>(
     });
     // dw[t, j] = dout[t] · y[slot[t, j]], zero for a dropped copy.
     let dw: Vec<T> = sv
-        .iter()
+        .par_iter()
+        .with_min_len(rows_per_task(d))
         .enumerate()
         .map(|(copy, &s)| match usize::try_from(s) {
             Ok(r) => {
