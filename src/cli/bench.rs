@@ -474,6 +474,8 @@ fn moe_layer<B: BenchDevice>(
     let times = time_iters(o, &mut step, &|| b.finish())?;
     let (median, min) = median_min(&times);
     let flops = moe_flops_per_token(d, &moe) * t as f64;
+    // The eager iterations' peak (a graph's held memory comes on top).
+    let peak = b.peak_bytes();
     let graph = if o.cuda_graph {
         let eager = grad_sums(b, &layer)?;
         let (mut replay, held) = b.capture_step(&mut || run(&mut layer))?;
@@ -503,7 +505,7 @@ fn moe_layer<B: BenchDevice>(
         "tflops": flops / median / 1e12,
         "host_waits_per_iter": waits,
         "host_queue_ms": queue_ms,
-        "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
+        "peak_mem_gib": peak.map(|p| p as f64 / (1u64 << 30) as f64),
         "iters": o.iters,
         "graph": graph,
     }))
