@@ -29,7 +29,7 @@ use foldmoe::core::engine::model::Model;
 use foldmoe::core::engine::moe::MoeLayer;
 use foldmoe::core::engine::optim::DdpConfig;
 use foldmoe::core::engine::parallel::{Ctx, Exec, LayerGroups, RankLayout, Trainer};
-use foldmoe::core::engine::param::{Init, Module as _, Param};
+use foldmoe::core::engine::param::{try_each_param, Init, Module as _};
 use foldmoe::core::engine::trainer::TrainConfig;
 use foldmoe::core::layout::Layout;
 use foldmoe::core::spec::{FfnSpec, GemmPrecision, ModelSpec, MoeSpec};
@@ -453,10 +453,10 @@ fn moe_layer<B: BenchDevice>(
         // start from zero, not from the last iteration's, cleared without
         // writing zeros, which are written at the end for a parameter the
         // backward did not reach.
-        each_param(layer, b, Param::clear_grad)?;
+        try_each_param(|g| layer.visit_params_mut(g), |p| p.clear_grad(b))?;
         let (_y, saved, _stats) = layer.forward(&exec, &x, seq_len, t)?;
         layer.backward(&exec, &dy, saved, 1.0)?;
-        each_param(layer, b, Param::settle_grad)?;
+        try_each_param(|g| layer.visit_params_mut(g), |p| p.settle_grad(b))?;
         Ok(())
     };
     let mut step = || run(&mut layer);
@@ -509,21 +509,6 @@ fn moe_layer<B: BenchDevice>(
         "iters": o.iters,
         "graph": graph,
     }))
-}
-
-/// Calls `f` (a gradient reset) on every parameter of `layer`.
-fn each_param<B: Backend>(
-    layer: &mut MoeLayer<B>,
-    b: &B,
-    f: fn(&mut Param<B>, &B) -> foldmoe::core::engine::Result<()>,
-) -> Result<(), CliError> {
-    let mut failed = Ok(());
-    layer.visit_params_mut(&mut |p| {
-        if failed.is_ok() {
-            failed = f(p, b);
-        }
-    });
-    Ok(failed?)
 }
 
 /// The sum of squares of every parameter's gradient of `layer`, on the host:

@@ -105,6 +105,22 @@ impl<B: Backend> Param<B> {
     }
 }
 
+/// Calls `f` on every parameter `visit` walks (e.g. a module's
+/// `visit_params_mut`) and returns the first error; after one, the rest of
+/// the walk skips `f` (a visitor cannot stop early).
+pub fn try_each_param<B: Device>(
+    visit: impl FnOnce(&mut dyn FnMut(&mut Param<B>)),
+    mut f: impl FnMut(&mut Param<B>) -> Result<()>,
+) -> Result<()> {
+    let mut first = Ok(());
+    visit(&mut |p| {
+        if first.is_ok() {
+            first = f(p);
+        }
+    });
+    first
+}
+
 /// Anything holding parameters: visited in a fixed order (the declaration order).
 pub trait Module<B: Device> {
     /// Calls `f` on every parameter.

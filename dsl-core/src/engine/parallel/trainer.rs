@@ -45,7 +45,7 @@ use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
 use crate::engine::model::{Batch, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
-use crate::engine::param::{Module, Param};
+use crate::engine::param::{try_each_param, Module, Param};
 use crate::engine::trainer::{download_loads, load_imbalance, LayerLoad, StepStats, TrainConfig};
 use crate::engine::{EngineError, Result};
 use crate::spec::FfnSpec;
@@ -541,7 +541,7 @@ impl<B: Backend> Trainer<B> {
         let scale = 1.0 / (micro_batches.len() * ctx.rank.dp.size()) as f64;
         // Cleared, not zeroed: the first backward's gradients are taken as
         // they are, and the last step's are freed before the forward.
-        self.settle_grads(b, Param::clear_grad)?;
+        try_each_param(|g| visit_all_mut(&mut self.model, g), |p| p.clear_grad(b))?;
         let dtype = self.model.embed.table.value.dtype();
         let mut loss = b.zeros(&[1], dtype.acc())?;
         let mut aux = b.zeros(&[1], dtype)?;
@@ -664,20 +664,8 @@ impl<B: Backend> Trainer<B> {
             .collect::<Result<Vec<_>>>()?;
         self.mtp_loss = Some(mtp_loss);
         // Parameters no backward reached get their zeros written now.
-        self.settle_grads(b, Param::settle_grad)?;
+        try_each_param(|g| visit_all_mut(&mut self.model, g), |p| p.settle_grad(b))?;
         Ok((loss, aux, loads))
-    }
-
-    /// Calls `f` (a [`Param`] gradient reset) on every parameter of the
-    /// model, returning the first error.
-    fn settle_grads(&mut self, b: &B, f: fn(&mut Param<B>, &B) -> Result<()>) -> Result<()> {
-        let mut failure = None;
-        visit_all_mut(&mut self.model, &mut |p| {
-            if let Err(e) = f(p, b) {
-                failure.get_or_insert(e);
-            }
-        });
-        failure.map_or(Ok(()), Err)
     }
 
     /// Mean loss of one batch without gradients (validation), equal on every
