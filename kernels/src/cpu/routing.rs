@@ -1607,8 +1607,33 @@ mod tests {
         }
     }
 
+    /// Shapes past the fast paths of the device kernels: an expert's segment
+    /// longer than the inverse's shared-memory stage (8192 copies), and rows
+    /// of more experts than a warp has lanes, several picks per lane.
+    fn routing_at_long_segments_and_wide_rows_matches_cpu<B: TestOps>(d: &B) {
+        let mut r = rng(13);
+        let (t, k, e) = (5000, 2, 3);
+        // Most copies go to expert 0 (about 9,000 of 10,000).
+        let idx_h: Vec<i32> = (0..t * k)
+            .map(|_| if r.gen_range(0..10) < 9 { 0 } else { r.gen_range(1..3) })
+            .collect();
+        let h = |t: &Tensor<Cpu>| Cpu.download(t).unwrap().to_i32().unwrap();
+        let plan = d.routing_plan(&i32t(d, &idx_h, &[t, k]), e).unwrap();
+        let want = Cpu.routing_plan(&i32t(&Cpu, &idx_h, &[t, k]), e).unwrap();
+        assert_eq!(d.hi32(&plan.row_src), h(&want.row_src), "row_src");
+        assert_eq!(d.hi32(&plan.slot), h(&want.slot), "slot");
+        assert_eq!(d.hi32(&plan.counts), h(&want.counts), "counts");
+        for (t, e, k, groups, gk) in [(70, 300, 12, 1, 1), (40, 256, 8, 8, 4)] {
+            let x = rand_vec(&mut r, t * e);
+            let got = d.hi32(&d.topk(&d.t64(&x, &[t, e]), k, groups, gk).unwrap());
+            let want = h(&Cpu.topk(&Cpu.t64(&x, &[t, e]), k, groups, gk).unwrap());
+            assert_eq!(got, want, "topk t={t} e={e} k={k} groups={groups}");
+        }
+    }
+
     device_tests!(
         routing_matches_cpu,
+        routing_at_long_segments_and_wide_rows_matches_cpu,
         topk_matches_stable_sort_reference_with_ties,
         topk_group_limited_matches_brute_force_over_group_subsets,
         topk_rejects_bad_input,

@@ -330,7 +330,6 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                                         bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
                                         const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g,
                                         const bf16* __restrict__ xs = nullptr, const int* __restrict__ rsrc = nullptr) {
-    static_assert((EPI == 0) != DEFER, "the deferred epilogue is the fused stores'");
     static_assert(!GATHER || (KIND != 1 && EPI == 0 && !PAIR && !DEFER), "gathered A: the plain nn and wgrad products");
     typedef GwLayout<DEFER> L;
     constexpr int ST = L::ST;
@@ -428,7 +427,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
             // 8 (u % 32) .. + 7 (a warp covers one 512-byte row: whole
             // 128-byte pieces). EB units a thread at once: their loads are
             // all in flight before the first one's math.
-            constexpr int EB = EPI == 1 ? 3 : 2;
+            constexpr int EB = EPI == 0 ? 4 : EPI == 1 ? 3 : 2;
             const unsigned char* ot = base + L::STG;
             int e = tid - 288;
             unsigned oph = 0;
@@ -453,8 +452,13 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                         }
                     }
 #pragma unroll
-                    for (int b = 0; b < EB; ++b)
-                        if (ok[b]) gw_store8<EPI>(v[b], ga[b], ua[b], o, out2, at[b]);
+                    for (int b = 0; b < EB; ++b) {
+                        if (!ok[b]) continue;
+                        if (EPI == 0)
+                            *reinterpret_cast<uint4*>(o + at[b]) = v[b];
+                        else
+                            gw_store8<EPI>(v[b], ga[b], ua[b], o, out2, at[b]);
+                    }
                 }
                 mbar_arrive(bar_oe);
                 oph ^= 1;
@@ -600,6 +604,25 @@ GW_ENTRY grouped_mm2_wgmma_bf16_nn(GW_ARGS, const __grid_constant__ TmaMap ta2, 
 GW_ENTRY grouped_mm2_wgmma_bf16_nt(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
                                    const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
     gw_body<1, 0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+}
+// The plain products with the deferred epilogue (FOLDMOE_GEMM_EPILOGUE=deferred):
+// the consumers hand each tile to warps 9-11 and go on to the next tile.
+GW_ENTRY grouped_mm_wgmma_bf16_nn_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<0, 0, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+}
+GW_ENTRY grouped_mm_wgmma_bf16_nt_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<1, 0, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+}
+GW_ENTRY grouped_wgrad_wgmma_bf16_defer(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<2, 0, false, true>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+}
+GW_ENTRY grouped_mm2_wgmma_bf16_nn_defer(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+    gw_body<0, 0, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+}
+GW_ENTRY grouped_mm2_wgmma_bf16_nt_defer(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+    gw_body<1, 0, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
 }
 // up = x · w[g] (out), act = silu(gate) · up (act); deferred epilogue.
 GW_ENTRY grouped_mm_swiglu_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate, bf16* out,

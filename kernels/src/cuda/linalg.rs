@@ -9,6 +9,7 @@
 //!
 //! Shape letters: M rows, K inner dimension, N columns, G groups.
 
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
 use cudarc::cublas::{result as blas, sys as bsys};
@@ -53,6 +54,23 @@ pub(crate) enum GroupedKernel {
 fn wgmma_allowed() -> bool {
     static ALLOWED: OnceLock<bool> = OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_GROUPED_GEMM").map_or(true, |v| v != "mma"))
+}
+
+/// The entry point of a plain wgmma product: `name`, or its deferred-epilogue
+/// variant (`name_defer`: the consumers hand each output tile to the
+/// producer warpgroup's spare warps and start the next tile) when
+/// `FOLDMOE_GEMM_EPILOGUE=deferred` (read once per process; for
+/// comparisons).
+fn gw_entry(name: &'static str) -> Cow<'static, str> {
+    static DEFERRED: OnceLock<bool> = OnceLock::new();
+    let deferred = *DEFERRED.get_or_init(|| {
+        std::env::var("FOLDMOE_GEMM_EPILOGUE").is_ok_and(|v| v == "deferred")
+    });
+    if deferred {
+        Cow::Owned(format!("{name}_defer"))
+    } else {
+        Cow::Borrowed(name)
+    }
 }
 
 /// `FOLDMOE_GATHER=0` makes the gathered products permute and run the plain
@@ -418,7 +436,7 @@ impl Cuda {
                 } else {
                     "grouped_mm2_wgmma_bf16_nn"
                 };
-                let (f, cfg) = self.gw_mm_launch(name, m, n, g)?;
+                let (f, cfg) = self.gw_mm_launch(&gw_entry(name), m, n, g)?;
                 launch!(
                     self,
                     f,
@@ -591,7 +609,7 @@ impl Cuda {
                 } else {
                     "grouped_mm_wgmma_bf16_nn"
                 };
-                let (f, cfg) = self.gw_mm_launch(name, m, n, g)?;
+                let (f, cfg) = self.gw_mm_launch(&gw_entry(name), m, n, g)?;
                 launch!(
                     self,
                     f,
@@ -709,7 +727,7 @@ impl Cuda {
                 let (m64, k64, n64) = (m as u64, k as u64, n as u64);
                 let ta = tma_map(OP, xp, &[k64, m64], &[64, 64])?;
                 let tb = tma_map(OP, dp, &[n64, m64], &[64, 64])?;
-                let (f, cfg) = self.gw_wgrad_launch("grouped_wgrad_wgmma_bf16", g, k, n)?;
+                let (f, cfg) = self.gw_wgrad_launch(&gw_entry("grouped_wgrad_wgmma_bf16"), g, k, n)?;
                 launch!(
                     self,
                     f,

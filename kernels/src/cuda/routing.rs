@@ -11,7 +11,7 @@ use cudarc::driver::result as drv;
 
 use super::alloc::{driver_err, Block};
 use super::compile::{ELEMENTWISE, ROUTING};
-use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
+use super::{float_sfx, grid_for, launch, rows_cfg, warp_rows_cfg, Cuda};
 use crate::backend::{Device, DropPolicy, RoutingOps, RoutingPlan};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
@@ -165,7 +165,7 @@ impl Cuda {
             launch!(
                 self,
                 f,
-                rows_cfg(targets, 128),
+                rows_cfg(targets, 1024),
                 offsets.ptr(),
                 targets as i64,
                 placed.ptr(),
@@ -374,7 +374,7 @@ impl RoutingOps for Cuda {
             launch!(
                 self,
                 f,
-                grid_for(t),
+                warp_rows_cfg(t),
                 x.storage().ptr(),
                 out.storage().ptr(),
                 t as i64,
