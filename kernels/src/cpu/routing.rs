@@ -1615,7 +1615,13 @@ mod tests {
         let (t, k, e) = (5000, 2, 3);
         // Most copies go to expert 0 (about 9,000 of 10,000).
         let idx_h: Vec<i32> = (0..t * k)
-            .map(|_| if r.gen_range(0..10) < 9 { 0 } else { r.gen_range(1..3) })
+            .map(|_| {
+                if r.gen_range(0..10) < 9 {
+                    0
+                } else {
+                    r.gen_range(1..3)
+                }
+            })
             .collect();
         let h = |t: &Tensor<Cpu>| Cpu.download(t).unwrap().to_i32().unwrap();
         let plan = d.routing_plan(&i32t(d, &idx_h, &[t, k]), e).unwrap();

@@ -63,9 +63,8 @@ fn wgmma_allowed() -> bool {
 /// comparisons).
 fn gw_entry(name: &'static str) -> Cow<'static, str> {
     static DEFERRED: OnceLock<bool> = OnceLock::new();
-    let deferred = *DEFERRED.get_or_init(|| {
-        std::env::var("FOLDMOE_GEMM_EPILOGUE").is_ok_and(|v| v == "deferred")
-    });
+    let deferred = *DEFERRED
+        .get_or_init(|| std::env::var("FOLDMOE_GEMM_EPILOGUE").is_ok_and(|v| v == "deferred"));
     if deferred {
         Cow::Owned(format!("{name}_defer"))
     } else {
@@ -727,7 +726,8 @@ impl Cuda {
                 let (m64, k64, n64) = (m as u64, k as u64, n as u64);
                 let ta = tma_map(OP, xp, &[k64, m64], &[64, 64])?;
                 let tb = tma_map(OP, dp, &[n64, m64], &[64, 64])?;
-                let (f, cfg) = self.gw_wgrad_launch(&gw_entry("grouped_wgrad_wgmma_bf16"), g, k, n)?;
+                let (f, cfg) =
+                    self.gw_wgrad_launch(&gw_entry("grouped_wgrad_wgmma_bf16"), g, k, n)?;
                 launch!(
                     self,
                     f,
