@@ -5,8 +5,8 @@
 //!
 //! Shapes: T source rows, K inner dimension, N gathered rows, G groups.
 
-use super::{LinalgOps, RoutingOps};
-use crate::error::Result;
+use super::{Device, LinalgOps, RoutingOps};
+use crate::error::{shape_err, Result};
 use crate::tensor::Tensor;
 
 /// Grouped products over gathered rows: each op equals
@@ -48,6 +48,33 @@ pub trait GatheredGemmOps: LinalgOps + RoutingOps {
         }
     }
 
+    /// The weight gradients of two products over the same gathered rows:
+    /// `(grouped_matmul_weight_grad_gathered(x, row_src, dy1, ..), the same
+    /// with dy2)`, bit for bit (the gate and up projections' gradients).
+    fn grouped_matmul_weight_grad_pair_gathered(
+        &self,
+        x: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        dy1: &Tensor<Self>,
+        dy2: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        same_shapes(
+            "grouped_matmul_weight_grad_pair_gathered",
+            ("dy1", dy1),
+            ("dy2", dy2),
+        )?;
+        if let Some(out) =
+            self.grouped_matmul_weight_grad_pair_gathered_kernel(x, row_src, dy1, dy2, group_sizes)?
+        {
+            return Ok(out);
+        }
+        Ok((
+            self.grouped_matmul_weight_grad_gathered(x, row_src, dy1, group_sizes)?,
+            self.grouped_matmul_weight_grad_gathered(x, row_src, dy2, group_sizes)?,
+        ))
+    }
+
     /// Whether the products gather rows of `source` inside their kernels;
     /// where they do not, the provided methods permute on every call, so a
     /// caller reading the same rows several times permutes once itself.
@@ -78,6 +105,41 @@ pub trait GatheredGemmOps: LinalgOps + RoutingOps {
     ) -> Result<Option<Tensor<Self>>> {
         Ok(None)
     }
+
+    /// The backend's kernel for
+    /// [`GatheredGemmOps::grouped_matmul_weight_grad_pair_gathered`], or
+    /// `None` to compose.
+    fn grouped_matmul_weight_grad_pair_gathered_kernel(
+        &self,
+        _x: &Tensor<Self>,
+        _row_src: &Tensor<Self>,
+        _dy1: &Tensor<Self>,
+        _dy2: &Tensor<Self>,
+        _group_sizes: &Tensor<Self>,
+    ) -> Result<Option<(Tensor<Self>, Tensor<Self>)>> {
+        Ok(None)
+    }
+}
+
+/// Checks that the two operands of a paired op have one shape and dtype.
+fn same_shapes<B: Device>(
+    op: &'static str,
+    (n1, t1): (&str, &Tensor<B>),
+    (n2, t2): (&str, &Tensor<B>),
+) -> Result<()> {
+    if t1.shape() != t2.shape() || t1.dtype() != t2.dtype() {
+        return Err(shape_err(
+            op,
+            format!(
+                "{n1} {:?} {:?} and {n2} {:?} {:?} must have one shape and dtype",
+                t1.shape(),
+                t1.dtype(),
+                t2.shape(),
+                t2.dtype()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The CPU permutes (the provided methods).
@@ -135,6 +197,20 @@ mod tests {
                 let want = d.grouped_matmul_weight_grad(&xp, &dy, &gs).unwrap();
                 assert_eq!(got.shape(), want.shape(), "weight grad {what}");
                 assert_eq!(d.h64(&got), d.h64(&want), "weight grad {what}");
+                // The paired weight gradients (one kernel for both where a
+                // device has it) against the single ones.
+                let dy2 = mk(&mut r, &[n_rows, n]);
+                let (dw1, dw2) = d
+                    .grouped_matmul_weight_grad_pair_gathered(&x, &row_src, &dy, &dy2, &gs)
+                    .unwrap();
+                assert_eq!(d.h64(&dw1), d.h64(&want), "dw1 {what}");
+                let want_dw2 = d.grouped_matmul_weight_grad(&xp, &dy2, &gs).unwrap();
+                assert_eq!(d.h64(&dw2), d.h64(&want_dw2), "dw2 {what}");
+                let e = d.err_of(
+                    d.grouped_matmul_weight_grad_pair_gathered(&x, &row_src, &dy, &xp, &gs)
+                        .map(|t| t.1),
+                );
+                assert!(e.to_string().contains("weight_grad_pair_gathered"), "{e}");
                 let bad = d.ti32(&[t as i32; 1].repeat(n_rows), &[n_rows]);
                 let e = d.err_of(d.grouped_matmul_gathered(&x, &bad, &w, &gs));
                 assert!(
@@ -142,6 +218,14 @@ mod tests {
                     "{e}"
                 );
                 let e = d.err_of(d.grouped_matmul_weight_grad_gathered(&x, &bad, &dy, &gs));
+                assert!(
+                    e.to_string().contains("permute") || e.to_string().contains("gathered"),
+                    "{e}"
+                );
+                let e = d.err_of(
+                    d.grouped_matmul_weight_grad_pair_gathered(&x, &bad, &dy, &dy2, &gs)
+                        .map(|t| t.1),
+                );
                 assert!(
                     e.to_string().contains("permute") || e.to_string().contains("gathered"),
                     "{e}"

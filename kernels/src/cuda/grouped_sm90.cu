@@ -79,6 +79,15 @@
 // expect_tx), and the consumers fence the generic-proxy writes before
 // their wgmmas read them. B still comes by TMA. Registers: consumers 224,
 // producer 56 (256 (224 - 168) <= 128 (168 - 56)).
+// Two B operands (DUAL, wgrad with GATHER: the experts' gate and up weight
+// gradients, dw1 = xᵀ dgate and dw3 = xᵀ dup over the same gathered x):
+// B boxes 0-1 come from tb and 2-3 from tb2, each at the tile's 128 output
+// columns, so one tile computes 128 columns of both gradients from one
+// gather of its x rows; the store writes accumulator columns 0-127 to out
+// and 128-255 to out2. (An nn version for the gate and up projections,
+// with SwiGLU in its store, was slower than the two products and the
+// separate SwiGLU: its tiles gather A as often as theirs, and the
+// activation's math in the store runs with the tensor cores idle.)
 // The whole module compiles to nothing for other architectures.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -165,24 +174,26 @@ struct GwTile {
 };
 
 // nk1: the steps of K (the first product's, with PAIR); nk: all the steps.
-template <int KIND>
+// TN: the tile's columns of the output (GW_BN; 128 for DUAL, whose 256
+// accumulator columns are 128 of each of two outputs).
+template <int KIND, int TN = GW_BN>
 __device__ __forceinline__ GwTile gw_tile(i64 t, const i64* so, const i64* st, i64 m, int nk, i64 n, int g) {
     GwTile r;
     if (KIND == 2) {
         // Here nk carries K, the row count of dw[g].
         i64 k = nk;
-        i64 ntn = (n + GW_BN - 1) / GW_BN, per = ntn * ((k + GW_BM - 1) / GW_BM);
+        i64 ntn = (n + TN - 1) / TN, per = ntn * ((k + GW_BM - 1) / GW_BM);
         r.grp = (int)(t / per);
         i64 rem = t - (i64)r.grp * per;
         r.row0 = (rem / ntn) * GW_BM;
-        r.col0 = (rem % ntn) * GW_BN;
+        r.col0 = (rem % ntn) * TN;
         r.row_end = k;
         r.red0 = so[r.grp];
         r.nk = (int)((so[r.grp + 1] - r.red0 + GW_BK - 1) / GW_BK);
     } else {
-        i64 ncol = (n + GW_BN - 1) / GW_BN;
+        i64 ncol = (n + TN - 1) / TN;
         i64 rt = t / ncol;
-        r.col0 = (t - rt * ncol) * GW_BN;
+        r.col0 = (t - rt * ncol) * TN;
         r.red0 = 0;
         i64 body = st[g];
         if (rt >= body) {
@@ -248,15 +259,17 @@ __device__ __forceinline__ void gw_store8(uint4 v, uint4 g, uint4 u, bf16* __res
 // wgrad: box i / 4 (dw rows row0 + 64 (i / 4) ..), row 16 (i % 4) + 4 w +
 // l / 8 of the step (reduction row red0 + k0 + that). Chunks past K (nn) or
 // past dw's rows (wgrad) and missing rows (rsrc -1, past M) are zeros.
-// Thread 256 also issues B's TMA copies with the stage's expect_tx.
-template <int KIND>
-__device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16* __restrict__ xs,
+// Thread 256 also issues B's TMA copies with the stage's expect_tx (DUAL:
+// boxes 0-1 from tb, 2-3 from tb2, each at the tile's 128 columns).
+template <int KIND, bool DUAL = false>
+__device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const TmaMap* tb2, const bf16* __restrict__ xs,
                                                    const int* __restrict__ rsrc, const i64* so, const i64* st,
                                                    unsigned stage0, unsigned bar0, int ST, i64 m, i64 k, int nkt, i64 n,
                                                    int g, i64 total) {
     int p = threadIdx.x - 256;
     bool lead = p == 0;
     if (lead) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+    if (DUAL && lead) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb2) : "memory");
     int s = 0;
     unsigned ph = 0;
     int chunk = p & 7, r0 = 4 * (p >> 5) + ((p & 31) >> 3);
@@ -272,7 +285,7 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16*
         }
     };
     for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
-        GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
+        GwTile tl = gw_tile<KIND, DUAL ? 128 : GW_BN>(t, so, st, m, nkt, n, g);
         // nn: a thread's rows are fixed for the tile.
         load_rows(KIND == 2 ? tl.red0 : tl.row0);
         const bf16* srow[NR];
@@ -289,12 +302,14 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16*
             if (lead) {
                 mbar_expect_tx(full, GW_BK * GW_BN * 2);
                 unsigned b = a + GW_A_BYTES;
-                if (KIND == 0) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) tma_3d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, (int)k0, tl.grp);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) tma_2d(b + i * 8192, tb, full, (int)tl.col0 + 64 * i, (int)(tl.red0 + k0));
+                for (int i = 0; i < 4; ++i) {
+                    const TmaMap* mb = DUAL && i >= 2 ? tb2 : tb;
+                    int c = (int)tl.col0 + 64 * (DUAL ? (i & 1) : i);
+                    if (KIND == 0)
+                        tma_3d(b + i * 8192, mb, full, c, (int)k0, tl.grp);
+                    else
+                        tma_2d(b + i * 8192, mb, full, c, (int)(tl.red0 + k0));
                 }
             }
 #pragma unroll
@@ -321,16 +336,18 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const bf16*
 // for nn / nt, [G, K, N] for wgrad. Dynamic shared memory: 1024 bytes of
 // alignment slack and GwLayout::OFFS + 16 (G + 1) bytes (linalg.rs's
 // gw_smem_bytes).
-// PAIR / EPI / DEFER: the fused variants and the deferred epilogue (top of
-// the file); ta2 / tb2 and k2 are read with PAIR only, out2 / e0 / e1 with
-// EPI only.
-template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false, bool GATHER = false>
+// PAIR / EPI / DEFER / DUAL: the fused variants and the deferred epilogue
+// (top of the file); ta2 / tb2 and k2 are read with PAIR only, out2 / e0 /
+// e1 with EPI only; tb2 and out2 with DUAL.
+template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false, bool GATHER = false, bool DUAL = false>
 __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const TmaMap* ta2, const TmaMap* tb2,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
                                         bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
                                         const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g,
                                         const bf16* __restrict__ xs = nullptr, const int* __restrict__ rsrc = nullptr) {
     static_assert(!GATHER || (KIND != 1 && EPI == 0 && !PAIR && !DEFER), "gathered A: the plain nn and wgrad products");
+    static_assert(!DUAL || (KIND == 2 && GATHER), "two B operands: the gathered weight gradient");
+    constexpr int TN = DUAL ? 128 : GW_BN;
     typedef GwLayout<DEFER> L;
     constexpr int ST = L::ST;
     unsigned raw = smem_u32(gw_smem);
@@ -363,7 +380,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
     __syncthreads();
     int nk1 = (int)((k + GW_BK - 1) / GW_BK);
     int nkt = KIND == 2 ? (int)k : nk1 + (PAIR ? (int)((k2 + GW_BK - 1) / GW_BK) : 0);
-    i64 ncol = (n + GW_BN - 1) / GW_BN;
+    i64 ncol = (n + TN - 1) / TN;
     i64 total = KIND == 2 ? (i64)g * ((k + GW_BM - 1) / GW_BM) * ncol
                           : (st[g] + (m - so[g] + GW_BM - 1) / GW_BM) * ncol;
     int wg = tid >> 7;
@@ -377,18 +394,16 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (GATHER) {
-            gw_gather_producer<KIND>(tb, xs, rsrc, so, st, stage0, bar0, ST, m, k, nkt, n, g, total);
+            gw_gather_producer<KIND, DUAL>(tb, tb2, xs, rsrc, so, st, stage0, bar0, ST, m, k, nkt, n, g, total);
         } else if (tid == 256) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
-            if (PAIR) {
-                asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta2) : "memory");
-                asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb2) : "memory");
-            }
+            if (PAIR) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta2) : "memory");
+            if (PAIR) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb2) : "memory");
             int s = 0;
             unsigned ph = 0;
             for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
-                GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
+                GwTile tl = gw_tile<KIND, TN>(t, so, st, m, nkt, n, g);
                 for (int ks = 0; ks < tl.nk; ++ks) {
                     unsigned full = bar0 + 8 * s;
                     mbar_wait(bar0 + 8 * (ST + s), ph ^ 1);
@@ -432,7 +447,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
             int e = tid - 288;
             unsigned oph = 0;
             for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
-                GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
+                GwTile tl = gw_tile<KIND, TN>(t, so, st, m, nkt, n, g);
                 bf16* o = KIND == 2 ? out + (i64)tl.grp * k * n : out;
                 mbar_wait(bar_of, oph);
                 for (int u0 = e; u0 < GW_BM * 32; u0 += 96 * EB) {
@@ -477,7 +492,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         unsigned ph = 0, oph = 0;
         float d[128];
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
-            GwTile tl = gw_tile<KIND>(t, so, st, m, nkt, n, g);
+            GwTile tl = gw_tile<KIND, TN>(t, so, st, m, nkt, n, g);
 #pragma unroll
             for (int i = 0; i < 128; ++i) d[i] = 0.0f;
             int prev = 0;
@@ -555,11 +570,16 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
             // group (and inside K for wgrad) and columns inside N (a
             // multiple of 8).
             bf16* o = KIND == 2 ? out + (i64)tl.grp * k * n : out;
+            bf16* o2 = DUAL ? out2 + (i64)tl.grp * k * n : nullptr;
             unsigned char* sw = base + L::STG + (tid >> 5) * GW_STG_WARP;
             i64 rw = tl.row0 + wg * 64 + warp * 16;
+            // Chunks of 64 columns, each to its output (DUAL: 0-1 the first
+            // gradient's tile columns, 2-3 the second's).
 #pragma unroll
             for (int c = 0; c < GW_BN / 64; ++c) {
-                if (tl.col0 + c * 64 >= n) break;
+                bf16* dst = DUAL && c >= 2 ? o2 : o;
+                i64 cb = tl.col0 + 64 * (DUAL ? c & 1 : c);
+                if (cb >= n) continue;
 #pragma unroll
                 for (int jj = 0; jj < 8; ++jj) {
                     int j = c * 8 + jj;
@@ -571,10 +591,10 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
 #pragma unroll
                 for (int qq = 0; qq < 4; ++qq) {
                     int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
-                    i64 gr = rw + row, gc = tl.col0 + c * 64 + ch * 8;
+                    i64 gr = rw + row, gc = cb + ch * 8;
                     if (gr < tl.row_end && gc < n) {
                         uint4 v = *reinterpret_cast<const uint4*>(sw + row * 144 + ch * 16);
-                        *reinterpret_cast<uint4*>(o + gr * n + gc) = v;
+                        *reinterpret_cast<uint4*>(dst + gr * n + gc) = v;
                     }
                 }
                 __syncwarp();
@@ -648,6 +668,15 @@ GW_ENTRY grouped_wgrad_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, cons
                                          const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
     gw_body<2, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr, nullptr, m, k, 0,
                                       n, g, xs, rsrc);
+}
+
+// dw1[g] = x_gᵀ dy1_g (out, tb maps dy1), dw2[g] = x_gᵀ dy2_g (out2, tb2) with
+// x's rows xs[rsrc[r]].
+GW_ENTRY grouped_wgrad_pair_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2,
+                                              const bf16* xs, const int* rsrc, const i64* offs, bf16* out, bf16* out2,
+                                              i64 m, i64 k, i64 n, int g) {
+    gw_body<2, 0, false, false, true, true>(&tb, &tb, nullptr, &tb2, offs, nullptr, out, out2, nullptr, nullptr, m, k, 0,
+                                            n, g, xs, rsrc);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -72,6 +72,14 @@ fn gw_entry(name: &'static str) -> Cow<'static, str> {
     }
 }
 
+/// `FOLDMOE_GATE_UP=split` makes the experts' paired gathered weight
+/// gradients (gate and up) run as two products instead of one kernel over
+/// both (read once per process; for comparisons).
+fn paired_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_GATE_UP").map_or(true, |v| v != "split"))
+}
+
 /// `FOLDMOE_GATHER=0` makes the gathered products permute and run the plain
 /// kernels instead of gathering inside their loads (read once per process;
 /// for comparisons).
@@ -1082,47 +1090,123 @@ impl GatheredGemmOps for Cuda {
         group_sizes: &Tensor<Self>,
     ) -> Result<Option<Tensor<Self>>> {
         const OP: &str = "grouped_matmul_weight_grad_gathered";
-        let (t, k) = x.dims2(OP)?;
-        let (m, n) = dy.dims2(OP)?;
-        if super::routing::row_src_1d(OP, row_src)? != m {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "row_src {:?} and dy {:?} disagree on the row count",
-                    row_src.shape(),
-                    dy.shape()
-                ),
-            ));
-        }
-        dy.expect_dtype(OP, x.dtype())?;
-        let g = match group_sizes.shape() {
-            [g] => *g,
-            _ => return Ok(None),
-        };
-        let (xp, dp) = (x.storage().ptr(), dy.storage().ptr());
-        if !self.gathers_rows_of(x) || !self.wgmma_fits(m, k, n, g, &[xp, dp]) {
+        let Some(s) = self.gathered_wgrad_sizes(OP, x, row_src, &[dy], group_sizes)? else {
             return Ok(None);
-        }
-        self.check_range(OP, row_src, -1, t as i64)?;
-        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
-        let out = self.alloc(OP, &[g, k, n], x.dtype())?;
-        let tb = tma_map(OP, dp, &[n as u64, m as u64], &[64, 64])?;
-        let (f, cfg) = self.gw_wgrad_launch("grouped_wgrad_gather_wgmma_bf16", g, k, n)?;
+        };
+        let out = self.alloc(OP, &[s.g, s.k, s.n], x.dtype())?;
+        let tb = tma_map(OP, dy.storage().ptr(), &[s.n as u64, s.m as u64], &[64, 64])?;
+        let (f, cfg) = self.gw_wgrad_launch("grouped_wgrad_gather_wgmma_bf16", s.g, s.k, s.n)?;
         launch!(
             self,
             f,
             cfg,
             tb,
-            xp,
+            x.storage().ptr(),
             row_src.storage().ptr(),
-            offs.ptr(),
+            s.offs.ptr(),
             out.storage().ptr(),
-            m as i64,
-            k as i64,
-            n as i64,
-            g as i32
+            s.m as i64,
+            s.k as i64,
+            s.n as i64,
+            s.g as i32
         )?;
         Ok(Some(out))
+    }
+
+    fn grouped_matmul_weight_grad_pair_gathered_kernel(
+        &self,
+        x: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        dy1: &Tensor<Self>,
+        dy2: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Option<(Tensor<Self>, Tensor<Self>)>> {
+        const OP: &str = "grouped_matmul_weight_grad_pair_gathered";
+        if !paired_allowed() {
+            return Ok(None);
+        }
+        let Some(s) = self.gathered_wgrad_sizes(OP, x, row_src, &[dy1, dy2], group_sizes)? else {
+            return Ok(None);
+        };
+        let dw1 = self.alloc(OP, &[s.g, s.k, s.n], x.dtype())?;
+        let dw2 = self.alloc(OP, &[s.g, s.k, s.n], x.dtype())?;
+        let dims = [s.n as u64, s.m as u64];
+        let tb = tma_map(OP, dy1.storage().ptr(), &dims, &[64, 64])?;
+        let tb2 = tma_map(OP, dy2.storage().ptr(), &dims, &[64, 64])?;
+        // A tile is 128 columns of each gradient: the grid of a 2N-wide one.
+        let (f, cfg) =
+            self.gw_wgrad_launch("grouped_wgrad_pair_gather_wgmma_bf16", s.g, s.k, 2 * s.n)?;
+        launch!(
+            self,
+            f,
+            cfg,
+            tb,
+            tb2,
+            x.storage().ptr(),
+            row_src.storage().ptr(),
+            s.offs.ptr(),
+            dw1.storage().ptr(),
+            dw2.storage().ptr(),
+            s.m as i64,
+            s.k as i64,
+            s.n as i64,
+            s.g as i32
+        )?;
+        Ok(Some((dw1, dw2)))
+    }
+}
+
+/// The sizes of a gathered weight gradient the wgmma kernels take, and the
+/// group offsets they read.
+struct GatheredWgrad {
+    m: usize,
+    k: usize,
+    n: usize,
+    g: usize,
+    offs: super::alloc::Block,
+}
+
+impl Cuda {
+    /// The checks of a gathered weight gradient of `x: [T, K]` through
+    /// `row_src: [M]` by each of `dys` (`[M, N]`, x's dtype): an error for
+    /// inconsistent operands, `None` where the gathering kernels do not
+    /// take them, else the sizes with the group offsets (and the row map's
+    /// range check queued).
+    fn gathered_wgrad_sizes(
+        &self,
+        op: &'static str,
+        x: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        dys: &[&Tensor<Self>],
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Option<GatheredWgrad>> {
+        let (t, k) = x.dims2(op)?;
+        let (m, n) = dys[0].dims2(op)?;
+        if super::routing::row_src_1d(op, row_src)? != m {
+            return Err(shape_err(
+                op,
+                format!(
+                    "row_src {:?} and dy {:?} disagree on the row count",
+                    row_src.shape(),
+                    dys[0].shape()
+                ),
+            ));
+        }
+        let mut ptrs = vec![x.storage().ptr()];
+        for dy in dys {
+            dy.expect_dtype(op, x.dtype())?;
+            ptrs.push(dy.storage().ptr());
+        }
+        let g = match group_sizes.shape() {
+            [g] => *g,
+            _ => return Ok(None),
+        };
+        if !self.gathers_rows_of(x) || !self.wgmma_fits(m, k, n, g, &ptrs) {
+            return Ok(None);
+        }
+        self.check_range(op, row_src, -1, t as i64)?;
+        let (offs, _tiles) = self.group_offsets(op, group_sizes, g, m)?;
+        Ok(Some(GatheredWgrad { m, k, n, g, offs }))
     }
 }
 
@@ -1565,7 +1649,24 @@ mod tests {
             .unwrap();
         let want = d.grouped_matmul_weight_grad(&xp, &dg, &gs).unwrap();
         assert_eq!(host(&d, &got), host(&d, &want), "gate weight gradient");
-        println!("gathered products at the full expert shape: bit-identical to permute + product");
+        // The paired kernel (both weight gradients in one) against the
+        // single products.
+        let (_, du) = pair(&d, &[rows, f], 35);
+        let (dw1, dw3) = d
+            .grouped_matmul_weight_grad_pair_gathered(&x, &row_src, &dg, &du, &gs)
+            .unwrap();
+        assert_eq!(
+            host(&d, &dw1),
+            host(&d, &want),
+            "paired gate weight gradient"
+        );
+        let dw3_want = d.grouped_matmul_weight_grad(&xp, &du, &gs).unwrap();
+        assert_eq!(
+            host(&d, &dw3),
+            host(&d, &dw3_want),
+            "paired up weight gradient"
+        );
+        println!("gathered products at the full expert shape: bit-identical to permute + product (single and paired weight gradients)");
     }
 
     /// The sizes of `g` uneven groups over `rows` rows: weights 64 + (37 i

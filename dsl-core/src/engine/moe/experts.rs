@@ -98,13 +98,25 @@ impl<B: Backend> ExpertRows<B> {
         })
     }
 
-    /// `grouped_matmul_weight_grad(rows, dy, counts_e)`.
-    fn weight_grad(&self, b: &B, dy: &Tensor<B>, counts_e: &Tensor<B>) -> Result<Tensor<B>> {
+    /// The weight gradients of the gate and up projections:
+    /// `grouped_matmul_weight_grad(rows, dy, counts_e)` of `dgate` and `dup`.
+    fn gate_up_weight_grads(
+        &self,
+        b: &B,
+        dgate: &Tensor<B>,
+        dup: &Tensor<B>,
+        counts_e: &Tensor<B>,
+    ) -> Result<(Tensor<B>, Tensor<B>)> {
         Ok(match self {
-            ExpertRows::Dense(x) => b.grouped_matmul_weight_grad(x, dy, counts_e)?,
+            ExpertRows::Dense(x) => (
+                b.grouped_matmul_weight_grad(x, dgate, counts_e)?,
+                b.grouped_matmul_weight_grad(x, dup, counts_e)?,
+            ),
             ExpertRows::Gathered {
                 source, row_src, ..
-            } => b.grouped_matmul_weight_grad_gathered(source, row_src, dy, counts_e)?,
+            } => {
+                b.grouped_matmul_weight_grad_pair_gathered(source, row_src, dgate, dup, counts_e)?
+            }
         })
     }
 }
@@ -216,6 +228,8 @@ impl<B: Backend> Experts<B> {
             ExpertRows::Dense(x) => {
                 b.grouped_matmul_swiglu(x, &self.w3.value, &gate_nf, counts_e)?
             }
+            // (One kernel over both gathered products, SwiGLU in its
+            // store, was slower: kernels/src/cuda/grouped_sm90.cu.)
             ExpertRows::Gathered { .. } => {
                 let up_nf = rows.product(b, &self.w3.value, counts_e)?;
                 let act_nf = b.swiglu(&gate_nf, &up_nf)?;
@@ -296,11 +310,11 @@ impl<B: Backend> Experts<B> {
         // dact = dy · w2ᵀ goes straight into SwiGLU's backward (never stored).
         let (dgate_nf, dup_nf) =
             b.grouped_matmul_swiglu_backward(dy_nd, &self.w2.value, &gate_nf, &up_nf, &counts_e)?;
-        let x_nd = x_nd.for_products(b)?;
-        self.w1
-            .accumulate(b, &x_nd.weight_grad(b, &dgate_nf, &counts_e)?)?;
-        self.w3
-            .accumulate(b, &x_nd.weight_grad(b, &dup_nf, &counts_e)?)?;
+        let (dw1, dw3) = x_nd
+            .for_products(b)?
+            .gate_up_weight_grads(b, &dgate_nf, &dup_nf, &counts_e)?;
+        self.w1.accumulate(b, &dw1)?;
+        self.w3.accumulate(b, &dw3)?;
         // dx = dgate · w1ᵀ + dup · w3ᵀ as one product over both.
         Ok(b.grouped_matmul_sum2(
             &dgate_nf,
