@@ -111,10 +111,9 @@ FOR_FLOATS(UNARY)
 
 enum BinaryOp { B_ADD = 0, B_SUB, B_MUL, B_SILU_BWD, B_SIGMOID_BWD, B_SWIGLU };
 
-template <typename A> __device__ __forceinline__ A silu_grad_(A x) {
-    A s = sigmoid_(x);
-    return s * ((A)1 + x * ((A)1 - s));
-}
+// d silu(x) / dx from x and s = sigmoid(x).
+template <typename A> __device__ __forceinline__ A silu_grad_of_(A x, A s) { return s * ((A)1 + x * ((A)1 - s)); }
+template <typename A> __device__ __forceinline__ A silu_grad_(A x) { return silu_grad_of_(x, sigmoid_(x)); }
 
 template <typename A> __device__ __forceinline__ A binary_apply(A x, A y, int op) {
     switch (op) {
@@ -160,9 +159,12 @@ template <typename T> __device__ void binary_impl(const T* a, const T* b, T* out
     extern "C" __global__ void binary_##sfx(const T* a, const T* b, T* out, i64 n, int op) { binary_impl<T>(a, b, out, n, op); }
 FOR_FLOATS(BINARY)
 
+// One sigmoid serves both gradients (its exp and IEEE division are most of
+// the op's arithmetic).
 template <typename A> __device__ __forceinline__ void swiglu_bwd_apply(A gv, A uv, A d, A& dg, A& du) {
-    dg = d * uv * silu_grad_(gv);
-    du = d * gv * sigmoid_(gv);
+    A s = sigmoid_(gv);
+    dg = d * uv * silu_grad_of_(gv, s);
+    du = d * gv * s;
 }
 
 template <typename T>

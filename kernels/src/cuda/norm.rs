@@ -7,12 +7,32 @@
 use cudarc::driver::LaunchConfig;
 
 use super::compile::NORM;
-use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
+use super::{float_sfx, grid_for, launch, rows_cfg, warp_rows_cfg, Cuda};
 use crate::backend::{check_positions, NormOps, Rope};
 use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::{DType, Tensor};
 
 use crate::backend::check_norm_args;
+
+/// The kernel of a per-row norm op `base` and its launch: one warp per row
+/// (`{base}_rows8_bf16`) for bf16 rows of a multiple of 8 values at 16-byte
+/// aligned addresses, else one block per row (`{base}_{sfx}`).
+fn rows_kernel(
+    base: &str,
+    sfx: &str,
+    r: usize,
+    d: usize,
+    ts: &[&Tensor<Cuda>],
+) -> (String, LaunchConfig) {
+    let vectors = sfx == "bf16"
+        && d.is_multiple_of(8)
+        && ts.iter().all(|t| t.storage().ptr().is_multiple_of(16));
+    if vectors {
+        (format!("{base}_rows8_bf16"), warp_rows_cfg(r))
+    } else {
+        (format!("{base}_{sfx}"), rows_cfg(r, 256))
+    }
+}
 
 impl NormOps for Cuda {
     fn rms_norm(
@@ -32,11 +52,12 @@ impl NormOps for Cuda {
         let y = self.alloc(OP, x.shape(), x.dtype())?;
         let rstd = self.alloc(OP, lead, x.dtype())?;
         if r > 0 {
-            let f = self.func(NORM, &format!("rmsnorm_fwd_{sfx}"))?;
+            let (name, cfg) = rows_kernel("rmsnorm_fwd", sfx, r, d, &[x, w, &y, &rstd]);
+            let f = self.func(NORM, &name)?;
             launch!(
                 self,
                 f,
-                rows_cfg(r, 256),
+                cfg,
                 x.storage().ptr(),
                 w.storage().ptr(),
                 y.storage().ptr(),
@@ -77,11 +98,12 @@ impl NormOps for Cuda {
         let dx = self.alloc(OP, x.shape(), x.dtype())?;
         let dw = self.alloc(OP, &[d], x.dtype())?;
         if r > 0 {
-            let f = self.func(NORM, &format!("rmsnorm_dx_{sfx}"))?;
+            let (name, cfg) = rows_kernel("rmsnorm_dx", sfx, r, d, &[dy, x, w, rstd, &dx]);
+            let f = self.func(NORM, &name)?;
             launch!(
                 self,
                 f,
-                rows_cfg(r, 256),
+                cfg,
                 dy.storage().ptr(),
                 x.storage().ptr(),
                 w.storage().ptr(),
