@@ -83,6 +83,11 @@ template <typename A> __device__ A block_sum(A v, A* sh) {
     return v;
 }
 
+// Warp-per-row kernels: this warp's first row and the warps of the grid
+// (the stride of a grid-stride loop over rows).
+__device__ __forceinline__ i64 warp_row0() { return ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ i64 warp_count() { return ((i64)gridDim.x * blockDim.x) >> 5; }
+
 // Maximum of `v` over the block, like `block_sum`.
 template <typename A> __device__ A block_max(A v, A* sh) {
     for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));

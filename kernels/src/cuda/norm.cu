@@ -56,8 +56,6 @@ FOR_FLOATS(RMSNORM_DX)
 // 2 bytes per load). The same expressions as rmsnorm_fwd_impl /
 // rmsnorm_dx_impl; only the order of the row sums differs (lane-strided,
 // then a butterfly).
-__device__ __forceinline__ i64 warp_row0() { return ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
-__device__ __forceinline__ i64 warp_count() { return ((i64)gridDim.x * blockDim.x) >> 5; }
 
 extern "C" __global__ void rmsnorm_fwd_rows8_bf16(const bf16* x, const bf16* w, bf16* y, bf16* rstd, i64 r, i64 d,
                                                    double eps) {

@@ -238,42 +238,52 @@ extern "C" __global__ void inv_scan(const int* counts, i64 targets, int* offsets
     if (threadIdx.x == 1023) offsets[targets] = part[1023];
 }
 
-// Places each source r in its target's segment (cursor starts as a copy of
-// the offsets), in the order the atomics are served; inv_sort fixes it.
-extern "C" __global__ void inv_fill(const int* src, i64 n, i64 targets, int* cursor, int* items) {
+// Places each source r in its target's segment, in row order (a stable
+// counting sort; the old fill by atomics plus a sort per segment was
+// quadratic in a segment's length, and an expert taking most of the tokens,
+// as an untrained router does, made it milliseconds). The sources are cut
+// into chunks of `ch` rows: cc[c * targets + t] first counts chunk c's
+// sources of target t (inv_chunk_count), then becomes where they start, the
+// target's offset plus the earlier chunks' counts (inv_chunk_base), and one
+// warp per chunk places its sources 32 rows at a time (inv_chunk_place): the
+// lanes of a group that share a target rank themselves by lane, then the
+// lowest of them advances the target's start.
+extern "C" __global__ void inv_chunk_count(const int* src, i64 n, i64 targets, i64 ch, int* cc) {
     GRID_LOOP(r, n) {
         i64 s = src[r];
-        if (s >= 0 && s < targets) items[atomicAdd(&cursor[s], 1)] = (int)r;
+        if (s >= 0 && s < targets) atomicAdd(&cc[(r / ch) * targets + s], 1);
     }
 }
 
-// Sorts every segment of `placed` ascending into `items`. Items are distinct
-// row numbers, so an item's place in its segment is the count of smaller
-// items there. One block of 1024 threads per segment (an expert's segment
-// holds thousands of rows, which one thread's insertion sort took tens of
-// milliseconds over); a segment of up to INV_SORT_CACHE items is first
-// staged in shared memory, so the count reads broadcast words from there
-// instead of the L1 (127 µs at 16384 × 8 copies into 128 experts).
-#define INV_SORT_CACHE 8192
-__device__ __forceinline__ void inv_rank(const int* seg, int len, int lo, int* items) {
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        int v = seg[i], rank = 0;
-#pragma unroll 8
-        for (int j = 0; j < len; ++j) rank += seg[j] < v;
-        items[lo + rank] = v;
+extern "C" __global__ void inv_chunk_base(const int* offsets, i64 targets, i64 chunks, int* cc) {
+    GRID_LOOP(t, targets) {
+        int run = offsets[t];
+        for (i64 c = 0; c < chunks; ++c) {
+            int k = cc[c * targets + t];
+            cc[c * targets + t] = run;
+            run += k;
+        }
     }
 }
-extern "C" __global__ void inv_sort(const int* offsets, i64 targets, const int* placed, int* items) {
-    __shared__ int cache[INV_SORT_CACHE];
-    for (i64 t = blockIdx.x; t < targets; t += gridDim.x) {
-        int lo = offsets[t], len = offsets[t + 1] - lo;
-        if (len <= INV_SORT_CACHE) {
-            __syncthreads();  // the previous segment's counts are done
-            for (int i = threadIdx.x; i < len; i += blockDim.x) cache[i] = placed[lo + i];
-            __syncthreads();
-            inv_rank(cache, len, lo, items);
-        } else {
-            inv_rank(placed + lo, len, lo, items);
+
+extern "C" __global__ void inv_chunk_place(const int* src, i64 n, i64 targets, i64 ch, i64 chunks, int* cc,
+                                           int* items) {
+    unsigned lane = threadIdx.x & 31, below = (1u << lane) - 1;
+    for (i64 c = warp_row0(); c < chunks; c += warp_count()) {
+        i64 lo = c * ch, hi = lo + ch < n ? lo + ch : n;
+        int* start = cc + c * targets;
+        for (i64 r0 = lo; r0 < hi; r0 += 32) {
+            i64 r = r0 + lane;
+            int s = -1;
+            if (r < hi) {
+                int v = src[r];
+                if (v >= 0 && v < targets) s = v;
+            }
+            unsigned same = __match_any_sync(0xffffffffu, s);
+            if (s >= 0) items[start[s] + __popc(same & below)] = (int)r;
+            __syncwarp();  // every lane has read its target's start
+            if (s >= 0 && (same & below) == 0) start[s] += __popc(same);
+            __syncwarp();
         }
     }
 }

@@ -104,14 +104,12 @@ impl Cuda {
     }
 
     /// Inverts `src` (values in `[0, targets)` count, others are skipped) by
-    /// count, scan, place and per-segment sort.
+    /// count, scan and a stable placement in chunks of rows (`routing.cu`).
     fn invert(&self, op: &'static str, src: &Tensor<Self>, targets: usize) -> Result<Inverse> {
         let n = src.numel();
         let counts = self.scratch(op, targets * 4)?;
         let offsets = self.scratch(op, (targets + 1) * 4)?;
-        let cursor = self.scratch(op, targets * 4)?;
         let items = self.scratch(op, n.max(1) * 4)?;
-        let placed = self.scratch(op, n.max(1) * 4)?;
         self.bind()?;
         self.memset_zero(op, counts.ptr(), targets * 4)?;
         if n > 0 {
@@ -141,34 +139,46 @@ impl Cuda {
             offsets.ptr()
         )?;
         if n > 0 && targets > 0 {
-            unsafe {
-                drv::memcpy_dtod_async(
-                    cursor.ptr(),
-                    offsets.ptr(),
-                    targets * 4,
-                    self.stream().cu_stream(),
-                )
-            }
-            .map_err(|e| driver_err(op, e))?;
-            let f = self.func(ROUTING, "inv_fill")?;
+            // Chunks of at least 256 rows, few enough that the per-chunk
+            // starts stay within INV_CHUNK_CELLS.
+            const INV_CHUNK_CELLS: usize = 1 << 22;
+            let ch = (n * targets).div_ceil(INV_CHUNK_CELLS).max(256);
+            let chunks = n.div_ceil(ch);
+            let cc = self.scratch(op, chunks * targets * 4)?;
+            self.memset_zero(op, cc.ptr(), chunks * targets * 4)?;
+            let (n64, t64, ch64, c64) = (n as i64, targets as i64, ch as i64, chunks as i64);
+            let f = self.func(ROUTING, "inv_chunk_count")?;
             launch!(
                 self,
                 f,
                 grid_for(n),
                 src.storage().ptr(),
-                n as i64,
-                targets as i64,
-                cursor.ptr(),
-                placed.ptr()
+                n64,
+                t64,
+                ch64,
+                cc.ptr()
             )?;
-            let f = self.func(ROUTING, "inv_sort")?;
+            let f = self.func(ROUTING, "inv_chunk_base")?;
             launch!(
                 self,
                 f,
-                rows_cfg(targets, 1024),
+                grid_for(targets),
                 offsets.ptr(),
-                targets as i64,
-                placed.ptr(),
+                t64,
+                c64,
+                cc.ptr()
+            )?;
+            let f = self.func(ROUTING, "inv_chunk_place")?;
+            launch!(
+                self,
+                f,
+                warp_rows_cfg(chunks),
+                src.storage().ptr(),
+                n64,
+                t64,
+                ch64,
+                c64,
+                cc.ptr(),
                 items.ptr()
             )?;
         }
