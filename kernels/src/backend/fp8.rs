@@ -47,11 +47,7 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
         trans_w: bool,
         dtype: DType,
     ) -> Result<Tensor<Self>> {
-        check_gemm_operands(x, w, trans_w)?;
-        let x32 = self.dequantize_fp8(x, None)?;
-        let w32 = self.dequantize_fp8(w, None)?;
-        let y = self.grouped_matmul(&x32, &w32, group_sizes, trans_w)?;
-        in_dtype(self, y, dtype)
+        grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype)
     }
 
     /// [`LinalgOps::grouped_matmul_weight_grad`] of fp8 operands: `x: [M,
@@ -78,6 +74,24 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
         let dw = self.grouped_matmul_weight_grad(&x32, &dy32, group_sizes)?;
         in_dtype(self, dw, dtype)
     }
+}
+
+/// [`Fp8Ops::grouped_matmul_fp8`] emulated: the operands dequantised, then
+/// the f32 grouped GEMM (what the trait provides; a backend with fp8 kernels
+/// falls back to it where they cannot run).
+pub(crate) fn grouped_matmul_fp8_emulated<B: Fp8Ops>(
+    b: &B,
+    x: &Fp8Matrix<B>,
+    w: &Fp8Matrix<B>,
+    group_sizes: &Tensor<B>,
+    trans_w: bool,
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    check_gemm_operands(x, w, trans_w)?;
+    let x32 = b.dequantize_fp8(x, None)?;
+    let w32 = b.dequantize_fp8(w, None)?;
+    let y = b.grouped_matmul(&x32, &w32, group_sizes, trans_w)?;
+    in_dtype(b, y, dtype)
 }
 
 /// The operand checks of [`Fp8Ops::grouped_matmul_fp8`], shared by every

@@ -1,12 +1,20 @@
 //! CUDA blockwise fp8 GEMM operands: quantisation into the three tilings of
 //! [`Fp8Tiles`] and dequantisation, on the device (`fp8.cu`, equal to the
-//! host reference bit for bit), with no host wait. The GEMMs are
-//! [`Fp8Ops`]' provided emulation (dequantise, f32 grouped GEMM) until the
-//! wgmma fp8 kernels exist. GPUs without fp8 tensor cores are refused at
-//! the first quantisation, so a run that will need them fails at once.
+//! host reference bit for bit), with no host wait. The forward and data
+//! gradient GEMM ([`Fp8Ops::grouped_matmul_fp8`]) runs on `fp8_sm90.cu`'s
+//! TMA + wgmma e4m3 kernel on sm_90a (K a multiple of 16, bf16 or f32
+//! out), else on [`Fp8Ops`]' provided emulation (dequantise, f32 grouped
+//! GEMM), as does the weight gradient. GPUs without fp8 tensor cores are
+//! refused at the first quantisation, so a run that will need them fails
+//! at once.
 
-use super::compile::FP8;
+use std::sync::OnceLock;
+
+use cudarc::driver::{sys, LaunchConfig};
+
+use super::compile::{FP8, FP8_SM90};
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
+use crate::backend::fp8::{check_gemm_operands, grouped_matmul_fp8_emulated};
 use crate::backend::{Device, Fp8Ops, OffloadOps};
 use crate::error::{arg_err, KernelError, Result};
 use crate::fp8::{
@@ -41,6 +49,149 @@ impl Cuda {
     }
 }
 
+/// Bytes of one stage of `fp8_sm90.cu`'s pipeline (`F8_STAGE_BYTES`: a 128
+/// × 128 tile of each operand's codes, one 128-deep block of K).
+const F8_STAGE_BYTES: usize = 2 * 128 * 128;
+
+/// Stages of that pipeline (`F8_ST`).
+const F8_STAGES: usize = 6;
+
+/// Rows and columns of one output tile of the fp8 kernel (`F8_BM`, `F8_BN`).
+const F8_TILE: usize = 128;
+
+/// Threads of the fp8 kernel's block: two consumer warpgroups, one producer.
+const F8_THREADS: u32 = 384;
+
+/// The most dynamic shared memory a Hopper block may ask for.
+const MAX_SMEM: usize = 227 << 10;
+
+/// Dynamic shared memory of the fp8 kernel over `g` groups: 1024 bytes to
+/// align the stages, the stages, 128 bytes of mbarriers (`F8_OFFS`), then
+/// the group and tile offsets (16 (G + 1)).
+fn f8_smem_bytes(g: usize) -> usize {
+    1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 16 * (g + 1)
+}
+
+/// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products on Hopper too
+/// (read once per process; for comparisons).
+fn fp8_wgmma_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_FP8_GEMM").map_or(true, |v| v != "emulate"))
+}
+
+/// A `CUtensorMap` of e4m3 codes, passed by value to the fp8 kernel
+/// (`__grid_constant__ TmaMap`).
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct Fp8Map(sys::CUtensorMap);
+
+// 128 plain bytes, laid out as the kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for Fp8Map {}
+
+/// The tensor map of a dense row-major byte array at `ptr` whose dimensions,
+/// innermost first, are `dims`, copied in boxes of `boxes` with the 128-byte
+/// swizzle (a box row: 128 codes = 128 bytes); elements outside the array
+/// arrive as zeros.
+fn fp8_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -> Result<Fp8Map> {
+    let rank = dims.len();
+    let mut strides = [0u64; 4];
+    let mut s = 1u64;
+    for i in 0..rank - 1 {
+        s *= dims[i];
+        strides[i] = s;
+    }
+    let elem = [1u32; 5];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            rank as u32,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| {
+        arg_err(
+            op,
+            format!("no tensor map for dims {dims:?}, boxes {boxes:?}: {e:?}"),
+        )
+    })?;
+    Ok(Fp8Map(unsafe { map.assume_init() }))
+}
+
+/// The code words and scales `q` must have for its shape and tiles (over
+/// `groups` row groups for [`Fp8Tiles::GroupColumns`]).
+fn check_parts(op: &'static str, q: &Fp8Matrix<Cuda>, groups: usize) -> Result<()> {
+    q.codes.expect_dtype(op, DType::I32)?;
+    q.scales.expect_dtype(op, DType::F32)?;
+    let n: usize = q.shape.iter().product();
+    let want_scales = match (q.tiles, q.shape.as_slice()) {
+        (Fp8Tiles::Rows, &[m, k]) => m * k.div_ceil(128),
+        (Fp8Tiles::GroupColumns, &[m, k]) => k * column_tiles(m, groups),
+        (Fp8Tiles::Blocks { .. }, &[g, r, c]) => {
+            g * r.div_ceil(FP8_WEIGHT_BLOCK) * c.div_ceil(FP8_WEIGHT_BLOCK)
+        }
+        _ => {
+            return Err(arg_err(
+                op,
+                format!("{:?} of shape {:?}", q.tiles, q.shape),
+            ))
+        }
+    };
+    if q.codes.numel() != n.div_ceil(4) || q.scales.numel() != want_scales {
+        return Err(arg_err(
+            op,
+            format!(
+                "{:?} of shape {:?}: {} code words and {} scales, want {} and {want_scales}",
+                q.tiles,
+                q.shape,
+                q.codes.numel(),
+                q.scales.numel(),
+                n.div_ceil(4)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Cuda {
+    /// Whether `fp8_sm90.cu`'s kernel can take `x [M, K] · op(w[g])` (`n`
+    /// output columns, `g` groups) into `dtype`: an sm_90a device, bf16 or
+    /// f32 out, K a multiple of 16 (the codes' rows in the tensor maps are
+    /// 16-byte multiples), 16-byte aligned code arrays, sizes within the copy
+    /// engine's 32-bit coordinates, the offsets within shared memory.
+    fn fp8_wgmma_fits(
+        &self,
+        (m, k, n, g): (usize, usize, usize, usize),
+        dtype: DType,
+        ptrs: &[u64],
+    ) -> bool {
+        let lim = i32::MAX as usize;
+        self.arch() == "sm_90a"
+            && matches!(dtype, DType::BF16 | DType::F32)
+            && m > 0
+            && k > 0
+            && n > 0
+            && g > 0
+            && k.is_multiple_of(16)
+            && m < lim
+            && k < lim
+            && n < lim
+            && g < lim
+            && f8_smem_bytes(g) <= MAX_SMEM
+            && ptrs.iter().all(|p| p % 16 == 0)
+    }
+}
+
 /// The grid of the per-group column-tile kernels: a block per tile and 32
 /// columns.
 fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
@@ -52,6 +203,81 @@ fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
 }
 
 impl Fp8Ops for Cuda {
+    /// On sm_90a the e4m3 wgmma kernel of `fp8_sm90.cu` (scales applied
+    /// per 128 of K, promoted into f32), where it fits; else the emulation.
+    fn grouped_matmul_fp8(
+        &self,
+        x: &Fp8Matrix<Self>,
+        w: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+        dtype: DType,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_fp8";
+        check_gemm_operands(x, w, trans_w)?;
+        let dims = match (x.shape.as_slice(), w.shape.as_slice()) {
+            (&[m, k], &[g, wr, wc]) if k == if trans_w { wc } else { wr } => {
+                Some((m, k, if trans_w { wr } else { wc }, g))
+            }
+            _ => None,
+        };
+        // Shapes that disagree are reported by the emulation's checks.
+        let Some((m, k, n, g)) = dims else {
+            return grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype);
+        };
+        check_parts(OP, x, 0)?;
+        check_parts(OP, w, 0)?;
+        let (xp, wp) = (x.codes.storage().ptr(), w.codes.storage().ptr());
+        if !fp8_wgmma_allowed() || !self.fp8_wgmma_fits((m, k, n, g), dtype, &[xp, wp]) {
+            return grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype);
+        }
+        let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        // Every row is written: tiles past the last group store zeros.
+        let out = self.alloc(OP, &[m, n], dtype)?;
+        let (kb, nb) = (k.div_ceil(F8_TILE), n.div_ceil(F8_TILE));
+        // Strides of w's scale grid (group, block of K, block of N): the
+        // logical matrix is [G, K, N], or [G, N, K] with trans_w.
+        let (sbk, sbn) = if trans_w { (1, kb) } else { (nb, 1) };
+        let (m64, k64, n64, g64) = (m as u64, k as u64, n as u64, g as u64);
+        let ta = fp8_map(OP, xp, &[k64, m64], &[128, 128])?;
+        let tb = fp8_map(OP, wp, &[k64, n64, g64], &[128, 128, 1])?;
+        let smem = f8_smem_bytes(g) as u32;
+        self.bind()?;
+        let name = if dtype == DType::F32 {
+            "grouped_mm_fp8_wgmma_f32"
+        } else {
+            "grouped_mm_fp8_wgmma_bf16"
+        };
+        let f = self.func_smem(FP8_SM90, name, smem)?;
+        // At most M / 128 + G + 1 row tiles (the last for the rows past
+        // the groups), each ⌈N / 128⌉ column tiles.
+        let cfg = LaunchConfig {
+            grid_dim: (self.persistent_grid((m.div_ceil(F8_TILE) + g + 1) * nb)?, 1, 1),
+            block_dim: (F8_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            ta,
+            tb,
+            x.scales.storage().ptr(),
+            w.scales.storage().ptr(),
+            (kb * nb) as i64,
+            sbk as i64,
+            sbn as i64,
+            offs.ptr(),
+            tiles.ptr(),
+            out.storage().ptr(),
+            m as i64,
+            k as i64,
+            n as i64,
+            g as i32
+        )?;
+        Ok(out)
+    }
+
     fn quantize_fp8(
         &self,
         x: &Tensor<Self>,
@@ -145,30 +371,8 @@ impl Fp8Ops for Cuda {
         const OP: &str = "dequantize_fp8";
         check_tiles(OP, &q.shape, q.tiles, group_sizes.is_some())?;
         let groups = Self::group_count(OP, group_sizes)?;
-        q.codes.expect_dtype(OP, DType::I32)?;
-        q.scales.expect_dtype(OP, DType::F32)?;
+        check_parts(OP, q, groups)?;
         let n: usize = q.shape.iter().product();
-        let want_scales = match (q.tiles, q.shape.as_slice()) {
-            (Fp8Tiles::Rows, &[m, k]) => m * k.div_ceil(128),
-            (Fp8Tiles::GroupColumns, &[m, k]) => k * column_tiles(m, groups),
-            (Fp8Tiles::Blocks { .. }, &[g, r, c]) => {
-                g * r.div_ceil(FP8_WEIGHT_BLOCK) * c.div_ceil(FP8_WEIGHT_BLOCK)
-            }
-            _ => unreachable!("check_tiles passed"),
-        };
-        if q.codes.numel() != n.div_ceil(4) || q.scales.numel() != want_scales {
-            return Err(arg_err(
-                OP,
-                format!(
-                    "{:?} of shape {:?}: {} code words and {} scales, want {} and {want_scales}",
-                    q.tiles,
-                    q.shape,
-                    q.codes.numel(),
-                    q.scales.numel(),
-                    n.div_ceil(4)
-                ),
-            ));
-        }
         match (q.tiles, q.shape.as_slice()) {
             (Fp8Tiles::Rows, _) => self.expand_fp8(&Fp8Tensor {
                 codes: q.codes.clone(),

@@ -1,0 +1,262 @@
+// Hopper (sm_90a) blockwise fp8 grouped GEMM (issue 22): the forward and the
+// data gradient of the routed experts, y = x · op(w[g]), on e4m3 operands
+// with DeepSeek-V3's scales (fp8.rs picks it; Fp8Ops' emulation stays for
+// other GPUs, other dtypes and shapes a tensor map cannot describe).
+//
+// Operands, both stored with the summed dimension K contiguous (what fp8
+// wgmma reads: K-major only):
+//   A = x codes [M, K] (e4m3 bytes), scales sa [M, KB] (one per row and 128
+//       of K; KB = ceil(K / 128));
+//   B = w codes [G, N, K], scales sb: one per 128 × 128 block, at
+//       sb[g · gs + kb · ks + nb · ns] (the strides of the logical matrix's
+//       block grid: fp8.rs passes them for either layout).
+// Design: grouped_sm90.cu's persistent, warp-specialised kernel with fp8
+// tiles: 128 × 128 output tiles (group g owns ceil(size_g / 128) row tiles,
+// from the same group_offsets; column tiles fastest; rows past the last
+// group are one more pseudo-group storing zeros), 384 threads: warpgroup 2
+// the producer (one thread issues the TMA copies, 128-byte swizzle), 0 and
+// 1 the consumers (64 rows each). A 128-byte swizzled row holds exactly 128
+// fp8 values, one scale block: one pipeline stage (A 128 × 128 and B
+// 128 × 128 bytes, 32 KiB; 6 stages) is one 128-deep block of K. Per
+// stage each consumer runs 4 wgmma m64n128k32 into a temporary accumulator
+// (the first overwriting it), waits for them, releases the stage and
+// promotes: acc += tmp · (sa[row, kb] · sb[g, kb, nb]) in f32. The tensor
+// cores' own accumulation inside those 128 products is narrower than f32
+// (DeepSeek-V3: about 14 bits kept); the promotion bounds its error to one
+// block's sum. Registers: tmp + acc = 128 floats a thread (setmaxnreg 232).
+// K past the array and B rows past N arrive as zeros from the copy engine;
+// A rows of the next group are multiplied but not stored.
+// Shared-memory descriptors: K-major, 128-byte swizzle, SBO = 1024 (8 rows
+// of 128 bytes), k32 step kk starts 32 kk bytes in (as bf16's k16 steps).
+// Output bf16 or f32 (OUTF), stored from registers: rows inside the tile's
+// group, columns inside N.
+// The whole module compiles to nothing for other architectures.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define F8_BM 128
+#define F8_BN 128
+#define F8_BK 128
+#define F8_ST 6
+#define F8_THREADS 384
+#define F8_A_BYTES (F8_BM * F8_BK)
+#define F8_STAGE_BYTES (F8_A_BYTES + F8_BN * F8_BK)
+// Shared memory: 1024 bytes of alignment slack, the stages, 128 bytes of
+// mbarriers, then the group and tile offsets (fp8.rs's f8_smem_bytes).
+#define F8_OFFS (F8_ST * F8_STAGE_BYTES + 128)
+
+// d[0..63] (+)= A · B for one m64n128k32 (f32 accumulators, e4m3 operands
+// from shared memory through descriptors, both K-major; acc = 0 overwrites
+// d). fp8 wgmma has no transpose immediates: only the two scale ones.
+__device__ __forceinline__ void f8_mma(float (&d)[64], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+extern __shared__ __align__(1024) unsigned char f8_smem[];
+
+// One output tile: rows row0 .. row_end - 1 (the group's rows; M for the
+// zero tail) of out, columns col0 .., group grp, nk blocks of K (0: zeros).
+struct F8Tile {
+    int grp, nk;
+    i64 row0, row_end, col0;
+};
+
+__device__ __forceinline__ F8Tile f8_tile(i64 t, const i64* so, const i64* st, i64 m, int nk, i64 n, int g) {
+    F8Tile r;
+    i64 ncol = (n + F8_BN - 1) / F8_BN;
+    i64 rt = t / ncol;
+    r.col0 = (t - rt * ncol) * F8_BN;
+    i64 body = st[g];
+    if (rt >= body) {
+        r.grp = g;
+        r.row0 = so[g] + (rt - body) * F8_BM;
+        r.row_end = m;
+        r.nk = 0;
+    } else {
+        // The last group whose first tile is at or before rt (empty groups
+        // share their successor's first tile and lose the tie).
+        int lo = 0, hi = g - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (st[mid] <= rt) lo = mid; else hi = mid - 1;
+        }
+        r.grp = lo;
+        r.row0 = so[lo] + (rt - st[lo]) * F8_BM;
+        r.row_end = so[lo + 1];
+        r.nk = nk;
+    }
+    return r;
+}
+
+// Two output values at columns c, c + 1 of a row starting at out + at - c
+// (c even): one 8- or 4-byte store when N is even (then c < N means
+// c + 1 < N), else each value alone, inside N.
+template <bool OUTF>
+__device__ __forceinline__ void f8_store2(void* out, i64 at, i64 c, i64 n, float a, float b) {
+    if (OUTF) {
+        float* o = reinterpret_cast<float*>(out) + at;
+        if ((n & 1) == 0) {
+            if (c < n) *reinterpret_cast<float2*>(o) = make_float2(a, b);
+        } else {
+            if (c < n) o[0] = a;
+            if (c + 1 < n) o[1] = b;
+        }
+    } else {
+        bf16* o = reinterpret_cast<bf16*>(out) + at;
+        if ((n & 1) == 0) {
+            if (c < n) *reinterpret_cast<unsigned*>(o) = pack_bf16(a, b);
+        } else {
+            if (c < n) o[0] = __float2bfloat16_rn(a);
+            if (c + 1 < n) o[1] = __float2bfloat16_rn(b);
+        }
+    }
+}
+
+// The kernel (see the top of the file). Grid: min(tiles, SMs) blocks of
+// F8_THREADS; ta maps x codes [M, K] (box 128 × 128), tb w codes [G, N, K]
+// (box 128 × 128 × 1); offs / tiles: group_offsets' outputs; out [M, N].
+template <bool OUTF>
+__device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, const float* __restrict__ sa,
+                                        const float* __restrict__ sb, i64 sbg, i64 sbk, i64 sbn,
+                                        const i64* __restrict__ offs, const i64* __restrict__ tiles,
+                                        void* __restrict__ out, i64 m, i64 k, i64 n, int g) {
+    unsigned raw = smem_u32(f8_smem);
+    unsigned pad = (1024u - (raw & 1023u)) & 1023u;
+    unsigned char* base = f8_smem + pad;
+    unsigned stage0 = raw + pad;
+    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (F8_ST + s).
+    unsigned bar0 = stage0 + F8_ST * F8_STAGE_BYTES;
+    i64* so = reinterpret_cast<i64*>(base + F8_OFFS);
+    i64* st = so + (g + 1);
+    int tid = threadIdx.x;
+    for (int i = tid; i <= g; i += F8_THREADS) {
+        so[i] = offs[i];
+        st[i] = tiles[i];
+    }
+    if (tid == 0) {
+        for (int s = 0; s < F8_ST; ++s) {
+            mbar_init(bar0 + 8 * s, 1);
+            mbar_init(bar0 + 8 * (F8_ST + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    int nk = (int)((k + F8_BK - 1) / F8_BK);
+    i64 ncol = (n + F8_BN - 1) / F8_BN;
+    i64 total = (st[g] + (m - so[g] + F8_BM - 1) / F8_BM) * ncol;
+    int wg = tid >> 7;
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 256) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+            int s = 0;
+            unsigned ph = 0;
+            for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+                F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
+                for (int kb = 0; kb < tl.nk; ++kb) {
+                    unsigned full = bar0 + 8 * s;
+                    mbar_wait(bar0 + 8 * (F8_ST + s), ph ^ 1);
+                    mbar_expect_tx(full, F8_STAGE_BYTES);
+                    unsigned a = stage0 + s * F8_STAGE_BYTES;
+                    tma_2d(a, ta, full, kb * F8_BK, (int)tl.row0);
+                    tma_3d(a + F8_A_BYTES, tb, full, kb * F8_BK, (int)tl.col0, tl.grp);
+                    if (++s == F8_ST) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        int warp = (tid >> 5) & 3, lane = tid & 31;
+        int s = 0;
+        unsigned ph = 0;
+        float acc[64], tmp[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) tmp[i] = 0.0f;
+        for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+            F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            // This thread's two rows (r0, r0 + 8) and their scale rows
+            // (rows past M read row 0's: never stored).
+            i64 r0 = tl.row0 + wg * 64 + warp * 16 + (lane >> 2);
+            const float* sa0 = sa + (r0 < m ? r0 : 0) * nk;
+            const float* sa1 = sa + (r0 + 8 < m ? r0 + 8 : 0) * nk;
+            const float* sbt = sb + (i64)tl.grp * sbg + (tl.col0 / F8_BN) * sbn;
+            for (int kb = 0; kb < tl.nk; ++kb) {
+                // The scales' loads are in flight during the wait and the wgmmas.
+                float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
+                mbar_wait(bar0 + 8 * s, ph);
+                unsigned a = stage0 + s * F8_STAGE_BYTES + wg * (64 * F8_BK), b = stage0 + s * F8_STAGE_BYTES + F8_A_BYTES;
+                wg_pin(tmp);
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < F8_BK / 32; ++kk)
+                    f8_mma(tmp, wgmma_desc(a + kk * 32, 16, 1024), wgmma_desc(b + kk * 32, 16, 1024), kk > 0);
+                wg_commit();
+                wg_pin(tmp);
+                wg_wait<0>();
+                wg_pin(tmp);
+                // The stage is read: the producer may refill it.
+                if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + s));
+                if (++s == F8_ST) {
+                    s = 0;
+                    ph ^= 1;
+                }
+                // Promotion: register 4 j + e holds row r0 (+ 8 for e >= 2).
+                float p0 = s0 * sw, p1 = s1 * sw;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    acc[4 * j] = fmaf(tmp[4 * j], p0, acc[4 * j]);
+                    acc[4 * j + 1] = fmaf(tmp[4 * j + 1], p0, acc[4 * j + 1]);
+                    acc[4 * j + 2] = fmaf(tmp[4 * j + 2], p1, acc[4 * j + 2]);
+                    acc[4 * j + 3] = fmaf(tmp[4 * j + 3], p1, acc[4 * j + 3]);
+                }
+            }
+            // Store: register 4 j + e is column col0 + 8 j + 2 (lane % 4) + e % 2.
+            bool in0 = r0 < tl.row_end, in1 = r0 + 8 < tl.row_end;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                i64 c = tl.col0 + 8 * j + 2 * (lane & 3);
+                if (in0) f8_store2<OUTF>(out, r0 * n + c, c, n, acc[4 * j], acc[4 * j + 1]);
+                if (in1) f8_store2<OUTF>(out, (r0 + 8) * n + c, c, n, acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+    }
+}
+
+#define F8_ARGS                                                                                                       \
+    const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const float *sa, const float *sb, i64 sbg, \
+        i64 sbk, i64 sbn, const i64 *offs, const i64 *tiles
+#define F8_ENTRY extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
+F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
