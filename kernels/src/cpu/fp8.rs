@@ -189,6 +189,100 @@ mod tests {
         }
     }
 
+    /// The forward and data-gradient fp8 products at shapes the CUDA
+    /// tensor-core kernel takes (`fp8_sm90.cu`: K a multiple of 16; here
+    /// K = 400 and N = 144, neither a multiple of 128, so the last blocks of
+    /// K and N are partial), ragged groups with an empty one and 20 padding
+    /// rows, bf16 and f32 out, against the f64 products of the dequantised
+    /// operands. The CPU (emulation: f32 sums) is held to f32 accumulation
+    /// error; CUDA's fp8 tensor cores add products inside each 128-block of
+    /// K with a narrower accumulator (DeepSeek-V3 measures about 14 bits
+    /// kept on Hopper) before the kernel promotes the block into f32, so
+    /// there the bound is 2⁻⁹ of Σ|a·b| on top (about 5 additions of
+    /// ≤ 2⁻¹³ relative error per block, with room). The measured worst
+    /// |err| / Σ|a·b| is printed.
+    fn fp8_gemms_at_tensor_core_shapes<B: TestOps>(d: &B) {
+        let (m, k, n) = (300, 400, 144);
+        let sizes = [70usize, 0, 150, 60]; // 20 padding rows
+        let g = sizes.len();
+        let gs = d.ti32(&sizes.map(|s| s as i32), &[g]);
+        let (x, dy, w) = (sample(m * k, 11), sample(m * n, 13), sample(g * k * n, 17));
+        let mut x = x;
+        x[75 * k + 130] = 40.0; // a large value in one row tile of group 2
+        let (xt, dyt, wt) = (d.t32(&x, &[m, k]), d.t32(&dy, &[m, n]), d.t32(&w, &[g, k, n]));
+        let q = |t, tiles| d.quantize_fp8(t, tiles, None).unwrap();
+        let x_rows = q(&xt, Fp8Tiles::Rows);
+        let dy_rows = q(&dyt, Fp8Tiles::Rows);
+        let w_fwd = q(&wt, Fp8Tiles::Blocks { transposed: true });
+        let w_bwd = q(&wt, Fp8Tiles::Blocks { transposed: false });
+        let deq = |qm: &Fp8Matrix<B>| d.h64(&d.dequantize_fp8(qm, None).unwrap());
+        let (xr, dyr, wd) = (deq(&x_rows), deq(&dy_rows), deq(&w_fwd));
+        let in_group = |i: usize| {
+            let mut start = 0;
+            for (e, &s) in sizes.iter().enumerate() {
+                if i < start + s {
+                    return Some(e);
+                }
+                start += s;
+            }
+            None
+        };
+        let fp8_cores = B::NAME == "cuda";
+        let check = |what: &str, got: Vec<f64>, cols: usize, want: &dyn Fn(usize, usize, usize) -> (f64, f64), kk: usize, bf16: bool| {
+            let mut worst = 0f64;
+            for (idx, &v) in got.iter().enumerate() {
+                let (i, j) = (idx / cols, idx % cols);
+                let Some(e) = in_group(i) else {
+                    assert_eq!(v, 0.0, "{what}[{i}, {j}]: a padding row");
+                    continue;
+                };
+                let (exact, mag) = want(e, i, j);
+                let mut tol = 2.0 * kk as f64 * f64::from(f32::EPSILON) * mag;
+                if fp8_cores {
+                    tol += mag / 512.0;
+                }
+                if bf16 {
+                    tol += exact.abs() / 256.0;
+                }
+                let err = (v - exact).abs();
+                if !bf16 && mag > 0.0 {
+                    worst = worst.max(err / mag);
+                }
+                assert!(err <= tol, "{what}[{i}, {j}]: {v} vs {exact} (tol {tol})");
+            }
+            if !bf16 {
+                println!("{what}: worst |err| / sum |a b| = {worst:.3e} on {}", B::NAME);
+            }
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let bf = dtype == DType::BF16;
+            let y = d
+                .grouped_matmul_fp8(&x_rows, &w_fwd, &gs, false, dtype)
+                .unwrap();
+            assert_eq!((y.shape(), y.dtype()), (&[m, n][..], dtype));
+            check(
+                &format!("y {dtype:?}"),
+                d.h64(&y),
+                n,
+                &|e, i, j| f64_product(|l| xr[i * k + l], |l| wd[e * k * n + l * n + j], k),
+                k,
+                bf,
+            );
+            let dx = d
+                .grouped_matmul_fp8(&dy_rows, &w_bwd, &gs, true, dtype)
+                .unwrap();
+            assert_eq!((dx.shape(), dx.dtype()), (&[m, k][..], dtype));
+            check(
+                &format!("dx {dtype:?}"),
+                d.h64(&dx),
+                k,
+                &|e, i, j| f64_product(|l| dyr[i * n + l], |l| wd[e * k * n + j * n + l], n),
+                n,
+                bf,
+            );
+        }
+    }
+
     /// Wrong operands are errors naming the layouts, not wrong numbers.
     fn fp8_rejects_mismatched_operands<B: TestOps>(d: &B) {
         let gs = d.ti32(&[2, 1], &[2]);
@@ -242,6 +336,7 @@ mod tests {
 
     device_tests!(
         fp8_gemms_match_their_dequantised_operands,
+        fp8_gemms_at_tensor_core_shapes,
         fp8_rejects_mismatched_operands
     );
 }

@@ -423,3 +423,153 @@ impl Fp8Ops for Cuda {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::LinalgOps;
+    use crate::tensor::HostData;
+
+    /// `n` values in [-1, 1] from a xorshift of `seed`.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn host(d: &Cuda, t: &Tensor<Cuda>) -> Vec<f32> {
+        let t = d.cast(t, DType::F32).unwrap();
+        match d.download(&t).unwrap() {
+            HostData::F32(v) => v,
+            other => panic!("expected f32, got {other:?}"),
+        }
+    }
+
+    /// linalg.rs's uneven groups: weights 64 + (37 i mod 128), scaled to
+    /// `rows`, the last group taking the remainder.
+    fn uneven_sizes(g: usize, rows: usize) -> Vec<i32> {
+        let w: Vec<usize> = (0..g).map(|i| 64 + (i * 37) % 128).collect();
+        let total: usize = w.iter().sum();
+        let mut s: Vec<i32> = w.iter().map(|&wi| (rows * wi / total) as i32).collect();
+        let used: i32 = s.iter().sum();
+        s[g - 1] += rows as i32 - used;
+        s
+    }
+
+    /// The fp8 wgmma products at the Qwen3-30B-A3B expert shapes (131072
+    /// rows, the last 40 past the groups, in 128 uneven groups; hidden 2048,
+    /// ffn 768): fc1's forward (K 2048 → N 768) and data gradient (K 768 → N
+    /// 2048), fc2's likewise, against the emulation (dequantise, f32 grouped
+    /// GEMM) on the same operands: relative Frobenius difference within 2⁻⁹
+    /// (the tensor cores' narrower accumulation inside each 128-block, see
+    /// `fp8_gemms_at_tensor_core_shapes`), padding rows zero, the bf16
+    /// output the f32 one rounded. Prints each product's time (host clock,
+    /// 20 synchronised calls after 3 warm-ups) beside the bf16 wgmma
+    /// grouped GEMM on the same shape. Ignored (large): run with
+    /// `--ignored` on a GPU.
+    #[test]
+    #[ignore]
+    fn fp8_products_full_shape_match_the_emulation() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let (rows, h, f, e) = (131072usize, 2048usize, 768usize, 128usize);
+        let used = rows - 40;
+        let gs = d
+            .upload(HostData::I32(uneven_sizes(e, used)), &[e])
+            .unwrap();
+        let up = |shape: &[usize], seed| {
+            let n = shape.iter().product();
+            d.upload(HostData::F32(values(n, seed)), shape).unwrap()
+        };
+        let (x, dy) = (up(&[rows, h], 41), up(&[rows, f], 42));
+        let (w1, w2) = (up(&[e, h, f], 43), up(&[e, f, h], 44));
+        let q = |t: &Tensor<Cuda>, tiles| d.quantize_fp8(t, tiles, None).unwrap();
+        let (t, nt) = (
+            Fp8Tiles::Blocks { transposed: true },
+            Fp8Tiles::Blocks { transposed: false },
+        );
+        let (xq, dyq) = (q(&x, Fp8Tiles::Rows), q(&dy, Fp8Tiles::Rows));
+        let (w1t, w1n, w2t, w2n) = (q(&w1, t), q(&w1, nt), q(&w2, t), q(&w2, nt));
+        let bf = |t: &Tensor<Cuda>| d.cast(t, DType::BF16).unwrap();
+        let (xb, dyb, w1b, w2b) = (bf(&x), bf(&dy), bf(&w1), bf(&w2));
+        drop((x, dy, w1, w2));
+        let time = |run: &dyn Fn()| {
+            for _ in 0..3 {
+                run();
+            }
+            d.synchronize().unwrap();
+            let reps = 20;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                run();
+            }
+            d.synchronize().unwrap();
+            t0.elapsed().as_secs_f64() / reps as f64
+        };
+        println!("| product | M x K x N | fp8 ms | fp8 TFLOP/s | bf16 ms | bf16 TFLOP/s | fp8 / bf16 | rel. diff vs emulation | max abs diff |");
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        let cases = [
+            ("fc1 fwd", &xq, &w1t, &xb, &w1b, false, h, f),
+            ("fc1 dgrad", &dyq, &w1n, &dyb, &w1b, true, f, h),
+            ("fc2 fwd", &dyq, &w2t, &dyb, &w2b, false, f, h),
+            ("fc2 dgrad", &xq, &w2n, &xb, &w2b, true, h, f),
+        ];
+        for (name, a, w, ab, wb, trans, k, n) in cases {
+            let got = d.grouped_matmul_fp8(a, w, &gs, trans, DType::F32).unwrap();
+            let want = grouped_matmul_fp8_emulated(&d, a, w, &gs, trans, DType::F32).unwrap();
+            let (g32, w32) = (host(&d, &got), host(&d, &want));
+            let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+            for (&p, &r) in g32.iter().zip(&w32) {
+                let diff = f64::from(p) - f64::from(r);
+                num += diff * diff;
+                den += f64::from(r) * f64::from(r);
+                max_abs = max_abs.max(diff.abs());
+            }
+            let rel = (num / den.max(1e-300)).sqrt();
+            assert!(
+                g32[used * n..].iter().all(|&v| v == 0.0),
+                "{name}: padding rows"
+            );
+            assert!(rel <= 1.0 / 512.0, "{name}: relative difference {rel:.3e}");
+            let gb = host(
+                &d,
+                &d.grouped_matmul_fp8(a, w, &gs, trans, DType::BF16).unwrap(),
+            );
+            for (i, (&b, &v)) in gb.iter().zip(&g32).enumerate() {
+                assert!(
+                    (b - v).abs() <= v.abs() / 256.0,
+                    "{name}: bf16 out [{i}] {b} vs f32 out {v}"
+                );
+            }
+            let flop = 2.0 * (rows * k * n) as f64;
+            let t8 = time(&|| {
+                d.grouped_matmul_fp8(a, w, &gs, trans, DType::BF16).unwrap();
+            });
+            let t16 = time(&|| {
+                d.grouped_matmul(ab, wb, &gs, trans).unwrap();
+            });
+            println!(
+                "| {name} | {rows}x{k}x{n} | {:.3} | {:.1} | {:.3} | {:.1} | {:.2} | {rel:.2e} | {max_abs:.2e} |",
+                t8 * 1e3,
+                flop / t8 / 1e12,
+                t16 * 1e3,
+                flop / t16 / 1e12,
+                t16 / t8
+            );
+        }
+        let tq = time(&|| {
+            d.quantize_fp8(&xb, Fp8Tiles::Rows, None).unwrap();
+        });
+        println!(
+            "quantize_fp8 of x [{rows}, {h}] bf16 in 1x128 rows: {:.3} ms",
+            tq * 1e3
+        );
+    }
+}
