@@ -66,17 +66,36 @@ const F8_THREADS: u32 = 384;
 const MAX_SMEM: usize = 227 << 10;
 
 /// Dynamic shared memory of the fp8 kernel over `g` groups: 1024 bytes to
-/// align the stages, the stages, 128 bytes of mbarriers (`F8_OFFS`), then
-/// the group and tile offsets (16 (G + 1)).
+/// align the stages, the stages, 128 bytes of mbarriers, the 8 consumer
+/// warps' store buffers of 16 × 144 bytes (`F8_OFFS`), then the group and
+/// tile offsets (16 (G + 1)).
 fn f8_smem_bytes(g: usize) -> usize {
-    1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 16 * (g + 1)
+    1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
 }
 
-/// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products on Hopper too
-/// (read once per process; for comparisons).
-fn fp8_wgmma_allowed() -> bool {
-    static ALLOWED: OnceLock<bool> = OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var("FOLDMOE_FP8_GEMM").map_or(true, |v| v != "emulate"))
+/// Which kernel runs [`Fp8Ops::grouped_matmul_fp8`] on sm_90a.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fp8Kernel {
+    /// Dequantise, then the f32 grouped GEMM (the provided emulation).
+    Emulated,
+    /// `fp8_sm90.cu`'s first version (the default): one temporary
+    /// accumulator, each block waited for and promoted before the next,
+    /// stores from registers.
+    WgmmaV1,
+    /// Two temporaries (the next block's wgmmas run during a block's
+    /// promotion), stores staged in shared memory.
+    WgmmaV2,
+}
+
+/// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products on Hopper too,
+/// `=v1` / `=v2` pick a wgmma version (read once per process).
+fn fp8_kernel_default() -> Fp8Kernel {
+    static KERNEL: OnceLock<Fp8Kernel> = OnceLock::new();
+    *KERNEL.get_or_init(|| match std::env::var("FOLDMOE_FP8_GEMM").as_deref() {
+        Ok("emulate") => Fp8Kernel::Emulated,
+        Ok("v2") => Fp8Kernel::WgmmaV2,
+        _ => Fp8Kernel::WgmmaV1,
+    })
 }
 
 /// A `CUtensorMap` of e4m3 codes, passed by value to the fp8 kernel
@@ -190,28 +209,17 @@ impl Cuda {
             && f8_smem_bytes(g) <= MAX_SMEM
             && ptrs.iter().all(|p| p % 16 == 0)
     }
-}
 
-/// The grid of the per-group column-tile kernels: a block per tile and 32
-/// columns.
-fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
-    (
-        column_tiles(m, groups) as u32,
-        k.div_ceil(32).max(1) as u32,
-        1,
-    )
-}
-
-impl Fp8Ops for Cuda {
-    /// On sm_90a the e4m3 wgmma kernel of `fp8_sm90.cu` (scales applied
-    /// per 128 of K, promoted into f32), where it fits; else the emulation.
-    fn grouped_matmul_fp8(
+    /// [`Fp8Ops::grouped_matmul_fp8`] on `kernel` where it fits (the
+    /// emulation elsewhere).
+    pub(crate) fn grouped_matmul_fp8_on(
         &self,
         x: &Fp8Matrix<Self>,
         w: &Fp8Matrix<Self>,
         group_sizes: &Tensor<Self>,
         trans_w: bool,
         dtype: DType,
+        kernel: Fp8Kernel,
     ) -> Result<Tensor<Self>> {
         const OP: &str = "grouped_matmul_fp8";
         check_gemm_operands(x, w, trans_w)?;
@@ -228,7 +236,7 @@ impl Fp8Ops for Cuda {
         check_parts(OP, x, 0)?;
         check_parts(OP, w, 0)?;
         let (xp, wp) = (x.codes.storage().ptr(), w.codes.storage().ptr());
-        if !fp8_wgmma_allowed() || !self.fp8_wgmma_fits((m, k, n, g), dtype, &[xp, wp]) {
+        if kernel == Fp8Kernel::Emulated || !self.fp8_wgmma_fits((m, k, n, g), dtype, &[xp, wp]) {
             return grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype);
         }
         let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
@@ -243,10 +251,11 @@ impl Fp8Ops for Cuda {
         let tb = fp8_map(OP, wp, &[k64, n64, g64], &[128, 128, 1])?;
         let smem = f8_smem_bytes(g) as u32;
         self.bind()?;
-        let name = if dtype == DType::F32 {
-            "grouped_mm_fp8_wgmma_f32"
-        } else {
-            "grouped_mm_fp8_wgmma_bf16"
+        let name = match (dtype == DType::F32, kernel == Fp8Kernel::WgmmaV1) {
+            (true, false) => "grouped_mm_fp8_wgmma_f32",
+            (false, false) => "grouped_mm_fp8_wgmma_bf16",
+            (true, true) => "grouped_mm_fp8_wgmma_f32_v1",
+            (false, true) => "grouped_mm_fp8_wgmma_bf16_v1",
         };
         let f = self.func_smem(FP8_SM90, name, smem)?;
         // At most M / 128 + G + 1 row tiles (the last for the rows past
@@ -277,6 +286,32 @@ impl Fp8Ops for Cuda {
         )?;
         Ok(out)
     }
+}
+
+/// The grid of the per-group column-tile kernels: a block per tile and 32
+/// columns.
+fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
+    (
+        column_tiles(m, groups) as u32,
+        k.div_ceil(32).max(1) as u32,
+        1,
+    )
+}
+
+impl Fp8Ops for Cuda {
+    /// On sm_90a the e4m3 wgmma kernel of `fp8_sm90.cu` (scales applied
+    /// per 128 of K, promoted into f32), where it fits; else the emulation.
+    fn grouped_matmul_fp8(
+        &self,
+        x: &Fp8Matrix<Self>,
+        w: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+        dtype: DType,
+    ) -> Result<Tensor<Self>> {
+        self.grouped_matmul_fp8_on(x, w, group_sizes, trans_w, dtype, fp8_kernel_default())
+    }
+
 
     fn quantize_fp8(
         &self,
@@ -513,8 +548,8 @@ mod tests {
             d.synchronize().unwrap();
             t0.elapsed().as_secs_f64() / reps as f64
         };
-        println!("| product | M x K x N | fp8 ms | fp8 TFLOP/s | bf16 ms | bf16 TFLOP/s | fp8 / bf16 | rel. diff vs emulation | max abs diff |");
-        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        println!("| product | M x K x N | kernel | fp8 ms | fp8 TFLOP/s | bf16 ms | bf16 TFLOP/s | fp8 / bf16 | rel. diff vs emulation | max abs diff |");
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
         let cases = [
             ("fc1 fwd", &xq, &w1t, &xb, &w1b, false, h, f),
             ("fc1 dgrad", &dyq, &w1n, &dyb, &w1b, true, f, h),
@@ -522,47 +557,54 @@ mod tests {
             ("fc2 dgrad", &xq, &w2n, &xb, &w2b, true, h, f),
         ];
         for (name, a, w, ab, wb, trans, k, n) in cases {
-            let got = d.grouped_matmul_fp8(a, w, &gs, trans, DType::F32).unwrap();
             let want = grouped_matmul_fp8_emulated(&d, a, w, &gs, trans, DType::F32).unwrap();
-            let (g32, w32) = (host(&d, &got), host(&d, &want));
-            let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
-            for (&p, &r) in g32.iter().zip(&w32) {
-                let diff = f64::from(p) - f64::from(r);
-                num += diff * diff;
-                den += f64::from(r) * f64::from(r);
-                max_abs = max_abs.max(diff.abs());
-            }
-            let rel = (num / den.max(1e-300)).sqrt();
-            assert!(
-                g32[used * n..].iter().all(|&v| v == 0.0),
-                "{name}: padding rows"
-            );
-            assert!(rel <= 1.0 / 512.0, "{name}: relative difference {rel:.3e}");
-            let gb = host(
-                &d,
-                &d.grouped_matmul_fp8(a, w, &gs, trans, DType::BF16).unwrap(),
-            );
-            for (i, (&b, &v)) in gb.iter().zip(&g32).enumerate() {
-                assert!(
-                    (b - v).abs() <= v.abs() / 256.0,
-                    "{name}: bf16 out [{i}] {b} vs f32 out {v}"
-                );
-            }
+            let w32 = host(&d, &want);
+            drop(want);
             let flop = 2.0 * (rows * k * n) as f64;
-            let t8 = time(&|| {
-                d.grouped_matmul_fp8(a, w, &gs, trans, DType::BF16).unwrap();
-            });
             let t16 = time(&|| {
                 d.grouped_matmul(ab, wb, &gs, trans).unwrap();
             });
-            println!(
-                "| {name} | {rows}x{k}x{n} | {:.3} | {:.1} | {:.3} | {:.1} | {:.2} | {rel:.2e} | {max_abs:.2e} |",
-                t8 * 1e3,
-                flop / t8 / 1e12,
-                t16 * 1e3,
-                flop / t16 / 1e12,
-                t16 / t8
-            );
+            for kernel in [Fp8Kernel::WgmmaV2, Fp8Kernel::WgmmaV1] {
+                let run = |dtype| {
+                    d.grouped_matmul_fp8_on(a, w, &gs, trans, dtype, kernel)
+                        .unwrap()
+                };
+                let g32 = host(&d, &run(DType::F32));
+                let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+                for (&p, &r) in g32.iter().zip(&w32) {
+                    let diff = f64::from(p) - f64::from(r);
+                    num += diff * diff;
+                    den += f64::from(r) * f64::from(r);
+                    max_abs = max_abs.max(diff.abs());
+                }
+                let rel = (num / den.max(1e-300)).sqrt();
+                assert!(
+                    g32[used * n..].iter().all(|&v| v == 0.0),
+                    "{name} {kernel:?}: padding rows"
+                );
+                assert!(
+                    rel <= 1.0 / 512.0,
+                    "{name} {kernel:?}: relative difference {rel:.3e}"
+                );
+                let gb = host(&d, &run(DType::BF16));
+                for (i, (&b, &v)) in gb.iter().zip(&g32).enumerate() {
+                    assert!(
+                        (b - v).abs() <= v.abs() / 256.0,
+                        "{name} {kernel:?}: bf16 out [{i}] {b} vs f32 out {v}"
+                    );
+                }
+                let t8 = time(&|| {
+                    run(DType::BF16);
+                });
+                println!(
+                    "| {name} | {rows}x{k}x{n} | {kernel:?} | {:.3} | {:.1} | {:.3} | {:.1} | {:.2} | {rel:.2e} | {max_abs:.2e} |",
+                    t8 * 1e3,
+                    flop / t8 / 1e12,
+                    t16 * 1e3,
+                    flop / t16 / 1e12,
+                    t16 / t8
+                );
+            }
         }
         let tq = time(&|| {
             d.quantize_fp8(&xb, Fp8Tiles::Rows, None).unwrap();

@@ -42,8 +42,12 @@
 #define F8_A_BYTES (F8_BM * F8_BK)
 #define F8_STAGE_BYTES (F8_A_BYTES + F8_BN * F8_BK)
 // Shared memory: 1024 bytes of alignment slack, the stages, 128 bytes of
-// mbarriers, then the group and tile offsets (fp8.rs's f8_smem_bytes).
-#define F8_OFFS (F8_ST * F8_STAGE_BYTES + 128)
+// mbarriers, the 8 consumer warps' store buffers (16 rows of 128 bytes,
+// rows 144 bytes apart), then the group and tile offsets (fp8.rs's
+// f8_smem_bytes).
+#define F8_STG (F8_ST * F8_STAGE_BYTES + 128)
+#define F8_STG_WARP (16 * 144)
+#define F8_OFFS (F8_STG + 8 * F8_STG_WARP)
 
 // d[0..63] (+)= A · B for one m64n128k32 (f32 accumulators, e4m3 operands
 // from shared memory through descriptors, both K-major; acc = 0 overwrites
@@ -132,10 +136,39 @@ __device__ __forceinline__ void f8_store2(void* out, i64 at, i64 c, i64 n, float
     }
 }
 
+// The 4 wgmmas of one 128-deep block of K into t (overwritten), committed
+// as one group: a = this warpgroup's 64 rows of A, b = B, in the stage.
+__device__ __forceinline__ void f8_issue(float (&t)[64], unsigned a, unsigned b) {
+    wg_pin(t);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < F8_BK / 32; ++kk)
+        f8_mma(t, wgmma_desc(a + kk * 32, 16, 1024), wgmma_desc(b + kk * 32, 16, 1024), kk > 0);
+    wg_commit();
+    wg_pin(t);
+}
+
+// Promotion: acc += t · scale, register 4 j + e holding row r0 (p0) or,
+// for e >= 2, row r0 + 8 (p1).
+__device__ __forceinline__ void f8_promote(float (&acc)[64], float (&t)[64], float p0, float p1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        acc[4 * j] = fmaf(t[4 * j], p0, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(t[4 * j + 1], p0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(t[4 * j + 2], p1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(t[4 * j + 3], p1, acc[4 * j + 3]);
+    }
+}
+
 // The kernel (see the top of the file). Grid: min(tiles, SMs) blocks of
 // F8_THREADS; ta maps x codes [M, K] (box 128 × 128), tb w codes [G, N, K]
 // (box 128 × 128 × 1); offs / tiles: group_offsets' outputs; out [M, N].
-template <bool OUTF>
+// V2: the block's wgmmas go into two temporaries in turn, block kb's
+// issued before block kb - 1 is promoted (the tensor cores stay busy during
+// the promotion; 192 accumulator registers), and the output is staged per
+// warp in shared memory and written in whole 16-byte pieces. V1: one
+// temporary, wait then promote, stores straight from registers.
+template <bool OUTF, bool V2>
 __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, const float* __restrict__ sa,
                                         const float* __restrict__ sb, i64 sbg, i64 sbk, i64 sbn,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
@@ -193,9 +226,12 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
         int warp = (tid >> 5) & 3, lane = tid & 31;
         int s = 0;
         unsigned ph = 0;
-        float acc[64], tmp[64];
+        float acc[64], tmp[64], tmp2[64];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) tmp[i] = 0.0f;
+        for (int i = 0; i < 64; ++i) {
+            tmp[i] = 0.0f;
+            tmp2[i] = 0.0f;
+        }
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
 #pragma unroll
@@ -206,44 +242,144 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             const float* sa0 = sa + (r0 < m ? r0 : 0) * nk;
             const float* sa1 = sa + (r0 + 8 < m ? r0 + 8 : 0) * nk;
             const float* sbt = sb + (i64)tl.grp * sbg + (tl.col0 / F8_BN) * sbn;
-            for (int kb = 0; kb < tl.nk; ++kb) {
-                // The scales' loads are in flight during the wait and the wgmmas.
-                float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
-                mbar_wait(bar0 + 8 * s, ph);
-                unsigned a = stage0 + s * F8_STAGE_BYTES + wg * (64 * F8_BK), b = stage0 + s * F8_STAGE_BYTES + F8_A_BYTES;
-                wg_pin(tmp);
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < F8_BK / 32; ++kk)
-                    f8_mma(tmp, wgmma_desc(a + kk * 32, 16, 1024), wgmma_desc(b + kk * 32, 16, 1024), kk > 0);
-                wg_commit();
-                wg_pin(tmp);
+            if (V2) {
+                // Blocks kb (even) into tmp and kb + 1 into tmp2: each block's
+                // wgmmas are issued before the previous block, in the other
+                // temporary, is waited for, released and promoted (ps, q0, q1:
+                // that block's stage and scales). Unrolled by two so that each
+                // temporary's role is fixed in the code (else ptxas serialises
+                // the wgmmas).
+                int ps = 0;
+                float q0 = 0.0f, q1 = 0.0f;
+                for (int kb = 0; kb < tl.nk; kb += 2) {
+                    float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
+                    mbar_wait(bar0 + 8 * s, ph);
+                    unsigned a = stage0 + s * F8_STAGE_BYTES;
+                    f8_issue(tmp, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+                    if (kb > 0) {
+                        wg_wait<1>();
+                        wg_pin(tmp2);
+                        if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + ps));
+                        f8_promote(acc, tmp2, q0, q1);
+                    }
+                    ps = s;
+                    q0 = s0 * sw;
+                    q1 = s1 * sw;
+                    if (++s == F8_ST) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                    if (kb + 1 < tl.nk) {
+                        s0 = __ldg(sa0 + kb + 1);
+                        s1 = __ldg(sa1 + kb + 1);
+                        sw = __ldg(sbt + (kb + 1) * sbk);
+                        mbar_wait(bar0 + 8 * s, ph);
+                        a = stage0 + s * F8_STAGE_BYTES;
+                        f8_issue(tmp2, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+                        wg_wait<1>();
+                        wg_pin(tmp);
+                        if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + ps));
+                        f8_promote(acc, tmp, q0, q1);
+                        ps = s;
+                        q0 = s0 * sw;
+                        q1 = s1 * sw;
+                        if (++s == F8_ST) {
+                            s = 0;
+                            ph ^= 1;
+                        }
+                    }
+                }
+                // Unconditional (a no-op when nothing is in flight), so that
+                // ptxas sees no wgmma outstanding past this point.
                 wg_wait<0>();
                 wg_pin(tmp);
-                // The stage is read: the producer may refill it.
-                if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + s));
-                if (++s == F8_ST) {
-                    s = 0;
-                    ph ^= 1;
+                wg_pin(tmp2);
+                if (tl.nk > 0) {
+                    if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + ps));
+                    if ((tl.nk & 1) == 1)
+                        f8_promote(acc, tmp, q0, q1);
+                    else
+                        f8_promote(acc, tmp2, q0, q1);
                 }
-                // Promotion: register 4 j + e holds row r0 (+ 8 for e >= 2).
-                float p0 = s0 * sw, p1 = s1 * sw;
+            } else {
+                for (int kb = 0; kb < tl.nk; ++kb) {
+                    // The scales' loads are in flight during the wait and the wgmmas.
+                    float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
+                    mbar_wait(bar0 + 8 * s, ph);
+                    unsigned a = stage0 + s * F8_STAGE_BYTES;
+                    f8_issue(tmp, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+                    wg_wait<0>();
+                    wg_pin(tmp);
+                    // The stage is read: the producer may refill it.
+                    if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + s));
+                    f8_promote(acc, tmp, s0 * sw, s1 * sw);
+                    if (++s == F8_ST) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+            bool in0 = r0 < tl.row_end, in1 = r0 + 8 < tl.row_end;
+            if (!V2) {
+                // Register 4 j + e is column col0 + 8 j + 2 (lane % 4) + e % 2.
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
-                    acc[4 * j] = fmaf(tmp[4 * j], p0, acc[4 * j]);
-                    acc[4 * j + 1] = fmaf(tmp[4 * j + 1], p0, acc[4 * j + 1]);
-                    acc[4 * j + 2] = fmaf(tmp[4 * j + 2], p1, acc[4 * j + 2]);
-                    acc[4 * j + 3] = fmaf(tmp[4 * j + 3], p1, acc[4 * j + 3]);
+                    i64 c = tl.col0 + 8 * j + 2 * (lane & 3);
+                    if (in0) f8_store2<OUTF>(out, r0 * n + c, c, n, acc[4 * j], acc[4 * j + 1]);
+                    if (in1) f8_store2<OUTF>(out, (r0 + 8) * n + c, c, n, acc[4 * j + 2], acc[4 * j + 3]);
                 }
+                continue;
             }
-            // Store: register 4 j + e is column col0 + 8 j + 2 (lane % 4) + e % 2.
-            bool in0 = r0 < tl.row_end, in1 = r0 + 8 < tl.row_end;
+            // Staged: each warp writes its 16 rows, 128 bytes of columns at a
+            // time (bf16: 64 columns, f32: 32), into its buffer (rows 144
+            // bytes apart: a warp's 4-byte writes hit 32 banks), then stores
+            // whole 16-byte pieces of rows inside the group, columns inside
+            // N (element by element where a piece crosses N or N is not a
+            // multiple of the piece).
+            constexpr int EB = OUTF ? 4 : 2;      // bytes per element
+            constexpr int CP = 128 / EB;          // columns per pass
+            constexpr int PE = 16 / EB;           // elements per piece
+            unsigned char* sw = base + F8_STG + (tid >> 5) * F8_STG_WARP;
+            i64 rw = tl.row0 + wg * 64 + warp * 16;
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                i64 c = tl.col0 + 8 * j + 2 * (lane & 3);
-                if (in0) f8_store2<OUTF>(out, r0 * n + c, c, n, acc[4 * j], acc[4 * j + 1]);
-                if (in1) f8_store2<OUTF>(out, (r0 + 8) * n + c, c, n, acc[4 * j + 2], acc[4 * j + 3]);
+            for (int c = 0; c < F8_BN / CP; ++c) {
+                if (tl.col0 + c * CP >= n) break;
+#pragma unroll
+                for (int jj = 0; jj < CP / 8; ++jj) {
+                    int j = c * (CP / 8) + jj;
+                    unsigned char* q = sw + (lane >> 2) * 144 + (jj * 8 + 2 * (lane & 3)) * EB;
+                    if (OUTF) {
+                        *reinterpret_cast<float2*>(q) = make_float2(acc[4 * j], acc[4 * j + 1]);
+                        *reinterpret_cast<float2*>(q + 8 * 144) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+                    } else {
+                        *reinterpret_cast<unsigned*>(q) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
+                        *reinterpret_cast<unsigned*>(q + 8 * 144) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
+                    }
+                }
+                __syncwarp();
+#pragma unroll
+                for (int qq = 0; qq < 4; ++qq) {
+                    int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
+                    i64 gr = rw + row, gc = tl.col0 + c * CP + ch * PE;
+                    if (gr < tl.row_end && gc < n) {
+                        const unsigned char* src = sw + row * 144 + ch * 16;
+                        unsigned char* dst = reinterpret_cast<unsigned char*>(out) + (gr * n + gc) * EB;
+                        if (n % PE == 0) {
+                            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+                        } else {
+                            for (int e = 0; e < PE && gc + e < n; ++e) {
+                                if (OUTF)
+                                    reinterpret_cast<float*>(dst)[e] = reinterpret_cast<const float*>(src)[e];
+                                else
+                                    reinterpret_cast<bf16*>(dst)[e] = reinterpret_cast<const bf16*>(src)[e];
+                            }
+                        }
+                    }
+                }
+                __syncwarp();
             }
+            (void)in0;
+            (void)in1;
         }
     }
 }
@@ -253,10 +389,17 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
         i64 sbk, i64 sbn, const i64 *offs, const i64 *tiles
 #define F8_ENTRY extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
 F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+    f8_body<false, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+    f8_body<true, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+// The first version (V1; FOLDMOE_FP8_GEMM=v1), kept for comparisons.
+F8_ENTRY grouped_mm_fp8_wgmma_bf16_v1(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<false, false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_mm_fp8_wgmma_f32_v1(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<true, false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
