@@ -619,7 +619,10 @@ fn gemm<B: BenchDevice>(
         }
         if o.fp8 {
             let q = |t: &Tensor<B>, tiles, s: bool| b.quantize_fp8(t, tiles, s.then_some(&sizes));
-            let (xr, dyr) = (q(&x, Fp8Tiles::Rows, false)?, q(&dy, Fp8Tiles::Rows, false)?);
+            let (xr, dyr) = (
+                q(&x, Fp8Tiles::Rows, false)?,
+                q(&dy, Fp8Tiles::Rows, false)?,
+            );
             let (xc, dyc) = (
                 q(&x, Fp8Tiles::GroupColumns, true)?,
                 q(&dy, Fp8Tiles::GroupColumns, true)?,

@@ -189,12 +189,12 @@ mod tests {
         }
     }
 
-    /// The forward and data-gradient fp8 products at shapes the CUDA
-    /// tensor-core kernel takes (`fp8_sm90.cu`: K a multiple of 16; here
-    /// K = 400 and N = 144, neither a multiple of 128, so the last blocks of
-    /// K and N are partial), ragged groups with an empty one and 20 padding
-    /// rows, bf16 and f32 out, against the f64 products of the dequantised
-    /// operands. The CPU (emulation: f32 sums) is held to f32 accumulation
+    /// The three fp8 products at shapes the CUDA tensor-core kernels take
+    /// (`fp8_sm90.cu`: the summed dimension a multiple of 16; here K = 400,
+    /// N = 144, M = 304, none a multiple of 128, so the last blocks are
+    /// partial), ragged groups (70 and 150 rows: partial column tiles) with
+    /// an empty one and 20 padding rows, bf16 and f32 out, against the f64
+    /// products of the dequantised operands. The CPU (emulation: f32 sums) is held to f32 accumulation
     /// error; CUDA's fp8 tensor cores add products inside each 128-block of
     /// K with a narrower accumulator (DeepSeek-V3 measures about 14 bits
     /// kept on Hopper) before the kernel promotes the block into f32, so
@@ -202,14 +202,18 @@ mod tests {
     /// ≤ 2⁻¹³ relative error per block, with room). The measured worst
     /// |err| / Σ|a·b| is printed.
     fn fp8_gemms_at_tensor_core_shapes<B: TestOps>(d: &B) {
-        let (m, k, n) = (300, 400, 144);
-        let sizes = [70usize, 0, 150, 60]; // 20 padding rows
+        let (m, k, n) = (304, 400, 144);
+        let sizes = [70usize, 0, 150, 64]; // 20 padding rows
         let g = sizes.len();
         let gs = d.ti32(&sizes.map(|s| s as i32), &[g]);
         let (x, dy, w) = (sample(m * k, 11), sample(m * n, 13), sample(g * k * n, 17));
         let mut x = x;
         x[75 * k + 130] = 40.0; // a large value in one row tile of group 2
-        let (xt, dyt, wt) = (d.t32(&x, &[m, k]), d.t32(&dy, &[m, n]), d.t32(&w, &[g, k, n]));
+        let (xt, dyt, wt) = (
+            d.t32(&x, &[m, k]),
+            d.t32(&dy, &[m, n]),
+            d.t32(&w, &[g, k, n]),
+        );
         let q = |t, tiles| d.quantize_fp8(t, tiles, None).unwrap();
         let x_rows = q(&xt, Fp8Tiles::Rows);
         let dy_rows = q(&dyt, Fp8Tiles::Rows);
@@ -228,7 +232,12 @@ mod tests {
             None
         };
         let fp8_cores = B::NAME == "cuda";
-        let check = |what: &str, got: Vec<f64>, cols: usize, want: &dyn Fn(usize, usize, usize) -> (f64, f64), kk: usize, bf16: bool| {
+        let check = |what: &str,
+                     got: Vec<f64>,
+                     cols: usize,
+                     want: &dyn Fn(usize, usize, usize) -> (f64, f64),
+                     kk: usize,
+                     bf16: bool| {
             let mut worst = 0f64;
             for (idx, &v) in got.iter().enumerate() {
                 let (i, j) = (idx / cols, idx % cols);
@@ -251,7 +260,10 @@ mod tests {
                 assert!(err <= tol, "{what}[{i}, {j}]: {v} vs {exact} (tol {tol})");
             }
             if !bf16 {
-                println!("{what}: worst |err| / sum |a b| = {worst:.3e} on {}", B::NAME);
+                println!(
+                    "{what}: worst |err| / sum |a b| = {worst:.3e} on {}",
+                    B::NAME
+                );
             }
         };
         for dtype in [DType::F32, DType::BF16] {
@@ -280,6 +292,52 @@ mod tests {
                 n,
                 bf,
             );
+        }
+        let x_cols = d
+            .quantize_fp8(&xt, Fp8Tiles::GroupColumns, Some(&gs))
+            .unwrap();
+        let dy_cols = d
+            .quantize_fp8(&dyt, Fp8Tiles::GroupColumns, Some(&gs))
+            .unwrap();
+        let deqc = |qm: &Fp8Matrix<B>| d.h64(&d.dequantize_fp8(qm, Some(&gs)).unwrap());
+        let (xc, dyc) = (deqc(&x_cols), deqc(&dy_cols));
+        for dtype in [DType::F32, DType::BF16] {
+            let dw = d
+                .grouped_matmul_weight_grad_fp8(&x_cols, &dy_cols, &gs, dtype)
+                .unwrap();
+            assert_eq!((dw.shape(), dw.dtype()), (&[g, k, n][..], dtype));
+            // Rows of the check are (group, row of K): in_group sees none
+            // past the groups, so map them onto the groups' rows.
+            let got = d.h64(&dw);
+            let mut worst = 0f64;
+            for (idx, &v) in got.iter().enumerate() {
+                let (e, j, l) = (idx / (k * n), (idx / n) % k, idx % n);
+                let start: usize = sizes[..e].iter().sum();
+                let (exact, mag) = f64_product(
+                    |r| xc[(start + r) * k + j],
+                    |r| dyc[(start + r) * n + l],
+                    sizes[e],
+                );
+                let mut tol = 2.0 * 150.0 * f64::from(f32::EPSILON) * mag;
+                if fp8_cores {
+                    tol += mag / 512.0;
+                }
+                if dtype == DType::BF16 {
+                    tol += exact.abs() / 256.0;
+                } else if mag > 0.0 {
+                    worst = worst.max((v - exact).abs() / mag);
+                }
+                assert!(
+                    (v - exact).abs() <= tol,
+                    "dw {dtype:?}[{e}, {j}, {l}]: {v} vs {exact} (tol {tol})"
+                );
+            }
+            if dtype == DType::F32 {
+                println!(
+                    "dw F32: worst |err| / sum |a b| = {worst:.3e} on {}",
+                    B::NAME
+                );
+            }
         }
     }
 

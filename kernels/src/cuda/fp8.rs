@@ -14,7 +14,10 @@ use cudarc::driver::{sys, LaunchConfig};
 
 use super::compile::{FP8, FP8_SM90};
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
-use crate::backend::fp8::{check_gemm_operands, grouped_matmul_fp8_emulated};
+use crate::backend::fp8::{
+    check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
+    grouped_wgrad_fp8_emulated,
+};
 use crate::backend::{Device, Fp8Ops, OffloadOps};
 use crate::error::{arg_err, KernelError, Result};
 use crate::fp8::{
@@ -71,6 +74,14 @@ const MAX_SMEM: usize = 227 << 10;
 /// tile offsets (16 (G + 1)).
 fn f8_smem_bytes(g: usize) -> usize {
     1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
+}
+
+/// `FOLDMOE_FP8_WGRAD=wgmma` runs [`Fp8Ops::grouped_matmul_weight_grad_fp8`]
+/// on `fp8_sm90.cu`'s kernel on sm_90a; by default it is emulated (read
+/// once per process).
+fn fp8_wgrad_kernel_default() -> bool {
+    static KERNEL: OnceLock<bool> = OnceLock::new();
+    *KERNEL.get_or_init(|| std::env::var("FOLDMOE_FP8_WGRAD").is_ok_and(|v| v == "wgmma"))
 }
 
 /// Which kernel runs [`Fp8Ops::grouped_matmul_fp8`] on sm_90a.
@@ -159,12 +170,7 @@ fn check_parts(op: &'static str, q: &Fp8Matrix<Cuda>, groups: usize) -> Result<(
         (Fp8Tiles::Blocks { .. }, &[g, r, c]) => {
             g * r.div_ceil(FP8_WEIGHT_BLOCK) * c.div_ceil(FP8_WEIGHT_BLOCK)
         }
-        _ => {
-            return Err(arg_err(
-                op,
-                format!("{:?} of shape {:?}", q.tiles, q.shape),
-            ))
-        }
+        _ => return Err(arg_err(op, format!("{:?} of shape {:?}", q.tiles, q.shape))),
     };
     if q.codes.numel() != n.div_ceil(4) || q.scales.numel() != want_scales {
         return Err(arg_err(
@@ -261,7 +267,11 @@ impl Cuda {
         // At most M / 128 + G + 1 row tiles (the last for the rows past
         // the groups), each ⌈N / 128⌉ column tiles.
         let cfg = LaunchConfig {
-            grid_dim: (self.persistent_grid((m.div_ceil(F8_TILE) + g + 1) * nb)?, 1, 1),
+            grid_dim: (
+                self.persistent_grid((m.div_ceil(F8_TILE) + g + 1) * nb)?,
+                1,
+                1,
+            ),
             block_dim: (F8_THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -298,7 +308,95 @@ fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
     )
 }
 
+impl Cuda {
+    /// [`Fp8Ops::grouped_matmul_weight_grad_fp8`] on `fp8_sm90.cu`'s kernel
+    /// when `wgmma` and it fits (M a multiple of 16: the transposed codes'
+    /// rows), else emulated.
+    pub(crate) fn grouped_wgrad_fp8_on(
+        &self,
+        x: &Fp8Matrix<Self>,
+        dy: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        dtype: DType,
+        wgmma: bool,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_weight_grad_fp8";
+        check_wgrad_operands(x, dy)?;
+        let dims = match (x.shape.as_slice(), dy.shape.as_slice(), group_sizes.shape()) {
+            (&[m, k], &[my, n], &[g]) if m == my => Some((m, k, n, g)),
+            _ => None,
+        };
+        let Some((m, k, n, g)) = dims else {
+            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
+        };
+        check_parts(OP, x, g)?;
+        check_parts(OP, dy, g)?;
+        let (xp, dp) = (x.codes.storage().ptr(), dy.codes.storage().ptr());
+        if !wgmma
+            || !m.is_multiple_of(16)
+            || !self.fp8_wgmma_fits((m, 16, n, g), dtype, &[xp, dp])
+            || k == 0
+            || k >= i32::MAX as usize
+        {
+            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
+        }
+        let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        // Every element is written: an empty group's tiles store zeros.
+        let out = self.alloc(OP, &[g, k, n], dtype)?;
+        let (m64, k64, n64) = (m as u64, k as u64, n as u64);
+        let ta = fp8_map(OP, xp, &[m64, k64], &[128, 128])?;
+        let tb = fp8_map(OP, dp, &[m64, n64], &[128, 128])?;
+        let smem = f8_smem_bytes(g) as u32;
+        self.bind()?;
+        let name = if dtype == DType::F32 {
+            "grouped_wgrad_fp8_wgmma_f32"
+        } else {
+            "grouped_wgrad_fp8_wgmma_bf16"
+        };
+        let f = self.func_smem(FP8_SM90, name, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                self.persistent_grid(g * k.div_ceil(F8_TILE) * n.div_ceil(F8_TILE))?,
+                1,
+                1,
+            ),
+            block_dim: (F8_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            ta,
+            tb,
+            x.scales.storage().ptr(),
+            dy.scales.storage().ptr(),
+            column_tiles(m, g) as i64,
+            offs.ptr(),
+            tiles.ptr(),
+            out.storage().ptr(),
+            m as i64,
+            k as i64,
+            n as i64,
+            g as i32
+        )?;
+        Ok(out)
+    }
+}
+
 impl Fp8Ops for Cuda {
+    /// On sm_90a with `FOLDMOE_FP8_WGRAD=wgmma`, `fp8_sm90.cu`'s kernel;
+    /// else the emulation.
+    fn grouped_matmul_weight_grad_fp8(
+        &self,
+        x: &Fp8Matrix<Self>,
+        dy: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        dtype: DType,
+    ) -> Result<Tensor<Self>> {
+        self.grouped_wgrad_fp8_on(x, dy, group_sizes, dtype, fp8_wgrad_kernel_default())
+    }
+
     /// On sm_90a the e4m3 wgmma kernel of `fp8_sm90.cu` (scales applied
     /// per 128 of K, promoted into f32), where it fits; else the emulation.
     fn grouped_matmul_fp8(
@@ -311,7 +409,6 @@ impl Fp8Ops for Cuda {
     ) -> Result<Tensor<Self>> {
         self.grouped_matmul_fp8_on(x, w, group_sizes, trans_w, dtype, fp8_kernel_default())
     }
-
 
     fn quantize_fp8(
         &self,
@@ -500,7 +597,8 @@ mod tests {
     /// The fp8 wgmma products at the Qwen3-30B-A3B expert shapes (131072
     /// rows, the last 40 past the groups, in 128 uneven groups; hidden 2048,
     /// ffn 768): fc1's forward (K 2048 → N 768) and data gradient (K 768 → N
-    /// 2048), fc2's likewise, against the emulation (dequantise, f32 grouped
+    /// 2048), fc2's likewise, each on both wgmma versions, and the two
+    /// weight gradients, against the emulation (dequantise, f32 grouped
     /// GEMM) on the same operands: relative Frobenius difference within 2⁻⁹
     /// (the tensor cores' narrower accumulation inside each 128-block, see
     /// `fp8_gemms_at_tensor_core_shapes`), padding rows zero, the bf16
@@ -605,6 +703,49 @@ mod tests {
                     t16 / t8
                 );
             }
+        }
+        // The weight gradients (fc1: x, dy; fc2: dy as its input, x as its
+        // output gradient) on per-group column tiles.
+        let gc = Fp8Tiles::GroupColumns;
+        let qc = |t: &Tensor<Cuda>| d.quantize_fp8(t, gc, Some(&gs)).unwrap();
+        let (xc, dyc) = (qc(&xb), qc(&dyb));
+        for (name, a, b2, ab, bb, k, n) in [
+            ("fc1 wgrad", &xc, &dyc, &xb, &dyb, h, f),
+            ("fc2 wgrad", &dyc, &xc, &dyb, &xb, f, h),
+        ] {
+            let want = grouped_wgrad_fp8_emulated(&d, a, b2, &gs, DType::F32).unwrap();
+            let w32 = host(&d, &want);
+            drop(want);
+            let g32 = host(
+                &d,
+                &d.grouped_wgrad_fp8_on(a, b2, &gs, DType::F32, true)
+                    .unwrap(),
+            );
+            let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+            for (&p, &r) in g32.iter().zip(&w32) {
+                let diff = f64::from(p) - f64::from(r);
+                num += diff * diff;
+                den += f64::from(r) * f64::from(r);
+                max_abs = max_abs.max(diff.abs());
+            }
+            let rel = (num / den.max(1e-300)).sqrt();
+            assert!(rel <= 1.0 / 512.0, "{name}: relative difference {rel:.3e}");
+            let flop = 2.0 * (used * k * n) as f64;
+            let t8 = time(&|| {
+                d.grouped_wgrad_fp8_on(a, b2, &gs, DType::BF16, true)
+                    .unwrap();
+            });
+            let t16 = time(&|| {
+                d.grouped_matmul_weight_grad(ab, bb, &gs).unwrap();
+            });
+            println!(
+                "| {name} | {e}x{k}x{n} (sum over {used} rows) | wgmma | {:.3} | {:.1} | {:.3} | {:.1} | {:.2} | {rel:.2e} | {max_abs:.2e} |",
+                t8 * 1e3,
+                flop / t8 / 1e12,
+                t16 * 1e3,
+                flop / t16 / 1e12,
+                t16 / t8
+            );
         }
         let tq = time(&|| {
             d.quantize_fp8(&xb, Fp8Tiles::Rows, None).unwrap();
