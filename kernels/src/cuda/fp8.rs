@@ -338,12 +338,11 @@ impl Cuda {
         check_parts(OP, x, g)?;
         check_parts(OP, dy, g)?;
         let (xp, dp) = (x.codes.storage().ptr(), dy.codes.storage().ptr());
-        if !wgmma
-            || !m.is_multiple_of(16)
-            || !self.fp8_wgmma_fits((m, 16, n, g), dtype, &[xp, dp])
-            || k == 0
-            || k >= i32::MAX as usize
-        {
+        // fp8_wgmma_fits' checks with the summed dimension (here M, the
+        // rows of the transposed codes) in K's place, and K (dw's rows)
+        // within the copy engine's coordinates.
+        let fits = self.fp8_wgmma_fits((k, m, n, g), dtype, &[xp, dp]);
+        if !wgmma || !fits {
             return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
         }
         let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
