@@ -95,7 +95,8 @@ fn moe_layer_reports_time_and_megatron_flops() {
 }
 
 /// `--fp8` times the layer with its experts in blockwise fp8 (the same
-/// FLOPs), says so in the report, and is refused where it means nothing.
+/// FLOPs), says so in the report, adds the fp8 products to `bench gemm`,
+/// and is refused where it means nothing.
 #[test]
 fn moe_layer_and_model_take_fp8_experts() {
     for bench in ["moe-layer", "model"] {
@@ -108,12 +109,27 @@ fn moe_layer_and_model_take_fp8_experts() {
         );
         assert!(r["time_ms"].as_f64().unwrap() > 0.0);
     }
+    // bench gemm --fp8 adds the three fp8 products of each shape.
     let mut args = vec!["bench", "gemm", "--fp8"];
+    args.extend_from_slice(SMALL);
+    let r = report(&args);
+    let rows = r["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 12);
+    let fp8: Vec<_> = rows
+        .iter()
+        .filter(|row| row["product"].as_str().unwrap().ends_with("_fp8"))
+        .collect();
+    assert_eq!(fp8.len(), 6);
+    for row in fp8 {
+        assert!(row["tflops"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["fp8_vs_bf16"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let mut args = vec!["bench", "attention", "--fp8"];
     args.extend_from_slice(SMALL);
     let o = foldmoe(&args);
     assert!(!o.status.success());
     assert!(
-        stderr(&o).contains("--fp8 applies to bench moe-layer and model"),
+        stderr(&o).contains("--fp8 applies to bench gemm, moe-layer and model"),
         "{}",
         stderr(&o)
     );

@@ -38,6 +38,7 @@ use foldmoe::kernels::comm::solo::SoloComm;
 use foldmoe::kernels::comm::timed::TimedComm;
 use foldmoe::kernels::cpu::Cpu;
 use foldmoe::kernels::cuda::Cuda;
+use foldmoe::kernels::fp8::Fp8Tiles;
 use foldmoe::kernels::{Backend, Communicator, DType, Group, HostData, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -111,8 +112,10 @@ pub struct BenchOptions {
     pub layout: Option<String>,
     /// The routed experts' GEMMs in blockwise fp8, as `train --fp8`
     /// (`moe-layer` and `model`); FLOP/s and MFU are still counted against
-    /// the dense bf16 peak. The products are emulated in f32 until the fp8
-    /// tensor-core kernels exist, so this times that emulation.
+    /// the dense bf16 peak. On sm_90a the forward and data-gradient products
+    /// run on the e4m3 wgmma kernel, the weight gradient is emulated (f32).
+    /// `gemm`: also times the fp8 products on pre-quantised operands (rows
+    /// `*_fp8`), beside the bf16 ones on the same shapes.
     #[arg(long)]
     pub fp8: bool,
     /// `moe-layer`, CUDA: after the eager timing, capture one iteration as a
@@ -264,9 +267,9 @@ fn run_on<B: BenchDevice + ProcessComm>(
             "--head-dim and --mla apply to bench attention only",
         ));
     }
-    if o.fp8 && matches!(o.kind, BenchKind::Gemm | BenchKind::Attention) {
+    if o.fp8 && o.kind == BenchKind::Attention {
         return Err(CliError::usage(
-            "--fp8 applies to bench moe-layer and model (the experts' GEMMs in their layer)",
+            "--fp8 applies to bench gemm, moe-layer and model (the experts' GEMMs)",
         ));
     }
     let spec = bench_spec(o)?;
@@ -566,6 +569,12 @@ fn time_op(
 /// gate / up projections, hidden → expert_ffn) and fc2 (expert_ffn →
 /// hidden), each as the forward (`x · w[g]`), the data gradient
 /// (`dy · w[g]ᵀ`) and the weight gradient (`x_gᵀ dy_g`); 2·M·K·N FLOPs each.
+/// With `--fp8`, the same three products on blockwise e4m3 operands
+/// quantised once before the timing (`x`, `dy` in 1 × 128 row tiles for the
+/// forward and data gradient, in per-group column tiles for the weight
+/// gradient; `w` in 128 × 128 blocks stored as each product reads it),
+/// output in the bench's dtype; `fp8_vs_bf16` is the bf16 time over the
+/// fp8 one.
 fn gemm<B: BenchDevice>(
     b: &B,
     o: &BenchOptions,
@@ -607,6 +616,41 @@ fn gemm<B: BenchDevice>(
                 "shape": name, "product": product, "m": m, "k": k, "n": n, "groups": g,
                 "time_ms": t * 1e3, "tflops": flops / t / 1e12,
             }));
+        }
+        if o.fp8 {
+            let q = |t: &Tensor<B>, tiles, s: bool| b.quantize_fp8(t, tiles, s.then_some(&sizes));
+            let (xr, dyr) = (
+                q(&x, Fp8Tiles::Rows, false)?,
+                q(&dy, Fp8Tiles::Rows, false)?,
+            );
+            let (xc, dyc) = (
+                q(&x, Fp8Tiles::GroupColumns, true)?,
+                q(&dy, Fp8Tiles::GroupColumns, true)?,
+            );
+            let wt = q(&w, Fp8Tiles::Blocks { transposed: true }, false)?;
+            let wn = q(&w, Fp8Tiles::Blocks { transposed: false }, false)?;
+            let fwd8 = time_op(b, o, &mut || {
+                b.grouped_matmul_fp8(&xr, &wt, &sizes, false, dtype)?;
+                Ok(())
+            })?;
+            let dgrad8 = time_op(b, o, &mut || {
+                b.grouped_matmul_fp8(&dyr, &wn, &sizes, true, dtype)?;
+                Ok(())
+            })?;
+            let wgrad8 = time_op(b, o, &mut || {
+                b.grouped_matmul_weight_grad_fp8(&xc, &dyc, &sizes, dtype)?;
+                Ok(())
+            })?;
+            for (product, t, t16) in [
+                ("forward_fp8", fwd8, fwd),
+                ("dgrad_fp8", dgrad8, dgrad),
+                ("wgrad_fp8", wgrad8, wgrad),
+            ] {
+                rows.push(json!({
+                    "shape": name, "product": product, "m": m, "k": k, "n": n, "groups": g,
+                    "time_ms": t * 1e3, "tflops": flops / t / 1e12, "fp8_vs_bf16": t16 / t,
+                }));
+            }
         }
     }
     Ok(json!({ "bench": "gemm", "results": rows, "iters": o.iters }))

@@ -47,11 +47,7 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
         trans_w: bool,
         dtype: DType,
     ) -> Result<Tensor<Self>> {
-        check_gemm_operands(x, w, trans_w)?;
-        let x32 = self.dequantize_fp8(x, None)?;
-        let w32 = self.dequantize_fp8(w, None)?;
-        let y = self.grouped_matmul(&x32, &w32, group_sizes, trans_w)?;
-        in_dtype(self, y, dtype)
+        grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype)
     }
 
     /// [`LinalgOps::grouped_matmul_weight_grad`] of fp8 operands: `x: [M,
@@ -64,20 +60,57 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
         group_sizes: &Tensor<Self>,
         dtype: DType,
     ) -> Result<Tensor<Self>> {
-        const OP: &str = "grouped_matmul_weight_grad_fp8";
-        for (name, q) in [("x", x), ("dy", dy)] {
-            if q.tiles != Fp8Tiles::GroupColumns {
-                return Err(arg_err(
-                    OP,
-                    format!("{name} must be in GroupColumns tiles, got {:?}", q.tiles),
-                ));
-            }
-        }
-        let x32 = self.dequantize_fp8(x, Some(group_sizes))?;
-        let dy32 = self.dequantize_fp8(dy, Some(group_sizes))?;
-        let dw = self.grouped_matmul_weight_grad(&x32, &dy32, group_sizes)?;
-        in_dtype(self, dw, dtype)
+        grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype)
     }
+}
+
+/// [`Fp8Ops::grouped_matmul_weight_grad_fp8`] emulated: the operands
+/// dequantised, then the f32 weight-gradient GEMM (what the trait provides).
+pub(crate) fn grouped_wgrad_fp8_emulated<B: Fp8Ops>(
+    b: &B,
+    x: &Fp8Matrix<B>,
+    dy: &Fp8Matrix<B>,
+    group_sizes: &Tensor<B>,
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    check_wgrad_operands(x, dy)?;
+    let x32 = b.dequantize_fp8(x, Some(group_sizes))?;
+    let dy32 = b.dequantize_fp8(dy, Some(group_sizes))?;
+    let dw = b.grouped_matmul_weight_grad(&x32, &dy32, group_sizes)?;
+    in_dtype(b, dw, dtype)
+}
+
+/// The operand checks of [`Fp8Ops::grouped_matmul_weight_grad_fp8`]: both
+/// in `GroupColumns` tiles.
+pub(crate) fn check_wgrad_operands<B: Device>(x: &Fp8Matrix<B>, dy: &Fp8Matrix<B>) -> Result<()> {
+    const OP: &str = "grouped_matmul_weight_grad_fp8";
+    for (name, q) in [("x", x), ("dy", dy)] {
+        if q.tiles != Fp8Tiles::GroupColumns {
+            return Err(arg_err(
+                OP,
+                format!("{name} must be in GroupColumns tiles, got {:?}", q.tiles),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// [`Fp8Ops::grouped_matmul_fp8`] emulated: the operands dequantised, then
+/// the f32 grouped GEMM (what the trait provides; a backend with fp8 kernels
+/// falls back to it where they cannot run).
+pub(crate) fn grouped_matmul_fp8_emulated<B: Fp8Ops>(
+    b: &B,
+    x: &Fp8Matrix<B>,
+    w: &Fp8Matrix<B>,
+    group_sizes: &Tensor<B>,
+    trans_w: bool,
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    check_gemm_operands(x, w, trans_w)?;
+    let x32 = b.dequantize_fp8(x, None)?;
+    let w32 = b.dequantize_fp8(w, None)?;
+    let y = b.grouped_matmul(&x32, &w32, group_sizes, trans_w)?;
+    in_dtype(b, y, dtype)
 }
 
 /// The operand checks of [`Fp8Ops::grouped_matmul_fp8`], shared by every

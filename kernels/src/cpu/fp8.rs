@@ -189,6 +189,161 @@ mod tests {
         }
     }
 
+    /// The three fp8 products at shapes the CUDA tensor-core kernels take
+    /// (`fp8_sm90.cu`: the summed dimension a multiple of 16; here K = 400,
+    /// N = 144, M = 304, none a multiple of 128, so the last blocks are
+    /// partial), ragged groups (70 and 150 rows: partial column tiles) with
+    /// an empty one and 20 padding rows, bf16 and f32 out, against the f64
+    /// products of the dequantised operands. The CPU (emulation: f32 sums)
+    /// is held to f32 accumulation error. CUDA's fp8 tensor cores add the
+    /// products inside each 128-block of K with a narrower accumulator than
+    /// f32 (DeepSeek-V3 measures about 14 bits kept on Hopper) before the
+    /// kernel promotes the block into f32, so there the bound has 2⁻⁹ of
+    /// Σ|a·b| on top. Measured on the H200 (both kernel versions alike):
+    /// worst |err| / Σ|a·b| 1.6e-4 for y (K = 400) and 7.6e-4 for dx
+    /// (K = 144), against at most 9e-7 for the f32 emulation; the f32 bound
+    /// (2·K·ε, 3e-5 to 1e-4) fails by that accumulation, 2⁻⁹ ≈ 2e-3 holds
+    /// with 2.5× room. The worst |err| / Σ|a·b| is printed.
+    fn fp8_gemms_at_tensor_core_shapes<B: TestOps>(d: &B) {
+        let (m, k, n) = (304, 400, 144);
+        let sizes = [70usize, 0, 150, 64]; // 20 padding rows
+        let g = sizes.len();
+        let gs = d.ti32(&sizes.map(|s| s as i32), &[g]);
+        let (x, dy, w) = (sample(m * k, 11), sample(m * n, 13), sample(g * k * n, 17));
+        let mut x = x;
+        x[75 * k + 130] = 40.0; // a large value in one row tile of group 2
+        let (xt, dyt, wt) = (
+            d.t32(&x, &[m, k]),
+            d.t32(&dy, &[m, n]),
+            d.t32(&w, &[g, k, n]),
+        );
+        let q = |t, tiles| d.quantize_fp8(t, tiles, None).unwrap();
+        let x_rows = q(&xt, Fp8Tiles::Rows);
+        let dy_rows = q(&dyt, Fp8Tiles::Rows);
+        let w_fwd = q(&wt, Fp8Tiles::Blocks { transposed: true });
+        let w_bwd = q(&wt, Fp8Tiles::Blocks { transposed: false });
+        let deq = |qm: &Fp8Matrix<B>| d.h64(&d.dequantize_fp8(qm, None).unwrap());
+        let (xr, dyr, wd) = (deq(&x_rows), deq(&dy_rows), deq(&w_fwd));
+        let in_group = |i: usize| {
+            let mut start = 0;
+            for (e, &s) in sizes.iter().enumerate() {
+                if i < start + s {
+                    return Some(e);
+                }
+                start += s;
+            }
+            None
+        };
+        let fp8_cores = B::NAME == "cuda";
+        let check = |what: &str,
+                     got: Vec<f64>,
+                     cols: usize,
+                     want: &dyn Fn(usize, usize, usize) -> (f64, f64),
+                     kk: usize,
+                     bf16: bool| {
+            let mut worst = 0f64;
+            for (idx, &v) in got.iter().enumerate() {
+                let (i, j) = (idx / cols, idx % cols);
+                let Some(e) = in_group(i) else {
+                    assert_eq!(v, 0.0, "{what}[{i}, {j}]: a padding row");
+                    continue;
+                };
+                let (exact, mag) = want(e, i, j);
+                let mut tol = 2.0 * kk as f64 * f64::from(f32::EPSILON) * mag;
+                if fp8_cores {
+                    tol += mag / 512.0;
+                }
+                if bf16 {
+                    tol += exact.abs() / 256.0;
+                }
+                let err = (v - exact).abs();
+                if !bf16 && mag > 0.0 {
+                    worst = worst.max(err / mag);
+                }
+                assert!(err <= tol, "{what}[{i}, {j}]: {v} vs {exact} (tol {tol})");
+            }
+            if !bf16 {
+                println!(
+                    "{what}: worst |err| / sum |a b| = {worst:.3e} on {}",
+                    B::NAME
+                );
+            }
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let bf = dtype == DType::BF16;
+            let y = d
+                .grouped_matmul_fp8(&x_rows, &w_fwd, &gs, false, dtype)
+                .unwrap();
+            assert_eq!((y.shape(), y.dtype()), (&[m, n][..], dtype));
+            check(
+                &format!("y {dtype:?}"),
+                d.h64(&y),
+                n,
+                &|e, i, j| f64_product(|l| xr[i * k + l], |l| wd[e * k * n + l * n + j], k),
+                k,
+                bf,
+            );
+            let dx = d
+                .grouped_matmul_fp8(&dy_rows, &w_bwd, &gs, true, dtype)
+                .unwrap();
+            assert_eq!((dx.shape(), dx.dtype()), (&[m, k][..], dtype));
+            check(
+                &format!("dx {dtype:?}"),
+                d.h64(&dx),
+                k,
+                &|e, i, j| f64_product(|l| dyr[i * n + l], |l| wd[e * k * n + j * n + l], n),
+                n,
+                bf,
+            );
+        }
+        let x_cols = d
+            .quantize_fp8(&xt, Fp8Tiles::GroupColumns, Some(&gs))
+            .unwrap();
+        let dy_cols = d
+            .quantize_fp8(&dyt, Fp8Tiles::GroupColumns, Some(&gs))
+            .unwrap();
+        let deqc = |qm: &Fp8Matrix<B>| d.h64(&d.dequantize_fp8(qm, Some(&gs)).unwrap());
+        let (xc, dyc) = (deqc(&x_cols), deqc(&dy_cols));
+        for dtype in [DType::F32, DType::BF16] {
+            let dw = d
+                .grouped_matmul_weight_grad_fp8(&x_cols, &dy_cols, &gs, dtype)
+                .unwrap();
+            assert_eq!((dw.shape(), dw.dtype()), (&[g, k, n][..], dtype));
+            // Rows of the check are (group, row of K): in_group sees none
+            // past the groups, so map them onto the groups' rows.
+            let got = d.h64(&dw);
+            let mut worst = 0f64;
+            for (idx, &v) in got.iter().enumerate() {
+                let (e, j, l) = (idx / (k * n), (idx / n) % k, idx % n);
+                let start: usize = sizes[..e].iter().sum();
+                let (exact, mag) = f64_product(
+                    |r| xc[(start + r) * k + j],
+                    |r| dyc[(start + r) * n + l],
+                    sizes[e],
+                );
+                let mut tol = 2.0 * 150.0 * f64::from(f32::EPSILON) * mag;
+                if fp8_cores {
+                    tol += mag / 512.0;
+                }
+                if dtype == DType::BF16 {
+                    tol += exact.abs() / 256.0;
+                } else if mag > 0.0 {
+                    worst = worst.max((v - exact).abs() / mag);
+                }
+                assert!(
+                    (v - exact).abs() <= tol,
+                    "dw {dtype:?}[{e}, {j}, {l}]: {v} vs {exact} (tol {tol})"
+                );
+            }
+            if dtype == DType::F32 {
+                println!(
+                    "dw F32: worst |err| / sum |a b| = {worst:.3e} on {}",
+                    B::NAME
+                );
+            }
+        }
+    }
+
     /// Wrong operands are errors naming the layouts, not wrong numbers.
     fn fp8_rejects_mismatched_operands<B: TestOps>(d: &B) {
         let gs = d.ti32(&[2, 1], &[2]);
@@ -242,6 +397,7 @@ mod tests {
 
     device_tests!(
         fp8_gemms_match_their_dequantised_operands,
+        fp8_gemms_at_tensor_core_shapes,
         fp8_rejects_mismatched_operands
     );
 }

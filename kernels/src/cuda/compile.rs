@@ -39,6 +39,12 @@ pub(crate) const GROUPED_SM90: Module = Module {
     name: "grouped_sm90.cu",
     src: include_str!("grouped_sm90.cu"),
 };
+/// The Hopper (sm_90a) blockwise fp8 grouped GEMM on TMA and wgmma (empty
+/// elsewhere).
+pub(crate) const FP8_SM90: Module = Module {
+    name: "fp8_sm90.cu",
+    src: include_str!("fp8_sm90.cu"),
+};
 /// The Hopper (sm_90a) attention kernels on TMA and wgmma (empty elsewhere).
 pub(crate) const ATTENTION_SM90: Module = Module {
     name: "attention_sm90.cu",
@@ -62,7 +68,7 @@ pub(crate) const OPTIM: Module = Module {
 
 /// Every module, for checks that compile them all.
 #[cfg(test)]
-pub(crate) const ALL: [Module; 10] = [
+pub(crate) const ALL: [Module; 11] = [
     ELEMENTWISE,
     LINALG,
     GROUPED_SM90,
@@ -73,6 +79,7 @@ pub(crate) const ALL: [Module; 10] = [
     ATTENTION,
     ROUTING,
     FP8,
+    FP8_SM90,
 ];
 
 /// Causal grouped-query attention, forward and backward.

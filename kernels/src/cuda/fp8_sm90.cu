@@ -1,0 +1,608 @@
+// Hopper (sm_90a) blockwise fp8 grouped GEMM (issue 22): the forward and the
+// data gradient of the routed experts, y = x · op(w[g]), on e4m3 operands
+// with DeepSeek-V3's scales (fp8.rs picks it; Fp8Ops' emulation stays for
+// other GPUs, other dtypes and shapes a tensor map cannot describe).
+//
+// Operands, both stored with the summed dimension K contiguous (what fp8
+// wgmma reads: K-major only):
+//   A = x codes [M, K] (e4m3 bytes), scales sa [M, KB] (one per row and 128
+//       of K; KB = ceil(K / 128));
+//   B = w codes [G, N, K], scales sb: one per 128 × 128 block, at
+//       sb[g · gs + kb · ks + nb · ns] (the strides of the logical matrix's
+//       block grid: fp8.rs passes them for either layout).
+// Design: grouped_sm90.cu's persistent, warp-specialised kernel with fp8
+// tiles: 128 × 128 output tiles (group g owns ceil(size_g / 128) row tiles,
+// from the same group_offsets; column tiles fastest; rows past the last
+// group are one more pseudo-group storing zeros), 384 threads: warpgroup 2
+// the producer (one thread issues the TMA copies, 128-byte swizzle), 0 and
+// 1 the consumers (64 rows each). A 128-byte swizzled row holds exactly 128
+// fp8 values, one scale block: one pipeline stage (A 128 × 128 and B
+// 128 × 128 bytes, 32 KiB; 6 stages) is one 128-deep block of K. Per
+// stage each consumer runs 4 wgmma m64n128k32 into a temporary accumulator
+// (the first overwriting it), waits for them, releases the stage and
+// promotes: acc += tmp · (sa[row, kb] · sb[g, kb, nb]) in f32. The tensor
+// cores' own accumulation inside those 128 products is narrower than f32
+// (DeepSeek-V3: about 14 bits kept); the promotion bounds its error to one
+// block's sum. Registers: tmp + acc = 128 floats a thread (setmaxnreg 232).
+// K past the array and B rows past N arrive as zeros from the copy engine;
+// A rows of the next group are multiplied but not stored.
+// Shared-memory descriptors: K-major, 128-byte swizzle, SBO = 1024 (8 rows
+// of 128 bytes), k32 step kk starts 32 kk bytes in (as bf16's k16 steps).
+// Output bf16 or f32 (OUTF), stored from registers: rows inside the tile's
+// group, columns inside N.
+// The whole module compiles to nothing for other architectures.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define F8_BM 128
+#define F8_BN 128
+#define F8_BK 128
+#define F8_ST 6
+#define F8_THREADS 384
+#define F8_A_BYTES (F8_BM * F8_BK)
+#define F8_STAGE_BYTES (F8_A_BYTES + F8_BN * F8_BK)
+// Shared memory: 1024 bytes of alignment slack, the stages, 128 bytes of
+// mbarriers, the 8 consumer warps' store buffers (16 rows of 128 bytes,
+// rows 144 bytes apart), then the group and tile offsets (fp8.rs's
+// f8_smem_bytes).
+#define F8_STG (F8_ST * F8_STAGE_BYTES + 128)
+#define F8_STG_WARP (16 * 144)
+#define F8_OFFS (F8_STG + 8 * F8_STG_WARP)
+
+// d[0..63] (+)= A · B for one m64n128k32 (f32 accumulators, e4m3 operands
+// from shared memory through descriptors, both K-major; acc = 0 overwrites
+// d). fp8 wgmma has no transpose immediates: only the two scale ones.
+__device__ __forceinline__ void f8_mma(float (&d)[64], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+extern __shared__ __align__(1024) unsigned char f8_smem[];
+
+// One output tile: rows row0 .. row_end - 1 (the group's rows; M for the
+// zero tail) of out, columns col0 .., group grp, nk blocks of K (0: zeros).
+struct F8Tile {
+    int grp, nk;
+    i64 row0, row_end, col0;
+};
+
+__device__ __forceinline__ F8Tile f8_tile(i64 t, const i64* so, const i64* st, i64 m, int nk, i64 n, int g) {
+    F8Tile r;
+    i64 ncol = (n + F8_BN - 1) / F8_BN;
+    i64 rt = t / ncol;
+    r.col0 = (t - rt * ncol) * F8_BN;
+    i64 body = st[g];
+    if (rt >= body) {
+        r.grp = g;
+        r.row0 = so[g] + (rt - body) * F8_BM;
+        r.row_end = m;
+        r.nk = 0;
+    } else {
+        // The last group whose first tile is at or before rt (empty groups
+        // share their successor's first tile and lose the tie).
+        int lo = 0, hi = g - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (st[mid] <= rt) lo = mid; else hi = mid - 1;
+        }
+        r.grp = lo;
+        r.row0 = so[lo] + (rt - st[lo]) * F8_BM;
+        r.row_end = so[lo + 1];
+        r.nk = nk;
+    }
+    return r;
+}
+
+// Two output values at columns c, c + 1 of a row starting at out + at - c
+// (c even): one 8- or 4-byte store when N is even (then c < N means
+// c + 1 < N), else each value alone, inside N.
+template <bool OUTF>
+__device__ __forceinline__ void f8_store2(void* out, i64 at, i64 c, i64 n, float a, float b) {
+    if (OUTF) {
+        float* o = reinterpret_cast<float*>(out) + at;
+        if ((n & 1) == 0) {
+            if (c < n) *reinterpret_cast<float2*>(o) = make_float2(a, b);
+        } else {
+            if (c < n) o[0] = a;
+            if (c + 1 < n) o[1] = b;
+        }
+    } else {
+        bf16* o = reinterpret_cast<bf16*>(out) + at;
+        if ((n & 1) == 0) {
+            if (c < n) *reinterpret_cast<unsigned*>(o) = pack_bf16(a, b);
+        } else {
+            if (c < n) o[0] = __float2bfloat16_rn(a);
+            if (c + 1 < n) o[1] = __float2bfloat16_rn(b);
+        }
+    }
+}
+
+// f8_mma with acc = 0: d is only written (no loop-carried values for the
+// compiler to move between registers while a wgmma writes them).
+__device__ __forceinline__ void f8_mma0(float (&d)[64], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n"
+        "}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+          "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+          "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+          "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
+          "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
+          "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+          "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+        : "l"(da), "l"(db), "r"(0));
+}
+
+// The 4 wgmmas of one 128-deep block of K into t (overwritten), committed
+// as one group: a = this warpgroup's 64 rows of A, b = B, in the stage.
+__device__ __forceinline__ void f8_issue(float (&t)[64], unsigned a, unsigned b) {
+    wg_fence();
+    f8_mma0(t, wgmma_desc(a, 16, 1024), wgmma_desc(b, 16, 1024));
+#pragma unroll
+    for (int kk = 1; kk < F8_BK / 32; ++kk)
+        f8_mma(t, wgmma_desc(a + kk * 32, 16, 1024), wgmma_desc(b + kk * 32, 16, 1024), 1);
+    wg_commit();
+    wg_pin(t);
+}
+
+// Promotion: acc += t · scale, register 4 j + e holding row r0 (p0) or,
+// for e >= 2, row r0 + 8 (p1).
+__device__ __forceinline__ void f8_promote(float (&acc)[64], float (&t)[64], float p0, float p1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        acc[4 * j] = fmaf(t[4 * j], p0, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(t[4 * j + 1], p0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(t[4 * j + 2], p1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(t[4 * j + 3], p1, acc[4 * j + 3]);
+    }
+}
+
+// V2's pipeline state: the ring position, and the last issued block's
+// stage (ps) and scales (q0, q1: rows r0, r0 + 8).
+struct F8Pipe {
+    int s;
+    unsigned ph;
+    int ps;
+    float q0, q1;
+};
+
+// One V2 step: block kb's wgmmas into cur, its stage and scales noted in
+// pp; then (RETIRE) the previous block's, in prev, waited for (wait_group
+// 1: cur's stay in flight), its stage released and prev promoted.
+template <bool RETIRE>
+__device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], float (&prev)[64], int kb,
+                                        const float* sa0, const float* sa1, const float* sbt, i64 sbk, unsigned stage0,
+                                        unsigned bar0, int wg, int lane, F8Pipe& pp) {
+    float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
+    mbar_wait(bar0 + 8 * pp.s, pp.ph);
+    unsigned a = stage0 + pp.s * F8_STAGE_BYTES;
+    f8_issue(cur, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+    if (RETIRE) {
+        wg_wait<1>();
+        wg_pin(prev);
+        if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + pp.ps));
+        f8_promote(acc, prev, pp.q0, pp.q1);
+    }
+    pp.ps = pp.s;
+    pp.q0 = s0 * sw;
+    pp.q1 = s1 * sw;
+    if (++pp.s == F8_ST) {
+        pp.s = 0;
+        pp.ph ^= 1;
+    }
+}
+
+// The kernel (see the top of the file). Grid: min(tiles, SMs) blocks of
+// F8_THREADS; ta maps x codes [M, K] (box 128 × 128), tb w codes [G, N, K]
+// (box 128 × 128 × 1); offs / tiles: group_offsets' outputs; out [M, N].
+// V2: the block's wgmmas go into two temporaries in turn, block kb's
+// issued before block kb - 1 is promoted (the tensor cores stay busy during
+// the promotion; 192 accumulator registers), and the output is staged per
+// warp in shared memory and written in whole 16-byte pieces. V1: one
+// temporary, wait then promote, stores straight from registers.
+template <bool OUTF, bool V2>
+__device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, const float* __restrict__ sa,
+                                        const float* __restrict__ sb, i64 sbg, i64 sbk, i64 sbn,
+                                        const i64* __restrict__ offs, const i64* __restrict__ tiles,
+                                        void* __restrict__ out, i64 m, i64 k, i64 n, int g) {
+    unsigned raw = smem_u32(f8_smem);
+    unsigned pad = (1024u - (raw & 1023u)) & 1023u;
+    unsigned char* base = f8_smem + pad;
+    unsigned stage0 = raw + pad;
+    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (F8_ST + s).
+    unsigned bar0 = stage0 + F8_ST * F8_STAGE_BYTES;
+    i64* so = reinterpret_cast<i64*>(base + F8_OFFS);
+    i64* st = so + (g + 1);
+    int tid = threadIdx.x;
+    for (int i = tid; i <= g; i += F8_THREADS) {
+        so[i] = offs[i];
+        st[i] = tiles[i];
+    }
+    if (tid == 0) {
+        for (int s = 0; s < F8_ST; ++s) {
+            mbar_init(bar0 + 8 * s, 1);
+            mbar_init(bar0 + 8 * (F8_ST + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    int nk = (int)((k + F8_BK - 1) / F8_BK);
+    i64 ncol = (n + F8_BN - 1) / F8_BN;
+    i64 total = (st[g] + (m - so[g] + F8_BM - 1) / F8_BM) * ncol;
+    int wg = tid >> 7;
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 256) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+            int s = 0;
+            unsigned ph = 0;
+            for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+                F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
+                for (int kb = 0; kb < tl.nk; ++kb) {
+                    unsigned full = bar0 + 8 * s;
+                    mbar_wait(bar0 + 8 * (F8_ST + s), ph ^ 1);
+                    mbar_expect_tx(full, F8_STAGE_BYTES);
+                    unsigned a = stage0 + s * F8_STAGE_BYTES;
+                    tma_2d(a, ta, full, kb * F8_BK, (int)tl.row0);
+                    tma_3d(a + F8_A_BYTES, tb, full, kb * F8_BK, (int)tl.col0, tl.grp);
+                    if (++s == F8_ST) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        int warp = (tid >> 5) & 3, lane = tid & 31;
+        int s = 0;
+        unsigned ph = 0;
+        float acc[64], tmp[64], tmp2[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            tmp[i] = 0.0f;
+            tmp2[i] = 0.0f;
+        }
+        for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+            F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            // This thread's two rows (r0, r0 + 8) and their scale rows
+            // (rows past M read row 0's: never stored).
+            i64 r0 = tl.row0 + wg * 64 + warp * 16 + (lane >> 2);
+            const float* sa0 = sa + (r0 < m ? r0 : 0) * nk;
+            const float* sa1 = sa + (r0 + 8 < m ? r0 + 8 : 0) * nk;
+            const float* sbt = sb + (i64)tl.grp * sbg + (tl.col0 / F8_BN) * sbn;
+            if (V2) {
+                // Blocks in pairs: kb's wgmmas into tmp, kb + 1's into tmp2;
+                // kb is waited for (wait_group 1), released and promoted while
+                // kb + 1's run; then kb + 1. Nothing stays in flight from one
+                // pair to the next: ptxas serialises the wgmmas of a loop whose
+                // back edge carries in-flight accumulators (it moves them).
+                F8Pipe pp{s, ph, 0, 0.0f, 0.0f};
+                int kb = 0;
+                for (; kb + 1 < tl.nk; kb += 2) {
+                    f8_step<false>(acc, tmp, tmp2, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    float p0 = pp.q0, p1 = pp.q1;
+                    int s0 = pp.ps;
+                    f8_step<false>(acc, tmp2, tmp, kb + 1, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    wg_wait<1>();
+                    wg_pin(tmp);
+                    if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + s0));
+                    f8_promote(acc, tmp, p0, p1);
+                    wg_wait<0>();
+                    wg_pin(tmp2);
+                    if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + pp.ps));
+                    f8_promote(acc, tmp2, pp.q0, pp.q1);
+                }
+                if (kb < tl.nk) {
+                    f8_step<false>(acc, tmp, tmp2, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    wg_wait<0>();
+                    wg_pin(tmp);
+                    if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + pp.ps));
+                    f8_promote(acc, tmp, pp.q0, pp.q1);
+                }
+                s = pp.s;
+                ph = pp.ph;
+            } else {
+                for (int kb = 0; kb < tl.nk; ++kb) {
+                    // The scales' loads are in flight during the wait and the wgmmas.
+                    float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
+                    mbar_wait(bar0 + 8 * s, ph);
+                    unsigned a = stage0 + s * F8_STAGE_BYTES;
+                    f8_issue(tmp, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+                    wg_wait<0>();
+                    wg_pin(tmp);
+                    // The stage is read: the producer may refill it.
+                    if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + s));
+                    f8_promote(acc, tmp, s0 * sw, s1 * sw);
+                    if (++s == F8_ST) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+            bool in0 = r0 < tl.row_end, in1 = r0 + 8 < tl.row_end;
+            if (!V2) {
+                // Register 4 j + e is column col0 + 8 j + 2 (lane % 4) + e % 2.
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    i64 c = tl.col0 + 8 * j + 2 * (lane & 3);
+                    if (in0) f8_store2<OUTF>(out, r0 * n + c, c, n, acc[4 * j], acc[4 * j + 1]);
+                    if (in1) f8_store2<OUTF>(out, (r0 + 8) * n + c, c, n, acc[4 * j + 2], acc[4 * j + 3]);
+                }
+                continue;
+            }
+            // Staged: each warp writes its 16 rows, 128 bytes of columns at a
+            // time (bf16: 64 columns, f32: 32), into its buffer (rows 144
+            // bytes apart: a warp's 4-byte writes hit 32 banks), then stores
+            // whole 16-byte pieces of rows inside the group, columns inside
+            // N (element by element where a piece crosses N or N is not a
+            // multiple of the piece).
+            constexpr int EB = OUTF ? 4 : 2;      // bytes per element
+            constexpr int CP = 128 / EB;          // columns per pass
+            constexpr int PE = 16 / EB;           // elements per piece
+            unsigned char* sw = base + F8_STG + (tid >> 5) * F8_STG_WARP;
+            i64 rw = tl.row0 + wg * 64 + warp * 16;
+#pragma unroll
+            for (int c = 0; c < F8_BN / CP; ++c) {
+                if (tl.col0 + c * CP >= n) break;
+#pragma unroll
+                for (int jj = 0; jj < CP / 8; ++jj) {
+                    int j = c * (CP / 8) + jj;
+                    unsigned char* q = sw + (lane >> 2) * 144 + (jj * 8 + 2 * (lane & 3)) * EB;
+                    if (OUTF) {
+                        *reinterpret_cast<float2*>(q) = make_float2(acc[4 * j], acc[4 * j + 1]);
+                        *reinterpret_cast<float2*>(q + 8 * 144) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+                    } else {
+                        *reinterpret_cast<unsigned*>(q) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
+                        *reinterpret_cast<unsigned*>(q + 8 * 144) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
+                    }
+                }
+                __syncwarp();
+#pragma unroll
+                for (int qq = 0; qq < 4; ++qq) {
+                    int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
+                    i64 gr = rw + row, gc = tl.col0 + c * CP + ch * PE;
+                    if (gr < tl.row_end && gc < n) {
+                        const unsigned char* src = sw + row * 144 + ch * 16;
+                        unsigned char* dst = reinterpret_cast<unsigned char*>(out) + (gr * n + gc) * EB;
+                        if (n % PE == 0) {
+                            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+                        } else {
+                            for (int e = 0; e < PE && gc + e < n; ++e) {
+                                if (OUTF)
+                                    reinterpret_cast<float*>(dst)[e] = reinterpret_cast<const float*>(src)[e];
+                                else
+                                    reinterpret_cast<bf16*>(dst)[e] = reinterpret_cast<const bf16*>(src)[e];
+                            }
+                        }
+                    }
+                }
+                __syncwarp();
+            }
+            (void)in0;
+            (void)in1;
+        }
+    }
+}
+
+
+// The weight gradient dw[g] = x_gᵀ · dy_g [K, N] (GroupColumns operands):
+// A = x's transposed codes [K, M], B = dy's [N, M], both with the summed
+// dimension (the rows of x and dy) contiguous, as fp8 wgmma wants; scales
+// sa [K, T], sb [N, T] (T = column_tiles: one per column and 128-row tile
+// of a group, group g's tiles from tiles[g], group_offsets' tile offsets,
+// which count the same ceil(size / 128) per group). Output tiles 128 (of K)
+// × 128 (of N) of each group, G · ceil(K / 128) · ceil(N / 128) of them; the
+// steps are the group's 128-row tiles from its first row (copies at any
+// row: the copy engine takes unaligned coordinates). A group's last,
+// partial step also brings rows of the next group: the consumers zero them
+// in shared memory (each warpgroup its 64 rows of A and 64 of B) before
+// their wgmmas. The promotion scales row r and column c by sa[r] · sb[c],
+// each thread's 32 column scales loaded per step. V1's loop and stores;
+// an empty group stores zeros.
+template <bool OUTF>
+__device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, const float* __restrict__ sa,
+                                         const float* __restrict__ sb, i64 tcols, const i64* __restrict__ offs,
+                                         const i64* __restrict__ tiles, void* __restrict__ out, i64 m, i64 k, i64 n,
+                                         int g) {
+    unsigned raw = smem_u32(f8_smem);
+    unsigned pad = (1024u - (raw & 1023u)) & 1023u;
+    unsigned char* base = f8_smem + pad;
+    unsigned stage0 = raw + pad;
+    unsigned bar0 = stage0 + F8_ST * F8_STAGE_BYTES;
+    i64* so = reinterpret_cast<i64*>(base + F8_OFFS);
+    i64* st = so + (g + 1);
+    int tid = threadIdx.x;
+    for (int i = tid; i <= g; i += F8_THREADS) {
+        so[i] = offs[i];
+        st[i] = tiles[i];
+    }
+    if (tid == 0) {
+        for (int s = 0; s < F8_ST; ++s) {
+            mbar_init(bar0 + 8 * s, 1);
+            mbar_init(bar0 + 8 * (F8_ST + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    i64 ncol = (n + F8_BN - 1) / F8_BN, per = ncol * ((k + F8_BM - 1) / F8_BM);
+    i64 total = (i64)g * per;
+    int wg = tid >> 7;
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 256) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+            int s = 0;
+            unsigned ph = 0;
+            for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+                int grp = (int)(t / per);
+                i64 rem = t - (i64)grp * per;
+                int row0 = (int)((rem / ncol) * F8_BM), col0 = (int)((rem % ncol) * F8_BN);
+                i64 red0 = so[grp];
+                int nk = (int)((so[grp + 1] - red0 + F8_BK - 1) / F8_BK);
+                for (int kb = 0; kb < nk; ++kb) {
+                    unsigned full = bar0 + 8 * s;
+                    mbar_wait(bar0 + 8 * (F8_ST + s), ph ^ 1);
+                    mbar_expect_tx(full, F8_STAGE_BYTES);
+                    unsigned a = stage0 + s * F8_STAGE_BYTES;
+                    int r = (int)(red0 + (i64)kb * F8_BK);
+                    tma_2d(a, ta, full, r, row0);
+                    tma_2d(a + F8_A_BYTES, tb, full, r, col0);
+                    if (++s == F8_ST) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        int warp = (tid >> 5) & 3, lane = tid & 31;
+        int s = 0;
+        unsigned ph = 0;
+        float acc[64], tmp[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) tmp[i] = 0.0f;
+        for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+            int grp = (int)(t / per);
+            i64 rem = t - (i64)grp * per;
+            i64 row0 = (rem / ncol) * F8_BM, col0 = (rem % ncol) * F8_BN;
+            i64 red0 = so[grp], rend = so[grp + 1];
+            int nk = (int)((rend - red0 + F8_BK - 1) / F8_BK);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            // This thread's rows r0, r0 + 8 (of K) and columns c(j, e) =
+            // col0 + 8 j + 2 (lane % 4) + e (of N); scale rows past K / N
+            // read row 0's (never stored).
+            i64 r0 = row0 + wg * 64 + warp * 16 + (lane >> 2);
+            const float* sa0 = sa + (r0 < k ? r0 : 0) * tcols + st[grp];
+            const float* sa1 = sa + (r0 + 8 < k ? r0 + 8 : 0) * tcols + st[grp];
+            const float* sb0 = sb + st[grp];
+            i64 cb = col0 + 2 * (lane & 3);
+            for (int kb = 0; kb < nk; ++kb) {
+                float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb);
+                float sc[32];
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        i64 c = cb + 8 * j + e;
+                        sc[2 * j + e] = __ldg(sb0 + (c < n ? c : 0) * tcols + kb);
+                    }
+                }
+                mbar_wait(bar0 + 8 * s, ph);
+                unsigned a = stage0 + s * F8_STAGE_BYTES;
+                int v = (int)(rend - (red0 + (i64)kb * F8_BK));
+                if (v < F8_BK) {
+                    // Bytes v..127 of every row (the next group's rows of the
+                    // sum) are zeroed: this warpgroup's 64 rows of A and rows
+                    // 64 wg .. 64 wg + 63 of B. Logical 16-byte chunk q of row
+                    // r sits at chunk q ^ (r % 8).
+                    unsigned char* sbase = base + s * F8_STAGE_BYTES;
+                    for (int e = tid & 127; e < 128 * 8; e += 128) {
+                        int row = e >> 3, q = e & 7;
+                        if (q * 16 + 16 <= v) continue;
+                        unsigned char* p = (row < 64 ? sbase + (wg * 64 + row) * 128
+                                                     : sbase + F8_A_BYTES + (wg * 64 + row - 64) * 128) +
+                                           ((q ^ (row & 7)) << 4);
+                        if (q * 16 >= v) {
+                            *reinterpret_cast<uint4*>(p) = make_uint4(0, 0, 0, 0);
+                        } else {
+                            for (int b = v - q * 16; b < 16; ++b) p[b] = 0;
+                        }
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+                }
+                f8_issue(tmp, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+                wg_wait<0>();
+                wg_pin(tmp);
+                if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + s));
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    acc[4 * j] = fmaf(tmp[4 * j], s0 * sc[2 * j], acc[4 * j]);
+                    acc[4 * j + 1] = fmaf(tmp[4 * j + 1], s0 * sc[2 * j + 1], acc[4 * j + 1]);
+                    acc[4 * j + 2] = fmaf(tmp[4 * j + 2], s1 * sc[2 * j], acc[4 * j + 2]);
+                    acc[4 * j + 3] = fmaf(tmp[4 * j + 3], s1 * sc[2 * j + 1], acc[4 * j + 3]);
+                }
+                if (++s == F8_ST) {
+                    s = 0;
+                    ph ^= 1;
+                }
+            }
+            char* o = reinterpret_cast<char*>(out) + (i64)grp * k * n * (OUTF ? 4 : 2);
+            bool in0 = r0 < k, in1 = r0 + 8 < k;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                i64 c = col0 + 8 * j + 2 * (lane & 3);
+                if (in0) f8_store2<OUTF>(o, r0 * n + c, c, n, acc[4 * j], acc[4 * j + 1]);
+                if (in1) f8_store2<OUTF>(o, (r0 + 8) * n + c, c, n, acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+    }
+}
+
+#define F8_ARGS                                                                                                       \
+    const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const float *sa, const float *sb, i64 sbg, \
+        i64 sbk, i64 sbn, const i64 *offs, const i64 *tiles
+#define F8_ENTRY extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
+F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<false, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<true, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+// The first version (V1; FOLDMOE_FP8_GEMM=v1), kept for comparisons.
+F8_ENTRY grouped_mm_fp8_wgmma_bf16_v1(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<false, false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_mm_fp8_wgmma_f32_v1(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<true, false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+
+// dw [G, K, N] = x_gᵀ dy_g of GroupColumns codes: ta maps x's [K, M], tb
+// dy's [N, M] (boxes 128 × 128); sa [K, tcols], sb [N, tcols].
+#define F8W_ARGS                                                                                                      \
+    const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const float *sa, const float *sb, i64 tcols, \
+        const i64 *offs, const i64 *tiles
+F8_ENTRY grouped_wgrad_fp8_wgmma_bf16(F8W_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8w_body<false>(&ta, &tb, sa, sb, tcols, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_wgrad_fp8_wgmma_f32(F8W_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8w_body<true>(&ta, &tb, sa, sb, tcols, offs, tiles, out, m, k, n, g);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
