@@ -4,10 +4,12 @@
 //! gradient GEMM ([`Fp8Ops::grouped_matmul_fp8`]) runs on `fp8_sm90.cu`'s
 //! TMA + wgmma e4m3 kernel on sm_90a (K a multiple of 16, bf16 or f32
 //! out), else on [`Fp8Ops`]' provided emulation (dequantise, f32 grouped
-//! GEMM), as does the weight gradient (its kernel is experimental and
-//! off: [`fp8_wgrad_kernel_default`]). GPUs without fp8 tensor cores are
-//! refused at the first quantisation, so a run that will need them fails
-//! at once.
+//! GEMM), as does the weight gradient (no fp8 kernel yet: its summed
+//! dimension, the rows, is contiguous in the transposed codes, and a group
+//! may start at any row, where the copy engine needs 16-byte aligned starts
+//! along the contiguous dimension). GPUs without fp8 tensor cores are
+//! refused at the first quantisation, so a run that will need them fails at
+//! once.
 
 use std::sync::OnceLock;
 
@@ -15,10 +17,7 @@ use cudarc::driver::{sys, LaunchConfig};
 
 use super::compile::{FP8, FP8_SM90};
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
-use crate::backend::fp8::{
-    check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
-    grouped_wgrad_fp8_emulated,
-};
+use crate::backend::fp8::{check_gemm_operands, grouped_matmul_fp8_emulated};
 use crate::backend::{Device, Fp8Ops, OffloadOps};
 use crate::error::{arg_err, KernelError, Result};
 use crate::fp8::{
@@ -75,19 +74,6 @@ const MAX_SMEM: usize = 227 << 10;
 /// tile offsets (16 (G + 1)).
 fn f8_smem_bytes(g: usize) -> usize {
     1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
-}
-
-/// `FOLDMOE_FP8_WGRAD=wgmma` runs [`Fp8Ops::grouped_matmul_weight_grad_fp8`]
-/// on `fp8_sm90.cu`'s kernel on sm_90a; by default it is emulated (read
-/// once per process). **Experimental, broken**: on the H200 the kernel
-/// stops with an illegal instruction when a group starts at a row that is
-/// not a multiple of 16 (its copies start at the group's first row, and a
-/// tensor copy's start along the contiguous dimension must be 16-byte
-/// aligned), which routed groups do; it has not been checked numerically
-/// (BENCHMARKS.md, 2026-12-03).
-fn fp8_wgrad_kernel_default() -> bool {
-    static KERNEL: OnceLock<bool> = OnceLock::new();
-    *KERNEL.get_or_init(|| std::env::var("FOLDMOE_FP8_WGRAD").is_ok_and(|v| v == "wgmma"))
 }
 
 /// Which kernel runs [`Fp8Ops::grouped_matmul_fp8`] on sm_90a.
@@ -314,94 +300,7 @@ fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
     )
 }
 
-impl Cuda {
-    /// [`Fp8Ops::grouped_matmul_weight_grad_fp8`] on `fp8_sm90.cu`'s kernel
-    /// when `wgmma` and it fits (M a multiple of 16: the transposed codes'
-    /// rows), else emulated.
-    pub(crate) fn grouped_wgrad_fp8_on(
-        &self,
-        x: &Fp8Matrix<Self>,
-        dy: &Fp8Matrix<Self>,
-        group_sizes: &Tensor<Self>,
-        dtype: DType,
-        wgmma: bool,
-    ) -> Result<Tensor<Self>> {
-        const OP: &str = "grouped_matmul_weight_grad_fp8";
-        check_wgrad_operands(x, dy)?;
-        let dims = match (x.shape.as_slice(), dy.shape.as_slice(), group_sizes.shape()) {
-            (&[m, k], &[my, n], &[g]) if m == my => Some((m, k, n, g)),
-            _ => None,
-        };
-        let Some((m, k, n, g)) = dims else {
-            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
-        };
-        check_parts(OP, x, g)?;
-        check_parts(OP, dy, g)?;
-        let (xp, dp) = (x.codes.storage().ptr(), dy.codes.storage().ptr());
-        // fp8_wgmma_fits' checks with the summed dimension (here M, the
-        // rows of the transposed codes) in K's place, and K (dw's rows)
-        // within the copy engine's coordinates.
-        let fits = self.fp8_wgmma_fits((k, m, n, g), dtype, &[xp, dp]);
-        if !wgmma || !fits {
-            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
-        }
-        let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
-        // Every element is written: an empty group's tiles store zeros.
-        let out = self.alloc(OP, &[g, k, n], dtype)?;
-        let (m64, k64, n64) = (m as u64, k as u64, n as u64);
-        let ta = fp8_map(OP, xp, &[m64, k64], &[128, 128])?;
-        let tb = fp8_map(OP, dp, &[m64, n64], &[128, 128])?;
-        let smem = f8_smem_bytes(g) as u32;
-        self.bind()?;
-        let name = if dtype == DType::F32 {
-            "grouped_wgrad_fp8_wgmma_f32"
-        } else {
-            "grouped_wgrad_fp8_wgmma_bf16"
-        };
-        let f = self.func_smem(FP8_SM90, name, smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                self.persistent_grid(g * k.div_ceil(F8_TILE) * n.div_ceil(F8_TILE))?,
-                1,
-                1,
-            ),
-            block_dim: (F8_THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        launch!(
-            self,
-            f,
-            cfg,
-            ta,
-            tb,
-            x.scales.storage().ptr(),
-            dy.scales.storage().ptr(),
-            column_tiles(m, g) as i64,
-            offs.ptr(),
-            tiles.ptr(),
-            out.storage().ptr(),
-            m as i64,
-            k as i64,
-            n as i64,
-            g as i32
-        )?;
-        Ok(out)
-    }
-}
-
 impl Fp8Ops for Cuda {
-    /// On sm_90a with `FOLDMOE_FP8_WGRAD=wgmma`, `fp8_sm90.cu`'s kernel;
-    /// else the emulation.
-    fn grouped_matmul_weight_grad_fp8(
-        &self,
-        x: &Fp8Matrix<Self>,
-        dy: &Fp8Matrix<Self>,
-        group_sizes: &Tensor<Self>,
-        dtype: DType,
-    ) -> Result<Tensor<Self>> {
-        self.grouped_wgrad_fp8_on(x, dy, group_sizes, dtype, fp8_wgrad_kernel_default())
-    }
-
     /// On sm_90a the e4m3 wgmma kernel of `fp8_sm90.cu` (scales applied
     /// per 128 of K, promoted into f32), where it fits; else the emulation.
     fn grouped_matmul_fp8(
