@@ -574,7 +574,9 @@ fn time_op(
 /// forward and data gradient, in per-group column tiles for the weight
 /// gradient; `w` in 128 × 128 blocks stored as each product reads it),
 /// output in the bench's dtype; `fp8_vs_bf16` is the bf16 time over the
-/// fp8 one.
+/// fp8 one. (Where a product has no fp8 kernel — the weight gradient
+/// everywhere, every product off Hopper — its row times the emulation:
+/// dequantise, then the f32 grouped GEMM.)
 fn gemm<B: BenchDevice>(
     b: &B,
     o: &BenchOptions,
