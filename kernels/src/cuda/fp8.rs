@@ -16,6 +16,7 @@ use std::sync::OnceLock;
 use cudarc::driver::{sys, LaunchConfig};
 
 use super::compile::{FP8, FP8_SM90};
+use super::linalg::{tma_map_of, TmaMap};
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
 use crate::backend::fp8::{check_gemm_operands, grouped_matmul_fp8_emulated};
 use crate::backend::{Device, Fp8Ops, OffloadOps};
@@ -101,53 +102,13 @@ fn fp8_kernel_default() -> Fp8Kernel {
     })
 }
 
-/// A `CUtensorMap` of e4m3 codes, passed by value to the fp8 kernel
-/// (`__grid_constant__ TmaMap`).
-#[repr(transparent)]
-#[derive(Clone, Copy)]
-struct Fp8Map(sys::CUtensorMap);
-
-// 128 plain bytes, laid out as the kernel parameter.
-unsafe impl cudarc::driver::DeviceRepr for Fp8Map {}
-
 /// The tensor map of a dense row-major byte array at `ptr` whose dimensions,
 /// innermost first, are `dims`, copied in boxes of `boxes` with the 128-byte
 /// swizzle (a box row: 128 codes = 128 bytes); elements outside the array
 /// arrive as zeros.
-fn fp8_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -> Result<Fp8Map> {
-    let rank = dims.len();
-    let mut strides = [0u64; 4];
-    let mut s = 1u64;
-    for i in 0..rank - 1 {
-        s *= dims[i];
-        strides[i] = s;
-    }
-    let elem = [1u32; 5];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
-            rank as u32,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .map_err(|e| {
-        arg_err(
-            op,
-            format!("no tensor map for dims {dims:?}, boxes {boxes:?}: {e:?}"),
-        )
-    })?;
-    Ok(Fp8Map(unsafe { map.assume_init() }))
+fn fp8_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -> Result<TmaMap> {
+    let codes = sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    tma_map_of(op, codes, 1, ptr, dims, boxes)
 }
 
 /// The code words and scales `q` must have for its shape and tiles (over
@@ -479,24 +440,7 @@ mod tests {
             .collect()
     }
 
-    fn host(d: &Cuda, t: &Tensor<Cuda>) -> Vec<f32> {
-        let t = d.cast(t, DType::F32).unwrap();
-        match d.download(&t).unwrap() {
-            HostData::F32(v) => v,
-            other => panic!("expected f32, got {other:?}"),
-        }
-    }
-
-    /// linalg.rs's uneven groups: weights 64 + (37 i mod 128), scaled to
-    /// `rows`, the last group taking the remainder.
-    fn uneven_sizes(g: usize, rows: usize) -> Vec<i32> {
-        let w: Vec<usize> = (0..g).map(|i| 64 + (i * 37) % 128).collect();
-        let total: usize = w.iter().sum();
-        let mut s: Vec<i32> = w.iter().map(|&wi| (rows * wi / total) as i32).collect();
-        let used: i32 = s.iter().sum();
-        s[g - 1] += rows as i32 - used;
-        s
-    }
+    use crate::cuda::linalg::tests::{host, uneven_sizes};
 
     /// The fp8 wgmma products at the Qwen3-30B-A3B expert shapes (131072
     /// rows, the last 40 past the groups, in 128 uneven groups; hidden 2048,

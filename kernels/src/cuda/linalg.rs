@@ -124,9 +124,29 @@ unsafe impl cudarc::driver::DeviceRepr for TmaMap {}
 /// 128-byte swizzle (the box's inner extent is 64 elements = 128 bytes);
 /// elements outside the array arrive as zeros.
 pub(crate) fn tma_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -> Result<TmaMap> {
+    tma_map_of(
+        op,
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        2,
+        ptr,
+        dims,
+        boxes,
+    )
+}
+
+/// [`tma_map`] of elements of `data_type`, `elem_bytes` each (the box's
+/// inner extent must span 128 bytes for the swizzle).
+pub(crate) fn tma_map_of(
+    op: &'static str,
+    data_type: sys::CUtensorMapDataType,
+    elem_bytes: u64,
+    ptr: u64,
+    dims: &[u64],
+    boxes: &[u32],
+) -> Result<TmaMap> {
     let rank = dims.len();
     let mut strides = [0u64; 4];
-    let mut s = 2u64;
+    let mut s = elem_bytes;
     for i in 0..rank - 1 {
         s *= dims[i];
         strides[i] = s;
@@ -136,7 +156,7 @@ pub(crate) fn tma_map(op: &'static str, ptr: u64, dims: &[u64], boxes: &[u32]) -
     unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            data_type,
             rank as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -1211,7 +1231,7 @@ impl Cuda {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::backend::RoutingOps;
     use crate::tensor::HostData;
@@ -1235,7 +1255,7 @@ mod tests {
         (d.cast(&b, DType::F32).unwrap(), b)
     }
 
-    fn host(d: &Cuda, t: &Tensor<Cuda>) -> Vec<f32> {
+    pub(in crate::cuda) fn host(d: &Cuda, t: &Tensor<Cuda>) -> Vec<f32> {
         let t = d.cast(t, DType::F32).unwrap();
         match d.download(&t).unwrap() {
             HostData::F32(v) => v,
@@ -1672,7 +1692,7 @@ mod tests {
     /// The sizes of `g` uneven groups over `rows` rows: weights 64 + (37 i
     /// mod 128), scaled down, the last group taking the remainder (the
     /// same formula is in kernels/scripts/grouped_gemm_peer.py).
-    fn uneven_sizes(g: usize, rows: usize) -> Vec<i32> {
+    pub(in crate::cuda) fn uneven_sizes(g: usize, rows: usize) -> Vec<i32> {
         let w: Vec<usize> = (0..g).map(|i| 64 + (i * 37) % 128).collect();
         let total: usize = w.iter().sum();
         let mut s: Vec<i32> = w.iter().map(|&wi| (rows * wi / total) as i32).collect();
