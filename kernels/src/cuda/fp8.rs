@@ -440,7 +440,7 @@ mod tests {
             .collect()
     }
 
-    use crate::cuda::linalg::tests::{host, uneven_sizes};
+    use crate::cuda::linalg::tests::{host, mean_seconds, uneven_sizes};
 
     /// The fp8 wgmma products at the Qwen3-30B-A3B expert shapes (131072
     /// rows, the last 40 past the groups, in 128 uneven groups; hidden 2048,
@@ -480,19 +480,7 @@ mod tests {
         let bf = |t: &Tensor<Cuda>| d.cast(t, DType::BF16).unwrap();
         let (xb, dyb, w1b, w2b) = (bf(&x), bf(&dy), bf(&w1), bf(&w2));
         drop((x, dy, w1, w2));
-        let time = |run: &dyn Fn()| {
-            for _ in 0..3 {
-                run();
-            }
-            d.synchronize().unwrap();
-            let reps = 20;
-            let t0 = std::time::Instant::now();
-            for _ in 0..reps {
-                run();
-            }
-            d.synchronize().unwrap();
-            t0.elapsed().as_secs_f64() / reps as f64
-        };
+        let time = |run: &dyn Fn()| mean_seconds(&d, run);
         println!("| product | M x K x N | kernel | fp8 ms | fp8 TFLOP/s | bf16 ms | bf16 TFLOP/s | fp8 / bf16 | rel. diff vs emulation | max abs diff |");
         println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
         let cases = [

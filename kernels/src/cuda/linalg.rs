@@ -1689,6 +1689,22 @@ pub(super) mod tests {
         println!("gathered products at the full expert shape: bit-identical to permute + product (single and paired weight gradients)");
     }
 
+    /// Seconds per call of `run` on the host clock: 20 synchronised calls
+    /// after 3 warm-ups (the ignored timing tests).
+    pub(in crate::cuda) fn mean_seconds<R>(d: &Cuda, run: &dyn Fn() -> R) -> f64 {
+        for _ in 0..3 {
+            run();
+        }
+        d.synchronize().unwrap();
+        let reps = 20;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            run();
+        }
+        d.synchronize().unwrap();
+        t0.elapsed().as_secs_f64() / reps as f64
+    }
+
     /// The sizes of `g` uneven groups over `rows` rows: weights 64 + (37 i
     /// mod 128), scaled down, the last group taking the remainder (the
     /// same formula is in kernels/scripts/grouped_gemm_peer.py).
@@ -1724,19 +1740,7 @@ pub(super) mod tests {
             let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
             (num / den.max(1e-300)).sqrt()
         };
-        let time = |f: &dyn Fn() -> Tensor<Cuda>| {
-            for _ in 0..3 {
-                f();
-            }
-            d.synchronize().unwrap();
-            let reps = 20;
-            let t0 = std::time::Instant::now();
-            for _ in 0..reps {
-                f();
-            }
-            d.synchronize().unwrap();
-            t0.elapsed().as_secs_f64() / reps as f64
-        };
+        let time = |f: &dyn Fn() -> Tensor<Cuda>| mean_seconds(&d, f);
         let mut kernels = vec![GroupedKernel::MmaSync];
         if d.arch() == "sm_90a" {
             kernels.push(GroupedKernel::Wgmma);
