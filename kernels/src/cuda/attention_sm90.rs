@@ -253,7 +253,12 @@ impl Cuda {
         launch!(
             self,
             f,
-            grid_for(q.numel()),
+            cudarc::driver::LaunchConfig {
+                // A block per 64-query tile of one head (fa3_dq_convert).
+                grid_dim: ((b * hq * s.div_ceil(64)).min(1 << 30) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
             dq_acc.storage().ptr(),
             dq.storage().ptr(),
             b as i32,
