@@ -322,6 +322,22 @@ mod tests {
             matches!(err, KernelError::NonFinite { op: "cross_entropy", what: "logits", value } if value.is_nan()),
             "{err:?}"
         );
+        // bf16 rows of a multiple of 8 (the CUDA kernel's vector path): a
+        // NaN or an infinity in any of the 8-logit groups is reported.
+        for (at, bad) in [(3, f64::NAN), (21, f64::INFINITY), (46, f64::NEG_INFINITY)] {
+            let mut xv = vec![0.5; 3 * 16];
+            xv[at] = bad;
+            let x16 = d.cast(&d.t64(&xv, &[3, 16]), DType::BF16).unwrap();
+            let err = d.err_of(
+                d.cross_entropy(&x16, &d.ti32(&[0; 3], &[3]))
+                    .map(|(loss, _)| loss),
+            );
+            assert!(
+                matches!(err, KernelError::NonFinite { op: "cross_entropy", what: "logits", value }
+                    if value.is_nan() == bad.is_nan() && (bad.is_nan() || value == bad)),
+                "{bad}: {err:?}"
+            );
+        }
         assert_eq!(
             d.cross_entropy(&x, &d.t64(&[0.0; T], &[T])).unwrap_err(),
             KernelError::DTypeMismatch {

@@ -507,40 +507,44 @@ mod tests {
                 c.check("rms_norm_backward dx", &dx, &dxc);
                 c.check("rms_norm_backward dw", &dw, &dwc);
             }
-            let shape = [2, 17, 3, 64];
-            let (x, xc) = c.rand(&shape, 1.0);
-            // Positions restarting every 5 tokens.
-            let pos: Vec<i32> = (0..2 * 17).map(|i| i % 17 % 5).collect();
-            let (pos_d, pos_c) = (d.ti32(&pos, &[2, 17]), ti32(&pos, &[2, 17]));
-            let scaled = Rope {
-                theta: 10_000.0,
-                yarn: Some(Yarn::new(
-                    10_000.0,
-                    64,
-                    40.0,
-                    4096.0,
-                    32.0,
-                    1.0,
-                    Some(1.0),
-                    Some(0.707),
-                )),
-            };
-            for inverse in [false, true] {
-                for (rope, with_pos) in [
-                    (Rope::plain(10_000.0), false),
-                    (Rope::plain(10_000.0), true),
-                    (scaled, true),
-                ] {
-                    c.check(
-                        &format!(
-                            "rope inverse={inverse} positions={with_pos} yarn={}",
-                            rope.yarn.is_some()
-                        ),
-                        &d.rope(&x, rope, inverse, with_pos.then_some(&pos_d))
-                            .unwrap(),
-                        &Cpu.rope(&xc, rope, inverse, with_pos.then_some(&pos_c))
-                            .unwrap(),
-                    );
+            // Heads fewer than, equal to and more than a block's groups of
+            // pairs; half-widths below and above the block (rope_impl).
+            for shape in [[2, 17, 3, 64], [1, 9, 32, 128], [2, 3, 2, 512]] {
+                let (bs, ss) = (shape[0], shape[1]);
+                let (x, xc) = c.rand(&shape, 1.0);
+                // Positions restarting every 5 tokens.
+                let pos: Vec<i32> = (0..bs * ss).map(|i| (i % ss % 5) as i32).collect();
+                let (pos_d, pos_c) = (d.ti32(&pos, &[bs, ss]), ti32(&pos, &[bs, ss]));
+                let scaled = Rope {
+                    theta: 10_000.0,
+                    yarn: Some(Yarn::new(
+                        10_000.0,
+                        64,
+                        40.0,
+                        4096.0,
+                        32.0,
+                        1.0,
+                        Some(1.0),
+                        Some(0.707),
+                    )),
+                };
+                for inverse in [false, true] {
+                    for (rope, with_pos) in [
+                        (Rope::plain(10_000.0), false),
+                        (Rope::plain(10_000.0), true),
+                        (scaled, true),
+                    ] {
+                        c.check(
+                            &format!(
+                                "rope inverse={inverse} positions={with_pos} yarn={}",
+                                rope.yarn.is_some()
+                            ),
+                            &d.rope(&x, rope, inverse, with_pos.then_some(&pos_d))
+                                .unwrap(),
+                            &Cpu.rope(&xc, rope, inverse, with_pos.then_some(&pos_c))
+                                .unwrap(),
+                        );
+                    }
                 }
             }
             c.report("norm");

@@ -153,12 +153,17 @@ template <typename T> __device__ void rmsnorm_dw_finish_impl(const acc_t<T>* par
         rmsnorm_dw_finish_impl<T>(part, dw, chunks, d); }
 FOR_FLOATS(RMSNORM_DW_FINISH)
 
-// Rotate-half RoPE: one thread per (b, s, h, i < Hd/2) pair; channel i pairs
-// with i + Hd/2 and both turn by pos·f_i, the angle formed in f64; pos is s,
-// or positions[b, s] when given (non-null). f_i = θ^(−2i/Hd), blended by
+// Rotate-half RoPE over x [B, S, H, Hd]: channel i < Hd/2 pairs with
+// i + Hd/2 and both turn by pos·f_i, the angle formed in f64; pos is s, or
+// positions[b, s] when given (non-null). f_i = θ^(−2i/Hd), blended by
 // YaRN's ramp r_i = clamp((i − low)/(high − low), 0, 1) as f_i/factor·r_i +
 // f_i·(1 − r_i) (factor 1, low 0, high 1 leave it f_i); cos and sin are
 // multiplied by amp.
+// A block per token (grid-stride): each thread takes one i and turns it
+// in every head h ≡ g (mod blockDim / (Hd/2)), so the angle and its cos and
+// sin are formed once per (token, i) rather than once per head (a thread
+// per pair recomputed them H times: the op was instruction-bound at ~4×
+// its memory time with Qwen3's 32 query heads).
 // The inverse frequencies θ^(−2i/Hd) are formed once per block in shared
 // memory (ROPE_FREQS of them; per pair past that). For f32 and bf16 the
 // angle is reduced to [−π, π] in f64 and turned by the f32 sincos (error
@@ -178,37 +183,31 @@ __device__ void rope_impl(const T* x, T* out, const int* positions, i64 s, i64 h
     for (i64 i = threadIdx.x; i < half && i < ROPE_FREQS; i += blockDim.x)
         freqs[i] = rope_freq(i, hd, theta, factor, low, high);
     __syncthreads();
-    GRID_LOOP(p, pairs) {
-        i64 i, bsh, pos;  // bsh: (b, s, h) flattened
-        if (pairs <= 0x7fffffffLL) {
-            // 32-bit division where it fits: 64-bit division is a long
-            // software sequence.
-            unsigned pu = (unsigned)p, hu = (unsigned)half, bu = pu / hu;
-            i = pu - bu * hu;
-            bsh = bu;
-            pos = positions ? (i64)positions[bu / (unsigned)h] : (i64)((bu / (unsigned)h) % (unsigned)s);
-        } else {
-            i = p % half;
-            bsh = p / half;
-            pos = positions ? (i64)positions[bsh / h] : (bsh / h) % s;
+    i64 tokens = pairs / (h * half), groups = (i64)blockDim.x >= half ? (i64)blockDim.x / half : 1;
+    for (i64 tok = blockIdx.x; tok < tokens; tok += gridDim.x) {
+        i64 pos = positions ? (i64)positions[tok] : tok % s;
+        for (i64 u = threadIdx.x; u < half * groups; u += blockDim.x) {
+            i64 i = u % half, g = u / half;
+            double f = i < ROPE_FREQS ? freqs[i] : rope_freq(i, hd, theta, factor, low, high);
+            double a = (double)pos * f;
+            A c, sn;
+            if constexpr (sizeof(A) == 8) {
+                c = amp * cos(a);
+                sn = amp * sign * sin(a);
+            } else {
+                const double two_pi = 6.283185307179586;
+                float r = (float)(a - two_pi * rint(a / two_pi)), sf, cf;
+                sincosf(r, &sf, &cf);
+                c = (float)amp * cf;
+                sn = (float)(amp * sign) * sf;
+            }
+            for (i64 hh = g; hh < h; hh += groups) {
+                i64 at = (tok * h + hh) * hd;
+                A x1 = to_acc(x[at + i]), x2 = to_acc(x[at + i + half]);
+                out[at + i] = from_acc<T>(x1 * c - x2 * sn);
+                out[at + i + half] = from_acc<T>(x2 * c + x1 * sn);
+            }
         }
-        double f = i < ROPE_FREQS ? freqs[i] : rope_freq(i, hd, theta, factor, low, high);
-        double a = (double)pos * f;
-        A c, sn;
-        if constexpr (sizeof(A) == 8) {
-            c = amp * cos(a);
-            sn = amp * sign * sin(a);
-        } else {
-            const double two_pi = 6.283185307179586;
-            float r = (float)(a - two_pi * rint(a / two_pi)), sf, cf;
-            sincosf(r, &sf, &cf);
-            c = (float)amp * cf;
-            sn = (float)(amp * sign) * sf;
-        }
-        i64 at = bsh * hd;
-        A x1 = to_acc(x[at + i]), x2 = to_acc(x[at + i + half]);
-        out[at + i] = from_acc<T>(x1 * c - x2 * sn);
-        out[at + i + half] = from_acc<T>(x2 * c + x1 * sn);
     }
 }
 #define ROPE(sfx, T) \

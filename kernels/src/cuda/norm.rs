@@ -161,7 +161,7 @@ impl NormOps for Cuda {
     ) -> Result<Tensor<Self>> {
         const OP: &str = "rope";
         let sfx = float_sfx(OP, x.dtype())?;
-        let (_b, s, h, hd) = x.dims4(OP)?;
+        let (b, s, h, hd) = x.dims4(OP)?;
         rope.check(OP, hd)?;
         check_positions(OP, x, positions)?;
         let out = self.alloc(OP, x.shape(), x.dtype())?;
@@ -172,10 +172,16 @@ impl NormOps for Cuda {
             let (factor, low, high) = rope
                 .yarn
                 .map_or((1.0, 0.0, 1.0), |y| (y.factor, y.low, y.high));
+            // A block per token, grid-stride past 4096 (rope_impl).
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: ((b * s).min(4096) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
             launch!(
                 self,
                 f,
-                grid_for(pairs),
+                cfg,
                 x.storage().ptr(),
                 out.storage().ptr(),
                 positions.map_or(0u64, |p| p.storage().ptr()),
