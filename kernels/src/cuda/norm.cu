@@ -141,11 +141,24 @@ __device__ void rmsnorm_dw_part_impl(const T* dy, const T* x, const T* rstd, acc
         rmsnorm_dw_part_impl<T>(dy, x, rstd, part, r, d, per); }
 FOR_FLOATS(RMSNORM_DW_PART)
 
+// The finish: a block of 32 columns × 16 lanes of chunks, lane y adding the
+// chunks y, y + 16, ... in order, then the 16 lane sums in order (a thread
+// per column adding thousands of chunks, the q/k norms' 2048 for 128
+// columns, left all but a few warps of the GPU idle).
 template <typename T> __device__ void rmsnorm_dw_finish_impl(const acc_t<T>* part, T* dw, i64 chunks, i64 d) {
-    GRID_LOOP(col, d) {
-        acc_t<T> t = 0;
-        for (i64 c = 0; c < chunks; ++c) t += part[c * d + col];
-        dw[col] = from_acc<T>(t);
+    typedef acc_t<T> A;
+    __shared__ A sh[16][33];
+    i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
+    A t = 0;
+    if (col < d)
+#pragma unroll 4
+        for (i64 c = threadIdx.y; c < chunks; c += 16) t += part[c * d + col];
+    sh[threadIdx.y][threadIdx.x] = t;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < d) {
+        A u = 0;
+        for (int k = 0; k < 16; ++k) u += sh[k][threadIdx.x];
+        dw[col] = from_acc<T>(u);
     }
 }
 #define RMSNORM_DW_FINISH(sfx, T) \

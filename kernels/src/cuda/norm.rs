@@ -7,7 +7,7 @@
 use cudarc::driver::LaunchConfig;
 
 use super::compile::NORM;
-use super::{float_sfx, grid_for, launch, rows_cfg, warp_rows_cfg, Cuda};
+use super::{float_sfx, launch, rows_cfg, warp_rows_cfg, Cuda};
 use crate::backend::{check_positions, NormOps, Rope};
 use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::{DType, Tensor};
@@ -140,10 +140,15 @@ impl NormOps for Cuda {
             per as i64
         )?;
         let f = self.func(NORM, &format!("rmsnorm_dw_finish_{sfx}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (d.div_ceil(32) as u32, 1, 1),
+            block_dim: (32, 16, 1),
+            shared_mem_bytes: 0,
+        };
         launch!(
             self,
             f,
-            grid_for(d),
+            cfg,
             part.ptr(),
             dw.storage().ptr(),
             chunks as i64,
