@@ -3,13 +3,14 @@
 //! host reference bit for bit), with no host wait. The forward and data
 //! gradient GEMM ([`Fp8Ops::grouped_matmul_fp8`]) runs on `fp8_sm90.cu`'s
 //! TMA + wgmma e4m3 kernel on sm_90a (K a multiple of 16, bf16 or f32
-//! out), else on [`Fp8Ops`]' provided emulation (dequantise, f32 grouped
-//! GEMM), as does the weight gradient (no fp8 kernel yet: its summed
-//! dimension, the rows, is contiguous in the transposed codes, and a group
-//! may start at any row, where the copy engine needs 16-byte aligned starts
-//! along the contiguous dimension). GPUs without fp8 tensor cores are
-//! refused at the first quantisation, so a run that will need them fails at
-//! once.
+//! out), and the weight gradient
+//! ([`Fp8Ops::grouped_matmul_weight_grad_fp8`]) on its second kernel (M a
+//! multiple of 16, K and N of 4: copies of whole aligned 128-row blocks of
+//! the transposed codes, other groups' rows zeroed in shared memory, see
+//! [`Fp8Tiles::GroupColumns`]); elsewhere, or with `FOLDMOE_FP8_GEMM=
+//! emulate`, on [`Fp8Ops`]' provided emulation (dequantise, f32 grouped
+//! GEMM). GPUs without fp8 tensor cores are refused at the first
+//! quantisation, so a run that will need them fails at once.
 
 use std::sync::OnceLock;
 
@@ -18,7 +19,10 @@ use cudarc::driver::{sys, LaunchConfig};
 use super::compile::{FP8, FP8_SM90};
 use super::linalg::{tma_map_of, TmaMap};
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
-use crate::backend::fp8::{check_gemm_operands, grouped_matmul_fp8_emulated};
+use crate::backend::fp8::{
+    check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
+    grouped_wgrad_fp8_emulated,
+};
 use crate::backend::{Device, Fp8Ops, OffloadOps};
 use crate::error::{arg_err, KernelError, Result};
 use crate::fp8::{
@@ -77,6 +81,19 @@ fn f8_smem_bytes(g: usize) -> usize {
     1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
 }
 
+/// Bytes of one stage of the weight-gradient kernel (`F8W_STAGE`): the
+/// codes of a stage of the forward's, then 128 row scales of A and 128
+/// column scales of B (f32).
+const F8W_STAGE_BYTES: usize = F8_STAGE_BYTES + 2 * 512;
+
+/// Dynamic shared memory of the weight-gradient kernel over `g` groups:
+/// 1024 bytes to align the stages, the stages, 128 bytes of mbarriers, the
+/// consumer warps' store buffers, then the groups' first rows and first
+/// tiles (16 (G + 1), `F8W_OFFS`).
+fn f8w_smem_bytes(g: usize) -> usize {
+    1024 + F8_STAGES * F8W_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
+}
+
 /// Which kernel runs [`Fp8Ops::grouped_matmul_fp8`] on sm_90a.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Fp8Kernel {
@@ -91,8 +108,9 @@ pub(crate) enum Fp8Kernel {
     WgmmaV2,
 }
 
-/// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products on Hopper too,
-/// `=v1` picks the first wgmma version (read once per process).
+/// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products (forward, data
+/// and weight gradients) on Hopper too, `=v1` picks the first wgmma version
+/// of the forward / data gradient (read once per process).
 fn fp8_kernel_default() -> Fp8Kernel {
     static KERNEL: OnceLock<Fp8Kernel> = OnceLock::new();
     *KERNEL.get_or_init(|| match std::env::var("FOLDMOE_FP8_GEMM").as_deref() {
@@ -251,6 +269,110 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// Whether `fp8_sm90.cu`'s weight-gradient kernel can take `x [M, K]ᵀ ·
+    /// dy [M, N]` over `g` groups into `dtype`: an sm_90a device, bf16 or
+    /// f32 out, M a multiple of 16 (the transposed codes' rows in the tensor
+    /// maps are 16-byte multiples), K and N multiples of 4 (the scales' bulk
+    /// copies: 16-byte aligned, whole 16-byte pieces), 16-byte aligned code
+    /// and scale arrays, sizes within the copy engine's 32-bit coordinates,
+    /// the offsets within shared memory.
+    fn fp8_wgrad_fits(
+        &self,
+        (m, k, n, g): (usize, usize, usize, usize),
+        dtype: DType,
+        ptrs: &[u64],
+    ) -> bool {
+        let lim = i32::MAX as usize;
+        self.arch() == "sm_90a"
+            && matches!(dtype, DType::BF16 | DType::F32)
+            && m > 0
+            && k > 0
+            && n > 0
+            && g > 0
+            && m.is_multiple_of(16)
+            && k.is_multiple_of(4)
+            && n.is_multiple_of(4)
+            && m < lim
+            && k < lim
+            && n < lim
+            && g < lim
+            && f8w_smem_bytes(g) <= MAX_SMEM
+            && ptrs.iter().all(|p| p % 16 == 0)
+    }
+
+    /// [`Fp8Ops::grouped_matmul_weight_grad_fp8`] on `fp8_sm90.cu`'s kernel
+    /// unless `kernel` is [`Fp8Kernel::Emulated`] or it does not fit (then
+    /// the emulation).
+    pub(crate) fn grouped_wgrad_fp8_on(
+        &self,
+        x: &Fp8Matrix<Self>,
+        dy: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        dtype: DType,
+        kernel: Fp8Kernel,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_weight_grad_fp8";
+        check_wgrad_operands(x, dy)?;
+        let dims = match (x.shape.as_slice(), dy.shape.as_slice(), group_sizes.shape()) {
+            (&[m, k], &[my, n], &[g]) if m == my => Some((m, k, n, g)),
+            _ => None,
+        };
+        // Shapes that disagree are reported by the emulation's checks.
+        let Some((m, k, n, g)) = dims else {
+            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
+        };
+        check_parts(OP, x, g)?;
+        check_parts(OP, dy, g)?;
+        let (xp, dp) = (x.codes.storage().ptr(), dy.codes.storage().ptr());
+        let (xs, ds) = (x.scales.storage().ptr(), dy.scales.storage().ptr());
+        if kernel == Fp8Kernel::Emulated
+            || !self.fp8_wgrad_fits((m, k, n, g), dtype, &[xp, dp, xs, ds])
+        {
+            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
+        }
+        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        // Every element is written: an empty group's tiles store zeros.
+        let out = self.alloc(OP, &[g, k, n], dtype)?;
+        let (m64, k64, n64) = (m as u64, k as u64, n as u64);
+        let ta = fp8_map(OP, xp, &[m64, k64], &[128, 128])?;
+        let tb = fp8_map(OP, dp, &[m64, n64], &[128, 128])?;
+        let smem = f8w_smem_bytes(g) as u32;
+        self.bind()?;
+        let name = if dtype == DType::F32 {
+            "grouped_wgrad_fp8_wgmma_f32"
+        } else {
+            "grouped_wgrad_fp8_wgmma_bf16"
+        };
+        let f = self.func_smem(FP8_SM90, name, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                self.persistent_grid(g * k.div_ceil(F8_TILE) * n.div_ceil(F8_TILE))?,
+                1,
+                1,
+            ),
+            block_dim: (F8_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            ta,
+            tb,
+            xs,
+            ds,
+            offs.ptr(),
+            out.storage().ptr(),
+            m as i64,
+            k as i64,
+            n as i64,
+            g as i32
+        )?;
+        Ok(out)
+    }
+}
+
 /// The grid of the per-group column-tile kernels: a block per tile and 32
 /// columns.
 fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
@@ -262,6 +384,19 @@ fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
 }
 
 impl Fp8Ops for Cuda {
+    /// On sm_90a `fp8_sm90.cu`'s weight-gradient kernel (scales applied per
+    /// tile of a group's rows, promoted into f32), where it fits; else the
+    /// emulation.
+    fn grouped_matmul_weight_grad_fp8(
+        &self,
+        x: &Fp8Matrix<Self>,
+        dy: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        dtype: DType,
+    ) -> Result<Tensor<Self>> {
+        self.grouped_wgrad_fp8_on(x, dy, group_sizes, dtype, fp8_kernel_default())
+    }
+
     /// On sm_90a the e4m3 wgmma kernel of `fp8_sm90.cu` (scales applied
     /// per 128 of K, promoted into f32), where it fits; else the emulation.
     fn grouped_matmul_fp8(
