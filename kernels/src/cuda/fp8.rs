@@ -577,6 +577,222 @@ mod tests {
 
     use crate::cuda::linalg::tests::{host, mean_seconds, uneven_sizes};
 
+    /// The f64 weight gradient of dequantised operands: `(Σ_r x[r, j] ·
+    /// dy[r, l], Σ_r |x[r, j] · dy[r, l]|)` over each group's rows, `[G, K,
+    /// N]` flattened.
+    fn wgrad_f64(x: &[f64], dy: &[f64], sizes: &[usize], k: usize, n: usize) -> Vec<(f64, f64)> {
+        let mut out = vec![(0f64, 0f64); sizes.len() * k * n];
+        let mut start = 0;
+        for (e, &size) in sizes.iter().enumerate() {
+            for r in start..start + size {
+                for j in 0..k {
+                    let a = x[r * k + j];
+                    let o = &mut out[(e * k + j) * n..(e * k + j + 1) * n];
+                    for (l, slot) in o.iter_mut().enumerate() {
+                        let p = a * dy[r * n + l];
+                        slot.0 += p;
+                        slot.1 += p.abs();
+                    }
+                }
+            }
+            start += size;
+        }
+        out
+    }
+
+    /// The fp8 weight gradient on wgmma (`fp8_sm90.cu`'s second kernel)
+    /// against the f64 product of its dequantised operands, at groups that
+    /// start at rows not multiples of 16 (70, 220, 305: the copies start at
+    /// the aligned 128-row block and zero the other groups' rows), group
+    /// sizes (the summed dimension) not multiples of 128, a group inside one
+    /// block, one spanning three, empty groups (exact zeros) and padding
+    /// rows past the groups, K and N not multiples of 128, bf16 and f32 out.
+    /// Tolerance as the forward's on the tensor cores
+    /// (`fp8_gemms_at_tensor_core_shapes`): f32 accumulation, 2·K_g·ε of
+    /// Σ|a·b|, plus 2⁻⁹ Σ|a·b| for the narrower accumulation inside each
+    /// 128-row block, plus bf16's rounding of the result. The worst
+    /// |err| / Σ|a·b| is printed. The emulation (`FOLDMOE_FP8_GEMM=emulate`)
+    /// is checked on the same operands.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn fp8_weight_gradient_on_wgmma_matches_the_f64_product() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let cases: [(usize, usize, usize, &[usize]); 3] = [
+            (304, 400, 144, &[70, 0, 150, 64]),
+            (512, 132, 136, &[0, 300, 5, 0, 197]),
+            (256, 128, 128, &[128, 0, 128]),
+        ];
+        for (case, &(m, k, n, sizes)) in cases.iter().enumerate() {
+            let g = sizes.len();
+            let gs = d
+                .upload(
+                    HostData::I32(sizes.iter().map(|&s| s as i32).collect()),
+                    &[g],
+                )
+                .unwrap();
+            let mut xv = values(m * k, 100 + case as u64);
+            xv[75 * k + 7] = 40.0; // a large value in one tile of one group
+            let dyv = values(m * n, 200 + case as u64);
+            let xt = d.upload(HostData::F32(xv), &[m, k]).unwrap();
+            let dyt = d.upload(HostData::F32(dyv), &[m, n]).unwrap();
+            let q = |t: &Tensor<Cuda>| {
+                d.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(&gs))
+                    .unwrap()
+            };
+            let (xq, dyq) = (q(&xt), q(&dyt));
+            let deq = |qm: &Fp8Matrix<Cuda>| -> Vec<f64> {
+                host(&d, &d.dequantize_fp8(qm, Some(&gs)).unwrap())
+                    .into_iter()
+                    .map(f64::from)
+                    .collect()
+            };
+            let want = wgrad_f64(&deq(&xq), &deq(&dyq), sizes, k, n);
+            let ptrs = [
+                xq.codes.storage().ptr(),
+                dyq.codes.storage().ptr(),
+                xq.scales.storage().ptr(),
+                dyq.scales.storage().ptr(),
+            ];
+            assert!(
+                d.fp8_wgrad_fits((m, k, n, g), DType::F32, &ptrs),
+                "case {case}: the wgmma kernel should take it"
+            );
+            for kernel in [Fp8Kernel::WgmmaV2, Fp8Kernel::Emulated] {
+                for dtype in [DType::F32, DType::BF16] {
+                    let dw = d
+                        .grouped_wgrad_fp8_on(&xq, &dyq, &gs, dtype, kernel)
+                        .unwrap();
+                    assert_eq!((dw.shape(), dw.dtype()), (&[g, k, n][..], dtype));
+                    let got = host(&d, &dw);
+                    let mut worst = 0f64;
+                    for (idx, (&v, &(exact, mag))) in got.iter().zip(&want).enumerate() {
+                        let e = idx / (k * n);
+                        let v = f64::from(v);
+                        let mut tol = 2.0 * sizes[e] as f64 * f64::from(f32::EPSILON) * mag;
+                        if kernel != Fp8Kernel::Emulated {
+                            tol += mag / 512.0;
+                        }
+                        if dtype == DType::BF16 {
+                            tol += exact.abs() / 256.0;
+                        }
+                        let err = (v - exact).abs();
+                        if dtype == DType::F32 && mag > 0.0 {
+                            worst = worst.max(err / mag);
+                        }
+                        assert!(
+                            err <= tol,
+                            "case {case} {kernel:?} {dtype:?}: dw[{e}, {}, {}] = {v} vs {exact} (tol {tol})",
+                            (idx / n) % k,
+                            idx % n
+                        );
+                    }
+                    if dtype == DType::F32 {
+                        println!(
+                            "case {case} (m {m}, k {k}, n {n}, sizes {sizes:?}) {kernel:?}: worst |err| / sum |a b| = {worst:.3e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The fp8 weight gradient on wgmma at the Qwen3-30B-A3B expert shapes
+    /// (131072 rows = 16384 tokens × top-8, the last 40 past the groups, in
+    /// 128 uneven groups; hidden D 2048, ffn F 768): fc1's (x [M, D] with
+    /// dgate [M, F] → [G, D, F], and with gate and up together, [M, 2F] →
+    /// [G, D, 2F]) and fc2's (act [M, F] with dy [M, D] → [G, F, D]),
+    /// against the emulation on the same operands (relative Frobenius
+    /// difference within 2⁻⁹, as the forward's full-shape test), the bf16
+    /// output the f32 one rounded. Prints each product's time (host clock,
+    /// 20 synchronised calls after 3 warm-ups, the group offsets included)
+    /// and TFLOP/s beside the emulation and the bf16 wgmma weight gradient
+    /// on the same shape. Ignored (large): run with `--ignored` on a GPU.
+    #[test]
+    #[ignore]
+    fn fp8_weight_gradient_full_shape_timings() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let (rows, h, f, e) = (131072usize, 2048usize, 768usize, 128usize);
+        let used = rows - 40;
+        let gs = d
+            .upload(HostData::I32(uneven_sizes(e, used)), &[e])
+            .unwrap();
+        let up = |cols: usize, seed| {
+            d.upload(HostData::F32(values(rows * cols, seed)), &[rows, cols])
+                .unwrap()
+        };
+        let time = |run: &dyn Fn()| mean_seconds(&d, run);
+        println!("| product | M x K x N (G {e}) | fp8 wgmma ms | TFLOP/s | emulated ms | TFLOP/s | bf16 wgmma ms | TFLOP/s | wgmma / bf16 | rel. diff vs emulation | max abs diff |");
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        let cases = [
+            ("fc1 dw (gate)", h, f, 51),
+            ("fc1 dw (gate+up)", h, 2 * f, 52),
+            ("fc2 dw", f, h, 53),
+        ];
+        for (name, k, n, seed) in cases {
+            let (a, b) = (up(k, seed), up(n, seed + 100));
+            let q = |t: &Tensor<Cuda>| {
+                d.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(&gs))
+                    .unwrap()
+            };
+            let (aq, bq) = (q(&a), q(&b));
+            let (ab, bb) = (
+                d.cast(&a, DType::BF16).unwrap(),
+                d.cast(&b, DType::BF16).unwrap(),
+            );
+            drop((a, b));
+            let run = |dtype, kernel| {
+                d.grouped_wgrad_fp8_on(&aq, &bq, &gs, dtype, kernel)
+                    .unwrap()
+            };
+            let w32 = host(&d, &run(DType::F32, Fp8Kernel::Emulated));
+            let g32 = host(&d, &run(DType::F32, Fp8Kernel::WgmmaV2));
+            let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+            for (&p, &r) in g32.iter().zip(&w32) {
+                let diff = f64::from(p) - f64::from(r);
+                num += diff * diff;
+                den += f64::from(r) * f64::from(r);
+                max_abs = max_abs.max(diff.abs());
+            }
+            let rel = (num / den.max(1e-300)).sqrt();
+            assert!(rel <= 1.0 / 512.0, "{name}: relative difference {rel:.3e}");
+            let gb = host(&d, &run(DType::BF16, Fp8Kernel::WgmmaV2));
+            for (i, (&b, &v)) in gb.iter().zip(&g32).enumerate() {
+                assert!(
+                    (b - v).abs() <= v.abs() / 256.0,
+                    "{name}: bf16 out [{i}] {b} vs f32 out {v}"
+                );
+            }
+            drop((w32, g32, gb));
+            let flop = 2.0 * (used * k * n) as f64;
+            let t8 = time(&|| {
+                run(DType::BF16, Fp8Kernel::WgmmaV2);
+            });
+            let te = time(&|| {
+                run(DType::BF16, Fp8Kernel::Emulated);
+            });
+            let t16 = time(&|| {
+                d.grouped_matmul_weight_grad(&ab, &bb, &gs).unwrap();
+            });
+            println!(
+                "| {name} | {used}x{k}x{n} | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} | {:.1} | {:.2} | {rel:.2e} | {max_abs:.2e} |",
+                t8 * 1e3,
+                flop / t8 / 1e12,
+                te * 1e3,
+                flop / te / 1e12,
+                t16 * 1e3,
+                flop / t16 / 1e12,
+                t16 / t8
+            );
+        }
+    }
+
     /// The fp8 wgmma products at the Qwen3-30B-A3B expert shapes (131072
     /// rows, the last 40 past the groups, in 128 uneven groups; hidden 2048,
     /// ffn 768): fc1's forward (K 2048 → N 768) and data gradient (K 768 → N
