@@ -1,7 +1,8 @@
 // Hopper (sm_90a) blockwise fp8 grouped GEMM (issue 22): the forward and the
 // data gradient of the routed experts, y = x · op(w[g]), on e4m3 operands
 // with DeepSeek-V3's scales (fp8.rs picks it; Fp8Ops' emulation stays for
-// other GPUs, other dtypes and shapes a tensor map cannot describe).
+// other GPUs, other dtypes and shapes a tensor map cannot describe); the
+// weight gradient dw[g] = x_gᵀ dy_g is the second kernel, further down.
 //
 // Operands, both stored with the summed dimension K contiguous (what fp8
 // wgmma reads: K-major only):
