@@ -221,12 +221,17 @@ pub enum Fp8Tiles {
     /// operand of a forward or data-gradient GEMM, which sums over K. Codes
     /// `[M, K]`, scales `[M, ⌈K/128⌉]`.
     Rows,
-    /// 128 × 1 tiles down each column of an `[M, K]` activation whose rows
-    /// are in groups, restarting at each group's first row: an operand of
-    /// the grouped weight-gradient GEMM, which sums over a group's rows.
-    /// Codes stored transposed, `[K, M]` (rows past the groups are code 0);
-    /// scales `[K, column_tiles(M, G)]`, group `g`'s `⌈m_g/128⌉` tiles after
-    /// those of the groups before it (the rest are 1).
+    /// Tiles of at most 128 × 1 down each column of an `[M, K]` activation
+    /// whose rows are in groups: an operand of the grouped weight-gradient
+    /// GEMM, which sums over a group's rows. A group's tiles are its rows
+    /// in each aligned 128-row block `[128 b, 128 b + 128)` of M that it
+    /// meets ([`group_column_tiles`]), so a tile never spans two groups and
+    /// every tile starts inside one 128-aligned block: the fp8 kernel copies
+    /// whole aligned blocks (the copy engine wants 16-byte aligned starts
+    /// along the contiguous rows) and zeroes the other groups' rows in
+    /// shared memory. Codes stored transposed, `[K, M]` (rows past the
+    /// groups are code 0); scales `[column_tiles(M, G), K]`, tile-major,
+    /// the groups' tiles in order (the rest are 1).
     GroupColumns,
     /// 128 × 128 blocks of each matrix of a `[G, R, C]` weight. Codes `[G, R,
     /// C]`, or `[G, C, R]` when `transposed` (the layout a GEMM that sums over
@@ -265,18 +270,41 @@ impl<B: Device> std::fmt::Debug for Fp8Matrix<B> {
     }
 }
 
-/// The scale columns of [`Fp8Tiles::GroupColumns`] for `m` rows in `groups`
-/// groups: room for `Σ ⌈m_g/128⌉`, which is at most `⌈m/128⌉ + groups`
-/// whatever the sizes (so the buffer is sized without reading them).
+/// The scale rows of [`Fp8Tiles::GroupColumns`] for `m` rows in `groups`
+/// groups: room for every group's tiles ([`group_column_tiles`]), at most
+/// `⌈m/128⌉ + groups - 1` whatever the sizes (each group boundary inside a
+/// 128-row block adds one tile), so the buffer is sized without reading
+/// them.
 pub fn column_tiles(m: usize, groups: usize) -> usize {
     m.div_ceil(FP8_BLOCK) + groups
 }
 
+/// The tiles of [`Fp8Tiles::GroupColumns`] over groups of `sizes` (in row
+/// order from row 0), in order: `(first row, rows)` of each, a group's rows
+/// cut at the multiples of 128 (an empty group has none). The one definition
+/// of the layout's tiles: the host reference and the CUDA kernels
+/// (`fp8.cu`'s `group_tile`, `fp8_sm90.cu`'s weight gradient) count alike.
+pub fn group_column_tiles(sizes: &[usize]) -> Vec<(usize, usize)> {
+    let mut tiles = Vec::new();
+    let mut start = 0;
+    for &size in sizes {
+        let end = start + size;
+        let mut r = start;
+        while r < end {
+            let next = ((r / FP8_BLOCK + 1) * FP8_BLOCK).min(end);
+            tiles.push((r, next - r));
+            r = next;
+        }
+        start = end;
+    }
+    tiles
+}
+
 /// Host reference of [`Fp8Tiles::GroupColumns`] quantisation of a row-major
 /// `[m, k]` matrix whose first rows are groups of `sizes` (their sum at most
-/// `m`): the transposed codes `[k, m]` and the scales `[k, column_tiles(m,
-/// G)]`, each group's tiles quantised as [`quantize_transposed_host`] would
-/// quantise that group alone.
+/// `m`): the transposed codes `[k, m]` (rows past the groups 0) and the
+/// scales `[column_tiles(m, G), k]`, tile `t` of [`group_column_tiles`] in
+/// row `t`: each column's amax over the tile's rows / 448 (1 if zero).
 pub fn quantize_group_columns_host(
     values: &[f32],
     m: usize,
@@ -284,23 +312,16 @@ pub fn quantize_group_columns_host(
     sizes: &[usize],
 ) -> (Vec<u8>, Vec<f32>) {
     let t = column_tiles(m, sizes.len());
-    let (mut codes, mut scales) = (vec![0u8; k * m], vec![1f32; k * t]);
-    let (mut row0, mut tile0) = (0, 0);
-    for &size in sizes {
-        let (c, s) = quantize_transposed_host(
-            &values[row0 * k..(row0 + size) * k],
-            size,
-            k,
-            (1, FP8_BLOCK),
-        );
-        let tiles = size.div_ceil(FP8_BLOCK);
+    let (mut codes, mut scales) = (vec![0u8; k * m], vec![1f32; t * k]);
+    for (tile, &(row0, rows)) in group_column_tiles(sizes).iter().enumerate() {
         for j in 0..k {
-            codes[j * m + row0..j * m + row0 + size].copy_from_slice(&c[j * size..(j + 1) * size]);
-            scales[j * t + tile0..j * t + tile0 + tiles]
-                .copy_from_slice(&s[j * tiles..(j + 1) * tiles]);
+            let amax = (row0..row0 + rows).fold(0f32, |a, i| a.max(values[i * k + j].abs()));
+            let scale = block_scale(amax);
+            scales[tile * k + j] = scale;
+            for i in row0..row0 + rows {
+                codes[j * m + i] = e4m3_encode(values[i * k + j] / scale);
+            }
         }
-        row0 += size;
-        tile0 += tiles;
     }
     (codes, scales)
 }
@@ -358,18 +379,13 @@ pub fn dequantize_host(
                 .collect()
         }
         (Fp8Tiles::GroupColumns, &[m, k]) => {
-            let t = column_tiles(m, sizes.len());
             let mut out = vec![0f32; m * k];
-            let (mut row0, mut tile0) = (0, 0);
-            for &size in sizes {
-                for i in row0..row0 + size {
-                    let tile = tile0 + (i - row0) / FP8_BLOCK;
+            for (tile, &(row0, rows)) in group_column_tiles(sizes).iter().enumerate() {
+                for i in row0..row0 + rows {
                     for j in 0..k {
-                        out[i * k + j] = dec(codes[j * m + i]) * scales[j * t + tile];
+                        out[i * k + j] = dec(codes[j * m + i]) * scales[tile * k + j];
                     }
                 }
-                row0 += size;
-                tile0 += size.div_ceil(FP8_BLOCK);
             }
             out
         }
@@ -775,6 +791,65 @@ mod tests {
             quantize_blocks_host(&v, rows, cols, (1, FP8_BLOCK)),
             compress_host(&v, cols)
         );
+    }
+
+    /// Group column tiles are a group's rows cut at the multiples of 128:
+    /// none for an empty group, never more than `column_tiles`; the host
+    /// quantisation scales each tile's columns alone and dequantises back
+    /// within e4m3's precision, rows past the groups code 0.
+    #[test]
+    fn group_column_tiles_cut_at_multiples_of_128() {
+        assert_eq!(
+            group_column_tiles(&[70, 0, 150, 64]),
+            vec![(0, 70), (70, 58), (128, 92), (220, 36), (256, 28)]
+        );
+        assert_eq!(
+            group_column_tiles(&[128, 0, 256]),
+            vec![(0, 128), (128, 128), (256, 128)]
+        );
+        assert!(group_column_tiles(&[0, 0]).is_empty());
+        let mut s = 12345u32;
+        for _ in 0..200 {
+            let g = 1 + (s % 9) as usize;
+            let sizes: Vec<usize> = (0..g)
+                .map(|_| {
+                    s = s.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                    ((s >> 8) % 300) as usize
+                })
+                .collect();
+            let m: usize = sizes.iter().sum::<usize>() + (s % 7) as usize;
+            let tiles = group_column_tiles(&sizes);
+            assert!(tiles.len() <= column_tiles(m, g), "{sizes:?}");
+            assert!(tiles
+                .iter()
+                .all(|&(r, n)| n > 0 && n <= 128 && r / 128 == (r + n - 1) / 128));
+            assert_eq!(
+                tiles.iter().map(|t| t.1).sum::<usize>(),
+                m - (s % 7) as usize
+            );
+        }
+        let (m, k, sizes) = (304, 5, [70usize, 0, 150, 64]);
+        let mut v = sample(m * k, 21);
+        v[100 * k + 3] = 9.0; // group 2's first tile, column 3
+        let (codes, scales) = quantize_group_columns_host(&v, m, k, &sizes);
+        assert_eq!(scales.len(), column_tiles(m, sizes.len()) * k);
+        assert_eq!(scales[k + 3], 9.0 / E4M3_MAX);
+        assert!(
+            scales[2 * k + 3] < 1.0 / E4M3_MAX + 1e-9,
+            "tile 2 is not scaled by it"
+        );
+        assert!(scales[5 * k..].iter().all(|&x| x == 1.0));
+        assert!((284..304).all(|i| (0..k).all(|j| codes[j * m + i] == 0)));
+        let back = dequantize_host(&codes, &scales, &[m, k], Fp8Tiles::GroupColumns, &sizes);
+        for (tile, &(r0, rows)) in group_column_tiles(&sizes).iter().enumerate() {
+            for i in r0..r0 + rows {
+                for j in 0..k {
+                    let s = scales[tile * k + j];
+                    assert!((back[i * k + j] - v[i * k + j]).abs() <= s * E4M3_MAX / 16.0);
+                }
+            }
+        }
+        assert!(back[284 * k..].iter().all(|&x| x == 0.0));
     }
 
     /// The blockwise GEMM against the f64 product of its dequantised inputs:

@@ -76,12 +76,14 @@ mod tests {
                 "{what}: scales"
             );
         }
-        // x's large value scales its own column tile of group 0 only.
-        let t = column_tiles(m, g);
+        // x's large value scales its own column tile of group 0 only (scales
+        // [column_tiles, k], tile-major; group 2's first tile, rows 70..128,
+        // is tile 1).
         let xs = d.h64(&x_cols.scales);
-        assert_eq!(xs[7 * t], f64::from(30.0 / E4M3_MAX));
+        assert_eq!(xs.len(), column_tiles(m, g) * k);
+        assert_eq!(xs[7], f64::from(30.0 / E4M3_MAX));
         assert!(
-            xs[7 * t + 1] < 1.0 / f64::from(E4M3_MAX) + 1e-9,
+            xs[k + 7] < 1.0 / f64::from(E4M3_MAX) + 1e-9,
             "group 2's first tile"
         );
         // Dequantised values, logical layout (what the emulation multiplies).

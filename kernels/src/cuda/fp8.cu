@@ -122,23 +122,26 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
     }
 }
 
-// Tile `tile` of the per-group column tiling of m rows in `groups` groups:
-// its first row and row count (0 rows for a tile past the groups' own).
-// Rows are clamped to m, so sizes summing past m stay in bounds.
+// Tile `tile` of the per-group column tiling of m rows in `groups` groups
+// (kernels/src/fp8.rs: group_column_tiles): a group's rows cut at the
+// multiples of 128; its first row and row count (0 rows for a tile past the
+// groups' own). Rows are clamped to m, so sizes summing past m stay in bounds.
 __device__ void group_tile(const int* sizes, i64 groups, i64 m, i64 tile, i64* row0, i64* rows) {
     i64 start = 0, tile0 = 0;
     *row0 = 0;
     *rows = 0;
     for (i64 g = 0; g < groups; g++) {
-        const i64 size = max(sizes[g], 0);
-        const i64 tiles = (size + 127) / 128;
+        const i64 end = min(start + max(sizes[g], 0), m);
+        const i64 tiles = end > start ? (end - 1) / 128 - start / 128 + 1 : 0;
         if (tile < tile0 + tiles) {
             const i64 q = tile - tile0;
-            *row0 = start + q * 128;
-            *rows = max((i64)0, min(min((i64)128, size - q * 128), m - *row0));
+            // The first tile starts at the group's first row, the others at
+            // a multiple of 128; each ends at the next multiple or the group's end.
+            *row0 = q == 0 ? start : (start / 128 + q) * 128;
+            *rows = min((*row0 / 128 + 1) * 128, end) - *row0;
             return;
         }
-        start += size;
+        start = max(start, end);
         tile0 += tiles;
     }
 }
@@ -160,7 +163,7 @@ __device__ ColTile block_col_tile(const int* sizes, i64 groups, i64 m, i64 k) {
 }
 
 // One block of 256 threads per (tile, 32 columns) of x [m, k]: each
-// column's amax over the tile's rows gives its scale at scales[col][tile]
+// column's amax over the tile's rows gives its scale at scales[tile][col]
 // (1 for a tile past the groups), codes transposed at codes[col][row]
 // (rows past the groups keep the zeros the buffer starts with).
 template <typename T>
@@ -183,7 +186,7 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
         if (lane == 0) col_scale[j] = a > 0.f ? a / 448.f : 1.f;
     }
     __syncthreads();
-    if (threadIdx.x < nc) scales[(c0 + threadIdx.x) * tiles + tile] = col_scale[threadIdx.x];
+    if (threadIdx.x < nc) scales[tile * k + c0 + threadIdx.x] = col_scale[threadIdx.x];
     for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
         const int j = idx >> 7, i = idx & 127;
         if (i < rows && j < nc) codes[(c0 + j) * m + row0 + i] = e4m3_of(tile_v[i][j] / col_scale[j]);
@@ -218,6 +221,6 @@ extern "C" __global__ void fp8_dequant_group_cols(const unsigned char* codes, co
     for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
         const int i = idx >> 5, j = idx & 31;
         if (i < rows && j < nc)
-            out[(row0 + i) * k + c0 + j] = e4m3_value(codes[(c0 + j) * m + row0 + i]) * scales[(c0 + j) * tiles + tile];
+            out[(row0 + i) * k + c0 + j] = e4m3_value(codes[(c0 + j) * m + row0 + i]) * scales[tile * k + c0 + j];
     }
 }

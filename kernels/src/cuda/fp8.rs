@@ -3,13 +3,14 @@
 //! host reference bit for bit), with no host wait. The forward and data
 //! gradient GEMM ([`Fp8Ops::grouped_matmul_fp8`]) runs on `fp8_sm90.cu`'s
 //! TMA + wgmma e4m3 kernel on sm_90a (K a multiple of 16, bf16 or f32
-//! out), else on [`Fp8Ops`]' provided emulation (dequantise, f32 grouped
-//! GEMM), as does the weight gradient (no fp8 kernel yet: its summed
-//! dimension, the rows, is contiguous in the transposed codes, and a group
-//! may start at any row, where the copy engine needs 16-byte aligned starts
-//! along the contiguous dimension). GPUs without fp8 tensor cores are
-//! refused at the first quantisation, so a run that will need them fails at
-//! once.
+//! out), and the weight gradient
+//! ([`Fp8Ops::grouped_matmul_weight_grad_fp8`]) on its second kernel (M a
+//! multiple of 16, K and N of 4: copies of whole aligned 128-row blocks of
+//! the transposed codes, other groups' rows zeroed in shared memory, see
+//! [`Fp8Tiles::GroupColumns`]); elsewhere, or with `FOLDMOE_FP8_GEMM=
+//! emulate`, on [`Fp8Ops`]' provided emulation (dequantise, f32 grouped
+//! GEMM). GPUs without fp8 tensor cores are refused at the first
+//! quantisation, so a run that will need them fails at once.
 
 use std::sync::OnceLock;
 
@@ -18,7 +19,10 @@ use cudarc::driver::{sys, LaunchConfig};
 use super::compile::{FP8, FP8_SM90};
 use super::linalg::{tma_map_of, TmaMap};
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
-use crate::backend::fp8::{check_gemm_operands, grouped_matmul_fp8_emulated};
+use crate::backend::fp8::{
+    check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
+    grouped_wgrad_fp8_emulated,
+};
 use crate::backend::{Device, Fp8Ops, OffloadOps};
 use crate::error::{arg_err, KernelError, Result};
 use crate::fp8::{
@@ -77,6 +81,19 @@ fn f8_smem_bytes(g: usize) -> usize {
     1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
 }
 
+/// Bytes of one stage of the weight-gradient kernel (`F8W_STAGE`): the
+/// codes of a stage of the forward's, then 128 row scales of A and 128
+/// column scales of B (f32).
+const F8W_STAGE_BYTES: usize = F8_STAGE_BYTES + 2 * 512;
+
+/// Dynamic shared memory of the weight-gradient kernel over `g` groups:
+/// 1024 bytes to align the stages, the stages, 128 bytes of mbarriers, the
+/// consumer warps' store buffers, then the groups' first rows and first
+/// tiles (16 (G + 1), `F8W_OFFS`).
+fn f8w_smem_bytes(g: usize) -> usize {
+    1024 + F8_STAGES * F8W_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
+}
+
 /// Which kernel runs [`Fp8Ops::grouped_matmul_fp8`] on sm_90a.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Fp8Kernel {
@@ -91,8 +108,9 @@ pub(crate) enum Fp8Kernel {
     WgmmaV2,
 }
 
-/// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products on Hopper too,
-/// `=v1` picks the first wgmma version (read once per process).
+/// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products (forward, data
+/// and weight gradients) on Hopper too, `=v1` picks the first wgmma version
+/// of the forward / data gradient (read once per process).
 fn fp8_kernel_default() -> Fp8Kernel {
     static KERNEL: OnceLock<Fp8Kernel> = OnceLock::new();
     *KERNEL.get_or_init(|| match std::env::var("FOLDMOE_FP8_GEMM").as_deref() {
@@ -251,6 +269,110 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// Whether `fp8_sm90.cu`'s weight-gradient kernel can take `x [M, K]ᵀ ·
+    /// dy [M, N]` over `g` groups into `dtype`: an sm_90a device, bf16 or
+    /// f32 out, M a multiple of 16 (the transposed codes' rows in the tensor
+    /// maps are 16-byte multiples), K and N multiples of 4 (the scales' bulk
+    /// copies: 16-byte aligned, whole 16-byte pieces), 16-byte aligned code
+    /// and scale arrays, sizes within the copy engine's 32-bit coordinates,
+    /// the offsets within shared memory.
+    fn fp8_wgrad_fits(
+        &self,
+        (m, k, n, g): (usize, usize, usize, usize),
+        dtype: DType,
+        ptrs: &[u64],
+    ) -> bool {
+        let lim = i32::MAX as usize;
+        self.arch() == "sm_90a"
+            && matches!(dtype, DType::BF16 | DType::F32)
+            && m > 0
+            && k > 0
+            && n > 0
+            && g > 0
+            && m.is_multiple_of(16)
+            && k.is_multiple_of(4)
+            && n.is_multiple_of(4)
+            && m < lim
+            && k < lim
+            && n < lim
+            && g < lim
+            && f8w_smem_bytes(g) <= MAX_SMEM
+            && ptrs.iter().all(|p| p % 16 == 0)
+    }
+
+    /// [`Fp8Ops::grouped_matmul_weight_grad_fp8`] on `fp8_sm90.cu`'s kernel
+    /// unless `kernel` is [`Fp8Kernel::Emulated`] or it does not fit (then
+    /// the emulation).
+    pub(crate) fn grouped_wgrad_fp8_on(
+        &self,
+        x: &Fp8Matrix<Self>,
+        dy: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        dtype: DType,
+        kernel: Fp8Kernel,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "grouped_matmul_weight_grad_fp8";
+        check_wgrad_operands(x, dy)?;
+        let dims = match (x.shape.as_slice(), dy.shape.as_slice(), group_sizes.shape()) {
+            (&[m, k], &[my, n], &[g]) if m == my => Some((m, k, n, g)),
+            _ => None,
+        };
+        // Shapes that disagree are reported by the emulation's checks.
+        let Some((m, k, n, g)) = dims else {
+            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
+        };
+        check_parts(OP, x, g)?;
+        check_parts(OP, dy, g)?;
+        let (xp, dp) = (x.codes.storage().ptr(), dy.codes.storage().ptr());
+        let (xs, ds) = (x.scales.storage().ptr(), dy.scales.storage().ptr());
+        if kernel == Fp8Kernel::Emulated
+            || !self.fp8_wgrad_fits((m, k, n, g), dtype, &[xp, dp, xs, ds])
+        {
+            return grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype);
+        }
+        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        // Every element is written: an empty group's tiles store zeros.
+        let out = self.alloc(OP, &[g, k, n], dtype)?;
+        let (m64, k64, n64) = (m as u64, k as u64, n as u64);
+        let ta = fp8_map(OP, xp, &[m64, k64], &[128, 128])?;
+        let tb = fp8_map(OP, dp, &[m64, n64], &[128, 128])?;
+        let smem = f8w_smem_bytes(g) as u32;
+        self.bind()?;
+        let name = if dtype == DType::F32 {
+            "grouped_wgrad_fp8_wgmma_f32"
+        } else {
+            "grouped_wgrad_fp8_wgmma_bf16"
+        };
+        let f = self.func_smem(FP8_SM90, name, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                self.persistent_grid(g * k.div_ceil(F8_TILE) * n.div_ceil(F8_TILE))?,
+                1,
+                1,
+            ),
+            block_dim: (F8_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        launch!(
+            self,
+            f,
+            cfg,
+            ta,
+            tb,
+            xs,
+            ds,
+            offs.ptr(),
+            out.storage().ptr(),
+            m as i64,
+            k as i64,
+            n as i64,
+            g as i32
+        )?;
+        Ok(out)
+    }
+}
+
 /// The grid of the per-group column-tile kernels: a block per tile and 32
 /// columns.
 fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
@@ -262,6 +384,19 @@ fn group_cols_grid(m: usize, k: usize, groups: usize) -> (u32, u32, u32) {
 }
 
 impl Fp8Ops for Cuda {
+    /// On sm_90a `fp8_sm90.cu`'s weight-gradient kernel (scales applied per
+    /// tile of a group's rows, promoted into f32), where it fits; else the
+    /// emulation.
+    fn grouped_matmul_weight_grad_fp8(
+        &self,
+        x: &Fp8Matrix<Self>,
+        dy: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        dtype: DType,
+    ) -> Result<Tensor<Self>> {
+        self.grouped_wgrad_fp8_on(x, dy, group_sizes, dtype, fp8_kernel_default())
+    }
+
     /// On sm_90a the e4m3 wgmma kernel of `fp8_sm90.cu` (scales applied
     /// per 128 of K, promoted into f32), where it fits; else the emulation.
     fn grouped_matmul_fp8(
@@ -441,6 +576,222 @@ mod tests {
     }
 
     use crate::cuda::linalg::tests::{host, mean_seconds, uneven_sizes};
+
+    /// The f64 weight gradient of dequantised operands: `(Σ_r x[r, j] ·
+    /// dy[r, l], Σ_r |x[r, j] · dy[r, l]|)` over each group's rows, `[G, K,
+    /// N]` flattened.
+    fn wgrad_f64(x: &[f64], dy: &[f64], sizes: &[usize], k: usize, n: usize) -> Vec<(f64, f64)> {
+        let mut out = vec![(0f64, 0f64); sizes.len() * k * n];
+        let mut start = 0;
+        for (e, &size) in sizes.iter().enumerate() {
+            for r in start..start + size {
+                for j in 0..k {
+                    let a = x[r * k + j];
+                    let o = &mut out[(e * k + j) * n..(e * k + j + 1) * n];
+                    for (l, slot) in o.iter_mut().enumerate() {
+                        let p = a * dy[r * n + l];
+                        slot.0 += p;
+                        slot.1 += p.abs();
+                    }
+                }
+            }
+            start += size;
+        }
+        out
+    }
+
+    /// The fp8 weight gradient on wgmma (`fp8_sm90.cu`'s second kernel)
+    /// against the f64 product of its dequantised operands, at groups that
+    /// start at rows not multiples of 16 (70, 220, 305: the copies start at
+    /// the aligned 128-row block and zero the other groups' rows), group
+    /// sizes (the summed dimension) not multiples of 128, a group inside one
+    /// block, one spanning three, empty groups (exact zeros) and padding
+    /// rows past the groups, K and N not multiples of 128, bf16 and f32 out.
+    /// Tolerance as the forward's on the tensor cores
+    /// (`fp8_gemms_at_tensor_core_shapes`): f32 accumulation, 2·K_g·ε of
+    /// Σ|a·b|, plus 2⁻⁹ Σ|a·b| for the narrower accumulation inside each
+    /// 128-row block, plus bf16's rounding of the result. The worst
+    /// |err| / Σ|a·b| is printed. The emulation (`FOLDMOE_FP8_GEMM=emulate`)
+    /// is checked on the same operands.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn fp8_weight_gradient_on_wgmma_matches_the_f64_product() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let cases: [(usize, usize, usize, &[usize]); 3] = [
+            (304, 400, 144, &[70, 0, 150, 64]),
+            (512, 132, 136, &[0, 300, 5, 0, 197]),
+            (256, 128, 128, &[128, 0, 128]),
+        ];
+        for (case, &(m, k, n, sizes)) in cases.iter().enumerate() {
+            let g = sizes.len();
+            let gs = d
+                .upload(
+                    HostData::I32(sizes.iter().map(|&s| s as i32).collect()),
+                    &[g],
+                )
+                .unwrap();
+            let mut xv = values(m * k, 100 + case as u64);
+            xv[75 * k + 7] = 40.0; // a large value in one tile of one group
+            let dyv = values(m * n, 200 + case as u64);
+            let xt = d.upload(HostData::F32(xv), &[m, k]).unwrap();
+            let dyt = d.upload(HostData::F32(dyv), &[m, n]).unwrap();
+            let q = |t: &Tensor<Cuda>| {
+                d.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(&gs))
+                    .unwrap()
+            };
+            let (xq, dyq) = (q(&xt), q(&dyt));
+            let deq = |qm: &Fp8Matrix<Cuda>| -> Vec<f64> {
+                host(&d, &d.dequantize_fp8(qm, Some(&gs)).unwrap())
+                    .into_iter()
+                    .map(f64::from)
+                    .collect()
+            };
+            let want = wgrad_f64(&deq(&xq), &deq(&dyq), sizes, k, n);
+            let ptrs = [
+                xq.codes.storage().ptr(),
+                dyq.codes.storage().ptr(),
+                xq.scales.storage().ptr(),
+                dyq.scales.storage().ptr(),
+            ];
+            assert!(
+                d.fp8_wgrad_fits((m, k, n, g), DType::F32, &ptrs),
+                "case {case}: the wgmma kernel should take it"
+            );
+            for kernel in [Fp8Kernel::WgmmaV2, Fp8Kernel::Emulated] {
+                for dtype in [DType::F32, DType::BF16] {
+                    let dw = d
+                        .grouped_wgrad_fp8_on(&xq, &dyq, &gs, dtype, kernel)
+                        .unwrap();
+                    assert_eq!((dw.shape(), dw.dtype()), (&[g, k, n][..], dtype));
+                    let got = host(&d, &dw);
+                    let mut worst = 0f64;
+                    for (idx, (&v, &(exact, mag))) in got.iter().zip(&want).enumerate() {
+                        let e = idx / (k * n);
+                        let v = f64::from(v);
+                        let mut tol = 2.0 * sizes[e] as f64 * f64::from(f32::EPSILON) * mag;
+                        if kernel != Fp8Kernel::Emulated {
+                            tol += mag / 512.0;
+                        }
+                        if dtype == DType::BF16 {
+                            tol += exact.abs() / 256.0;
+                        }
+                        let err = (v - exact).abs();
+                        if dtype == DType::F32 && mag > 0.0 {
+                            worst = worst.max(err / mag);
+                        }
+                        assert!(
+                            err <= tol,
+                            "case {case} {kernel:?} {dtype:?}: dw[{e}, {}, {}] = {v} vs {exact} (tol {tol})",
+                            (idx / n) % k,
+                            idx % n
+                        );
+                    }
+                    if dtype == DType::F32 {
+                        println!(
+                            "case {case} (m {m}, k {k}, n {n}, sizes {sizes:?}) {kernel:?}: worst |err| / sum |a b| = {worst:.3e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The fp8 weight gradient on wgmma at the Qwen3-30B-A3B expert shapes
+    /// (131072 rows = 16384 tokens × top-8, the last 40 past the groups, in
+    /// 128 uneven groups; hidden D 2048, ffn F 768): fc1's (x [M, D] with
+    /// dgate [M, F] → [G, D, F], and with gate and up together, [M, 2F] →
+    /// [G, D, 2F]) and fc2's (act [M, F] with dy [M, D] → [G, F, D]),
+    /// against the emulation on the same operands (relative Frobenius
+    /// difference within 2⁻⁹, as the forward's full-shape test), the bf16
+    /// output the f32 one rounded. Prints each product's time (host clock,
+    /// 20 synchronised calls after 3 warm-ups, the group offsets included)
+    /// and TFLOP/s beside the emulation and the bf16 wgmma weight gradient
+    /// on the same shape. Ignored (large): run with `--ignored` on a GPU.
+    #[test]
+    #[ignore]
+    fn fp8_weight_gradient_full_shape_timings() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let (rows, h, f, e) = (131072usize, 2048usize, 768usize, 128usize);
+        let used = rows - 40;
+        let gs = d
+            .upload(HostData::I32(uneven_sizes(e, used)), &[e])
+            .unwrap();
+        let up = |cols: usize, seed| {
+            d.upload(HostData::F32(values(rows * cols, seed)), &[rows, cols])
+                .unwrap()
+        };
+        let time = |run: &dyn Fn()| mean_seconds(&d, run);
+        println!("| product | M x K x N (G {e}) | fp8 wgmma ms | TFLOP/s | emulated ms | TFLOP/s | bf16 wgmma ms | TFLOP/s | wgmma / bf16 | rel. diff vs emulation | max abs diff |");
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        let cases = [
+            ("fc1 dw (gate)", h, f, 51),
+            ("fc1 dw (gate+up)", h, 2 * f, 52),
+            ("fc2 dw", f, h, 53),
+        ];
+        for (name, k, n, seed) in cases {
+            let (a, b) = (up(k, seed), up(n, seed + 100));
+            let q = |t: &Tensor<Cuda>| {
+                d.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(&gs))
+                    .unwrap()
+            };
+            let (aq, bq) = (q(&a), q(&b));
+            let (ab, bb) = (
+                d.cast(&a, DType::BF16).unwrap(),
+                d.cast(&b, DType::BF16).unwrap(),
+            );
+            drop((a, b));
+            let run = |dtype, kernel| {
+                d.grouped_wgrad_fp8_on(&aq, &bq, &gs, dtype, kernel)
+                    .unwrap()
+            };
+            let w32 = host(&d, &run(DType::F32, Fp8Kernel::Emulated));
+            let g32 = host(&d, &run(DType::F32, Fp8Kernel::WgmmaV2));
+            let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+            for (&p, &r) in g32.iter().zip(&w32) {
+                let diff = f64::from(p) - f64::from(r);
+                num += diff * diff;
+                den += f64::from(r) * f64::from(r);
+                max_abs = max_abs.max(diff.abs());
+            }
+            let rel = (num / den.max(1e-300)).sqrt();
+            assert!(rel <= 1.0 / 512.0, "{name}: relative difference {rel:.3e}");
+            let gb = host(&d, &run(DType::BF16, Fp8Kernel::WgmmaV2));
+            for (i, (&b, &v)) in gb.iter().zip(&g32).enumerate() {
+                assert!(
+                    (b - v).abs() <= v.abs() / 256.0,
+                    "{name}: bf16 out [{i}] {b} vs f32 out {v}"
+                );
+            }
+            drop((w32, g32, gb));
+            let flop = 2.0 * (used * k * n) as f64;
+            let t8 = time(&|| {
+                run(DType::BF16, Fp8Kernel::WgmmaV2);
+            });
+            let te = time(&|| {
+                run(DType::BF16, Fp8Kernel::Emulated);
+            });
+            let t16 = time(&|| {
+                d.grouped_matmul_weight_grad(&ab, &bb, &gs).unwrap();
+            });
+            println!(
+                "| {name} | {used}x{k}x{n} | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} | {:.1} | {:.2} | {rel:.2e} | {max_abs:.2e} |",
+                t8 * 1e3,
+                flop / t8 / 1e12,
+                te * 1e3,
+                flop / te / 1e12,
+                t16 * 1e3,
+                flop / t16 / 1e12,
+                t16 / t8
+            );
+        }
+    }
 
     /// The fp8 wgmma products at the Qwen3-30B-A3B expert shapes (131072
     /// rows, the last 40 past the groups, in 128 uneven groups; hidden 2048,

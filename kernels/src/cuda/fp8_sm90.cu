@@ -1,7 +1,8 @@
 // Hopper (sm_90a) blockwise fp8 grouped GEMM (issue 22): the forward and the
 // data gradient of the routed experts, y = x · op(w[g]), on e4m3 operands
 // with DeepSeek-V3's scales (fp8.rs picks it; Fp8Ops' emulation stays for
-// other GPUs, other dtypes and shapes a tensor map cannot describe).
+// other GPUs, other dtypes and shapes a tensor map cannot describe); the
+// weight gradient dw[g] = x_gᵀ dy_g is the second kernel, further down.
 //
 // Operands, both stored with the summed dimension K contiguous (what fp8
 // wgmma reads: K-major only):
@@ -186,6 +187,62 @@ __device__ __forceinline__ void f8_promote(float (&acc)[64], float (&t)[64], flo
     }
 }
 
+// The staged store of V2 (and the weight gradient): a warp's 16 rows of an
+// output tile, rows rw .. rw + 15 of out (those below row_end), columns
+// col0 .. col0 + 127 (those below n), from acc (register 4 j + e: row
+// lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2) through
+// the warp's buffer sw (16 rows, 144 bytes apart).
+template <bool OUTF>
+__device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const float (&acc)[64], unsigned char* sw,
+                                                i64 rw, i64 row_end, i64 col0, i64 n, int lane) {
+    // Each warp writes its 16 rows, 128 bytes of columns at a
+    // time (bf16: 64 columns, f32: 32), into its buffer (rows 144
+    // bytes apart: a warp's 4-byte writes hit 32 banks), then stores
+    // whole 16-byte pieces of rows inside the group, columns inside
+    // N (element by element where a piece crosses N or N is not a
+    // multiple of the piece).
+    constexpr int EB = OUTF ? 4 : 2;      // bytes per element
+    constexpr int CP = 128 / EB;          // columns per pass
+    constexpr int PE = 16 / EB;           // elements per piece
+#pragma unroll
+    for (int c = 0; c < F8_BN / CP; ++c) {
+        if (col0 + c * CP >= n) break;
+#pragma unroll
+        for (int jj = 0; jj < CP / 8; ++jj) {
+            int j = c * (CP / 8) + jj;
+            unsigned char* q = sw + (lane >> 2) * 144 + (jj * 8 + 2 * (lane & 3)) * EB;
+            if (OUTF) {
+                *reinterpret_cast<float2*>(q) = make_float2(acc[4 * j], acc[4 * j + 1]);
+                *reinterpret_cast<float2*>(q + 8 * 144) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+            } else {
+                *reinterpret_cast<unsigned*>(q) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
+                *reinterpret_cast<unsigned*>(q + 8 * 144) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+            int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
+            i64 gr = rw + row, gc = col0 + c * CP + ch * PE;
+            if (gr < row_end && gc < n) {
+                const unsigned char* src = sw + row * 144 + ch * 16;
+                unsigned char* dst = reinterpret_cast<unsigned char*>(out) + (gr * n + gc) * EB;
+                if (n % PE == 0) {
+                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+                } else {
+                    for (int e = 0; e < PE && gc + e < n; ++e) {
+                        if (OUTF)
+                            reinterpret_cast<float*>(dst)[e] = reinterpret_cast<const float*>(src)[e];
+                        else
+                            reinterpret_cast<bf16*>(dst)[e] = reinterpret_cast<const bf16*>(src)[e];
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+}
+
 // V2's pipeline state: the ring position, and the last issued block's
 // stage (ps) and scales (q0, q1: rows r0, r0 + 8).
 struct F8Pipe {
@@ -363,60 +420,265 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                 }
                 continue;
             }
-            // Staged: each warp writes its 16 rows, 128 bytes of columns at a
-            // time (bf16: 64 columns, f32: 32), into its buffer (rows 144
-            // bytes apart: a warp's 4-byte writes hit 32 banks), then stores
-            // whole 16-byte pieces of rows inside the group, columns inside
-            // N (element by element where a piece crosses N or N is not a
-            // multiple of the piece).
-            constexpr int EB = OUTF ? 4 : 2;      // bytes per element
-            constexpr int CP = 128 / EB;          // columns per pass
-            constexpr int PE = 16 / EB;           // elements per piece
-            unsigned char* sw = base + F8_STG + (tid >> 5) * F8_STG_WARP;
-            i64 rw = tl.row0 + wg * 64 + warp * 16;
-#pragma unroll
-            for (int c = 0; c < F8_BN / CP; ++c) {
-                if (tl.col0 + c * CP >= n) break;
-#pragma unroll
-                for (int jj = 0; jj < CP / 8; ++jj) {
-                    int j = c * (CP / 8) + jj;
-                    unsigned char* q = sw + (lane >> 2) * 144 + (jj * 8 + 2 * (lane & 3)) * EB;
-                    if (OUTF) {
-                        *reinterpret_cast<float2*>(q) = make_float2(acc[4 * j], acc[4 * j + 1]);
-                        *reinterpret_cast<float2*>(q + 8 * 144) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-                    } else {
-                        *reinterpret_cast<unsigned*>(q) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
-                        *reinterpret_cast<unsigned*>(q + 8 * 144) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
-                    }
-                }
-                __syncwarp();
-#pragma unroll
-                for (int qq = 0; qq < 4; ++qq) {
-                    int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
-                    i64 gr = rw + row, gc = tl.col0 + c * CP + ch * PE;
-                    if (gr < tl.row_end && gc < n) {
-                        const unsigned char* src = sw + row * 144 + ch * 16;
-                        unsigned char* dst = reinterpret_cast<unsigned char*>(out) + (gr * n + gc) * EB;
-                        if (n % PE == 0) {
-                            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-                        } else {
-                            for (int e = 0; e < PE && gc + e < n; ++e) {
-                                if (OUTF)
-                                    reinterpret_cast<float*>(dst)[e] = reinterpret_cast<const float*>(src)[e];
-                                else
-                                    reinterpret_cast<bf16*>(dst)[e] = reinterpret_cast<const bf16*>(src)[e];
-                            }
-                        }
-                    }
-                }
-                __syncwarp();
-            }
+            f8_store_staged<OUTF>(out, acc, base + F8_STG + (tid >> 5) * F8_STG_WARP, tl.row0 + wg * 64 + warp * 16,
+                                  tl.row_end, tl.col0, n, lane);
             (void)in0;
             (void)in1;
         }
     }
 }
 
+
+// ---- The weight gradient dw[g] = x_gᵀ · dy_g, [K, N] per group, of
+// GroupColumns operands (kernels/src/fp8.rs): A = x codes stored [K, M],
+// B = dy codes [N, M], both with the summed dimension (the rows M)
+// contiguous, as fp8 wgmma wants; scales sa [T, K], sb [T, N], tile-major
+// (T = column_tiles(M, G)). A group's tiles are its rows in each aligned
+// 128-row block of M (group_column_tiles), so the copies always start at a
+// multiple of 128 rows (the copy engine needs 16-byte aligned starts along
+// the contiguous dimension, and routed groups start anywhere): step b of a
+// group whose rows are [s, e) copies rows 128 b .. 128 b + 127 of A and B,
+// and where the block holds other groups' rows (the group's first and last
+// steps) each consumer warpgroup zeroes those bytes of its 64 rows of A in
+// shared memory (fence.proxy.async, then a warpgroup barrier, before its
+// wgmmas): products over them are exact zeros, so the whole K range of the
+// group stays exact. Tile t of the step is the group's first tile (a prefix
+// over the groups, computed per block from the offsets) plus b - s / 128.
+// The stage also holds the tile's 128 row scales of A (sa[t, row0 ..]) and
+// 128 column scales of B (sb[t, col0 ..]), brought by two bulk copies on
+// the same mbarrier (K and N multiples of 4: 16-byte aligned, whole
+// 16-byte pieces; scales past K or N are stale and never stored). The
+// promotion scales register (row r, column c) by sa[r] · sb[c]. Output
+// tiles 128 (of K) × 128 (of N), G · ceil(K / 128) · ceil(N / 128) of them,
+// a group's adjacent (its codes stay in L2); an empty group has no steps
+// and stores zeros. V2's loop (blocks in pairs, nothing in flight at the
+// back edge) and staged stores.
+#define F8W_ST 6
+#define F8W_STAGE (F8_STAGE_BYTES + 2 * 512)
+#define F8W_STG (F8W_ST * F8W_STAGE + 128)
+#define F8W_OFFS (F8W_STG + 8 * F8_STG_WARP)
+
+__device__ __forceinline__ void f8_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+// Zeroes the bytes outside [lo, hi) of each of the 64 rows (128 bytes,
+// 128-byte swizzle: logical 16-byte piece q of row r at piece q ^ (r % 8))
+// at shared address p; i: this thread's index in its warpgroup. Whole
+// pieces outside are stored as zeros; the (at most two) pieces holding lo
+// or hi are read, masked byte by byte and written back.
+__device__ __forceinline__ void f8w_mask(unsigned p, int lo, int hi, int i) {
+#pragma unroll 1
+    for (int e = i; e < 64 * 8; e += 128) {
+        int row = e >> 3, q = e & 7, b = q * 16;
+        if (b >= lo && b + 16 <= hi) continue;
+        unsigned c = p + row * 128 + ((q ^ (row & 7)) << 4);
+        unsigned w0 = 0, w1 = 0, w2 = 0, w3 = 0;
+        if (b + 16 > lo && b < hi) {
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(w0), "=r"(w1), "=r"(w2), "=r"(w3)
+                         : "r"(c)
+                         : "memory");
+            // Byte y of word x is kept when b + 4 x + y is in [lo, hi).
+            unsigned keep[4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                keep[x] = 0;
+#pragma unroll
+                for (int y = 0; y < 4; ++y) {
+                    int at = b + 4 * x + y;
+                    if (at >= lo && at < hi) keep[x] |= 0xffu << (8 * y);
+                }
+            }
+            w0 &= keep[0];
+            w1 &= keep[1];
+            w2 &= keep[2];
+            w3 &= keep[3];
+        }
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(c), "r"(w0), "r"(w1), "r"(w2), "r"(w3)
+                     : "memory");
+    }
+}
+
+// One step of the weight gradient: wait for stage s, zero the other
+// groups' rows of this warpgroup's A where block b holds any (rows [gs,
+// ge) are the group's), issue the 4 wgmmas into cur; returns the stage.
+__device__ __forceinline__ int f8w_issue(float (&cur)[64], int b, int gs, int ge, unsigned stage0, unsigned bar0,
+                                         int wg, int& s, unsigned& ph) {
+    mbar_wait(bar0 + 8 * s, ph);
+    int lo = gs - 128 * b, hi = ge - 128 * b;
+    if (lo > 0 || hi < 128) {
+        f8w_mask(stage0 + s * F8W_STAGE + wg * (64 * F8_BK), lo > 0 ? lo : 0, hi < 128 ? hi : 128, threadIdx.x & 127);
+        // The zeros before this warpgroup's wgmmas (async proxy) read them.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        if (wg == 0)
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+        else
+            asm volatile("bar.sync 2, 128;\n" ::: "memory");
+    }
+    unsigned a = stage0 + s * F8W_STAGE;
+    f8_issue(cur, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+    int used = s;
+    if (++s == F8W_ST) {
+        s = 0;
+        ph ^= 1;
+    }
+    return used;
+}
+
+// Promotion of a weight-gradient step from stage `st`'s scales: acc += t ·
+// sa[ra (+ 8)] · sb[column]; register 4 j + e is row ra (+ 8 for e >= 2),
+// column 8 j + 2 (lane % 4) + e % 2 of the tile.
+__device__ __forceinline__ void f8w_promote(float (&acc)[64], float (&t)[64], const unsigned char* st, int ra,
+                                            int lane) {
+    const float* sas = reinterpret_cast<const float*>(st + F8_STAGE_BYTES);
+    const float2* sbs = reinterpret_cast<const float2*>(st + F8_STAGE_BYTES + 512) + (lane & 3);
+    float p0 = sas[ra], p1 = sas[ra + 8];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        float2 c = sbs[4 * j];
+        acc[4 * j] = fmaf(t[4 * j], p0 * c.x, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(t[4 * j + 1], p0 * c.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(t[4 * j + 2], p1 * c.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(t[4 * j + 3], p1 * c.y, acc[4 * j + 3]);
+    }
+}
+
+// Output tile t of the weight gradient: group, first row (of K), first
+// column (of N).
+__device__ __forceinline__ void f8w_tile(i64 t, i64 k, i64 n, int* grp, i64* row0, i64* col0) {
+    i64 ncol = (n + F8_BN - 1) / F8_BN, per = ncol * ((k + F8_BM - 1) / F8_BM);
+    *grp = (int)(t / per);
+    i64 rem = t - (i64)*grp * per;
+    *row0 = (rem / ncol) * F8_BM;
+    *col0 = (rem - (rem / ncol) * ncol) * F8_BN;
+}
+
+// The kernel: grid min(tiles, SMs) blocks of F8_THREADS; ta maps x codes
+// [K, M] (dims M, K; box 128 × 128), tb dy codes [N, M]; offs: the groups'
+// first rows (group_offsets, clamped to M); out [G, K, N].
+template <bool OUTF>
+__device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, const float* __restrict__ sa,
+                                         const float* __restrict__ sb, const i64* __restrict__ offs,
+                                         void* __restrict__ out, i64 m, i64 k, i64 n, int g) {
+    unsigned raw = smem_u32(f8_smem);
+    unsigned pad = (1024u - (raw & 1023u)) & 1023u;
+    unsigned char* base = f8_smem + pad;
+    unsigned stage0 = raw + pad;
+    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (F8W_ST + s).
+    unsigned bar0 = stage0 + F8W_ST * F8W_STAGE;
+    i64* so = reinterpret_cast<i64*>(base + F8W_OFFS);
+    i64* ft = so + (g + 1);
+    int tid = threadIdx.x;
+    for (int i = tid; i <= g; i += F8_THREADS) so[i] = offs[i];
+    __syncthreads();
+    if (tid == 0) {
+        // Each group's first tile: the tiles of the groups before it, one
+        // per aligned 128-row block each meets (fp8.cu's group_tile).
+        i64 t = 0;
+        for (int i = 0; i < g; ++i) {
+            ft[i] = t;
+            i64 gs = so[i], ge = so[i + 1];
+            t += ge > gs ? (ge - 1) / 128 - gs / 128 + 1 : 0;
+        }
+        ft[g] = t;
+        for (int s = 0; s < F8W_ST; ++s) {
+            mbar_init(bar0 + 8 * s, 1);
+            mbar_init(bar0 + 8 * (F8W_ST + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    i64 total = (i64)g * ((n + F8_BN - 1) / F8_BN) * ((k + F8_BM - 1) / F8_BM);
+    int wg = tid >> 7;
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 256) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+            int s = 0;
+            unsigned ph = 0;
+            for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+                int grp;
+                i64 row0, col0;
+                f8w_tile(t, k, n, &grp, &row0, &col0);
+                i64 gs = so[grp], ge = so[grp + 1];
+                i64 b0 = gs / 128, nk = ge > gs ? (ge - 1) / 128 - b0 + 1 : 0;
+                unsigned ba = (unsigned)(min((i64)128, k - row0) * 4), bb = (unsigned)(min((i64)128, n - col0) * 4);
+                const float* sat = sa + ft[grp] * k + row0;
+                const float* sbt = sb + ft[grp] * n + col0;
+                for (i64 kb = 0; kb < nk; ++kb) {
+                    unsigned full = bar0 + 8 * s;
+                    mbar_wait(bar0 + 8 * (F8W_ST + s), ph ^ 1);
+                    mbar_expect_tx(full, F8_STAGE_BYTES + ba + bb);
+                    unsigned a = stage0 + s * F8W_STAGE;
+                    int r = (int)((b0 + kb) * 128);
+                    tma_2d(a, ta, full, r, (int)row0);
+                    tma_2d(a + F8_A_BYTES, tb, full, r, (int)col0);
+                    f8_bulk(a + F8_STAGE_BYTES, sat + kb * k, ba, full);
+                    f8_bulk(a + F8_STAGE_BYTES + 512, sbt + kb * n, bb, full);
+                    if (++s == F8W_ST) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        int warp = (tid >> 5) & 3, lane = tid & 31;
+        int ra = wg * 64 + warp * 16 + (lane >> 2);
+        int s = 0;
+        unsigned ph = 0;
+        float acc[64], tmp[64], tmp2[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            tmp[i] = 0.0f;
+            tmp2[i] = 0.0f;
+        }
+        for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
+            int grp;
+            i64 row0, col0;
+            f8w_tile(t, k, n, &grp, &row0, &col0);
+            // Rows and blocks of M fit in 32 bits (fp8.rs checks M).
+            int gs = (int)so[grp], ge = (int)so[grp + 1];
+            int b0 = gs / 128, nk = ge > gs ? (ge - 1) / 128 - b0 + 1 : 0;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            // An odd step first, alone; then pairs (nothing in flight at the back edge).
+            int kb = 0;
+            if (nk & 1) {
+                int s0 = f8w_issue(tmp, b0, gs, ge, stage0, bar0, wg, s, ph);
+                wg_wait<0>();
+                wg_pin(tmp);
+                f8w_promote(acc, tmp, base + s0 * F8W_STAGE, ra, lane);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar0 + 8 * (F8W_ST + s0));
+                kb = 1;
+            }
+            for (; kb < nk; kb += 2) {
+                int s0 = f8w_issue(tmp, b0 + kb, gs, ge, stage0, bar0, wg, s, ph);
+                int s1 = f8w_issue(tmp2, b0 + kb + 1, gs, ge, stage0, bar0, wg, s, ph);
+                wg_wait<1>();
+                wg_pin(tmp);
+                f8w_promote(acc, tmp, base + s0 * F8W_STAGE, ra, lane);
+                // The stage's codes and scales are read: the producer may refill it.
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar0 + 8 * (F8W_ST + s0));
+                wg_wait<0>();
+                wg_pin(tmp2);
+                f8w_promote(acc, tmp2, base + s1 * F8W_STAGE, ra, lane);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar0 + 8 * (F8W_ST + s1));
+            }
+            unsigned char* o = reinterpret_cast<unsigned char*>(out) + (i64)grp * k * n * (OUTF ? 4 : 2);
+            f8_store_staged<OUTF>(o, acc, base + F8W_STG + (tid >> 5) * F8_STG_WARP, row0 + wg * 64 + warp * 16, k,
+                                  col0, n, lane);
+        }
+    }
+}
 
 #define F8_ARGS                                                                                                       \
     const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const float *sa, const float *sb, i64 sbg, \
@@ -434,6 +696,17 @@ F8_ENTRY grouped_mm_fp8_wgmma_bf16_v1(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, i
 }
 F8_ENTRY grouped_mm_fp8_wgmma_f32_v1(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
     f8_body<true, false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+
+// dw [G, K, N] = x_gᵀ dy_g of GroupColumns codes: ta maps x's [K, M], tb
+// dy's [N, M] (boxes 128 × 128); sa [T, K], sb [T, N]; offs [G + 1].
+#define F8W_ARGS \
+    const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const float *sa, const float *sb, const i64 *offs
+F8_ENTRY grouped_wgrad_fp8_wgmma_bf16(F8W_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8w_body<false>(&ta, &tb, sa, sb, offs, out, m, k, n, g);
+}
+F8_ENTRY grouped_wgrad_fp8_wgmma_f32(F8W_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8w_body<true>(&ta, &tb, sa, sb, offs, out, m, k, n, g);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
