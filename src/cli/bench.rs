@@ -113,7 +113,7 @@ pub struct BenchOptions {
     /// The routed experts' GEMMs in blockwise fp8, as `train --fp8`
     /// (`moe-layer` and `model`); FLOP/s and MFU are still counted against
     /// the dense bf16 peak. On sm_90a the forward and data-gradient products
-    /// run on the e4m3 wgmma kernel, the weight gradient is emulated (f32).
+    /// and the weight gradient run on the e4m3 wgmma kernels.
     /// `gemm`: also times the fp8 products on pre-quantised operands (rows
     /// `*_fp8`), beside the bf16 ones on the same shapes.
     #[arg(long)]
@@ -574,9 +574,9 @@ fn time_op(
 /// forward and data gradient, in per-group column tiles for the weight
 /// gradient; `w` in 128 × 128 blocks stored as each product reads it),
 /// output in the bench's dtype; `fp8_vs_bf16` is the bf16 time over the
-/// fp8 one. (Where a product has no fp8 kernel — the weight gradient
-/// everywhere, every product off Hopper — its row times the emulation:
-/// dequantise, then the f32 grouped GEMM.)
+/// fp8 one. (Where a product has no fp8 kernel — every product off
+/// Hopper — its row times the emulation: dequantise, then the f32 grouped
+/// GEMM.)
 fn gemm<B: BenchDevice>(
     b: &B,
     o: &BenchOptions,
