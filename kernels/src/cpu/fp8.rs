@@ -397,7 +397,43 @@ mod tests {
         assert!(e.contains("not a float dtype"), "{e}");
     }
 
+    /// bf16 operands (the CUDA kernels' 16-byte staging paths) quantise to
+    /// the host reference's codes and scales of the same bf16 values: weight
+    /// blocks whole (rows a multiple of 8) and partial, plain and
+    /// transposed; group columns over ragged, empty and padded groups, K past
+    /// one block's 512 columns and not a multiple of 64.
+    fn fp8_bf16_operands_quantise_as_the_host<B: TestOps>(d: &B) {
+        let bf16_of = |v: &[f32], shape: &[usize]| {
+            let t = d.cast(&d.t32(v, shape), DType::BF16).unwrap();
+            let host: Vec<f32> = d.h64(&t).iter().map(|&x| x as f32).collect();
+            (t, host)
+        };
+        for (g, r, c) in [(2, 256, 384), (1, 200, 136)] {
+            let (w, wh) = bf16_of(&sample(g * r * c, 11), &[g, r, c]);
+            for transposed in [false, true] {
+                let tiles = Fp8Tiles::Blocks { transposed };
+                let q = d.quantize_fp8(&w, tiles, None).unwrap();
+                let (codes_h, scales_h) = quantize_host(&wh, &[g, r, c], tiles, &[]);
+                assert_eq!(codes(d, &q), codes_h, "w {g}x{r}x{c} {tiles:?}: codes");
+                let scales_d: Vec<f32> = d.h64(&q.scales).iter().map(|&x| x as f32).collect();
+                assert_eq!(scales_d, scales_h, "w {g}x{r}x{c} {tiles:?}: scales");
+            }
+        }
+        let (m, k) = (700, 1096);
+        let sizes = [70usize, 0, 300, 5, 197];
+        let gs = d.ti32(&sizes.map(|s| s as i32), &[sizes.len()]);
+        let (x, xh) = bf16_of(&sample(m * k, 13), &[m, k]);
+        let q = d
+            .quantize_fp8(&x, Fp8Tiles::GroupColumns, Some(&gs))
+            .unwrap();
+        let (codes_h, scales_h) = quantize_host(&xh, &[m, k], Fp8Tiles::GroupColumns, &sizes);
+        assert_eq!(codes(d, &q), codes_h, "x group columns: codes");
+        let scales_d: Vec<f32> = d.h64(&q.scales).iter().map(|&x| x as f32).collect();
+        assert_eq!(scales_d, scales_h, "x group columns: scales");
+    }
+
     device_tests!(
+        fp8_bf16_operands_quantise_as_the_host,
         fp8_gemms_match_their_dequantised_operands,
         fp8_gemms_at_tensor_core_shapes,
         fp8_rejects_mismatched_operands

@@ -96,12 +96,66 @@ __device__ __forceinline__ float block_amax_256(float a) {
 // One block of 256 threads per 128x128 block (grid: column blocks, row
 // blocks, matrices) of w [g, r, c]: scale = amax / 448 (1 if all zero) at
 // scales[e][bi][bj] of the logical grid, codes at [e][i][j], or at [e][j][i]
-// when transposed.
+// when transposed. The block is staged once in shared memory (bf16 rows of
+// 130, an odd number of words, so a warp reading down a column hits 32
+// banks) with 16-byte loads where rows are a multiple of 8; codes along the
+// stored rows: 8 a thread from registers (plain), or a warp's 32 rows of one
+// column (transposed) — the earlier version read the transposed case down
+// the columns of global memory, one sector a value (~5× the memory time).
+#define QB_STRIDE 130
 template <typename T>
 __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) {
+    __shared__ __align__(16) bf16 tile[128 * QB_STRIDE];
     const i64 e = blockIdx.z, r0 = (i64)blockIdx.y * 128, c0 = (i64)blockIdx.x * 128;
     const i64 nr = min((i64)128, r - r0), nc = min((i64)128, c - c0);
     const T* src = w + e * r * c;
+    unsigned char* dst = codes + e * r * c;
+    const i64 gr = (r + 127) / 128, gc = (c + 127) / 128;
+    if constexpr (sizeof(T) == 2) {
+        if (nr == 128 && nc == 128 && c % 8 == 0) {
+            float v[8][8];
+            float a = 0.f;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const int u = threadIdx.x + 256 * q, i = u >> 4, p = u & 15;
+                const uint4 raw = *reinterpret_cast<const uint4*>(src + (r0 + i) * c + c0 + 8 * p);
+                const unsigned* wd = reinterpret_cast<const unsigned*>(&raw);
+                const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    v[q][k] = to_f32v(h[k]);
+                    a = fmaxf(a, fabsf(v[q][k]));
+                }
+                if (transposed) {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) reinterpret_cast<unsigned*>(tile + i * QB_STRIDE + 8 * p)[k] = wd[k];
+                }
+            }
+            const float amax = block_amax_256(a);
+            const float scale = amax > 0.f ? amax / 448.f : 1.f;
+            if (threadIdx.x == 0) scales[e * gr * gc + blockIdx.y * gc + blockIdx.x] = scale;
+            if (!transposed) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    const int u = threadIdx.x + 256 * q, i = u >> 4, p = u & 15;
+                    unsigned lo = 0, hi = 0;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        lo |= (unsigned)e4m3_of(v[q][k] / scale) << (8 * k);
+                        hi |= (unsigned)e4m3_of(v[q][k + 4] / scale) << (8 * k);
+                    }
+                    *reinterpret_cast<uint2*>(dst + (r0 + i) * c + c0 + 8 * p) = make_uint2(lo, hi);
+                }
+            } else {
+                // block_amax_256's barrier ordered the tile's writes before these reads.
+                for (int u = threadIdx.x; u < 128 * 128; u += 256) {
+                    const int j = u >> 7, i = u & 127;
+                    dst[(c0 + j) * r + r0 + i] = e4m3_of(to_f32v(tile[i * QB_STRIDE + j]) / scale);
+                }
+            }
+            return;
+        }
+    }
     float a = 0.f;
     for (int idx = threadIdx.x; idx < 128 * 128; idx += 256) {
         const int i = idx >> 7, j = idx & 127;
@@ -109,9 +163,7 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
     }
     const float amax = block_amax_256(a);
     const float scale = amax > 0.f ? amax / 448.f : 1.f;
-    const i64 gr = (r + 127) / 128, gc = (c + 127) / 128;
     if (threadIdx.x == 0) scales[e * gr * gc + blockIdx.y * gc + blockIdx.x] = scale;
-    unsigned char* dst = codes + e * r * c;
     for (int idx = threadIdx.x; idx < 128 * 128; idx += 256) {
         // Stores run along the stored rows (the transpose's, if so).
         const int i = transposed ? (idx & 127) : (idx >> 7), j = transposed ? (idx >> 7) : (idx & 127);
@@ -162,34 +214,69 @@ __device__ ColTile block_col_tile(const int* sizes, i64 groups, i64 m, i64 k) {
     return t;
 }
 
-// One block of 256 threads per (tile, 32 columns) of x [m, k]: each
-// column's amax over the tile's rows gives its scale at scales[tile][col]
-// (1 for a tile past the groups), codes transposed at codes[col][row]
-// (rows past the groups keep the zeros the buffer starts with).
+// One block of 256 threads per (tile, GC_COLS columns) of x [m, k], in
+// chunks of GC_CHUNK columns: each column's amax over the tile's rows gives
+// its scale at scales[tile][col] (1 for a tile past the groups), codes
+// transposed at codes[col][row] (rows past the groups keep the zeros the
+// buffer starts with). The tile's rows are found once per block (a walk
+// over the groups by one thread; with a block per 32 columns that walk
+// was repeated 64 times a tile at k = 2048), rows staged with 16-byte loads
+// where k is a multiple of 8, the transposed stores a warp's 32 rows of one
+// column.
+#define GC_CHUNK 64
+#define GC_COLS 512
 template <typename T>
 __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, float* scales, const int* sizes,
                                           i64 m, i64 k, i64 groups, i64 tiles) {
-    __shared__ float tile_v[128][33];
-    __shared__ float col_scale[32];
-    const ColTile t = block_col_tile(sizes, groups, m, k);
-    const i64 tile = t.tile, row0 = t.row0, rows = t.rows, c0 = t.c0, nc = t.nc;
-    for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
-        const int i = idx >> 5, j = idx & 31;
-        tile_v[i][j] = (i < rows && j < nc) ? to_f32v(x[(row0 + i) * k + c0 + j]) : 0.f;
-    }
+    __shared__ float tile_v[128][GC_CHUNK + 1];
+    __shared__ float part[4][GC_CHUNK];
+    __shared__ float col_scale[GC_CHUNK];
+    __shared__ i64 span[2];
+    const i64 tile = blockIdx.x;
+    if (threadIdx.x == 0) group_tile(sizes, groups, m, tile, &span[0], &span[1]);
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int j = warp; j < 32; j += 8) {
-        float a = 0.f;
-        for (int i = lane; i < 128; i += 32) a = fmaxf(a, fabsf(tile_v[i][j]));
-        for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-        if (lane == 0) col_scale[j] = a > 0.f ? a / 448.f : 1.f;
-    }
-    __syncthreads();
-    if (threadIdx.x < nc) scales[tile * k + c0 + threadIdx.x] = col_scale[threadIdx.x];
-    for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
-        const int j = idx >> 7, i = idx & 127;
-        if (i < rows && j < nc) codes[(c0 + j) * m + row0 + i] = e4m3_of(tile_v[i][j] / col_scale[j]);
+    const i64 row0 = span[0], rows = span[1];
+    const i64 cend = min(k, (i64)(blockIdx.y + 1) * GC_COLS);
+    for (i64 c0 = (i64)blockIdx.y * GC_COLS; c0 < cend; c0 += GC_CHUNK) {
+        const int nc = (int)min((i64)GC_CHUNK, k - c0);
+        bool vec = false;
+        if constexpr (sizeof(T) == 2) vec = k % 8 == 0 && nc == GC_CHUNK;
+        if (vec) {
+            for (int u = threadIdx.x; u < 128 * (GC_CHUNK / 8); u += 256) {
+                const int i = u / (GC_CHUNK / 8), p = u % (GC_CHUNK / 8);
+                uint4 raw = make_uint4(0, 0, 0, 0);
+                if (i < rows) raw = *reinterpret_cast<const uint4*>(x + (row0 + i) * k + c0 + 8 * p);
+                const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) tile_v[i][8 * p + q] = to_f32v(h[q]);
+            }
+        } else {
+            for (int u = threadIdx.x; u < 128 * GC_CHUNK; u += 256) {
+                const int i = u / GC_CHUNK, j = u % GC_CHUNK;
+                tile_v[i][j] = (i < rows && j < nc) ? to_f32v(x[(row0 + i) * k + c0 + j]) : 0.f;
+            }
+        }
+        __syncthreads();
+        {
+            const int col = threadIdx.x % GC_CHUNK, pr = threadIdx.x / GC_CHUNK;
+            float a = 0.f;
+            for (int i = pr * 32; i < pr * 32 + 32; ++i) a = fmaxf(a, fabsf(tile_v[i][col]));
+            part[pr][col] = a;
+        }
+        __syncthreads();
+        if (threadIdx.x < GC_CHUNK) {
+            const int j = threadIdx.x;
+            const float a = fmaxf(fmaxf(part[0][j], part[1][j]), fmaxf(part[2][j], part[3][j]));
+            const float sc = a > 0.f ? a / 448.f : 1.f;
+            col_scale[j] = sc;
+            if (j < nc) scales[tile * k + c0 + j] = sc;
+        }
+        __syncthreads();
+        for (int u = threadIdx.x; u < 128 * GC_CHUNK; u += 256) {
+            const int j = u >> 7, i = u & 127;
+            if (i < rows && j < nc) codes[(c0 + j) * m + row0 + i] = e4m3_of(tile_v[i][j] / col_scale[j]);
+        }
+        __syncthreads();  // the chunk's readers are done before the next one is staged
     }
 }
 

@@ -472,7 +472,16 @@ impl Fp8Ops for Cuda {
                     launch!(
                         self,
                         f,
-                        block_cfg(group_cols_grid(m, k, groups), 256, 0),
+                        // A block per (tile, 512 columns): fp8.cu's GC_COLS.
+                        block_cfg(
+                            (
+                                column_tiles(m, groups) as u32,
+                                k.div_ceil(512).max(1) as u32,
+                                1
+                            ),
+                            256,
+                            0
+                        ),
                         x.storage().ptr(),
                         codes.storage().ptr(),
                         scales.storage().ptr(),
