@@ -195,7 +195,9 @@ impl Cuda {
         launch!(
             self,
             f,
-            warp_rows_cfg(rows),
+            // At most 16 blocks an SM's worth (132 SMs on an H200), each
+            // warp striding over the rows (fa3_bwd_prep).
+            warp_rows_cfg(rows.min(8 * 16 * 132)),
             d_o.storage().ptr(),
             o.storage().ptr(),
             lse.storage().ptr(),
