@@ -28,11 +28,35 @@
 //! backward (buckets holding the embedding, the final norm, the head or MTP
 //! modules start after the backward), on the communicator's progress
 //! thread, and waited for before the norm. With `overlap_param_gather`,
-//! each bucket's all-gather is started once its chunk is updated and waited
-//! for after the last bucket's update. Every element is summed over the
+//! each bucket's all-gather is started once its chunk is updated and left
+//! pending across the step boundary, as Megatron-Core's
+//! `--overlap-param-gather` does: the trainer keeps the started gathers
+//! (`Trainer::gathers`, by bucket), and the next step's forward waits for
+//! a bucket's gather only right before the first unit that reads one of
+//! its parameters — the embedding, a block, the final norm and head (with
+//! the embedding table when tied), an MTP module (with the embedding table)
+//! — through the hook of [`Model::forward_chunk_with`], which is a scan and
+//! nothing more once nothing is pending. The buckets are cut walking the
+//! parameters backwards but ordered by their first parameter, and the
+//! update starts their gathers in that (forward) order, dense buckets
+//! before expert ones: the progress thread (or NCCL's stream) runs them in
+//! start order, so the first blocks' gathers are the first to land. A
+//! bucket's parameters are settled for the rest of the step once its unit
+//! has run: a recompute's rerun in the backward, and the later
+//! micro-batches' forwards, read them as they are. Everything else that
+//! reads the parameter values between steps settles every pending gather
+//! first ([`Trainer::settle_params`]): the update itself (and so the
+//! unoverlapped path), [`Trainer::evaluate`], [`Trainer::gather_full`],
+//! a checkpoint's save and load, a step that fails or is refused (its
+//! error returns with the parameters settled); a trainer dropped with
+//! gathers pending drops them first (their results are buffers of their
+//! own), and its model cannot be moved out. Code reading `Trainer::model`
+//! directly between steps (generation from a live trainer, say) must call
+//! `settle_params` first. Every element is summed over the
 //! same ranks in the same group order as without overlap (a tp-replicated
 //! bucket's tp sum is its own all-reduce instead of a part of one for all of
-//! them), so the results are bit-identical.
+//! them), and the values the forward reads are the same, so the results are
+//! bit-identical.
 
 use std::collections::HashMap;
 
@@ -43,7 +67,7 @@ use foldmoe_kernels::{
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
-use crate::engine::model::{Batch, MicroBatch, Model};
+use crate::engine::model::{Batch, ForwardUnit, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::{try_each_param, Module, Param};
 use crate::engine::trainer::{download_loads, load_imbalance, LayerLoad, StepStats, TrainConfig};
@@ -143,6 +167,28 @@ pub struct Trainer<B: Backend> {
     /// The reduce-scatters the last backward started, by bucket
     /// (`overlap_grad_reduce`).
     in_flight: Vec<Option<Pending<B>>>,
+    /// The parameter all-gathers the last update started that nothing has
+    /// waited for yet, by bucket (`overlap_param_gather`): while one is
+    /// here, its members' values are the ones before that update. The next
+    /// forward waits for each right before the first unit reading one of
+    /// its parameters; every other reader settles them all first
+    /// ([`Self::settle_params`]).
+    gathers: Vec<Option<Pending<B>>>,
+    /// The forward units reading each bucket's parameters (none: a
+    /// parameter no unit claims, whose bucket any unit waits for).
+    bucket_units: Vec<Vec<Option<ForwardUnit>>>,
+}
+
+impl<B: Backend> Drop for Trainer<B> {
+    /// Drops the pending parameter all-gathers before the model: their
+    /// results are buffers of their own (host copies on the CPU
+    /// communicators; on NCCL, dropping a handle orders the compute stream
+    /// behind its collective), so nothing waits and nothing is written. The
+    /// model cannot be moved out of a trainer, so no reader gets it with
+    /// gathers pending.
+    fn drop(&mut self) {
+        self.gathers.clear();
+    }
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
@@ -206,24 +252,102 @@ fn plan_buckets(kinds_numels: &[(Kind, usize)], size: usize) -> Vec<(Kind, Vec<u
     closed
 }
 
-/// Each parameter's block among `model`'s blocks, in optimizer order (none
-/// for the embedding, the final norm, the head and the MTP modules).
-fn param_owners<B: Backend>(model: &Model<B>) -> Vec<Option<usize>> {
-    let mut block_of: HashMap<*const Param<B>, usize> = HashMap::new();
+/// The forward unit reading each parameter of `model`, in optimizer order
+/// (none for a parameter no unit claims, which should not happen).
+fn param_units<B: Backend>(model: &Model<B>) -> Vec<Option<ForwardUnit>> {
+    let mut unit_of: HashMap<*const Param<B>, ForwardUnit> = HashMap::new();
+    let mut mark = |unit: ForwardUnit, p: &Param<B>| {
+        unit_of.insert(std::ptr::from_ref(p), unit);
+    };
+    mark(ForwardUnit::Embedding, &model.embed.table);
     for (j, block) in model.blocks().enumerate() {
-        let mut mark = |p: &Param<B>| {
-            block_of.insert(std::ptr::from_ref(p), j);
-        };
-        block.visit_dense(&mut mark);
+        block.visit_dense(&mut |p| mark(ForwardUnit::Block(j), p));
         if let Some(moe) = block.moe() {
-            moe.experts.visit_params(&mut mark);
+            moe.experts
+                .visit_params(&mut |p| mark(ForwardUnit::Block(j), p));
         }
     }
-    let mut owners = Vec::new();
-    let mut owner = |p: &Param<B>| owners.push(block_of.get(&std::ptr::from_ref(p)).copied());
-    model.visit_dense(&mut owner);
-    model.visit_experts(&mut owner);
-    owners
+    model
+        .final_norm
+        .visit_params(&mut |p| mark(ForwardUnit::Head, p));
+    model.head.visit_params(&mut |p| mark(ForwardUnit::Head, p));
+    for (k, m) in model.mtp.iter().enumerate() {
+        m.visit_dense(&mut |p| mark(ForwardUnit::Mtp(k), p));
+        if let Some(moe) = m.block.moe() {
+            moe.experts.visit_params(&mut |p| mark(ForwardUnit::Mtp(k), p));
+        }
+    }
+    let mut units = Vec::new();
+    let mut unit = |p: &Param<B>| units.push(unit_of.get(&std::ptr::from_ref(p)).copied());
+    model.visit_dense(&mut unit);
+    model.visit_experts(&mut unit);
+    units
+}
+
+/// Each parameter's block among the rank's blocks, from its forward unit
+/// (none for the embedding, the final norm, the head and the MTP modules).
+fn param_owners(units: &[Option<ForwardUnit>]) -> Vec<Option<usize>> {
+    units
+        .iter()
+        .map(|u| match u {
+            Some(ForwardUnit::Block(j)) => Some(*j),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Writes each bucket's full flat values `(bucket, values)` into its
+/// members' values (in their shapes).
+fn write_buckets<B: Backend>(
+    b: &B,
+    model: &mut Model<B>,
+    buckets: &[Bucket<B>],
+    landed: Vec<(usize, Tensor<B>)>,
+) -> Result<()> {
+    if landed.is_empty() {
+        return Ok(());
+    }
+    let mut fresh: HashMap<usize, Tensor<B>> = HashMap::new();
+    for (k, full) in landed {
+        for &(i, offset, n) in &buckets[k].members {
+            fresh.insert(i, b.narrow(&full, offset, n)?);
+        }
+    }
+    let (mut i, mut outcome) = (0, Ok(()));
+    visit_all_mut(model, &mut |p| {
+        if let Some(flat) = fresh.remove(&i) {
+            let shape = p.value.shape().to_vec();
+            match flat.reshape(&shape) {
+                Ok(v) if outcome.is_ok() => p.value = v,
+                Ok(_) => {}
+                Err(e) => outcome = Err(e),
+            }
+        }
+        i += 1;
+    });
+    Ok(outcome?)
+}
+
+/// Waits, in bucket order, for the pending parameter all-gathers
+/// (`gathers`) of the buckets `which` selects, and writes them into the
+/// parameters; nothing to do (and no cost beyond a scan) when none is
+/// pending.
+fn settle_gathers<B: Backend>(
+    b: &B,
+    model: &mut Model<B>,
+    buckets: &[Bucket<B>],
+    gathers: &mut [Option<Pending<B>>],
+    which: &dyn Fn(usize) -> bool,
+) -> Result<()> {
+    let mut landed = Vec::new();
+    for (k, gather) in gathers.iter_mut().enumerate() {
+        if gather.is_some() && which(k) {
+            if let Some(pending) = gather.take() {
+                landed.push((k, pending.wait()?));
+            }
+        }
+    }
+    write_buckets(b, model, buckets, landed)
 }
 
 fn visit_all_mut<B: Backend>(model: &mut Model<B>, f: &mut dyn FnMut(&mut Param<B>)) {
@@ -356,7 +480,17 @@ impl<B: Backend> Trainer<B> {
             }
             buckets.push(bucket);
         }
-        let owners = param_owners(&model);
+        let units = param_units(&model);
+        let owners = param_owners(&units);
+        let bucket_units = buckets
+            .iter()
+            .map(|bk| {
+                let mut u: Vec<Option<ForwardUnit>> =
+                    bk.members.iter().map(|m| units[m.0]).collect();
+                u.dedup();
+                u
+            })
+            .collect();
         let mut values = Vec::new();
         if masters {
             model.visit_dense(&mut |p| values.push(p.value.clone()));
@@ -394,7 +528,26 @@ impl<B: Backend> Trainer<B> {
             loads: Vec::new(),
             owners,
             in_flight: Vec::new(),
+            gathers: Vec::new(),
+            bucket_units,
         })
+    }
+
+    /// Waits for every parameter all-gather still pending from the last
+    /// update (`overlap_param_gather`) and writes it into the parameters;
+    /// nothing to do when none is. What every reader of the parameter values
+    /// outside a training step's forward calls first (the trainer's own
+    /// ones do: [`Self::evaluate`], [`Self::gather_full`], the update, a
+    /// refused step, a checkpoint's save and load); code reading
+    /// [`Self::model`] directly between steps must call it too.
+    pub fn settle_params(&mut self, b: &B) -> Result<()> {
+        settle_gathers(b, &mut self.model, &self.buckets, &mut self.gathers, &|_| true)
+    }
+
+    /// Buckets whose parameter all-gather the last update started and
+    /// nothing has waited for yet (see [`Self::settle_params`]).
+    pub fn pending_param_gathers(&self) -> usize {
+        self.gathers.iter().filter(|g| g.is_some()).count()
     }
 
     /// Updates applied so far.
@@ -414,6 +567,11 @@ impl<B: Backend> Trainer<B> {
         &'a self,
         f: &mut dyn FnMut(usize, &'a Param<B>) -> Result<()>,
     ) -> Result<()> {
+        debug_assert_eq!(
+            self.pending_param_gathers(),
+            0,
+            "parameters read with all-gathers pending: settle_params first"
+        );
         let mut i = 0;
         let mut outcome = Ok(());
         let mut visit = |p: &'a Param<B>| {
@@ -585,12 +743,23 @@ impl<B: Backend> Trainer<B> {
                         self.pipeline_wait += waited.elapsed();
                         Some(x)
                     };
-                    let out = self.model.forward_chunk(
+                    // Each unit of the chunk waits, right before it runs, for
+                    // the last update's all-gathers of its parameters (a
+                    // scan and nothing more once they have landed).
+                    let (buckets, units) = (&self.buckets, &self.bucket_units);
+                    let gathers = &mut self.gathers;
+                    let out = self.model.forward_chunk_with(
                         &ctx.exec().at_micro(op.micro),
                         op.chunk,
                         input,
                         Batch::of(micro),
                         seq_len,
+                        &mut |model, unit| {
+                            let reads = |k: usize| {
+                                units[k].iter().any(|u| u.is_none_or(|u| u == unit))
+                            };
+                            settle_gathers(b, model, buckets, gathers, &reads)
+                        },
                     )?;
                     if let Some(l) = &out.loss {
                         b.axpy(&mut loss, scale, l)?;
@@ -671,8 +840,15 @@ impl<B: Backend> Trainer<B> {
     /// Mean loss of one batch without gradients (validation), equal on every
     /// rank: the batch passes the virtual stages in order, each sending its
     /// output to the next, and the last stage's loss is summed over pp.
-    pub fn evaluate(&self, ctx: &Ctx<B>, batch: &impl MicroBatch, seq_len: usize) -> Result<f64> {
+    /// Waits for pending parameter all-gathers first.
+    pub fn evaluate(
+        &mut self,
+        ctx: &Ctx<B>,
+        batch: &impl MicroBatch,
+        seq_len: usize,
+    ) -> Result<f64> {
         let b = ctx.b;
+        self.settle_params(b)?;
         let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
         let pp_ranks = ctx.rank.pp.ranks();
         let mut loss = b.zeros(&[1], self.model.embed.table.value.dtype().acc())?;
@@ -792,8 +968,25 @@ impl<B: Backend> Trainer<B> {
     /// every parameter as one rank training on all dp ranks' micro-batches.
     /// A non-finite loss or gradient norm (or a kernel meeting a NaN) is an
     /// error naming the step and leaves the parameters, the optimizer state
-    /// and the expert biases unchanged.
+    /// and the expert biases unchanged (the parameters as the last update
+    /// made them: its pending all-gathers have landed when the error
+    /// returns).
     pub fn step(
+        &mut self,
+        ctx: &Ctx<B>,
+        micro_batches: &[impl MicroBatch],
+        seq_len: usize,
+    ) -> Result<StepStats> {
+        let outcome = self.try_step(ctx, micro_batches, seq_len);
+        if outcome.is_err() {
+            // Best effort: the step's own error is the one reported.
+            let _ = self.settle_params(ctx.b);
+        }
+        outcome
+    }
+
+    /// [`Self::step`], maybe leaving parameter all-gathers pending on error.
+    fn try_step(
         &mut self,
         ctx: &Ctx<B>,
         micro_batches: &[impl MicroBatch],
@@ -951,7 +1144,9 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Step 5: AdamW on this rank's chunk of every bucket, then all-gathers
-    /// the buckets back into the parameters.
+    /// the buckets back into the parameters: waited for here, or, with
+    /// `overlap_param_gather`, started bucket after bucket and left pending
+    /// for the next forward (see [`Self::settle_params`]).
     fn apply(
         &mut self,
         ctx: &Ctx<B>,
@@ -960,6 +1155,8 @@ impl<B: Backend> Trainer<B> {
         grad_scale: f64,
     ) -> Result<()> {
         let b = ctx.b;
+        // The update reads the values: the last update's gathers land first.
+        self.settle_params(b)?;
         let base = AdamWConfig {
             lr,
             grad_scale,
@@ -971,11 +1168,11 @@ impl<B: Backend> Trainer<B> {
         };
         let mut values = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| values.push(p.value.clone()));
-        let mut updated: Vec<Option<Tensor<B>>> = vec![None; values.len()];
         let me = ctx.rank.rank;
         let overlap = self.cfg.ddp.overlap_param_gather;
-        let mut gathers = Vec::with_capacity(self.buckets.len());
-        for (bk, g) in self.buckets.iter_mut().zip(&grads.chunks) {
+        let mut landed = Vec::with_capacity(self.buckets.len());
+        let mut gathers: Vec<Option<Pending<B>>> = Vec::with_capacity(self.buckets.len());
+        for (k, (bk, g)) in self.buckets.iter_mut().zip(&grads.chunks).enumerate() {
             let group = if bk.kind.expert {
                 &ctx.rank.edp
             } else {
@@ -1000,28 +1197,23 @@ impl<B: Backend> Trainer<B> {
                 Some(w) => b.adamw_step_master(&mut chunk, g, w, &mut bk.m, &mut bk.v, &cfg)?,
                 None => b.adamw_step(&mut chunk, g, &mut bk.m, &mut bk.v, &cfg)?,
             }
-            gathers.push(if parts == 1 {
-                Pending::ready(Ok(chunk))
-            } else if overlap {
-                // Gathers while the next buckets update.
-                ctx.comm.all_gather_start(b, group, &chunk)?
+            gathers.push(if parts > 1 && overlap {
+                // Gathers while the next buckets update and, past this
+                // step, the next forward runs up to its first unit
+                // reading the bucket.
+                Some(ctx.comm.all_gather_start(b, group, &chunk)?)
             } else {
-                Pending::ready(ctx.comm.all_gather(b, group, &chunk))
+                let full = if parts == 1 {
+                    chunk
+                } else {
+                    ctx.comm.all_gather(b, group, &chunk)?
+                };
+                landed.push((k, full));
+                None
             });
         }
-        for (bk, gather) in self.buckets.iter().zip(gathers) {
-            let full = gather.wait()?;
-            for &(i, offset, n) in &bk.members {
-                let shape = values[i].shape().to_vec();
-                updated[i] = Some(b.narrow(&full, offset, n)?.reshape(&shape)?);
-            }
-        }
-        let mut it = updated.into_iter();
-        visit_all_mut(&mut self.model, &mut |p| {
-            if let Some(Some(v)) = it.next() {
-                p.value = v;
-            }
-        });
+        self.gathers = gathers;
+        write_buckets(b, &mut self.model, &self.buckets, landed)?;
         self.step += 1;
         Ok(())
     }
@@ -1031,6 +1223,7 @@ impl<B: Backend> Trainer<B> {
     /// ranks' shards (a collective: every rank must call it; all get it).
     pub fn gather_full(&mut self, ctx: &Ctx<B>, what: Gather<'_, B>) -> Result<Vec<FullTensor>> {
         let b = ctx.b;
+        self.settle_params(b)?;
         let mut params = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| {
             params.push((p.name.clone(), p.value.clone(), p.shard.clone()))
