@@ -296,6 +296,22 @@ fn param_owners(units: &[Option<ForwardUnit>]) -> Vec<Option<usize>> {
         .collect()
 }
 
+/// Waits for the pending parameter all-gathers of the buckets holding a
+/// parameter that forward unit `unit` reads (`units`: each bucket's units)
+/// and writes them in: the hook of the forward (a scan and nothing more
+/// once none is pending).
+fn settle_unit<B: Backend>(
+    b: &B,
+    model: &mut Model<B>,
+    buckets: &[Bucket<B>],
+    units: &[Vec<Option<ForwardUnit>>],
+    gathers: &mut [Option<Pending<B>>],
+    unit: ForwardUnit,
+) -> Result<()> {
+    let reads = |k: usize| units[k].iter().any(|u| u.is_none_or(|u| u == unit));
+    settle_gathers(b, model, buckets, gathers, &reads)
+}
+
 /// Writes each bucket's full flat values `(bucket, values)` into its
 /// members' values (in their shapes).
 fn write_buckets<B: Backend>(
@@ -754,12 +770,7 @@ impl<B: Backend> Trainer<B> {
                         input,
                         Batch::of(micro),
                         seq_len,
-                        &mut |model, unit| {
-                            let reads = |k: usize| {
-                                units[k].iter().any(|u| u.is_none_or(|u| u == unit))
-                            };
-                            settle_gathers(b, model, buckets, gathers, &reads)
-                        },
+                        &mut |model, unit| settle_unit(b, model, buckets, units, gathers, unit),
                     )?;
                     if let Some(l) = &out.loss {
                         b.axpy(&mut loss, scale, l)?;
@@ -1413,7 +1424,9 @@ mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::{Backend, DType, Device, ElementwiseOps as _, HostData};
 
-    use super::{plan_buckets, visit_all_mut, Gather, GradChunks, Kind, Trainer};
+    use super::{
+        plan_buckets, settle_unit, visit_all_mut, Gather, GradChunks, Kind, Trainer,
+    };
     use crate::engine::model::{Batch, Model};
     use crate::engine::optim::{clip_coefficient, MasterWeights};
     use crate::engine::parallel::shard::upload_as;
@@ -2071,5 +2084,90 @@ mod tests {
             assert_eq!(chunks.chunks.len(), t.buckets.len());
             Ok(())
         });
+    }
+
+    /// With `overlap_param_gather` every bucket's all-gather (dp = 2: dense
+    /// and expert buckets alike) is still pending after the step, and the
+    /// next forward waits for each only at the first unit reading it:
+    /// before each unit exactly the pending buckets it reads land, later
+    /// units' buckets stay pending, and once all have landed the hook waits
+    /// for nothing. The parameters are then those of the unoverlapped step.
+    #[test]
+    fn pending_gathers_land_unit_by_unit_in_the_next_forward() {
+        use crate::engine::model::ForwardUnit;
+        use crate::engine::optim::DdpConfig;
+        use crate::engine::parallel::run_local_layout;
+        use crate::layout::LayoutSpec;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let layout =
+            crate::layout::check(&LayoutSpec::parse("world=2,dp=2").unwrap(), &spec).unwrap();
+        let run = |overlap: bool| {
+            let cfg = TrainConfig {
+                ddp: DdpConfig {
+                    overlap_grad_reduce: false,
+                    overlap_param_gather: overlap,
+                    bucket_size: Some(64),
+                },
+                ..TrainConfig::default()
+            };
+            let timeout = std::time::Duration::from_secs(60);
+            let mut results = run_local_layout(&Cpu, &layout, timeout, |ctx| {
+                let model = Model::new(ctx.b, &spec, ctx.rank.clone(), 5, DType::F32)?;
+                let mut t = Trainer::new(ctx.b, model, cfg)?;
+                let i = ctx.rank.dp_index;
+                let micro = [rows(2 * i..2 * i + 2)];
+                t.step(ctx, &micro, 4)?;
+                let n = t.buckets.len();
+                assert!(n > 3, "{n} buckets");
+                assert_eq!(t.pending_param_gathers(), if overlap { n } else { 0 });
+                let mut seen: Vec<(ForwardUnit, Vec<usize>, usize)> = Vec::new();
+                let (buckets, units) = (&t.buckets, &t.bucket_units);
+                let gathers = &mut t.gathers;
+                t.model.forward_chunk_with(
+                    &ctx.exec(),
+                    0,
+                    None,
+                    Batch::of(&micro[0]),
+                    4,
+                    &mut |model, unit| {
+                        let before: Vec<bool> = gathers.iter().map(Option::is_some).collect();
+                        settle_unit(ctx.b, model, buckets, units, gathers, unit)?;
+                        let landed = (0..before.len())
+                            .filter(|&k| before[k] && gathers[k].is_none())
+                            .collect();
+                        let left = gathers.iter().filter(|g| g.is_some()).count();
+                        seen.push((unit, landed, left));
+                        Ok(())
+                    },
+                )?;
+                let reads = |k: usize, unit| t.bucket_units[k].contains(&Some(unit));
+                for (unit, landed, _) in &seen {
+                    assert!(landed.iter().all(|&k| reads(k, *unit)), "{unit:?}: {landed:?}");
+                    for (k, g) in t.gathers.iter().enumerate() {
+                        assert!(g.is_none() || !reads(k, *unit), "{unit:?} left {k}");
+                    }
+                }
+                let units: Vec<ForwardUnit> = seen.iter().map(|s| s.0).collect();
+                assert_eq!(
+                    units,
+                    [
+                        ForwardUnit::Embedding,
+                        ForwardUnit::Block(0),
+                        ForwardUnit::Block(1),
+                        ForwardUnit::Head
+                    ]
+                );
+                if overlap {
+                    // The embedding's unit left the blocks' and the head's
+                    // buckets pending; every unit found one of its own.
+                    assert!(seen[0].2 > 0, "{seen:?}");
+                    assert!(seen.iter().all(|s| !s.1.is_empty()), "{seen:?}");
+                }
+                assert_eq!(t.pending_param_gathers(), 0);
+                Ok(t.gather_full(ctx, Gather::Values)?)
+            });
+            results.remove(0).unwrap()
+        };
+        assert_eq!(run(true), run(false));
     }
 }
