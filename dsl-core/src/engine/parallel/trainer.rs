@@ -37,10 +37,11 @@
 //! the embedding table when tied), an MTP module (with the embedding table)
 //! — through the hook of [`Model::forward_chunk_with`], which is a scan and
 //! nothing more once nothing is pending. The buckets are cut walking the
-//! parameters backwards but ordered by their first parameter, and the
-//! update starts their gathers in that (forward) order, dense buckets
-//! before expert ones: the progress thread (or NCCL's stream) runs them in
-//! start order, so the first blocks' gathers are the first to land. A
+//! parameters backwards, but the update takes them (and starts their
+//! gathers) in the order the next forward needs them — by the first unit
+//! reading each, dense before expert at a tie (`gather_order`) — and the
+//! progress thread (or NCCL's stream) runs them in start order, so the
+//! first units' gathers are the first to land. A
 //! bucket's parameters are settled for the rest of the step once its unit
 //! has run: a recompute's rerun in the backward, and the later
 //! micro-batches' forwards, read them as they are. Everything else that
@@ -180,6 +181,10 @@ pub struct Trainer<B: Backend> {
     /// The forward units reading each bucket's parameters (none: a
     /// parameter no unit claims, whose bucket any unit waits for).
     bucket_units: Vec<Vec<Option<ForwardUnit>>>,
+    /// The buckets in the order the update takes them (and starts their
+    /// all-gathers): by the first forward unit reading them, dense before
+    /// expert at a tie, then by index (see [`gather_order`]).
+    update_order: Vec<usize>,
 }
 
 impl<B: Backend> Drop for Trainer<B> {
@@ -300,6 +305,31 @@ fn param_owners(units: &[Option<ForwardUnit>]) -> Vec<Option<usize>> {
         .collect()
 }
 
+/// The order in which the update takes the buckets and starts their
+/// all-gathers, so that the next forward's first units find theirs first
+/// (the progress thread, or NCCL's stream, runs them in start order): by
+/// the first unit of the forward reading one of a bucket's parameters
+/// (embedding, blocks in order, final norm and head, MTP modules; a
+/// parameter no unit claims counts as first), dense before expert at a tie,
+/// then by bucket index. Without it every expert bucket would follow every
+/// dense one (buckets are numbered by their first parameter, experts after
+/// all dense parameters), and the first MoE block would wait for all the
+/// dense gathers. The key of a bucket is the same on every rank of its
+/// data-parallel group (they hold the same parameters), so every rank's
+/// order follows one global order of the collectives and none can wait on
+/// a peer that waits on it.
+fn gather_order(kinds: &[Kind], units: &[Vec<Option<ForwardUnit>>], blocks: usize) -> Vec<usize> {
+    let at = |u: &Option<ForwardUnit>| match u {
+        None | Some(ForwardUnit::Embedding) => 0,
+        Some(ForwardUnit::Block(j)) => 1 + j,
+        Some(ForwardUnit::Head) => 1 + blocks,
+        Some(ForwardUnit::Mtp(k)) => 2 + blocks + k,
+    };
+    let mut order: Vec<usize> = (0..kinds.len()).collect();
+    order.sort_by_key(|&k| (units[k].iter().map(at).min(), kinds[k].expert, k));
+    order
+}
+
 /// Waits for the pending parameter all-gathers of the buckets holding a
 /// parameter that forward unit `unit` reads (`units`: each bucket's units)
 /// and writes them in: the hook of the forward (a scan and nothing more
@@ -359,15 +389,20 @@ fn settle_gathers<B: Backend>(
     gathers: &mut [Option<Pending<B>>],
     which: &dyn Fn(usize) -> bool,
 ) -> Result<()> {
-    let mut landed = Vec::new();
+    let (mut landed, mut failed) = (Vec::new(), None);
     for (k, gather) in gathers.iter_mut().enumerate() {
-        if gather.is_some() && which(k) {
+        if gather.is_some() && which(k) && failed.is_none() {
             if let Some(pending) = gather.take() {
-                landed.push((k, pending.wait()?));
+                match pending.wait() {
+                    Ok(full) => landed.push((k, full)),
+                    Err(e) => failed = Some(e),
+                }
             }
         }
     }
-    write_buckets(b, model, buckets, landed)
+    // What landed before a failure is written all the same.
+    write_buckets(b, model, buckets, landed)?;
+    failed.map_or(Ok(()), |e| Err(e.into()))
 }
 
 fn visit_all_mut<B: Backend>(model: &mut Model<B>, f: &mut dyn FnMut(&mut Param<B>)) {
@@ -510,7 +545,9 @@ impl<B: Backend> Trainer<B> {
                 u.dedup();
                 u
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let bucket_kinds: Vec<Kind> = buckets.iter().map(|bk| bk.kind).collect();
+        let update_order = gather_order(&bucket_kinds, &bucket_units, model.block_count());
         let mut values = Vec::new();
         if masters {
             model.visit_dense(&mut |p| values.push(p.value.clone()));
@@ -550,6 +587,7 @@ impl<B: Backend> Trainer<B> {
             in_flight: Vec::new(),
             gathers: Vec::new(),
             bucket_units,
+            update_order,
         })
     }
 
@@ -1192,8 +1230,9 @@ impl<B: Backend> Trainer<B> {
         let me = ctx.rank.rank;
         let overlap = self.cfg.ddp.overlap_param_gather;
         let mut landed = Vec::with_capacity(self.buckets.len());
-        let mut gathers: Vec<Option<Pending<B>>> = Vec::with_capacity(self.buckets.len());
-        for (k, (bk, g)) in self.buckets.iter_mut().zip(&grads.chunks).enumerate() {
+        let mut gathers: Vec<Option<Pending<B>>> = (0..self.buckets.len()).map(|_| None).collect();
+        for &k in &self.update_order {
+            let (bk, g) = (&mut self.buckets[k], &grads.chunks[k]);
             let group = if bk.kind.expert {
                 &ctx.rank.edp
             } else {
@@ -1218,11 +1257,11 @@ impl<B: Backend> Trainer<B> {
                 Some(w) => b.adamw_step_master(&mut chunk, g, w, &mut bk.m, &mut bk.v, &cfg)?,
                 None => b.adamw_step(&mut chunk, g, &mut bk.m, &mut bk.v, &cfg)?,
             }
-            gathers.push(if parts > 1 && overlap {
+            if parts > 1 && overlap {
                 // Gathers while the next buckets update and, past this
                 // step, the next forward runs up to its first unit
                 // reading the bucket.
-                Some(ctx.comm.all_gather_start(b, group, &chunk)?)
+                gathers[k] = Some(ctx.comm.all_gather_start(b, group, &chunk)?);
             } else {
                 let full = if parts == 1 {
                     chunk
@@ -1230,8 +1269,7 @@ impl<B: Backend> Trainer<B> {
                     ctx.comm.all_gather(b, group, &chunk)?
                 };
                 landed.push((k, full));
-                None
-            });
+            }
         }
         self.gathers = gathers;
         write_buckets(b, &mut self.model, &self.buckets, landed)?;
@@ -1434,7 +1472,9 @@ mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::{Backend, DType, Device, ElementwiseOps as _, HostData};
 
-    use super::{plan_buckets, settle_unit, visit_all_mut, Gather, GradChunks, Kind, Trainer};
+    use super::{
+        gather_order, plan_buckets, settle_unit, visit_all_mut, Gather, GradChunks, Kind, Trainer,
+    };
     use crate::engine::model::{Batch, Model};
     use crate::engine::optim::{clip_coefficient, MasterWeights};
     use crate::engine::parallel::shard::upload_as;
@@ -2037,6 +2077,31 @@ mod tests {
         );
         // Size 1: every parameter alone.
         assert_eq!(plan_buckets(&params, 1).len(), params.len());
+    }
+
+    /// The update takes the buckets by the first forward unit reading
+    /// them, dense before expert at a tie: a block's expert bucket goes
+    /// before the later blocks' and the head's dense ones.
+    #[test]
+    fn gathers_start_in_the_order_the_next_forward_needs_them() {
+        use crate::engine::model::ForwardUnit::{Block, Embedding, Head};
+        let kind = |expert| Kind {
+            expert,
+            decay: true,
+            tp_replicated: false,
+            pp_copy: false,
+        };
+        let (dense, expert) = (kind(false), kind(true));
+        let kinds = [dense, dense, expert, dense, expert, dense];
+        let units = [
+            vec![Some(Embedding), Some(Block(0))],
+            vec![Some(Block(1)), Some(Block(2))],
+            vec![Some(Block(1))],
+            vec![Some(Head)],
+            vec![Some(Block(3))],
+            vec![None],
+        ];
+        assert_eq!(gather_order(&kinds, &units, 4), [0, 5, 1, 2, 4, 3]);
     }
 
     #[test]
