@@ -590,6 +590,61 @@ fn parallel_run_matches_one_rank_and_resumes_under_another_layout() {
     );
 }
 
+/// `--overlap-param-gather` under dp2 (each step's parameter all-gathers
+/// pending into the next step's forward, met by the validation runs and
+/// the checkpoint of a stopped run) changes no bit of the losses or the
+/// validation losses of a run that stops after two steps and resumes,
+/// against the same buckets without the overlap.
+#[test]
+fn overlapped_param_gather_stops_and_resumes_with_the_same_bits() {
+    let dir = scratch("pgather");
+    let run = |name: &str, overlap: bool| {
+        let out = dir.join(name);
+        let mut args = vec![
+            "--steps",
+            "4",
+            "--ranks",
+            "2",
+            "--layout",
+            "dp=2",
+            "--micro-batches",
+            "2",
+            "--ddp-bucket-size",
+            "2000",
+            "--exit-after",
+            "2",
+            // The checkpoint at step 2 meets the gathers pending, the
+            // validation at step 3 those of the resumed run.
+            "--eval-every",
+            "3",
+        ];
+        if overlap {
+            args.push("--overlap-param-gather");
+        }
+        // FAST's flags but its `--eval-every`.
+        let at = FAST.iter().position(|f| *f == "--eval-every").unwrap();
+        let mut all = vec!["train", "--out", out.to_str().unwrap()];
+        all.extend(
+            FAST.iter()
+                .enumerate()
+                .filter(|(i, _)| *i != at && *i != at + 1)
+                .map(|(_, f)| *f),
+        );
+        all.extend_from_slice(&args);
+        let first = foldmoe(&all);
+        assert!(first.status.success(), "{}", stderr(&first));
+        let resumed = foldmoe(&["train", "--resume", out.to_str().unwrap()]);
+        assert!(resumed.status.success(), "{}", stderr(&resumed));
+        let text = std::fs::read_to_string(out.join("summary.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        (v["losses"].clone(), v["val_losses"].clone())
+    };
+    let (want, got) = (run("plain", false), run("overlap", true));
+    assert_eq!(want.0.as_array().map(Vec::len), Some(4), "{want:?}");
+    assert!(want.1.as_array().is_some_and(|v| !v.is_empty()), "{want:?}");
+    assert_eq!(got, want);
+}
+
 /// Context parallelism under `--layout`: two cp ranks (each holding two of
 /// the four chunks of every sequence) train like one rank.
 #[test]

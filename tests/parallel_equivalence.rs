@@ -22,7 +22,7 @@ use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
 use foldmoe_core::spec::{
     AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, LoadBalance, ModelSpec,
-    MoeSpec, RouterSpec, ScoreFunction,
+    MoeSpec, RecomputePart, RouterSpec, ScoreFunction,
 };
 use foldmoe_kernels::comm::tcp::{run_loopback, TcpComm};
 use foldmoe_kernels::cpu::Cpu;
@@ -823,7 +823,7 @@ fn run_and_save(
                     .loss,
             );
         }
-        let dir = checkpoint::save(ctx, &trainer, root, &serde_json::json!({}), 2)?;
+        let dir = checkpoint::save(ctx, &mut trainer, root, &serde_json::json!({}), 2)?;
         Ok::<_, EngineError>((losses, dir))
     });
     results.remove(0).unwrap()
@@ -1050,36 +1050,83 @@ fn out_of_vocabulary_ids_are_named_errors() {
     }
 }
 
-/// What an overlap run is compared by, bit for bit: each step's loss and
-/// gradient norm, then every full parameter after the steps and every
-/// reduced gradient of one more batch.
+/// What an overlap run is compared by, bit for bit: each step's loss (and
+/// the validation loss taken between two steps) and gradient norm, then
+/// every full parameter after the steps and every reduced gradient of one
+/// more batch.
 type OverlapRun = (Vec<u64>, Vec<u64>, Vec<(String, Vec<u64>)>);
 
 /// [`STEPS`] steps of `spec` under `layout_text` with the buckets and
 /// overlaps of `ddp`, as rank 0 sees them (every rank's losses equal): the
-/// ranks as threads, or over TCP on loopback when `tcp`.
+/// ranks as threads, or over TCP on loopback when `tcp`. Each step's
+/// parameter all-gathers are left pending into the next step with
+/// `overlap_param_gather` (checked after every step), and every other
+/// reader of the parameters meets them pending: steps 0–2 run on one
+/// trainer, which saves a checkpoint; a fresh trainer resumes from it, runs
+/// step 3, evaluates a validation batch, runs step 4, has a step refused
+/// (no micro-batches), then gathers the parameters.
 fn overlap_run(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig) -> OverlapRun {
     overlap_run_on(spec, layout_text, ddp, false)
 }
 
 fn overlap_run_on(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig, tcp: bool) -> OverlapRun {
+    const SAVED_AFTER: usize = 3;
     let layout = checked_layout(spec, layout_text);
     let cfg = TrainConfig { ddp, ..config() };
     let timeout = Duration::from_secs(60);
+    let root = tmp_root(&format!("overlap-{}", layout_text.replace([',', '='], "-")));
     let body = |ctx: &Ctx<Cpu>| {
-        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let model = Model::new(ctx.b, spec, rank, SEED, DType::F32)?;
-        let mut trainer = Trainer::new(ctx.b, model, cfg)?;
+        let fresh = || {
+            let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+            Trainer::new(ctx.b, Model::new(ctx.b, spec, rank, SEED, DType::F32)?, cfg)
+        };
         let (dp, dp_i) = (ctx.rank.dp.size(), ctx.rank.dp_index);
         let mine = |step| {
             let per = MICRO_BATCHES / dp;
             host_batches(global_batch(step))[dp_i * per..(dp_i + 1) * per].to_vec()
         };
+        // Every layout here has dp > 1: with the overlap, a step ends with
+        // its gathers pending.
+        let deferred = |t: &Trainer<Cpu>, at: &str| {
+            let pending = t.pending_param_gathers();
+            if (pending > 0) != ddp.overlap_param_gather {
+                return Err(EngineError::Invalid(format!(
+                    "{at}: {pending} parameter all-gathers pending with {ddp:?}"
+                )));
+            }
+            Ok(())
+        };
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        let mut trainer = fresh()?;
         for step in 0..STEPS {
+            if step == SAVED_AFTER {
+                let dir = checkpoint::save(ctx, &mut trainer, &root, &serde_json::json!({}), 2)?;
+                let source = Source::open::<serde_json::Value>(&dir)?.0;
+                trainer = fresh()?;
+                checkpoint::load(ctx.b, &source, &mut trainer)?;
+                assert_eq!(trainer.step_count(), SAVED_AFTER as u64);
+            }
             let stats = trainer.step(ctx, &mine(step), SEQ)?;
             losses.push(stats.loss.to_bits());
             norms.push(stats.grad_norm.to_bits());
+            deferred(&trainer, &format!("after step {step}"))?;
+            if step == SAVED_AFTER {
+                let valid = &host_batches(global_batch(100))[0];
+                losses.push(trainer.evaluate(ctx, valid, SEQ)?.to_bits());
+                if trainer.pending_param_gathers() > 0 {
+                    return Err(EngineError::Invalid(
+                        "the evaluation left gathers pending".into(),
+                    ));
+                }
+            }
+        }
+        let refused = trainer.step(ctx, &[] as &[HostBatch], SEQ);
+        if refused.is_ok() || trainer.pending_param_gathers() > 0 {
+            return Err(EngineError::Invalid(format!(
+                "a step without micro-batches: {:?}, {} gathers pending after it",
+                refused.map(|s| s.loss),
+                trainer.pending_param_gathers()
+            )));
         }
         let mut full = trainer.gather_full(ctx, Gather::Values)?;
         trainer.accumulate(ctx, &mine(STEPS), SEQ)?;
@@ -1108,6 +1155,7 @@ fn overlap_run_on(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig, tcp: bool
     } else {
         run_local_layout(&Cpu, &layout, timeout, body)
     };
+    let _ = std::fs::remove_dir_all(&root);
     rank0_agreed(results, layout_text, |r| r.0.clone())
 }
 
@@ -1155,15 +1203,25 @@ fn overlapped_reduction_over_tcp_is_bit_identical_to_threads() {
 /// unoverlapped run's with the same buckets, under dp (the distributed
 /// optimizer, which always shards its state: ZeRO-1), ep, tp, cp and pp
 /// (1F1B, interleaved with a tied embedding), with small buckets (several
-/// per kind of parameter) and with the default ones.
+/// per kind of parameter) and with the default ones; and with every block
+/// recomputed in the backward and an MTP module (its own forward unit, and
+/// a reader of the embedding table) on the last stage. The parameter
+/// all-gathers cross step boundaries, a checkpoint save and resume, an
+/// evaluation and a refused step (see [`overlap_run`]).
 #[test]
 fn overlapped_gradient_reduction_is_bit_identical_to_the_unoverlapped_one() {
+    let mut recomputed_mtp = deep_spec(false);
+    recomputed_mtp.mtp_layers = 1;
+    for g in &mut recomputed_mtp.groups {
+        g.policy.recompute = vec![RecomputePart::Block];
+    }
     let cases: &[(ModelSpec, &str)] = &[
         (deep_spec(false), "world=2,dp=2"),
         (deep_spec(false), "world=4,dp=2,tp=2,ep=2"),
         (deep_spec(false), "world=4,cp=2,dp=2"),
         (deep_spec(false), "world=4,dp=2,pp=2"),
         (deep_spec(true), "world=4,pp=2,vpp=2,dp=2"),
+        (recomputed_mtp, "world=4,dp=2,pp=2,ep=2"),
     ];
     for (spec, layout_text) in cases {
         for bucket_size in [Some(500), None] {

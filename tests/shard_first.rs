@@ -152,7 +152,7 @@ fn save_and_load_allocate_at_most_one_tensor_beyond_the_shard() {
         trainer.step(ctx, &batch[dp_i * per..(dp_i + 1) * per], 16)?;
         Cpu.reset_peak_memory();
         let (before, _) = Cpu.memory_in_use();
-        let dir = checkpoint::save(ctx, &trainer, &root, &serde_json::json!({}), 2)?;
+        let dir = checkpoint::save(ctx, &mut trainer, &root, &serde_json::json!({}), 2)?;
         let (_, peak) = Cpu.memory_in_use();
         Ok((dir, peak.saturating_sub(before), largest(&trainer), before))
     });

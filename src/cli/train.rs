@@ -300,10 +300,9 @@ impl<B: Backend> ParallelRank<'_, '_, B> {
     /// Mean loss of the validation batch.
     fn validation_loss(&mut self, batch: &HostBatch) -> Result<f64, CliError> {
         // An evaluation is not training's peak.
-        let t = &self.trainer;
-        Ok(t.model
-            .ledger
-            .outside_peak(|| t.evaluate(self.ctx, batch, self.seq_len))?)
+        let ledger = self.trainer.model.ledger.clone();
+        let (ctx, seq_len) = (self.ctx, self.seq_len);
+        Ok(ledger.outside_peak(|| self.trainer.evaluate(ctx, batch, seq_len))?)
     }
 
     /// This rank's counts: the main rank's, which writes the summary
@@ -314,10 +313,10 @@ impl<B: Backend> ParallelRank<'_, '_, B> {
 
     /// Writes this rank's part of a checkpoint of the run (every rank calls
     /// it); returns the checkpoint's directory.
-    fn save(&self, out: &Path, meta: &RunMeta) -> Result<PathBuf, CliError> {
+    fn save(&mut self, out: &Path, meta: &RunMeta) -> Result<PathBuf, CliError> {
         Ok(checkpoint::save(
             self.ctx,
-            &self.trainer,
+            &mut self.trainer,
             &checkpoint_root(out),
             meta,
             meta.settings.keep_checkpoints,
@@ -326,7 +325,7 @@ impl<B: Backend> ParallelRank<'_, '_, B> {
 
     /// [`Self::save`], telling on the main rank how long the save took.
     fn save_timed(
-        &self,
+        &mut self,
         out: &Path,
         meta: &RunMeta,
         pb: &ProgressBar,

@@ -246,14 +246,17 @@ struct Planned<'a, B: Backend> {
 /// `trainer.step_count()` under `root`, with `meta` in the index; keeps the
 /// newest `keep` checkpoints. A collective: every rank of the world calls
 /// it; it returns once the checkpoint is complete. Returns its directory.
+/// The parameter all-gathers the last update left pending land first.
 pub fn save<B: Backend, M: Serialize>(
     ctx: &Ctx<B>,
-    trainer: &Trainer<B>,
+    trainer: &mut Trainer<B>,
     root: &Path,
     meta: &M,
     keep: usize,
 ) -> Result<PathBuf> {
     let b = ctx.b;
+    trainer.settle_params(b)?;
+    let trainer = &*trainer;
     let (me, world) = (ctx.rank.rank, ctx.rank.world.size());
     let step = trainer.step_count();
     let name = step_dir_name(step);
@@ -1148,6 +1151,8 @@ fn runs_in(
 /// collective: each rank reads its own slices. Moments the checkpoint lacks
 /// (one written by [`write_params`]) start at zero.
 pub fn load<B: Backend>(b: &B, source: &Source, trainer: &mut Trainer<B>) -> Result<()> {
+    // A pending all-gather would overwrite the loaded values when it lands.
+    trainer.settle_params(b)?;
     let b_keeps_masters = trainer.has_masters();
     // (name, full shape, block, dtype, shard shape) of every parameter.
     type Held = (String, Vec<usize>, Block, DType, Vec<usize>);

@@ -54,6 +54,21 @@ const COUNT_EPS: f64 = 1e-20;
 /// What [`Model::replace_buffers`] calls: `(name, current value) → new value`.
 pub type BufferFn<'a, B> = dyn FnMut(&str, &Tensor<B>) -> Result<Tensor<B>> + 'a;
 
+/// What a chunk's forward reads the parameters of next (see
+/// [`Model::forward_chunk_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ForwardUnit {
+    /// The embedding table (the first virtual stage; a tied head and the
+    /// MTP modules on the last).
+    Embedding,
+    /// Block `i` of [`Model::blocks`].
+    Block(usize),
+    /// The final norm and the head.
+    Head,
+    /// MTP module `k` (its norms, projection and block).
+    Mtp(usize),
+}
+
 /// One rank's shard of a decoder-only MoE language model.
 pub struct Model<B: Backend> {
     /// The full model's spec.
@@ -583,11 +598,6 @@ impl<B: Backend> Model<B> {
         &self.layers
     }
 
-    /// Forward of model chunk `chunk` on micro-batch `tokens, targets`: the
-    /// first virtual stage embeds `tokens`, the others take `input` (the
-    /// previous virtual stage's output, this rank's sequence-parallel shard);
-    /// the last virtual stage computes the loss, the others return their
-    /// output for the next.
     /// Forward of model chunk `chunk` on micro-batch `batch` (sequences of
     /// `seq_len`): the first virtual stage embeds the tokens, the others
     /// take `input` (the previous virtual stage's output, this rank's
@@ -601,15 +611,50 @@ impl<B: Backend> Model<B> {
         batch: Batch<'_, B>,
         seq_len: usize,
     ) -> Result<ChunkOut<B>> {
+        Self::forward_chunk_impl(self, ctx, chunk, input, batch, seq_len, &mut |_, _| Ok(()))
+    }
+
+    /// [`Self::forward_chunk`], calling `before(model, unit)` right before
+    /// each [`ForwardUnit`] of the chunk first reads its parameters (the
+    /// embedding, each block, the final norm and head, each MTP module):
+    /// where the trainer waits for the parameter all-gathers of the last
+    /// update that the unit needs (`overlap_param_gather`). A unit may be
+    /// announced more than once (a tied head and the MTP modules read the
+    /// embedding table); the same forward runs either way.
+    pub fn forward_chunk_with(
+        &mut self,
+        ctx: &Exec<B>,
+        chunk: usize,
+        input: Option<Tensor<B>>,
+        batch: Batch<'_, B>,
+        seq_len: usize,
+        before: &mut dyn FnMut(&mut Self, ForwardUnit) -> Result<()>,
+    ) -> Result<ChunkOut<B>> {
+        Self::forward_chunk_impl(self, ctx, chunk, input, batch, seq_len, &mut |m, unit| {
+            before(m, unit)
+        })
+    }
+
+    /// The one forward of a chunk, over a shared or an exclusive reference
+    /// to the model (`M`): only `before` can change it, between units.
+    fn forward_chunk_impl<M: std::ops::Deref<Target = Self>>(
+        mut m: M,
+        ctx: &Exec<B>,
+        chunk: usize,
+        input: Option<Tensor<B>>,
+        batch: Batch<'_, B>,
+        seq_len: usize,
+        before: &mut dyn FnMut(&mut M, ForwardUnit) -> Result<()>,
+    ) -> Result<ChunkOut<B>> {
         let b = ctx.b;
-        let (tp, cp) = (self.rank.tp.size(), self.rank.cp.size());
-        if chunk >= self.chunks.len() {
+        let (tp, cp) = (m.rank.tp.size(), m.rank.cp.size());
+        if chunk >= m.chunks.len() {
             return Err(EngineError::Invalid(format!(
                 "forward: chunk {chunk} of a rank holding {}",
-                self.chunks.len()
+                m.chunks.len()
             )));
         }
-        let rb = self.rank_batch(b, batch, seq_len, self.is_last(chunk))?;
+        let rb = m.rank_batch(b, batch, seq_len, m.is_last(chunk))?;
         // The blocks (and MTP modules) see the micro-batch's documents.
         let ctx = &Exec {
             docs: rb.docs.as_ref(),
@@ -623,17 +668,18 @@ impl<B: Backend> Model<B> {
             )));
         }
         let micro_tokens = rb.rows * cp;
-        let dtype = self.embed.table.value.dtype();
-        let (x_td, embed) = match (self.is_first(chunk), input) {
+        let dtype = m.embed.table.value.dtype();
+        let (x_td, embed) = match (m.is_first(chunk), input) {
             (true, None) => {
-                let (x, saved) = self.embed_tokens(ctx, &rb.ids)?;
+                before(&mut m, ForwardUnit::Embedding)?;
+                let (x, saved) = m.embed_tokens(ctx, &rb.ids)?;
                 (x, Some(saved))
             }
             (false, Some(x)) => (x, None),
             (first, _) => {
                 return Err(EngineError::Invalid(format!(
                     "forward: virtual stage {} {} an input from the previous stage",
-                    self.virtual_stage(chunk),
+                    m.virtual_stage(chunk),
                     if first { "takes no" } else { "needs" }
                 )))
             }
@@ -643,8 +689,9 @@ impl<B: Backend> Model<B> {
         let mut blocks = Vec::new();
         let mut aux_loss = b.zeros(&[1], dtype)?;
         let mut moe_load = Vec::new();
-        for i in self.chunks[chunk].clone() {
-            let block = self.block(i)?;
+        for i in m.chunks[chunk].clone() {
+            before(&mut m, ForwardUnit::Block(i))?;
+            let block = m.block(i)?;
             let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, micro_tokens)?;
             if let Some(stats) = stats {
                 aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
@@ -653,8 +700,13 @@ impl<B: Backend> Model<B> {
             blocks.push(saved);
             x_td = y;
         }
-        let (hidden, loss, head) = if self.is_last(chunk) {
-            let (loss, saved) = self.loss(ctx, &self.final_norm, &x_td, &rb, dtype, 1.0)?;
+        let (hidden, loss, head) = if m.is_last(chunk) {
+            before(&mut m, ForwardUnit::Head)?;
+            if m.head.weight.is_none() {
+                // A tied head reads the embedding table.
+                before(&mut m, ForwardUnit::Embedding)?;
+            }
+            let (loss, saved) = m.loss(ctx, &m.final_norm, &x_td, &rb, dtype, 1.0)?;
             (None, Some(loss), Some(saved))
         } else {
             (Some(x_td.clone()), None, None)
@@ -662,19 +714,24 @@ impl<B: Backend> Model<B> {
         // MTP: module k on the main output (k = 1) or module k − 1's.
         let mut mtp = Vec::new();
         let mut mtp_loss: Option<Tensor<B>> = None;
-        if self.is_last(chunk) && !self.mtp.is_empty() {
-            let depth = self.mtp.len();
-            let weight = self.spec.mtp_loss_coef / depth as f64;
+        if m.is_last(chunk) && !m.mtp.is_empty() {
+            let depth = m.mtp.len();
+            let weight = m.spec.mtp_loss_coef / depth as f64;
             let mut h_td = x_td;
-            for (module, mb) in self.mtp.iter().zip(&rb.mtp) {
-                let (e_td, embed) = self.embed_tokens(ctx, &mb.ids)?;
+            for (k, mb) in rb.mtp.iter().enumerate().take(depth) {
+                // Module k embeds the tokens ahead, then runs its block,
+                // norm and the (already settled) head.
+                before(&mut m, ForwardUnit::Embedding)?;
+                before(&mut m, ForwardUnit::Mtp(k))?;
+                let module = &m.mtp[k];
+                let (e_td, embed) = m.embed_tokens(ctx, &mb.ids)?;
                 let (y_td, saved, stats) =
                     module.forward(ctx, &e_td, &h_td, seq_len, micro_tokens)?;
                 if let Some(stats) = stats {
                     aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
                     moe_load.push(stats.load);
                 }
-                let (l, loss_saved) = self.loss(ctx, &module.norm, &y_td, mb, dtype, weight)?;
+                let (l, loss_saved) = m.loss(ctx, &module.norm, &y_td, mb, dtype, weight)?;
                 let l = b.scale(&l, 1.0 / depth as f64)?;
                 mtp_loss = Some(match mtp_loss {
                     Some(sum) => b.add(&sum, &l)?,

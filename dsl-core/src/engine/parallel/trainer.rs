@@ -28,11 +28,36 @@
 //! backward (buckets holding the embedding, the final norm, the head or MTP
 //! modules start after the backward), on the communicator's progress
 //! thread, and waited for before the norm. With `overlap_param_gather`,
-//! each bucket's all-gather is started once its chunk is updated and waited
-//! for after the last bucket's update. Every element is summed over the
+//! each bucket's all-gather is started once its chunk is updated and left
+//! pending across the step boundary, as Megatron-Core's
+//! `--overlap-param-gather` does: the trainer keeps the started gathers
+//! (`Trainer::gathers`, by bucket), and the next step's forward waits for
+//! a bucket's gather only right before the first unit that reads one of
+//! its parameters — the embedding, a block, the final norm and head (with
+//! the embedding table when tied), an MTP module (with the embedding table)
+//! — through the hook of [`Model::forward_chunk_with`], which is a scan and
+//! nothing more once nothing is pending. The buckets are cut walking the
+//! parameters backwards, but the update takes them (and starts their
+//! gathers) in the order the next forward needs them — by the first unit
+//! reading each, dense before expert at a tie (`gather_order`) — and the
+//! progress thread (or NCCL's stream) runs them in start order, so the
+//! first units' gathers are the first to land. A
+//! bucket's parameters are settled for the rest of the step once its unit
+//! has run: a recompute's rerun in the backward, and the later
+//! micro-batches' forwards, read them as they are. Everything else that
+//! reads the parameter values between steps settles every pending gather
+//! first ([`Trainer::settle_params`]): the update itself (and so the
+//! unoverlapped path), [`Trainer::evaluate`], [`Trainer::gather_full`],
+//! a checkpoint's save and load, a step that fails or is refused (its
+//! error returns with the parameters settled); a trainer dropped with
+//! gathers pending drops them first (their results are buffers of their
+//! own), and its model cannot be moved out. Code reading `Trainer::model`
+//! directly between steps (generation from a live trainer, say) must call
+//! `settle_params` first. Every element is summed over the
 //! same ranks in the same group order as without overlap (a tp-replicated
 //! bucket's tp sum is its own all-reduce instead of a part of one for all of
-//! them), so the results are bit-identical.
+//! them), and the values the forward reads are the same, so the results are
+//! bit-identical.
 
 use std::collections::HashMap;
 
@@ -43,7 +68,7 @@ use foldmoe_kernels::{
 use super::pipeline::{schedule, Mailbox, Pass, Tag};
 use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
-use crate::engine::model::{Batch, MicroBatch, Model};
+use crate::engine::model::{Batch, ForwardUnit, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::{try_each_param, Module, Param};
 use crate::engine::trainer::{download_loads, load_imbalance, LayerLoad, StepStats, TrainConfig};
@@ -120,7 +145,10 @@ pub struct GradChunks<B: Backend> {
 
 /// A rank's model shard, its optimizer chunks and the run's settings.
 pub struct Trainer<B: Backend> {
-    /// The model shard being trained.
+    /// The model shard being trained. With `overlap_param_gather` its
+    /// parameter values lag the last update between steps, until the next
+    /// forward or [`Self::settle_params`] (see the module doc): read them
+    /// after `settle_params`.
     pub model: Model<B>,
     /// Optimizer and schedule settings.
     pub cfg: TrainConfig,
@@ -143,6 +171,32 @@ pub struct Trainer<B: Backend> {
     /// The reduce-scatters the last backward started, by bucket
     /// (`overlap_grad_reduce`).
     in_flight: Vec<Option<Pending<B>>>,
+    /// The parameter all-gathers the last update started that nothing has
+    /// waited for yet, by bucket (`overlap_param_gather`): while one is
+    /// here, its members' values are the ones before that update. The next
+    /// forward waits for each right before the first unit reading one of
+    /// its parameters; every other reader settles them all first
+    /// ([`Self::settle_params`]).
+    gathers: Vec<Option<Pending<B>>>,
+    /// The forward units reading each bucket's parameters (none: a
+    /// parameter no unit claims, whose bucket any unit waits for).
+    bucket_units: Vec<Vec<Option<ForwardUnit>>>,
+    /// The buckets in the order the update takes them (and starts their
+    /// all-gathers): by the first forward unit reading them, dense before
+    /// expert at a tie, then by index (see [`gather_order`]).
+    update_order: Vec<usize>,
+}
+
+impl<B: Backend> Drop for Trainer<B> {
+    /// Drops the pending parameter all-gathers before the model: their
+    /// results are buffers of their own (host copies on the CPU
+    /// communicators; on NCCL, dropping a handle orders the compute stream
+    /// behind its collective), so nothing waits and nothing is written. The
+    /// model cannot be moved out of a trainer, so no reader gets it with
+    /// gathers pending.
+    fn drop(&mut self) {
+        self.gathers.clear();
+    }
 }
 
 /// Every parameter in optimizer order (dense, then experts): its kind and shard.
@@ -206,24 +260,149 @@ fn plan_buckets(kinds_numels: &[(Kind, usize)], size: usize) -> Vec<(Kind, Vec<u
     closed
 }
 
-/// Each parameter's block among `model`'s blocks, in optimizer order (none
-/// for the embedding, the final norm, the head and the MTP modules).
-fn param_owners<B: Backend>(model: &Model<B>) -> Vec<Option<usize>> {
-    let mut block_of: HashMap<*const Param<B>, usize> = HashMap::new();
+/// The forward unit reading each parameter of `model`, in optimizer order
+/// (none for a parameter no unit claims, which should not happen).
+fn param_units<B: Backend>(model: &Model<B>) -> Vec<Option<ForwardUnit>> {
+    let mut unit_of: HashMap<*const Param<B>, ForwardUnit> = HashMap::new();
+    let mut mark = |unit: ForwardUnit, p: &Param<B>| {
+        unit_of.insert(std::ptr::from_ref(p), unit);
+    };
+    mark(ForwardUnit::Embedding, &model.embed.table);
     for (j, block) in model.blocks().enumerate() {
-        let mut mark = |p: &Param<B>| {
-            block_of.insert(std::ptr::from_ref(p), j);
-        };
-        block.visit_dense(&mut mark);
+        block.visit_dense(&mut |p| mark(ForwardUnit::Block(j), p));
         if let Some(moe) = block.moe() {
-            moe.experts.visit_params(&mut mark);
+            moe.experts
+                .visit_params(&mut |p| mark(ForwardUnit::Block(j), p));
         }
     }
-    let mut owners = Vec::new();
-    let mut owner = |p: &Param<B>| owners.push(block_of.get(&std::ptr::from_ref(p)).copied());
-    model.visit_dense(&mut owner);
-    model.visit_experts(&mut owner);
-    owners
+    model
+        .final_norm
+        .visit_params(&mut |p| mark(ForwardUnit::Head, p));
+    model.head.visit_params(&mut |p| mark(ForwardUnit::Head, p));
+    for (k, m) in model.mtp.iter().enumerate() {
+        m.visit_dense(&mut |p| mark(ForwardUnit::Mtp(k), p));
+        if let Some(moe) = m.block.moe() {
+            moe.experts
+                .visit_params(&mut |p| mark(ForwardUnit::Mtp(k), p));
+        }
+    }
+    let mut units = Vec::new();
+    let mut unit = |p: &Param<B>| units.push(unit_of.get(&std::ptr::from_ref(p)).copied());
+    model.visit_dense(&mut unit);
+    model.visit_experts(&mut unit);
+    units
+}
+
+/// Each parameter's block among the rank's blocks, from its forward unit
+/// (none for the embedding, the final norm, the head and the MTP modules).
+fn param_owners(units: &[Option<ForwardUnit>]) -> Vec<Option<usize>> {
+    units
+        .iter()
+        .map(|u| match u {
+            Some(ForwardUnit::Block(j)) => Some(*j),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The order in which the update takes the buckets and starts their
+/// all-gathers, so that the next forward's first units find theirs first
+/// (the progress thread, or NCCL's stream, runs them in start order): by
+/// the first unit of the forward reading one of a bucket's parameters
+/// (embedding, blocks in order, final norm and head, MTP modules; a
+/// parameter no unit claims counts as first), dense before expert at a tie,
+/// then by bucket index. Without it every expert bucket would follow every
+/// dense one (buckets are numbered by their first parameter, experts after
+/// all dense parameters), and the first MoE block would wait for all the
+/// dense gathers. The key of a bucket is the same on every rank of its
+/// data-parallel group (they hold the same parameters), so every rank's
+/// order follows one global order of the collectives and none can wait on
+/// a peer that waits on it.
+fn gather_order(kinds: &[Kind], units: &[Vec<Option<ForwardUnit>>], blocks: usize) -> Vec<usize> {
+    let at = |u: &Option<ForwardUnit>| match u {
+        None | Some(ForwardUnit::Embedding) => 0,
+        Some(ForwardUnit::Block(j)) => 1 + j,
+        Some(ForwardUnit::Head) => 1 + blocks,
+        Some(ForwardUnit::Mtp(k)) => 2 + blocks + k,
+    };
+    let mut order: Vec<usize> = (0..kinds.len()).collect();
+    order.sort_by_key(|&k| (units[k].iter().map(at).min(), kinds[k].expert, k));
+    order
+}
+
+/// Waits for the pending parameter all-gathers of the buckets holding a
+/// parameter that forward unit `unit` reads (`units`: each bucket's units)
+/// and writes them in: the hook of the forward (a scan and nothing more
+/// once none is pending).
+fn settle_unit<B: Backend>(
+    b: &B,
+    model: &mut Model<B>,
+    buckets: &[Bucket<B>],
+    units: &[Vec<Option<ForwardUnit>>],
+    gathers: &mut [Option<Pending<B>>],
+    unit: ForwardUnit,
+) -> Result<()> {
+    let reads = |k: usize| units[k].iter().any(|u| u.is_none_or(|u| u == unit));
+    settle_gathers(b, model, buckets, gathers, &reads)
+}
+
+/// Writes each bucket's full flat values `(bucket, values)` into its
+/// members' values (in their shapes).
+fn write_buckets<B: Backend>(
+    b: &B,
+    model: &mut Model<B>,
+    buckets: &[Bucket<B>],
+    landed: Vec<(usize, Tensor<B>)>,
+) -> Result<()> {
+    if landed.is_empty() {
+        return Ok(());
+    }
+    let mut fresh: HashMap<usize, Tensor<B>> = HashMap::new();
+    for (k, full) in landed {
+        for &(i, offset, n) in &buckets[k].members {
+            fresh.insert(i, b.narrow(&full, offset, n)?);
+        }
+    }
+    let (mut i, mut outcome) = (0, Ok(()));
+    visit_all_mut(model, &mut |p| {
+        if let Some(flat) = fresh.remove(&i) {
+            let shape = p.value.shape().to_vec();
+            match flat.reshape(&shape) {
+                Ok(v) if outcome.is_ok() => p.value = v,
+                Ok(_) => {}
+                Err(e) => outcome = Err(e),
+            }
+        }
+        i += 1;
+    });
+    Ok(outcome?)
+}
+
+/// Waits, in bucket order, for the pending parameter all-gathers
+/// (`gathers`) of the buckets `which` selects, and writes them into the
+/// parameters; nothing to do (and no cost beyond a scan) when none is
+/// pending.
+fn settle_gathers<B: Backend>(
+    b: &B,
+    model: &mut Model<B>,
+    buckets: &[Bucket<B>],
+    gathers: &mut [Option<Pending<B>>],
+    which: &dyn Fn(usize) -> bool,
+) -> Result<()> {
+    let (mut landed, mut failed) = (Vec::new(), None);
+    for (k, gather) in gathers.iter_mut().enumerate() {
+        if gather.is_some() && which(k) && failed.is_none() {
+            if let Some(pending) = gather.take() {
+                match pending.wait() {
+                    Ok(full) => landed.push((k, full)),
+                    Err(e) => failed = Some(e),
+                }
+            }
+        }
+    }
+    // What landed before a failure is written all the same.
+    write_buckets(b, model, buckets, landed)?;
+    failed.map_or(Ok(()), |e| Err(e.into()))
 }
 
 fn visit_all_mut<B: Backend>(model: &mut Model<B>, f: &mut dyn FnMut(&mut Param<B>)) {
@@ -356,7 +535,19 @@ impl<B: Backend> Trainer<B> {
             }
             buckets.push(bucket);
         }
-        let owners = param_owners(&model);
+        let units = param_units(&model);
+        let owners = param_owners(&units);
+        let bucket_units = buckets
+            .iter()
+            .map(|bk| {
+                let mut u: Vec<Option<ForwardUnit>> =
+                    bk.members.iter().map(|m| units[m.0]).collect();
+                u.dedup();
+                u
+            })
+            .collect::<Vec<_>>();
+        let bucket_kinds: Vec<Kind> = buckets.iter().map(|bk| bk.kind).collect();
+        let update_order = gather_order(&bucket_kinds, &bucket_units, model.block_count());
         let mut values = Vec::new();
         if masters {
             model.visit_dense(&mut |p| values.push(p.value.clone()));
@@ -394,7 +585,33 @@ impl<B: Backend> Trainer<B> {
             loads: Vec::new(),
             owners,
             in_flight: Vec::new(),
+            gathers: Vec::new(),
+            bucket_units,
+            update_order,
         })
+    }
+
+    /// Waits for every parameter all-gather still pending from the last
+    /// update (`overlap_param_gather`) and writes it into the parameters;
+    /// nothing to do when none is. What every reader of the parameter values
+    /// outside a training step's forward calls first (the trainer's own
+    /// ones do: [`Self::evaluate`], [`Self::gather_full`], the update, a
+    /// refused step, a checkpoint's save and load); code reading
+    /// [`Self::model`] directly between steps must call it too.
+    pub fn settle_params(&mut self, b: &B) -> Result<()> {
+        settle_gathers(
+            b,
+            &mut self.model,
+            &self.buckets,
+            &mut self.gathers,
+            &|_| true,
+        )
+    }
+
+    /// Buckets whose parameter all-gather the last update started and
+    /// nothing has waited for yet (see [`Self::settle_params`]).
+    pub fn pending_param_gathers(&self) -> usize {
+        self.gathers.iter().filter(|g| g.is_some()).count()
     }
 
     /// Updates applied so far.
@@ -414,6 +631,11 @@ impl<B: Backend> Trainer<B> {
         &'a self,
         f: &mut dyn FnMut(usize, &'a Param<B>) -> Result<()>,
     ) -> Result<()> {
+        debug_assert_eq!(
+            self.pending_param_gathers(),
+            0,
+            "parameters read with all-gathers pending: settle_params first"
+        );
         let mut i = 0;
         let mut outcome = Ok(());
         let mut visit = |p: &'a Param<B>| {
@@ -585,12 +807,18 @@ impl<B: Backend> Trainer<B> {
                         self.pipeline_wait += waited.elapsed();
                         Some(x)
                     };
-                    let out = self.model.forward_chunk(
+                    // Each unit of the chunk waits, right before it runs, for
+                    // the last update's all-gathers of its parameters (a
+                    // scan and nothing more once they have landed).
+                    let (buckets, units) = (&self.buckets, &self.bucket_units);
+                    let gathers = &mut self.gathers;
+                    let out = self.model.forward_chunk_with(
                         &ctx.exec().at_micro(op.micro),
                         op.chunk,
                         input,
                         Batch::of(micro),
                         seq_len,
+                        &mut |model, unit| settle_unit(b, model, buckets, units, gathers, unit),
                     )?;
                     if let Some(l) = &out.loss {
                         b.axpy(&mut loss, scale, l)?;
@@ -671,8 +899,15 @@ impl<B: Backend> Trainer<B> {
     /// Mean loss of one batch without gradients (validation), equal on every
     /// rank: the batch passes the virtual stages in order, each sending its
     /// output to the next, and the last stage's loss is summed over pp.
-    pub fn evaluate(&self, ctx: &Ctx<B>, batch: &impl MicroBatch, seq_len: usize) -> Result<f64> {
+    /// Waits for pending parameter all-gathers first.
+    pub fn evaluate(
+        &mut self,
+        ctx: &Ctx<B>,
+        batch: &impl MicroBatch,
+        seq_len: usize,
+    ) -> Result<f64> {
         let b = ctx.b;
+        self.settle_params(b)?;
         let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
         let pp_ranks = ctx.rank.pp.ranks();
         let mut loss = b.zeros(&[1], self.model.embed.table.value.dtype().acc())?;
@@ -792,8 +1027,25 @@ impl<B: Backend> Trainer<B> {
     /// every parameter as one rank training on all dp ranks' micro-batches.
     /// A non-finite loss or gradient norm (or a kernel meeting a NaN) is an
     /// error naming the step and leaves the parameters, the optimizer state
-    /// and the expert biases unchanged.
+    /// and the expert biases unchanged (the parameters as the last update
+    /// made them: its pending all-gathers have landed when the error
+    /// returns).
     pub fn step(
+        &mut self,
+        ctx: &Ctx<B>,
+        micro_batches: &[impl MicroBatch],
+        seq_len: usize,
+    ) -> Result<StepStats> {
+        let outcome = self.try_step(ctx, micro_batches, seq_len);
+        if outcome.is_err() {
+            // Best effort: the step's own error is the one reported.
+            let _ = self.settle_params(ctx.b);
+        }
+        outcome
+    }
+
+    /// [`Self::step`], maybe leaving parameter all-gathers pending on error.
+    fn try_step(
         &mut self,
         ctx: &Ctx<B>,
         micro_batches: &[impl MicroBatch],
@@ -951,7 +1203,9 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Step 5: AdamW on this rank's chunk of every bucket, then all-gathers
-    /// the buckets back into the parameters.
+    /// the buckets back into the parameters: waited for here, or, with
+    /// `overlap_param_gather`, started bucket after bucket and left pending
+    /// for the next forward (see [`Self::settle_params`]).
     fn apply(
         &mut self,
         ctx: &Ctx<B>,
@@ -960,6 +1214,8 @@ impl<B: Backend> Trainer<B> {
         grad_scale: f64,
     ) -> Result<()> {
         let b = ctx.b;
+        // The update reads the values: the last update's gathers land first.
+        self.settle_params(b)?;
         let base = AdamWConfig {
             lr,
             grad_scale,
@@ -971,11 +1227,12 @@ impl<B: Backend> Trainer<B> {
         };
         let mut values = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| values.push(p.value.clone()));
-        let mut updated: Vec<Option<Tensor<B>>> = vec![None; values.len()];
         let me = ctx.rank.rank;
         let overlap = self.cfg.ddp.overlap_param_gather;
-        let mut gathers = Vec::with_capacity(self.buckets.len());
-        for (bk, g) in self.buckets.iter_mut().zip(&grads.chunks) {
+        let mut landed = Vec::with_capacity(self.buckets.len());
+        let mut gathers: Vec<Option<Pending<B>>> = (0..self.buckets.len()).map(|_| None).collect();
+        for &k in &self.update_order {
+            let (bk, g) = (&mut self.buckets[k], &grads.chunks[k]);
             let group = if bk.kind.expert {
                 &ctx.rank.edp
             } else {
@@ -1000,28 +1257,22 @@ impl<B: Backend> Trainer<B> {
                 Some(w) => b.adamw_step_master(&mut chunk, g, w, &mut bk.m, &mut bk.v, &cfg)?,
                 None => b.adamw_step(&mut chunk, g, &mut bk.m, &mut bk.v, &cfg)?,
             }
-            gathers.push(if parts == 1 {
-                Pending::ready(Ok(chunk))
-            } else if overlap {
-                // Gathers while the next buckets update.
-                ctx.comm.all_gather_start(b, group, &chunk)?
+            if parts > 1 && overlap {
+                // Gathers while the next buckets update and, past this
+                // step, the next forward runs up to its first unit
+                // reading the bucket.
+                gathers[k] = Some(ctx.comm.all_gather_start(b, group, &chunk)?);
             } else {
-                Pending::ready(ctx.comm.all_gather(b, group, &chunk))
-            });
-        }
-        for (bk, gather) in self.buckets.iter().zip(gathers) {
-            let full = gather.wait()?;
-            for &(i, offset, n) in &bk.members {
-                let shape = values[i].shape().to_vec();
-                updated[i] = Some(b.narrow(&full, offset, n)?.reshape(&shape)?);
+                let full = if parts == 1 {
+                    chunk
+                } else {
+                    ctx.comm.all_gather(b, group, &chunk)?
+                };
+                landed.push((k, full));
             }
         }
-        let mut it = updated.into_iter();
-        visit_all_mut(&mut self.model, &mut |p| {
-            if let Some(Some(v)) = it.next() {
-                p.value = v;
-            }
-        });
+        self.gathers = gathers;
+        write_buckets(b, &mut self.model, &self.buckets, landed)?;
         self.step += 1;
         Ok(())
     }
@@ -1031,6 +1282,7 @@ impl<B: Backend> Trainer<B> {
     /// ranks' shards (a collective: every rank must call it; all get it).
     pub fn gather_full(&mut self, ctx: &Ctx<B>, what: Gather<'_, B>) -> Result<Vec<FullTensor>> {
         let b = ctx.b;
+        self.settle_params(b)?;
         let mut params = Vec::new();
         visit_all_mut(&mut self.model, &mut |p| {
             params.push((p.name.clone(), p.value.clone(), p.shard.clone()))
@@ -1220,7 +1472,9 @@ mod tests {
     use foldmoe_kernels::cpu::Cpu;
     use foldmoe_kernels::{Backend, DType, Device, ElementwiseOps as _, HostData};
 
-    use super::{plan_buckets, visit_all_mut, Gather, GradChunks, Kind, Trainer};
+    use super::{
+        gather_order, plan_buckets, settle_unit, visit_all_mut, Gather, GradChunks, Kind, Trainer,
+    };
     use crate::engine::model::{Batch, Model};
     use crate::engine::optim::{clip_coefficient, MasterWeights};
     use crate::engine::parallel::shard::upload_as;
@@ -1825,6 +2079,31 @@ mod tests {
         assert_eq!(plan_buckets(&params, 1).len(), params.len());
     }
 
+    /// The update takes the buckets by the first forward unit reading
+    /// them, dense before expert at a tie: a block's expert bucket goes
+    /// before the later blocks' and the head's dense ones.
+    #[test]
+    fn gathers_start_in_the_order_the_next_forward_needs_them() {
+        use crate::engine::model::ForwardUnit::{Block, Embedding, Head};
+        let kind = |expert| Kind {
+            expert,
+            decay: true,
+            tp_replicated: false,
+            pp_copy: false,
+        };
+        let (dense, expert) = (kind(false), kind(true));
+        let kinds = [dense, dense, expert, dense, expert, dense];
+        let units = [
+            vec![Some(Embedding), Some(Block(0))],
+            vec![Some(Block(1)), Some(Block(2))],
+            vec![Some(Block(1))],
+            vec![Some(Head)],
+            vec![Some(Block(3))],
+            vec![None],
+        ];
+        assert_eq!(gather_order(&kinds, &units, 4), [0, 5, 1, 2, 4, 3]);
+    }
+
     #[test]
     fn a_zero_bucket_size_is_an_error_and_the_default_follows_megatron() {
         use crate::engine::optim::{default_bucket_size, DdpConfig};
@@ -1878,5 +2157,93 @@ mod tests {
             assert_eq!(chunks.chunks.len(), t.buckets.len());
             Ok(())
         });
+    }
+
+    /// With `overlap_param_gather` every bucket's all-gather (dp = 2: dense
+    /// and expert buckets alike) is still pending after the step, and the
+    /// next forward waits for each only at the first unit reading it:
+    /// before each unit exactly the pending buckets it reads land, later
+    /// units' buckets stay pending, and once all have landed the hook waits
+    /// for nothing. The parameters are then those of the unoverlapped step.
+    #[test]
+    fn pending_gathers_land_unit_by_unit_in_the_next_forward() {
+        use crate::engine::model::ForwardUnit;
+        use crate::engine::optim::DdpConfig;
+        use crate::engine::parallel::run_local_layout;
+        use crate::layout::LayoutSpec;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 6 }, small_moe()], false);
+        let layout =
+            crate::layout::check(&LayoutSpec::parse("world=2,dp=2").unwrap(), &spec).unwrap();
+        let run = |overlap: bool| {
+            let cfg = TrainConfig {
+                ddp: DdpConfig {
+                    overlap_grad_reduce: false,
+                    overlap_param_gather: overlap,
+                    bucket_size: Some(64),
+                },
+                ..TrainConfig::default()
+            };
+            let timeout = std::time::Duration::from_secs(60);
+            let mut results = run_local_layout(&Cpu, &layout, timeout, |ctx| {
+                let model = Model::new(ctx.b, &spec, ctx.rank.clone(), 5, DType::F32)?;
+                let mut t = Trainer::new(ctx.b, model, cfg)?;
+                let i = ctx.rank.dp_index;
+                let micro = [rows(2 * i..2 * i + 2)];
+                t.step(ctx, &micro, 4)?;
+                let n = t.buckets.len();
+                assert!(n > 3, "{n} buckets");
+                assert_eq!(t.pending_param_gathers(), if overlap { n } else { 0 });
+                let mut seen: Vec<(ForwardUnit, Vec<usize>, usize)> = Vec::new();
+                let (buckets, units) = (&t.buckets, &t.bucket_units);
+                let gathers = &mut t.gathers;
+                t.model.forward_chunk_with(
+                    &ctx.exec(),
+                    0,
+                    None,
+                    Batch::of(&micro[0]),
+                    4,
+                    &mut |model, unit| {
+                        let before: Vec<bool> = gathers.iter().map(Option::is_some).collect();
+                        settle_unit(ctx.b, model, buckets, units, gathers, unit)?;
+                        let landed = (0..before.len())
+                            .filter(|&k| before[k] && gathers[k].is_none())
+                            .collect();
+                        let left = gathers.iter().filter(|g| g.is_some()).count();
+                        seen.push((unit, landed, left));
+                        Ok(())
+                    },
+                )?;
+                let reads = |k: usize, unit| t.bucket_units[k].contains(&Some(unit));
+                for (unit, landed, _) in &seen {
+                    assert!(
+                        landed.iter().all(|&k| reads(k, *unit)),
+                        "{unit:?}: {landed:?}"
+                    );
+                    for (k, g) in t.gathers.iter().enumerate() {
+                        assert!(g.is_none() || !reads(k, *unit), "{unit:?} left {k}");
+                    }
+                }
+                let units: Vec<ForwardUnit> = seen.iter().map(|s| s.0).collect();
+                assert_eq!(
+                    units,
+                    [
+                        ForwardUnit::Embedding,
+                        ForwardUnit::Block(0),
+                        ForwardUnit::Block(1),
+                        ForwardUnit::Head
+                    ]
+                );
+                if overlap {
+                    // The embedding's unit left the blocks' and the head's
+                    // buckets pending; every unit found one of its own.
+                    assert!(seen[0].2 > 0, "{seen:?}");
+                    assert!(seen.iter().all(|s| !s.1.is_empty()), "{seen:?}");
+                }
+                assert_eq!(t.pending_param_gathers(), 0);
+                t.gather_full(ctx, Gather::Values)
+            });
+            results.remove(0).unwrap()
+        };
+        assert_eq!(run(true), run(false));
     }
 }
