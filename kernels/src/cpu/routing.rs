@@ -977,43 +977,35 @@ mod tests {
                 &rr,
             )
         });
-        // Large enough for the parallel path: equal to a sequential sum.
-        let (v, d, t) = (50, 64, 1000);
-        let ids: Vec<i32> = (0..t).map(|_| r.gen_range(0..v as i32)).collect();
-        let dy = rand_vec(&mut r, t * d);
-        let got = dev.h64(
-            &dev.embedding_backward(&dev.t64(&dy, &[t, d]), &i32t(dev, &ids, &[t]), v)
-                .unwrap(),
-        );
-        let mut want = vec![0.0; v * d];
-        for (i, &id) in ids.iter().enumerate() {
-            for j in 0..d {
-                want[id as usize * d + j] += dy[i * d + j];
-            }
-        }
-        assert_eq!(got, want);
-        // A vocabulary of Qwen3's size plus one (the inverse's scan splits
+        // Equal to a sequential sum: large enough for the parallel path, and
+        // a vocabulary of Qwen3's size plus one (the inverse's scan splits
         // it over 32 warps with a ragged tail), ids clustered at both ends.
-        let (v, d, t) = (151_937, 4, 3000);
-        let ids: Vec<i32> = (0..t)
+        let sums_in_order = |r: &mut _, v: usize, d: usize, ids: Vec<i32>| {
+            let t = ids.len();
+            let dy = rand_vec(r, t * d);
+            let got = dev.h64(
+                &dev.embedding_backward(&dev.t64(&dy, &[t, d]), &i32t(dev, &ids, &[t]), v)
+                    .unwrap(),
+            );
+            let mut want = vec![0.0; v * d];
+            for (i, &id) in ids.iter().enumerate() {
+                for j in 0..d {
+                    want[id as usize * d + j] += dy[i * d + j];
+                }
+            }
+            assert_eq!(got, want, "vocabulary {v}, {t} ids");
+        };
+        let ids = (0..1000).map(|_| r.gen_range(0..50)).collect();
+        sums_in_order(&mut r, 50, 64, ids);
+        let v = 151_937;
+        let ids = (0..3000)
             .map(|i| match i % 3 {
                 0 => r.gen_range(0..64),
                 1 => r.gen_range(v as i32 - 64..v as i32),
                 _ => r.gen_range(0..v as i32),
             })
             .collect();
-        let dy = rand_vec(&mut r, t * d);
-        let got = dev.h64(
-            &dev.embedding_backward(&dev.t64(&dy, &[t, d]), &i32t(dev, &ids, &[t]), v)
-                .unwrap(),
-        );
-        let mut want = vec![0.0; v * d];
-        for (i, &id) in ids.iter().enumerate() {
-            for j in 0..d {
-                want[id as usize * d + j] += dy[i * d + j];
-            }
-        }
-        assert_eq!(got, want);
+        sums_in_order(&mut r, v, 4, ids);
     }
 
     fn embedding_rejects_bad_ids<B: TestOps>(d: &B) {

@@ -171,20 +171,9 @@ impl Cuda {
         dtype: DType,
         ptrs: &[u64],
     ) -> bool {
-        let lim = i32::MAX as usize;
-        self.arch() == "sm_90a"
-            && matches!(dtype, DType::BF16 | DType::F32)
-            && m > 0
-            && k > 0
-            && n > 0
-            && g > 0
+        matches!(dtype, DType::BF16 | DType::F32)
             && k.is_multiple_of(16)
-            && m < lim
-            && k < lim
-            && n < lim
-            && g < lim
-            && f8_smem_bytes(g) <= MAX_SMEM
-            && ptrs.iter().all(|p| p % 16 == 0)
+            && self.sm90_product_fits((m, k, n, g), f8_smem_bytes(g) <= MAX_SMEM, ptrs)
     }
 
     /// [`Fp8Ops::grouped_matmul_fp8`] on `kernel` where it fits (the
@@ -283,22 +272,11 @@ impl Cuda {
         dtype: DType,
         ptrs: &[u64],
     ) -> bool {
-        let lim = i32::MAX as usize;
-        self.arch() == "sm_90a"
-            && matches!(dtype, DType::BF16 | DType::F32)
-            && m > 0
-            && k > 0
-            && n > 0
-            && g > 0
+        matches!(dtype, DType::BF16 | DType::F32)
             && m.is_multiple_of(16)
             && k.is_multiple_of(4)
             && n.is_multiple_of(4)
-            && m < lim
-            && k < lim
-            && n < lim
-            && g < lim
-            && f8w_smem_bytes(g) <= MAX_SMEM
-            && ptrs.iter().all(|p| p % 16 == 0)
+            && self.sm90_product_fits((m, k, n, g), f8w_smem_bytes(g) <= MAX_SMEM, ptrs)
     }
 
     /// [`Fp8Ops::grouped_matmul_weight_grad_fp8`] on `fp8_sm90.cu`'s kernel

@@ -292,19 +292,25 @@ impl Cuda {
     /// tensor maps' 16-byte row strides), 16-byte aligned bases, sizes within
     /// the copy engine's 32-bit coordinates, the offsets within shared memory.
     fn wgmma_fits(&self, m: usize, k: usize, n: usize, g: usize, ptrs: &[u64]) -> bool {
+        k.is_multiple_of(8)
+            && n.is_multiple_of(8)
+            && self.sm90_product_fits((m, k, n, g), gw_smem_bytes(g) <= GW_MAX_SMEM, ptrs)
+    }
+
+    /// What every Hopper (TMA + wgmma) product kernel needs, bf16 or fp8: an
+    /// sm_90a device, nonzero sizes within the copy engine's 32-bit
+    /// coordinates, the group offsets within shared memory (`smem_fits`),
+    /// 16-byte aligned arrays at `ptrs`. Each kernel adds its own multiples.
+    pub(super) fn sm90_product_fits(
+        &self,
+        (m, k, n, g): (usize, usize, usize, usize),
+        smem_fits: bool,
+        ptrs: &[u64],
+    ) -> bool {
         let lim = i32::MAX as usize;
         self.arch() == "sm_90a"
-            && m > 0
-            && k > 0
-            && n > 0
-            && g > 0
-            && k.is_multiple_of(8)
-            && n.is_multiple_of(8)
-            && m < lim
-            && k < lim
-            && n < lim
-            && g < lim
-            && gw_smem_bytes(g) <= GW_MAX_SMEM
+            && [m, k, n, g].iter().all(|&d| d > 0 && d < lim)
+            && smem_fits
             && ptrs.iter().all(|p| p % 16 == 0)
     }
 
