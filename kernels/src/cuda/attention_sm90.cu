@@ -746,65 +746,80 @@ extern "C" __global__ void fa3_pad_check(const bf16* __restrict__ v, const bf16*
 }
 
 // The backward's per-query inputs over rows padded to Sp (a multiple of 64):
-// delta = Σ dO ∘ O and lse2 = lse · log2 e, 0 past S. The rows are taken
-// in dO's and O's memory order ((b, s, h), h fastest), Hd / 8 lanes a row
-// with 16-byte loads, 32 / (Hd / 8) rows a warp where that divides (Hd 64,
-// 128), else one (192); the rows past S are zeroed after. A grid of a few
-// blocks per SM strides over the rows (attention_sm90.rs): 65536 blocks of
-// one step each, with the lse load waiting on the reduction, ran at ~2 TB/s.
+// delta = Σ dO ∘ O over the first HV columns (MLA's O is zero past its
+// values' 128 of Hd = 192, so those suffice) and lse2 = lse · log2 e, 0 past
+// S. The rows are taken in dO's and O's memory order ((b, s, h), h
+// fastest), HV / 8 lanes a row with 16-byte loads, 32 / (HV / 8) rows a
+// warp where that divides (64, 128), else one (192), two such row groups
+// loaded before either is reduced; the rows past S are zeroed after. A grid
+// of a few blocks per SM strides over the rows (attention_sm90.rs).
 extern "C" __global__ void fa3_bwd_prep(const bf16* __restrict__ d_o, const bf16* __restrict__ o,
                                         const float* __restrict__ lse, float* __restrict__ lse2,
-                                        float* __restrict__ delta, int B, int S, int Sp, int HQ, int HD) {
-    int lane = threadIdx.x & 31, lpr = HD / 8, rpw = 32 % lpr == 0 ? 32 / lpr : 1;
+                                        float* __restrict__ delta, int B, int S, int Sp, int HQ, int HD, int HV) {
+    int lane = threadIdx.x & 31, lpr = HV / 8, rpw = 32 % lpr == 0 ? 32 / lpr : 1;
     int seg = lane / lpr, sl = lane % lpr;
     bool on = seg < rpw;
-    i64 rows = (i64)B * S * HQ, warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 r0 = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * rpw; r0 < rows; r0 += warps * rpw) {
-        const i64 r = r0 + seg;
-        const bool mine = on && r < rows;
-        uint4 x = make_uint4(0, 0, 0, 0), y = x;
-        if (mine) {
-            x = *reinterpret_cast<const uint4*>(d_o + r * HD + sl * 8);
-            y = *reinterpret_cast<const uint4*>(o + r * HD + sl * 8);
-        }
-        // The row's lane 0 finds (b, h, s) and loads lse while the others'
-        // loads are in flight.
-        i64 at = 0;
-        float l = 0.f;
-        if (mine && sl == 0) {
-            i64 h, b, s;
-            if (rows <= 0x7fffffffLL) {
-                const unsigned q = (unsigned)r / (unsigned)HQ, qb = q / (unsigned)S;
-                h = (unsigned)r - q * (unsigned)HQ;
-                b = qb;
-                s = q - qb * (unsigned)S;
-            } else {
-                const i64 bs = r / HQ;
-                h = r - bs * HQ;
-                b = bs / S;
-                s = bs - b * S;
-            }
-            at = (b * HQ + h) * Sp + s;
-            l = lse[(b * HQ + h) * S + s];
-        }
-        float acc = 0.f;
-        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
-        const __nv_bfloat162* yp = reinterpret_cast<const __nv_bfloat162*>(&y);
+    i64 rows = (i64)B * S * HQ, warps = ((i64)gridDim.x * blockDim.x) >> 5, stride = warps * rpw;
+    for (i64 r0 = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * rpw; r0 < rows; r0 += 2 * stride) {
+        uint4 x[2], y[2];
+        bool mine[2];
+        i64 at[2] = {0, 0};
+        float l[2] = {0.f, 0.f};
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float2 xf = __bfloat1622float2(xp[k]), yf = __bfloat1622float2(yp[k]);
-            acc += xf.x * yf.x + xf.y * yf.y;
+        for (int u = 0; u < 2; ++u) {
+            const i64 r = r0 + u * stride + seg;
+            mine[u] = on && r < rows;
+            x[u] = make_uint4(0, 0, 0, 0);
+            y[u] = x[u];
+            if (mine[u]) {
+                x[u] = *reinterpret_cast<const uint4*>(d_o + r * HD + sl * 8);
+                y[u] = *reinterpret_cast<const uint4*>(o + r * HD + sl * 8);
+            }
         }
-        // Sum over the row's lanes: within segments of lpr lanes where lpr
-        // is a power of two, else over the warp (one row, idle lanes 0).
-        if (rpw > 1) {
-            for (int m = lpr / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-        } else {
-            for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        // Each row's lane 0 finds (b, h, s) and loads lse while the loads
+        // are in flight.
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const i64 r = r0 + u * stride + seg;
+            if (mine[u] && sl == 0) {
+                i64 h, b, s;
+                if (rows <= 0x7fffffffLL) {
+                    const unsigned q = (unsigned)r / (unsigned)HQ, qb = q / (unsigned)S;
+                    h = (unsigned)r - q * (unsigned)HQ;
+                    b = qb;
+                    s = q - qb * (unsigned)S;
+                } else {
+                    const i64 bs = r / HQ;
+                    h = r - bs * HQ;
+                    b = bs / S;
+                    s = bs - b * S;
+                }
+                at[u] = (b * HQ + h) * Sp + s;
+                l[u] = lse[(b * HQ + h) * S + s];
+            }
         }
-        if (mine && sl == 0) {
-            delta[at] = acc;
-            lse2[at] = l * 1.4426950408889634f;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            float acc = 0.f;
+            const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x[u]);
+            const __nv_bfloat162* yp = reinterpret_cast<const __nv_bfloat162*>(&y[u]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float2 xf = __bfloat1622float2(xp[k]), yf = __bfloat1622float2(yp[k]);
+                acc += xf.x * yf.x + xf.y * yf.y;
+            }
+            // Sum over the row's lanes: within segments of lpr lanes where
+            // lpr is a power of two, else over the warp (one row, idle
+            // lanes 0).
+            if (rpw > 1) {
+                for (int m = lpr / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+            } else {
+                for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+            }
+            if (mine[u] && sl == 0) {
+                delta[at[u]] = acc;
+                lse2[at[u]] = l[u] * 1.4426950408889634f;
+            }
         }
     }
     // The padding rows s in [S, Sp) of every (b, h).

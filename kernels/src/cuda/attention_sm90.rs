@@ -207,7 +207,9 @@ impl Cuda {
             s as i32,
             sp as i32,
             hq as i32,
-            hd as i32
+            hd as i32,
+            // MLA's O is zero past its 128 value columns: delta reads those.
+            (if hd == 192 { MLA_VALUES } else { hd }) as i32
         )?;
         let dk = self.alloc(OP, k.shape(), DType::BF16)?;
         let dv = self.alloc(OP, v.shape(), DType::BF16)?;
