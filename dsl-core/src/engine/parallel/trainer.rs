@@ -2042,15 +2042,20 @@ mod tests {
         });
     }
 
-    #[test]
-    fn buckets_close_at_the_size_walking_backwards_and_keep_kinds_apart() {
-        let kind = |expert| Kind {
+    /// A decayed matrix's kind, dense or expert, neither tp-replicated nor
+    /// a pipeline copy.
+    fn decayed_kind(expert: bool) -> Kind {
+        Kind {
             expert,
             decay: true,
             tp_replicated: false,
             pp_copy: false,
-        };
-        let (dense, expert) = (kind(false), kind(true));
+        }
+    }
+
+    #[test]
+    fn buckets_close_at_the_size_walking_backwards_and_keep_kinds_apart() {
+        let (dense, expert) = (decayed_kind(false), decayed_kind(true));
         // Parameters 0..6 in optimizer order: dense 0, 1, 3, 4; experts 2, 5.
         let params = [
             (dense, 4),
@@ -2085,13 +2090,7 @@ mod tests {
     #[test]
     fn gathers_start_in_the_order_the_next_forward_needs_them() {
         use crate::engine::model::ForwardUnit::{Block, Embedding, Head};
-        let kind = |expert| Kind {
-            expert,
-            decay: true,
-            tp_replicated: false,
-            pp_copy: false,
-        };
-        let (dense, expert) = (kind(false), kind(true));
+        let (dense, expert) = (decayed_kind(false), decayed_kind(true));
         let kinds = [dense, dense, expert, dense, expert, dense];
         let units = [
             vec![Some(Embedding), Some(Block(0))],
