@@ -191,13 +191,15 @@ impl Cuda {
         // The dQ accumulator, tile by tile (zeroed: the blocks add into it).
         let dq_acc = self.zeros(&[rows * hd], DType::F32)?;
         self.bind()?;
+        // The multiprocessor count (a grid of one block per SM).
+        let sms = self.persistent_grid(usize::MAX)? as usize;
         let f = self.func(ATTENTION_SM90, "fa3_bwd_prep")?;
         launch!(
             self,
             f,
-            // At most 16 blocks an SM's worth (132 SMs on an H200), each
-            // warp striding over the rows (fa3_bwd_prep).
-            warp_rows_cfg(rows.min(8 * 16 * 132)),
+            // At most 16 blocks an SM, each warp striding over the rows
+            // (fa3_bwd_prep).
+            warp_rows_cfg(rows.min(8 * 16 * sms)),
             d_o.storage().ptr(),
             o.storage().ptr(),
             lse.storage().ptr(),

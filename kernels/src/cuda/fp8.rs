@@ -81,6 +81,10 @@ fn f8_smem_bytes(g: usize) -> usize {
     1024 + F8_STAGES * F8_STAGE_BYTES + 128 + 8 * 16 * 144 + 16 * (g + 1)
 }
 
+/// Columns a block of the group-column quantisation takes (`fp8.cu`'s
+/// `GC_COLS`, in chunks of 64).
+const GC_COLS: usize = 512;
+
 /// Bytes of one stage of the weight-gradient kernel (`F8W_STAGE`): the
 /// codes of a stage of the forward's, then 128 row scales of A and 128
 /// column scales of B (f32).
@@ -450,11 +454,11 @@ impl Fp8Ops for Cuda {
                     launch!(
                         self,
                         f,
-                        // A block per (tile, 512 columns): fp8.cu's GC_COLS.
+                        // A block per (tile, GC_COLS columns).
                         block_cfg(
                             (
                                 column_tiles(m, groups) as u32,
-                                k.div_ceil(512).max(1) as u32,
+                                k.div_ceil(GC_COLS).max(1) as u32,
                                 1
                             ),
                             256,
