@@ -321,9 +321,10 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
         }
         FfnSpec::Moe(m) => {
             // The router's state of the rank's sequence shard: the chosen
-            // experts, their probabilities and routing weights, with the
-            // load-balancing loss the full probabilities and their gradient,
-            // with the z-loss the softmax and log-sum-exp.
+            // experts and their probabilities, with the load-balancing loss
+            // the full probabilities and their gradient, with the z-loss the
+            // softmax and log-sum-exp. (The routing weights travel with the
+            // experts' rows, counted there.)
             let (e, k) = (m.experts as f64, m.top_k as f64);
             let r = &m.router;
             let score = match (r.score, r.pre_softmax) {
@@ -331,7 +332,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                 (ScoreFunction::Softmax, true) => e,
                 (ScoreFunction::Sigmoid, _) => e + if m.top_k > 1 { k } else { 0.0 },
             };
-            let mut router = score + k;
+            let mut router = score;
             if r.load_balance != LoadBalance::None && r.aux_coef != 0.0 {
                 router += 2.0 * e
                     + if r.score == ScoreFunction::Sigmoid {
@@ -398,8 +399,9 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                     scales(f),
                 ));
             }
-            // The experts' outputs, for the routing weights' gradient.
-            v.push(s(Part::RoutedExperts, None, None, Act, rows * h));
+            // The rows' routing weights (the experts apply them in SwiGLU;
+            // its backward gives their gradient).
+            v.push(s(Part::RoutedExperts, None, None, Act, rows));
             if m.shared_ffn > 0 {
                 let f = m.shared_ffn as f64 / t;
                 let gate = if m.shared_gate { 1.0 + h } else { 0.0 };

@@ -49,6 +49,27 @@ pub trait ElementwiseOps: Device {
         up: &Tensor<Self>,
         dy: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
+    /// `probs[r] · silu(gate[r]) ⊙ up[r]` for the rows of `gate, up: [N, F]`
+    /// and `probs: [N]`: SwiGLU scaled by each row's routing weight (the
+    /// MoE experts apply the weights here, Megatron-Core's weighted SwiGLU,
+    /// so that combine is a plain sum and its backward a gather).
+    fn swiglu_weighted(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        probs: &Tensor<Self>,
+    ) -> Result<Tensor<Self>>;
+    /// Gradients `(d gate, d up, d probs)` of [`Self::swiglu_weighted`]
+    /// given `dy: [N, F]`: `d probs[r] = Σ_f dy[r, f] · silu(gate[r, f]) ·
+    /// up[r, f]` (accumulated in the accumulation type).
+    #[allow(clippy::type_complexity)]
+    fn swiglu_weighted_backward(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        probs: &Tensor<Self>,
+        dy: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)>;
     /// `1 / (1 + exp(-x))`.
     fn sigmoid(&self, x: &Tensor<Self>) -> Result<Tensor<Self>>;
     /// Gradient of `sigmoid` from its output `y` and `dy`: `dy * y * (1 - y)`.
@@ -99,4 +120,24 @@ pub(crate) fn rows_cols<'a, B: Device>(
             "expected at least one dimension, got a 0-d tensor",
         )),
     }
+}
+
+/// Checks [`ElementwiseOps::swiglu_weighted`]'s operands (`gate`, `up` and,
+/// for the backward, `dy`: one shape `[N, F]` and dtype; `probs: [N]` of
+/// that dtype) and returns `(N, F)`: one check for every backend.
+pub(crate) fn swiglu_weighted_args<B: Device>(
+    op: &'static str,
+    gate: &Tensor<B>,
+    up: &Tensor<B>,
+    probs: &Tensor<B>,
+    dy: Option<&Tensor<B>>,
+) -> Result<(usize, usize)> {
+    let (n, f) = gate.dims2(op)?;
+    for (what, t) in std::iter::once(("up", up)).chain(dy.map(|d| ("dy", d))) {
+        t.expect_dtype(op, gate.dtype())?;
+        t.expect_shape(op, what, gate.shape())?;
+    }
+    probs.expect_dtype(op, gate.dtype())?;
+    probs.expect_shape(op, "probs", &[n])?;
+    Ok((n, f))
 }

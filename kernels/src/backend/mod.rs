@@ -25,8 +25,8 @@ mod routing;
 
 pub use attention::AttentionOps;
 pub(crate) use attention::{check_docs, check_qkv};
-pub(crate) use elementwise::rows_cols;
 pub use elementwise::ElementwiseOps;
+pub(crate) use elementwise::{rows_cols, swiglu_weighted_args};
 pub use fp8::Fp8Ops;
 pub use gather::GatheredGemmOps;
 pub(crate) use linalg::matmul_dims;
@@ -37,7 +37,10 @@ pub use norm::{yarn_mscale, NormOps, Rope, Yarn};
 pub use offload::OffloadOps;
 pub(crate) use optim::{check_adamw_args, check_adamw_master_args};
 pub use optim::{AdamWConfig, OptimOps};
-pub(crate) use routing::{check_topk_args, GroupLimit};
+pub(crate) use routing::{
+    check_topk_args, permute_weights_args, permute_weights_backward_args, unpermute_args,
+    GroupLimit,
+};
 pub use routing::{DropPolicy, RoutingOps, RoutingPlan};
 
 use crate::error::Result;

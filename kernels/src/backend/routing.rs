@@ -1,6 +1,6 @@
 use super::Device;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Which token copies an over-full expert drops in capacity mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,22 +102,76 @@ pub trait RoutingOps: Device {
         row_src: &Tensor<Self>,
         tokens: usize,
     ) -> Result<Tensor<Self>>;
-    /// Combines expert outputs: `out[t] = Σ_k w[t, k] · y[slot[t, k]]` over kept
-    /// copies, `y: [N, D]`, `slot, w: [T, K]` → `[T, D]`.
-    fn unpermute(
+    /// Combines expert outputs: `out[t] = Σ_k y[slot[t, k]]` over kept
+    /// copies, `y: [N, D]`, `slot: [T, K]` → `[T, D]`. The routing weights
+    /// are already in `y` (the experts apply them: see
+    /// [`crate::ElementwiseOps::swiglu_weighted`]), as in Megatron-Core.
+    /// Its backward is `permute(dout, row_src)` of the same plan: a row
+    /// holds at most one copy, of token `row_src[n]`.
+    fn unpermute(&self, y: &Tensor<Self>, slot: &Tensor<Self>) -> Result<Tensor<Self>>;
+    /// The routing weights in permuted order: `out[slot[t, k]] = w[t, k]`
+    /// for kept copies, zero on rows that hold no copy; `w, slot: [T, K]`
+    /// → `[rows]` (the plan's row count).
+    fn permute_weights(
         &self,
-        y: &Tensor<Self>,
-        slot: &Tensor<Self>,
         w: &Tensor<Self>,
+        slot: &Tensor<Self>,
+        rows: usize,
     ) -> Result<Tensor<Self>>;
-    /// Gradients `(dy: [N, D], dw: [T, K])` of `unpermute` given `dout: [T, D]`.
-    fn unpermute_backward(
+    /// Backward of [`RoutingOps::permute_weights`]: `dw[t, k] =
+    /// dp[slot[t, k]]`, zero for a dropped copy; `dp: [N]` → `[T, K]`.
+    fn permute_weights_backward(
         &self,
-        dout: &Tensor<Self>,
-        y: &Tensor<Self>,
+        dp: &Tensor<Self>,
         slot: &Tensor<Self>,
-        w: &Tensor<Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
+    ) -> Result<Tensor<Self>>;
+}
+
+/// Checks combine's operands, `y: [N, D]` and `slot: [T, K]` (i32), and
+/// returns `(T, K, N, D)` (the slots' range is the backend's to check).
+pub(crate) fn unpermute_args<B: Device>(
+    op: &'static str,
+    y: &Tensor<B>,
+    slot: &Tensor<B>,
+) -> Result<(usize, usize, usize, usize)> {
+    let (n, d) = y.dims2(op)?;
+    slot.expect_dtype(op, DType::I32)?;
+    let (t, k) = slot.dims2(op)?;
+    Ok((t, k, n, d))
+}
+
+/// Checks the routing weights' permutation: `w: [T, K]` (a float) beside
+/// `slot: [T, K]` (i32); returns `(T, K)`.
+pub(crate) fn permute_weights_args<B: Device>(
+    op: &'static str,
+    w: &Tensor<B>,
+    slot: &Tensor<B>,
+) -> Result<(usize, usize)> {
+    slot.expect_dtype(op, DType::I32)?;
+    let (t, k) = slot.dims2(op)?;
+    w.expect_shape(op, "w", &[t, k])?;
+    Ok((t, k))
+}
+
+/// Checks [`RoutingOps::permute_weights_backward`]'s operands, `dp: [N]`
+/// and `slot: [T, K]` (i32); returns `(N, T, K)`.
+pub(crate) fn permute_weights_backward_args<B: Device>(
+    op: &'static str,
+    dp: &Tensor<B>,
+    slot: &Tensor<B>,
+) -> Result<(usize, usize, usize)> {
+    let n = match dp.shape() {
+        &[n] => n,
+        other => {
+            return Err(crate::error::shape_err(
+                op,
+                format!("dp must hold one value per permuted row, [N], got {other:?}"),
+            ))
+        }
+    };
+    slot.expect_dtype(op, DType::I32)?;
+    let (t, k) = slot.dims2(op)?;
+    Ok((n, t, k))
 }
 
 /// Group-limited routing parameters, validated (DeepSeek-V3's node-limited

@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::{index_tensor, pool, simd, Cpu, Float, FloatStorage};
-use crate::backend::ElementwiseOps;
+use crate::backend::{swiglu_weighted_args, ElementwiseOps};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
@@ -722,6 +722,93 @@ impl ElementwiseOps for Cpu {
         cpu_float_dispatch!("swiglu_backward", gate, go(gate, up, dy))
     }
 
+    fn swiglu_weighted(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        probs: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
+        fn go<T: FloatStorage>(
+            g: &Tensor<Cpu>,
+            u: &Tensor<Cpu>,
+            p: &Tensor<Cpu>,
+        ) -> Result<Tensor<Cpu>> {
+            const OP: &str = "swiglu_weighted";
+            let (_, f) = swiglu_weighted_args(OP, g, u, p, None)?;
+            let (gv, uv, pv) = (T::slice(g, OP)?, T::slice(u, OP)?, T::slice(p, OP)?);
+            let mut out = pool::take::<T>(gv.len());
+            if f > 0 {
+                out.par_chunks_mut(f)
+                    .zip(gv.par_chunks(f).zip(uv.par_chunks(f)))
+                    .zip(pv.par_iter())
+                    .with_min_len(rows_per_task(f))
+                    .for_each(|((o, (g, u)), &p)| {
+                        simd(
+                            #[inline(always)]
+                            || {
+                                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                                    *o = g * sigmoid_f(g) * u * p;
+                                }
+                            },
+                        )
+                    });
+            }
+            T::tensor(out, g.shape())
+        }
+        cpu_float_dispatch!("swiglu_weighted", gate, go(gate, up, probs))
+    }
+
+    fn swiglu_weighted_backward(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        probs: &Tensor<Self>,
+        dy: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        fn go<T: FloatStorage>(
+            g: &Tensor<Cpu>,
+            u: &Tensor<Cpu>,
+            p: &Tensor<Cpu>,
+            dy: &Tensor<Cpu>,
+        ) -> Result<(Tensor<Cpu>, Tensor<Cpu>, Tensor<Cpu>)> {
+            const OP: &str = "swiglu_weighted_backward";
+            let (n, f) = swiglu_weighted_args(OP, g, u, p, Some(dy))?;
+            let (gv, uv, pv) = (T::slice(g, OP)?, T::slice(u, OP)?, T::slice(p, OP)?);
+            let dyv = T::slice(dy, OP)?;
+            let (mut dg, mut du) = (pool::take::<T>(gv.len()), pool::take::<T>(gv.len()));
+            let mut dp = vec![T::ZERO; n];
+            if f > 0 {
+                dg.par_chunks_mut(f)
+                    .zip(du.par_chunks_mut(f))
+                    .zip(dp.par_iter_mut())
+                    .enumerate()
+                    .with_min_len(rows_per_task(f))
+                    .for_each(|(r, ((dg, du), dp))| {
+                        let rows = r * f..(r + 1) * f;
+                        let (g, u, d) = (&gv[rows.clone()], &uv[rows.clone()], &dyv[rows]);
+                        let p = pv[r];
+                        // d probs in the accumulation type, in column order.
+                        let mut acc = <T::Acc as Float>::ZERO;
+                        for c in 0..f {
+                            let s = sigmoid_f(g[c]);
+                            let a = g[c] * s * u[c];
+                            acc += (d[c] * a).to_acc();
+                            let da = d[c] * p;
+                            dg[c] = da * u[c] * silu_grad_of(g[c], s);
+                            du[c] = da * g[c] * s;
+                        }
+                        *dp = T::from_acc(acc);
+                    });
+            }
+            Ok((
+                T::tensor(dg, g.shape())?,
+                T::tensor(du, g.shape())?,
+                T::tensor(dp, &[n])?,
+            ))
+        }
+        cpu_float_dispatch!("swiglu_weighted_backward", gate, go(gate, up, probs, dy))
+    }
+
     fn sigmoid(&self, x: &Tensor<Self>) -> Result<Tensor<Self>> {
         fn go<T: FloatStorage>(x: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
             unary::<T>("sigmoid", x, sigmoid_f)
@@ -896,6 +983,48 @@ mod tests {
         };
         check("swiglu d gate", &gate, &d.h64(&dg), |x| f(x, &up));
         check("swiglu d up", &up, &d.h64(&du), |x| f(&gate, x));
+    }
+
+    /// The routing-weighted SwiGLU against finite differences in all three
+    /// inputs, and against the plain SwiGLU scaled row by row.
+    fn swiglu_weighted_grad<B: TestOps>(d: &B) {
+        let mut g = rng(15);
+        let gate: Vec<f64> = uniform(&mut g, R * C).iter().map(|v| 3.0 * v).collect();
+        let up = uniform(&mut g, R * C);
+        let probs = uniform(&mut g, R);
+        let w = uniform(&mut g, R * C);
+        let t = |v: &[f64]| d.t64(v, &[R, C]);
+        let run = |g: &[f64], u: &[f64], p: &[f64]| {
+            d.h64(&d.swiglu_weighted(&t(g), &t(u), &d.t64(p, &[R])).unwrap())
+        };
+        let plain = d.h64(&d.swiglu(&t(&gate), &t(&up)).unwrap());
+        for (i, v) in run(&gate, &up, &probs).iter().enumerate() {
+            let want = plain[i] * probs[i / C];
+            assert!(
+                (v - want).abs() <= 1e-14 * want.abs().max(1.0),
+                "{i}: {v} vs {want}"
+            );
+        }
+        let (dg, du, dp) = d
+            .swiglu_weighted_backward(&t(&gate), &t(&up), &d.t64(&probs, &[R]), &t(&w))
+            .unwrap();
+        assert_eq!(dp.shape(), [R]);
+        let f = |g: &[f64], u: &[f64], p: &[f64]| dotv(&run(g, u, p), &w);
+        check("swiglu_weighted d gate", &gate, &d.h64(&dg), |x| {
+            f(x, &up, &probs)
+        });
+        check("swiglu_weighted d up", &up, &d.h64(&du), |x| {
+            f(&gate, x, &probs)
+        });
+        check("swiglu_weighted d probs", &probs, &d.h64(&dp), |x| {
+            f(&gate, &up, x)
+        });
+        let bad = d.swiglu_weighted(&t(&gate), &t(&up), &d.t64(&probs[..R - 1], &[R - 1]));
+        let err = bad.unwrap_err().to_string();
+        assert!(
+            err.contains("probs") && err.contains(&format!("[{}]", R - 1)),
+            "{err}"
+        );
     }
 
     fn mul_rows_grad<B: TestOps>(d: &B) {
@@ -1494,6 +1623,16 @@ mod tests {
                 let (dgc, duc) = Cpu.swiglu_backward(&xc, &yc, &pc).unwrap();
                 k.check("swiglu_backward d gate", &dg, &dgc);
                 k.check("swiglu_backward d up", &du, &duc);
+                let (dg, du, dpr) = d.swiglu_weighted_backward(&x, &y, &rv, &p).unwrap();
+                let (dgc, duc, dprc) = Cpu.swiglu_weighted_backward(&xc, &yc, &rvc, &pc).unwrap();
+                k.check(
+                    "swiglu_weighted",
+                    &d.swiglu_weighted(&x, &y, &rv).unwrap(),
+                    &Cpu.swiglu_weighted(&xc, &yc, &rvc).unwrap(),
+                );
+                k.check("swiglu_weighted_backward d gate", &dg, &dgc);
+                k.check("swiglu_weighted_backward d up", &du, &duc);
+                k.check("swiglu_weighted_backward d probs", &dpr, &dprc);
                 k.check(
                     "sigmoid",
                     &d.sigmoid(&x).unwrap(),
@@ -1581,6 +1720,7 @@ mod tests {
         softmax_grad,
         logsumexp_grad,
         swiglu_grad,
+        swiglu_weighted_grad,
         mul_rows_grad,
         mul_cols_grad,
         add_cols_grad,

@@ -14,7 +14,10 @@ use std::cmp::Ordering;
 use rayon::prelude::*;
 
 use super::{index_slice, index_tensor, pool, Cpu, FloatStorage};
-use crate::backend::{DropPolicy, RoutingOps, RoutingPlan};
+use crate::backend::{
+    permute_weights_args, permute_weights_backward_args, unpermute_args, DropPolicy, RoutingOps,
+    RoutingPlan,
+};
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::Tensor;
@@ -524,81 +527,59 @@ fn permute_backward_impl<T: FloatStorage>(
     T::tensor(out, &[tokens, d])
 }
 
-/// Checks the combine operands `y: [N, D]`, `slot: [T, K]` (i32 in
-/// `[-1, N)`), `w: [T, K]` and returns `(y, slot, w, T, K, N, D)`.
-#[allow(clippy::type_complexity)]
-fn combine_args<'a, T: FloatStorage>(
-    op: &'static str,
-    y: &'a Tensor<Cpu>,
-    slot: &'a Tensor<Cpu>,
-    w: &'a Tensor<Cpu>,
-) -> Result<(&'a [T], &'a [i32], &'a [T], usize, usize, usize, usize)> {
-    let (n, d) = y.dims2(op)?;
-    let yv = T::slice(y, op)?;
-    let sv = index_slice(slot, op)?;
-    let (t, k) = slot.dims2(op)?;
-    let wv = T::slice(w, op)?;
-    w.expect_shape(op, "w", &[t, k])?;
-    check_range(op, sv, -1, n as i64)?;
-    Ok((yv, sv, wv, t, k, n, d))
-}
-
-fn unpermute_impl<T: FloatStorage>(
-    y: &Tensor<Cpu>,
-    slot: &Tensor<Cpu>,
-    w: &Tensor<Cpu>,
-) -> Result<Tensor<Cpu>> {
+fn unpermute_impl<T: FloatStorage>(y: &Tensor<Cpu>, slot: &Tensor<Cpu>) -> Result<Tensor<Cpu>> {
     const OP: &str = "unpermute";
-    let (yv, sv, wv, t, k, _, d) = combine_args::<T>(OP, y, slot, w)?;
+    let (t, k, n, d) = unpermute_args(OP, y, slot)?;
+    let yv = T::slice(y, OP)?;
+    let sv = index_slice(slot, OP)?;
+    check_range(OP, sv, -1, n as i64)?;
     let mut out = pool::take::<T>(t * d);
     for_each_row(&mut out, d, |tok, o| {
         o.fill(T::ZERO);
-        for j in tok * k..(tok + 1) * k {
-            if let Ok(r) = usize::try_from(sv[j]) {
-                axpy(o, wv[j], &yv[r * d..(r + 1) * d]);
+        for &s in &sv[tok * k..(tok + 1) * k] {
+            if let Ok(r) = usize::try_from(s) {
+                for (o, &v) in o.iter_mut().zip(&yv[r * d..(r + 1) * d]) {
+                    *o += v;
+                }
             }
         }
     });
     T::tensor(out, &[t, d])
 }
 
-fn unpermute_backward_impl<T: FloatStorage>(
-    dout: &Tensor<Cpu>,
-    y: &Tensor<Cpu>,
-    slot: &Tensor<Cpu>,
+fn permute_weights_impl<T: FloatStorage>(
     w: &Tensor<Cpu>,
-) -> Result<(Tensor<Cpu>, Tensor<Cpu>)> {
-    const OP: &str = "unpermute_backward";
-    let (yv, sv, wv, t, k, n, d) = combine_args::<T>(OP, y, slot, w)?;
-    let dov = T::slice(dout, OP)?;
-    dout.expect_shape(OP, "dout", &[t, d])?;
-    // dy[r] = Σ over the copies (t, j) placed at row r of w[t, j] · dout[t].
-    let (offsets, items) = invert(sv, n);
-    let mut dy = pool::take::<T>(n * d);
-    for_each_row(&mut dy, d, |r, o| {
-        o.fill(T::ZERO);
-        for &copy in &items[offsets[r]..offsets[r + 1]] {
-            let tok = copy / k;
-            axpy(o, wv[copy], &dov[tok * d..(tok + 1) * d]);
+    slot: &Tensor<Cpu>,
+    rows: usize,
+) -> Result<Tensor<Cpu>> {
+    const OP: &str = "permute_weights";
+    permute_weights_args(OP, w, slot)?;
+    let wv = T::slice(w, OP)?;
+    let sv = index_slice(slot, OP)?;
+    check_range(OP, sv, -1, rows as i64)?;
+    let mut out = vec![T::ZERO; rows];
+    for (&s, &wc) in sv.iter().zip(wv) {
+        if let Ok(r) = usize::try_from(s) {
+            out[r] = wc;
         }
-    });
-    // dw[t, j] = dout[t] · y[slot[t, j]], zero for a dropped copy.
+    }
+    T::tensor(out, &[rows])
+}
+
+fn permute_weights_backward_impl<T: FloatStorage>(
+    dp: &Tensor<Cpu>,
+    slot: &Tensor<Cpu>,
+) -> Result<Tensor<Cpu>> {
+    const OP: &str = "permute_weights_backward";
+    let (n, t, k) = permute_weights_backward_args(OP, dp, slot)?;
+    let dpv = T::slice(dp, OP)?;
+    let sv = index_slice(slot, OP)?;
+    check_range(OP, sv, -1, n as i64)?;
     let dw: Vec<T> = sv
-        .par_iter()
-        .with_min_len(rows_per_task(d))
-        .enumerate()
-        .map(|(copy, &s)| match usize::try_from(s) {
-            Ok(r) => {
-                let tok = copy / k;
-                dov[tok * d..(tok + 1) * d]
-                    .iter()
-                    .zip(&yv[r * d..(r + 1) * d])
-                    .fold(T::ZERO, |acc, (&a, &b)| acc + a * b)
-            }
-            Err(_) => T::ZERO,
-        })
+        .iter()
+        .map(|&s| usize::try_from(s).map_or(T::ZERO, |r| dpv[r]))
         .collect();
-    Ok((T::tensor(dy, &[n, d])?, T::tensor(dw, &[t, k])?))
+    T::tensor(dw, &[t, k])
 }
 
 impl RoutingOps for Cpu {
@@ -679,26 +660,28 @@ impl RoutingOps for Cpu {
         )
     }
 
-    fn unpermute(
-        &self,
-        y: &Tensor<Self>,
-        slot: &Tensor<Self>,
-        w: &Tensor<Self>,
-    ) -> Result<Tensor<Self>> {
-        cpu_float_dispatch!("unpermute", y, unpermute_impl(y, slot, w))
+    fn unpermute(&self, y: &Tensor<Self>, slot: &Tensor<Self>) -> Result<Tensor<Self>> {
+        cpu_float_dispatch!("unpermute", y, unpermute_impl(y, slot))
     }
 
-    fn unpermute_backward(
+    fn permute_weights(
         &self,
-        dout: &Tensor<Self>,
-        y: &Tensor<Self>,
-        slot: &Tensor<Self>,
         w: &Tensor<Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        slot: &Tensor<Self>,
+        rows: usize,
+    ) -> Result<Tensor<Self>> {
+        cpu_float_dispatch!("permute_weights", w, permute_weights_impl(w, slot, rows))
+    }
+
+    fn permute_weights_backward(
+        &self,
+        dp: &Tensor<Self>,
+        slot: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
         cpu_float_dispatch!(
-            "unpermute_backward",
-            y,
-            unpermute_backward_impl(dout, y, slot, w)
+            "permute_weights_backward",
+            dp,
+            permute_weights_backward_impl(dp, slot)
         )
     }
 }
@@ -1359,6 +1342,10 @@ mod tests {
         ));
     }
 
+    /// Combine (`unpermute`, a plain sum of each token's kept copies) and
+    /// the routing weights' permutation, on a dropless and a capacity plan:
+    /// the values against a direct sum, each backward (combine's is
+    /// `permute` of the plan's `row_src`) against finite differences.
     fn unpermute_grad_dropless_and_dropped_copies<B: TestOps>(dev: &B) {
         let mut r = rng(17);
         let (t, d, e, k) = (6, 3, 4, 2);
@@ -1373,54 +1360,63 @@ mod tests {
                 e,
                 2,
                 DropPolicy::Position,
-                false,
+                true,
             )
             .unwrap();
         assert!(dev.hi32(&capped.slot).contains(&-1));
+        assert!(dev.hi32(&capped.row_src).contains(&-1));
         for plan in [dropless, capped] {
             let n = plan.row_src.shape()[0];
             let y = rand_vec(&mut r, n * d);
             let w = rand_vec(&mut r, t * k);
             let rr = rand_vec(&mut r, t * d);
+            let rn = rand_vec(&mut r, n);
             let slot = dev.hi32(&plan.slot);
-            let out = dev.h64(
-                &dev.unpermute(&dev.t64(&y, &[n, d]), &plan.slot, &dev.t64(&w, &[t, k]))
-                    .unwrap(),
-            );
+            let out = dev.h64(&dev.unpermute(&dev.t64(&y, &[n, d]), &plan.slot).unwrap());
             for tok in 0..t {
                 for j in 0..d {
                     let want: f64 = (0..k)
                         .filter(|&c| slot[tok * k + c] >= 0)
-                        .map(|c| w[tok * k + c] * y[slot[tok * k + c] as usize * d + j])
+                        .map(|c| y[slot[tok * k + c] as usize * d + j])
                         .sum();
                     assert!((out[tok * d + j] - want).abs() < 1e-12);
                 }
             }
-            let (dy, dw) = dev
-                .unpermute_backward(
-                    &dev.t64(&rr, &[t, d]),
-                    &dev.t64(&y, &[n, d]),
-                    &plan.slot,
-                    &dev.t64(&w, &[t, k]),
-                )
-                .unwrap();
+            let dy = dev.permute(&dev.t64(&rr, &[t, d]), &plan.row_src).unwrap();
             assert_eq!(dy.shape(), [n, d]);
-            assert_eq!(dw.shape(), [t, k]);
-            let obj = |y: &[f64], w: &[f64]| {
-                let out = dev
-                    .unpermute(&dev.t64(y, &[n, d]), &plan.slot, &dev.t64(w, &[t, k]))
-                    .unwrap();
+            let obj = |y: &[f64]| {
+                let out = dev.unpermute(&dev.t64(y, &[n, d]), &plan.slot).unwrap();
                 dot(&dev.h64(&out), &rr)
             };
-            assert_grad("unpermute dy", &y, &dev.h64(&dy), 1e-6, |y| obj(y, &w));
-            assert_grad("unpermute dw", &w, &dev.h64(&dw), 1e-6, |w| obj(&y, w));
+            assert_grad("unpermute dy", &y, &dev.h64(&dy), 1e-6, obj);
+            let p = dev.h64(
+                &dev.permute_weights(&dev.t64(&w, &[t, k]), &plan.slot, n)
+                    .unwrap(),
+            );
+            let mut want = vec![0.0; n];
+            for (c, &s) in slot.iter().enumerate() {
+                if s >= 0 {
+                    want[s as usize] = w[c];
+                }
+            }
+            assert_eq!(p, want, "permute_weights");
+            let dw = dev
+                .permute_weights_backward(&dev.t64(&rn, &[n]), &plan.slot)
+                .unwrap();
+            assert_eq!(dw.shape(), [t, k]);
+            let obj = |w: &[f64]| {
+                let p = dev
+                    .permute_weights(&dev.t64(w, &[t, k]), &plan.slot, n)
+                    .unwrap();
+                dot(&dev.h64(&p), &rn)
+            };
+            assert_grad("permute_weights dw", &w, &dev.h64(&dw), 1e-6, obj);
         }
     }
 
     fn unpermute_rejects_bad_input<B: TestOps>(d: &B) {
         let y = d.t64(&[0.0; 6], &[3, 2]);
-        let w = d.t64(&[0.0; 2], &[1, 2]);
-        let err = d.err_of(d.unpermute(&y, &i32t(d, &[0, 3], &[1, 2]), &w));
+        let err = d.err_of(d.unpermute(&y, &i32t(d, &[0, 3], &[1, 2])));
         assert_eq!(
             err,
             KernelError::IndexOutOfRange {
@@ -1430,77 +1426,74 @@ mod tests {
                 hi: 3
             }
         );
+        let err = d.unpermute(&y, &d.t64(&[0.0, 1.0], &[1, 2])).unwrap_err();
+        assert!(matches!(err, KernelError::DTypeMismatch { .. }));
+        let w = d.t64(&[0.0; 2], &[1, 2]);
         let err = d
-            .unpermute(&y, &i32t(d, &[0, 1, 2], &[1, 3]), &w)
+            .permute_weights(&w, &i32t(d, &[0, 1, 2], &[1, 3]), 3)
             .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { .. }));
         assert!(err.to_string().contains("[1, 2]") && err.to_string().contains("[1, 3]"));
-        let w32 = f32t(d, &[0.0; 2], &[1, 2]);
+        let err = d.err_of(d.permute_weights(&w, &i32t(d, &[0, 3], &[1, 2]), 3));
+        assert!(matches!(err, KernelError::IndexOutOfRange { index: 3, .. }));
         let err = d
-            .unpermute(&y, &i32t(d, &[0, 1], &[1, 2]), &w32)
+            .permute_weights_backward(&d.t64(&[0.0; 6], &[3, 2]), &i32t(d, &[0, 1], &[1, 2]))
             .unwrap_err();
-        assert!(matches!(
-            err,
-            KernelError::DTypeMismatch {
-                expected: DType::F64,
-                got: DType::F32,
-                ..
-            }
-        ));
-        let dout = d.t64(&[0.0; 3], &[1, 3]);
-        let err = d
-            .unpermute_backward(&dout, &y, &i32t(d, &[0, 1], &[1, 2]), &w)
-            .unwrap_err();
-        assert!(matches!(err, KernelError::ShapeMismatch { .. }));
-        assert!(err.to_string().contains("[1, 3]") && err.to_string().contains("[1, 2]"));
+        assert!(err.to_string().contains("[3, 2]"), "{err}");
+        let err = d.err_of(
+            d.permute_weights_backward(&d.t64(&[0.0; 3], &[3]), &i32t(d, &[0, 5], &[1, 2])),
+        );
+        assert!(matches!(err, KernelError::IndexOutOfRange { index: 5, .. }));
     }
 
     /// The whole dropless expert path as the MoE layer runs it, with an
-    /// expert that receives no token: permute → grouped GEMM → unpermute.
+    /// expert that receives no token: permute → gate and up grouped GEMMs →
+    /// SwiGLU weighted by the permuted routing weights → combine, and back.
     fn moe_dispatch_chain_grad_with_empty_expert<B: TestOps>(dev: &B) {
         let mut r = rng(18);
         let (t, d, f, e, k) = (5, 3, 2, 4, 2);
         let idx: Vec<i32> = vec![0, 2, 2, 0, 3, 0, 0, 2, 3, 2];
         let plan = dev.routing_plan(&i32t(dev, &idx, &[t, k]), e).unwrap();
         assert_eq!(dev.hi32(&plan.counts)[1], 0);
+        let n = plan.row_src.numel();
         let x = rand_vec(&mut r, t * d);
-        let wexp = rand_vec(&mut r, e * d * f);
+        let wg = rand_vec(&mut r, e * d * f);
+        let wu = rand_vec(&mut r, e * d * f);
         let wts = rand_vec(&mut r, t * k);
         let rr = rand_vec(&mut r, t * f);
-        let fwd = |x: &[f64], we: &[f64], wts: &[f64]| {
+        let w3 = |v: &[f64]| dev.t64(v, &[e, d, f]);
+        let fwd = |x: &[f64], wg: &[f64], wts: &[f64]| {
             let xp = dev.permute(&dev.t64(x, &[t, d]), &plan.row_src).unwrap();
-            let h = dev
-                .grouped_matmul(&xp, &dev.t64(we, &[e, d, f]), &plan.counts, false)
+            let gate = dev
+                .grouped_matmul(&xp, &w3(wg), &plan.counts, false)
                 .unwrap();
-            let out = dev
-                .unpermute(&h, &plan.slot, &dev.t64(wts, &[t, k]))
+            let up = dev
+                .grouped_matmul(&xp, &w3(&wu), &plan.counts, false)
                 .unwrap();
-            (xp, h, dot(&dev.h64(&out), &rr))
+            let p = dev
+                .permute_weights(&dev.t64(wts, &[t, k]), &plan.slot, n)
+                .unwrap();
+            let act = dev.swiglu_weighted(&gate, &up, &p).unwrap();
+            let out = dev.unpermute(&act, &plan.slot).unwrap();
+            (xp, gate, up, p, dot(&dev.h64(&out), &rr))
         };
-        let (xp, h, _) = fwd(&x, &wexp, &wts);
-        let (dh, dwts) = dev
-            .unpermute_backward(
-                &dev.t64(&rr, &[t, f]),
-                &h,
-                &plan.slot,
-                &dev.t64(&wts, &[t, k]),
-            )
-            .unwrap();
-        let dwexp = dev
-            .grouped_matmul_weight_grad(&xp, &dh, &plan.counts)
+        let (xp, gate, up, p, _) = fwd(&x, &wg, &wts);
+        let dact = dev.permute(&dev.t64(&rr, &[t, f]), &plan.row_src).unwrap();
+        let (dgate, dup, dp) = dev.swiglu_weighted_backward(&gate, &up, &p, &dact).unwrap();
+        let dwts = dev.permute_weights_backward(&dp, &plan.slot).unwrap();
+        let dwg = dev
+            .grouped_matmul_weight_grad(&xp, &dgate, &plan.counts)
             .unwrap();
         let dxp = dev
-            .grouped_matmul(&dh, &dev.t64(&wexp, &[e, d, f]), &plan.counts, true)
+            .grouped_matmul_sum2(&dgate, &w3(&wg), &dup, &w3(&wu), &plan.counts, true)
             .unwrap();
         let dx = dev.permute_backward(&dxp, &plan.row_src, t).unwrap();
-        assert_grad("chain dx", &x, &dev.h64(&dx), 1e-6, |x| {
-            fwd(x, &wexp, &wts).2
-        });
-        assert_grad("chain dw", &wexp, &dev.h64(&dwexp), 1e-6, |we| {
-            fwd(&x, we, &wts).2
+        assert_grad("chain dx", &x, &dev.h64(&dx), 1e-6, |x| fwd(x, &wg, &wts).4);
+        assert_grad("chain dw", &wg, &dev.h64(&dwg), 1e-6, |w| {
+            fwd(&x, w, &wts).4
         });
         assert_grad("chain dwts", &wts, &dev.h64(&dwts), 1e-6, |w| {
-            fwd(&x, &wexp, w).2
+            fwd(&x, &wg, w).4
         });
     }
 
@@ -1606,16 +1599,20 @@ mod tests {
                 let (w, wc) = c.rand(&[t, k], 1.0);
                 c.check(
                     "unpermute",
-                    &d.unpermute(&y, &plan.slot, &w).unwrap(),
-                    &Cpu.unpermute(&yc, &planc.slot, &wc).unwrap(),
+                    &d.unpermute(&y, &plan.slot).unwrap(),
+                    &Cpu.unpermute(&yc, &planc.slot).unwrap(),
                 );
-                let (dout, doutc) = c.rand(&[t, dim], 1.0);
-                let (dy, dw) = d.unpermute_backward(&dout, &y, &plan.slot, &w).unwrap();
-                let (dyc, dwc) = Cpu
-                    .unpermute_backward(&doutc, &yc, &planc.slot, &wc)
-                    .unwrap();
-                c.check("unpermute_backward dy", &dy, &dyc);
-                c.check("unpermute_backward dw", &dw, &dwc);
+                c.check(
+                    "permute_weights",
+                    &d.permute_weights(&w, &plan.slot, n).unwrap(),
+                    &Cpu.permute_weights(&wc, &planc.slot, n).unwrap(),
+                );
+                let (dpw, dpwc) = c.rand(&[n], 1.0);
+                c.check(
+                    "permute_weights_backward",
+                    &d.permute_weights_backward(&dpw, &plan.slot).unwrap(),
+                    &Cpu.permute_weights_backward(&dpwc, &planc.slot).unwrap(),
+                );
             }
             c.report("routing");
         }

@@ -198,6 +198,97 @@ __device__ void swiglu_bwd_impl(const T* g, const T* u, const T* dy, T* dg, T* d
         swiglu_bwd_impl<T>(g, u, dy, dg, du, n); }
 FOR_FLOATS(SWIGLU_BWD)
 
+// ---- weighted SwiGLU: the MoE experts' activation with the routing weights ----
+// One warp per row of f columns (warp_rows_cfg): the row's weight is read once
+// and the backward's d p[r] = Σ_c dy · silu(g) · u is a lane sum and a
+// butterfly. bf16 rows of a multiple of 8 with 16-byte aligned operands take
+// 8 columns a lane per 16-byte access; the rest goes a column a lane.
+
+// out[r, c] = silu(g[r, c]) · u[r, c] · p[r].
+template <typename T> __device__ void swiglu_w_impl(const T* g, const T* u, const T* p, T* out, i64 n, i64 f) {
+    typedef acc_t<T> A;
+    int lane = threadIdx.x & 31;
+    bool vec = IsBf16<T>::v && f % 8 == 0 && al16(g) && al16(u) && al16(out);
+    for (i64 row = warp_row0(); row < n; row += warp_count()) {
+        A pr = to_acc(p[row]);
+        const T *gr = g + row * f, *ur = u + row * f;
+        T* o = out + row * f;
+        bool done = false;
+        if constexpr (IsBf16<T>::v) {
+            if (vec) {
+                for (i64 c = lane; c < f / 8; c += 32) {
+                    float gv[8], uv[8], r[8];
+                    load8f(gr + 8 * c, gv);
+                    load8f(ur + 8 * c, uv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) r[e] = gv[e] * sigmoid_(gv[e]) * uv[e] * pr;
+                    store8f(o + 8 * c, r);
+                }
+                done = true;
+            }
+        }
+        if (!done)
+            for (i64 c = lane; c < f; c += 32) {
+                A gv = to_acc(gr[c]);
+                o[c] = from_acc<T>(gv * sigmoid_(gv) * to_acc(ur[c]) * pr);
+            }
+    }
+}
+#define SWIGLU_W(sfx, T) \
+    extern "C" __global__ void swiglu_w_##sfx(const T* g, const T* u, const T* p, T* out, i64 n, i64 f) { \
+        swiglu_w_impl<T>(g, u, p, out, n, f); }
+FOR_FLOATS(SWIGLU_W)
+
+// With a = silu(g) · u and da = dy · p[r]: dg = da · u · silu'(g), du = da ·
+// silu(g), dp[r] = Σ_c dy · a (one sigmoid an element serves all three).
+template <typename A> __device__ __forceinline__ void swiglu_w_bwd_apply(A gv, A uv, A d, A pr, A& dg, A& du, A& s) {
+    A sg = sigmoid_(gv);
+    s += d * (gv * sg * uv);
+    A da = d * pr;
+    dg = da * uv * silu_grad_of_(gv, sg);
+    du = da * gv * sg;
+}
+template <typename T>
+__device__ void swiglu_w_bwd_impl(const T* g, const T* u, const T* p, const T* dy, T* dg, T* du, T* dp, i64 n, i64 f) {
+    typedef acc_t<T> A;
+    int lane = threadIdx.x & 31;
+    bool vec = IsBf16<T>::v && f % 8 == 0 && al16(g) && al16(u) && al16(dy) && al16(dg) && al16(du);
+    for (i64 row = warp_row0(); row < n; row += warp_count()) {
+        A pr = to_acc(p[row]), s = 0;
+        i64 at = row * f;
+        bool done = false;
+        if constexpr (IsBf16<T>::v) {
+            if (vec) {
+                for (i64 c = at + 8 * lane; c < at + f; c += 256) {
+                    float gv[8], uv[8], d[8], rg[8], ru[8];
+                    load8f(g + c, gv);
+                    load8f(u + c, uv);
+                    load8f(dy + c, d);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) swiglu_w_bwd_apply<float>(gv[e], uv[e], d[e], pr, rg[e], ru[e], s);
+                    store8f(dg + c, rg);
+                    store8f(du + c, ru);
+                }
+                done = true;
+            }
+        }
+        if (!done)
+            for (i64 c = at + lane; c < at + f; c += 32) {
+                A rg, ru;
+                swiglu_w_bwd_apply<A>(to_acc(g[c]), to_acc(u[c]), to_acc(dy[c]), pr, rg, ru, s);
+                dg[c] = from_acc<T>(rg);
+                du[c] = from_acc<T>(ru);
+            }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) dp[row] = from_acc<T>(s);
+    }
+}
+#define SWIGLU_W_BWD(sfx, T) \
+    extern "C" __global__ void swiglu_w_bwd_##sfx(const T* g, const T* u, const T* p, const T* dy, T* dg, T* du, T* dp, \
+                                                  i64 n, i64 f) { \
+        swiglu_w_bwd_impl<T>(g, u, p, dy, dg, du, dp, n, f); }
+FOR_FLOATS(SWIGLU_W_BWD)
+
 // y += alpha * x, in place.
 template <typename T> __device__ void axpy_impl(T* y, const T* x, i64 n, double alpha) {
     typedef acc_t<T> A;

@@ -5,8 +5,8 @@
 //! Shape letters: R rows (all leading dims flattened), C columns (last dim).
 
 use super::compile::ELEMENTWISE;
-use super::{float_sfx, grid_for, launch, rows_cfg, Cuda};
-use crate::backend::ElementwiseOps;
+use super::{float_sfx, grid_for, launch, rows_cfg, warp_rows_cfg, Cuda};
+use crate::backend::{swiglu_weighted_args, Device, ElementwiseOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -440,6 +440,67 @@ impl ElementwiseOps for Cuda {
 
     fn swiglu(&self, gate: &Tensor<Self>, up: &Tensor<Self>) -> Result<Tensor<Self>> {
         self.binary("swiglu", gate, up, Binary::Swiglu)
+    }
+
+    fn swiglu_weighted(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        probs: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "swiglu_weighted";
+        let sfx = float_sfx(OP, gate.dtype())?;
+        let (n, f) = swiglu_weighted_args(OP, gate, up, probs, None)?;
+        let out = self.alloc(OP, gate.shape(), gate.dtype())?;
+        if n * f > 0 {
+            let func = self.func(ELEMENTWISE, &format!("swiglu_w_{sfx}"))?;
+            launch!(
+                self,
+                func,
+                warp_rows_cfg(n),
+                gate.storage().ptr(),
+                up.storage().ptr(),
+                probs.storage().ptr(),
+                out.storage().ptr(),
+                n as i64,
+                f as i64
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn swiglu_weighted_backward(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        probs: &Tensor<Self>,
+        dy: &Tensor<Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        const OP: &str = "swiglu_weighted_backward";
+        let sfx = float_sfx(OP, gate.dtype())?;
+        let (n, f) = swiglu_weighted_args(OP, gate, up, probs, Some(dy))?;
+        let dg = self.alloc(OP, gate.shape(), gate.dtype())?;
+        let du = self.alloc(OP, gate.shape(), gate.dtype())?;
+        // Rows without columns have d probs 0 (the kernel's empty sums).
+        let dp = self.zeros(&[n], gate.dtype())?;
+        if n * f > 0 {
+            let func = self.func(ELEMENTWISE, &format!("swiglu_w_bwd_{sfx}"))?;
+            launch!(
+                self,
+                func,
+                warp_rows_cfg(n),
+                gate.storage().ptr(),
+                up.storage().ptr(),
+                probs.storage().ptr(),
+                dy.storage().ptr(),
+                dg.storage().ptr(),
+                du.storage().ptr(),
+                dp.storage().ptr(),
+                n as i64,
+                f as i64
+            )?;
+        }
+        Ok((dg, du, dp))
     }
 
     fn swiglu_backward(

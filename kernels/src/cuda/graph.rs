@@ -177,14 +177,16 @@ mod tests {
         let xp = d.permute(x, &plan.row_src)?;
         let g = d.grouped_matmul(&xp, w_gate, &plan.counts, false)?;
         let u = d.grouped_matmul(&xp, w_up, &plan.counts, false)?;
-        let h = d.swiglu(&g, &u)?;
+        let p = d.permute_weights(&wts, &plan.slot, plan.row_src.numel())?;
+        let h = d.swiglu_weighted(&g, &u, &p)?;
         let y = d.grouped_matmul(&h, w_down, &plan.counts, false)?;
-        let out = d.unpermute(&y, &plan.slot, &wts)?;
+        let out = d.unpermute(&y, &plan.slot)?;
         // Backward, walking the forward in reverse.
-        let (dy, dwts) = d.unpermute_backward(dout, &y, &plan.slot, &wts)?;
+        let dy = d.permute(dout, &plan.row_src)?;
         let dw_down = d.grouped_matmul_weight_grad(&h, &dy, &plan.counts)?;
         let dh = d.grouped_matmul(&dy, w_down, &plan.counts, true)?;
-        let (dg, du) = d.swiglu_backward(&g, &u, &dh)?;
+        let (dg, du, dp) = d.swiglu_weighted_backward(&g, &u, &p, &dh)?;
+        let dwts = d.permute_weights_backward(&dp, &plan.slot)?;
         let dw_gate = d.grouped_matmul_weight_grad(&xp, &dg, &plan.counts)?;
         let dw_up = d.grouped_matmul_weight_grad(&xp, &du, &plan.counts)?;
         let mut dxp = d.grouped_matmul(&dg, w_gate, &plan.counts, true)?;

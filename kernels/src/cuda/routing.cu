@@ -477,9 +477,9 @@ FOR_FLOATS(CAP_PLACE)
 
 // ---- combine -----------------------------------------------------------------------
 
-// out[t, c] = Σ_j w[t, j] · y[slot[t, j], c] over kept copies, j in order.
-template <typename T>
-__device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, i64 t, i64 k, i64 n, i64 d) {
+// out[t, c] = Σ_j y[slot[t, j], c] over kept copies, j in order (the routing
+// weights are already in y: the experts' weighted SwiGLU applied them).
+template <typename T> __device__ void unpermute_impl(const T* y, const int* slot, T* out, i64 t, i64 k, i64 n, i64 d) {
     typedef acc_t<T> A;
     for (i64 tok = blockIdx.x; tok < t; tok += gridDim.x) {
         if constexpr (sizeof(T) == 2) {
@@ -489,9 +489,8 @@ __device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, 
                     for (i64 j = 0; j < k; ++j) {
                         i64 r = slot[tok * k + j];
                         if (r < 0 || r >= n) continue;
-                        float wj = to_acc(w[tok * k + j]);
                         load8f(y + r * d + c, v);
-                        for (int u = 0; u < 8; ++u) s[u] += wj * v[u];
+                        for (int u = 0; u < 8; ++u) s[u] += v[u];
                     }
                     store8f(out + tok * d + c, s);
                 }
@@ -503,84 +502,36 @@ __device__ void unpermute_impl(const T* y, const int* slot, const T* w, T* out, 
             for (i64 j = 0; j < k; ++j) {
                 i64 r = slot[tok * k + j];
                 if (r < 0 || r >= n) continue;
-                s += to_acc(w[tok * k + j]) * to_acc(y[r * d + c]);
+                s += to_acc(y[r * d + c]);
             }
             out[tok * d + c] = from_acc<T>(s);
         }
     }
 }
 #define UNPERMUTE(sfx, T) \
-    extern "C" __global__ void unpermute_##sfx(const T* y, const int* slot, const T* w, T* out, i64 t, i64 k, i64 n, i64 d) { \
-        unpermute_impl<T>(y, slot, w, out, t, k, n, d); }
+    extern "C" __global__ void unpermute_##sfx(const T* y, const int* slot, T* out, i64 t, i64 k, i64 n, i64 d) { \
+        unpermute_impl<T>(y, slot, out, t, k, n, d); }
 FOR_FLOATS(UNPERMUTE)
 
-
-// ---- combine's backward in one pass -------------------------------------------------
-
-// row_copy[slot[c]] = c for every placed copy c (row_copy arrives filled with
-// -1: rows no copy was placed at keep it). A plan places at most one copy at
-// a row.
-extern "C" __global__ void row_copy_fill(const int* slot, i64 copies, i64 n, int* row_copy) {
+// The routing weights in permuted order: p[slot[c]] = w[c] for every kept copy
+// c (p arrives zeroed: rows without a copy keep 0; a plan places at most one
+// copy at a row).
+template <typename T> __device__ void permute_w_impl(const T* w, const int* slot, i64 copies, i64 n, T* p) {
     GRID_LOOP(c, copies) {
         i64 r = slot[c];
-        if (r >= 0 && r < n) row_copy[r] = (int)c;
+        if (r >= 0 && r < n) p[r] = w[c];
     }
 }
-
-// One block per permuted row r holding copy c = row_copy[r] of token c / k:
-// dy[r] = w[c] · dout[c / k] (0 for a row without a copy) and
-// dw[c] = dout[c / k] · y[r] (dw arrives zeroed: dropped copies keep 0).
-template <typename T>
-__device__ void unpermute_bwd_impl(const T* dout, const T* y, const T* w, const int* row_copy, T* dy, T* dw, i64 n,
-                                   i64 k, i64 d) {
-    typedef acc_t<T> A;
-    __shared__ A sh[32];
-    for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
-        i64 c = row_copy[r];
-        if (c < 0) {
-            if constexpr (sizeof(T) == 2) {
-                if (d % 8 == 0) {
-                    uint4* to = reinterpret_cast<uint4*>(dy + r * d);
-                    for (i64 q = threadIdx.x; q < d / 8; q += blockDim.x) to[q] = make_uint4(0, 0, 0, 0);
-                    continue;
-                }
-            }
-            for (i64 q = threadIdx.x; q < d; q += blockDim.x) dy[r * d + q] = from_acc<T>((A)0);
-            continue;
-        }
-        const T* a = dout + (c / k) * d;
-        const T* b = y + r * d;
-        A wc = to_acc(w[c]);
-        A s = 0;
-        bool vec = false;
-        if constexpr (sizeof(T) == 2) {
-            if (d % 8 == 0) {  // eight columns per thread, 16-byte accesses
-                vec = true;
-                for (i64 q = threadIdx.x * 8; q < d; q += blockDim.x * 8) {
-                    float av[8], bv[8], o[8];
-                    load8f(a + q, av);
-                    load8f(b + q, bv);
-                    for (int u = 0; u < 8; ++u) {
-                        o[u] = 0.0f + wc * av[u];
-                        s += av[u] * bv[u];
-                    }
-                    store8f(dy + r * d + q, o);
-                }
-            }
-        }
-        if (!vec) {
-            for (i64 q = threadIdx.x; q < d; q += blockDim.x) {
-                A av = to_acc(a[q]);
-                dy[r * d + q] = from_acc<T>((A)0 + wc * av);
-                s += av * to_acc(b[q]);
-            }
-        }
-        s = block_sum(s, sh);
-        if (threadIdx.x == 0) dw[c] = from_acc<T>(s);
+// Its backward: dw[c] = dp[slot[c]], 0 for a dropped copy.
+template <typename T> __device__ void permute_w_bwd_impl(const T* dp, const int* slot, i64 copies, i64 n, T* dw) {
+    GRID_LOOP(c, copies) {
+        i64 r = slot[c];
+        dw[c] = r >= 0 && r < n ? dp[r] : from_acc<T>((acc_t<T>)0);
     }
 }
-#define UNPERMUTE_BWD(sfx, T) \
-    extern "C" __global__ void unpermute_bwd_##sfx(const T* dout, const T* y, const T* w, const int* row_copy, T* dy, \
-                                                   T* dw, i64 n, i64 k, i64 d) { \
-        unpermute_bwd_impl<T>(dout, y, w, row_copy, dy, dw, n, k, d); }
-FOR_FLOATS(UNPERMUTE_BWD)
+#define PERMUTE_W(sfx, T) \
+    extern "C" __global__ void permute_w_##sfx(const T* w, const int* slot, i64 copies, i64 n, T* p) { \
+        permute_w_impl<T>(w, slot, copies, n, p); } \
+    extern "C" __global__ void permute_w_bwd_##sfx(const T* dp, const int* slot, i64 copies, i64 n, T* dw) { \
+        permute_w_bwd_impl<T>(dp, slot, copies, n, dw); }
+FOR_FLOATS(PERMUTE_W)

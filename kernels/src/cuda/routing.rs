@@ -12,7 +12,10 @@ use cudarc::driver::result as drv;
 use super::alloc::{driver_err, Block};
 use super::compile::{ELEMENTWISE, ROUTING};
 use super::{float_sfx, grid_for, launch, rows_cfg, warp_rows_cfg, Cuda};
-use crate::backend::{Device, DropPolicy, RoutingOps, RoutingPlan};
+use crate::backend::{
+    permute_weights_args, permute_weights_backward_args, unpermute_args, Device, DropPolicy,
+    RoutingOps, RoutingPlan,
+};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -336,21 +339,6 @@ pub(super) fn row_src_1d(op: &'static str, row_src: &Tensor<Cuda>) -> Result<usi
     }
 }
 
-/// `(T, K, N, D)` of the combine operands `y: [N, D]`, `slot, w: [T, K]`.
-fn combine_args(
-    op: &'static str,
-    y: &Tensor<Cuda>,
-    slot: &Tensor<Cuda>,
-    w: &Tensor<Cuda>,
-) -> Result<(usize, usize, usize, usize)> {
-    let (n, d) = y.dims2(op)?;
-    slot.expect_dtype(op, DType::I32)?;
-    let (t, k) = slot.dims2(op)?;
-    w.expect_dtype(op, y.dtype())?;
-    w.expect_shape(op, "w", &[t, k])?;
-    Ok((t, k, n, d))
-}
-
 impl RoutingOps for Cuda {
     fn topk(
         &self,
@@ -622,15 +610,10 @@ impl RoutingOps for Cuda {
         self.seg_sum(OP, dy, None, &inv, tokens, d, 1)
     }
 
-    fn unpermute(
-        &self,
-        y: &Tensor<Self>,
-        slot: &Tensor<Self>,
-        w: &Tensor<Self>,
-    ) -> Result<Tensor<Self>> {
+    fn unpermute(&self, y: &Tensor<Self>, slot: &Tensor<Self>) -> Result<Tensor<Self>> {
         const OP: &str = "unpermute";
         let sfx = float_sfx(OP, y.dtype())?;
-        let (t, k, n, d) = combine_args(OP, y, slot, w)?;
+        let (t, k, n, d) = unpermute_args(OP, y, slot)?;
         self.check_range(OP, slot, -1, n as i64)?;
         let out = self.alloc(OP, &[t, d], y.dtype())?;
         if t * d > 0 {
@@ -641,7 +624,6 @@ impl RoutingOps for Cuda {
                 rows_cfg(t, 256),
                 y.storage().ptr(),
                 slot.storage().ptr(),
-                w.storage().ptr(),
                 out.storage().ptr(),
                 t as i64,
                 k as i64,
@@ -652,60 +634,56 @@ impl RoutingOps for Cuda {
         Ok(out)
     }
 
-    fn unpermute_backward(
+    fn permute_weights(
         &self,
-        dout: &Tensor<Self>,
-        y: &Tensor<Self>,
-        slot: &Tensor<Self>,
         w: &Tensor<Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        const OP: &str = "unpermute_backward";
-        let sfx = float_sfx(OP, y.dtype())?;
-        let (t, k, n, d) = combine_args(OP, y, slot, w)?;
-        dout.expect_dtype(OP, y.dtype())?;
-        dout.expect_shape(OP, "dout", &[t, d])?;
-        self.check_range(OP, slot, -1, n as i64)?;
-        // One pass over the permuted rows: row r holds at most one copy c
-        // (row_copy, from slot), dy[r] = w[c] · dout[c / K] and dw[c] =
-        // dout[c / K] · y[r]; dropped copies keep the zeroed dw.
-        let row_copy = self.fill_i32(OP, &[n], -1)?;
-        let dy = self.alloc(OP, &[n, d], y.dtype())?;
-        let dw = self.alloc(OP, &[t, k], y.dtype())?;
-        self.bind()?;
-        self.memset_zero(
-            OP,
-            dw.storage().ptr(),
-            t * k * super::dtype_size(dw.dtype()),
-        )?;
+        slot: &Tensor<Self>,
+        rows: usize,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "permute_weights";
+        let sfx = float_sfx(OP, w.dtype())?;
+        let (t, k) = permute_weights_args(OP, w, slot)?;
+        self.check_range(OP, slot, -1, rows as i64)?;
+        let p = self.zeros(&[rows], w.dtype())?;
         if t * k > 0 {
-            let f = self.func(ROUTING, "row_copy_fill")?;
+            let f = self.func(ROUTING, &format!("permute_w_{sfx}"))?;
             launch!(
                 self,
                 f,
                 grid_for(t * k),
+                w.storage().ptr(),
                 slot.storage().ptr(),
                 (t * k) as i64,
-                n as i64,
-                row_copy.storage().ptr()
+                rows as i64,
+                p.storage().ptr()
             )?;
         }
-        if n * d > 0 {
-            let f = self.func(ROUTING, &format!("unpermute_bwd_{sfx}"))?;
+        Ok(p)
+    }
+
+    fn permute_weights_backward(
+        &self,
+        dp: &Tensor<Self>,
+        slot: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
+        const OP: &str = "permute_weights_backward";
+        let sfx = float_sfx(OP, dp.dtype())?;
+        let (n, t, k) = permute_weights_backward_args(OP, dp, slot)?;
+        self.check_range(OP, slot, -1, n as i64)?;
+        let dw = self.alloc(OP, &[t, k], dp.dtype())?;
+        if t * k > 0 {
+            let f = self.func(ROUTING, &format!("permute_w_bwd_{sfx}"))?;
             launch!(
                 self,
                 f,
-                rows_cfg(n, 256),
-                dout.storage().ptr(),
-                y.storage().ptr(),
-                w.storage().ptr(),
-                row_copy.storage().ptr(),
-                dy.storage().ptr(),
-                dw.storage().ptr(),
+                grid_for(t * k),
+                dp.storage().ptr(),
+                slot.storage().ptr(),
+                (t * k) as i64,
                 n as i64,
-                k as i64,
-                d as i64
+                dw.storage().ptr()
             )?;
         }
-        Ok((dy, dw))
+        Ok(dw)
     }
 }

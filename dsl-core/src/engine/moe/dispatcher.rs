@@ -1,8 +1,11 @@
 //! Dispatch and combine (docs/ARCHITECTURE.md §4; Megatron-Core `moe/token_dispatcher.py`):
 //! dispatch plans the token copies' expert-major rows (the rows themselves
 //! are gathered by whoever reads them: the experts' products on one rank,
-//! the all-to-all's send buffer under ep), combine brings the expert
-//! outputs back and sums them weighted by the routing weights.
+//! the all-to-all's send buffer under ep) and puts the routing weights in
+//! the same order; the experts apply them in their activation (as
+//! Megatron-Core's experts do with the permuted probs), so combine only sums
+//! each token's expert outputs, and its backward is a gather of the output
+//! gradient that the experts' products may read in place.
 //!
 //! Shapes: T tokens, D hidden, E experts, K top-k, N permuted rows.
 //!
@@ -38,12 +41,6 @@ impl<B: Backend> DispatchSaved<B> {
     }
 }
 
-/// What combine's backward needs.
-pub struct CombineSaved<B: Backend> {
-    y_nd: Tensor<B>,
-    weights_tk: Tensor<B>,
-}
-
 impl<B: Backend> DispatchSaved<B> {
     /// Lists the routing plan's index tensors (routed experts, kept).
     pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
@@ -51,15 +48,6 @@ impl<B: Backend> DispatchSaved<B> {
         f(s, &mut self.plan.row_src);
         f(s, &mut self.plan.slot);
         f(s, &mut self.plan.counts);
-    }
-}
-
-impl<B: Backend> CombineSaved<B> {
-    /// Lists the experts' outputs (for the routing weights' gradient) and
-    /// the routing weights.
-    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
-        f(Slot::kept(Part::RoutedExperts), &mut self.y_nd);
-        f(Slot::kept(Part::Router), &mut self.weights_tk);
     }
 }
 
@@ -80,15 +68,17 @@ impl Dispatcher {
             .map(|c| c.capacity(tokens, self.top_k, self.experts))
     }
 
-    /// Dispatch: plans the rows from `idx: [T, K]` (and `probs: [T, K]` for
-    /// the probs drop policy); `x: [T, D]` → the `[N, D]` rows, gathered.
+    /// Dispatch: plans the rows from `idx: [T, K]` (and the routing weights
+    /// `weights: [T, K]`, which the probs drop policy ranks); `x: [T, D]` →
+    /// the `[N, D]` rows, gathered, and the weights in their order `[N]`.
+    #[allow(clippy::type_complexity)]
     pub fn dispatch<B: Backend>(
         &self,
         b: &B,
         x_td: &Tensor<B>,
         idx_tk: &Tensor<B>,
-        probs_tk: &Tensor<B>,
-    ) -> Result<(ExpertRows<B>, DispatchSaved<B>)> {
+        weights_tk: &Tensor<B>,
+    ) -> Result<(ExpertRows<B>, Tensor<B>, DispatchSaved<B>)> {
         let (tokens, _) = x_td.dims2("Dispatcher::dispatch")?;
         let plan = match &self.capacity {
             None => b.routing_plan(idx_tk, self.experts)?,
@@ -100,7 +90,7 @@ impl Dispatcher {
                 let capacity = c.capacity(tokens, self.top_k, self.experts);
                 b.capacity_plan(
                     idx_tk,
-                    probs_tk,
+                    weights_tk,
                     self.experts,
                     capacity,
                     policy,
@@ -108,23 +98,27 @@ impl Dispatcher {
                 )?
             }
         };
-        self.dispatch_planned(x_td, plan)
+        self.dispatch_planned(b, x_td, weights_tk, plan)
     }
 
     /// Dispatch by a plan made elsewhere: the parallel runtime's capacity
     /// plan, decided over the whole micro-batch of every tp×cp rank.
+    #[allow(clippy::type_complexity)]
     pub fn dispatch_planned<B: Backend>(
         &self,
+        b: &B,
         x_td: &Tensor<B>,
+        weights_tk: &Tensor<B>,
         plan: RoutingPlan<B>,
-    ) -> Result<(ExpertRows<B>, DispatchSaved<B>)> {
+    ) -> Result<(ExpertRows<B>, Tensor<B>, DispatchSaved<B>)> {
         let (tokens, _) = x_td.dims2("Dispatcher::dispatch_planned")?;
         let x_nd = ExpertRows::Gathered {
             source: x_td.clone(),
             row_src: plan.row_src.clone(),
             source_is_input: true,
         };
-        Ok((x_nd, DispatchSaved { plan, tokens }))
+        let probs_n = b.permute_weights(weights_tk, &plan.slot, plan.row_src.numel())?;
+        Ok((x_nd, probs_n, DispatchSaved { plan, tokens }))
     }
 
     /// Backward of dispatch: sums each token's copies, `[N, D] → [T, D]`.
@@ -137,32 +131,40 @@ impl Dispatcher {
         Ok(b.permute_backward(dx_nd, &saved.plan.row_src, saved.tokens)?)
     }
 
-    /// Combine: `y_t = Σ_k w_tk · y_nd[slot_tk]` over kept copies, `→ [T, D]`.
+    /// Combine: `y_t = Σ_k y_nd[slot_tk]` over kept copies (the experts
+    /// applied the routing weights), `→ [T, D]`.
     pub fn combine<B: Backend>(
         &self,
         b: &B,
-        y_nd: Tensor<B>,
+        y_nd: &Tensor<B>,
         dispatch: &DispatchSaved<B>,
-        weights_tk: &Tensor<B>,
-    ) -> Result<(Tensor<B>, CombineSaved<B>)> {
-        let y_td = b.unpermute(&y_nd, &dispatch.plan.slot, weights_tk)?;
-        let saved = CombineSaved {
-            y_nd,
-            weights_tk: weights_tk.clone(),
-        };
-        Ok((y_td, saved))
+    ) -> Result<Tensor<B>> {
+        Ok(b.unpermute(y_nd, &dispatch.plan.slot)?)
     }
 
-    /// Backward of combine: `(dy: [N, D], dweights: [T, K])`; dropped copies
-    /// get zero weight gradient.
+    /// Backward of combine: `dy: [T, D]` → each row's token gradient
+    /// `[N, D]` (zero on padding rows), gathered by whoever reads it.
     pub fn combine_backward<B: Backend>(
         &self,
-        b: &B,
         dy_td: &Tensor<B>,
-        saved: CombineSaved<B>,
         dispatch: &DispatchSaved<B>,
-    ) -> Result<(Tensor<B>, Tensor<B>)> {
-        Ok(b.unpermute_backward(dy_td, &saved.y_nd, &dispatch.plan.slot, &saved.weights_tk)?)
+    ) -> ExpertRows<B> {
+        ExpertRows::Gathered {
+            source: dy_td.clone(),
+            row_src: dispatch.plan.row_src.clone(),
+            source_is_input: false,
+        }
+    }
+
+    /// Backward of the weights' permutation in dispatch: `dprobs: [N]` →
+    /// `dweights: [T, K]`, zero for dropped copies.
+    pub fn weights_backward<B: Backend>(
+        &self,
+        b: &B,
+        dprobs_n: &Tensor<B>,
+        dispatch: &DispatchSaved<B>,
+    ) -> Result<Tensor<B>> {
+        Ok(b.permute_weights_backward(dprobs_n, &dispatch.plan.slot)?)
     }
 }
 
@@ -185,7 +187,8 @@ mod tests {
         ti32(vec![0, 1, 1, 0, 0, 2, 1, 0, 2, 0, 0, 1], &[T, K])
     }
 
-    /// Dispatch, scale every row by a fixed `c_nd`, combine: `Σ y ⊙ R`, with
+    /// Dispatch, scale every row by a fixed `c_nd` and by its permuted
+    /// routing weight (as the experts do), combine: `Σ y ⊙ R`, with
     /// gradients for `x` and the routing weights; checks that drops happen
     /// exactly when capacity mode is on.
     fn check_dispatch(what: &str, capacity: Option<CapacitySpec>) {
@@ -203,26 +206,32 @@ mod tests {
         let r = uniform(42, T * D, 1.0);
         let run = |x: &[f64], w: &[f64]| {
             let w_tk = t64(w.to_vec(), &[T, K]);
-            let (x_nd, saved) = disp
+            let (x_nd, p_n, saved) = disp
                 .dispatch(&Cpu, &t64(x.to_vec(), &[T, D]), &idx, &w_tk)
                 .unwrap();
             let x_nd = x_nd.materialize(&Cpu).unwrap();
             let n = x_nd.shape()[0];
             let c_nd = t64(uniform(43, n * D, 1.0), &[n, D]);
-            let y_nd = Cpu.mul(&x_nd, &c_nd).unwrap();
-            let (y_td, comb) = disp.combine(&Cpu, y_nd, &saved, &w_tk).unwrap();
-            (y_td, saved, comb, c_nd)
+            let xc_nd = Cpu.mul(&x_nd, &c_nd).unwrap();
+            let y_nd = Cpu.mul_rows(&xc_nd, &p_n).unwrap();
+            let y_td = disp.combine(&Cpu, &y_nd, &saved).unwrap();
+            (y_td, saved, xc_nd, p_n, c_nd)
         };
-        let (_, saved, comb, c_nd) = run(&x, &w);
+        let (_, saved, xc_nd, p_n, c_nd) = run(&x, &w);
         let dropped = host_i32(&saved.plan.slot)
             .iter()
             .filter(|&&s| s < 0)
             .count();
         assert_eq!(dropped > 0, drops, "{what}: {dropped} copies dropped");
-        let (dy_nd, dw_tk) = disp
-            .combine_backward(&Cpu, &t64(r.clone(), &[T, D]), comb, &saved)
+        let dy_nd = disp
+            .combine_backward(&t64(r.clone(), &[T, D]), &saved)
+            .materialize(&Cpu)
             .unwrap();
-        let dx_nd = Cpu.mul(&dy_nd, &c_nd).unwrap();
+        let dp_n = Cpu.dot_rows(&dy_nd, &xc_nd).unwrap();
+        let dw_tk = disp.weights_backward(&Cpu, &dp_n, &saved).unwrap();
+        let dx_nd = Cpu
+            .mul_rows(&Cpu.mul(&dy_nd, &c_nd).unwrap(), &p_n)
+            .unwrap();
         let dx = disp.dispatch_backward(&Cpu, &dx_nd, saved).unwrap();
         assert_grad(&format!("{what}: x"), &x, &host(&dx), TOL, |xv| {
             dot(&run(xv, &w).0, &r)
@@ -276,7 +285,7 @@ mod tests {
         let disp = Dispatcher::new(&moe);
         let w = t64(vec![0.5; T * K], &[T, K]);
         let x = t64(vec![1.0; T * D], &[T, D]);
-        let (x_nd, saved) = disp.dispatch(&Cpu, &x, &idx_tk(), &w).unwrap();
+        let (x_nd, _, saved) = disp.dispatch(&Cpu, &x, &idx_tk(), &w).unwrap();
         assert_eq!(x_nd.materialize(&Cpu).unwrap().shape(), &[E * 3, D]);
         assert_eq!(host_i32(saved.counts_e()), vec![3; E]);
     }

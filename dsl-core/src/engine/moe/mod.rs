@@ -6,13 +6,16 @@
 //! ```text
 //! route   this rank's sequence-parallel rows (router replicated over tp;
 //!         balancing statistics summed over tp×cp, so the loss is the micro-batch's)
-//! permute copies into expert-major order over all E experts
+//! permute copies into expert-major order over all E experts, and their
+//!         routing weights with them
 //! a2a-v   over ep: rows for experts [j·E/ep, (j+1)·E/ep) go to ep rank j
+//!         (the weights alongside)
 //! gather  within etp (the etp ranks hold the same experts, ffn split)
 //! sort    received (source, expert) blocks into expert-major order
-//! compute grouped GEMM over the E/ep local experts (ffn/etp each)
+//! compute grouped GEMM over the E/ep local experts (ffn/etp each), the
+//!         routing weights applied in the SwiGLU
 //! back    the same steps reversed: unsort, sum over etp and keep own rows,
-//!         a2a-v back, un-permute weighted by the routing weights
+//!         a2a-v back, un-permute (a sum of each token's copies)
 //! shared  experts: tensor-parallel like the dense MLP
 //! ```
 //!
@@ -57,7 +60,7 @@ use std::sync::Mutex;
 
 use foldmoe_kernels::{Backend, DType, DropPolicy, HostData, RoutingPlan, Tensor};
 
-use self::dispatcher::{CombineSaved, DispatchSaved, Dispatcher};
+use self::dispatcher::{DispatchSaved, Dispatcher};
 use self::experts::{ExpertRows, Experts, ExpertsSaved};
 use self::loss::TokenShard;
 use self::router::{Router, RouterSaved};
@@ -108,7 +111,6 @@ pub struct MoeSaved<B: Backend> {
     dispatch: DispatchSaved<B>,
     exchange: Option<Exchange<B>>,
     experts: Option<ExpertsSaved<B>>,
-    combine: CombineSaved<B>,
     shared: Option<SharedSaved<B>>,
 }
 
@@ -126,8 +128,8 @@ pub struct MoeStats<B: Backend> {
 
 impl<B: Backend> MoeSaved<B> {
     /// Lists the saved tensors with their slots, in forward order: router,
-    /// routing plan, exchange order, experts, expert outputs, routing
-    /// weights, shared experts.
+    /// routing plan, exchange order, experts (with the rows' routing
+    /// weights), shared experts.
     pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         use crate::memory::Part;
         self.router.visit_saved(f);
@@ -138,7 +140,6 @@ impl<B: Backend> MoeSaved<B> {
         if let Some(x) = &mut self.experts {
             x.visit_saved(f);
         }
-        self.combine.visit_saved(f);
         if let Some(s) = &mut self.shared {
             s.visit_saved(f);
         }
@@ -292,15 +293,15 @@ impl<B: Backend> MoeLayer<B> {
             };
         let (routing, router) = self.router.forward_shard(b, x_td, shard, reduce)?;
         let (idx, weights) = (&routing.idx_tk, &routing.weights_tk);
-        let (x_nd, dispatch) = match &self.spec.capacity {
+        let (x_nd, probs_n, dispatch) = match &self.spec.capacity {
             None => self.dispatcher.dispatch(b, x_td, idx, weights)?,
             Some(_) => {
                 let plan = self.capacity_plan(ctx, idx, weights, shard, seq_len)?;
-                self.dispatcher.dispatch_planned(x_td, plan)?
+                self.dispatcher.dispatch_planned(b, x_td, weights, plan)?
             }
         };
-        let (y_nd, exchange, experts) = self.compute(ctx, x_nd, dispatch.counts_e())?;
-        let (mut y_td, combine) = self.dispatcher.combine(b, y_nd, &dispatch, weights)?;
+        let (y_nd, exchange, experts) = self.compute(ctx, x_nd, &probs_n, dispatch.counts_e())?;
+        let mut y_td = self.dispatcher.combine(b, &y_nd, &dispatch)?;
         let shared = match &self.shared {
             Some(s) => {
                 let (ys_full, saved) = s.forward(b, &ctx.gather(&g.tp, x_td)?)?;
@@ -314,7 +315,6 @@ impl<B: Backend> MoeLayer<B> {
             dispatch,
             exchange,
             experts,
-            combine,
             shared,
         };
         let stats = MoeStats {
@@ -340,7 +340,6 @@ impl<B: Backend> MoeLayer<B> {
             dispatch,
             exchange,
             experts,
-            combine,
             shared,
         } = saved;
         let dx_shared = match (shared, self.shared.as_mut()) {
@@ -350,10 +349,9 @@ impl<B: Backend> MoeLayer<B> {
             }
             _ => None,
         };
-        let (dy_nd, dweights_tk) = self
-            .dispatcher
-            .combine_backward(b, dy_td, combine, &dispatch)?;
-        let dx_nd = self.compute_backward(ctx, &dy_nd, exchange, experts)?;
+        let dy_nd = self.dispatcher.combine_backward(dy_td, &dispatch);
+        let (dx_nd, dprobs_n) = self.compute_backward(ctx, dy_nd, exchange, experts)?;
+        let dweights_tk = self.dispatcher.weights_backward(b, &dprobs_n, &dispatch)?;
         let mut dx_td = self.dispatcher.dispatch_backward(b, &dx_nd, dispatch)?;
         let dx_router = self.router.backward(b, &dweights_tk, router, loss_scale)?;
         b.axpy(&mut dx_td, 1.0, &dx_router)?;
@@ -460,22 +458,24 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// Runs the permuted rows `x: [N, D]` (expert-major over all E, `counts:
-    /// [E]`) through the experts wherever they live; returns `[N, D]`. On
-    /// one expert rank the experts' products gather the rows themselves;
-    /// under ep or etp the send buffer is the permuted copy and the experts
-    /// gather the received rows in their sort order.
+    /// [E]`) with their routing weights `probs: [N]` through the experts
+    /// wherever they live; returns `[N, D]`. On one expert rank the
+    /// experts' products gather the rows themselves; under ep or etp the
+    /// send buffer is the permuted copy (the weights travel beside it) and
+    /// the experts gather the received rows in their sort order.
     #[allow(clippy::type_complexity)]
     fn compute(
         &self,
         ctx: &Exec<B>,
         x_nd: ExpertRows<B>,
+        probs_n: &Tensor<B>,
         counts_e: &Tensor<B>,
     ) -> Result<(Tensor<B>, Option<Exchange<B>>, Option<ExpertsSaved<B>>)> {
         let b = ctx.b;
         let g = &self.groups;
         let (ep, etp) = (g.ep.size(), g.etp.size());
         if ep == 1 && etp == 1 {
-            let (y, saved) = self.experts.forward(b, x_nd, counts_e)?;
+            let (y, saved) = self.experts.forward(b, x_nd, probs_n, counts_e)?;
             return Ok((y, None, Some(saved)));
         }
         let x_nd = x_nd.materialize(b)?;
@@ -491,14 +491,21 @@ impl<B: Backend> MoeLayer<B> {
             })
             .collect();
         let (x_recv, recv_rows) = ctx.comm.all_to_all_v(b, &g.ep, &x_nd, &send_rows)?;
+        let n = probs_n.numel();
+        let (p_recv, _) =
+            ctx.comm
+                .all_to_all_v(b, &g.ep, &probs_n.clone().reshape(&[n, 1])?, &send_rows)?;
         // Every ep rank's counts [ep, E], then every etp member's [etp·ep, E].
         let counts_1e = b.upload(HostData::I32(counts), &[1, e])?;
         let mut all_counts = ctx.comm.all_gather(b, &g.ep, &counts_1e)?;
-        let x_block = if etp > 1 {
+        let (x_block, p_block) = if etp > 1 {
             all_counts = ctx.comm.all_gather(b, &g.etp, &all_counts)?;
-            ctx.comm.all_gather(b, &g.etp, &x_recv)?
+            (
+                ctx.comm.all_gather(b, &g.etp, &x_recv)?,
+                ctx.comm.all_gather(b, &g.etp, &p_recv)?,
+            )
         } else {
-            x_recv
+            (x_recv, p_recv)
         };
         let all_counts = b.download(&all_counts)?.to_i32()?;
         // Block (m, s) holds, for each local expert l in order, the rows that
@@ -543,7 +550,8 @@ impl<B: Backend> MoeLayer<B> {
             row_src: order.clone(),
             source_is_input: false,
         };
-        let (y_sorted, saved) = self.experts.forward(b, x_sorted, &groups)?;
+        let p_sorted = b.embedding(&p_block, &order)?.reshape(&[offset])?;
+        let (y_sorted, saved) = self.experts.forward(b, x_sorted, &p_sorted, &groups)?;
         let mut y_block = b.embedding_backward(&y_sorted, &order, offset)?;
         let exchange = Exchange {
             send_rows,
@@ -561,14 +569,15 @@ impl<B: Backend> MoeLayer<B> {
         Ok((y_nd, Some(exchange), Some(saved)))
     }
 
-    /// Backward of [`Self::compute`]: `dy: [N, D]` → `dx: [N, D]`.
+    /// Backward of [`Self::compute`]: `dy: [N, D]` → `(dx: [N, D], dprobs:
+    /// [N])`.
     fn compute_backward(
         &mut self,
         ctx: &Exec<B>,
-        dy_nd: &Tensor<B>,
+        dy_nd: ExpertRows<B>,
         exchange: Option<Exchange<B>>,
         experts: Option<ExpertsSaved<B>>,
-    ) -> Result<Tensor<B>> {
+    ) -> Result<(Tensor<B>, Tensor<B>)> {
         let b = ctx.b;
         let g = &self.groups;
         let saved = experts.ok_or_else(|| {
@@ -577,22 +586,36 @@ impl<B: Backend> MoeLayer<B> {
         let Some(ex) = exchange else {
             return self.experts.backward(b, dy_nd, saved);
         };
-        let (dy_recv, _) = ctx.comm.all_to_all_v(b, &g.ep, dy_nd, &ex.send_rows)?;
+        let dy_nd = dy_nd.materialize(b)?;
+        let (dy_recv, _) = ctx.comm.all_to_all_v(b, &g.ep, &dy_nd, &ex.send_rows)?;
         let dy_block = if g.etp.size() > 1 {
             ctx.comm.all_gather(b, &g.etp, &dy_recv)?
         } else {
             dy_recv
         };
         let rows = dy_block.shape()[0];
-        let dy_sorted = b.embedding(&dy_block, &ex.order)?;
-        let dx_sorted = self.experts.backward(b, &dy_sorted, saved)?;
+        let dy_sorted = ExpertRows::Gathered {
+            source: dy_block,
+            row_src: ex.order.clone(),
+            source_is_input: false,
+        };
+        let (dx_sorted, dp_sorted) = self.experts.backward(b, dy_sorted, saved)?;
+        let sorted = dp_sorted.numel();
         let mut dx_block = b.embedding_backward(&dx_sorted, &ex.order, rows)?;
+        let mut dp_block =
+            b.embedding_backward(&dp_sorted.reshape(&[sorted, 1])?, &ex.order, rows)?;
         if g.etp.size() > 1 {
+            // Each etp member's products cover its share of F: their sums
+            // are the rows' gradients.
             dx_block = ctx.sum_over(&g.etp, &dx_block)?;
             dx_block = own_rows(b, &dx_block, &ex.etp_rows, g.etp_index)?;
+            dp_block = ctx.sum_over(&g.etp, &dp_block)?;
+            dp_block = own_rows(b, &dp_block, &ex.etp_rows, g.etp_index)?;
         }
         let (dx_nd, _) = ctx.comm.all_to_all_v(b, &g.ep, &dx_block, &ex.recv_rows)?;
-        Ok(dx_nd)
+        let (dp_nd, _) = ctx.comm.all_to_all_v(b, &g.ep, &dp_block, &ex.recv_rows)?;
+        let n = dp_nd.numel();
+        Ok((dx_nd, dp_nd.reshape(&[n])?))
     }
 
     /// Validates `x` (this rank's rows of a micro-batch of `tokens` in
