@@ -17,19 +17,20 @@ use crate::tensor::Tensor;
 /// operands); every other case, and every backend without such a kernel
 /// (the CPU), permutes and runs the plain product.
 pub trait GatheredGemmOps: LinalgOps + RoutingOps {
-    /// `grouped_matmul(permute(x, row_src), w, group_sizes, false)`:
+    /// `grouped_matmul(permute(x, row_src), w, group_sizes, trans_w)`:
     /// `x: [T, K]`, `row_src: [N]` (i32, `-1` for a zero row), `w: [G, K,
-    /// Nout]` → `[N, Nout]`.
+    /// Nout]` (`[G, Nout, K]` with `trans_w`) → `[N, Nout]`.
     fn grouped_matmul_gathered(
         &self,
         x: &Tensor<Self>,
         row_src: &Tensor<Self>,
         w: &Tensor<Self>,
         group_sizes: &Tensor<Self>,
+        trans_w: bool,
     ) -> Result<Tensor<Self>> {
-        match self.grouped_matmul_gathered_kernel(x, row_src, w, group_sizes)? {
+        match self.grouped_matmul_gathered_kernel(x, row_src, w, group_sizes, trans_w)? {
             Some(out) => Ok(out),
-            None => self.grouped_matmul(&self.permute(x, row_src)?, w, group_sizes, false),
+            None => self.grouped_matmul(&self.permute(x, row_src)?, w, group_sizes, trans_w),
         }
     }
 
@@ -45,6 +46,23 @@ pub trait GatheredGemmOps: LinalgOps + RoutingOps {
         match self.grouped_matmul_weight_grad_gathered_kernel(x, row_src, dy, group_sizes)? {
             Some(out) => Ok(out),
             None => self.grouped_matmul_weight_grad(&self.permute(x, row_src)?, dy, group_sizes),
+        }
+    }
+
+    /// `grouped_matmul_weight_grad(x, permute(dy, row_src), group_sizes)`:
+    /// the gathered rows on the output-gradient side (the experts' down
+    /// projection, whose output gradient is each row's token gradient):
+    /// `x: [N, K]`, `dy: [T, Nout]`, `row_src: [N]` → `[G, K, Nout]`.
+    fn grouped_matmul_weight_grad_gathered_dy(
+        &self,
+        x: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Tensor<Self>> {
+        match self.grouped_matmul_weight_grad_gathered_dy_kernel(x, dy, row_src, group_sizes)? {
+            Some(out) => Ok(out),
+            None => self.grouped_matmul_weight_grad(x, &self.permute(dy, row_src)?, group_sizes),
         }
     }
 
@@ -89,6 +107,19 @@ pub trait GatheredGemmOps: LinalgOps + RoutingOps {
         _x: &Tensor<Self>,
         _row_src: &Tensor<Self>,
         _w: &Tensor<Self>,
+        _group_sizes: &Tensor<Self>,
+        _trans_w: bool,
+    ) -> Result<Option<Tensor<Self>>> {
+        Ok(None)
+    }
+
+    /// The backend's kernel for
+    /// [`GatheredGemmOps::grouped_matmul_weight_grad_gathered_dy`], or `None`.
+    fn grouped_matmul_weight_grad_gathered_dy_kernel(
+        &self,
+        _x: &Tensor<Self>,
+        _dy: &Tensor<Self>,
+        _row_src: &Tensor<Self>,
         _group_sizes: &Tensor<Self>,
     ) -> Result<Option<Tensor<Self>>> {
         Ok(None)
@@ -187,10 +218,29 @@ mod tests {
                 let dy = mk(&mut r, &[n_rows, n]);
                 let xp = d.permute(&x, &row_src).unwrap();
                 let what = format!("{sizes:?} {dtype:?}");
-                let got = d.grouped_matmul_gathered(&x, &row_src, &w, &gs).unwrap();
+                let got = d
+                    .grouped_matmul_gathered(&x, &row_src, &w, &gs, false)
+                    .unwrap();
                 let want = d.grouped_matmul(&xp, &w, &gs, false).unwrap();
                 assert_eq!(got.shape(), want.shape(), "forward {what}");
                 assert_eq!(d.h64(&got), d.h64(&want), "forward {what}");
+                // The transposed weights (the data gradient's layout).
+                let wt = mk(&mut r, &[g, n, k]);
+                let got = d
+                    .grouped_matmul_gathered(&x, &row_src, &wt, &gs, true)
+                    .unwrap();
+                let want = d.grouped_matmul(&xp, &wt, &gs, true).unwrap();
+                assert_eq!(got.shape(), want.shape(), "transposed {what}");
+                assert_eq!(d.h64(&got), d.h64(&want), "transposed {what}");
+                // The gathered rows on the output-gradient side: x [N, K]
+                // dense, dy's rows gathered from [T, K] (here x's source).
+                let xn = mk(&mut r, &[n_rows, n]);
+                let got = d
+                    .grouped_matmul_weight_grad_gathered_dy(&xn, &x, &row_src, &gs)
+                    .unwrap();
+                let want = d.grouped_matmul_weight_grad(&xn, &xp, &gs).unwrap();
+                assert_eq!(got.shape(), want.shape(), "gathered dy {what}");
+                assert_eq!(d.h64(&got), d.h64(&want), "gathered dy {what}");
                 let got = d
                     .grouped_matmul_weight_grad_gathered(&x, &row_src, &dy, &gs)
                     .unwrap();
@@ -212,12 +262,17 @@ mod tests {
                 );
                 assert!(e.to_string().contains("weight_grad_pair_gathered"), "{e}");
                 let bad = d.ti32(&[t as i32; 1].repeat(n_rows), &[n_rows]);
-                let e = d.err_of(d.grouped_matmul_gathered(&x, &bad, &w, &gs));
+                let e = d.err_of(d.grouped_matmul_gathered(&x, &bad, &w, &gs, false));
                 assert!(
                     e.to_string().contains("permute") || e.to_string().contains("gathered"),
                     "{e}"
                 );
                 let e = d.err_of(d.grouped_matmul_weight_grad_gathered(&x, &bad, &dy, &gs));
+                assert!(
+                    e.to_string().contains("permute") || e.to_string().contains("gathered"),
+                    "{e}"
+                );
+                let e = d.err_of(d.grouped_matmul_weight_grad_gathered_dy(&xn, &x, &bad, &gs));
                 assert!(
                     e.to_string().contains("permute") || e.to_string().contains("gathered"),
                     "{e}"

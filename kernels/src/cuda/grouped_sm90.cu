@@ -261,14 +261,14 @@ __device__ __forceinline__ void gw_store8(uint4 v, uint4 g, uint4 u, bf16* __res
 // past dw's rows (wgrad) and missing rows (rsrc -1, past M) are zeros.
 // Thread 256 also issues B's TMA copies with the stage's expect_tx (DUAL:
 // boxes 0-1 from tb, 2-3 from tb2, each at the tile's 128 columns).
-template <int KIND, bool DUAL = false>
-__device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const TmaMap* tb2, const bf16* __restrict__ xs,
-                                                   const int* __restrict__ rsrc, const i64* so, const i64* st,
-                                                   unsigned stage0, unsigned bar0, int ST, i64 m, i64 k, int nkt, i64 n,
-                                                   int g, i64 total) {
+template <int KIND, bool DUAL = false, bool GB = false>
+__device__ __forceinline__ void gw_gather_producer(const TmaMap* ta, const TmaMap* tb, const TmaMap* tb2,
+                                                   const bf16* __restrict__ xs, const int* __restrict__ rsrc,
+                                                   const i64* so, const i64* st, unsigned stage0, unsigned bar0, int ST,
+                                                   i64 m, i64 k, int nkt, i64 n, int g, i64 total) {
     int p = threadIdx.x - 256;
     bool lead = p == 0;
-    if (lead) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
+    if (lead) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)(GB ? ta : tb)) : "memory");
     if (DUAL && lead) asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb2) : "memory");
     int s = 0;
     unsigned ph = 0;
@@ -294,31 +294,44 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const TmaMa
             i64 k0 = (i64)ks * GW_BK;
             if (KIND == 2 || ks == 0) {
 #pragma unroll
-                for (int i = 0; i < NR; ++i) srow[i] = nxt[i] >= 0 ? xs + (i64)nxt[i] * k : nullptr;
+                for (int i = 0; i < NR; ++i) srow[i] = nxt[i] >= 0 ? xs + (i64)nxt[i] * (GB ? n : k) : nullptr;
             }
             if (KIND == 2 && ks + 1 < tl.nk) load_rows(tl.red0 + k0 + GW_BK);
             mbar_wait(bar0 + 8 * (ST + s), ph ^ 1);
             unsigned a = stage0 + s * GW_STAGE_BYTES;
             if (lead) {
-                mbar_expect_tx(full, GW_BK * GW_BN * 2);
-                unsigned b = a + GW_A_BYTES;
+                if (GB) {
+                    // A (the dense operand) by TMA: two boxes of 64 of K.
+                    mbar_expect_tx(full, GW_A_BYTES);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const TmaMap* mb = DUAL && i >= 2 ? tb2 : tb;
-                    int c = (int)tl.col0 + 64 * (DUAL ? (i & 1) : i);
-                    if (KIND == 0)
-                        tma_3d(b + i * 8192, mb, full, c, (int)k0, tl.grp);
-                    else
-                        tma_2d(b + i * 8192, mb, full, c, (int)(tl.red0 + k0));
+                    for (int i = 0; i < 2; ++i) tma_2d(a + i * 8192, ta, full, (int)tl.row0 + 64 * i, (int)(tl.red0 + k0));
+                } else {
+                    mbar_expect_tx(full, GW_BK * GW_BN * 2);
+                    unsigned b = a + GW_A_BYTES;
+                    if (KIND == 1) {
+                        tma_3d(b, tb, full, (int)k0, (int)tl.col0, tl.grp);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const TmaMap* mb = DUAL && i >= 2 ? tb2 : tb;
+                            int c = (int)tl.col0 + 64 * (DUAL ? (i & 1) : i);
+                            if (KIND == 0)
+                                tma_3d(b + i * 8192, mb, full, c, (int)k0, tl.grp);
+                            else
+                                tma_2d(b + i * 8192, mb, full, c, (int)(tl.red0 + k0));
+                        }
+                    }
                 }
             }
+            // GB: B's four boxes of 64 columns, the same 64 rows each.
+            constexpr int NI = GB ? 16 : 8;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+            for (int i = 0; i < NI; ++i) {
                 int row = 16 * (i % NR) + r0, box = i / NR;
-                i64 col = (KIND == 2 ? tl.row0 + 64 * box : k0) + 8 * chunk;
+                i64 col = (GB ? tl.col0 + 64 * box : KIND == 2 ? tl.row0 + 64 * box : k0) + 8 * chunk;
                 const bf16* srcp = srow[i % NR];
-                int bytes = srcp != nullptr && col < k ? 16 : 0;
-                unsigned dst = a + box * 8192 + row * 128 + ((chunk ^ (row & 7)) << 4);
+                int bytes = srcp != nullptr && col < (GB ? n : k) ? 16 : 0;
+                unsigned dst = (GB ? a + GW_A_BYTES : a) + box * 8192 + row * 128 + ((chunk ^ (row & 7)) << 4);
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(bytes ? srcp + col : xs),
                              "r"(bytes)
                              : "memory");
@@ -339,14 +352,16 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* tb, const TmaMa
 // PAIR / EPI / DEFER / DUAL: the fused variants and the deferred epilogue
 // (top of the file); ta2 / tb2 and k2 are read with PAIR only, out2 / e0 /
 // e1 with EPI only; tb2 and out2 with DUAL.
-template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false, bool GATHER = false, bool DUAL = false>
+template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false, bool GATHER = false, bool DUAL = false,
+          bool GB = false>
 __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const TmaMap* ta2, const TmaMap* tb2,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
                                         bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
                                         const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g,
                                         const bf16* __restrict__ xs = nullptr, const int* __restrict__ rsrc = nullptr) {
-    static_assert(!GATHER || (KIND != 1 && EPI == 0 && !PAIR && !DEFER), "gathered A: the plain nn and wgrad products");
-    static_assert(!DUAL || (KIND == 2 && GATHER), "two B operands: the gathered weight gradient");
+    static_assert(!GATHER || (EPI == 0 && !PAIR && !DEFER), "gathered rows: the plain products");
+    static_assert(!DUAL || (KIND == 2 && GATHER && !GB), "two B operands: the gathered weight gradient");
+    static_assert(!GB || (KIND == 2 && GATHER), "gathered B: the weight gradient");
     constexpr int TN = DUAL ? 128 : GW_BN;
     typedef GwLayout<DEFER> L;
     constexpr int ST = L::ST;
@@ -394,7 +409,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         else
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (GATHER) {
-            gw_gather_producer<KIND, DUAL>(tb, tb2, xs, rsrc, so, st, stage0, bar0, ST, m, k, nkt, n, g, total);
+            gw_gather_producer<KIND, DUAL, GB>(ta, tb, tb2, xs, rsrc, so, st, stage0, bar0, ST, m, k, nkt, n, g, total);
         } else if (tid == 256) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)ta) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)tb) : "memory");
@@ -661,6 +676,21 @@ GW_ENTRY grouped_mm_gather_wgmma_bf16_nn(const __grid_constant__ TmaMap tb, cons
                                          const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
     gw_body<0, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0,
                                       n, g, xs, rsrc);
+}
+// grouped_mm_wgmma_bf16_nt over the rows xs[rsrc[r]] (the experts' down
+// projection's data gradient over the gathered output gradient).
+GW_ENTRY grouped_mm_gather_wgmma_bf16_nt(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<1, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0,
+                                      n, g, xs, rsrc);
+}
+// grouped_wgrad_wgmma_bf16 with dy's rows dys[rsrc[r]]: ta maps x [M, K],
+// dys [T, N], rsrc [M] (the down projection's weight gradient over the
+// gathered output gradient).
+GW_ENTRY grouped_wgrad_gatherb_wgmma_bf16(const __grid_constant__ TmaMap ta, const bf16* dys, const int* rsrc,
+                                          const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+    gw_body<2, 0, false, false, true, false, true>(&ta, &ta, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr,
+                                                   nullptr, m, k, 0, n, g, dys, rsrc);
 }
 // grouped_wgrad_wgmma_bf16 with x's rows xs[rsrc[r]]: xs [T, K], rsrc [M]
 // (M permuted rows), tb maps dy [M, N].

@@ -1076,9 +1076,10 @@ impl GatheredGemmOps for Cuda {
         row_src: &Tensor<Self>,
         w: &Tensor<Self>,
         group_sizes: &Tensor<Self>,
+        trans_w: bool,
     ) -> Result<Option<Tensor<Self>>> {
         const OP: &str = "grouped_matmul_gathered";
-        let (t, k, g, n) = grouped_dims(OP, x, w, false)?;
+        let (t, k, g, n) = grouped_dims(OP, x, w, trans_w)?;
         let m = super::routing::row_src_1d(OP, row_src)?;
         let (xp, wp) = (x.storage().ptr(), w.storage().ptr());
         if !self.gathers_rows_of(x) || !self.wgmma_fits(m, k, n, g, &[xp, wp]) {
@@ -1087,9 +1088,14 @@ impl GatheredGemmOps for Cuda {
         self.check_range(OP, row_src, -1, t as i64)?;
         let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
         let out = self.alloc(OP, &[m, n], x.dtype())?;
-        let (k64, n64, g64) = (k as u64, n as u64, g as u64);
-        let tb = tma_map(OP, wp, &[n64, k64, g64], &[64, 64, 1])?;
-        let (f, cfg) = self.gw_mm_launch("grouped_mm_gather_wgmma_bf16_nn", m, n, g)?;
+        // The B maps of the plain kernels (A's rows come through row_src).
+        let (_, tb) = Self::gw_maps(OP, xp, wp, m, k, n, g, trans_w)?;
+        let name = if trans_w {
+            "grouped_mm_gather_wgmma_bf16_nt"
+        } else {
+            "grouped_mm_gather_wgmma_bf16_nn"
+        };
+        let (f, cfg) = self.gw_mm_launch(name, m, n, g)?;
         launch!(
             self,
             f,
@@ -1099,6 +1105,57 @@ impl GatheredGemmOps for Cuda {
             row_src.storage().ptr(),
             offs.ptr(),
             tiles.ptr(),
+            out.storage().ptr(),
+            m as i64,
+            k as i64,
+            n as i64,
+            g as i32
+        )?;
+        Ok(Some(out))
+    }
+
+    fn grouped_matmul_weight_grad_gathered_dy_kernel(
+        &self,
+        x: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        row_src: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<Option<Tensor<Self>>> {
+        const OP: &str = "grouped_matmul_weight_grad_gathered_dy";
+        let (m, k) = x.dims2(OP)?;
+        let (t, n) = dy.dims2(OP)?;
+        dy.expect_dtype(OP, x.dtype())?;
+        if super::routing::row_src_1d(OP, row_src)? != m {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "row_src {:?} and x {:?} disagree on the row count",
+                    row_src.shape(),
+                    x.shape()
+                ),
+            ));
+        }
+        let g = match group_sizes.shape() {
+            [g] => *g,
+            _ => return Ok(None),
+        };
+        let (xp, dp) = (x.storage().ptr(), dy.storage().ptr());
+        if !self.gathers_rows_of(dy) || !self.wgmma_fits(m, k, n, g, &[xp, dp]) {
+            return Ok(None);
+        }
+        self.check_range(OP, row_src, -1, t as i64)?;
+        let (offs, _tiles) = self.group_offsets(OP, group_sizes, g, m)?;
+        let out = self.alloc(OP, &[g, k, n], x.dtype())?;
+        let ta = tma_map(OP, xp, &[k as u64, m as u64], &[64, 64])?;
+        let (f, cfg) = self.gw_wgrad_launch("grouped_wgrad_gatherb_wgmma_bf16", g, k, n)?;
+        launch!(
+            self,
+            f,
+            cfg,
+            ta,
+            dp,
+            row_src.storage().ptr(),
+            offs.ptr(),
             out.storage().ptr(),
             m as i64,
             k as i64,
@@ -1667,7 +1724,9 @@ pub(super) mod tests {
         let (_, w1) = pair(&d, &[e, h, f], 32);
         let (_, dg) = pair(&d, &[rows, f], 33);
         let xp = d.permute(&x, &row_src).unwrap();
-        let got = d.grouped_matmul_gathered(&x, &row_src, &w1, &gs).unwrap();
+        let got = d
+            .grouped_matmul_gathered(&x, &row_src, &w1, &gs, false)
+            .unwrap();
         let want = d.grouped_matmul(&xp, &w1, &gs, false).unwrap();
         assert_eq!(host(&d, &got), host(&d, &want), "gate projection");
         let got = d
@@ -1692,7 +1751,22 @@ pub(super) mod tests {
             host(&d, &dw3_want),
             "paired up weight gradient"
         );
-        println!("gathered products at the full expert shape: bit-identical to permute + product (single and paired weight gradients)");
+        // The down projection's backward over the gathered output
+        // gradient: dact = dy_perm · w2ᵀ and dw2 = actᵀ dy_perm, dy's rows
+        // gathered from [tokens, h].
+        let (_, w2) = pair(&d, &[e, f, h], 36);
+        let (_, act) = pair(&d, &[rows, f], 37);
+        let got = d
+            .grouped_matmul_gathered(&x, &row_src, &w2, &gs, true)
+            .unwrap();
+        let want = d.grouped_matmul(&xp, &w2, &gs, true).unwrap();
+        assert_eq!(host(&d, &got), host(&d, &want), "down projection dgrad");
+        let got = d
+            .grouped_matmul_weight_grad_gathered_dy(&act, &x, &row_src, &gs)
+            .unwrap();
+        let want = d.grouped_matmul_weight_grad(&act, &xp, &gs).unwrap();
+        assert_eq!(host(&d, &got), host(&d, &want), "down projection wgrad");
+        println!("gathered products at the full expert shape: bit-identical to permute + product (single and paired weight gradients, the transposed product, the gathered output gradient)");
     }
 
     /// Seconds per call of `run` on the host clock: 20 synchronised calls

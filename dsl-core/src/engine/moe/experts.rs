@@ -91,13 +91,30 @@ impl<B: Backend> ExpertRows<B> {
         })
     }
 
-    /// `grouped_matmul(rows, w, counts_e, false)`.
-    fn product(&self, b: &B, w: &Tensor<B>, counts_e: &Tensor<B>) -> Result<Tensor<B>> {
+    /// `grouped_matmul(rows, w, counts_e, trans_w)`.
+    fn product(
+        &self,
+        b: &B,
+        w: &Tensor<B>,
+        counts_e: &Tensor<B>,
+        trans_w: bool,
+    ) -> Result<Tensor<B>> {
         Ok(match self {
-            ExpertRows::Dense(x) => b.grouped_matmul(x, w, counts_e, false)?,
+            ExpertRows::Dense(x) => b.grouped_matmul(x, w, counts_e, trans_w)?,
             ExpertRows::Gathered {
                 source, row_src, ..
-            } => b.grouped_matmul_gathered(source, row_src, w, counts_e)?,
+            } => b.grouped_matmul_gathered(source, row_src, w, counts_e, trans_w)?,
+        })
+    }
+
+    /// `grouped_matmul_weight_grad(x, rows, counts_e)`: these rows as the
+    /// output gradient of a product whose input was `x: [N, K]`.
+    fn weight_grad_of(&self, b: &B, x: &Tensor<B>, counts_e: &Tensor<B>) -> Result<Tensor<B>> {
+        Ok(match self {
+            ExpertRows::Dense(dy) => b.grouped_matmul_weight_grad(x, dy, counts_e)?,
+            ExpertRows::Gathered {
+                source, row_src, ..
+            } => b.grouped_matmul_weight_grad_gathered_dy(x, source, row_src, counts_e)?,
         })
     }
 
@@ -230,8 +247,8 @@ impl<B: Backend> Experts<B> {
             return self.forward_fp8(b, &x_nd.materialize(b)?, probs_n, counts_e);
         }
         let rows = x_nd.for_products(b)?;
-        let gate_nf = rows.product(b, &self.w1.value, counts_e)?;
-        let up_nf = rows.product(b, &self.w3.value, counts_e)?;
+        let gate_nf = rows.product(b, &self.w1.value, counts_e, false)?;
+        let up_nf = rows.product(b, &self.w3.value, counts_e, false)?;
         let act_nf = b.swiglu_weighted(&gate_nf, &up_nf, probs_n)?;
         let y_nd = b.grouped_matmul(&act_nf, &self.w2.value, counts_e, false)?;
         let saved = ExpertsSaved {
@@ -297,13 +314,12 @@ impl<B: Backend> Experts<B> {
             probs_n,
             act_nf,
         } = saved;
-        let dy_nd = dy_nd.materialize(b)?;
         let (x_nd, act_nf) = match (x_nd, act_nf) {
             (SavedInput::Rows(x), SavedInput::Rows(ExpertRows::Dense(act))) => (x, act),
             (SavedInput::Fp8(x), SavedInput::Fp8(act)) => {
                 return self.backward_fp8(
                     b,
-                    &dy_nd,
+                    &dy_nd.materialize(b)?,
                     &counts_e,
                     (&gate_nf, &up_nf, &probs_n),
                     (&x, &act),
@@ -315,11 +331,13 @@ impl<B: Backend> Experts<B> {
                 ))
             }
         };
-        self.w2.accumulate(
-            b,
-            &b.grouped_matmul_weight_grad(&act_nf, &dy_nd, &counts_e)?,
-        )?;
-        let dact_nf = b.grouped_matmul(&dy_nd, &self.w2.value, &counts_e, true)?;
+        // The down projection's products read the rows' output gradients
+        // where they lie (gathered from the combined output's, or permuted
+        // once here where the backend cannot gather).
+        let dy_nd = dy_nd.for_products(b)?;
+        self.w2
+            .accumulate(b, &dy_nd.weight_grad_of(b, &act_nf, &counts_e)?)?;
+        let dact_nf = dy_nd.product(b, &self.w2.value, &counts_e, true)?;
         let (dgate_nf, dup_nf, dprobs_n) =
             b.swiglu_weighted_backward(&gate_nf, &up_nf, &probs_n, &dact_nf)?;
         let (dw1, dw3) = x_nd
