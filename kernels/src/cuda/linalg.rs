@@ -1769,6 +1769,83 @@ pub(super) mod tests {
         println!("gathered products at the full expert shape: bit-identical to permute + product (single and paired weight gradients, the transposed product, the gathered output gradient)");
     }
 
+    /// The MoE layer's experts and combine at the Qwen3-30B-A3B shape (16384
+    /// tokens, top-8 of 128 experts, hidden 2048, ffn 768, bf16), forward
+    /// and backward, with the routing weights applied in SwiGLU and the
+    /// output gradient gathered (this design) against the previous path
+    /// (plain SwiGLU, the weights applied to the experts' outputs in combine,
+    /// the permuted output gradient scaled and written out, the weights'
+    /// gradient from the saved outputs): the combined output, dx, the down
+    /// projection's weight gradient and the weights' gradient within bf16
+    /// rounding (1e-2 of the largest magnitude); prints the relative
+    /// Frobenius differences. Ignored (large): run with `--ignored` on a GPU.
+    #[test]
+    #[ignore]
+    fn moe_weights_in_swiglu_full_shape_against_weighted_combine() {
+        use crate::backend::{ElementwiseOps, GatheredGemmOps};
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let (t, k, h, f, e) = (16384usize, 8usize, 2048usize, 768usize, 128usize);
+        let n = t * k;
+        let (_, logits) = pair(&d, &[t, e], 41);
+        let idx = d.topk(&logits, k, 1, 1).unwrap();
+        let w_tk = d.softmax(&d.gather_cols(&logits, &idx).unwrap()).unwrap();
+        let plan = d.routing_plan(&idx, e).unwrap();
+        let gs = &plan.counts;
+        let (_, x) = pair(&d, &[t, h], 42);
+        let (_, w1) = pair(&d, &[e, h, f], 43);
+        let (_, w3) = pair(&d, &[e, h, f], 44);
+        let (_, w2) = pair(&d, &[e, f, h], 45);
+        let (_, dout) = pair(&d, &[t, h], 46);
+        let rs = &plan.row_src;
+        let gate = d.grouped_matmul_gathered(&x, rs, &w1, gs, false).unwrap();
+        let up = d.grouped_matmul_gathered(&x, rs, &w3, gs, false).unwrap();
+        let p = d.permute_weights(&w_tk, &plan.slot, n).unwrap();
+        let dx_of = |dg: &Tensor<Cuda>, du: &Tensor<Cuda>| {
+            let dx_nd = d.grouped_matmul_sum2(dg, &w1, du, &w3, gs, true).unwrap();
+            d.permute_backward(&dx_nd, rs, t).unwrap()
+        };
+        // This design.
+        let act = d.swiglu_weighted(&gate, &up, &p).unwrap();
+        let y = d.grouped_matmul(&act, &w2, gs, false).unwrap();
+        let out = d.unpermute(&y, &plan.slot).unwrap();
+        let dw2 = d
+            .grouped_matmul_weight_grad_gathered_dy(&act, &dout, rs, gs)
+            .unwrap();
+        let dact = d.grouped_matmul_gathered(&dout, rs, &w2, gs, true).unwrap();
+        let (dg, du, dp) = d.swiglu_weighted_backward(&gate, &up, &p, &dact).unwrap();
+        let dw = d.permute_weights_backward(&dp, &plan.slot).unwrap();
+        let new = [out, dx_of(&dg, &du), dw2, dw].map(|t| host(&d, &t));
+        // The previous path.
+        let act = d.swiglu(&gate, &up).unwrap();
+        let y = d.grouped_matmul(&act, &w2, gs, false).unwrap();
+        let out = d
+            .unpermute(&d.mul_rows(&y, &p).unwrap(), &plan.slot)
+            .unwrap();
+        let dy_perm = d.permute(&dout, rs).unwrap();
+        let dy = d.mul_rows(&dy_perm, &p).unwrap();
+        let dw2 = d.grouped_matmul_weight_grad(&act, &dy, gs).unwrap();
+        let dact = d.grouped_matmul(&dy, &w2, gs, true).unwrap();
+        let (dg, du) = d.swiglu_backward(&gate, &up, &dact).unwrap();
+        let dp = d.dot_rows(&dy_perm, &y).unwrap();
+        let dw = d.permute_weights_backward(&dp, &plan.slot).unwrap();
+        let old = [out, dx_of(&dg, &du), dw2, dw].map(|t| host(&d, &t));
+        for (name, (a, b)) in ["out", "dx", "dw2", "dweights"]
+            .iter()
+            .zip(new.iter().zip(&old))
+        {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+            let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+            println!(
+                "weights in SwiGLU vs weighted combine, {name}: relative Frobenius difference {:.3e}",
+                (num / den.max(1e-300)).sqrt()
+            );
+            assert!(a.iter().all(|v| v.is_finite()), "{name}: not finite");
+            assert_close(&format!("weights in SwiGLU, {name}"), a, b, 1);
+        }
+    }
+
     /// Seconds per call of `run` on the host clock: 20 synchronised calls
     /// after 3 warm-ups (the ignored timing tests).
     pub(in crate::cuda) fn mean_seconds<R>(d: &Cuda, run: &dyn Fn() -> R) -> f64 {
