@@ -919,12 +919,12 @@ mod tests {
             part(&p, "attention").activations_per_micro_batch,
             16 * 3 * 80
         );
-        // Routed: 2 rows × (fc1 4·4 + act 2·4 + outputs 2·8 + two int32
-        // indices 8) = 96 B per token, 2 blocks; the experts' input rows
+        // Routed: 2 rows × (fc1 4·4 + act 2·4 + routing weight 2 + two int32
+        // indices 8) = 68 B per token, 2 blocks; the experts' input rows
         // are gathered from the norm output, so they add nothing.
         assert_eq!(
             part(&p, "routed_experts").activations_per_micro_batch,
-            16 * 2 * 96
+            16 * 2 * 68
         );
         // Twice the sequences, twice the bytes.
         let p2 = plan(&spec, "world=1", 0, 2);
