@@ -51,30 +51,6 @@ pub trait LinalgOps: Device {
         group_sizes: &Tensor<Self>,
         trans_w: bool,
     ) -> Result<Tensor<Self>>;
-
-    /// The up projection with SwiGLU after it: `up = grouped_matmul(x, w,
-    /// group_sizes, false)` and `act = swiglu(gate, up)` (`gate: [M, N]`),
-    /// returned as `(up, act)`, each rounded as the two ops round them.
-    fn grouped_matmul_swiglu(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        gate: &Tensor<Self>,
-        group_sizes: &Tensor<Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
-
-    /// SwiGLU's backward from the down projection's data gradient:
-    /// `dact = grouped_matmul(dy, w, group_sizes, true)` (`w: [G, N, K]`)
-    /// then `swiglu_backward(gate, up, dact)` → `(dgate, dup)`, each `[M, N]`
-    /// and rounded as the two ops round them (`dact` is not kept).
-    fn grouped_matmul_swiglu_backward(
-        &self,
-        dy: &Tensor<Self>,
-        w: &Tensor<Self>,
-        gate: &Tensor<Self>,
-        up: &Tensor<Self>,
-        group_sizes: &Tensor<Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
 }
 
 /// The sizes `(M, K, G, N)` of `grouped_matmul(x, w, _, trans_w)` after
@@ -128,21 +104,6 @@ pub(crate) fn sum2_dims<B: Device>(
     }
     x2.expect_dtype(op, x1.dtype())?;
     Ok((m, k1, k2, g, n))
-}
-
-/// Checks that each of `ts` (named by `names`) is `[m, n]` of `x`'s dtype.
-pub(crate) fn expect_mn<B: Device>(
-    op: &'static str,
-    x: &Tensor<B>,
-    ts: &[(&'static str, &Tensor<B>)],
-    m: usize,
-    n: usize,
-) -> Result<()> {
-    for (name, t) in ts {
-        t.expect_shape(op, name, &[m, n])?;
-        t.expect_dtype(op, x.dtype())?;
-    }
-    Ok(())
 }
 
 /// The sizes of `op(a)·op(b)` after every backend's checks: `(M, K, N)`

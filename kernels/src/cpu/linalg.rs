@@ -7,7 +7,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::{index_slice, pool, Cpu, FloatStorage};
-use crate::backend::{ElementwiseOps, LinalgOps};
+use crate::backend::LinalgOps;
 use crate::cpu_float_dispatch;
 use crate::error::{arg_err, shape_err, Result};
 use crate::tensor::Tensor;
@@ -473,38 +473,6 @@ impl LinalgOps for Cpu {
             x1,
             grouped_matmul_sum2_impl(x1, w1, x2, w2, group_sizes, trans_w)
         )
-    }
-
-    // The two fused SwiGLU ops are, on the CPU, the compositions they
-    // replace (the reference the CUDA kernels are held to).
-    fn grouped_matmul_swiglu(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        gate: &Tensor<Self>,
-        group_sizes: &Tensor<Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        const OP: &str = "grouped_matmul_swiglu";
-        let (m, _, _, n) = crate::backend::linalg::grouped_dims(OP, x, w, false)?;
-        crate::backend::linalg::expect_mn(OP, x, &[("gate", gate)], m, n)?;
-        let up = self.grouped_matmul(x, w, group_sizes, false)?;
-        let act = self.swiglu(gate, &up)?;
-        Ok((up, act))
-    }
-
-    fn grouped_matmul_swiglu_backward(
-        &self,
-        dy: &Tensor<Self>,
-        w: &Tensor<Self>,
-        gate: &Tensor<Self>,
-        up: &Tensor<Self>,
-        group_sizes: &Tensor<Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        const OP: &str = "grouped_matmul_swiglu_backward";
-        let (m, _, _, n) = crate::backend::linalg::grouped_dims(OP, dy, w, true)?;
-        crate::backend::linalg::expect_mn(OP, dy, &[("gate", gate), ("up", up)], m, n)?;
-        let dact = self.grouped_matmul(dy, w, group_sizes, true)?;
-        self.swiglu_backward(gate, up, &dact)
     }
 }
 
@@ -1000,9 +968,10 @@ mod tests {
                     &format!("grouped_matmul_weight_grad {sizes:?}"),
                     &d.grouped_matmul_weight_grad(&x, &dy, &gs).unwrap(),
                     &Cpu.grouped_matmul_weight_grad(&xc, &dyc, &gsc).unwrap(),
-                ); // The fused ops of the MoE experts (wgmma on sm_90a in bf16
-                   // for the first case; the second has N = 300, not a multiple
-                   // of 8, and composes).
+                );
+                // The experts' dx over both projections (wgmma on sm_90a in
+                // bf16 for the first case; the second has N = 300, not a
+                // multiple of 8).
                 let (x2, x2c) = c.rand(&[m, 2 * k], 1.0);
                 for trans_w in [false, true] {
                     let ws = |kk: usize| if trans_w { [g, n, kk] } else { [g, kk, n] };
@@ -1016,39 +985,14 @@ mod tests {
                             .unwrap(),
                     );
                 }
-                let (gate, gatec) = c.rand(&[m, n], 3.0);
-                let (wu, wuc) = c.rand(&[g, k, n], 1.0);
-                let (up, act) = d.grouped_matmul_swiglu(&x, &wu, &gate, &gs).unwrap();
-                let (upc, actc) = Cpu.grouped_matmul_swiglu(&xc, &wuc, &gatec, &gsc).unwrap();
-                c.check(&format!("grouped_matmul_swiglu up {sizes:?}"), &up, &upc);
-                c.check(&format!("grouped_matmul_swiglu act {sizes:?}"), &act, &actc);
-                let (up, upc) = c.rand(&[m, n], 1.0);
-                let (wd, wdc) = c.rand(&[g, n, k], 1.0);
-                let (dg, du) = d
-                    .grouped_matmul_swiglu_backward(&x, &wd, &gate, &up, &gs)
-                    .unwrap();
-                let (dgc, duc) = Cpu
-                    .grouped_matmul_swiglu_backward(&xc, &wdc, &gatec, &upc, &gsc)
-                    .unwrap();
-                c.check(
-                    &format!("grouped_matmul_swiglu_backward dgate {sizes:?}"),
-                    &dg,
-                    &dgc,
-                );
-                c.check(
-                    &format!("grouped_matmul_swiglu_backward dup {sizes:?}"),
-                    &du,
-                    &duc,
-                );
             }
             c.report("linalg");
         }
     }
 
-    /// The fused grouped ops against the ops they fuse, in f64 on every
-    /// device: `grouped_matmul_sum2` is the sum of two `grouped_matmul`s
-    /// (to rounding), the SwiGLU ones equal the compositions exactly; shape
-    /// errors name the op.
+    /// The experts' fused dx product against the products it fuses, in f64
+    /// on every device: `grouped_matmul_sum2` is the sum of two
+    /// `grouped_matmul`s (to rounding); shape errors name the op.
     fn fused_grouped_ops_match_their_compositions<B: TestOps>(d: &B) {
         let mut r = rng(17);
         for (sizes, m, k, n) in [
@@ -1080,40 +1024,6 @@ mod tests {
                 let err = d.err_of(d.grouped_matmul_sum2(&x1, &w1, &x1, &w2, &gs, trans_w));
                 assert!(err.to_string().contains("grouped_matmul_sum2"), "{err}");
             }
-            let x = d.t64(&rand_vec(&mut r, m * k), &[m, k]);
-            let gate = d.t64(&rand_vec(&mut r, m * n), &[m, n]);
-            let wu = d.t64(&rand_vec(&mut r, g * k * n), &[g, k, n]);
-            let (up, act) = d.grouped_matmul_swiglu(&x, &wu, &gate, &gs).unwrap();
-            let up2 = d.grouped_matmul(&x, &wu, &gs, false).unwrap();
-            assert_eq!(d.h64(&up), d.h64(&up2), "swiglu up {sizes:?}");
-            assert_eq!(
-                d.h64(&act),
-                d.h64(&d.swiglu(&gate, &up2).unwrap()),
-                "swiglu act {sizes:?}"
-            );
-            let dy = d.t64(&rand_vec(&mut r, m * k), &[m, k]);
-            let wd = d.t64(&rand_vec(&mut r, g * n * k), &[g, n, k]);
-            let (dg, du) = d
-                .grouped_matmul_swiglu_backward(&dy, &wd, &gate, &up, &gs)
-                .unwrap();
-            let dact = d.grouped_matmul(&dy, &wd, &gs, true).unwrap();
-            let (dg2, du2) = d.swiglu_backward(&gate, &up, &dact).unwrap();
-            assert_eq!(d.h64(&dg), d.h64(&dg2), "swiglu_backward dgate {sizes:?}");
-            assert_eq!(d.h64(&du), d.h64(&du2), "swiglu_backward dup {sizes:?}");
-            let bad = d.t64(&vec![0.0; (m + 1) * n], &[m + 1, n]);
-            let e = d
-                .grouped_matmul_swiglu(&x, &wu, &bad, &gs)
-                .map(|_| ())
-                .unwrap_err();
-            assert!(e.to_string().contains("grouped_matmul_swiglu"), "{e}");
-            let e = d
-                .grouped_matmul_swiglu_backward(&dy, &wd, &gate, &bad, &gs)
-                .map(|_| ())
-                .unwrap_err();
-            assert!(
-                e.to_string().contains("grouped_matmul_swiglu_backward"),
-                "{e}"
-            );
         }
     }
 

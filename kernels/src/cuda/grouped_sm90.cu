@@ -54,20 +54,17 @@
 // producer warpgroup (96 threads, setmaxnreg 72; the consumers take 216:
 // setmaxnreg.inc only draws on what the block's .dec released, so
 // 256 (216 - 168) <= 128 (168 - 72), else the consumers wait forever)
-// store that tile, with the fused epilogues' loads and activations, then
-// release it (`out_empty`, 96 arrivals). The stores and the SwiGLU math
+// store that tile, then release it (`out_empty`, 96 arrivals). The stores
 // thus run under the next tile's main loop instead of between two tiles;
 // the price is a 3-stage ring (the tile takes the fourth stage's memory).
-// Fused variants (issue 18, second part), the same body with two switches:
+// (Stores that also applied SwiGLU or its backward were slower than the
+// GEMM and the separate elementwise op, and were removed once the experts
+// applied the routing weights in their SwiGLU: BENCHMARKS.md 2026-12-02.)
+// Fused variant (issue 18, second part):
 // - PAIR (nn / nt): out = x1 · op(w1[g]) + x2 · op(w2[g]), the steps of K1
 //   from (ta, tb) and then those of K2 from (ta2, tb2) into one accumulator
 //   (one rounding): the experts' dx over the gate and up projections;
-// - EPI 1 (nn): out = up = x · w[g], and out2 = act = silu(gate) · up from
-//   the rounded up and gate (e0) at the store, as binary_bf16's swiglu does;
-//   EPI 2 (nt): the product is dact = dy · w[g]ᵀ, rounded; the store reads
-//   gate (e0) and up (e1) and writes out = dgate and out2 = dup, as
-//   swiglu_bwd_bf16 does (dact itself is never stored).
-// Gathered A (GATHER, issue 18's fused dispatch; nn forward and wgrad):
+// Gathered A (GATHER, issue 18's fused dispatch; nn, nt and wgrad):
 // the rows of A are rows xs[rsrc[r]] of a source matrix (zeros where
 // rsrc[r] = -1 or r >= M), the permutation into expert order read by the
 // loads instead of a separate copy (Megatron-Core's fused permute). The
@@ -78,7 +75,10 @@
 // barrier (cp.async.mbarrier.arrive.noinc: 128 arrivals and the B copy's
 // expect_tx), and the consumers fence the generic-proxy writes before
 // their wgmmas read them. B still comes by TMA. Registers: consumers 224,
-// producer 56 (256 (224 - 168) <= 128 (168 - 56)).
+// producer 56 (256 (224 - 168) <= 128 (168 - 56)). Gathered B (GB, wgrad
+// with GATHER: the down projection's weight gradient over the rows' output
+// gradients, gathered from the combined output's): the same copies fill
+// B's four boxes from dy's rows, and A comes by TMA.
 // Two B operands (DUAL, wgrad with GATHER: the experts' gate and up weight
 // gradients, dw1 = xᵀ dgate and dw3 = xᵀ dup over the same gathered x):
 // B boxes 0-1 come from tb and 2-3 from tb2, each at the tile's 128 output
@@ -112,18 +112,6 @@ template <bool DEFER> struct GwLayout {
     static constexpr unsigned OFFS = STG + (DEFER ? GW_BM * GW_OUT_ROW : 8 * GW_STG_WARP);
 };
 static_assert(GwLayout<true>::OFFS == GwLayout<false>::OFFS, "both epilogues fit the same shared memory");
-
-// The activations of elementwise.cu (same expressions: the fused stores
-// round as binary_bf16 / swiglu_bwd_bf16 do).
-__device__ __forceinline__ float gw_sigmoid(float x) {
-    if (x >= 0.0f) return 1.0f / (1.0f + exp_(-x));
-    float e = exp_(x);
-    return e / (1.0f + e);
-}
-__device__ __forceinline__ float gw_silu_grad(float x) {
-    float s = gw_sigmoid(x);
-    return s * (1.0f + x * (1.0f - s));
-}
 
 // d[0..127] += A · B for one m64n256k16 (f32 accumulators, bf16 operands from shared
 // memory through descriptors; acc = 0 overwrites d); TA / TB: A / B stored MN-major (1) or K-major (0).
@@ -219,36 +207,6 @@ __device__ __forceinline__ GwTile gw_tile(i64 t, const i64* so, const i64* st, i
 }
 
 extern __shared__ __align__(1024) unsigned char gw_smem[];
-
-// Stores 8 columns of one output row at `at` from v, the 8 rounded products
-// (EPI 1: v = up, out = up, out2 = silu(gate) · up from g = gate; EPI 2:
-// v = dact, out = dgate, out2 = dup from g = gate and u = up), with
-// the expressions of binary_bf16's swiglu and swiglu_bwd_bf16 so that the
-// results are theirs bit for bit.
-template <int EPI>
-__device__ __forceinline__ void gw_store8(uint4 v, uint4 g, uint4 u, bf16* __restrict__ o, bf16* __restrict__ o2, i64 at) {
-    // Two columns at a time, each pair rounded as soon as it is done (few
-    // registers live: the epilogue warps have 72).
-    uint4 r0, r1;
-    const __nv_bfloat162* hx = reinterpret_cast<const __nv_bfloat162*>(&v);
-    const __nv_bfloat162* hg = reinterpret_cast<const __nv_bfloat162*>(&g);
-    const __nv_bfloat162* hu = reinterpret_cast<const __nv_bfloat162*>(&u);
-    __nv_bfloat162* p0 = reinterpret_cast<__nv_bfloat162*>(&r0);
-    __nv_bfloat162* p1 = reinterpret_cast<__nv_bfloat162*>(&r1);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        float2 x = __bfloat1622float2(hx[e]), gt = __bfloat1622float2(hg[e]);
-        if (EPI == 1) {
-            p1[e] = __floats2bfloat162_rn(gt.x * gw_sigmoid(gt.x) * x.x, gt.y * gw_sigmoid(gt.y) * x.y);
-        } else {
-            float2 up = __bfloat1622float2(hu[e]);
-            p0[e] = __floats2bfloat162_rn(x.x * up.x * gw_silu_grad(gt.x), x.y * up.y * gw_silu_grad(gt.y));
-            p1[e] = __floats2bfloat162_rn(x.x * gt.x * gw_sigmoid(gt.x), x.y * gt.y * gw_sigmoid(gt.y));
-        }
-    }
-    *reinterpret_cast<uint4*>(o + at) = EPI == 1 ? v : r0;
-    *reinterpret_cast<uint4*>(o2 + at) = r1;
-}
 
 // The producer of a GATHER kernel (all 128 threads of warpgroup 2): warp w
 // of it copies, in instruction i = 0..7 of a step, 16 bytes (chunk l % 8)
@@ -349,17 +307,16 @@ __device__ __forceinline__ void gw_gather_producer(const TmaMap* ta, const TmaMa
 // for nn / nt, [G, K, N] for wgrad. Dynamic shared memory: 1024 bytes of
 // alignment slack and GwLayout::OFFS + 16 (G + 1) bytes (linalg.rs's
 // gw_smem_bytes).
-// PAIR / EPI / DEFER / DUAL: the fused variants and the deferred epilogue
-// (top of the file); ta2 / tb2 and k2 are read with PAIR only, out2 / e0 /
-// e1 with EPI only; tb2 and out2 with DUAL.
-template <int KIND, int EPI = 0, bool PAIR = false, bool DEFER = false, bool GATHER = false, bool DUAL = false,
-          bool GB = false>
+// PAIR / DEFER / GATHER / DUAL / GB: the fused variants and the deferred
+// epilogue (top of the file); ta2 / tb2 and k2 are read with PAIR only; tb2
+// and out2 with DUAL.
+template <int KIND, bool PAIR = false, bool DEFER = false, bool GATHER = false, bool DUAL = false, bool GB = false>
 __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, const TmaMap* ta2, const TmaMap* tb2,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
-                                        bf16* __restrict__ out, bf16* __restrict__ out2, const bf16* __restrict__ e0,
-                                        const bf16* __restrict__ e1, i64 m, i64 k, i64 k2, i64 n, int g,
+                                        bf16* __restrict__ out, bf16* __restrict__ out2, i64 m, i64 k, i64 k2, i64 n,
+                                        int g,
                                         const bf16* __restrict__ xs = nullptr, const int* __restrict__ rsrc = nullptr) {
-    static_assert(!GATHER || (EPI == 0 && !PAIR && !DEFER), "gathered rows: the plain products");
+    static_assert(!GATHER || (!PAIR && !DEFER), "gathered rows: the plain products");
     static_assert(!DUAL || (KIND == 2 && GATHER && !GB), "two B operands: the gathered weight gradient");
     static_assert(!GB || (KIND == 2 && GATHER), "gathered B: the weight gradient");
     constexpr int TN = DUAL ? 128 : GW_BN;
@@ -453,11 +410,11 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                 }
             }
         } else if (DEFER && tid >= 288) {
-            // Epilogue warps (EPI 1 / 2): unit u of a tile is row u / 32, columns
-            // 8 (u % 32) .. + 7 (a warp covers one 512-byte row: whole
-            // 128-byte pieces). EB units a thread at once: their loads are
-            // all in flight before the first one's math.
-            constexpr int EB = EPI == 0 ? 4 : EPI == 1 ? 3 : 2;
+            // Epilogue warps: unit u of a tile is row u / 32, columns 8 (u %
+            // 32) .. + 7 (a warp covers one 512-byte row: whole 128-byte
+            // pieces). EB units a thread at once: their loads are all in
+            // flight before the first store.
+            constexpr int EB = 4;
             const unsigned char* ot = base + L::STG;
             int e = tid - 288;
             unsigned oph = 0;
@@ -466,7 +423,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                 bf16* o = KIND == 2 ? out + (i64)tl.grp * k * n : out;
                 mbar_wait(bar_of, oph);
                 for (int u0 = e; u0 < GW_BM * 32; u0 += 96 * EB) {
-                    uint4 v[EB], ga[EB], ua[EB];
+                    uint4 v[EB];
                     i64 at[EB];
                     bool ok[EB];
 #pragma unroll
@@ -475,20 +432,11 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                         i64 gr = tl.row0 + row, gc = tl.col0 + ch * 8;
                         ok[b] = u < GW_BM * 32 && gr < tl.row_end && gc < n;
                         at[b] = gr * n + gc;
-                        if (ok[b]) {
-                            v[b] = *reinterpret_cast<const uint4*>(ot + row * GW_OUT_ROW + ch * 16);
-                            if (EPI >= 1) ga[b] = *reinterpret_cast<const uint4*>(e0 + at[b]);
-                            if (EPI == 2) ua[b] = *reinterpret_cast<const uint4*>(e1 + at[b]);
-                        }
+                        if (ok[b]) v[b] = *reinterpret_cast<const uint4*>(ot + row * GW_OUT_ROW + ch * 16);
                     }
 #pragma unroll
-                    for (int b = 0; b < EB; ++b) {
-                        if (!ok[b]) continue;
-                        if (EPI == 0)
-                            *reinterpret_cast<uint4*>(o + at[b]) = v[b];
-                        else
-                            gw_store8<EPI>(v[b], ga[b], ua[b], o, out2, at[b]);
-                    }
+                    for (int b = 0; b < EB; ++b)
+                        if (ok[b]) *reinterpret_cast<uint4*>(o + at[b]) = v[b];
                 }
                 mbar_arrive(bar_oe);
                 oph ^= 1;
@@ -623,81 +571,66 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
 #define GW_ARGS const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb
 #define GW_ENTRY extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
 GW_ENTRY grouped_mm_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<0>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+    gw_body<0>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
 GW_ENTRY grouped_mm_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<1>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+    gw_body<1>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
 GW_ENTRY grouped_wgrad_wgmma_bf16(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<2>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+    gw_body<2>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g);
 }
 // out = x1 · op(w1[g]) + x2 · op(w2[g]); (ta2, tb2) map x2 [M, K2] and w2.
 GW_ENTRY grouped_mm2_wgmma_bf16_nn(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
                                    const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
-    gw_body<0, 0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+    gw_body<0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
 GW_ENTRY grouped_mm2_wgmma_bf16_nt(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
                                    const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
-    gw_body<1, 0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+    gw_body<1, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
 // The plain products with the deferred epilogue (FOLDMOE_GEMM_EPILOGUE=deferred):
 // the consumers hand each tile to warps 9-11 and go on to the next tile.
 GW_ENTRY grouped_mm_wgmma_bf16_nn_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<0, 0, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+    gw_body<0, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
 GW_ENTRY grouped_mm_wgmma_bf16_nt_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<1, 0, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+    gw_body<1, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
 GW_ENTRY grouped_wgrad_wgmma_bf16_defer(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<2, 0, false, true>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr, nullptr, m, k, 0, n, g);
+    gw_body<2, false, true>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g);
 }
 GW_ENTRY grouped_mm2_wgmma_bf16_nn_defer(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
                                          const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
-    gw_body<0, 0, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+    gw_body<0, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
 GW_ENTRY grouped_mm2_wgmma_bf16_nt_defer(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
                                          const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
-    gw_body<1, 0, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, nullptr, nullptr, m, k, k2, n, g);
+    gw_body<1, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
-// up = x · w[g] (out), act = silu(gate) · up (act); deferred epilogue.
-GW_ENTRY grouped_mm_swiglu_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate, bf16* out,
-                                         bf16* act, i64 m, i64 k, i64 n, int g) {
-    gw_body<0, 1, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, act, gate, nullptr, m, k, 0, n, g);
-}
-// dact = dy · w[g]ᵀ; dgate (out), dup (dup) from gate and up; deferred epilogue.
-GW_ENTRY grouped_mm_swiglu_bwd_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, const bf16* gate,
-                                             const bf16* up, bf16* out, bf16* dup, i64 m, i64 k, i64 n, int g) {
-    gw_body<1, 2, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, dup, gate, up, m, k, 0, n, g);
-}
-
 // grouped_mm_wgmma_bf16_nn over the rows xs[rsrc[r]] (zeros where
 // rsrc[r] = -1): xs [T, K], rsrc [M]; tb maps w as in the plain kernel.
 GW_ENTRY grouped_mm_gather_wgmma_bf16_nn(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
                                          const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<0, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0,
-                                      n, g, xs, rsrc);
+    gw_body<0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g, xs, rsrc);
 }
 // grouped_mm_wgmma_bf16_nt over the rows xs[rsrc[r]] (the experts' down
 // projection's data gradient over the gathered output gradient).
 GW_ENTRY grouped_mm_gather_wgmma_bf16_nt(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
                                          const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<1, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, nullptr, nullptr, m, k, 0,
-                                      n, g, xs, rsrc);
+    gw_body<1, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g, xs, rsrc);
 }
 // grouped_wgrad_wgmma_bf16 with dy's rows dys[rsrc[r]]: ta maps x [M, K],
 // dys [T, N], rsrc [M] (the down projection's weight gradient over the
 // gathered output gradient).
 GW_ENTRY grouped_wgrad_gatherb_wgmma_bf16(const __grid_constant__ TmaMap ta, const bf16* dys, const int* rsrc,
                                           const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<2, 0, false, false, true, false, true>(&ta, &ta, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr,
-                                                   nullptr, m, k, 0, n, g, dys, rsrc);
+    gw_body<2, false, false, true, false, true>(&ta, &ta, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g, dys, rsrc);
 }
 // grouped_wgrad_wgmma_bf16 with x's rows xs[rsrc[r]]: xs [T, K], rsrc [M]
 // (M permuted rows), tb maps dy [M, N].
 GW_ENTRY grouped_wgrad_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
                                          const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
-    gw_body<2, 0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, nullptr, nullptr, m, k, 0,
-                                      n, g, xs, rsrc);
+    gw_body<2, false, false, true>(&tb, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g, xs, rsrc);
 }
 
 // dw1[g] = x_gᵀ dy1_g (out, tb maps dy1), dw2[g] = x_gᵀ dy2_g (out2, tb2) with
@@ -705,8 +638,7 @@ GW_ENTRY grouped_wgrad_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, cons
 GW_ENTRY grouped_wgrad_pair_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2,
                                               const bf16* xs, const int* rsrc, const i64* offs, bf16* out, bf16* out2,
                                               i64 m, i64 k, i64 n, int g) {
-    gw_body<2, 0, false, false, true, true>(&tb, &tb, nullptr, &tb2, offs, nullptr, out, out2, nullptr, nullptr, m, k, 0,
-                                            n, g, xs, rsrc);
+    gw_body<2, false, false, true, true>(&tb, &tb, nullptr, &tb2, offs, nullptr, out, out2, m, k, 0, n, g, xs, rsrc);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
