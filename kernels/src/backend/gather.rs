@@ -1,6 +1,7 @@
-//! Grouped products whose input rows are gathered as the product reads them
+//! Grouped products whose rows are gathered as the product reads them
 //! (docs/ARCHITECTURE.md §4, Megatron-Core's fused permute): the MoE
-//! experts read the tokens `x[row_src[n]]` in expert order without the
+//! experts read the tokens `x[row_src[n]]` in expert order, and their down
+//! projection's backward the token gradients `dy[row_src[n]]`, without a
 //! permuted copy `[N, D]` ever being written or kept for the backward.
 //!
 //! Shapes: T source rows, K inner dimension, N gathered rows, G groups.
