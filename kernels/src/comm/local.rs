@@ -740,6 +740,28 @@ impl LocalComm {
         };
         Ok((self.enter(group, Op::AllGather)?, part))
     }
+
+    /// `all_to_all_v`'s contribution and place.
+    fn all_to_all_v_call<B: Device>(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+        send_rows: &[usize],
+    ) -> Result<(Call, Part)> {
+        let invalid = super::all_to_all_v_args_error(t.shape(), group.size(), send_rows);
+        let data = if invalid.is_none() {
+            Some(b.download(t)?)
+        } else {
+            None
+        };
+        let part = Part {
+            invalid,
+            send_rows: send_rows.to_vec(),
+            ..Part::of(Op::AllToAllV, t, data)
+        };
+        Ok((self.enter(group, Op::AllToAllV)?, part))
+    }
 }
 
 impl Core {
@@ -758,6 +780,26 @@ impl Core {
         let out = self.internal(&g, reduce_host(&hosts, range, ReduceOp::Sum))?;
         shape[0] /= size;
         Ok((out, shape))
+    }
+
+    /// `all_to_all_v` from its place: the rows every member addressed to
+    /// this one, in group order, with their shape and the row count from
+    /// each member.
+    fn all_to_all_v(&self, call: &Call, part: Part) -> Result<(HostData, Vec<usize>, Vec<usize>)> {
+        let mut shape = part.shape.clone();
+        let row_len: usize = shape[1..].iter().product();
+        let g = self.exchange(call, part)?;
+        let mut pieces = Vec::with_capacity(g.parts.len());
+        let mut counts = Vec::with_capacity(g.parts.len());
+        for (i, p) in g.parts.iter().enumerate() {
+            let start: usize = p.send_rows[..g.me].iter().sum();
+            let rows = p.send_rows[g.me];
+            pieces.push((self.data(&g, i)?, start * row_len..(start + rows) * row_len));
+            counts.push(rows);
+        }
+        let out = self.internal(&g, concat_host(&pieces))?;
+        shape[0] = counts.iter().sum();
+        Ok((out, shape, counts))
     }
 
     /// `all_gather` from its place: every member's values in group order.
@@ -823,36 +865,38 @@ impl<B: Device> Communicator<B> for LocalComm {
         t: &Tensor<B>,
         send_rows: &[usize],
     ) -> Result<(Tensor<B>, Vec<usize>)> {
-        let size = group.size();
-        let shape = t.shape();
-        let invalid = super::all_to_all_v_args_error(shape, size, send_rows);
-        let data = if invalid.is_none() {
-            Some(b.download(t)?)
-        } else {
-            None
-        };
-        let part = Part {
-            invalid,
-            send_rows: send_rows.to_vec(),
-            ..Part::of(Op::AllToAllV, t, data)
-        };
-        let g = self.exchange(group, part)?;
-        let row_len: usize = shape[1..].iter().product();
-        let mut pieces = Vec::with_capacity(size);
-        let mut counts = Vec::with_capacity(size);
-        for (i, p) in g.parts.iter().enumerate() {
-            let start: usize = p.send_rows[..g.me].iter().sum();
-            let rows = p.send_rows[g.me];
-            pieces.push((
-                self.core.data(&g, i)?,
-                start * row_len..(start + rows) * row_len,
-            ));
-            counts.push(rows);
+        let (call, part) = self.all_to_all_v_call(b, group, t, send_rows)?;
+        let (values, shape, counts) = self.core.all_to_all_v(&call, part)?;
+        Ok((upload_as(b, values, &shape, t.dtype())?, counts))
+    }
+
+    fn all_to_all_v_start(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Pending<B>> {
+        let (call, part) = self.all_to_all_v_call(b, group, t, send_rows)?;
+        if part.invalid.is_some() {
+            // Told to the peers and returned here, at the start.
+            return Err(match self.core.all_to_all_v(&call, part) {
+                Err(e) => e,
+                Ok(_) => self.core.comm_err(format!(
+                    "{}: invalid arguments were accepted (internal error)",
+                    call.ctx
+                )),
+            });
         }
-        let out = self.core.internal(&g, concat_host(&pieces))?;
-        let mut out_shape = shape.to_vec();
-        out_shape[0] = counts.iter().sum();
-        Ok((upload_as(b, out, &out_shape, t.dtype())?, counts))
+        let (core, ctx) = (self.core.clone(), call.ctx.clone());
+        let expected = recv_rows.to_vec();
+        self.progress.start(b, t.dtype(), ctx, move || {
+            let (values, shape, counts) = core.all_to_all_v(&call, part)?;
+            super::check_recv_rows(&call.ctx, &counts, &expected)
+                .map_err(|detail| core.comm_err(detail))?;
+            Ok((values, shape))
+        })
     }
 
     fn broadcast(&self, b: &B, group: &Group, root: usize, t: &Tensor<B>) -> Result<Tensor<B>> {
@@ -1673,22 +1717,31 @@ mod tests {
                 let r = c.rank();
                 let x = t32(&values_of(r, 6), &[6]);
                 let y = t32(&values_of(r + 7, 2 + r), &[2 + r]);
+                // Rank r sends (r + k) % 3 + 1 rows of two to member k.
+                let send: Vec<usize> = (0..3).map(|k| (r + k) % 3 + 1).collect();
+                let recv: Vec<usize> = (0..3).map(|j| (j + r) % 3 + 1).collect();
+                let rows: usize = send.iter().sum();
+                let z = t32(&values_of(r + 11, 2 * rows), &[rows, 2]);
                 let mut out = Vec::new();
                 if started {
                     let rs = c.reduce_scatter_start(&Cpu, &g, &x)?;
                     let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
                     let ag = c.all_gather_start(&Cpu, &g, &y)?;
+                    let a2a = c.all_to_all_v_start(&Cpu, &g, &z, &send, &recv)?;
                     let rs2 = c.reduce_scatter_start(&Cpu, &g, &sum)?;
                     out.push(host(&ag.wait()?));
                     out.push(host(&rs.wait()?));
                     out.push(host(&sum));
                     out.push(host(&rs2.wait()?));
+                    out.push(host(&a2a.wait()?));
                 } else {
                     let rs = c.reduce_scatter(&Cpu, &g, &x)?;
                     let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
                     let ag = c.all_gather(&Cpu, &g, &y)?;
+                    let (a2a, got) = c.all_to_all_v(&Cpu, &g, &z, &send)?;
+                    assert_eq!(got, recv);
                     let rs2 = c.reduce_scatter(&Cpu, &g, &sum)?;
-                    out.extend([host(&ag), host(&rs), host(&sum), host(&rs2)]);
+                    out.extend([host(&ag), host(&rs), host(&sum), host(&rs2), host(&a2a)]);
                 }
                 Ok(out)
             }))
@@ -1772,5 +1825,30 @@ mod tests {
                 other => panic!("expected InvalidArgument, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_started_all_to_all_v_told_the_wrong_counts_fails_naming_both() {
+        let out = run_local(2, TIMEOUT, |c| {
+            let x = t32(&[1.0, 2.0, 3.0], &[3, 1]);
+            // Each sends one row to member 0 and two to member 1; rank 1
+            // expects one row from each.
+            let recv = if c.rank() == 0 {
+                vec![1, 1]
+            } else {
+                vec![1, 1]
+            };
+            c.all_to_all_v_start(&Cpu, &world_group(2), &x, &[1, 2], &recv)?
+                .wait()
+                .map(|t| host(&t))
+        });
+        assert_eq!(out[0].as_ref().unwrap(), &HostData::F32(vec![1.0, 1.0]));
+        let d = comm_detail(&out[1]);
+        assert!(
+            d.contains("all_to_all_v on group [0, 1]")
+                && d.contains("sent [2, 2] rows")
+                && d.contains("expect [1, 1]"),
+            "{d}"
+        );
     }
 }

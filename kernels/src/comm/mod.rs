@@ -21,8 +21,9 @@
 //!
 //! # Started collectives
 //!
-//! [`Communicator::reduce_scatter_start`] and
-//! [`Communicator::all_gather_start`] start a collective and return a
+//! [`Communicator::reduce_scatter_start`],
+//! [`Communicator::all_gather_start`] and
+//! [`Communicator::all_to_all_v_start`] start a collective and return a
 //! [`Pending`] handle at once; [`Pending::wait`] returns its result. The
 //! local and TCP communicators run started collectives on a progress thread
 //! of the handle, one at a time in the order they were started, while the
@@ -150,6 +151,49 @@ pub trait Communicator<B: Device>: Send + Sync {
     /// here.
     fn all_gather_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
         Ok(Pending::ready(self.all_gather(b, group, t)))
+    }
+    /// Starts [`Self::all_to_all_v`] when the caller knows the rows it
+    /// will receive from each member (`recv_rows`: the MoE dispatcher has
+    /// exchanged its counts first) and returns at once (see the module
+    /// docs, "Started collectives"); the wait fails, naming both lists, if
+    /// the members sent other counts. The provided method runs the
+    /// blocking call here.
+    fn all_to_all_v_start(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Pending<B>> {
+        let outcome = self
+            .all_to_all_v(b, group, t, send_rows)
+            .and_then(|(out, got)| {
+                let ctx = format!("all_to_all_v on group {:?}", group.ranks());
+                check_recv_rows(&ctx, &got, recv_rows).map_err(|detail| KernelError::Comm {
+                    rank: self.rank(),
+                    detail,
+                })?;
+                Ok(out)
+            });
+        Ok(Pending::ready(outcome))
+    }
+}
+
+/// Why a started `all_to_all_v` that expected `expected` rows from each
+/// member but received `got` failed, if it did (`ctx` names the call).
+pub(crate) fn check_recv_rows(
+    ctx: &str,
+    got: &[usize],
+    expected: &[usize],
+) -> std::result::Result<(), String> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(format!(
+            "{ctx}: the members sent {got:?} rows, but this rank was told to expect \
+             {expected:?}"
+        ))
     }
 }
 

@@ -979,6 +979,25 @@ impl TcpComm {
         let data = b.download(t)?;
         Ok((self.enter(group, Op::AllGather)?, header, data))
     }
+
+    /// `all_to_all_v`'s place, header and host values, its arguments checked.
+    fn all_to_all_v_call<B: Device>(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+        send_rows: &[usize],
+    ) -> Result<(Call, Header, HostData)> {
+        let header = Header {
+            send_rows: send_rows.to_vec(),
+            ..Header::of(Op::AllToAllV, t)
+        };
+        if let Some(e) = super::all_to_all_v_args_error(t.shape(), group.size(), send_rows) {
+            return Err(self.reject(group, header, e));
+        }
+        let data = b.download(t)?;
+        Ok((self.enter(group, Op::AllToAllV)?, header, data))
+    }
 }
 
 impl Net {
@@ -1006,6 +1025,41 @@ impl Net {
         let out = concat_host(&pieces);
         shape[0] = g.headers.iter().map(|h| h.shape[0]).sum();
         Ok((self.internal(&g, out)?, shape))
+    }
+}
+
+impl Net {
+    /// `all_to_all_v` from its place: member k receives rows
+    /// `[start_k, start_k + send_rows[k])` of every member's values, in group
+    /// order; returns them with their shape and the row count from each.
+    fn all_to_all_v(
+        &self,
+        call: &Call,
+        header: Header,
+        data: &HostData,
+    ) -> Result<(HostData, Vec<usize>, Vec<usize>)> {
+        let mut shape = header.shape.clone();
+        let row_len: usize = shape[1..].iter().product();
+        let starts: Vec<usize> = header
+            .send_rows
+            .iter()
+            .scan(0, |acc, &r| {
+                let s = *acc;
+                *acc += r;
+                Some(s)
+            })
+            .collect();
+        let send_rows = header.send_rows.clone();
+        let g = self.exchange(call, header, Some(data), |k| {
+            starts[k] * row_len..(starts[k] + send_rows[k]) * row_len
+        })?;
+        let values = self.values(&g)?;
+        let pieces: Vec<(&HostData, Range<usize>)> =
+            values.iter().map(|&h| (h, 0..h.len())).collect();
+        let counts: Vec<usize> = g.headers.iter().map(|h| h.send_rows[g.me]).collect();
+        let out = self.internal(&g, concat_host(&pieces))?;
+        shape[0] = counts.iter().sum();
+        Ok((out, shape, counts))
     }
 }
 
@@ -1065,40 +1119,28 @@ impl<B: Device> Communicator<B> for TcpComm {
         t: &Tensor<B>,
         send_rows: &[usize],
     ) -> Result<(Tensor<B>, Vec<usize>)> {
-        let size = group.size();
-        let shape = t.shape();
-        let invalid = super::all_to_all_v_args_error(shape, size, send_rows);
-        let header = Header {
-            send_rows: send_rows.to_vec(),
-            ..Header::of(Op::AllToAllV, t)
-        };
-        if let Some(e) = invalid {
-            return Err(self.reject(group, header, e));
-        }
-        let data = b.download(t)?;
-        let row_len: usize = shape[1..].iter().product();
-        let starts: Vec<usize> = send_rows
-            .iter()
-            .scan(0, |acc, &r| {
-                let s = *acc;
-                *acc += r;
-                Some(s)
-            })
-            .collect();
-        let g = self.exchange(group, header, Some(&data), |k| {
-            starts[k] * row_len..(starts[k] + send_rows[k]) * row_len
-        })?;
-        let values = self.net.values(&g)?;
-        let pieces: Vec<(&HostData, Range<usize>)> =
-            values.iter().map(|&h| (h, 0..h.len())).collect();
-        let counts: Vec<usize> = g.headers.iter().map(|h| h.send_rows[g.me]).collect();
-        let out = concat_host(&pieces);
-        let mut out_shape = shape.to_vec();
-        out_shape[0] = counts.iter().sum();
-        Ok((
-            upload_as(b, self.net.internal(&g, out)?, &out_shape, t.dtype())?,
-            counts,
-        ))
+        let (call, header, data) = self.all_to_all_v_call(b, group, t, send_rows)?;
+        let (values, shape, counts) = self.net.all_to_all_v(&call, header, &data)?;
+        Ok((upload_as(b, values, &shape, t.dtype())?, counts))
+    }
+
+    fn all_to_all_v_start(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Pending<B>> {
+        let (call, header, data) = self.all_to_all_v_call(b, group, t, send_rows)?;
+        let (net, ctx) = (Arc::clone(&self.net), call.ctx.clone());
+        let expected = recv_rows.to_vec();
+        self.progress.start(b, t.dtype(), ctx, move || {
+            let (values, shape, counts) = net.all_to_all_v(&call, header, &data)?;
+            super::check_recv_rows(&call.ctx, &counts, &expected)
+                .map_err(|detail| net.comm_err(detail))?;
+            Ok((values, shape))
+        })
     }
 
     fn broadcast(&self, b: &B, group: &Group, root: usize, t: &Tensor<B>) -> Result<Tensor<B>> {
@@ -1781,9 +1823,9 @@ mod tests {
         }
     }
 
-    /// Reduce-scatters and all-gathers over two orders of the world, with a
-    /// blocking all-reduce between them on the same group: started (then
-    /// waited in another order) or blocking.
+    /// Reduce-scatters, all-to-alls and all-gathers over two orders of the
+    /// world, with a blocking all-reduce between them on the same group:
+    /// started (then waited in another order) or blocking.
     fn scatter_and_gather(c: &dyn Communicator<Cpu>, started: bool) -> Result<Vec<HostData>> {
         let (rank, n) = (c.rank(), c.world());
         let mut rng = ChaCha8Rng::seed_from_u64(2000 + rank as u64);
@@ -1792,17 +1834,26 @@ mod tests {
             let x = Cpu.upload(HostData::F32(values(&mut rng, 4 * n)), &[2 * n, 2])?;
             let rows = g.index_of(rank).unwrap_or(0);
             let y = Cpu.upload(HostData::F32(values(&mut rng, 3 * rows)), &[rows, 3])?;
+            // Member k gets k + 1 rows from every member.
+            let send: Vec<usize> = (1..=n).collect();
+            let recv = vec![rows + 1; n];
+            let z = Cpu.upload(
+                HostData::F32(values(&mut rng, n * (n + 1))),
+                &[n * (n + 1) / 2, 2],
+            )?;
             if started {
                 let rs = c.reduce_scatter_start(&Cpu, &g, &x)?;
                 let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
+                let a2a = c.all_to_all_v_start(&Cpu, &g, &z, &send, &recv)?;
                 let ag = c.all_gather_start(&Cpu, &g, &y)?;
                 let (ag, rs) = (ag.wait()?, rs.wait()?);
-                out.extend([host(&rs), host(&sum), host(&ag)]);
+                out.extend([host(&rs), host(&sum), host(&ag), host(&a2a.wait()?)]);
             } else {
                 let rs = c.reduce_scatter(&Cpu, &g, &x)?;
                 let sum = c.all_reduce(&Cpu, &g, &x, ReduceOp::Sum)?;
+                let (a2a, _) = c.all_to_all_v(&Cpu, &g, &z, &send)?;
                 let ag = c.all_gather(&Cpu, &g, &y)?;
-                out.extend([host(&rs), host(&sum), host(&ag)]);
+                out.extend([host(&rs), host(&sum), host(&ag), host(&a2a)]);
             }
         }
         Ok(out)

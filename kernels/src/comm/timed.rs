@@ -132,6 +132,19 @@ impl<B: Device> Communicator<B> for TimedComm<'_, B> {
     fn all_gather_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
         self.started(|| self.inner.all_gather_start(b, group, t))
     }
+    fn all_to_all_v_start(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Pending<B>> {
+        self.started(|| {
+            self.inner
+                .all_to_all_v_start(b, group, t, send_rows, recv_rows)
+        })
+    }
 }
 
 #[cfg(test)]
