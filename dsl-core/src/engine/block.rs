@@ -22,12 +22,12 @@ use super::attention::{Attention, AttentionSaved};
 use super::documents::DocTensors;
 use super::mla::{Mla, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
-use super::moe::{MoeLayer, MoeSaved, MoeStats};
+use super::moe::{MoeBackward, MoeForward, MoeLayer, MoeOut, MoeSaved, MoeStats};
 use super::norm::{NormSaved, RmsNorm};
 use super::parallel::context::{self, CpAttentionSaved};
 use super::parallel::{Exec, LayerGroups};
 use super::param::{Init, Module, Param};
-use super::{EngineError, Result};
+use super::{drive, EngineError, Result, Step};
 use crate::memory::Part;
 use crate::spec::{
     BlockGroup, FfnSpec, GemmPrecision, ModelSpec, OffloadPart, Policy, RecomputePart,
@@ -169,6 +169,47 @@ pub struct BlockSaved<B: Backend> {
     seq_len: usize,
     tokens: usize,
     docs: Option<DocTensors<B>>,
+}
+
+/// What a block's forward computed before its feed-forward, kept while the
+/// MoE layer waits for an exchange.
+struct ForwardHead<B: Backend> {
+    /// The residual stream after attention.
+    x1: Tensor<B>,
+    attn_norm: NormSaved<B>,
+    attn: BlockAttnSaved<B>,
+    ffn_norm: NormSaved<B>,
+    seq_len: usize,
+    tokens: usize,
+    docs: Option<DocTensors<B>>,
+    /// Whether the block's policy applies to the saved state at the end.
+    policy: bool,
+}
+
+/// A block's forward paused at its MoE layer's exchange
+/// ([`Block::forward_start`]).
+pub struct BlockForward<B: Backend> {
+    head: ForwardHead<B>,
+    moe: MoeForward<B>,
+}
+
+/// What a block's backward needs after its feed-forward, kept while the
+/// MoE layer waits for an exchange.
+struct BackwardTail<B: Backend> {
+    /// The block's output gradient (the residual's part of `dx1`).
+    dy_td: Tensor<B>,
+    attn_norm: NormSaved<B>,
+    attn: BlockAttnSaved<B>,
+    ffn_norm: NormSaved<B>,
+    /// Ledger bytes a recompute brought back, held until the backward ends.
+    _rematerialised: Option<Held>,
+}
+
+/// A block's backward paused at its MoE layer's exchange
+/// ([`Block::backward_start`]).
+pub struct BlockBackward<B: Backend> {
+    tail: BackwardTail<B>,
+    moe: MoeBackward<B>,
 }
 
 /// The input slots of the attention norm (the block's input) and of the
@@ -367,12 +408,8 @@ impl<B: Backend> Block<B> {
         seq_len: usize,
         tokens: usize,
     ) -> Result<BlockOut<B>> {
-        let (y, mut saved, stats) = self.forward_raw(ctx, x_td, seq_len, tokens)?;
-        let stash = Stash::apply(ctx.b, &self.policy, &self.ledger, &self.name, |f| {
-            saved.visit_saved(f)
-        })?;
-        saved.stash = Some(stash);
-        Ok((y, saved, stats))
+        let first = self.forward_start(ctx, x_td, seq_len, tokens)?;
+        drive(first, |f| self.forward_resume(ctx, f))
     }
 
     /// Undoes the policy before backward: fetches offloaded and fp8 tensors
@@ -470,36 +507,123 @@ impl<B: Backend> Block<B> {
         seq_len: usize,
         tokens: usize,
     ) -> Result<BlockOut<B>> {
+        let first = self.forward_phase(ctx, x_td, seq_len, tokens, false)?;
+        drive(first, |f| self.forward_resume(ctx, f))
+    }
+
+    /// [`Block::forward`] up to its MoE layer's first exchange (see
+    /// [`MoeLayer::forward_start`]); a dense block, or an MoE layer with
+    /// nothing to wait for, finishes here.
+    pub(crate) fn forward_start(
+        &self,
+        ctx: &Exec<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+    ) -> Result<Step<BlockForward<B>, BlockOut<B>>> {
+        self.forward_phase(ctx, x_td, seq_len, tokens, true)
+    }
+
+    /// The forward's first phase; `policy`: whether the block's policy
+    /// applies to the saved state at the end (not for a rerun).
+    fn forward_phase(
+        &self,
+        ctx: &Exec<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+        policy: bool,
+    ) -> Result<Step<BlockForward<B>, BlockOut<B>>> {
         let b = ctx.b;
         let (h, attn_norm) = self.attn_norm.forward(b, x_td)?;
         let (a_full, attn) = self.attn_forward(ctx, &h, seq_len)?;
         let x1 = b.add(x_td, &ctx.scatter(&self.groups.tp, &a_full)?)?;
         let (h2, ffn_norm) = self.ffn_norm.forward(b, &x1)?;
-        let (y, ffn, stats) = match &self.ffn {
-            Ffn::Dense(mlp) => {
-                let (m_full, saved) = mlp.forward(b, &ctx.gather(&self.groups.tp, &h2)?)?;
-                (
-                    ctx.scatter(&self.groups.tp, &m_full)?,
-                    FfnSaved::Dense(saved),
-                    None,
-                )
-            }
-            Ffn::Moe(moe) => {
-                let (y, saved, stats) = moe.forward(ctx, &h2, seq_len, tokens)?;
-                (y, FfnSaved::Moe(Box::new(saved)), Some(stats))
-            }
-        };
-        let out = b.add(&x1, &y)?;
-        let saved = BlockSaved {
+        let head = ForwardHead {
+            x1,
             attn_norm,
             attn,
             ffn_norm,
-            ffn,
-            stash: None,
             seq_len,
             tokens,
             docs: ctx.docs.cloned(),
+            policy,
         };
+        match &self.ffn {
+            Ffn::Dense(mlp) => {
+                let (m_full, saved) = mlp.forward(b, &ctx.gather(&self.groups.tp, &h2)?)?;
+                let y = ctx.scatter(&self.groups.tp, &m_full)?;
+                let out = self.forward_finish(ctx, head, y, FfnSaved::Dense(saved), None)?;
+                Ok(Step::Done(out))
+            }
+            Ffn::Moe(moe) => {
+                let step = moe.forward_start(ctx, &h2, seq_len, tokens)?;
+                self.forward_moe_step(ctx, head, step)
+            }
+        }
+    }
+
+    /// The forward from its MoE layer's pending exchange.
+    pub(crate) fn forward_resume(
+        &self,
+        ctx: &Exec<B>,
+        f: BlockForward<B>,
+    ) -> Result<Step<BlockForward<B>, BlockOut<B>>> {
+        let Ffn::Moe(moe) = &self.ffn else {
+            return Err(EngineError::Invalid(
+                "block forward: a dense block has no exchange to resume from".into(),
+            ));
+        };
+        let step = moe.forward_resume(ctx, f.moe)?;
+        self.forward_moe_step(ctx, f.head, step)
+    }
+
+    /// Pauses again at the MoE layer's next exchange, or finishes.
+    fn forward_moe_step(
+        &self,
+        ctx: &Exec<B>,
+        head: ForwardHead<B>,
+        step: Step<MoeForward<B>, MoeOut<B>>,
+    ) -> Result<Step<BlockForward<B>, BlockOut<B>>> {
+        Ok(match step {
+            Step::Pending(moe) => Step::Pending(BlockForward { head, moe }),
+            Step::Done((y, saved, stats)) => Step::Done(self.forward_finish(
+                ctx,
+                head,
+                y,
+                FfnSaved::Moe(Box::new(saved)),
+                Some(stats),
+            )?),
+        })
+    }
+
+    /// The second residual, and the block's policy on the saved state.
+    fn forward_finish(
+        &self,
+        ctx: &Exec<B>,
+        head: ForwardHead<B>,
+        y: Tensor<B>,
+        ffn: FfnSaved<B>,
+        stats: Option<MoeStats<B>>,
+    ) -> Result<BlockOut<B>> {
+        let b = ctx.b;
+        let out = b.add(&head.x1, &y)?;
+        let mut saved = BlockSaved {
+            attn_norm: head.attn_norm,
+            attn: head.attn,
+            ffn_norm: head.ffn_norm,
+            ffn,
+            stash: None,
+            seq_len: head.seq_len,
+            tokens: head.tokens,
+            docs: head.docs,
+        };
+        if head.policy {
+            let stash = Stash::apply(b, &self.policy, &self.ledger, &self.name, |f| {
+                saved.visit_saved(f)
+            })?;
+            saved.stash = Some(stash);
+        }
         Ok((out, saved, stats))
     }
 
@@ -509,12 +633,26 @@ impl<B: Backend> Block<B> {
         &mut self,
         ctx: &Exec<B>,
         dy_td: &Tensor<B>,
-        mut saved: BlockSaved<B>,
+        saved: BlockSaved<B>,
         loss_scale: f64,
     ) -> Result<Tensor<B>> {
+        let first = self.backward_start(ctx, dy_td, saved, loss_scale)?;
+        drive(first, |bw| self.backward_resume(ctx, bw))
+    }
+
+    /// [`Block::backward`] up to its MoE layer's first exchange (see
+    /// [`MoeLayer::backward_start`]), after undoing the policy; a dense
+    /// block, or an MoE layer with nothing to wait for, finishes here.
+    pub(crate) fn backward_start(
+        &mut self,
+        ctx: &Exec<B>,
+        dy_td: &Tensor<B>,
+        mut saved: BlockSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Step<BlockBackward<B>, Tensor<B>>> {
         let b = ctx.b;
-        // Rematerialised tensors count until this backward returns.
-        let _rematerialised = self.restore(ctx, &mut saved)?;
+        // Rematerialised tensors count until this backward finishes.
+        let rematerialised = self.restore(ctx, &mut saved)?;
         let BlockSaved {
             attn_norm,
             attn,
@@ -522,20 +660,75 @@ impl<B: Backend> Block<B> {
             ffn,
             ..
         } = saved;
-        let dh2 = match (&mut self.ffn, ffn) {
+        let tail = BackwardTail {
+            dy_td: dy_td.clone(),
+            attn_norm,
+            attn,
+            ffn_norm,
+            _rematerialised: rematerialised,
+        };
+        match (&mut self.ffn, ffn) {
             (Ffn::Dense(mlp), FfnSaved::Dense(s)) => {
                 let d_full = mlp.backward(b, &ctx.gather(&self.groups.tp, dy_td)?, s)?;
-                ctx.scatter(&self.groups.tp, &d_full)?
+                let dh2 = ctx.scatter(&self.groups.tp, &d_full)?;
+                Ok(Step::Done(self.backward_finish(ctx, tail, dh2)?))
             }
-            (Ffn::Moe(moe), FfnSaved::Moe(s)) => moe.backward(ctx, dy_td, *s, loss_scale)?,
-            _ => {
-                return Err(EngineError::Invalid(
-                    "parallel block backward: saved state of another feed-forward kind".into(),
-                ))
+            (Ffn::Moe(moe), FfnSaved::Moe(s)) => {
+                let step = moe.backward_start(ctx, dy_td, *s, loss_scale)?;
+                self.backward_moe_step(ctx, tail, step)
             }
+            _ => Err(EngineError::Invalid(
+                "parallel block backward: saved state of another feed-forward kind".into(),
+            )),
+        }
+    }
+
+    /// The backward from its MoE layer's pending exchange.
+    pub(crate) fn backward_resume(
+        &mut self,
+        ctx: &Exec<B>,
+        bw: BlockBackward<B>,
+    ) -> Result<Step<BlockBackward<B>, Tensor<B>>> {
+        let Ffn::Moe(moe) = &mut self.ffn else {
+            return Err(EngineError::Invalid(
+                "block backward: a dense block has no exchange to resume from".into(),
+            ));
         };
+        let step = moe.backward_resume(ctx, bw.moe)?;
+        self.backward_moe_step(ctx, bw.tail, step)
+    }
+
+    /// Pauses again at the MoE layer's next exchange, or finishes.
+    fn backward_moe_step(
+        &mut self,
+        ctx: &Exec<B>,
+        tail: BackwardTail<B>,
+        step: Step<MoeBackward<B>, Tensor<B>>,
+    ) -> Result<Step<BlockBackward<B>, Tensor<B>>> {
+        Ok(match step {
+            Step::Pending(moe) => Step::Pending(BlockBackward { tail, moe }),
+            Step::Done(dh2) => Step::Done(self.backward_finish(ctx, tail, dh2)?),
+        })
+    }
+
+    /// The feed-forward norm's and the attention's backward, from the
+    /// gradient `dh2` of the feed-forward's input.
+    fn backward_finish(
+        &mut self,
+        ctx: &Exec<B>,
+        tail: BackwardTail<B>,
+        dh2: Tensor<B>,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let BackwardTail {
+            dy_td,
+            attn_norm,
+            attn,
+            ffn_norm,
+            ..
+        } = tail;
         let mut dx1 = self.ffn_norm.backward(b, &dh2, ffn_norm)?;
-        b.axpy(&mut dx1, 1.0, dy_td)?;
+        b.axpy(&mut dx1, 1.0, &dy_td)?;
         let dx1_full = ctx.gather(&self.groups.tp, &dx1)?;
         let da_full = match (&mut self.attn, attn) {
             (Attn::Gqa(a), BlockAttnSaved::Cp(s)) => {

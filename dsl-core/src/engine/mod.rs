@@ -47,6 +47,33 @@ pub enum EngineError {
 /// Result of an engine call.
 pub type Result<T> = std::result::Result<T, EngineError>;
 
+/// A computation run in phases around the collectives it starts (the MoE
+/// layer's all-to-alls): still waiting for one, with the state to resume
+/// from once the caller has done other work, or finished with its result.
+/// Driving it to the end without other work between phases is the
+/// unoverlapped computation, bit for bit.
+pub enum Step<S, T> {
+    /// A collective is in flight; resume from this state.
+    Pending(S),
+    /// Finished.
+    Done(T),
+}
+
+/// Runs a phased computation from `first` to its end, resuming each pending
+/// phase at once: the unoverlapped computation.
+pub fn drive<S, T>(
+    first: Step<S, T>,
+    mut resume: impl FnMut(S) -> Result<Step<S, T>>,
+) -> Result<T> {
+    let mut step = first;
+    loop {
+        match step {
+            Step::Done(out) => return Ok(out),
+            Step::Pending(state) => step = resume(state)?,
+        }
+    }
+}
+
 /// Helpers shared by the engine's tests: f64 tensors on the CPU, a
 /// finite-difference check of every parameter of a module, and a trainer on
 /// the one rank of the `world = 1` layout.

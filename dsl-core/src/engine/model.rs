@@ -29,7 +29,7 @@ use std::ops::Range;
 use foldmoe_kernels::{Backend, DType, HostData, Tensor};
 
 use super::activations::{hold_all, Held, Ledger, Slot};
-use super::block::{Block, BlockSaved};
+use super::block::{Block, BlockBackward, BlockForward, BlockSaved};
 use super::documents::{DocTensors, Documents};
 use super::embedding::{Embedding, EmbeddingSaved, HeadSaved, LmHead};
 use super::group::Group;
@@ -40,7 +40,7 @@ use super::parallel::context::split_sequences;
 use super::parallel::shard::upload_as;
 use super::parallel::{Exec, RankLayout, ShardPlan};
 use super::param::{Init, Module, Param};
-use super::{EngineError, Result};
+use super::{EngineError, Result, Step};
 use crate::layout::LayoutSpec;
 use crate::memory::Part;
 use crate::spec::{FfnSpec, ModelSpec};
@@ -193,6 +193,66 @@ pub struct ModelSaved<B: Backend>(ChunkSaved<B>);
 /// The embedding's saved state and, with tp > 1, the `[T]` mask of tokens
 /// whose id is in this rank's vocabulary shard.
 type EmbedSaved<B> = (EmbeddingSaved<B>, Option<Tensor<B>>);
+
+/// A chunk's forward in progress: what the blocks before the running one
+/// produced, and the running block if it is paused at an exchange.
+struct ChunkForward<B: Backend> {
+    chunk: usize,
+    rb: RankBatch<B>,
+    seq_len: usize,
+    micro_tokens: usize,
+    dtype: DType,
+    /// The next block's input (none while a block runs or is paused).
+    x_td: Option<Tensor<B>>,
+    /// The next block to start (of [`Model::blocks`]).
+    next: usize,
+    paused: Option<BlockForward<B>>,
+    blocks: Vec<BlockSaved<B>>,
+    aux_loss: Tensor<B>,
+    moe_load: Vec<Tensor<B>>,
+    embed: Option<EmbedSaved<B>>,
+}
+
+/// A chunk's backward in progress: the saved states of the blocks still to
+/// run, and the running block if it is paused at an exchange.
+struct ChunkBackward<B: Backend> {
+    /// The chunk's first block (of [`Model::blocks`]).
+    first_block: usize,
+    /// The next block's output gradient (none while a block runs or is paused).
+    dx_td: Option<Tensor<B>>,
+    blocks: Vec<BlockSaved<B>>,
+    paused: Option<BlockBackward<B>>,
+    embed: Option<EmbedSaved<B>>,
+    loss_scale: f64,
+}
+
+/// The forward half of [`Model::forward_backward_chunks`]: the arguments of
+/// [`Model::forward_chunk_with`].
+pub struct ForwardCall<'a, B: Backend> {
+    /// The forward's context (its micro-batch).
+    pub ctx: Exec<'a, B>,
+    /// Model chunk of this rank.
+    pub chunk: usize,
+    /// The previous virtual stage's output (none on the first).
+    pub input: Option<Tensor<B>>,
+    /// The micro-batch.
+    pub batch: Batch<'a, B>,
+    /// Sequence length.
+    pub seq_len: usize,
+}
+
+/// The backward half of [`Model::forward_backward_chunks`]: the arguments
+/// of [`Model::backward_chunk_with`].
+pub struct BackwardCall<'a, B: Backend> {
+    /// The backward's context (its micro-batch).
+    pub ctx: Exec<'a, B>,
+    /// The chunk's forward state.
+    pub saved: ChunkSaved<B>,
+    /// The gradient of its output (none on the last virtual stage).
+    pub output_grad: Option<Tensor<B>>,
+    /// Weight of the losses' gradients.
+    pub loss_scale: f64,
+}
 
 /// What [`Model::backward_chunk`] needs from a chunk's forward.
 pub struct ChunkSaved<B: Backend> {
@@ -646,6 +706,22 @@ impl<B: Backend> Model<B> {
         seq_len: usize,
         before: &mut dyn FnMut(&mut M, ForwardUnit) -> Result<()>,
     ) -> Result<ChunkOut<B>> {
+        let mut run = Self::forward_begin(&mut m, ctx, chunk, input, batch, seq_len, before)?;
+        while !Self::forward_blocks(&mut m, ctx, &mut run, before)? {}
+        Self::forward_end(&mut m, ctx, run, before)
+    }
+
+    /// A chunk's forward up to its first block: the checks, this rank's
+    /// view of the batch, and the embedding on the first virtual stage.
+    fn forward_begin<M: std::ops::Deref<Target = Self>>(
+        m: &mut M,
+        ctx: &Exec<B>,
+        chunk: usize,
+        input: Option<Tensor<B>>,
+        batch: Batch<'_, B>,
+        seq_len: usize,
+        before: &mut dyn FnMut(&mut M, ForwardUnit) -> Result<()>,
+    ) -> Result<ChunkForward<B>> {
         let b = ctx.b;
         let (tp, cp) = (m.rank.tp.size(), m.rank.cp.size());
         if chunk >= m.chunks.len() {
@@ -671,7 +747,7 @@ impl<B: Backend> Model<B> {
         let dtype = m.embed.table.value.dtype();
         let (x_td, embed) = match (m.is_first(chunk), input) {
             (true, None) => {
-                before(&mut m, ForwardUnit::Embedding)?;
+                before(m, ForwardUnit::Embedding)?;
                 let (x, saved) = m.embed_tokens(ctx, &rb.ids)?;
                 (x, Some(saved))
             }
@@ -684,27 +760,103 @@ impl<B: Backend> Model<B> {
                 )))
             }
         };
+        Ok(ChunkForward {
+            chunk,
+            seq_len,
+            micro_tokens,
+            dtype,
+            x_td: Some(x_td),
+            next: m.chunks[chunk].start,
+            paused: None,
+            blocks: Vec::new(),
+            aux_loss: b.zeros(&[1], dtype)?,
+            moe_load: Vec::new(),
+            embed,
+            rb,
+        })
+    }
 
-        let mut x_td = x_td;
-        let mut blocks = Vec::new();
-        let mut aux_loss = b.zeros(&[1], dtype)?;
-        let mut moe_load = Vec::new();
-        for i in m.chunks[chunk].clone() {
-            before(&mut m, ForwardUnit::Block(i))?;
-            let block = m.block(i)?;
-            let (y, saved, stats) = block.forward(ctx, &x_td, seq_len, micro_tokens)?;
-            if let Some(stats) = stats {
-                aux_loss = b.add(&b.add(&aux_loss, &stats.aux_loss)?, &stats.z_loss)?;
-                moe_load.push(stats.load);
+    /// Runs the chunk's blocks, resuming a paused one, until a block pauses
+    /// at an exchange (`false`) or every block is done (`true`).
+    fn forward_blocks<M: std::ops::Deref<Target = Self>>(
+        m: &mut M,
+        ctx: &Exec<B>,
+        run: &mut ChunkForward<B>,
+        before: &mut dyn FnMut(&mut M, ForwardUnit) -> Result<()>,
+    ) -> Result<bool> {
+        let b = ctx.b;
+        let ctx = &Exec {
+            docs: run.rb.docs.as_ref(),
+            ..*ctx
+        };
+        let end = m.chunks[run.chunk].end;
+        loop {
+            let step = match run.paused.take() {
+                Some(paused) => m.block(run.next - 1)?.forward_resume(ctx, paused)?,
+                None if run.next == end => return Ok(true),
+                None => {
+                    let i = run.next;
+                    before(m, ForwardUnit::Block(i))?;
+                    run.next += 1;
+                    let x_td = run.x_td.take().ok_or_else(|| {
+                        EngineError::Invalid("forward: a block ran without its input".into())
+                    })?;
+                    m.block(i)?
+                        .forward_start(ctx, &x_td, run.seq_len, run.micro_tokens)?
+                }
+            };
+            match step {
+                Step::Pending(paused) => {
+                    run.paused = Some(paused);
+                    return Ok(false);
+                }
+                Step::Done((y, saved, stats)) => {
+                    if let Some(stats) = stats {
+                        let aux = b.add(&run.aux_loss, &stats.aux_loss)?;
+                        run.aux_loss = b.add(&aux, &stats.z_loss)?;
+                        run.moe_load.push(stats.load);
+                    }
+                    run.blocks.push(saved);
+                    run.x_td = Some(y);
+                }
             }
-            blocks.push(saved);
-            x_td = y;
         }
+    }
+
+    /// A chunk's forward after its blocks: on the last virtual stage the
+    /// final norm, head and loss, and the MTP modules.
+    fn forward_end<M: std::ops::Deref<Target = Self>>(
+        m: &mut M,
+        ctx: &Exec<B>,
+        run: ChunkForward<B>,
+        before: &mut dyn FnMut(&mut M, ForwardUnit) -> Result<()>,
+    ) -> Result<ChunkOut<B>> {
+        let b = ctx.b;
+        let ChunkForward {
+            chunk,
+            rb,
+            seq_len,
+            micro_tokens,
+            dtype,
+            x_td,
+            blocks,
+            mut aux_loss,
+            mut moe_load,
+            embed,
+            ..
+        } = run;
+        let ctx = &Exec {
+            docs: rb.docs.as_ref(),
+            ..*ctx
+        };
+        let x_td = x_td.ok_or_else(|| {
+            EngineError::Invalid("forward: the chunk ended with a block still paused".into())
+        })?;
         let (hidden, loss, head) = if m.is_last(chunk) {
-            before(&mut m, ForwardUnit::Head)?;
+            before(m, ForwardUnit::Head)?;
             if m.head.weight.is_none() {
                 // A tied head reads the embedding table.
-                before(&mut m, ForwardUnit::Embedding)?;
+                before(m, ForwardUnit::Embedding)?;
             }
             let (loss, saved) = m.loss(ctx, &m.final_norm, &x_td, &rb, dtype, 1.0)?;
             (None, Some(loss), Some(saved))
@@ -721,8 +873,8 @@ impl<B: Backend> Model<B> {
             for (k, mb) in rb.mtp.iter().enumerate().take(depth) {
                 // Module k embeds the tokens ahead, then runs its block,
                 // norm and the (already settled) head.
-                before(&mut m, ForwardUnit::Embedding)?;
-                before(&mut m, ForwardUnit::Mtp(k))?;
+                before(m, ForwardUnit::Embedding)?;
+                before(m, ForwardUnit::Mtp(k))?;
                 let module = &m.mtp[k];
                 let (e_td, embed) = m.embed_tokens(ctx, &mb.ids)?;
                 let (y_td, saved, stats) =
@@ -1102,6 +1254,20 @@ impl<B: Backend> Model<B> {
         loss_scale: f64,
         after_block: &mut dyn FnMut(&Self, usize) -> Result<()>,
     ) -> Result<Option<Tensor<B>>> {
+        let mut run = self.backward_begin(ctx, saved, output_grad, loss_scale)?;
+        while !self.backward_blocks(ctx, &mut run, after_block)? {}
+        self.backward_end(ctx, run)
+    }
+
+    /// A chunk's backward up to its last block: on the last virtual stage
+    /// the loss's, head's and MTP modules' backward.
+    fn backward_begin(
+        &mut self,
+        ctx: &Exec<B>,
+        saved: ChunkSaved<B>,
+        output_grad: Option<Tensor<B>>,
+        loss_scale: f64,
+    ) -> Result<ChunkBackward<B>> {
         let b = ctx.b;
         let ChunkSaved {
             chunk,
@@ -1110,7 +1276,7 @@ impl<B: Backend> Model<B> {
             head,
             mtp,
         } = saved;
-        let mut dx_td = match (head, output_grad) {
+        let dx_td = match (head, output_grad) {
             (Some(head), None) => {
                 let mut dx_td = self.loss_backward(ctx, head, None, loss_scale)?;
                 // MTP modules, last first: each one's output gradient is its
@@ -1139,7 +1305,6 @@ impl<B: Backend> Model<B> {
             }
         };
         let range = self.chunks[chunk].clone();
-        let mut blocks = blocks;
         if blocks.len() != range.len() {
             return Err(EngineError::Invalid(format!(
                 "backward: saved state of {} blocks for a chunk of {}",
@@ -1147,21 +1312,116 @@ impl<B: Backend> Model<B> {
                 range.len()
             )));
         }
-        while let Some(saved) = blocks.pop() {
-            // The next block's offloaded tensors come back while this one's
-            // backward runs.
-            if let Some(next) = blocks.last_mut() {
-                next.prefetch(ctx.b)?;
+        Ok(ChunkBackward {
+            first_block: range.start,
+            dx_td: Some(dx_td),
+            blocks,
+            paused: None,
+            embed,
+            loss_scale,
+        })
+    }
+
+    /// Runs the chunk's blocks backward, resuming a paused one, until a
+    /// block pauses at an exchange (`false`) or every block is done
+    /// (`true`); `after_block` as in [`Self::backward_chunk_with`].
+    fn backward_blocks(
+        &mut self,
+        ctx: &Exec<B>,
+        run: &mut ChunkBackward<B>,
+        after_block: &mut dyn FnMut(&Self, usize) -> Result<()>,
+    ) -> Result<bool> {
+        loop {
+            // The block running is the one after the saved states left.
+            let i = run.first_block + run.blocks.len();
+            let step = match run.paused.take() {
+                Some(paused) => self.block_mut(i)?.backward_resume(ctx, paused)?,
+                None => {
+                    let Some(saved) = run.blocks.pop() else {
+                        return Ok(true);
+                    };
+                    // The next block's offloaded tensors come back while
+                    // this one's backward runs.
+                    if let Some(next) = run.blocks.last_mut() {
+                        next.prefetch(ctx.b)?;
+                    }
+                    let dx_td = run.dx_td.take().ok_or_else(|| {
+                        EngineError::Invalid("backward: a block ran without its gradient".into())
+                    })?;
+                    let i = run.first_block + run.blocks.len();
+                    self.block_mut(i)?
+                        .backward_start(ctx, &dx_td, saved, run.loss_scale)?
+                }
+            };
+            let i = run.first_block + run.blocks.len();
+            match step {
+                Step::Pending(paused) => {
+                    run.paused = Some(paused);
+                    return Ok(false);
+                }
+                Step::Done(dx_td) => {
+                    run.dx_td = Some(dx_td);
+                    after_block(self, i)?;
+                }
             }
-            let block = self.block_mut(range.start + blocks.len())?;
-            dx_td = block.backward(ctx, &dx_td, saved, loss_scale)?;
-            after_block(self, range.start + blocks.len())?;
         }
-        let Some(embed) = embed else {
+    }
+
+    /// A chunk's backward after its blocks: the embedding's on the first
+    /// virtual stage, or the input gradient for the previous one.
+    fn backward_end(&mut self, ctx: &Exec<B>, run: ChunkBackward<B>) -> Result<Option<Tensor<B>>> {
+        let dx_td = run.dx_td.ok_or_else(|| {
+            EngineError::Invalid("backward: the chunk ended with a block still paused".into())
+        })?;
+        let Some(embed) = run.embed else {
             return Ok(Some(dx_td));
         };
         self.embed_backward(ctx, dx_td, embed)?;
         Ok(None)
+    }
+
+    /// The forward of one micro-batch's chunk and the backward of
+    /// another's, interleaved at the MoE layers' exchanges (Megatron-Core's
+    /// `--overlap-moe-expert-parallel-comm` for 1F1B): each side runs until
+    /// it has started an all-to-all, then the other side computes while it
+    /// travels, so a dispatch or combine of one micro-batch overlaps the
+    /// attention or experts of the other. The backward goes first (its
+    /// loss), then the forward (its embedding), then the blocks take turns.
+    /// Results are those of [`Self::forward_chunk_with`] then
+    /// [`Self::backward_chunk_with`], bit for bit: the same kernels on the
+    /// same inputs, the parameters are not changed by either, and the
+    /// gradients accumulate in the backward's own order.
+    pub fn forward_backward_chunks(
+        &mut self,
+        fwd: ForwardCall<'_, B>,
+        before: &mut dyn FnMut(&mut Self, ForwardUnit) -> Result<()>,
+        bwd: BackwardCall<'_, B>,
+        after_block: &mut dyn FnMut(&Self, usize) -> Result<()>,
+    ) -> Result<(ChunkOut<B>, Option<Tensor<B>>)> {
+        let mut me = self;
+        let before = &mut |m: &mut &mut Self, unit| before(m, unit);
+        let mut bw = me.backward_begin(&bwd.ctx, bwd.saved, bwd.output_grad, bwd.loss_scale)?;
+        let mut fw = Self::forward_begin(
+            &mut me,
+            &fwd.ctx,
+            fwd.chunk,
+            fwd.input,
+            fwd.batch,
+            fwd.seq_len,
+            before,
+        )?;
+        let (mut f_done, mut b_done) = (false, false);
+        while !(f_done && b_done) {
+            if !b_done {
+                b_done = me.backward_blocks(&bwd.ctx, &mut bw, after_block)?;
+            }
+            if !f_done {
+                f_done = Self::forward_blocks(&mut me, &fwd.ctx, &mut fw, before)?;
+            }
+        }
+        let out = Self::forward_end(&mut me, &fwd.ctx, fw, before)?;
+        let input_grad = me.backward_end(&bwd.ctx, bw)?;
+        Ok((out, input_grad))
     }
 
     /// The embedding's backward from the gradient of its (sequence-parallel)

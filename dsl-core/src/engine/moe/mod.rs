@@ -58,6 +58,7 @@ mod testutil;
 
 use std::sync::Mutex;
 
+use foldmoe_kernels::comm::Pending;
 use foldmoe_kernels::{Backend, DType, DropPolicy, HostData, RoutingPlan, Tensor};
 
 use self::dispatcher::{DispatchSaved, Dispatcher};
@@ -68,7 +69,7 @@ use self::shared::{SharedExperts, SharedSaved};
 use crate::engine::activations::Slot;
 use crate::engine::parallel::shard::upload_as;
 use crate::engine::parallel::{Exec, LayerGroups};
-use crate::engine::{EngineError, Init, Module, Param, Result};
+use crate::engine::{drive, EngineError, Init, Module, Param, Result, Step};
 use crate::layout::cp_positions;
 use crate::spec::{DropPolicySpec, LoadBalance, ModelSpec, MoeSpec};
 
@@ -103,6 +104,75 @@ struct Exchange<B: Backend> {
     etp_rows: Vec<usize>,
     /// `[M]` i32: the expert-major order as rows of the etp-gathered block.
     order: Tensor<B>,
+}
+
+/// A layer's output, saved state and router statistics.
+pub type MoeOut<B> = (Tensor<B>, MoeSaved<B>, MoeStats<B>);
+
+/// A forward of the layer paused at an exchange ([`MoeLayer::forward_start`]):
+/// what it has computed so far and the collectives in flight.
+pub struct MoeForward<B: Backend> {
+    /// Where the forward stands; `None` once it has finished.
+    stage: Option<ForwardStage<B>>,
+    router: RouterSaved<B>,
+    dispatch: DispatchSaved<B>,
+    stats: MoeStats<B>,
+    /// The shared experts' output (this rank's rows) and state.
+    shared: Option<(Tensor<B>, SharedSaved<B>)>,
+}
+
+/// The exchange a paused forward waits for.
+enum ForwardStage<B: Backend> {
+    /// The rows and their routing weights are on their way to the experts'
+    /// ranks; every ep rank's counts `[ep, E]` (device and host) came first.
+    Dispatching {
+        x_recv: Pending<B>,
+        p_recv: Pending<B>,
+        send_rows: Vec<usize>,
+        recv_rows: Vec<usize>,
+        ep_counts: (Tensor<B>, Vec<i32>),
+    },
+    /// The experts' outputs are on their way back.
+    Combining {
+        y_nd: Pending<B>,
+        exchange: Exchange<B>,
+        experts: ExpertsSaved<B>,
+    },
+}
+
+/// The dispatch exchange once it has arrived.
+struct Arrived<B: Backend> {
+    x_recv: Tensor<B>,
+    p_recv: Tensor<B>,
+    send_rows: Vec<usize>,
+    recv_rows: Vec<usize>,
+    ep_counts: (Tensor<B>, Vec<i32>),
+}
+
+/// A backward of the layer paused at an exchange ([`MoeLayer::backward_start`]).
+pub struct MoeBackward<B: Backend> {
+    /// Where the backward stands; `None` once it has finished.
+    stage: Option<BackwardStage<B>>,
+    router: RouterSaved<B>,
+    dispatch: DispatchSaved<B>,
+    /// The shared experts' part of the input gradient.
+    dx_shared: Option<Tensor<B>>,
+    loss_scale: f64,
+}
+
+/// The exchange a paused backward waits for.
+enum BackwardStage<B: Backend> {
+    /// The output gradient is on its way to the experts' ranks.
+    Dispatching {
+        dy_recv: Pending<B>,
+        exchange: Exchange<B>,
+        experts: ExpertsSaved<B>,
+    },
+    /// The rows' and routing weights' gradients are on their way back.
+    Combining {
+        dx_nd: Pending<B>,
+        dp_nd: Pending<B>,
+    },
 }
 
 /// What the layer's backward needs from its forward, stage by stage.
@@ -261,14 +331,31 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// `x: [T/(tp·cp), D]` (this rank's rows of a micro-batch of `tokens`) →
-    /// `[T/(tp·cp), D]`.
+    /// `[T/(tp·cp), D]`: [`Self::forward_start`] and its resumptions run
+    /// back to back.
     pub fn forward(
         &self,
         ctx: &Exec<B>,
         x_td: &Tensor<B>,
         seq_len: usize,
         tokens: usize,
-    ) -> Result<(Tensor<B>, MoeSaved<B>, MoeStats<B>)> {
+    ) -> Result<MoeOut<B>> {
+        let first = self.forward_start(ctx, x_td, seq_len, tokens)?;
+        drive(first, |f| self.forward_resume(ctx, f))
+    }
+
+    /// The forward up to its first exchange: route, plan the rows, and
+    /// under ep / etp start sending them (and their routing weights) to the
+    /// experts' ranks, then run the shared experts while they travel
+    /// (Megatron-Core's shared-expert overlap). On one expert rank there is
+    /// nothing to wait for and the forward finishes here.
+    pub fn forward_start(
+        &self,
+        ctx: &Exec<B>,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+        tokens: usize,
+    ) -> Result<Step<MoeForward<B>, MoeOut<B>>> {
         let b = ctx.b;
         let g = &self.groups;
         let t_local = self.check_input(x_td, seq_len, tokens)?;
@@ -300,12 +387,108 @@ impl<B: Backend> MoeLayer<B> {
                 self.dispatcher.dispatch_planned(b, x_td, weights, plan)?
             }
         };
-        let (y_nd, exchange, experts) = self.compute(ctx, x_nd, &probs_n, dispatch.counts_e())?;
+        let stats = MoeStats {
+            aux_loss: routing.aux_loss,
+            z_loss: routing.z_loss,
+            load: routing.load_e,
+        };
+        let mut fwd = MoeForward {
+            stage: None,
+            router,
+            dispatch,
+            stats,
+            shared: None,
+        };
+        if g.ep.size() == 1 && g.etp.size() == 1 {
+            fwd.shared = self.shared_forward(ctx, x_td)?;
+            let (y_nd, experts) =
+                self.experts
+                    .forward(b, x_nd, &probs_n, fwd.dispatch.counts_e())?;
+            return Ok(Step::Done(
+                self.forward_finish(ctx, fwd, y_nd, None, experts)?,
+            ));
+        }
+        fwd.stage = Some(self.dispatch_start(ctx, x_nd, &probs_n, fwd.dispatch.counts_e())?);
+        fwd.shared = self.shared_forward(ctx, x_td)?;
+        Ok(Step::Pending(fwd))
+    }
+
+    /// The forward from its last exchange: once the rows have arrived, the
+    /// experts run and their outputs start back; once those have arrived,
+    /// combine finishes the layer.
+    pub fn forward_resume(
+        &self,
+        ctx: &Exec<B>,
+        mut fwd: MoeForward<B>,
+    ) -> Result<Step<MoeForward<B>, MoeOut<B>>> {
+        match fwd.stage.take() {
+            Some(ForwardStage::Dispatching {
+                x_recv,
+                p_recv,
+                send_rows,
+                recv_rows,
+                ep_counts,
+            }) => {
+                let arrived = Arrived {
+                    x_recv: x_recv.wait()?,
+                    p_recv: p_recv.wait()?,
+                    send_rows,
+                    recv_rows,
+                    ep_counts,
+                };
+                fwd.stage = Some(self.experts_forward(ctx, arrived)?);
+                Ok(Step::Pending(fwd))
+            }
+            Some(ForwardStage::Combining {
+                y_nd,
+                exchange,
+                experts,
+            }) => {
+                let y_nd = y_nd.wait()?;
+                let out = self.forward_finish(ctx, fwd, y_nd, Some(exchange), experts)?;
+                Ok(Step::Done(out))
+            }
+            None => Err(EngineError::Invalid(
+                "MoE forward resumed after it had finished".into(),
+            )),
+        }
+    }
+
+    /// The shared experts' output (this rank's rows) and state, if any.
+    fn shared_forward(
+        &self,
+        ctx: &Exec<B>,
+        x_td: &Tensor<B>,
+    ) -> Result<Option<(Tensor<B>, SharedSaved<B>)>> {
+        let g = &self.groups;
+        let Some(s) = &self.shared else {
+            return Ok(None);
+        };
+        let (ys_full, saved) = s.forward(ctx.b, &ctx.gather(&g.tp, x_td)?)?;
+        Ok(Some((ctx.scatter(&g.tp, &ys_full)?, saved)))
+    }
+
+    /// Combine (a sum of each token's copies) plus the shared experts.
+    fn forward_finish(
+        &self,
+        ctx: &Exec<B>,
+        fwd: MoeForward<B>,
+        y_nd: Tensor<B>,
+        exchange: Option<Exchange<B>>,
+        experts: ExpertsSaved<B>,
+    ) -> Result<MoeOut<B>> {
+        let b = ctx.b;
+        let MoeForward {
+            router,
+            dispatch,
+            stats,
+            shared,
+            ..
+        } = fwd;
         let mut y_td = self.dispatcher.combine(b, &y_nd, &dispatch)?;
-        let shared = match &self.shared {
-            Some(s) => {
-                let (ys_full, saved) = s.forward(b, &ctx.gather(&g.tp, x_td)?)?;
-                b.axpy(&mut y_td, 1.0, &ctx.scatter(&g.tp, &ys_full)?)?;
+        let shared = match shared {
+            Some((ys_td, saved)) => {
+                b.axpy(&mut y_td, 1.0, &ys_td)?;
                 Some(saved)
             }
             None => None,
@@ -314,18 +497,14 @@ impl<B: Backend> MoeLayer<B> {
             router,
             dispatch,
             exchange,
-            experts,
+            experts: Some(experts),
             shared,
-        };
-        let stats = MoeStats {
-            aux_loss: routing.aux_loss,
-            z_loss: routing.z_loss,
-            load: routing.load_e,
         };
         Ok((y_td, saved, stats))
     }
 
-    /// Accumulates the gradients and returns `dx: [T/tp, D]`.
+    /// Accumulates the gradients and returns `dx: [T/tp, D]`:
+    /// [`Self::backward_start`] and its resumptions run back to back.
     pub fn backward(
         &mut self,
         ctx: &Exec<B>,
@@ -333,6 +512,20 @@ impl<B: Backend> MoeLayer<B> {
         saved: MoeSaved<B>,
         loss_scale: f64,
     ) -> Result<Tensor<B>> {
+        let first = self.backward_start(ctx, dy_td, saved, loss_scale)?;
+        drive(first, |bw| self.backward_resume(ctx, bw))
+    }
+
+    /// The backward up to its first exchange: the shared experts, then
+    /// under ep / etp the output gradient starts to the experts' ranks (on
+    /// one expert rank the backward finishes here).
+    pub fn backward_start(
+        &mut self,
+        ctx: &Exec<B>,
+        dy_td: &Tensor<B>,
+        saved: MoeSaved<B>,
+        loss_scale: f64,
+    ) -> Result<Step<MoeBackward<B>, Tensor<B>>> {
         let b = ctx.b;
         let g = &self.groups;
         let MoeSaved {
@@ -349,8 +542,87 @@ impl<B: Backend> MoeLayer<B> {
             }
             _ => None,
         };
+        let experts = experts.ok_or_else(|| {
+            EngineError::Invalid("MoE backward: the experts' saved state is missing".into())
+        })?;
         let dy_nd = self.dispatcher.combine_backward(dy_td, &dispatch);
-        let (dx_nd, dprobs_n) = self.compute_backward(ctx, dy_nd, exchange, experts)?;
+        let bw = MoeBackward {
+            stage: None,
+            router,
+            dispatch,
+            dx_shared,
+            loss_scale,
+        };
+        let Some(exchange) = exchange else {
+            let (dx_nd, dprobs_n) = self.experts.backward(b, dy_nd, experts)?;
+            return Ok(Step::Done(self.backward_finish(ctx, bw, dx_nd, dprobs_n)?));
+        };
+        let dy_nd = dy_nd.materialize(b)?;
+        let dy_recv = ctx.comm.all_to_all_v_start(
+            b,
+            &g.ep,
+            &dy_nd,
+            &exchange.send_rows,
+            &exchange.recv_rows,
+        )?;
+        Ok(Step::Pending(MoeBackward {
+            stage: Some(BackwardStage::Dispatching {
+                dy_recv,
+                exchange,
+                experts,
+            }),
+            ..bw
+        }))
+    }
+
+    /// The backward from its last exchange: once the output gradient has
+    /// arrived, the experts' backward runs and the rows' and weights'
+    /// gradients start back; once those have arrived, the router's and
+    /// dispatch's backward finish the layer.
+    pub fn backward_resume(
+        &mut self,
+        ctx: &Exec<B>,
+        mut bw: MoeBackward<B>,
+    ) -> Result<Step<MoeBackward<B>, Tensor<B>>> {
+        match bw.stage.take() {
+            Some(BackwardStage::Dispatching {
+                dy_recv,
+                exchange,
+                experts,
+            }) => {
+                bw.stage = Some(self.experts_backward(ctx, dy_recv.wait()?, exchange, experts)?);
+                Ok(Step::Pending(bw))
+            }
+            Some(BackwardStage::Combining { dx_nd, dp_nd }) => {
+                let dx_nd = dx_nd.wait()?;
+                let dp_nd = dp_nd.wait()?;
+                let n = dp_nd.numel();
+                let dprobs_n = dp_nd.reshape(&[n])?;
+                Ok(Step::Done(self.backward_finish(ctx, bw, dx_nd, dprobs_n)?))
+            }
+            None => Err(EngineError::Invalid(
+                "MoE backward resumed after it had finished".into(),
+            )),
+        }
+    }
+
+    /// The weights' and dispatch's backward, the router's, and the sum of
+    /// the input's gradients.
+    fn backward_finish(
+        &mut self,
+        ctx: &Exec<B>,
+        bw: MoeBackward<B>,
+        dx_nd: Tensor<B>,
+        dprobs_n: Tensor<B>,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let MoeBackward {
+            router,
+            dispatch,
+            dx_shared,
+            loss_scale,
+            ..
+        } = bw;
         let dweights_tk = self.dispatcher.weights_backward(b, &dprobs_n, &dispatch)?;
         let mut dx_td = self.dispatcher.dispatch_backward(b, &dx_nd, dispatch)?;
         let dx_router = self.router.backward(b, &dweights_tk, router, loss_scale)?;
@@ -457,27 +729,22 @@ impl<B: Backend> MoeLayer<B> {
         })
     }
 
-    /// Runs the permuted rows `x: [N, D]` (expert-major over all E, `counts:
-    /// [E]`) with their routing weights `probs: [N]` through the experts
-    /// wherever they live; returns `[N, D]`. On one expert rank the
-    /// experts' products gather the rows themselves; under ep or etp the
-    /// send buffer is the permuted copy (the weights travel beside it) and
-    /// the experts gather the received rows in their sort order.
-    #[allow(clippy::type_complexity)]
-    fn compute(
+    /// Starts the permuted rows `x: [N, D]` (expert-major over all E,
+    /// `counts: [E]`) and their routing weights `probs: [N]` towards the ep
+    /// ranks holding their experts. The counts go first (every ep rank's
+    /// `[ep, E]`, on the host: they size the exchange, as Megatron-Core's
+    /// dispatcher reads them before its all-to-all), so the rows' exchange
+    /// starts knowing what it will receive.
+    fn dispatch_start(
         &self,
         ctx: &Exec<B>,
         x_nd: ExpertRows<B>,
         probs_n: &Tensor<B>,
         counts_e: &Tensor<B>,
-    ) -> Result<(Tensor<B>, Option<Exchange<B>>, Option<ExpertsSaved<B>>)> {
+    ) -> Result<ForwardStage<B>> {
         let b = ctx.b;
         let g = &self.groups;
-        let (ep, etp) = (g.ep.size(), g.etp.size());
-        if ep == 1 && etp == 1 {
-            let (y, saved) = self.experts.forward(b, x_nd, probs_n, counts_e)?;
-            return Ok((y, None, Some(saved)));
-        }
+        let ep = g.ep.size();
         let x_nd = x_nd.materialize(b)?;
         let e = self.spec.experts;
         let local = e / ep;
@@ -490,24 +757,58 @@ impl<B: Backend> MoeLayer<B> {
                     .sum()
             })
             .collect();
-        let (x_recv, recv_rows) = ctx.comm.all_to_all_v(b, &g.ep, &x_nd, &send_rows)?;
-        let n = probs_n.numel();
-        let (p_recv, _) =
-            ctx.comm
-                .all_to_all_v(b, &g.ep, &probs_n.clone().reshape(&[n, 1])?, &send_rows)?;
-        // Every ep rank's counts [ep, E], then every etp member's [etp·ep, E].
         let counts_1e = b.upload(HostData::I32(counts), &[1, e])?;
-        let mut all_counts = ctx.comm.all_gather(b, &g.ep, &counts_1e)?;
-        let (x_block, p_block) = if etp > 1 {
-            all_counts = ctx.comm.all_gather(b, &g.etp, &all_counts)?;
+        let ep_counts = ctx.comm.all_gather(b, &g.ep, &counts_1e)?;
+        let ep_host = b.download(&ep_counts)?.to_i32()?;
+        let first = g.ep_index * local;
+        let recv_rows: Vec<usize> = (0..ep)
+            .map(|s| {
+                (0..local)
+                    .map(|l| ep_host[s * e + first + l] as usize)
+                    .sum()
+            })
+            .collect();
+        let comm = ctx.comm;
+        let x_recv = comm.all_to_all_v_start(b, &g.ep, &x_nd, &send_rows, &recv_rows)?;
+        let n = probs_n.numel();
+        let p_nd = probs_n.clone().reshape(&[n, 1])?;
+        let p_recv = comm.all_to_all_v_start(b, &g.ep, &p_nd, &send_rows, &recv_rows)?;
+        Ok(ForwardStage::Dispatching {
+            x_recv,
+            p_recv,
+            send_rows,
+            recv_rows,
+            ep_counts: (ep_counts, ep_host),
+        })
+    }
+
+    /// The experts on the rows that arrived: gathered over etp, sorted into
+    /// expert-major order, through the grouped GEMMs; their outputs summed
+    /// over etp and started back to the ranks the rows came from.
+    fn experts_forward(&self, ctx: &Exec<B>, arrived: Arrived<B>) -> Result<ForwardStage<B>> {
+        let b = ctx.b;
+        let g = &self.groups;
+        let (ep, etp) = (g.ep.size(), g.etp.size());
+        let e = self.spec.experts;
+        let local = e / ep;
+        let Arrived {
+            x_recv,
+            p_recv,
+            send_rows,
+            recv_rows,
+            ep_counts: (ep_counts, ep_host),
+        } = arrived;
+        // Every etp member's [ep, E] counts, [etp·ep, E], with its rows.
+        let (x_block, p_block, all_counts) = if etp > 1 {
+            let all_counts = ctx.comm.all_gather(b, &g.etp, &ep_counts)?;
             (
                 ctx.comm.all_gather(b, &g.etp, &x_recv)?,
                 ctx.comm.all_gather(b, &g.etp, &p_recv)?,
+                b.download(&all_counts)?.to_i32()?,
             )
         } else {
-            (x_recv, p_recv)
+            (x_recv, p_recv, ep_host)
         };
-        let all_counts = b.download(&all_counts)?.to_i32()?;
         // Block (m, s) holds, for each local expert l in order, the rows that
         // ep rank s of etp member m sent to this ep rank.
         let first = g.ep_index * local;
@@ -551,7 +852,7 @@ impl<B: Backend> MoeLayer<B> {
             source_is_input: false,
         };
         let p_sorted = b.embedding(&p_block, &order)?.reshape(&[offset])?;
-        let (y_sorted, saved) = self.experts.forward(b, x_sorted, &p_sorted, &groups)?;
+        let (y_sorted, experts) = self.experts.forward(b, x_sorted, &p_sorted, &groups)?;
         let mut y_block = b.embedding_backward(&y_sorted, &order, offset)?;
         let exchange = Exchange {
             send_rows,
@@ -563,31 +864,32 @@ impl<B: Backend> MoeLayer<B> {
             y_block = ctx.sum_over(&g.etp, &y_block)?;
             y_block = own_rows(b, &y_block, &exchange.etp_rows, g.etp_index)?;
         }
-        let (y_nd, _) = ctx
-            .comm
-            .all_to_all_v(b, &g.ep, &y_block, &exchange.recv_rows)?;
-        Ok((y_nd, Some(exchange), Some(saved)))
+        let y_nd = ctx.comm.all_to_all_v_start(
+            b,
+            &g.ep,
+            &y_block,
+            &exchange.recv_rows,
+            &exchange.send_rows,
+        )?;
+        Ok(ForwardStage::Combining {
+            y_nd,
+            exchange,
+            experts,
+        })
     }
 
-    /// Backward of [`Self::compute`]: `dy: [N, D]` → `(dx: [N, D], dprobs:
-    /// [N])`.
-    fn compute_backward(
+    /// The experts' backward on the output gradient that arrived: gathered
+    /// over etp, through the grouped GEMMs in the forward's order; the
+    /// rows' and weights' gradients summed over etp and started back.
+    fn experts_backward(
         &mut self,
         ctx: &Exec<B>,
-        dy_nd: ExpertRows<B>,
-        exchange: Option<Exchange<B>>,
-        experts: Option<ExpertsSaved<B>>,
-    ) -> Result<(Tensor<B>, Tensor<B>)> {
+        dy_recv: Tensor<B>,
+        ex: Exchange<B>,
+        saved: ExpertsSaved<B>,
+    ) -> Result<BackwardStage<B>> {
         let b = ctx.b;
         let g = &self.groups;
-        let saved = experts.ok_or_else(|| {
-            EngineError::Invalid("MoE backward: the experts' saved state is missing".into())
-        })?;
-        let Some(ex) = exchange else {
-            return self.experts.backward(b, dy_nd, saved);
-        };
-        let dy_nd = dy_nd.materialize(b)?;
-        let (dy_recv, _) = ctx.comm.all_to_all_v(b, &g.ep, &dy_nd, &ex.send_rows)?;
         let dy_block = if g.etp.size() > 1 {
             ctx.comm.all_gather(b, &g.etp, &dy_recv)?
         } else {
@@ -612,10 +914,10 @@ impl<B: Backend> MoeLayer<B> {
             dp_block = ctx.sum_over(&g.etp, &dp_block)?;
             dp_block = own_rows(b, &dp_block, &ex.etp_rows, g.etp_index)?;
         }
-        let (dx_nd, _) = ctx.comm.all_to_all_v(b, &g.ep, &dx_block, &ex.recv_rows)?;
-        let (dp_nd, _) = ctx.comm.all_to_all_v(b, &g.ep, &dp_block, &ex.recv_rows)?;
-        let n = dp_nd.numel();
-        Ok((dx_nd, dp_nd.reshape(&[n])?))
+        let comm = ctx.comm;
+        let dx_nd = comm.all_to_all_v_start(b, &g.ep, &dx_block, &ex.recv_rows, &ex.send_rows)?;
+        let dp_nd = comm.all_to_all_v_start(b, &g.ep, &dp_block, &ex.recv_rows, &ex.send_rows)?;
+        Ok(BackwardStage::Combining { dx_nd, dp_nd })
     }
 
     /// Validates `x` (this rank's rows of a micro-batch of `tokens` in
