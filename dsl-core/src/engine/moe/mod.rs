@@ -166,7 +166,7 @@ enum BackwardStage<B: Backend> {
     Dispatching {
         dy_recv: Pending<B>,
         exchange: Exchange<B>,
-        experts: ExpertsSaved<B>,
+        experts: Box<ExpertsSaved<B>>,
     },
     /// The rows' and routing weights' gradients are on their way back.
     Combining {
@@ -569,7 +569,7 @@ impl<B: Backend> MoeLayer<B> {
             stage: Some(BackwardStage::Dispatching {
                 dy_recv,
                 exchange,
-                experts,
+                experts: Box::new(experts),
             }),
             ..bw
         }))
@@ -590,7 +590,7 @@ impl<B: Backend> MoeLayer<B> {
                 exchange,
                 experts,
             }) => {
-                bw.stage = Some(self.experts_backward(ctx, dy_recv.wait()?, exchange, experts)?);
+                bw.stage = Some(self.experts_backward(ctx, dy_recv.wait()?, exchange, *experts)?);
                 Ok(Step::Pending(bw))
             }
             Some(BackwardStage::Combining { dx_nd, dp_nd }) => {
