@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use foldmoe_core::engine::checkpoint::{self, Source, StateKind};
 use foldmoe_core::engine::documents::Documents;
-use foldmoe_core::engine::model::{Batch, HostBatch, Model};
+use foldmoe_core::engine::model::{BackwardCall, Batch, ForwardCall, HostBatch, Model};
 use foldmoe_core::engine::optim::{DdpConfig, MasterWeights};
 use foldmoe_core::engine::parallel::trainer::Gather;
 use foldmoe_core::engine::parallel::{run_local_layout, Ctx, RankLayout, Trainer};
@@ -1066,13 +1066,13 @@ type OverlapRun = (Vec<u64>, Vec<u64>, Vec<(String, Vec<u64>)>);
 /// step 3, evaluates a validation batch, runs step 4, has a step refused
 /// (no micro-batches), then gathers the parameters.
 fn overlap_run(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig) -> OverlapRun {
-    overlap_run_on(spec, layout_text, ddp, false)
+    overlap_run_on(spec, layout_text, TrainConfig { ddp, ..config() }, false)
 }
 
-fn overlap_run_on(spec: &ModelSpec, layout_text: &str, ddp: DdpConfig, tcp: bool) -> OverlapRun {
+fn overlap_run_on(spec: &ModelSpec, layout_text: &str, cfg: TrainConfig, tcp: bool) -> OverlapRun {
     const SAVED_AFTER: usize = 3;
     let layout = checked_layout(spec, layout_text);
-    let cfg = TrainConfig { ddp, ..config() };
+    let ddp = cfg.ddp;
     let timeout = Duration::from_secs(60);
     let root = tmp_root(&format!("overlap-{}", layout_text.replace([',', '='], "-")));
     let body = |ctx: &Ctx<Cpu>| {
@@ -1186,8 +1186,24 @@ fn overlapped_reduction_over_tcp_is_bit_identical_to_threads() {
             overlap_param_gather: true,
             bucket_size,
         };
-        let want = overlap_run_on(&spec, layout_text, off, false);
-        let got = overlap_run_on(&spec, layout_text, on, true);
+        let want = overlap_run_on(
+            &spec,
+            layout_text,
+            TrainConfig {
+                ddp: off,
+                ..config()
+            },
+            false,
+        );
+        let got = overlap_run_on(
+            &spec,
+            layout_text,
+            TrainConfig {
+                ddp: on,
+                ..config()
+            },
+            true,
+        );
         assert_eq!(got.0, want.0, "{layout_text}: losses");
         assert_eq!(got.1, want.1, "{layout_text}: gradient norms");
         assert!(
@@ -1246,6 +1262,161 @@ fn overlapped_gradient_reduction_is_bit_identical_to_the_unoverlapped_one() {
             }
         }
     }
+}
+
+/// Interleaving each steady forward with the next backward at the MoE
+/// layers' all-to-alls (`overlap_moe_comm`, Megatron-Core's
+/// `--overlap-moe-expert-parallel-comm`) changes no bit: losses, gradient
+/// norms, parameters and reduced gradients equal the plain 1F1B run's under
+/// ep with dp, with tp and etp, under pp (1F1B, and interleaved with a tied
+/// embedding), with every block recomputed and an MTP module, with the
+/// gradient and parameter overlaps on as well; over threads and over TCP.
+#[test]
+fn overlapped_expert_all_to_all_is_bit_identical_to_the_plain_schedule() {
+    let mut recomputed_mtp = deep_spec(false);
+    recomputed_mtp.mtp_layers = 1;
+    for g in &mut recomputed_mtp.groups {
+        g.policy.recompute = vec![RecomputePart::Block];
+    }
+    let both_ddp = DdpConfig {
+        overlap_grad_reduce: true,
+        overlap_param_gather: true,
+        bucket_size: Some(500),
+    };
+    let cases: &[(ModelSpec, &str, DdpConfig, bool)] = &[
+        (
+            deep_spec(false),
+            "world=2,dp=2,ep=2",
+            DdpConfig::default(),
+            false,
+        ),
+        (
+            deep_spec(false),
+            "world=2,dp=2,ep=2",
+            DdpConfig::default(),
+            true,
+        ),
+        (deep_spec(false), "world=4,dp=2,tp=2,ep=2", both_ddp, false),
+        (
+            deep_spec(false),
+            "world=4,dp=4,ep=2,etp=2",
+            DdpConfig::default(),
+            false,
+        ),
+        (
+            deep_spec(false),
+            "world=4,dp=2,pp=2,ep=2",
+            DdpConfig::default(),
+            false,
+        ),
+        (
+            deep_spec(true),
+            "world=4,pp=2,vpp=2,dp=2,ep=2",
+            DdpConfig::default(),
+            false,
+        ),
+        (recomputed_mtp, "world=4,dp=2,pp=2,ep=2", both_ddp, true),
+    ];
+    for (spec, layout_text, ddp, tcp) in cases {
+        let plain = TrainConfig {
+            ddp: *ddp,
+            ..config()
+        };
+        let want = overlap_run_on(spec, layout_text, plain, false);
+        let on = TrainConfig {
+            overlap_moe_comm: true,
+            ..plain
+        };
+        let got = overlap_run_on(spec, layout_text, on, *tcp);
+        let at = format!("{layout_text}, {ddp:?}, tcp {tcp}");
+        assert_eq!(got.0, want.0, "{at}: losses");
+        assert_eq!(got.1, want.1, "{at}: gradient norms");
+        for ((name, g), (_, w)) in got.2.iter().zip(&want.2) {
+            assert!(g == w, "{at}: {name} differs");
+        }
+    }
+}
+
+/// A forward paired with a backward really interleaves at the MoE layers'
+/// exchanges: with ep = 2 and blocks dense, MoE, dense, MoE, the forward's
+/// units and the backward's finished blocks alternate as each side pauses
+/// at an all-to-all (the forward's embedding, blocks 0 and 1 up to its
+/// dispatch, the backward's block 3 then 2, ...), where the plain calls
+/// run every forward unit before any backward block.
+#[test]
+fn a_paired_forward_and_backward_take_turns_at_the_exchanges() {
+    let spec = deep_spec(false);
+    let layout = checked_layout(&spec, "world=2,dp=2,ep=2");
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let mut model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
+        let batches = host_batches(global_batch(0));
+        let (first, second) = (&batches[2 * ctx.rank.rank], &batches[2 * ctx.rank.rank + 1]);
+        let out = model.forward_chunk(&ctx.exec().at_micro(0), 0, None, Batch::of(first), SEQ)?;
+        let events = std::cell::RefCell::new(Vec::new());
+        model.forward_backward_chunks(
+            ForwardCall {
+                ctx: ctx.exec().at_micro(1),
+                chunk: 0,
+                input: None,
+                batch: Batch::of(second),
+                seq_len: SEQ,
+            },
+            &mut |_, unit| {
+                events.borrow_mut().push(format!("{unit:?}"));
+                Ok(())
+            },
+            BackwardCall {
+                ctx: ctx.exec().at_micro(0),
+                saved: out.saved,
+                output_grad: None,
+                loss_scale: 1.0,
+            },
+            &mut |_, block| {
+                events.borrow_mut().push(format!("back {block}"));
+                Ok(())
+            },
+        )?;
+        Ok(events.into_inner())
+    });
+    let want = [
+        "Embedding",
+        "Block(0)",
+        "Block(1)",
+        "back 3",
+        "back 2",
+        "Block(2)",
+        "Block(3)",
+        "back 1",
+        "back 0",
+        "Head",
+    ];
+    for (rank, r) in results.into_iter().enumerate() {
+        let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(got, want, "rank {rank}");
+    }
+}
+
+/// Overlapping the expert all-to-all without ep > 1 is a one-line error
+/// naming the layout's ep.
+#[test]
+fn overlapping_the_expert_all_to_all_without_ep_is_refused() {
+    let layout = checked_layout(&spec(None), "world=2,dp=2");
+    let cfg = TrainConfig {
+        overlap_moe_comm: true,
+        ..config()
+    };
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let model = Model::new(ctx.b, &spec(None), rank, SEED, DType::F32)?;
+        Trainer::new(ctx.b, model, cfg).map(|_| ())
+    });
+    let err = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("--overlap-moe-expert-parallel-comm") && err.contains("ep = 1"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "{err}");
 }
 
 /// A bucket size of 0 is a one-line error naming it.

@@ -37,6 +37,12 @@ pub struct TrainConfig {
     pub master_weights: MasterWeights,
     /// Gradient buckets and their overlap with compute.
     pub ddp: DdpConfig,
+    /// Run each steady-state forward together with the backward after it,
+    /// interleaved at the MoE layers' expert all-to-alls, so that one
+    /// micro-batch's exchange travels while the other computes
+    /// (Megatron-Core's `--overlap-moe-expert-parallel-comm`; one more
+    /// warm-up micro-batch's activations). The results are bit-identical.
+    pub overlap_moe_comm: bool,
 }
 
 impl Default for TrainConfig {
@@ -54,6 +60,7 @@ impl Default for TrainConfig {
             grad_clip: 1.0,
             master_weights: MasterWeights::Bf16,
             ddp: DdpConfig::default(),
+            overlap_moe_comm: false,
         }
     }
 }

@@ -42,6 +42,87 @@ pub struct Op {
 /// them when `micro == pp`), and `micro` must be a multiple of `pp` because
 /// chunks advance in groups of `pp` micro-batches.
 pub fn schedule(pp: usize, vpp: usize, micro: usize, stage: usize) -> Result<Vec<Op>> {
+    let phases = phases(pp, vpp, micro, stage, 0)?;
+    let mut ops = phases.warmup;
+    ops.extend(phases.steady.into_iter().flat_map(|(f, b)| [f, b]));
+    ops.extend(phases.cooldown);
+    Ok(ops)
+}
+
+/// One turn of a stage's schedule: an operation alone, or a forward and a
+/// backward run together by [`crate::engine::model::Model::forward_backward_chunks`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Turn {
+    /// One forward or backward.
+    One(Op),
+    /// The forward `f` interleaved with the backward `b` at the MoE
+    /// layers' exchanges.
+    Pair {
+        /// The forward.
+        f: Op,
+        /// The backward.
+        b: Op,
+    },
+}
+
+/// The turns of pipeline rank `stage`: [`schedule`]'s operations one by
+/// one, or, with `overlapped` (the expert all-to-alls overlapped,
+/// Megatron-Core's `--overlap-moe-expert-parallel-comm`), one more warm-up
+/// forward (so a steady backward never waits for the forward it is paired
+/// with, which runs another micro-batch or chunk) and every steady forward
+/// paired with the backward after it. The forwards and the backwards each
+/// keep their order, so the losses and gradients are those of the plain
+/// schedule; a stage holds one more chunk's activations. Without a steady
+/// phase (one micro-batch, or interleaving with `micro == pp`) nothing
+/// pairs.
+pub fn turns(
+    pp: usize,
+    vpp: usize,
+    micro: usize,
+    stage: usize,
+    overlapped: bool,
+) -> Result<Vec<Turn>> {
+    let phases = phases(pp, vpp, micro, stage, usize::from(overlapped))?;
+    let mut turns: Vec<Turn> = phases.warmup.into_iter().map(Turn::One).collect();
+    if overlapped {
+        turns.extend(phases.steady.into_iter().map(|(f, b)| Turn::Pair { f, b }));
+    } else {
+        turns.extend(
+            phases
+                .steady
+                .into_iter()
+                .flat_map(|(f, b)| [Turn::One(f), Turn::One(b)]),
+        );
+    }
+    turns.extend(phases.cooldown.into_iter().map(Turn::One));
+    Ok(turns)
+}
+
+impl Turn {
+    /// The turn's operations in the order their outputs are sent: a pair's
+    /// forward output, then its backward's input gradient.
+    pub fn ops(self) -> impl Iterator<Item = Op> {
+        let (first, second) = match self {
+            Turn::One(op) => (op, None),
+            Turn::Pair { f, b } => (f, Some(b)),
+        };
+        std::iter::once(first).chain(second)
+    }
+}
+
+/// A stage's schedule in its three phases.
+struct Phases {
+    /// Warm-up forwards.
+    warmup: Vec<Op>,
+    /// Steady one-forward-one-backward pairs, the forward first.
+    steady: Vec<(Op, Op)>,
+    /// Cool-down backwards.
+    cooldown: Vec<Op>,
+}
+
+/// The phases of [`schedule`] with `extra` more warm-up forwards (capped
+/// at all of them).
+fn phases(pp: usize, vpp: usize, micro: usize, stage: usize, extra: usize) -> Result<Phases> {
     if pp == 0 || vpp == 0 || micro == 0 || stage >= pp {
         return Err(EngineError::Invalid(format!(
             "pipeline schedule: pp = {pp}, vpp = {vpp}, {micro} micro-batches, stage {stage}: \
@@ -58,11 +139,11 @@ pub fn schedule(pp: usize, vpp: usize, micro: usize, stage: usize) -> Result<Vec
     }
     let total = micro * vpp;
     let warmup = if vpp == 1 {
-        (pp - stage - 1).min(total)
+        (pp - stage - 1 + extra).min(total)
     } else if micro == pp {
         total
     } else {
-        ((pp - stage - 1) * 2 + (vpp - 1) * pp).min(total)
+        ((pp - stage - 1) * 2 + (vpp - 1) * pp + extra).min(total)
     };
     // The k-th forward (backward) of this rank: micro-batches advance in
     // groups of pp, each group passing every chunk (in reverse for backward).
@@ -79,14 +160,13 @@ pub fn schedule(pp: usize, vpp: usize, micro: usize, stage: usize) -> Result<Vec
             },
         }
     };
-    let mut ops = Vec::with_capacity(2 * total);
-    ops.extend((0..warmup).map(|k| op(Pass::F, k)));
-    for k in 0..total - warmup {
-        ops.push(op(Pass::F, warmup + k));
-        ops.push(op(Pass::B, k));
-    }
-    ops.extend((total - warmup..total).map(|k| op(Pass::B, k)));
-    Ok(ops)
+    Ok(Phases {
+        warmup: (0..warmup).map(|k| op(Pass::F, k)).collect(),
+        steady: (0..total - warmup)
+            .map(|k| (op(Pass::F, warmup + k), op(Pass::B, k)))
+            .collect(),
+        cooldown: (total - warmup..total).map(|k| op(Pass::B, k)).collect(),
+    })
 }
 
 /// What a message carries: an activation into, or a gradient out of,
@@ -124,13 +204,23 @@ fn source_stage(tag: &Tag) -> usize {
 
 impl<B: Backend> Mailbox<B> {
     /// The mailbox of pipeline rank `me` of `pp_group` (global ranks in pp
-    /// order) for the step's `micro` micro-batches.
-    pub fn new(pp_group: &[usize], me: usize, vpp: usize, micro: usize) -> Result<Self> {
+    /// order) for the step's `micro` micro-batches, every rank running the
+    /// [`turns`] of `overlapped`.
+    pub fn new(
+        pp_group: &[usize],
+        me: usize,
+        vpp: usize,
+        micro: usize,
+        overlapped: bool,
+    ) -> Result<Self> {
         let pp = pp_group.len();
         let last = pp * vpp - 1;
         let mut expected: HashMap<usize, VecDeque<Tag>> = HashMap::new();
         for (p, &peer) in pp_group.iter().enumerate() {
-            for op in schedule(pp, vpp, micro, p)? {
+            let sent = turns(pp, vpp, micro, p, overlapped)?
+                .into_iter()
+                .flat_map(Turn::ops);
+            for op in sent {
                 let s = op.chunk * pp + p;
                 let tag = match op.pass {
                     Pass::F if s < last => Tag {
@@ -188,8 +278,16 @@ mod tests {
     /// virtual stage, its own forward). Panics on a deadlock; returns each
     /// stage's largest number of chunk activations held at once.
     fn simulate(pp: usize, vpp: usize, micro: usize) -> Vec<usize> {
-        let scheds: Vec<Vec<Op>> = (0..pp)
-            .map(|p| schedule(pp, vpp, micro, p).unwrap())
+        simulate_turns(pp, vpp, micro, false)
+    }
+
+    /// [`simulate`] over [`turns`]: a pair runs once both its forward's
+    /// and its backward's inputs are there (its backward cannot wait for
+    /// its own forward); a pair's forward counts as held before its
+    /// backward frees one.
+    fn simulate_turns(pp: usize, vpp: usize, micro: usize, overlapped: bool) -> Vec<usize> {
+        let scheds: Vec<Vec<Turn>> = (0..pp)
+            .map(|p| turns(pp, vpp, micro, p, overlapped).unwrap())
             .collect();
         let last = pp * vpp - 1;
         let mut done: std::collections::HashSet<(Pass, usize, usize)> = Default::default();
@@ -199,24 +297,28 @@ mod tests {
         loop {
             let mut progressed = false;
             for p in 0..pp {
-                let Some(op) = scheds[p].get(pos[p]) else {
+                let Some(&turn) = scheds[p].get(pos[p]) else {
                     continue;
                 };
-                let s = op.chunk * pp + p;
-                let ready = match op.pass {
-                    Pass::F => s == 0 || done.contains(&(Pass::F, op.micro, s - 1)),
-                    Pass::B => {
-                        done.contains(&(Pass::F, op.micro, s))
-                            && (s == last || done.contains(&(Pass::B, op.micro, s + 1)))
+                let ready = |op: Op| {
+                    let s = op.chunk * pp + p;
+                    match op.pass {
+                        Pass::F => s == 0 || done.contains(&(Pass::F, op.micro, s - 1)),
+                        Pass::B => {
+                            done.contains(&(Pass::F, op.micro, s))
+                                && (s == last || done.contains(&(Pass::B, op.micro, s + 1)))
+                        }
                     }
                 };
-                if ready {
-                    done.insert((op.pass, op.micro, s));
-                    if op.pass == Pass::F {
-                        held[p] += 1;
-                        peak[p] = peak[p].max(held[p]);
-                    } else {
-                        held[p] -= 1;
+                if turn.ops().all(ready) {
+                    for op in turn.ops() {
+                        done.insert((op.pass, op.micro, op.chunk * pp + p));
+                        if op.pass == Pass::F {
+                            held[p] += 1;
+                            peak[p] = peak[p].max(held[p]);
+                        } else {
+                            held[p] -= 1;
+                        }
                     }
                     pos[p] += 1;
                     progressed = true;
@@ -314,6 +416,76 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn overlapped_turns_keep_each_pass_in_order_and_never_deadlock() {
+        for pp in 1..=4 {
+            for vpp in 1..=3 {
+                if pp == 1 && vpp > 1 {
+                    continue;
+                }
+                for micro in 1..=9 {
+                    if vpp > 1 && micro % pp != 0 {
+                        continue;
+                    }
+                    let plain_peak = simulate(pp, vpp, micro);
+                    let peak = simulate_turns(pp, vpp, micro, true);
+                    for stage in 0..pp {
+                        let at = format!("pp {pp} vpp {vpp} m {micro} stage {stage}");
+                        let plain = schedule(pp, vpp, micro, stage).unwrap();
+                        let overlapped = turns(pp, vpp, micro, stage, true).unwrap();
+                        let ops: Vec<Op> = overlapped.iter().flat_map(|t| t.ops()).collect();
+                        let of = |ops: &[Op], pass| -> Vec<Op> {
+                            ops.iter().copied().filter(|o| o.pass == pass).collect()
+                        };
+                        assert_eq!(of(&ops, Pass::F), of(&plain, Pass::F), "{at}");
+                        assert_eq!(of(&ops, Pass::B), of(&plain, Pass::B), "{at}");
+                        let pairs = overlapped
+                            .iter()
+                            .filter(|t| matches!(t, Turn::Pair { .. }))
+                            .count();
+                        // Every steady forward pairs: all but the warm-up.
+                        let warmup = overlapped
+                            .iter()
+                            .take_while(|t| matches!(t, Turn::One(o) if o.pass == Pass::F))
+                            .count();
+                        assert_eq!(pairs, micro * vpp - warmup, "{at}");
+                        assert!(
+                            peak[stage] <= plain_peak[stage] + 1,
+                            "{at}: holds {} > {} + 1",
+                            peak[stage],
+                            plain_peak[stage]
+                        );
+                        let plain_turns = turns(pp, vpp, micro, stage, false).unwrap();
+                        let plain_ops: Vec<Op> = plain_turns.iter().flat_map(|t| t.ops()).collect();
+                        assert_eq!(plain_ops, plain, "{at}");
+                    }
+                }
+            }
+        }
+        // pp = 1: F0, then F(k+1) with B(k), then the last backward.
+        let one = |pass, micro| Op {
+            pass,
+            micro,
+            chunk: 0,
+        };
+        let t = turns(1, 1, 3, 0, true).unwrap();
+        assert_eq!(
+            t,
+            vec![
+                Turn::One(one(Pass::F, 0)),
+                Turn::Pair {
+                    f: one(Pass::F, 1),
+                    b: one(Pass::B, 0)
+                },
+                Turn::Pair {
+                    f: one(Pass::F, 2),
+                    b: one(Pass::B, 1)
+                },
+                Turn::One(one(Pass::B, 2)),
+            ]
+        );
     }
 
     #[test]

@@ -65,10 +65,10 @@ use foldmoe_kernels::{
     AdamWConfig, Backend, DType, Group, HostData, KernelError, Pending, ReduceOp, Tensor,
 };
 
-use super::pipeline::{schedule, Mailbox, Pass, Tag};
+use super::pipeline::{turns, Mailbox, Op, Pass, Tag, Turn};
 use super::shard::{place_block, upload_as, ShardSpec, Split, SplitAxis};
 use super::Ctx;
-use crate::engine::model::{Batch, ForwardUnit, MicroBatch, Model};
+use crate::engine::model::{BackwardCall, Batch, ForwardCall, ForwardUnit, MicroBatch, Model};
 use crate::engine::optim::clip_coefficient;
 use crate::engine::param::{try_each_param, Module, Param};
 use crate::engine::trainer::{download_loads, load_imbalance, LayerLoad, StepStats, TrainConfig};
@@ -507,6 +507,15 @@ impl<B: Backend> Trainer<B> {
     /// copies of them taken from the parameters where `cfg.master_weights`
     /// applies to the model's dtype.
     pub fn new(b: &B, model: Model<B>, cfg: TrainConfig) -> Result<Self> {
+        let ep = model.rank.ep.size();
+        // Per layout, not per rank: a pipeline stage without MoE layers
+        // runs its pairs without pausing.
+        if cfg.overlap_moe_comm && ep == 1 {
+            return Err(EngineError::Invalid(format!(
+                "--overlap-moe-expert-parallel-comm overlaps the expert all-to-all, which this \
+                 layout does not have (ep = {ep}); it needs ep > 1"
+            )));
+        }
         let (dp_cp, edp) = (model.rank.dp_cp.size(), model.rank.edp.size());
         let dtype = model.embed.table.value.dtype();
         let masters = cfg.master_weights.applies_to(dtype);
@@ -771,8 +780,15 @@ impl<B: Backend> Trainer<B> {
         let (pp, vpp) = (ctx.rank.pp.size(), self.model.chunk_count());
         let pp_ranks = ctx.rank.pp.ranks().to_vec();
         let last = pp * vpp - 1;
-        let ops = schedule(pp, vpp, micro_batches.len(), ctx.rank.pp_index)?;
-        let mut mailbox = Mailbox::new(&pp_ranks, ctx.rank.pp_index, vpp, micro_batches.len())?;
+        let overlapped = self.cfg.overlap_moe_comm;
+        let turns = turns(pp, vpp, micro_batches.len(), ctx.rank.pp_index, overlapped)?;
+        let mut mailbox = Mailbox::new(
+            &pp_ranks,
+            ctx.rank.pp_index,
+            vpp,
+            micro_batches.len(),
+            overlapped,
+        )?;
         let mut saved = HashMap::new();
         self.pipeline_wait = std::time::Duration::ZERO;
         self.model.begin_step();
@@ -789,97 +805,135 @@ impl<B: Backend> Trainer<B> {
             moe_before[v + 1] = moe_before[v] + self.model.chunk_moe_layers(v);
         }
         loads.resize(moe_before[vpp], None);
-        for op in ops {
-            let micro = &micro_batches[op.micro];
-            let stage = self.model.virtual_stage(op.chunk);
-            match op.pass {
-                Pass::F => {
-                    let input = if stage == 0 {
-                        None
-                    } else {
-                        let tag = Tag {
-                            pass: Pass::F,
-                            micro: op.micro,
-                            stage,
-                        };
-                        let waited = std::time::Instant::now();
-                        let x = mailbox.take(ctx, &pp_ranks, tag)?;
-                        self.pipeline_wait += waited.elapsed();
-                        Some(x)
-                    };
-                    // Each unit of the chunk waits, right before it runs, for
-                    // the last update's all-gathers of its parameters (a
-                    // scan and nothing more once they have landed).
-                    let (buckets, units) = (&self.buckets, &self.bucket_units);
-                    let gathers = &mut self.gathers;
-                    let out = self.model.forward_chunk_with(
-                        &ctx.exec().at_micro(op.micro),
-                        op.chunk,
-                        input,
-                        Batch::of(micro),
-                        seq_len,
-                        &mut |model, unit| settle_unit(b, model, buckets, units, gathers, unit),
-                    )?;
-                    if let Some(l) = &out.loss {
-                        b.axpy(&mut loss, scale, l)?;
-                    }
-                    if let Some(l) = &out.mtp_loss {
-                        b.axpy(&mut mtp_loss, scale, l)?;
-                    }
-                    b.axpy(&mut aux, scale, &out.aux_loss)?;
-                    for (acc, l) in loads[moe_before[op.chunk]..].iter_mut().zip(out.moe_load) {
-                        match acc {
-                            Some(acc) => b.axpy(acc, 1.0, &l)?,
-                            None => *acc = Some(l),
-                        }
-                    }
-                    if let Some(h) = &out.hidden {
-                        ctx.comm.send(b, pp_ranks[(stage + 1) % pp], h)?;
-                    }
-                    saved.insert((op.micro, op.chunk), out.saved);
+        for turn in turns {
+            let (f_op, b_op) = match turn {
+                Turn::One(op) if op.pass == Pass::F => (Some(op), None),
+                Turn::One(op) => (None, Some(op)),
+                Turn::Pair { f, b } => (Some(f), Some(b)),
+            };
+            // What each side needs from the neighbouring stages, both taken
+            // before either computes (a pair needs both to start).
+            let waited = &mut self.pipeline_wait;
+            let mut neighbour = |op: Op| -> Result<Option<Tensor<B>>> {
+                let stage = self.model.virtual_stage(op.chunk);
+                let edge = if op.pass == Pass::F { 0 } else { last };
+                if stage == edge {
+                    return Ok(None);
                 }
-                Pass::B => {
+                let tag = Tag {
+                    pass: op.pass,
+                    micro: op.micro,
+                    stage,
+                };
+                let started = std::time::Instant::now();
+                let x = mailbox.take(ctx, &pp_ranks, tag)?;
+                *waited += started.elapsed();
+                Ok(Some(x))
+            };
+            let input = f_op.map(&mut neighbour).transpose()?.flatten();
+            let backward = match b_op {
+                Some(op) => {
+                    let output_grad = neighbour(op)?;
                     let chunk_saved = saved.remove(&(op.micro, op.chunk)).ok_or_else(|| {
                         EngineError::Invalid(format!(
                             "pipeline: backward of micro-batch {} chunk {} before its forward",
                             op.micro, op.chunk
                         ))
                     })?;
-                    let output_grad = if stage == last {
-                        None
-                    } else {
-                        let tag = Tag {
-                            pass: Pass::B,
-                            micro: op.micro,
-                            stage,
-                        };
-                        let waited = std::time::Instant::now();
-                        let d = mailbox.take(ctx, &pp_ranks, tag)?;
-                        self.pipeline_wait += waited.elapsed();
-                        Some(d)
-                    };
                     backwards[op.chunk] += 1;
-                    let last = overlap && backwards[op.chunk] == micro_batches.len();
-                    let (buckets, owners) = (&self.buckets, &self.owners);
-                    let (in_flight, finished) = (&mut self.in_flight, &mut finished);
-                    let input_grad = self.model.backward_chunk_with(
+                    Some((op, chunk_saved, output_grad))
+                }
+                None => None,
+            };
+            // The last micro-batch's backward of a chunk starts the
+            // reductions of the gradients that are final.
+            let reduce_now = overlap
+                && backward
+                    .as_ref()
+                    .is_some_and(|(op, ..)| backwards[op.chunk] == micro_batches.len());
+            // Each unit of a forward waits, right before it runs, for the
+            // last update's all-gathers of its parameters (a scan and
+            // nothing more once they have landed).
+            let (buckets, units, owners) = (&self.buckets, &self.bucket_units, &self.owners);
+            let gathers = &mut self.gathers;
+            let mut before =
+                |model: &mut Model<B>, unit| settle_unit(b, model, buckets, units, gathers, unit);
+            let (in_flight, finished) = (&mut self.in_flight, &mut finished);
+            let mut after_block = |model: &Model<B>, block| {
+                if !reduce_now {
+                    return Ok(());
+                }
+                finished[block] = true;
+                let is_final = |o: Option<usize>| o.is_some_and(|j| finished[j]);
+                start_final_buckets(ctx, model, buckets, owners, in_flight, &is_final)
+            };
+            let (out, input_grad) = match (f_op, backward) {
+                (Some(op), None) => {
+                    let out = self.model.forward_chunk_with(
+                        &ctx.exec().at_micro(op.micro),
+                        op.chunk,
+                        input,
+                        Batch::of(&micro_batches[op.micro]),
+                        seq_len,
+                        &mut before,
+                    )?;
+                    (Some((op, out)), None)
+                }
+                (None, Some((op, chunk_saved, output_grad))) => {
+                    let d = self.model.backward_chunk_with(
                         &ctx.exec().at_micro(op.micro),
                         chunk_saved,
                         output_grad,
                         scale,
-                        &mut |model, block| {
-                            if !last {
-                                return Ok(());
-                            }
-                            finished[block] = true;
-                            let is_final = |o: Option<usize>| o.is_some_and(|j| finished[j]);
-                            start_final_buckets(ctx, model, buckets, owners, in_flight, &is_final)
-                        },
+                        &mut after_block,
                     )?;
-                    if let Some(d) = &input_grad {
-                        ctx.comm.send(b, pp_ranks[(stage - 1) % pp], d)?;
+                    (None, Some((op, d)))
+                }
+                (Some(f), Some((op, chunk_saved, output_grad))) => {
+                    let (out, d) = self.model.forward_backward_chunks(
+                        ForwardCall {
+                            ctx: ctx.exec().at_micro(f.micro),
+                            chunk: f.chunk,
+                            input,
+                            batch: Batch::of(&micro_batches[f.micro]),
+                            seq_len,
+                        },
+                        &mut before,
+                        BackwardCall {
+                            ctx: ctx.exec().at_micro(op.micro),
+                            saved: chunk_saved,
+                            output_grad,
+                            loss_scale: scale,
+                        },
+                        &mut after_block,
+                    )?;
+                    (Some((f, out)), Some((op, d)))
+                }
+                (None, None) => continue,
+            };
+            if let Some((op, out)) = out {
+                if let Some(l) = &out.loss {
+                    b.axpy(&mut loss, scale, l)?;
+                }
+                if let Some(l) = &out.mtp_loss {
+                    b.axpy(&mut mtp_loss, scale, l)?;
+                }
+                b.axpy(&mut aux, scale, &out.aux_loss)?;
+                for (acc, l) in loads[moe_before[op.chunk]..].iter_mut().zip(out.moe_load) {
+                    match acc {
+                        Some(acc) => b.axpy(acc, 1.0, &l)?,
+                        None => *acc = Some(l),
                     }
                 }
+                if let Some(h) = &out.hidden {
+                    let stage = self.model.virtual_stage(op.chunk);
+                    ctx.comm.send(b, pp_ranks[(stage + 1) % pp], h)?;
+                }
+                saved.insert((op.micro, op.chunk), out.saved);
+            }
+            if let Some((op, Some(d))) = input_grad {
+                let stage = self.model.virtual_stage(op.chunk);
+                ctx.comm.send(b, pp_ranks[(stage - 1) % pp], &d)?;
             }
         }
         let loads = loads
