@@ -373,3 +373,48 @@ fn the_overlap_flags_keep_the_loss_and_both_communication_times_are_reported() {
         }
     }
 }
+
+/// `--overlap-moe-expert-parallel-comm` reaches the launched trainer under
+/// ep = 2 with four micro-batches (three paired turns a step) and changes
+/// no bit of the loss; without ep it is refused in one line, and the
+/// training-step flags are refused by the other benchmarks.
+#[test]
+fn the_expert_all_to_all_overlap_keeps_the_loss_and_needs_ep() {
+    let args = |extra: &[&'static str]| {
+        let mut all = vec!["--layout", "ep=2", "--micro-batches", "4"];
+        all.extend_from_slice(extra);
+        launched(2, &tiny("512", "0", "2", &all))
+    };
+    let plain = report(&strs(&args(&[])));
+    let overlapped = report(&strs(&args(&["--overlap-moe-expert-parallel-comm"])));
+    assert_eq!(plain["last_loss"], overlapped["last_loss"]);
+    assert_eq!(overlapped["dims"]["micro_batches"], 4);
+    let o = foldmoe(&strs(&tiny(
+        "128",
+        "0",
+        "1",
+        &["--overlap-moe-expert-parallel-comm"],
+    )));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("needs ep > 1") && err.contains("ep = 1"),
+        "{err}"
+    );
+    let o = foldmoe(&[
+        "bench",
+        "moe-layer",
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--tokens",
+        "64",
+        "--micro-batches",
+        "2",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--micro-batches applies to bench model only"),
+        "{err}"
+    );
+}

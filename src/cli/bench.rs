@@ -106,6 +106,11 @@ pub struct BenchOptions {
     /// Timed iterations.
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
+    /// `model`: micro-batches each dp rank's `--tokens` are split into,
+    /// accumulated in one step (through the pipeline schedule; at least 2
+    /// for `--overlap-moe-expert-parallel-comm` to pair any).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
     /// Parallel layout over the processes of `foldmoe launch` (`model`
     /// only), e.g. `ep=2`; default dp over all of them.
     #[arg(long)]
@@ -131,6 +136,10 @@ pub struct BenchOptions {
     /// `train --overlap-param-gather`.
     #[arg(long)]
     pub overlap_param_gather: bool,
+    /// `model`: run each steady forward with the next backward, the expert
+    /// all-to-alls overlapped, as `train --overlap-moe-expert-parallel-comm`.
+    #[arg(long)]
+    pub overlap_moe_expert_parallel_comm: bool,
     /// `model`: parameter elements per gradient bucket, as `train
     /// --ddp-bucket-size`.
     #[arg(long, value_name = "ELEMENTS")]
@@ -266,6 +275,23 @@ fn run_on<B: BenchDevice + ProcessComm>(
         return Err(CliError::usage(
             "--head-dim and --mla apply to bench attention only",
         ));
+    }
+    let model_only = [
+        (o.micro_batches != 1, "--micro-batches"),
+        (o.overlap_grad_reduce, "--overlap-grad-reduce"),
+        (o.overlap_param_gather, "--overlap-param-gather"),
+        (
+            o.overlap_moe_expert_parallel_comm,
+            "--overlap-moe-expert-parallel-comm",
+        ),
+        (o.ddp_bucket_size.is_some(), "--ddp-bucket-size"),
+    ];
+    if let Some((_, flag)) = model_only.iter().find(|(on, _)| *on) {
+        if o.kind != BenchKind::Model {
+            return Err(CliError::usage(format!(
+                "{flag} applies to bench model only (the training step)"
+            )));
+        }
     }
     if o.fp8 && o.kind == BenchKind::Attention {
         return Err(CliError::usage(
@@ -824,6 +850,7 @@ fn rank_step<B: BenchDevice>(
             overlap_param_gather: o.overlap_param_gather,
             bucket_size: o.ddp_bucket_size,
         },
+        overlap_moe_comm: o.overlap_moe_expert_parallel_comm,
         ..TrainConfig::default()
     };
     let mut trainer = Trainer::new(b, model, cfg)?;
@@ -838,11 +865,21 @@ fn rank_step<B: BenchDevice>(
         rank: &rank,
     };
     let (dp, dp_i) = (rank.dp.size(), rank.dp_index);
+    let m = o.micro_batches;
+    if m == 0 || !t.is_multiple_of(m * s) {
+        return Err(CliError::usage(format!(
+            "--micro-batches {m}: --tokens {t} must split into that many micro-batches of \
+             whole sequences of {s}"
+        )));
+    }
     let (x, y) = random_tokens(dp * t, spec.vocab);
-    let mine = [(
-        x[dp_i * t..(dp_i + 1) * t].to_vec(),
-        y[dp_i * t..(dp_i + 1) * t].to_vec(),
-    )];
+    let per = t / m;
+    let mine: Vec<(Vec<i32>, Vec<i32>)> = (0..m)
+        .map(|k| {
+            let at = dp_i * t + k * per;
+            (x[at..at + per].to_vec(), y[at..at + per].to_vec())
+        })
+        .collect();
     let mut last_loss = f64::NAN;
     // Seconds of every step (warmup included) the rank was blocked in
     // collectives (exposed), and that collectives ran (total: started ones
@@ -881,6 +918,7 @@ fn rank_step<B: BenchDevice>(
         "dims": {
             "layers": spec.layers(), "hidden": spec.hidden, "vocab": spec.vocab,
             "seq_len": s, "tokens": t, "params": params, "active_params": active,
+            "micro_batches": m,
         },
         "world": layout.world,
         "layout": layout.spec().to_string(),

@@ -79,6 +79,13 @@ pub struct TrainOptions {
     #[arg(long)]
     #[serde(default)]
     pub overlap_param_gather: bool,
+    /// Run each steady 1F1B forward together with the next backward, so
+    /// one micro-batch's expert all-to-all travels while the other
+    /// computes (Megatron-Core's flag of this name; needs ep > 1; one more
+    /// micro-batch of activations); results are bit-identical.
+    #[arg(long)]
+    #[serde(default)]
+    pub overlap_moe_expert_parallel_comm: bool,
     /// Parameter elements per gradient bucket (Megatron-Core's
     /// `--ddp-bucket-size`; default: one bucket per kind of parameter, or
     /// max(40M, 1M·dp) with --overlap-grad-reduce).
@@ -207,6 +214,9 @@ pub struct TrainSettings {
     /// `--overlap-param-gather`.
     #[serde(default)]
     pub overlap_param_gather: bool,
+    /// `--overlap-moe-expert-parallel-comm`.
+    #[serde(default)]
+    pub overlap_moe_expert_parallel_comm: bool,
     /// `--ddp-bucket-size` (`None`: the default buckets).
     #[serde(default)]
     pub ddp_bucket_size: Option<usize>,
@@ -286,6 +296,7 @@ impl Default for TrainSettings {
             layout: None,
             overlap_grad_reduce: false,
             overlap_param_gather: false,
+            overlap_moe_expert_parallel_comm: false,
             ddp_bucket_size: None,
             capacity_factor: None,
             recompute: None,
@@ -338,6 +349,8 @@ impl TrainOptions {
             layout: self.layout.or(file.layout),
             overlap_grad_reduce: self.overlap_grad_reduce || file.overlap_grad_reduce,
             overlap_param_gather: self.overlap_param_gather || file.overlap_param_gather,
+            overlap_moe_expert_parallel_comm: self.overlap_moe_expert_parallel_comm
+                || file.overlap_moe_expert_parallel_comm,
             ddp_bucket_size: self.ddp_bucket_size.or(file.ddp_bucket_size),
             capacity_factor: self.capacity_factor.or(file.capacity_factor),
             recompute: self.recompute.or(file.recompute),
@@ -386,6 +399,8 @@ impl TrainOptions {
             layout: opts.layout.clone().or(base.layout),
             overlap_grad_reduce: opts.overlap_grad_reduce || base.overlap_grad_reduce,
             overlap_param_gather: opts.overlap_param_gather || base.overlap_param_gather,
+            overlap_moe_expert_parallel_comm: opts.overlap_moe_expert_parallel_comm
+                || base.overlap_moe_expert_parallel_comm,
             ddp_bucket_size: opts.ddp_bucket_size.or(base.ddp_bucket_size),
             capacity_factor: opts.capacity_factor.or(base.capacity_factor),
             recompute: opts.recompute.clone().or(base.recompute),
@@ -703,6 +718,15 @@ mod tests {
                 bucket_size: Some(1000),
             }
         );
+        assert!(!s.overlap_moe_expert_parallel_comm);
+        let cfg = write("moe.toml", "overlap_moe_expert_parallel_comm = true\n");
+        let (s, _) = TrainOptions {
+            config: Some(cfg),
+            ..Default::default()
+        }
+        .resolve(TrainSettings::default())
+        .unwrap();
+        assert!(s.overlap_moe_expert_parallel_comm);
         let err = TrainOptions {
             ddp_bucket_size: Some(0),
             ..Default::default()

@@ -119,6 +119,7 @@ fn trainer_config(s: &TrainSettings) -> TrainConfig {
         warmup_steps: s.warmup_steps,
         total_steps: s.steps,
         ddp: s.ddp(),
+        overlap_moe_comm: s.overlap_moe_expert_parallel_comm,
         ..TrainConfig::default()
     }
 }
