@@ -12,7 +12,8 @@
 //! inputs), and after it the compute stream waits for the call (whose
 //! outputs it reads next). The host waits for neither. A blocking call makes
 //! the compute stream wait at once; a started one
-//! ([`Communicator::reduce_scatter_start`], [`Communicator::all_gather_start`])
+//! ([`Communicator::reduce_scatter_start`], [`Communicator::all_gather_start`],
+//! [`Communicator::all_to_all_v_start`])
 //! records an event of its own and returns an [`InFlight`] guard in its
 //! [`Pending`], and the compute stream waits for that event only at
 //! [`Pending::wait`] (or when the handle is dropped): the compute queued in
@@ -32,7 +33,9 @@
 //! - [`Communicator::all_to_all_v`] exchanges the row counts (a small
 //!   all-gather read on the host, which waits for the communication stream:
 //!   the trait returns host counts), then moves the rows with grouped
-//!   point-to-point sends and receives;
+//!   point-to-point sends and receives; [`Communicator::all_to_all_v_start`]
+//!   is given the receive counts (the MoE layer exchanged them first) and
+//!   queues only the sends and receives, with no host wait;
 //! - [`Communicator::all_gather`] with unequal row counts does the same;
 //! - [`Communicator::send`] sends a fixed-size header (dtype and shape)
 //!   before the data, which [`Communicator::recv`] reads on the host first.
@@ -750,6 +753,45 @@ impl Communicator<Cuda> for NcclComm {
         Ok((out, recv_rows))
     }
 
+    /// Queued on the communication stream with no count exchange: the
+    /// caller's `recv_rows` size the receive buffer and the receives. NCCL
+    /// cannot check them against what the peers send without a host wait,
+    /// which is what this call avoids, so only this rank's own rows are
+    /// checked; the MoE layer derives them from the counts it exchanged.
+    fn all_to_all_v_start(
+        &self,
+        b: &Cuda,
+        group: &Group,
+        t: &Tensor<Cuda>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Pending<Cuda>> {
+        let s = self.state();
+        let (comm, me) = self.comm_of(&s, group)?;
+        let n = group.size();
+        if let Some(e) = crate::comm::all_to_all_v_args_error(t.shape(), n, send_rows) {
+            return Err(e);
+        }
+        if recv_rows.len() != n || recv_rows[me] != send_rows[me] {
+            return Err(self.err(format!(
+                "all_to_all_v: expected receive rows {recv_rows:?} for a group of {n} where \
+                 this rank (member {me}) keeps {} of its own rows",
+                send_rows[me]
+            )));
+        }
+        if n == 1 {
+            return Ok(Pending::ready(Ok(t.clone())));
+        }
+        let mut shape = t.shape().to_vec();
+        shape[0] = recv_rows.iter().sum();
+        let out = b.alloc("all_to_all_v", &shape, t.dtype())?;
+        let target = out.clone();
+        let from = exclusive_sums(send_rows);
+        self.started(&s, out, t, |stream| {
+            self.exchange_rows(stream, comm, me, t, &from, send_rows, &target, recv_rows)
+        })
+    }
+
     fn broadcast(
         &self,
         b: &Cuda,
@@ -961,6 +1003,10 @@ mod tests {
             c.all_to_all_v(b, &reversed, &data(send_rows.iter().sum(), 3)?, &send_rows)?;
         out.push(f32s(&got)?);
         out.push(counts.iter().map(|&k| k as f32).collect());
+        // Started with the receive counts the blocking call returned.
+        let rows = send_rows.iter().sum();
+        let started = c.all_to_all_v_start(b, &reversed, &data(rows, 9)?, &send_rows, &counts)?;
+        out.push(f32s(&started.wait()?)?);
         out.push(f32s(&c.broadcast(b, &world, 1, &data(3, 4)?)?)?);
         // Even ranks send first, odd ones receive first: NCCL's send waits on
         // the device for its receive, so a ring of sends-first would stall.
