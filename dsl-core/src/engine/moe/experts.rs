@@ -179,6 +179,20 @@ impl<B: Backend> SavedInput<B> {
     }
 }
 
+/// What the experts' weight gradients need once their data gradients are
+/// computed ([`Experts::backward_data`]); `None` when none are left (fp8).
+pub struct WeightGrads<B: Backend>(Option<WeightInputs<B>>);
+
+/// The products' inputs of the weight gradients.
+struct WeightInputs<B: Backend> {
+    x_nd: ExpertRows<B>,
+    act_nf: Tensor<B>,
+    dy_nd: ExpertRows<B>,
+    dgate_nf: Tensor<B>,
+    dup_nf: Tensor<B>,
+    counts_e: Tensor<B>,
+}
+
 /// What the experts' backward needs from their forward.
 pub struct ExpertsSaved<B: Backend> {
     x_nd: SavedInput<B>,
@@ -297,15 +311,32 @@ impl<B: Backend> Experts<B> {
         Ok((y_nd, saved))
     }
 
-    /// Accumulates the weight gradients from `dy: [N, D]` (the rows'
-    /// output gradients, gathered from the combined output's) and returns
-    /// `(dx: [N, D], dprobs: [N])`.
+    /// Accumulates the weight gradients and returns `(dx: [N, D], dprobs:
+    /// [N])` from `dy: [N, D]`: [`Self::backward_data`] then
+    /// [`Self::backward_weights`].
     pub fn backward(
         &mut self,
         b: &B,
         dy_nd: ExpertRows<B>,
         saved: ExpertsSaved<B>,
     ) -> Result<(Tensor<B>, Tensor<B>)> {
+        let (dx_nd, dprobs_n, weights) = self.backward_data(b, dy_nd, saved)?;
+        self.backward_weights(b, weights)?;
+        Ok((dx_nd, dprobs_n))
+    }
+
+    /// The data half of the backward: `(dx, dprobs)` and what the weight
+    /// gradients need, so the caller can send the data gradients on their
+    /// way before computing those (Megatron-Core's `--delay-wgrad-compute`
+    /// split). The same products as computing them together, so the same
+    /// bits. The fp8 experts compute their weight gradients here (none
+    /// are left).
+    pub fn backward_data(
+        &mut self,
+        b: &B,
+        dy_nd: ExpertRows<B>,
+        saved: ExpertsSaved<B>,
+    ) -> Result<(Tensor<B>, Tensor<B>, WeightGrads<B>)> {
         let ExpertsSaved {
             x_nd,
             counts_e,
@@ -317,13 +348,14 @@ impl<B: Backend> Experts<B> {
         let (x_nd, act_nf) = match (x_nd, act_nf) {
             (SavedInput::Rows(x), SavedInput::Rows(ExpertRows::Dense(act))) => (x, act),
             (SavedInput::Fp8(x), SavedInput::Fp8(act)) => {
-                return self.backward_fp8(
+                let (dx_nd, dprobs_n) = self.backward_fp8(
                     b,
                     &dy_nd.materialize(b)?,
                     &counts_e,
                     (&gate_nf, &up_nf, &probs_n),
                     (&x, &act),
-                );
+                )?;
+                return Ok((dx_nd, dprobs_n, WeightGrads(None)));
             }
             _ => {
                 return Err(crate::engine::EngineError::Invalid(
@@ -335,16 +367,9 @@ impl<B: Backend> Experts<B> {
         // where they lie (gathered from the combined output's, or permuted
         // once here where the backend cannot gather).
         let dy_nd = dy_nd.for_products(b)?;
-        self.w2
-            .accumulate(b, &dy_nd.weight_grad_of(b, &act_nf, &counts_e)?)?;
         let dact_nf = dy_nd.product(b, &self.w2.value, &counts_e, true)?;
         let (dgate_nf, dup_nf, dprobs_n) =
             b.swiglu_weighted_backward(&gate_nf, &up_nf, &probs_n, &dact_nf)?;
-        let (dw1, dw3) = x_nd
-            .for_products(b)?
-            .gate_up_weight_grads(b, &dgate_nf, &dup_nf, &counts_e)?;
-        self.w1.accumulate(b, &dw1)?;
-        self.w3.accumulate(b, &dw3)?;
         // dx = dgate · w1ᵀ + dup · w3ᵀ as one product over both.
         let dx_nd = b.grouped_matmul_sum2(
             &dgate_nf,
@@ -354,7 +379,33 @@ impl<B: Backend> Experts<B> {
             &counts_e,
             true,
         )?;
-        Ok((dx_nd, dprobs_n))
+        let weights = WeightGrads(Some(WeightInputs {
+            x_nd,
+            act_nf,
+            dy_nd,
+            dgate_nf,
+            dup_nf,
+            counts_e,
+        }));
+        Ok((dx_nd, dprobs_n, weights))
+    }
+
+    /// The weight half of the backward: accumulates `w2`'s gradient from
+    /// the activation and the output gradient, `w1`'s and `w3`'s from the
+    /// rows and the SwiGLU's input gradients.
+    pub fn backward_weights(&mut self, b: &B, weights: WeightGrads<B>) -> Result<()> {
+        let Some(w) = weights.0 else {
+            return Ok(());
+        };
+        self.w2
+            .accumulate(b, &w.dy_nd.weight_grad_of(b, &w.act_nf, &w.counts_e)?)?;
+        let (dw1, dw3) =
+            w.x_nd
+                .for_products(b)?
+                .gate_up_weight_grads(b, &w.dgate_nf, &w.dup_nf, &w.counts_e)?;
+        self.w1.accumulate(b, &dw1)?;
+        self.w3.accumulate(b, &dw3)?;
+        Ok(())
     }
 
     /// The backward in blockwise fp8: each incoming gradient quantised in

@@ -880,7 +880,8 @@ impl<B: Backend> MoeLayer<B> {
 
     /// The experts' backward on the output gradient that arrived: gathered
     /// over etp, through the grouped GEMMs in the forward's order; the
-    /// rows' and weights' gradients summed over etp and started back.
+    /// rows' and weights' gradients summed over etp and started back, then
+    /// the experts' weight gradients computed while they travel.
     fn experts_backward(
         &mut self,
         ctx: &Exec<B>,
@@ -901,7 +902,7 @@ impl<B: Backend> MoeLayer<B> {
             row_src: ex.order.clone(),
             source_is_input: false,
         };
-        let (dx_sorted, dp_sorted) = self.experts.backward(b, dy_sorted, saved)?;
+        let (dx_sorted, dp_sorted, weights) = self.experts.backward_data(b, dy_sorted, saved)?;
         let sorted = dp_sorted.numel();
         let mut dx_block = b.embedding_backward(&dx_sorted, &ex.order, rows)?;
         let mut dp_block =
@@ -917,6 +918,9 @@ impl<B: Backend> MoeLayer<B> {
         let comm = ctx.comm;
         let dx_nd = comm.all_to_all_v_start(b, &g.ep, &dx_block, &ex.recv_rows, &ex.send_rows)?;
         let dp_nd = comm.all_to_all_v_start(b, &g.ep, &dp_block, &ex.recv_rows, &ex.send_rows)?;
+        // The weight gradients while the data gradients travel
+        // (Megatron-Core's `--delay-wgrad-compute`).
+        self.experts.backward_weights(b, weights)?;
         Ok(BackwardStage::Combining { dx_nd, dp_nd })
     }
 
