@@ -20,6 +20,7 @@ use foldmoe_core::engine::parallel::{run_local_layout, Ctx, RankLayout, Trainer}
 use foldmoe_core::engine::trainer::{LayerLoad, TrainConfig};
 use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
+use foldmoe_core::memory::{self, MemoryOptions};
 use foldmoe_core::spec::{
     AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, LoadBalance, ModelSpec,
     MoeSpec, RecomputePart, RouterSpec, ScoreFunction,
@@ -1394,6 +1395,59 @@ fn a_paired_forward_and_backward_take_turns_at_the_exchanges() {
     for (rank, r) in results.into_iter().enumerate() {
         let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(got, want, "rank {rank}");
+    }
+}
+
+/// The overlapped schedule holds a pair's forward beside its paused
+/// backward: every rank's ledger peak over a step (the saved tensors of all
+/// micro-batches in flight, a paused backward's counted until it finishes)
+/// is at least the plain 1F1B schedule's and at most the memory planner's
+/// bound for it, one more model chunk in flight; under pp, 1F1B and
+/// interleaved.
+#[test]
+fn the_overlapped_schedule_stays_within_the_planned_activation_bound() {
+    for (spec, layout_text) in [
+        (deep_spec(false), "world=2,dp=2,ep=2"),
+        (deep_spec(false), "world=4,dp=2,pp=2,ep=2"),
+        (deep_spec(true), "world=4,pp=2,vpp=2,dp=2,ep=2"),
+    ] {
+        let layout = checked_layout(&spec, layout_text);
+        let per = MICRO_BATCHES / layout.dp;
+        let peaks = |overlap_moe_comm: bool| {
+            let cfg = TrainConfig {
+                overlap_moe_comm,
+                ..config()
+            };
+            let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+                let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+                let model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
+                let mut trainer = Trainer::new(ctx.b, model, cfg)?;
+                let dp_i = ctx.rank.dp_index;
+                let mine = host_batches(global_batch(0))[dp_i * per..(dp_i + 1) * per].to_vec();
+                trainer.model.ledger.reset_peak();
+                trainer.step(ctx, &mine, SEQ)?;
+                Ok(trainer.model.ledger.counts().peak_device as f64)
+            });
+            results
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|e| panic!("{layout_text}: {e}")))
+                .collect::<Vec<_>>()
+        };
+        let planned = |rank: usize, overlap_moe_comm: bool| {
+            let opts = MemoryOptions {
+                overlap_moe_comm,
+                ..MemoryOptions::new(rank, SEQS_PER_MICRO, per)
+            };
+            memory::plan_memory(&spec, &layout, &opts).in_flight
+        };
+        let (plain, overlapped) = (peaks(false), peaks(true));
+        for (rank, (p, o)) in plain.iter().zip(&overlapped).enumerate() {
+            let bound = p * planned(rank, true) / planned(rank, false);
+            assert!(
+                p <= o && *o <= bound,
+                "{layout_text} rank {rank}: plain peak {p}, overlapped {o}, bound {bound}"
+            );
+        }
     }
 }
 

@@ -134,6 +134,11 @@ pub struct MemoryOptions {
     /// Bytes per weight and per gradient element: 2 (bf16, the default), 4
     /// for an f32 model.
     pub weight_bytes: f64,
+    /// The expert all-to-all overlapped with the other micro-batch
+    /// (`--overlap-moe-expert-parallel-comm`): one more model chunk counted
+    /// in flight, a bound (a pair's backward frees its blocks while its
+    /// forward saves, so the engine's peak is below it).
+    pub overlap_moe_comm: bool,
 }
 
 impl MemoryOptions {
@@ -145,6 +150,7 @@ impl MemoryOptions {
             micro_batches,
             activation_bytes: 2.0,
             weight_bytes: 2.0,
+            overlap_moe_comm: false,
         }
     }
 }
@@ -483,13 +489,18 @@ fn rematerialised(
 /// Megatron's schedules: 1F1B holds `pp − stage`; the interleaved schedule
 /// (`vpp > 1`) runs `2·(pp − stage − 1) + (vpp − 1)·pp` warm-up forwards of
 /// one model chunk each plus one more, i.e. that many chunks over `vpp`
-/// stages' worth; both capped by the micro-batches of a step.
-pub fn in_flight(layout: &Layout, stage: usize, micro_batches: usize) -> f64 {
+/// stages' worth; both capped by the micro-batches of a step. With the
+/// expert all-to-all overlapped (`overlapped`), one more chunk: the extra
+/// warm-up forward of `pipeline::turns`, or in a pair the forward's saved
+/// tensors beside the backward's not yet freed (a bound: the backward
+/// frees its blocks as the forward saves its own).
+pub fn in_flight(layout: &Layout, stage: usize, micro_batches: usize, overlapped: bool) -> f64 {
     let (pp, vpp) = (layout.pp, layout.vpp);
+    let extra = usize::from(overlapped);
     let chunks = if vpp == 1 {
-        (pp - stage) as f64
+        (pp - stage + extra) as f64
     } else {
-        (2 * (pp - stage - 1) + (vpp - 1) * pp + 1) as f64 / vpp as f64
+        (2 * (pp - stage - 1) + (vpp - 1) * pp + 1 + extra) as f64 / vpp as f64
     };
     chunks.min(micro_batches as f64)
 }
@@ -600,7 +611,7 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     } else {
         extra = remat;
     }
-    let flight = in_flight(layout, stage, opts.micro_batches);
+    let flight = in_flight(layout, stage, opts.micro_batches, opts.overlap_moe_comm);
     let dense_shard = (layout.dp * layout.cp) as u64;
     let parts: Vec<PartMemory> = Part::ALL
         .iter()
@@ -902,10 +913,11 @@ mod tests {
         spec.groups[1].count = 3; // 4 blocks over pp 2 · vpp 2
         let l = check(&LayoutSpec::parse("world=2,pp=2,vpp=2").unwrap(), &spec).unwrap();
         // Stage 0: (2·1 + 1·2 + 1) / 2 = 2.5; stage 1: (0 + 2 + 1) / 2 = 1.5.
-        assert_eq!(in_flight(&l, 0, 8), 2.5);
-        assert_eq!(in_flight(&l, 1, 8), 1.5);
+        assert_eq!(in_flight(&l, 0, 8, false), 2.5);
+        assert_eq!(in_flight(&l, 1, 8, false), 1.5);
+        assert_eq!(in_flight(&l, 1, 8, true), 2.0);
         // Fewer micro-batches than the warm-up cap it.
-        assert_eq!(in_flight(&l, 0, 2), 2.0);
+        assert_eq!(in_flight(&l, 0, 2, false), 2.0);
     }
 
     #[test]

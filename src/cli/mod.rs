@@ -82,6 +82,9 @@ enum Command {
         /// Store these saved tensors in fp8 (e4m3) in every group (`expert_fc1,moe_act`; `none`), instead of the declared policy.
         #[arg(long = "store-fp8", value_name = "LIST")]
         store_fp8: Option<String>,
+        /// Plan for `train --overlap-moe-expert-parallel-comm`: one more model chunk counted in flight (a bound).
+        #[arg(long)]
+        overlap_moe_expert_parallel_comm: bool,
     },
     /// Time one MoE layer or a training step; prints JSON (see benchmarks/README.md).
     Bench(bench::BenchOptions),
@@ -203,6 +206,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             recompute,
             offload,
             store_fp8,
+            overlap_moe_expert_parallel_comm,
         } => {
             let model = model.unwrap_or_else(|| registry().default_name().unwrap_or("tiny").into());
             let source = match &model_config {
@@ -215,6 +219,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 recompute: recompute.as_deref(),
                 offload: offload.as_deref(),
                 store_fp8: store_fp8.as_deref(),
+                overlap_moe_comm: overlap_moe_expert_parallel_comm,
             };
             println!(
                 "{}",

@@ -47,6 +47,8 @@ pub struct MemoryFlags<'a> {
     pub offload: Option<&'a str>,
     /// `--store-fp8 LIST`, replacing every group's fp8-stored parts.
     pub store_fp8: Option<&'a str>,
+    /// `--overlap-moe-expert-parallel-comm`: one more chunk in flight.
+    pub overlap_moe_comm: bool,
 }
 
 /// Devices the plan's total is compared with, by the memory `nvidia-smi`
@@ -145,11 +147,14 @@ pub fn run(
     let mem = memory::plan_memory(
         &spec,
         &layout,
-        &MemoryOptions::new(
-            rank,
-            flags.micro_batch_size,
-            flags.micro_batches.unwrap_or(layout.pp),
-        ),
+        &MemoryOptions {
+            overlap_moe_comm: flags.overlap_moe_comm,
+            ..MemoryOptions::new(
+                rank,
+                flags.micro_batch_size,
+                flags.micro_batches.unwrap_or(layout.pp),
+            )
+        },
     );
     let (params_total, params_active) = spec.param_counts();
     let plan = Plan {

@@ -786,6 +786,7 @@ fn estimate(
         .map(|&r| {
             let mut opts = MemoryOptions::new(r, prep.seqs, per_dp);
             opts.activation_bytes = act_bytes;
+            opts.overlap_moe_comm = prep.settings.overlap_moe_expert_parallel_comm;
             opts.weight_bytes = if prep.settings.dtype == "bf16" {
                 2.0
             } else {

@@ -137,9 +137,10 @@ impl Counts {
 
 /// Counts of saved activation bytes, shared by everything a model saves
 /// (cloning shares the counts). Bytes are added when a forward saves them
-/// and released when the saved state is dropped, i.e. consumed by its
-/// backward, so with several micro-batches in flight (pipeline schedules)
-/// the peak covers all of them.
+/// and released when the saved state is consumed by its backward (a
+/// block's once that backward finishes, so a backward paused at an
+/// exchange still counts), so with several micro-batches in flight
+/// (pipeline schedules) the peak covers all of them.
 #[derive(Clone, Debug, Default)]
 pub struct Ledger(Arc<Mutex<Counts>>);
 
@@ -431,6 +432,13 @@ impl Stash {
     /// Bytes this state holds on the device and in the host pool.
     pub fn held(&self) -> &Held {
         &self.held
+    }
+
+    /// The bytes this state holds, counted until the returned value is
+    /// dropped (after the state itself is gone: a paused backward keeps
+    /// its tensors, so they count until it finishes).
+    pub fn into_held(self) -> Held {
+        self.held
     }
 
     /// Starts bringing the offloaded tensors back to the device, so their

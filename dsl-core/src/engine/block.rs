@@ -201,8 +201,10 @@ struct BackwardTail<B: Backend> {
     attn_norm: NormSaved<B>,
     attn: BlockAttnSaved<B>,
     ffn_norm: NormSaved<B>,
-    /// Ledger bytes a recompute brought back, held until the backward ends.
-    _rematerialised: Option<Held>,
+    /// The ledger bytes of the forward's saved state and of what a
+    /// recompute brought back, counted until the backward finishes (a
+    /// paused one still holds them while another forward saves its own).
+    _held: Vec<Held>,
 }
 
 /// A block's backward paused at its MoE layer's exchange
@@ -419,19 +421,19 @@ impl<B: Backend> Block<B> {
     /// input: the memory saved is the part's, what Megatron-Core drops for
     /// it, the extra compute its layer's forward). The forward is
     /// deterministic, so the rerun's tensors are bit-identical to those
-    /// dropped. Returns the ledger bytes of what the rerun brought back,
-    /// held until the caller drops them. The
+    /// dropped. Returns the ledger bytes of the forward's state and of what
+    /// the rerun brought back, held until the caller drops them. The
     /// rerun's collectives (tp gathers, cp's key/value gather, the ep
     /// exchange) pair up because every rank of a group has the same policy
     /// and runs the same block's backward at the same point of the schedule.
-    fn restore(&self, ctx: &Exec<B>, saved: &mut BlockSaved<B>) -> Result<Option<Held>> {
+    fn restore(&self, ctx: &Exec<B>, saved: &mut BlockSaved<B>) -> Result<Vec<Held>> {
         let b = ctx.b;
         let Some(mut stash) = saved.stash.take() else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
         stash.restore(b, None, |f| saved.visit_saved(f))?;
         if !stash.needs_recompute() {
-            return Ok(None);
+            return Ok(vec![stash.into_held()]);
         }
         let (seq_len, tokens) = (saved.seq_len, saved.tokens);
         // The rerun sees the forward's documents (the backward's context
@@ -472,7 +474,8 @@ impl<B: Backend> Block<B> {
             })?;
         }
         let refilled = stash.restore(b, Some(fresh), |f| saved.visit_saved(f))?;
-        Ok(Some(self.ledger.hold(&self.name, refilled, 0)))
+        let rematerialised = self.ledger.hold(&self.name, refilled, 0);
+        Ok(vec![stash.into_held(), rematerialised])
     }
 
     /// Attention from this rank's sequence shard `h` of the normed input:
@@ -651,8 +654,9 @@ impl<B: Backend> Block<B> {
         loss_scale: f64,
     ) -> Result<Step<BlockBackward<B>, Tensor<B>>> {
         let b = ctx.b;
-        // Rematerialised tensors count until this backward finishes.
-        let rematerialised = self.restore(ctx, &mut saved)?;
+        // The saved and rematerialised tensors count until this backward
+        // finishes.
+        let held = self.restore(ctx, &mut saved)?;
         let BlockSaved {
             attn_norm,
             attn,
@@ -665,7 +669,7 @@ impl<B: Backend> Block<B> {
             attn_norm,
             attn,
             ffn_norm,
-            _rematerialised: rematerialised,
+            _held: held,
         };
         match (&mut self.ffn, ffn) {
             (Ffn::Dense(mlp), FfnSaved::Dense(s)) => {

@@ -40,8 +40,10 @@ pub struct TrainConfig {
     /// Run each steady-state forward together with the backward after it,
     /// interleaved at the MoE layers' expert all-to-alls, so that one
     /// micro-batch's exchange travels while the other computes
-    /// (Megatron-Core's `--overlap-moe-expert-parallel-comm`; one more
-    /// warm-up micro-batch's activations). The results are bit-identical.
+    /// (Megatron-Core's `--overlap-moe-expert-parallel-comm`). The results
+    /// are bit-identical; a pair's forward saves its tensors beside its
+    /// paused backward's, so the activation peak rises by up to one model
+    /// chunk (the memory planner's bound).
     pub overlap_moe_comm: bool,
 }
 

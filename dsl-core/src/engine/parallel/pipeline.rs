@@ -72,7 +72,8 @@ pub enum Turn {
 /// with, which runs another micro-batch or chunk) and every steady forward
 /// paired with the backward after it. The forwards and the backwards each
 /// keep their order, so the losses and gradients are those of the plain
-/// schedule; a stage holds one more chunk's activations. Without a steady
+/// schedule; a stage holds up to one more chunk's activations (the pair's
+/// backward frees its blocks as its forward saves its own). Without a steady
 /// phase (one micro-batch, or interleaving with `micro == pp`) nothing
 /// pairs.
 pub fn turns(
