@@ -704,6 +704,12 @@ fn bad_parallel_flags_give_one_line_errors() {
         ),
         "multiple of pp = 2",
     );
+    let g = dir.join("g");
+    assert_fails_with(
+        &train(&g, &["--ranks", "2", "--overlap-moe-expert-parallel-comm"]),
+        "needs ep > 1",
+    );
+    assert!(!g.exists(), "a refused run created its directory");
 }
 
 #[test]

@@ -645,6 +645,9 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
         foldmoe::core::engine::parallel::pipeline::schedule(l.pp, l.vpp, micro_batches / dp, 0)
             .map_err(|e| CliError::usage(format!("--micro-batches {micro_batches}: {e}")))?;
     }
+    if let Some(e) = trainer_config(&settings).layout_error(layout.ep) {
+        return Err(CliError::usage(e));
+    }
     let seqs = TrainSettings {
         micro_batches,
         ..settings.clone()

@@ -47,6 +47,21 @@ pub struct TrainConfig {
     pub overlap_moe_comm: bool,
 }
 
+impl TrainConfig {
+    /// Why this configuration cannot train under a layout of expert
+    /// parallelism `ep`, if it cannot: overlapping the expert all-to-all
+    /// needs one (Megatron-Core asserts ep > 1 too). The trainer checks it;
+    /// `train` asks before it makes the run directory.
+    pub fn layout_error(&self, ep: usize) -> Option<String> {
+        (self.overlap_moe_comm && ep == 1).then(|| {
+            format!(
+                "--overlap-moe-expert-parallel-comm overlaps the expert all-to-all, which this \
+                 layout does not have (ep = {ep}); it needs ep > 1"
+            )
+        })
+    }
+}
+
 impl Default for TrainConfig {
     /// Megatron-style pre-training defaults for a small model.
     fn default() -> Self {

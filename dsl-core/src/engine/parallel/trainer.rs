@@ -507,14 +507,10 @@ impl<B: Backend> Trainer<B> {
     /// copies of them taken from the parameters where `cfg.master_weights`
     /// applies to the model's dtype.
     pub fn new(b: &B, model: Model<B>, cfg: TrainConfig) -> Result<Self> {
-        let ep = model.rank.ep.size();
         // Per layout, not per rank: a pipeline stage without MoE layers
         // runs its pairs without pausing.
-        if cfg.overlap_moe_comm && ep == 1 {
-            return Err(EngineError::Invalid(format!(
-                "--overlap-moe-expert-parallel-comm overlaps the expert all-to-all, which this \
-                 layout does not have (ep = {ep}); it needs ep > 1"
-            )));
+        if let Some(e) = cfg.layout_error(model.rank.ep.size()) {
+            return Err(EngineError::Invalid(e));
         }
         let (dp_cp, edp) = (model.rank.dp_cp.size(), model.rank.edp.size());
         let dtype = model.embed.table.value.dtype();
