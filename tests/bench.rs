@@ -367,10 +367,13 @@ fn the_overlap_flags_keep_the_loss_and_both_communication_times_are_reported() {
     )));
     assert_eq!(plain["last_loss"], overlapped["last_loss"]);
     for r in [&plain, &overlapped] {
-        for key in ["comm_exposed_ms", "comm_total_ms"] {
+        for key in ["comm_exposed_ms", "comm_total_ms", "comm_blocked_host_ms"] {
             let ms = r[key].as_f64().unwrap();
             assert!(ms > 0.0 && ms.is_finite(), "{key} = {ms}");
         }
+        // The CPU communicators have no device events: the host's clock.
+        assert_eq!(r["comm_exposed_source"], "host clock");
+        assert_eq!(r["comm_exposed_ms"], r["comm_blocked_host_ms"]);
     }
 }
 

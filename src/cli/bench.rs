@@ -19,9 +19,12 @@
 //! Every iteration ends with a device synchronisation and a barrier over all
 //! ranks, so rank 0's time of an iteration is that of the slowest rank
 //! (plus the barrier); rank 0 alone prints the report, with its median.
-//! `comm_share` is rank 0's time inside communicator calls over its step
-//! time: host time, so on CUDA, where NCCL calls return once queued, it
-//! counts only the calls that wait for the device (row-count exchanges).
+//! `comm_exposed_ms` is rank 0's communication not hidden behind compute:
+//! with NCCL, whose calls return once queued, the compute stream's waits
+//! for collectives timed with device events
+//! ([`Communicator::device_wait_time`]); on the host communicators, the
+//! time rank 0 was blocked in calls and waits. `comm_share` is it over the
+//! step time.
 
 use std::time::Instant;
 
@@ -895,10 +898,18 @@ fn rank_step<B: BenchDevice>(
         ));
         Ok(())
     };
+    // The compute stream's waits for communication of each iteration,
+    // timed on the device (NCCL; `None` on the host communicators).
+    let device_waits = std::cell::RefCell::new(Vec::new());
     // The barrier goes around `timed`: waiting there is not the step's.
     let settle = || -> Result<(), CliError> {
         b.finish()?;
-        Ok(comm.barrier(&world)?)
+        let waited = timed.device_wait_time()?;
+        comm.barrier(&world)?;
+        // The barrier's own device wait is not the step's either.
+        comm.device_wait_time()?;
+        device_waits.borrow_mut().push(waited);
+        Ok(())
     };
     let times = time_iters(o, &mut step, &settle)?;
     if rank.rank != 0 {
@@ -910,9 +921,20 @@ fn rank_step<B: BenchDevice>(
     let flops = spec.flops_per_token() as f64 * global_tokens as f64;
     let tflops = flops / layout.world as f64 / median / 1e12;
     let timed = &comm_seconds[comm_seconds.len() - o.iters..];
-    let exposed: f64 = timed.iter().map(|c| c.0).sum();
+    let host_exposed: f64 = timed.iter().map(|c| c.0).sum();
     let total: f64 = timed.iter().map(|c| c.1).sum();
     let per_step_ms = |s: f64| s / o.iters.max(1) as f64 * 1e3;
+    // A device communicator's exposed time is the compute stream's timed
+    // waits (its calls return once queued); a host one's, the time blocked.
+    let device_waits = device_waits.into_inner();
+    let device_exposed: Option<f64> = device_waits[device_waits.len() - o.iters..]
+        .iter()
+        .map(|w| w.map(|d| d.as_secs_f64()))
+        .sum();
+    let (exposed, exposed_source) = match device_exposed {
+        Some(d) => (d, "device events"),
+        None => (host_exposed, "host clock"),
+    };
     Ok(Some(json!({
         "bench": "model",
         "dims": {
@@ -932,6 +954,8 @@ fn rank_step<B: BenchDevice>(
         "mfu": b.peak_flops().map(|p| tflops * 1e12 / p),
         "comm_share": exposed / times.iter().sum::<f64>(),
         "comm_exposed_ms": per_step_ms(exposed),
+        "comm_exposed_source": exposed_source,
+        "comm_blocked_host_ms": per_step_ms(host_exposed),
         "comm_total_ms": per_step_ms(total),
         "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
         "last_loss": last_loss,

@@ -152,6 +152,16 @@ pub trait Communicator<B: Device>: Send + Sync {
     fn all_gather_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
         Ok(Pending::ready(self.all_gather(b, group, t)))
     }
+    /// How long the device's compute stream waited for this communicator's
+    /// collectives since the last call, timed with device events: the
+    /// exposed communication of a device communicator, whose calls return
+    /// once queued so host clocks miss it (NCCL). `None` where collectives
+    /// run on the host (their exposed time is the caller's time blocked in
+    /// calls and waits, [`timed::TimedComm`]). Call it once the device has
+    /// finished its queued work, or it waits for that.
+    fn device_wait_time(&self) -> Result<Option<Duration>> {
+        Ok(None)
+    }
     /// Starts [`Self::all_to_all_v`] when the caller knows the rows it
     /// will receive from each member (`recv_rows`: the MoE dispatcher has
     /// exchanged its counts first) and returns at once (see the module

@@ -126,6 +126,9 @@ impl<B: Device> Communicator<B> for TimedComm<'_, B> {
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)
     }
+    fn device_wait_time(&self) -> Result<Option<std::time::Duration>> {
+        self.inner.device_wait_time()
+    }
     fn reduce_scatter_start(&self, b: &B, group: &Group, t: &Tensor<B>) -> Result<Pending<B>> {
         self.started(|| self.inner.reduce_scatter_start(b, group, t))
     }

@@ -73,6 +73,7 @@ const HEADER_LEN: usize = 8;
 struct InFlight {
     done: CudaEvent,
     compute: Arc<CudaStream>,
+    waits: Arc<WaitLog>,
     _buffers: [Tensor<Cuda>; 2],
 }
 
@@ -80,7 +81,92 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         // Nowhere to report a failure at drop; the stream's next call would
         // report a broken context anyway.
-        let _ = self.compute.wait(&self.done);
+        let _ = self.waits.wait(&self.compute, &self.done);
+    }
+}
+
+/// The compute stream's waits for communication, timed on the device: each
+/// wait sits between two timing events recorded on the compute stream, and
+/// the interval between them is how long compute stalled for it (zero when
+/// the collective had already finished). This is the exposed
+/// communication, which host clocks cannot see (an NCCL call returns once
+/// queued). Intervals whose events have completed are folded into a sum as
+/// the log grows, so a long run keeps a bounded number of events.
+#[derive(Default)]
+struct WaitLog {
+    state: Mutex<WaitSum>,
+}
+
+#[derive(Default)]
+struct WaitSum {
+    /// Intervals not yet read.
+    pending: Vec<(CudaEvent, CudaEvent)>,
+    /// Milliseconds of the intervals already read.
+    folded_ms: f64,
+    /// The first failure to read an interval since the last take.
+    failed: Option<DriverError>,
+}
+
+/// Intervals kept before completed ones are folded.
+const WAITS_KEPT: usize = 256;
+
+impl WaitLog {
+    /// Makes `compute` wait for `done`, timed. The wait is made even when
+    /// the timing events cannot be (their error is dropped: timing is a
+    /// report, ordering is correctness).
+    fn wait(
+        &self,
+        compute: &Arc<CudaStream>,
+        done: &CudaEvent,
+    ) -> std::result::Result<(), DriverError> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let ctx = compute.context();
+        let mark = || {
+            ctx.new_event(timing)
+                .and_then(|e| e.record(compute).map(|()| e))
+        };
+        let before = mark().ok();
+        let waited = compute.wait(done);
+        if let (Some(before), Ok(after)) = (before, mark()) {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.pending.push((before, after));
+            if s.pending.len() > WAITS_KEPT {
+                // A failed reading is reported by the next take.
+                if let Err(e) = s.fold(false) {
+                    s.failed.get_or_insert(e);
+                }
+            }
+        }
+        waited
+    }
+
+    /// Milliseconds the compute stream stalled since the last call,
+    /// waiting for the device to reach every recorded interval.
+    fn take_ms(&self) -> std::result::Result<f64, DriverError> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let folded = s.fold(true);
+        let ms = std::mem::take(&mut s.folded_ms);
+        match s.failed.take() {
+            Some(e) => Err(e),
+            None => folded.map(|()| ms),
+        }
+    }
+}
+
+impl WaitSum {
+    /// Adds the intervals that have completed (all of them, waiting, when
+    /// `all`) to the sum and forgets their events.
+    fn fold(&mut self, all: bool) -> std::result::Result<(), DriverError> {
+        let mut kept = Vec::new();
+        for (before, after) in self.pending.drain(..) {
+            if all || after.is_complete() {
+                self.folded_ms += f64::from(before.elapsed_ms(&after)?);
+            } else {
+                kept.push((before, after));
+            }
+        }
+        self.pending = kept;
+        Ok(())
     }
 }
 
@@ -110,6 +196,8 @@ pub struct NcclComm {
     rank: usize,
     world: usize,
     ops: Mutex<State>,
+    /// The compute stream's timed waits for this communicator's calls.
+    waits: Arc<WaitLog>,
 }
 
 struct State {
@@ -289,6 +377,7 @@ impl NcclComm {
                 aborted: None,
                 streams,
             }),
+            waits: Arc::default(),
         })
     }
 
@@ -330,7 +419,7 @@ impl NcclComm {
         let c = &s.streams;
         c.done
             .record(&c.stream)
-            .and_then(|()| self.cuda.stream().wait(&c.done))
+            .and_then(|()| self.waits.wait(self.cuda.stream(), &c.done))
             .map_err(|e| self.driver("ordering compute after the communication stream", e))?;
         out
     }
@@ -385,6 +474,7 @@ impl NcclComm {
         let guard = InFlight {
             done,
             compute: self.cuda.stream().clone(),
+            waits: Arc::clone(&self.waits),
             _buffers: [input.clone(), out.clone()],
         };
         // A failed call still has its guard order compute after what was queued.
@@ -932,6 +1022,14 @@ impl Communicator<Cuda> for NcclComm {
         self.cuda.download(&sum).map(|_| ())
     }
 
+    fn device_wait_time(&self) -> Result<Option<std::time::Duration>> {
+        let ms = self
+            .waits
+            .take_ms()
+            .map_err(|e| self.driver("reading the timed waits for communication", e))?;
+        Ok(Some(std::time::Duration::from_secs_f64(ms.max(0.0) / 1e3)))
+    }
+
     fn abort(&self, reason: &str) {
         let mut s = self.state();
         if s.aborted.is_some() {
@@ -1147,7 +1245,14 @@ mod tests {
                     vec![i as f32; counts.iter().sum()]
                 );
             }
-            Ok((b.download(&total)?.to_f32(), n))
+            let total = b.download(&total)?.to_f32();
+            // Every one of those calls made compute wait, timed: a finite
+            // stall, read once (the next reading starts from zero).
+            let waited = c.device_wait_time()?.expect("NCCL times its waits");
+            let none_since = c.device_wait_time()?.expect("NCCL times its waits");
+            assert!(waited.as_secs_f64().is_finite(), "{waited:?}");
+            assert_eq!(none_since, std::time::Duration::ZERO);
+            Ok((total, n))
         });
         let Some(got) = got else { return };
         // Twice (blocking, started) Σ_i i · Σ_r (r + 1)(j mod 7), exact in f32.
