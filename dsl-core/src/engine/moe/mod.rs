@@ -732,9 +732,10 @@ impl<B: Backend> MoeLayer<B> {
     /// Starts the permuted rows `x: [N, D]` (expert-major over all E,
     /// `counts: [E]`) and their routing weights `probs: [N]` towards the ep
     /// ranks holding their experts. The counts go first (every ep rank's
-    /// `[ep, E]`, on the host: they size the exchange, as Megatron-Core's
-    /// dispatcher reads them before its all-to-all), so the rows' exchange
-    /// starts knowing what it will receive.
+    /// `[ep, E]`, gathered on the device and read on the host once: they
+    /// size the exchange, as Megatron-Core's dispatcher reads them before
+    /// its all-to-all), so the rows' exchange starts knowing what it will
+    /// receive.
     fn dispatch_start(
         &self,
         ctx: &Exec<B>,
@@ -748,7 +749,11 @@ impl<B: Backend> MoeLayer<B> {
         let x_nd = x_nd.materialize(b)?;
         let e = self.spec.experts;
         let local = e / ep;
-        let counts = b.download(counts_e)?.to_i32()?;
+        // Gathered on the device, read once: this rank's own row among them.
+        let counts_1e = counts_e.clone().reshape(&[1, e])?;
+        let ep_counts = ctx.comm.all_gather(b, &g.ep, &counts_1e)?;
+        let ep_host = b.download(&ep_counts)?.to_i32()?;
+        let counts = &ep_host[g.ep_index * e..(g.ep_index + 1) * e];
         let send_rows: Vec<usize> = (0..ep)
             .map(|j| {
                 counts[j * local..(j + 1) * local]
@@ -757,9 +762,6 @@ impl<B: Backend> MoeLayer<B> {
                     .sum()
             })
             .collect();
-        let counts_1e = b.upload(HostData::I32(counts), &[1, e])?;
-        let ep_counts = ctx.comm.all_gather(b, &g.ep, &counts_1e)?;
-        let ep_host = b.download(&ep_counts)?.to_i32()?;
         let first = g.ep_index * local;
         let recv_rows: Vec<usize> = (0..ep)
             .map(|s| {
