@@ -1160,6 +1160,18 @@ fn overlap_run_on(spec: &ModelSpec, layout_text: &str, cfg: TrainConfig, tcp: bo
     rank0_agreed(results, layout_text, |r| r.0.clone())
 }
 
+/// Asserts that two overlap runs agree bit for bit: losses, gradient
+/// norms, then every parameter and reduced gradient (named when one
+/// differs); `at` says which run.
+fn assert_same_run(got: &OverlapRun, want: &OverlapRun, at: &str) {
+    assert_eq!(got.0, want.0, "{at}: losses");
+    assert_eq!(got.1, want.1, "{at}: gradient norms");
+    assert_eq!(got.2.len(), want.2.len(), "{at}: tensors compared");
+    for ((name, g), (_, w)) in got.2.iter().zip(&want.2) {
+        assert!(g == w, "{at}: {name} differs");
+    }
+}
+
 /// `e` as rank `comm`'s communicator error (what `run_loopback` reports,
 /// aborting the rank).
 fn comm_error(comm: &TcpComm, e: EngineError) -> KernelError {
@@ -1205,12 +1217,7 @@ fn overlapped_reduction_over_tcp_is_bit_identical_to_threads() {
             },
             true,
         );
-        assert_eq!(got.0, want.0, "{layout_text}: losses");
-        assert_eq!(got.1, want.1, "{layout_text}: gradient norms");
-        assert!(
-            got.2 == want.2,
-            "{layout_text}: parameters or gradients differ"
-        );
+        assert_same_run(&got, &want, layout_text);
     }
 }
 
@@ -1254,12 +1261,7 @@ fn overlapped_gradient_reduction_is_bit_identical_to_the_unoverlapped_one() {
                     bucket_size,
                 };
                 let got = overlap_run(spec, layout_text, on);
-                let at = format!("{layout_text}, {on:?}");
-                assert_eq!(got.0, want.0, "{at}: losses");
-                assert_eq!(got.1, want.1, "{at}: gradient norms");
-                for ((name, g), (_, w)) in got.2.iter().zip(&want.2) {
-                    assert!(g == w, "{at}: {name} differs");
-                }
+                assert_same_run(&got, &want, &format!("{layout_text}, {on:?}"));
             }
         }
     }
@@ -1329,12 +1331,7 @@ fn overlapped_expert_all_to_all_is_bit_identical_to_the_plain_schedule() {
             ..plain
         };
         let got = overlap_run_on(spec, layout_text, on, *tcp);
-        let at = format!("{layout_text}, {ddp:?}, tcp {tcp}");
-        assert_eq!(got.0, want.0, "{at}: losses");
-        assert_eq!(got.1, want.1, "{at}: gradient norms");
-        for ((name, g), (_, w)) in got.2.iter().zip(&want.2) {
-            assert!(g == w, "{at}: {name} differs");
-        }
+        assert_same_run(&got, &want, &format!("{layout_text}, {ddp:?}, tcp {tcp}"));
     }
 }
 

@@ -700,6 +700,31 @@ pub(super) fn concat_host(pieces: &[(&HostData, Range<usize>)]) -> Option<HostDa
 }
 
 impl LocalComm {
+    /// This rank's contribution to its next `op` on `group` and the call's
+    /// place: `t`'s values read to the host, unless its arguments are
+    /// `invalid` (then the contribution carries the error to the peers).
+    fn contribution<B: Device>(
+        &self,
+        b: &B,
+        group: &Group,
+        t: &Tensor<B>,
+        op: Op,
+        invalid: Option<KernelError>,
+        send_rows: &[usize],
+    ) -> Result<(Call, Part)> {
+        let data = if invalid.is_none() {
+            Some(b.download(t)?)
+        } else {
+            None
+        };
+        let part = Part {
+            invalid,
+            send_rows: send_rows.to_vec(),
+            ..Part::of(op, t, data)
+        };
+        Ok((self.enter(group, op)?, part))
+    }
+
     /// `reduce_scatter`'s contribution (its arguments checked, its values
     /// read to the host) and place.
     fn reduce_scatter_call<B: Device>(
@@ -709,16 +734,7 @@ impl LocalComm {
         t: &Tensor<B>,
     ) -> Result<(Call, Part)> {
         let invalid = super::reduce_scatter_args_error(t.shape(), group.size());
-        let data = if invalid.is_none() {
-            Some(b.download(t)?)
-        } else {
-            None
-        };
-        let part = Part {
-            invalid,
-            ..Part::of(Op::ReduceScatter, t, data)
-        };
-        Ok((self.enter(group, Op::ReduceScatter)?, part))
+        self.contribution(b, group, t, Op::ReduceScatter, invalid, &[])
     }
 
     /// `all_gather`'s contribution and place.
@@ -729,16 +745,7 @@ impl LocalComm {
         t: &Tensor<B>,
     ) -> Result<(Call, Part)> {
         let invalid = needs_dim0("all_gather", t.shape());
-        let data = if invalid.is_none() {
-            Some(b.download(t)?)
-        } else {
-            None
-        };
-        let part = Part {
-            invalid,
-            ..Part::of(Op::AllGather, t, data)
-        };
-        Ok((self.enter(group, Op::AllGather)?, part))
+        self.contribution(b, group, t, Op::AllGather, invalid, &[])
     }
 
     /// `all_to_all_v`'s contribution and place.
@@ -750,17 +757,7 @@ impl LocalComm {
         send_rows: &[usize],
     ) -> Result<(Call, Part)> {
         let invalid = super::all_to_all_v_args_error(t.shape(), group.size(), send_rows);
-        let data = if invalid.is_none() {
-            Some(b.download(t)?)
-        } else {
-            None
-        };
-        let part = Part {
-            invalid,
-            send_rows: send_rows.to_vec(),
-            ..Part::of(Op::AllToAllV, t, data)
-        };
-        Ok((self.enter(group, Op::AllToAllV)?, part))
+        self.contribution(b, group, t, Op::AllToAllV, invalid, send_rows)
     }
 }
 
