@@ -400,10 +400,12 @@ impl<B: Backend> MoeLayer<B> {
             shared: None,
         };
         if g.ep.size() == 1 && g.etp.size() == 1 {
-            fwd.shared = self.shared_forward(ctx, x_td)?;
             let (y_nd, experts) =
                 self.experts
                     .forward(b, x_nd, &probs_n, fwd.dispatch.counts_e())?;
+            // After the routed experts: nothing to overlap, and their
+            // output is not held through the experts' peak.
+            fwd.shared = self.shared_forward(ctx, x_td)?;
             return Ok(Step::Done(
                 self.forward_finish(ctx, fwd, y_nd, None, experts)?,
             ));
