@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use foldmoe_core::engine::checkpoint::{self, Source, StateKind};
 use foldmoe_core::engine::documents::Documents;
-use foldmoe_core::engine::model::{BackwardCall, Batch, ForwardCall, HostBatch, Model};
+use foldmoe_core::engine::model::{
+    BackwardCall, Batch, ForwardCall, ForwardUnit, HostBatch, Model,
+};
 use foldmoe_core::engine::optim::{DdpConfig, MasterWeights};
 use foldmoe_core::engine::parallel::trainer::Gather;
 use foldmoe_core::engine::parallel::{run_local_layout, Ctx, RankLayout, Trainer};
@@ -1445,6 +1447,59 @@ fn the_overlapped_schedule_stays_within_the_planned_activation_bound() {
                 "{layout_text} rank {rank}: plain peak {p}, overlapped {o}, bound {bound}"
             );
         }
+    }
+}
+
+/// A rank that fails in the middle of a paired forward and backward, with
+/// both sides' all-to-alls started, stops its peer with an error naming it
+/// long before the communicator's timeout: the paused states' pending
+/// exchanges are dropped, not waited for forever.
+#[test]
+fn a_rank_failing_inside_a_pair_stops_its_peer() {
+    let spec = deep_spec(false);
+    let layout = checked_layout(&spec, "world=2,dp=2,ep=2");
+    let started = std::time::Instant::now();
+    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let mut model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
+        let batches = host_batches(global_batch(0));
+        let (first, second) = (&batches[2 * ctx.rank.rank], &batches[2 * ctx.rank.rank + 1]);
+        let out = model.forward_chunk(&ctx.exec().at_micro(0), 0, None, Batch::of(first), SEQ)?;
+        let me = ctx.rank.rank;
+        model.forward_backward_chunks(
+            ForwardCall {
+                ctx: ctx.exec().at_micro(1),
+                chunk: 0,
+                input: None,
+                batch: Batch::of(second),
+                seq_len: SEQ,
+            },
+            &mut |_, unit| match unit {
+                // By block 2 both sides have paused at started exchanges.
+                ForwardUnit::Block(2) if me == 1 => {
+                    Err(EngineError::Invalid("rank 1 fails inside a pair".into()))
+                }
+                _ => Ok(()),
+            },
+            BackwardCall {
+                ctx: ctx.exec().at_micro(0),
+                saved: out.saved,
+                output_grad: None,
+                loss_scale: 1.0,
+            },
+            &mut |_, _| Ok(()),
+        )?;
+        Ok(())
+    });
+    let elapsed = started.elapsed();
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    for (rank, result) in results.iter().enumerate() {
+        let err = result
+            .as_ref()
+            .expect_err("every rank must fail")
+            .to_string();
+        assert!(err.contains("rank 1"), "rank {rank}: {err}");
+        assert!(!err.contains('\n'), "rank {rank}: {err}");
     }
 }
 
