@@ -22,6 +22,12 @@
 //! when tied); these dotted names and the global shapes are what
 //! checkpoints store, each rank its [`ShardPlan`] blocks.
 //!
+//! A chunk's forward and backward run block by block, and a block with an
+//! MoE layer under ep pauses at its all-to-alls ([`crate::engine::Step`]):
+//! [`Model::forward_chunk`] and [`Model::backward_chunk`] resume each pause
+//! at once, [`Model::forward_backward_chunks`] gives the other pass a turn
+//! there, so one micro-batch's exchange overlaps the other's compute.
+//!
 //! Shapes: B batch, S sequence, T = B·S tokens, D hidden, V vocabulary, E experts.
 
 use std::ops::Range;

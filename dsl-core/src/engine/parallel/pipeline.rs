@@ -1,7 +1,10 @@
 //! Pipeline schedules (Megatron-Core's `forward_backward_pipelining_without_interleaving`
 //! and `..._with_interleaving`) as pure functions, and the mailbox that
 //! matches the activations and gradients a stage receives to the operations
-//! that need them.
+//! that need them. [`turns`] gives the schedule as a stage runs it: one
+//! operation at a time, or with the expert all-to-alls overlapped
+//! (Megatron-Core's `--overlap-moe-expert-parallel-comm`), each steady
+//! forward paired with the next backward.
 //!
 //! Virtual stage `s = v·pp + p` is model chunk `v` of pipeline rank `p`
 //! (the layout module's `stage_layers`). A forward of virtual stage `s`
