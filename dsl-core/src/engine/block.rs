@@ -187,7 +187,7 @@ struct ForwardHead<B: Backend> {
 }
 
 /// A block's forward paused at its MoE layer's exchange
-/// ([`Block::forward_start`]).
+/// (`Block::forward_start`).
 pub struct BlockForward<B: Backend> {
     head: ForwardHead<B>,
     moe: MoeForward<B>,
@@ -208,7 +208,7 @@ struct BackwardTail<B: Backend> {
 }
 
 /// A block's backward paused at its MoE layer's exchange
-/// ([`Block::backward_start`]).
+/// (`Block::backward_start`).
 pub struct BlockBackward<B: Backend> {
     tail: BackwardTail<B>,
     moe: MoeBackward<B>,

@@ -572,7 +572,7 @@ pub type FetchBlock<'a> = dyn FnMut(usize, &[(usize, usize)]) -> Result<HostData
 /// Writes checkpoint directory `dir` (step `step`) holding `tensors` alone,
 /// no optimizer state, as the ranks of `layout` would hold them (model
 /// conversion; `load_params` and `load` read it under any layout, moments
-/// starting at zero): each rank's file gets the blocks its [`ShardPlan`]
+/// starting at zero): each rank's file gets the blocks its [`ShardPlan`](crate::engine::parallel::ShardPlan)
 /// gives it of the tensors its pipeline stage holds, a block replicated
 /// over several ranks written by the first only, buffers by rank 0.
 /// `fetch(i, block)` gives the values of a block of `tensors[i]`
