@@ -710,6 +710,21 @@ fn bad_parallel_flags_give_one_line_errors() {
         "needs ep > 1",
     );
     assert!(!g.exists(), "a refused run created its directory");
+    let h = dir.join("h");
+    assert_fails_with(
+        &train(
+            &h,
+            &[
+                "--ranks",
+                "2",
+                "--layout",
+                "ep=2",
+                "--overlap-moe-expert-parallel-comm",
+            ],
+        ),
+        "leave none to pair",
+    );
+    assert!(!h.exists(), "a refused run created its directory");
 }
 
 #[test]

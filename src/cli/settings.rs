@@ -81,7 +81,8 @@ pub struct TrainOptions {
     pub overlap_param_gather: bool,
     /// Run each steady 1F1B forward together with the next backward, so
     /// one micro-batch's expert all-to-all travels while the other
-    /// computes (Megatron-Core's flag of this name; needs ep > 1; up to one
+    /// computes (Megatron-Core's flag of this name; needs ep > 1 and two or
+    /// more micro-batches per dp rank; up to one
     /// more micro-batch of activations at the peak); results are
     /// bit-identical.
     #[arg(long)]

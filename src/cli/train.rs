@@ -640,14 +640,18 @@ fn prepare(opts: TrainOptions, backend: &str) -> Result<Prepared, CliError> {
             )))
         }
     };
-    if let Some(l) = Some(&layout).filter(|l| l.pp > 1) {
-        // The schedule's own check, before the run directory is made.
-        foldmoe::core::engine::parallel::pipeline::schedule(l.pp, l.vpp, micro_batches / dp, 0)
-            .map_err(|e| CliError::usage(format!("--micro-batches {micro_batches}: {e}")))?;
-    }
     if let Some(e) = trainer_config(&settings).layout_error(layout.ep) {
         return Err(CliError::usage(e));
     }
+    // The schedule's own checks, before the run directory is made.
+    foldmoe::core::engine::parallel::pipeline::turns(
+        layout.pp,
+        layout.vpp,
+        micro_batches / dp,
+        0,
+        settings.overlap_moe_expert_parallel_comm,
+    )
+    .map_err(|e| CliError::usage(format!("--micro-batches {micro_batches}: {e}")))?;
     let seqs = TrainSettings {
         micro_batches,
         ..settings.clone()

@@ -76,9 +76,11 @@ pub enum Turn {
 /// paired with the backward after it. The forwards and the backwards each
 /// keep their order, so the losses and gradients are those of the plain
 /// schedule; a stage holds up to one more chunk's activations (the pair's
-/// backward frees its blocks as its forward saves its own). Without a steady
-/// phase (one micro-batch, or interleaving with `micro == pp`) nothing
-/// pairs.
+/// backward frees its blocks as its forward saves its own). Where no stage
+/// would pair anything (one micro-batch, or interleaving with
+/// `micro == pp`) an overlapped schedule is an error: the flag would change
+/// nothing. A stage with more warm-up forwards may pair nothing while the
+/// last stage pairs.
 pub fn turns(
     pp: usize,
     vpp: usize,
@@ -87,6 +89,19 @@ pub fn turns(
     overlapped: bool,
 ) -> Result<Vec<Turn>> {
     let phases = phases(pp, vpp, micro, stage, usize::from(overlapped))?;
+    // The last stage has the fewest warm-up forwards: if it pairs nothing,
+    // no stage does, and the flag would change nothing.
+    if overlapped && stage + 1 < pp && phases.steady.is_empty() {
+        turns(pp, vpp, micro, pp - 1, true)?;
+    }
+    if overlapped && stage + 1 == pp && phases.steady.is_empty() {
+        return Err(EngineError::Invalid(format!(
+            "--overlap-moe-expert-parallel-comm pairs each steady forward with a backward, but \
+             {micro} micro-batch(es) per data-parallel rank under pp = {pp}, vpp = {vpp} leave \
+             none to pair; use at least {} per data-parallel rank",
+            if vpp == 1 { 2 } else { 2 * pp }
+        )));
+    }
     let mut turns: Vec<Turn> = phases.warmup.into_iter().map(Turn::One).collect();
     if overlapped {
         turns.extend(phases.steady.into_iter().map(|(f, b)| Turn::Pair { f, b }));
@@ -431,6 +446,15 @@ mod tests {
                 }
                 for micro in 1..=9 {
                     if vpp > 1 && micro % pp != 0 {
+                        continue;
+                    }
+                    // Nothing to pair anywhere: refused on every stage.
+                    let none = if vpp == 1 { micro < 2 } else { micro == pp };
+                    if none {
+                        for stage in 0..pp {
+                            let err = turns(pp, vpp, micro, stage, true).unwrap_err();
+                            assert!(err.to_string().contains("none to pair"), "{err}");
+                        }
                         continue;
                     }
                     let plain_peak = simulate(pp, vpp, micro);
