@@ -392,6 +392,8 @@ fn the_expert_all_to_all_overlap_keeps_the_loss_and_needs_ep() {
     let overlapped = report(&strs(&args(&["--overlap-moe-expert-parallel-comm"])));
     assert_eq!(plain["last_loss"], overlapped["last_loss"]);
     assert_eq!(overlapped["dims"]["micro_batches"], 4);
+    assert_eq!(overlapped["overlap"]["moe_expert_parallel_comm"], true);
+    assert_eq!(plain["overlap"]["moe_expert_parallel_comm"], false);
     let o = foldmoe(&strs(&tiny(
         "128",
         "0",

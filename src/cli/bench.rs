@@ -944,6 +944,11 @@ fn rank_step<B: BenchDevice>(
         },
         "world": layout.world,
         "layout": layout.spec().to_string(),
+        "overlap": {
+            "grad_reduce": o.overlap_grad_reduce,
+            "param_gather": o.overlap_param_gather,
+            "moe_expert_parallel_comm": o.overlap_moe_expert_parallel_comm,
+        },
         "tokens_per_step": global_tokens,
         "tokens_per_gpu": global_tokens as f64 / layout.world as f64,
         "flops_per_step": flops,
