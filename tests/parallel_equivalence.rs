@@ -1274,8 +1274,10 @@ fn overlapped_gradient_reduction_is_bit_identical_to_the_unoverlapped_one() {
 /// `--overlap-moe-expert-parallel-comm`) changes no bit: losses, gradient
 /// norms, parameters and reduced gradients equal the plain 1F1B run's under
 /// ep with dp, with tp and etp, under pp (1F1B, and interleaved with a tied
-/// embedding), with every block recomputed and an MTP module, with the
-/// gradient and parameter overlaps on as well; over threads and over TCP.
+/// embedding), with every block recomputed and an MTP module, with
+/// global-batch balancing, sigmoid scores and expert biases under
+/// recompute, with the gradient and parameter overlaps on as well; over
+/// threads and over TCP.
 #[test]
 fn overlapped_expert_all_to_all_is_bit_identical_to_the_plain_schedule() {
     let mut recomputed_mtp = deep_spec(false);
@@ -1283,12 +1285,29 @@ fn overlapped_expert_all_to_all_is_bit_identical_to_the_plain_schedule() {
     for g in &mut recomputed_mtp.groups {
         g.policy.recompute = vec![RecomputePart::Block];
     }
+    // Global-batch balancing reads the loads of the step's micro-batches
+    // so far, also in a recompute's rerun inside a pair; expert biases.
+    let mut global_recomputed = deep_spec(false);
+    for g in &mut global_recomputed.groups {
+        g.policy.recompute = vec![RecomputePart::Block];
+        if let FfnSpec::Moe(moe) = &mut g.ffn {
+            moe.router.load_balance = LoadBalance::GlobalAux;
+            moe.router.score = ScoreFunction::Sigmoid;
+            moe.router.expert_bias_rate = Some(0.05);
+        }
+    }
     let both_ddp = DdpConfig {
         overlap_grad_reduce: true,
         overlap_param_gather: true,
         bucket_size: Some(500),
     };
     let cases: &[(ModelSpec, &str, DdpConfig, bool)] = &[
+        (
+            global_recomputed,
+            "world=4,dp=2,pp=2,ep=2",
+            DdpConfig::default(),
+            false,
+        ),
         (
             deep_spec(false),
             "world=2,dp=2,ep=2",
