@@ -984,15 +984,12 @@ fn a_failing_rank_stops_every_rank_with_an_error() {
             }
             Ok(())
         });
-        let elapsed = started.elapsed();
-        assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
-        for (rank, result) in results.iter().enumerate() {
-            let err = result
-                .as_ref()
-                .expect_err("every rank must fail")
-                .to_string();
-            assert!(err.contains("rank 3"), "rank {rank}: {err}");
-        }
+        assert_every_rank_fails_naming(
+            &results,
+            "rank 3",
+            started.elapsed(),
+            Duration::from_secs(10),
+        );
     }
 }
 
@@ -1356,22 +1353,23 @@ fn overlapped_expert_all_to_all_is_bit_identical_to_the_plain_schedule() {
     }
 }
 
-/// A forward paired with a backward really interleaves at the MoE layers'
-/// exchanges: with ep = 2 and blocks dense, MoE, dense, MoE, the forward's
-/// units and the backward's finished blocks alternate as each side pauses
-/// at an all-to-all (the forward's embedding, blocks 0 and 1 up to its
-/// dispatch, the backward's block 3 then 2, ...), where the plain calls
-/// run every forward unit before any backward block.
-#[test]
-fn a_paired_forward_and_backward_take_turns_at_the_exchanges() {
+/// On every rank of `world=2,dp=2,ep=2` with [`deep_spec`] (blocks dense,
+/// MoE, dense, MoE): the forward of this rank's first micro-batch, then the
+/// forward of its second paired with the backward of the first, with the
+/// pair's hooks `before` (each forward unit) and `after` (each finished
+/// backward block).
+fn run_pair<T: Send>(
+    body_hooks: impl Fn(usize) -> (PairHook<T>, PairDone<T>) + Sync,
+) -> Vec<Result<Vec<T>, EngineError>> {
     let spec = deep_spec(false);
     let layout = checked_layout(&spec, "world=2,dp=2,ep=2");
-    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+    run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let mut model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
         let batches = host_batches(global_batch(0));
         let (first, second) = (&batches[2 * ctx.rank.rank], &batches[2 * ctx.rank.rank + 1]);
         let out = model.forward_chunk(&ctx.exec().at_micro(0), 0, None, Batch::of(first), SEQ)?;
+        let (before, after) = body_hooks(ctx.rank.rank);
         let events = std::cell::RefCell::new(Vec::new());
         model.forward_backward_chunks(
             ForwardCall {
@@ -1381,10 +1379,7 @@ fn a_paired_forward_and_backward_take_turns_at_the_exchanges() {
                 batch: Batch::of(second),
                 seq_len: SEQ,
             },
-            &mut |_, unit| {
-                events.borrow_mut().push(format!("{unit:?}"));
-                Ok(())
-            },
+            &mut |_, unit| before(unit).map(|e| events.borrow_mut().extend(e)),
             BackwardCall {
                 ctx: ctx.exec().at_micro(0),
                 saved: out.saved,
@@ -1392,11 +1387,51 @@ fn a_paired_forward_and_backward_take_turns_at_the_exchanges() {
                 loss_scale: 1.0,
             },
             &mut |_, block| {
-                events.borrow_mut().push(format!("back {block}"));
+                events.borrow_mut().extend(after(block));
                 Ok(())
             },
         )?;
         Ok(events.into_inner())
+    })
+}
+
+/// A pair's forward hook: what it records for a unit, or a failure.
+type PairHook<T> = Box<dyn Fn(ForwardUnit) -> Result<Option<T>, EngineError>>;
+/// A pair's backward hook: what it records for a finished block.
+type PairDone<T> = Box<dyn Fn(usize) -> Option<T>>;
+
+/// Asserts that every rank failed, naming `who`, in one line, and within
+/// `within` of the start (long before the communicator's timeout).
+fn assert_every_rank_fails_naming<T>(
+    results: &[Result<T, EngineError>],
+    who: &str,
+    elapsed: Duration,
+    within: Duration,
+) {
+    assert!(elapsed < within, "took {elapsed:?}");
+    for (rank, result) in results.iter().enumerate() {
+        let Err(err) = result else {
+            panic!("rank {rank}: every rank must fail");
+        };
+        let err = err.to_string();
+        assert!(err.contains(who), "rank {rank}: {err}");
+        assert!(!err.contains('\n'), "rank {rank}: {err}");
+    }
+}
+
+/// A forward paired with a backward really interleaves at the MoE layers'
+/// exchanges: with ep = 2 and blocks dense, MoE, dense, MoE, the forward's
+/// units and the backward's finished blocks alternate as each side pauses
+/// at an all-to-all (the forward's embedding, blocks 0 and 1 up to its
+/// dispatch, the backward's block 3 then 2, ...), where the plain calls
+/// run every forward unit before any backward block.
+#[test]
+fn a_paired_forward_and_backward_take_turns_at_the_exchanges() {
+    let results = run_pair(|_| {
+        (
+            Box::new(|unit| Ok(Some(format!("{unit:?}")))),
+            Box::new(|block| Some(format!("back {block}"))),
+        )
     });
     let want = [
         "Embedding",
@@ -1475,51 +1510,25 @@ fn the_overlapped_schedule_stays_within_the_planned_activation_bound() {
 /// exchanges are dropped, not waited for forever.
 #[test]
 fn a_rank_failing_inside_a_pair_stops_its_peer() {
-    let spec = deep_spec(false);
-    let layout = checked_layout(&spec, "world=2,dp=2,ep=2");
     let started = std::time::Instant::now();
-    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(30), |ctx| {
-        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let mut model = Model::new(ctx.b, &spec, rank, SEED, DType::F32)?;
-        let batches = host_batches(global_batch(0));
-        let (first, second) = (&batches[2 * ctx.rank.rank], &batches[2 * ctx.rank.rank + 1]);
-        let out = model.forward_chunk(&ctx.exec().at_micro(0), 0, None, Batch::of(first), SEQ)?;
-        let me = ctx.rank.rank;
-        model.forward_backward_chunks(
-            ForwardCall {
-                ctx: ctx.exec().at_micro(1),
-                chunk: 0,
-                input: None,
-                batch: Batch::of(second),
-                seq_len: SEQ,
-            },
-            &mut |_, unit| match unit {
+    let results = run_pair::<()>(|me| {
+        (
+            Box::new(move |unit| match unit {
                 // By block 2 both sides have paused at started exchanges.
                 ForwardUnit::Block(2) if me == 1 => {
                     Err(EngineError::Invalid("rank 1 fails inside a pair".into()))
                 }
-                _ => Ok(()),
-            },
-            BackwardCall {
-                ctx: ctx.exec().at_micro(0),
-                saved: out.saved,
-                output_grad: None,
-                loss_scale: 1.0,
-            },
-            &mut |_, _| Ok(()),
-        )?;
-        Ok(())
+                _ => Ok(None),
+            }),
+            Box::new(|_| None),
+        )
     });
-    let elapsed = started.elapsed();
-    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
-    for (rank, result) in results.iter().enumerate() {
-        let err = result
-            .as_ref()
-            .expect_err("every rank must fail")
-            .to_string();
-        assert!(err.contains("rank 1"), "rank {rank}: {err}");
-        assert!(!err.contains('\n'), "rank {rank}: {err}");
-    }
+    assert_every_rank_fails_naming(
+        &results,
+        "rank 1",
+        started.elapsed(),
+        Duration::from_secs(10),
+    );
 }
 
 /// Overlapping the expert all-to-all without ep > 1 is a one-line error
