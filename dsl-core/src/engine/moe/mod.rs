@@ -132,6 +132,15 @@ enum ForwardStage<B: Backend> {
         recv_rows: Vec<usize>,
         ep_counts: (Tensor<B>, Vec<i32>),
     },
+    /// With etp > 1: the arrived rows, their weights and the counts are
+    /// being gathered from the other etp members.
+    Gathering {
+        counts: Pending<B>,
+        x_block: Pending<B>,
+        p_block: Pending<B>,
+        send_rows: Vec<usize>,
+        recv_rows: Vec<usize>,
+    },
     /// The experts' outputs are on their way back.
     Combining {
         y_nd: Pending<B>,
@@ -140,13 +149,16 @@ enum ForwardStage<B: Backend> {
     },
 }
 
-/// The dispatch exchange once it has arrived.
+/// The dispatch exchange once it has arrived (and been gathered over etp).
 struct Arrived<B: Backend> {
-    x_recv: Tensor<B>,
-    p_recv: Tensor<B>,
+    /// Every etp member's received rows, in etp order.
+    x_block: Tensor<B>,
+    /// Their routing weights `[M, 1]`.
+    p_block: Tensor<B>,
     send_rows: Vec<usize>,
     recv_rows: Vec<usize>,
-    ep_counts: (Tensor<B>, Vec<i32>),
+    /// Every etp member's `[ep, E]` counts, `[etp·ep, E]`.
+    all_counts: Vec<i32>,
 }
 
 /// A backward of the layer paused at an exchange ([`MoeLayer::backward_start`]).
@@ -165,6 +177,13 @@ enum BackwardStage<B: Backend> {
     /// The output gradient is on its way to the experts' ranks.
     Dispatching {
         dy_recv: Pending<B>,
+        exchange: Exchange<B>,
+        experts: Box<ExpertsSaved<B>>,
+    },
+    /// With etp > 1: the arrived output gradient is being gathered from the
+    /// other etp members.
+    Gathering {
+        dy_block: Pending<B>,
         exchange: Exchange<B>,
         experts: Box<ExpertsSaved<B>>,
     },
@@ -431,12 +450,44 @@ impl<B: Backend> MoeLayer<B> {
                 recv_rows,
                 ep_counts,
             }) => {
+                let (x_recv, p_recv) = (x_recv.wait()?, p_recv.wait()?);
+                let g = &self.groups;
+                fwd.stage = Some(if g.etp.size() > 1 {
+                    // The etp members hold the same experts, ffn split:
+                    // each needs every member's rows.
+                    let (b, comm) = (ctx.b, ctx.comm);
+                    ForwardStage::Gathering {
+                        counts: comm.all_gather_start(b, &g.etp, &ep_counts.0)?,
+                        x_block: comm.all_gather_start(b, &g.etp, &x_recv)?,
+                        p_block: comm.all_gather_start(b, &g.etp, &p_recv)?,
+                        send_rows,
+                        recv_rows,
+                    }
+                } else {
+                    let arrived = Arrived {
+                        x_block: x_recv,
+                        p_block: p_recv,
+                        send_rows,
+                        recv_rows,
+                        all_counts: ep_counts.1,
+                    };
+                    self.experts_forward(ctx, arrived)?
+                });
+                Ok(Step::Pending(fwd))
+            }
+            Some(ForwardStage::Gathering {
+                counts,
+                x_block,
+                p_block,
+                send_rows,
+                recv_rows,
+            }) => {
                 let arrived = Arrived {
-                    x_recv: x_recv.wait()?,
-                    p_recv: p_recv.wait()?,
+                    all_counts: ctx.b.download(&counts.wait()?)?.to_i32()?,
+                    x_block: x_block.wait()?,
+                    p_block: p_block.wait()?,
                     send_rows,
                     recv_rows,
-                    ep_counts,
                 };
                 fwd.stage = Some(self.experts_forward(ctx, arrived)?);
                 Ok(Step::Pending(fwd))
@@ -592,7 +643,26 @@ impl<B: Backend> MoeLayer<B> {
                 exchange,
                 experts,
             }) => {
-                bw.stage = Some(self.experts_backward(ctx, dy_recv.wait()?, exchange, *experts)?);
+                let dy_recv = dy_recv.wait()?;
+                let g = &self.groups;
+                bw.stage = Some(if g.etp.size() > 1 {
+                    BackwardStage::Gathering {
+                        dy_block: ctx.comm.all_gather_start(ctx.b, &g.etp, &dy_recv)?,
+                        exchange,
+                        experts,
+                    }
+                } else {
+                    self.experts_backward(ctx, dy_recv, exchange, *experts)?
+                });
+                Ok(Step::Pending(bw))
+            }
+            Some(BackwardStage::Gathering {
+                dy_block,
+                exchange,
+                experts,
+            }) => {
+                bw.stage =
+                    Some(self.experts_backward(ctx, dy_block.wait()?, exchange, *experts)?);
                 Ok(Step::Pending(bw))
             }
             Some(BackwardStage::Combining { dx_nd, dp_nd }) => {
@@ -786,9 +856,10 @@ impl<B: Backend> MoeLayer<B> {
         })
     }
 
-    /// The experts on the rows that arrived: gathered over etp, sorted into
-    /// expert-major order, through the grouped GEMMs; their outputs summed
-    /// over etp and started back to the ranks the rows came from.
+    /// The experts on the rows that arrived (and were gathered over etp):
+    /// sorted into expert-major order, through the grouped GEMMs; their
+    /// outputs summed over etp and started back to the ranks the rows came
+    /// from.
     fn experts_forward(&self, ctx: &Exec<B>, arrived: Arrived<B>) -> Result<ForwardStage<B>> {
         let b = ctx.b;
         let g = &self.groups;
@@ -796,23 +867,12 @@ impl<B: Backend> MoeLayer<B> {
         let e = self.spec.experts;
         let local = e / ep;
         let Arrived {
-            x_recv,
-            p_recv,
+            x_block,
+            p_block,
             send_rows,
             recv_rows,
-            ep_counts: (ep_counts, ep_host),
+            all_counts,
         } = arrived;
-        // Every etp member's [ep, E] counts, [etp·ep, E], with its rows.
-        let (x_block, p_block, all_counts) = if etp > 1 {
-            let all_counts = ctx.comm.all_gather(b, &g.etp, &ep_counts)?;
-            (
-                ctx.comm.all_gather(b, &g.etp, &x_recv)?,
-                ctx.comm.all_gather(b, &g.etp, &p_recv)?,
-                b.download(&all_counts)?.to_i32()?,
-            )
-        } else {
-            (x_recv, p_recv, ep_host)
-        };
         // Block (m, s) holds, for each local expert l in order, the rows that
         // ep rank s of etp member m sent to this ep rank.
         let first = g.ep_index * local;
@@ -882,24 +942,20 @@ impl<B: Backend> MoeLayer<B> {
         })
     }
 
-    /// The experts' backward on the output gradient that arrived: gathered
-    /// over etp, through the grouped GEMMs in the forward's order; the
+    /// The experts' backward on the output gradient that arrived (and was
+    /// gathered over etp), through the grouped GEMMs in the forward's
+    /// order; the
     /// rows' and weights' gradients summed over etp and started back, then
     /// the experts' weight gradients computed while they travel.
     fn experts_backward(
         &mut self,
         ctx: &Exec<B>,
-        dy_recv: Tensor<B>,
+        dy_block: Tensor<B>,
         ex: Exchange<B>,
         saved: ExpertsSaved<B>,
     ) -> Result<BackwardStage<B>> {
         let b = ctx.b;
         let g = &self.groups;
-        let dy_block = if g.etp.size() > 1 {
-            ctx.comm.all_gather(b, &g.etp, &dy_recv)?
-        } else {
-            dy_recv
-        };
         let rows = dy_block.shape()[0];
         let dy_sorted = ExpertRows::Gathered {
             source: dy_block,
