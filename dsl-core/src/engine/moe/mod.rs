@@ -434,9 +434,10 @@ impl<B: Backend> MoeLayer<B> {
         Ok(Step::Pending(fwd))
     }
 
-    /// The forward from its last exchange: once the rows have arrived, the
-    /// experts run and their outputs start back; once those have arrived,
-    /// combine finishes the layer.
+    /// The forward from its last exchange: once the rows have arrived (with
+    /// etp > 1, their gathers over etp start and the forward pauses again),
+    /// the experts run and their outputs start back; once those have
+    /// arrived, combine finishes the layer.
     pub fn forward_resume(
         &self,
         ctx: &Exec<B>,
@@ -629,8 +630,9 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// The backward from its last exchange: once the output gradient has
-    /// arrived, the experts' backward runs and the rows' and weights'
-    /// gradients start back; once those have arrived, the router's and
+    /// arrived (with etp > 1, gathered over etp first, another pause), the
+    /// experts' backward runs and the rows' and weights' gradients start
+    /// back; once those have arrived, the router's and
     /// dispatch's backward finish the layer.
     pub fn backward_resume(
         &mut self,
