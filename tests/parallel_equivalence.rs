@@ -1535,43 +1535,41 @@ fn a_rank_failing_inside_a_pair_stops_its_peer() {
 /// naming the layout's ep.
 #[test]
 fn overlapping_the_expert_all_to_all_without_ep_is_refused() {
-    let layout = checked_layout(&spec(None), "world=2,dp=2");
-    let cfg = TrainConfig {
+    let err = trainer_refusal(TrainConfig {
         overlap_moe_comm: true,
         ..config()
-    };
-    let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
-        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
-        let model = Model::new(ctx.b, &spec(None), rank, SEED, DType::F32)?;
-        Trainer::new(ctx.b, model, cfg).map(|_| ())
     });
-    let err = results[0].as_ref().unwrap_err().to_string();
     assert!(
         err.contains("--overlap-moe-expert-parallel-comm") && err.contains("ep = 1"),
         "{err}"
     );
-    assert!(!err.contains('\n'), "{err}");
 }
 
 /// A bucket size of 0 is a one-line error naming it.
 #[test]
 fn a_zero_bucket_size_is_a_one_line_error() {
-    let layout = layout::check(&LayoutSpec::parse("world=2,dp=2").unwrap(), &spec(None)).unwrap();
-    let cfg = TrainConfig {
+    let err = trainer_refusal(TrainConfig {
         ddp: DdpConfig {
             bucket_size: Some(0),
             ..DdpConfig::default()
         },
         ..config()
-    };
+    });
+    assert!(err.contains("ddp bucket size 0"), "{err}");
+}
+
+/// Rank 0's error from `Trainer::new` under `world=2,dp=2` with `cfg`,
+/// checked to be one line.
+fn trainer_refusal(cfg: TrainConfig) -> String {
+    let layout = checked_layout(&spec(None), "world=2,dp=2");
     let results = run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
         let rank = RankLayout::new(&layout, ctx.rank.rank)?;
         let model = Model::new(ctx.b, &spec(None), rank, SEED, DType::F32)?;
         Trainer::new(ctx.b, model, cfg).map(|_| ())
     });
     let err = results[0].as_ref().unwrap_err().to_string();
-    assert!(err.contains("ddp bucket size 0"), "{err}");
     assert!(!err.contains('\n'), "{err}");
+    err
 }
 
 /// A rank that dies while its peer's gradient reduce-scatters are started
