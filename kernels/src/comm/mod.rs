@@ -157,8 +157,9 @@ pub trait Communicator<B: Device>: Send + Sync {
     /// exposed communication of a device communicator, whose calls return
     /// once queued so host clocks miss it (NCCL). `None` where collectives
     /// run on the host (their exposed time is the caller's time blocked in
-    /// calls and waits, [`timed::TimedComm`]). Call it once the device has
-    /// finished its queued work, or it waits for that.
+    /// calls and waits, [`timed::TimedComm`]). The first call starts the
+    /// timing and returns zero. Call it once the device has finished its
+    /// queued work, or it waits for that.
     fn device_wait_time(&self) -> Result<Option<Duration>> {
         Ok(None)
     }

@@ -90,10 +90,14 @@ impl Drop for InFlight {
 /// the interval between them is how long compute stalled for it (zero when
 /// the collective had already finished). This is the exposed
 /// communication, which host clocks cannot see (an NCCL call returns once
-/// queued). Intervals whose events have completed are folded into a sum as
-/// the log grows, so a long run keeps a bounded number of events.
+/// queued). Timing starts at the first reading ([`WaitLog::take_ms`]), so
+/// a run nobody measures records no events. Intervals whose events have
+/// completed are folded into a sum as the log grows, so a long run keeps a
+/// bounded number of events.
 #[derive(Default)]
 struct WaitLog {
+    /// Whether waits are timed (set by the first reading).
+    timing: std::sync::atomic::AtomicBool,
     state: Mutex<WaitSum>,
 }
 
@@ -119,6 +123,9 @@ impl WaitLog {
         compute: &Arc<CudaStream>,
         done: &CudaEvent,
     ) -> std::result::Result<(), DriverError> {
+        if !self.timing.load(Ordering::Relaxed) {
+            return compute.wait(done);
+        }
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let ctx = compute.context();
         let mark = || {
@@ -140,9 +147,11 @@ impl WaitLog {
         waited
     }
 
-    /// Milliseconds the compute stream stalled since the last call,
-    /// waiting for the device to reach every recorded interval.
+    /// Milliseconds the compute stream stalled since the last call (zero
+    /// at the first, which starts the timing), waiting for the device to
+    /// reach every recorded interval.
     fn take_ms(&self) -> std::result::Result<f64, DriverError> {
+        self.timing.store(true, Ordering::Relaxed);
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let folded = s.fold(true);
         let ms = std::mem::take(&mut s.folded_ms);
@@ -1213,6 +1222,8 @@ mod tests {
             let base: Vec<f32> = (0..LEN).map(|j| ((r + 1) * (j % 7)) as f32).collect();
             let base = b.upload(HostData::F32(base), &[LEN])?;
             let mut total = b.zeros(&[LEN], DType::F32)?;
+            // The first reading starts the timing of the waits.
+            assert_eq!(c.device_wait_time()?, Some(std::time::Duration::ZERO));
             for i in 0..ROUNDS {
                 let x = b.scale(&base, i as f64)?;
                 let sum = c.all_reduce(b, &world, &x, ReduceOp::Sum)?;

@@ -199,7 +199,7 @@ pub struct MoeSaved<B: Backend> {
     router: RouterSaved<B>,
     dispatch: DispatchSaved<B>,
     exchange: Option<Exchange<B>>,
-    experts: Option<ExpertsSaved<B>>,
+    experts: ExpertsSaved<B>,
     shared: Option<SharedSaved<B>>,
 }
 
@@ -226,9 +226,7 @@ impl<B: Backend> MoeSaved<B> {
         if let Some(x) = &mut self.exchange {
             f(Slot::kept(Part::RoutedExperts), &mut x.order);
         }
-        if let Some(x) = &mut self.experts {
-            x.visit_saved(f);
-        }
+        self.experts.visit_saved(f);
         if let Some(s) = &mut self.shared {
             s.visit_saved(f);
         }
@@ -551,7 +549,7 @@ impl<B: Backend> MoeLayer<B> {
             router,
             dispatch,
             exchange,
-            experts: Some(experts),
+            experts,
             shared,
         };
         Ok((y_td, saved, stats))
@@ -596,9 +594,6 @@ impl<B: Backend> MoeLayer<B> {
             }
             _ => None,
         };
-        let experts = experts.ok_or_else(|| {
-            EngineError::Invalid("MoE backward: the experts' saved state is missing".into())
-        })?;
         let dy_nd = self.dispatcher.combine_backward(dy_td, &dispatch);
         let bw = MoeBackward {
             stage: None,
@@ -946,9 +941,8 @@ impl<B: Backend> MoeLayer<B> {
 
     /// The experts' backward on the output gradient that arrived (and was
     /// gathered over etp), through the grouped GEMMs in the forward's
-    /// order; the
-    /// rows' and weights' gradients summed over etp and started back, then
-    /// the experts' weight gradients computed while they travel.
+    /// order; the rows' and weights' gradients summed over etp and started
+    /// back, then the experts' weight gradients computed while they travel.
     fn experts_backward(
         &mut self,
         ctx: &Exec<B>,
