@@ -1501,6 +1501,15 @@ fn the_overlapped_schedule_stays_within_the_planned_activation_bound() {
                 "{layout_text} rank {rank}: plain peak {p}, overlapped {o}, bound {bound}"
             );
         }
+        // Only a paired run holds a forward's blocks beside a paused
+        // backward: without interleaving some rank's peak must rise, which
+        // shows the trainer ran the pairs (the bits alone cannot tell).
+        if layout.vpp == 1 {
+            assert!(
+                plain.iter().zip(&overlapped).any(|(p, o)| o > p),
+                "{layout_text}: no rank's peak rose: {plain:?} / {overlapped:?}"
+            );
+        }
     }
 }
 
