@@ -6,9 +6,17 @@
 
 use super::compile::ELEMENTWISE;
 use super::{float_sfx, grid_for, launch, rows_cfg, warp_rows_cfg, Cuda};
+
 use crate::backend::{swiglu_weighted_args, Device, ElementwiseOps};
 use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::tensor::{DType, Tensor};
+
+/// The weighted SwiGLU kernels' launch: blocks of 8 warps (a warp, or in
+/// the backward a block, per row group), at most 2048 of them striding over
+/// the rest (elementwise.cu, "weighted SwiGLU").
+fn swiglu_weighted_cfg(rows: usize) -> cudarc::driver::LaunchConfig {
+    warp_rows_cfg(rows.min(8 * 2048))
+}
 
 /// Unary op codes of `unary_*` (the `UnaryOp` enum of elementwise.cu).
 #[derive(Clone, Copy)]
@@ -457,7 +465,7 @@ impl ElementwiseOps for Cuda {
             launch!(
                 self,
                 func,
-                warp_rows_cfg(n),
+                swiglu_weighted_cfg(n),
                 gate.storage().ptr(),
                 up.storage().ptr(),
                 probs.storage().ptr(),
@@ -488,7 +496,7 @@ impl ElementwiseOps for Cuda {
             launch!(
                 self,
                 func,
-                warp_rows_cfg(n),
+                swiglu_weighted_cfg(n),
                 gate.storage().ptr(),
                 up.storage().ptr(),
                 probs.storage().ptr(),
