@@ -408,12 +408,13 @@ FA3_FWD(192, 96, 2)
 //   by step parity) so that, after a barrier of both warpgroups, each one
 //   computes dQ_i = dS K over all 128 keys for half of dQ's columns (one
 //   n HD/2 product; at 192 an n64 and an n32 one, as a descriptor spans at
-//   most one 64-column chunk when it starts inside one); that part goes
-//   straight from the registers to the f32 dQ accumulator (the
-//   accumulator's own order, tile by tile) with red.global.add.v4.f32: each
-//   block adds each dQ element once per step (no shared-memory staging, no
-//   per-warpgroup partial sums: ncu of the earlier kernel showed L2 at 73 %
-//   with two 32 KiB adds per block and step); fa3_dq_convert scales,
+//   most one 64-column chunk when it starts inside one); that part is added
+//   to the f32 dQ accumulator (the accumulator's own order, tile by tile),
+//   at Hd 128 staged in shared memory and added by one thread's bulk
+//   reduction (cp.reduce.async.bulk), at 64 and 192 from the registers with
+//   red.global.add.v4.f32: each block adds each dQ element once per step
+//   (no per-warpgroup partial sums: ncu of an earlier kernel showed L2 at
+//   73 % with two 32 KiB adds per block and step); fa3_dq_convert scales,
 //   reorders and rounds it into dq.
 // Rows past S arrive as zeros (TMA), the padded lse and delta are 0 there:
 // their P is 1 and their dS 0, and their dK, dV and dQ rows are not stored.
@@ -421,17 +422,36 @@ FA3_FWD(192, 96, 2)
 #define FA3_BWD_KEYS 128
 #define FA3_BWD_Q 64
 
-// Bytes of one stage: Q_i (64 × HD bf16) and dO_i (64 × HV), lse and delta
-// (64 f32 each), rounded up to 1024.
-#define FA3_BWD_STAGE(HD, HV) (((HD) * 128 + (HV) * 128 + 512 + 1023) / 1024 * 1024)
+// Bytes of one stage: Q_i (64 × HD bf16) and dO_i (64 × HV), a multiple of
+// 1024 (the 128-byte swizzle's alignment); the stage's lse and delta (64 f32
+// each) sit in a ring of their own, so that no stage rounds up.
+#define FA3_BWD_STAGE(HD, HV) ((HD) * 128 + (HV) * 128)
+// Whether the warpgroups stage their dQ parts in shared memory and add them
+// with one bulk reduction each: at Hd 128 (322-327 -> 344-347 TFLOP/s on the
+// H200), not at 64 (322 -> 275: its 4 adds a thread held nothing up, and
+// the staging's fence and barrier sit on a step half as long) nor at MLA's
+// 192 (no room for the staging).
+#define FA3_BWD_STAGED_DQ(HD) ((HD) == 128)
 // Dynamic shared memory (attention_sm90.rs's bwd_smem): alignment slack, K
-// and V, NS stages, two buffers of dSᵀ (128 × 64 bf16), the mbarriers.
-#define FA3_BWD_SMEM(HD, HV, NS) \
-    (1024 + FA3_BWD_KEYS * ((HD) + (HV)) * 2 + (NS) * FA3_BWD_STAGE(HD, HV) + 2 * 16384 + 64)
+// and V, NS stages, two buffers of dSᵀ (128 × 64 bf16), the dQ staging (64 ×
+// HD f32), the lse / delta ring, the mbarriers. 232000 bytes at Hd 128, of
+// the 232448 a block may have.
+#define FA3_BWD_SMEM(HD, HV, NS)                                                                              \
+    (1024 + FA3_BWD_KEYS * ((HD) + (HV)) * 2 + (NS) * FA3_BWD_STAGE(HD, HV) + 2 * 16384 +                    \
+     (FA3_BWD_STAGED_DQ(HD) ? 64 * (HD) * 4 : 0) + (NS) * 512 + 64)
 
 __device__ __forceinline__ void fa3_bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
                  "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// dst[0 .. bytes / 4) += src's f32 at the L2, read from shared memory by the
+// async proxy (one thread; its bulk group is waited for by wait_group.read
+// before the source is written again).
+__device__ __forceinline__ void fa3_bulk_add_s2g(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 "cp.async.bulk.commit_group;\n" ::"l"(dst),
+                 "r"(src), "r"(bytes)
                  : "memory");
 }
 // dst[0..3] += (a, b, c, d) at the L2 (16-byte aligned, global).
@@ -485,8 +505,12 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
     unsigned raw = smem_u32(fa3_smem);
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = fa3_smem + pad;
+    constexpr bool STAGED = FA3_BWD_STAGED_DQ(HD);
+    // A warpgroup's dQ part: 64 queries × HD / 2 columns of f32.
+    constexpr unsigned DQW = 64 * HD * 2;
     unsigned sk = raw + pad, sv = sk + KB, st0 = sv + VB, sds = st0 + NS * ST;
-    unsigned bars = sds + 2 * 16384;
+    unsigned sdq = sds + 2 * 16384, sld = sdq + (STAGED ? 2 * DQW : 0);
+    unsigned bars = sld + NS * 512;
     // kv_full, then full[NS], empty[NS].
     unsigned kv_full = bars;
 #define FA3_BF(s) (bars + 8 * (1 + (s)))
@@ -528,8 +552,8 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
 #pragma unroll
                 for (int c = 0; c < NCV; ++c) tma_4d(sdo + c * FA3_BWD_Q * 128, tdo, full, c * 64, h, q0, b);
                 i64 r = ((i64)b * HQ + h) * Sp + q0;
-                fa3_bulk_g2s(sdo + OB, lse2 + r, 256, full);
-                fa3_bulk_g2s(sdo + OB + 256, delta + r, 256, full);
+                fa3_bulk_g2s(sld + s * 512, lse2 + r, 256, full);
+                fa3_bulk_g2s(sld + s * 512 + 256, delta + r, 256, full);
             }
         }
         return;
@@ -548,7 +572,7 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
     for (int n = 0; n < G * per; ++n) {
         int s = n % NS, h = hk * G + n % G, i = nqt - 1 - n / G, q0 = i * FA3_BWD_Q;
         unsigned sq = st0 + s * ST, sdo = sq + QB;
-        const float* sl = reinterpret_cast<const float*>(base + (sdo + OB - (raw + pad)));
+        const float* sl = reinterpret_cast<const float*>(base + (sld + s * 512 - (raw + pad)));
         // This step's dSᵀ buffer (both warpgroups' keys) and this
         // warpgroup's rows of it.
         unsigned dsb = sds + (n & 1) * 16384;
@@ -645,6 +669,10 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
                     pds[jj >> 1][(jj & 1) * 2 + hr];
             }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // The dQ staging's last bulk add has read it (thread 0 of each
+        // warpgroup issued it; the barrier passes that on).
+        if constexpr (STAGED)
+            if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         // Both warpgroups' dSᵀ of this step are in place.
         fa3_named_sync(6);
         float* dqt = dq_acc + (((i64)b * HQ + h) * nqt + i) * (FA3_BWD_Q * HD);
@@ -687,9 +715,30 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
             wg_pin(pds);
             // Q_i, dO_i, lse and delta are no longer read.
             mbar_arrive(FA3_BE(s));
-            fa3_dq_add<HD / 2>(dqt, dqa, wg * (HD / 2), t);
+            if constexpr (STAGED) {
+                // The part goes to shared memory in the accumulator tile's
+                // order (thread t's float4 j at (j · 128 + t) · 4:
+                // conflict-free) and one thread adds its 64 · HD / 2
+                // contiguous floats with a bulk reduction: the registers are
+                // free at once, where red.global's sources stayed held until
+                // the LSU took them (ncu at Hd 128: 17 % of the stall
+                // samples, at the next step's first use of them).
+                float* stg = reinterpret_cast<float*>(base + (sdq + wg * DQW - (raw + pad)));
+#pragma unroll
+                for (int j = 0; j < HD / 16; ++j)
+                    *reinterpret_cast<float4*>(stg + (j * 128 + t) * 4) =
+                        make_float4(dqa[4 * j], dqa[4 * j + 1], dqa[4 * j + 2], dqa[4 * j + 3]);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                asm volatile("bar.sync %0, 128;\n" ::"r"(8 + wg) : "memory");
+                if (t == 0) fa3_bulk_add_s2g(dqt + wg * (HD / 2) * 64, sdq + wg * DQW, DQW);
+            } else {
+                fa3_dq_add<HD / 2>(dqt, dqa, wg * (HD / 2), t);
+            }
         }
     }
+    // The bulk adds are complete before the block ends.
+    if constexpr (STAGED)
+        if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     // dK (scaled) and dV rows of this warpgroup's keys (dV's columns past HV:
     // zeros, as v's are).
 #pragma unroll
