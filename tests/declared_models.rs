@@ -171,6 +171,53 @@ fn a_declared_model_builds_on_the_cpu() {
     assert_eq!(shard.embed.vocab(), 31);
 }
 
+#[moe_model(
+    name = "pass-fp8",
+    vocab = 32,
+    hidden = 32,
+    seq_len = 8,
+    layout(name = "cpu", world = 1)
+)]
+/// Attention projections declared in fp8, on GQA and on MLA (whose routed
+/// experts are declared in fp8 too).
+pub struct PassFp8 {
+    /// GQA with fp8 projections.
+    #[blocks(count = 1,
+        attention(heads = 2, kv_heads = 1, head_dim = 16, precision = fp8_blockwise),
+        dense(ffn = 32))]
+    gqa: Blocks,
+    /// MLA with fp8 projections and fp8 experts.
+    #[blocks(count = 1,
+        attention(heads = 2, mla(q_lora_rank = 16, kv_lora_rank = 16, qk_nope_head_dim = 16,
+            qk_rope_head_dim = 16, v_head_dim = 16), precision = fp8_blockwise),
+        moe(experts = 4, top_k = 2, expert_ffn = 16), precision = fp8_blockwise)]
+    mla: Blocks,
+}
+
+/// `attention(precision = fp8_blockwise)` passes the macro onto the spec and
+/// turns on the built layers' fp8 projections (the layers' numerics are
+/// checked in their own tests; this checks the declaration reaches them).
+#[test]
+fn declared_fp8_attention_reaches_the_layers() {
+    use foldmoe_core::engine::block::Attn;
+    use foldmoe_core::spec::GemmPrecision;
+    let spec = <PassFp8<Cpu> as MoeModel<Cpu>>::spec();
+    spec.check().unwrap();
+    for g in &spec.groups {
+        assert_eq!(g.attention.precision, GemmPrecision::Fp8Blockwise);
+    }
+    let m = PassFp8::new(&Cpu, PassFp8Layout::Cpu, 0, 7, DType::F32).unwrap();
+    match m.gqa.attention(0) {
+        Some(Attn::Gqa(a)) => assert!(a.fp8()),
+        _ => panic!("block 0 has GQA attention"),
+    }
+    match m.mla.attention(0) {
+        Some(Attn::Mla(a)) => assert!(a.fp8),
+        _ => panic!("block 1 has MLA attention"),
+    }
+    assert!(m.mla.experts(0).unwrap().fp8);
+}
+
 /// Each `#[blocks]` field is the group itself, as this rank holds it: what
 /// is changed through a field is what the engine model trains, the struct
 /// visits its parameters in the engine model's order, a pipeline stage

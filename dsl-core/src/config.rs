@@ -849,6 +849,9 @@ fn read_attention(cx: &mut Cx, s: &Section) -> AttentionSpec {
         head_dim,
         mla,
         qk_norm: s.bool(cx, "qk_norm").unwrap_or(false),
+        precision: s
+            .keyword(cx, "precision", keywords::PRECISION)
+            .unwrap_or_default(),
     }
 }
 
@@ -993,6 +996,42 @@ capacity = { factor = 1.25, drop = "position", pad = true }
     fn edit(from: &str, to: &str) -> String {
         assert!(SMALL.contains(from), "{from}");
         SMALL.replacen(from, to, 1)
+    }
+
+    /// `attention = { ..., precision = ... }`: fp8_blockwise is read onto
+    /// the attention; dims that break the fp8 GEMMs' 16-byte rows, a
+    /// precision not executed, and an unknown word are problems naming the
+    /// value.
+    #[test]
+    fn attention_precision_is_read_and_checked() {
+        let fp8 = |head_dim: usize, word: &str| {
+            edit(
+                "attention = { heads = 4, kv_heads = 2, head_dim = 4, qk_norm = true }",
+                &format!(
+                    "attention = {{ heads = 4, kv_heads = 2, head_dim = {head_dim}, precision = \"{word}\" }}"
+                ),
+            )
+        };
+        let c = ModelConfig::from_toml_str(&fp8(16, "fp8_blockwise")).unwrap();
+        assert_eq!(
+            c.spec.groups[1].attention.precision,
+            GemmPrecision::Fp8Blockwise
+        );
+        assert_eq!(c.spec.groups[0].attention.precision, GemmPrecision::Bf16);
+        let p = problems(&fp8(4, "fp8_blockwise"));
+        assert!(
+            p.iter().any(|m| m.contains("blocks[1].attention.precision")
+                && m.contains("need head_dim = 4 to be a multiple of 16; pad it to 16")),
+            "{p:?}"
+        );
+        let p = problems(&fp8(16, "fp8"));
+        assert!(
+            p.iter()
+                .any(|m| m.contains("precision = fp8: this GEMM precision is not executed yet")),
+            "{p:?}"
+        );
+        let p = problems(&fp8(16, "fp4"));
+        assert!(p.iter().any(|m| m.contains("fp4")), "{p:?}");
     }
 
     #[test]

@@ -234,6 +234,11 @@ pub struct AttentionSpec {
     /// shared by all heads (Qwen3's `q_norm`/`k_norm`). GQA only.
     #[serde(default)]
     pub qk_norm: bool,
+    /// Number format of the attention's linear layers (its projections; the
+    /// attention core stays in the model's dtype): `fp8_blockwise` runs them
+    /// as blockwise fp8 GEMMs, DeepSeek-V3's recipe.
+    #[serde(default)]
+    pub precision: GemmPrecision,
 }
 
 impl AttentionSpec {
@@ -245,6 +250,7 @@ impl AttentionSpec {
             head_dim,
             mla: None,
             qk_norm: false,
+            precision: GemmPrecision::Bf16,
         }
     }
 }
@@ -309,11 +315,12 @@ pub enum OffloadPart {
 }
 
 /// Number format of the GEMMs of a group (docs/ARCHITECTURE.md §6).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum GemmPrecision {
     /// fp32 GEMMs (the CPU reference).
     F32,
     /// bf16 inputs, fp32 accumulation.
+    #[default]
     Bf16,
     /// fp8 (e4m3) with one scale per tensor.
     Fp8Tensorwise,
@@ -393,6 +400,7 @@ pub mod keywords {
         ("head_dim", "head_dim"),
         ("mla", "mla"),
         ("qk_norm", "qk_norm"),
+        ("precision", "precision"),
     ];
     /// Keys of `mla`.
     pub const MLA_KEYS: &[(&str, &str)] = &[
@@ -994,6 +1002,7 @@ impl ModelSpec {
                     );
                 }
             }
+            check_attention_precision(a, self.hidden, &format!("{p}.attention"), &mut err);
             check_policy(g, self, &format!("{p}.policy"), &mut err);
             match &g.ffn {
                 FfnSpec::Dense { ffn } => {
@@ -1089,6 +1098,64 @@ fn check_mla(m: &MlaSpec, p: &str, err: &mut impl FnMut(String, String)) {
             ),
         );
     }
+}
+
+/// `attention(precision = ...)`: `fp8_blockwise` runs the attention's
+/// projections as blockwise fp8 GEMMs, whose dims must be multiples of 16
+/// (the fp8 operands' 16-byte rows); the other formats are not executed.
+fn check_attention_precision(
+    a: &AttentionSpec,
+    hidden: usize,
+    p: &str,
+    err: &mut impl FnMut(String, String),
+) {
+    let precision = keywords::name_of(keywords::PRECISION, a.precision);
+    match a.precision {
+        GemmPrecision::Bf16 => {}
+        GemmPrecision::Fp8Blockwise => {
+            for (name, v) in attention_gemm_dims(a, hidden) {
+                if !v.is_multiple_of(16) {
+                    err(
+                        format!("{p}.precision"),
+                        format!(
+                            "fp8 attention projections need {name} = {v} to be a multiple of 16; \
+                             pad it to {} or use bf16",
+                            v.div_ceil(16) * 16
+                        ),
+                    );
+                }
+            }
+        }
+        GemmPrecision::F32 | GemmPrecision::Fp8Tensorwise => err(
+            format!("{p}.precision"),
+            format!(
+                "precision = {precision}: this GEMM precision is not executed yet (the attention's \
+                 projections run in the model's dtype or in fp8_blockwise), so the key would be \
+                 ignored; remove it"
+            ),
+        ),
+    }
+}
+
+/// The dims of an attention's projections (each one a summed or an output
+/// dim of some projection), by their key names.
+fn attention_gemm_dims(a: &AttentionSpec, hidden: usize) -> Vec<(&'static str, usize)> {
+    let mut dims = vec![("hidden", hidden)];
+    match &a.mla {
+        None => dims.push(("head_dim", a.head_dim)),
+        Some(m) => {
+            if m.q_lora_rank > 0 {
+                dims.push(("q_lora_rank", m.q_lora_rank));
+            }
+            dims.extend([
+                ("kv_lora_rank", m.kv_lora_rank),
+                ("qk_nope_head_dim", m.qk_nope_head_dim),
+                ("qk_rope_head_dim", m.qk_rope_head_dim),
+                ("v_head_dim", m.v_head_dim),
+            ]);
+        }
+    }
+    dims
 }
 
 /// What a group must have for recompute part `part` to name something in

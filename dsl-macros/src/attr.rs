@@ -785,6 +785,9 @@ fn parse_attention(spans: &mut Spans, s: &Section) -> AttentionSpec {
         head_dim,
         mla,
         qk_norm: s.bool("qk_norm").unwrap_or(false),
+        precision: s
+            .keyword("precision", keywords::PRECISION)
+            .unwrap_or_default(),
     }
 }
 

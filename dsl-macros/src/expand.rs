@@ -420,7 +420,9 @@ fn group_tokens(p: &TokenStream, g: &BlockGroup) -> TokenStream {
         head_dim,
         mla,
         qk_norm,
+        precision,
     } = attention;
+    let precision = precision_tokens(*precision);
     let mla = match mla {
         Some(MlaSpec {
             q_lora_rank,
@@ -456,10 +458,21 @@ fn group_tokens(p: &TokenStream, g: &BlockGroup) -> TokenStream {
                 head_dim: #head_dim,
                 mla: #mla,
                 qk_norm: #qk_norm,
+                precision: #p::GemmPrecision::#precision,
             },
             ffn: #ffn,
             policy: #policy,
         }
+    }
+}
+
+/// The variant name of `precision`, for `GemmPrecision::#name`.
+fn precision_tokens(precision: GemmPrecision) -> TokenStream {
+    match precision {
+        GemmPrecision::F32 => quote!(F32),
+        GemmPrecision::Bf16 => quote!(Bf16),
+        GemmPrecision::Fp8Tensorwise => quote!(Fp8Tensorwise),
+        GemmPrecision::Fp8Blockwise => quote!(Fp8Blockwise),
     }
 }
 
@@ -582,12 +595,7 @@ fn policy_tokens(p: &TokenStream, policy: &Policy) -> TokenStream {
             .collect()
     };
     let (off, fp8) = (offload(&policy.offload), offload(&policy.store_fp8));
-    let precision = match policy.precision {
-        GemmPrecision::F32 => quote!(F32),
-        GemmPrecision::Bf16 => quote!(Bf16),
-        GemmPrecision::Fp8Tensorwise => quote!(Fp8Tensorwise),
-        GemmPrecision::Fp8Blockwise => quote!(Fp8Blockwise),
-    };
+    let precision = precision_tokens(policy.precision);
     quote! {
         #p::Policy {
             recompute: #p::Vec::from([#(#recompute),*]),

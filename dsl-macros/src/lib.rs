@@ -45,15 +45,18 @@ use proc_macro::TokenStream;
 ///
 /// Group keys (`#[blocks(...)]` on each field, fields typed `Blocks`):
 /// `count`; `attention(heads, kv_heads = heads, head_dim, mla(q_lora_rank = 0,
-/// kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim))`; exactly one
+/// kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), qk_norm,
+/// precision = bf16 | fp8_blockwise)` (the projections' number format);
+/// exactly one
 /// of `dense(ffn)` and `moe(experts, top_k, expert_ffn, shared_experts |
 /// shared_ffn, shared_gate, score = softmax | sigmoid, pre_softmax,
 /// scaling_factor, groups, group_top_k, expert_bias = rate, load_balance =
 /// none | aux | seq_aux | global_aux, aux_coef, z_loss, capacity(factor, drop =
 /// probs | position, pad))`; `recompute(..)`, `offload(..)`, `store_fp8(..)`
-/// and `precision = fp32 | bf16 | fp8 | fp8_blockwise` (only `bf16`, the
-/// default, runs today; the others are an error saying so). A bool key written
-/// alone (`shared_gate`) means `true`.
+/// and `precision = fp32 | bf16 | fp8 | fp8_blockwise` (the routed experts'
+/// GEMMs: `bf16`, the default, or `fp8_blockwise` on an MoE group; the others
+/// are an error saying so). A bool key written alone (`shared_gate`) means
+/// `true`.
 ///
 /// The struct becomes `Name<B: Backend>` implementing
 /// `foldmoe_core::engine::declared::MoeModel<B>`, with an enum `NameLayout`

@@ -113,7 +113,8 @@ pub struct TrainOptions {
     /// Run the routed experts' GEMMs in blockwise fp8 (DeepSeek-V3's
     /// recipe: e4m3, 1×128 activation and 128×128 weight scales, f32
     /// accumulation) in every MoE group whose dims allow it; the router,
-    /// attention, norms, embeddings and head stay in the model's dtype.
+    /// norms, embeddings and head stay in the model's dtype, and attention
+    /// too unless the model declares `attention(precision = fp8_blockwise)`.
     /// Emulated on the CPU; needs fp8 tensor cores (sm_89+) on CUDA.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub fp8: Option<bool>,

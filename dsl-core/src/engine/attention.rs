@@ -15,11 +15,14 @@ use foldmoe_kernels::{Backend, DType, Rope, Tensor, Yarn};
 
 use super::activations::Slot;
 use super::documents::DocTensors;
+use super::linear::LinearInput;
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
-use crate::spec::{AttentionSpec, ModelSpec, OffloadPart, RecomputePart, RopeScalingType};
+use crate::spec::{
+    AttentionSpec, GemmPrecision, ModelSpec, OffloadPart, RecomputePart, RopeScalingType,
+};
 
 /// The attention projections `wq: [D, Hq·Hd]`, `wk, wv: [D, Hkv·Hd]`,
 /// `wo: [Hq·Hd, D]` and the head layout.
@@ -39,6 +42,9 @@ pub struct Attention<B: Backend> {
     kv_heads: usize,
     head_dim: usize,
     rope: Rope,
+    /// Whether the projections run as blockwise fp8 GEMMs
+    /// (`attention(precision = fp8_blockwise)`).
+    fp8: bool,
 }
 
 /// What the attention's backward needs: the input, the rotated q and k, v, the
@@ -128,6 +134,7 @@ impl<B: Backend> Attention<B> {
             kv_heads: spec.kv_heads,
             head_dim: spec.head_dim,
             rope: rope_of(model, spec.head_dim),
+            fp8: spec.precision == GemmPrecision::Fp8Blockwise,
         })
     }
 
@@ -180,6 +187,11 @@ impl<B: Backend> Attention<B> {
         self.rope
     }
 
+    /// Whether the projections run as blockwise fp8 GEMMs.
+    pub fn fp8(&self) -> bool {
+        self.fp8
+    }
+
     /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of
     /// `seq_len`; `docs` restarts positions and masks attention at
     /// documents.
@@ -198,8 +210,11 @@ impl<B: Backend> Attention<B> {
         }
         let batch = tokens / seq_len;
         let (hq, hkv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        // One quantisation of x serves q, k and v in fp8.
+        let input = LinearInput::new(x_td, self.fp8);
         let project = |w: &Param<B>, heads: usize| -> Result<Tensor<B>> {
-            Ok(b.matmul(x_td, &w.value, false, false)?
+            Ok(input
+                .project(b, &w.value)?
                 .reshape(&[batch, seq_len, heads, hd])?)
         };
         let (q_bshd, k_bshd) = (project(&self.wq, hq)?, project(&self.wk, hkv)?);
@@ -224,7 +239,7 @@ impl<B: Backend> Attention<B> {
         let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd, mask)?;
         // Reshapes move the buffer: no copy of the attention output.
         let o_td = o_bshd.reshape(&[tokens, hq * hd])?;
-        let y_td = b.matmul(&o_td, &self.wo.value, false, false)?;
+        let y_td = LinearInput::new(&o_td, self.fp8).project(b, &self.wo.value)?;
         let saved = AttentionSaved {
             x_td: x_td.clone(),
             q_bshd,
@@ -256,12 +271,10 @@ impl<B: Backend> Attention<B> {
             docs,
         } = saved;
         let (batch, seq_len, hq, hd) = q_bshd.dims4("attention backward")?;
-        self.wo
-            .accumulate(b, &b.matmul(&o_td, dy_td, true, false)?)?;
-        let o_bshd = o_td.reshape(&[batch, seq_len, hq, hd])?;
-        let do_bshd = b
-            .matmul(dy_td, &self.wo.value, false, true)?
+        let do_bshd = LinearInput::new(&o_td, self.fp8)
+            .backward(b, &mut self.wo, dy_td)?
             .reshape(&[batch, seq_len, hq, hd])?;
+        let o_bshd = o_td.reshape(&[batch, seq_len, hq, hd])?;
         let mask = docs.as_ref().and_then(|d| d.docs.as_ref());
         let (dq_bshd, dk_bshd, dv_bshd) =
             b.attention_backward(&do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs, mask)?;
@@ -291,16 +304,17 @@ impl<B: Backend> Attention<B> {
                 ))
             }
         };
-        let mut dx_td = project_backward(b, &mut self.wq, &x_td, dq_bshd)?;
+        let input = LinearInput::new(&x_td, self.fp8);
+        let mut dx_td = project_backward(b, &mut self.wq, &input, dq_bshd)?;
         b.axpy(
             &mut dx_td,
             1.0,
-            &project_backward(b, &mut self.wk, &x_td, dk_bshd)?,
+            &project_backward(b, &mut self.wk, &input, dk_bshd)?,
         )?;
         b.axpy(
             &mut dx_td,
             1.0,
-            &project_backward(b, &mut self.wv, &x_td, dv_bshd)?,
+            &project_backward(b, &mut self.wv, &input, dv_bshd)?,
         )?;
         Ok(dx_td)
     }
@@ -328,19 +342,17 @@ pub(crate) fn rope_of(model: &ModelSpec, dim: usize) -> Rope {
     }
 }
 
-/// Backward of `d = x·w` seen as heads: accumulates `xᵀ·d` into `w` and
-/// returns this projection's share of `dx`.
+/// Backward of `d = x·w` seen as heads (any shape of T rows): accumulates
+/// `xᵀ·d` into `w` and returns this projection's share of `dx`.
 pub(crate) fn project_backward<B: Backend>(
     b: &B,
     w: &mut Param<B>,
-    x_td: &Tensor<B>,
-    d_bshd: Tensor<B>,
+    x: &LinearInput<'_, B>,
+    d_heads: Tensor<B>,
 ) -> Result<Tensor<B>> {
-    let (tokens, _) = x_td.dims2("attention backward")?;
-    let width = d_bshd.numel() / tokens;
-    let d_td = d_bshd.reshape(&[tokens, width])?;
-    w.accumulate(b, &b.matmul(x_td, &d_td, true, false)?)?;
-    Ok(b.matmul(&d_td, &w.value, false, true)?)
+    let tokens = x.tokens()?;
+    let width = d_heads.numel() / tokens;
+    x.backward(b, w, &d_heads.reshape(&[tokens, width])?)
 }
 
 impl<B: Backend> Module<B> for Attention<B> {
@@ -372,9 +384,10 @@ mod tests {
 
     use super::Attention;
     use crate::engine::testutil::{
-        check_param_grads, dot, f64_tensor, small_spec, uniform, values,
+        assert_fp8_tracks, check_param_grads, dot, f64_tensor, param_grads, small_spec, uniform,
+        values,
     };
-    use crate::spec::{FfnSpec, RopeScaling};
+    use crate::spec::{FfnSpec, GemmPrecision, RopeScaling};
 
     #[test]
     fn attention_block_grad() {
@@ -449,6 +462,35 @@ mod tests {
         assert_eq!(seen, n_params);
         check_param_grads("attention", &mut attn, 24, 1e-6, |a| {
             dot(&a.forward(&b, &x_td, seq, None).unwrap().0, &r)
+        });
+    }
+
+    /// `attention(precision = fp8_blockwise)`: the output, dx and every
+    /// projection's gradient track the exact layer's, and differ from them.
+    #[test]
+    fn fp8_projections_track_the_exact_ones() {
+        let b = Cpu;
+        let spec = small_spec(&[FfnSpec::Dense { ffn: 4 }], false);
+        let (seq, d) = (5, spec.hidden);
+        let t = 2 * seq;
+        let x_td = f64_tensor(uniform(1, t * d, 1.0), &[t, d]);
+        let dy_td = f64_tensor(uniform(2, t * d, 1.0), &[t, d]);
+        assert_fp8_tracks("attention", |fp8| {
+            let mut attn_spec = spec.groups[0].attention.clone();
+            if fp8 {
+                attn_spec.precision = GemmPrecision::Fp8Blockwise;
+            }
+            let init = crate::engine::Init::full(7);
+            let mut attn = Attention::new(&b, "attn", &spec, &attn_spec, init, DType::F64).unwrap();
+            assert_eq!(attn.fp8(), fp8);
+            let (y, saved) = attn.forward(&b, &x_td, seq, None).unwrap();
+            let dx = attn.backward(&b, &dy_td, saved).unwrap();
+            let mut out = vec![
+                ("y".to_string(), values(&y)),
+                ("dx".to_string(), values(&dx)),
+            ];
+            out.extend(param_grads(&attn));
+            out
         });
     }
 

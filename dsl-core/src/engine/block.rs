@@ -336,15 +336,11 @@ impl<B: Backend> Block<B> {
                     model.name
                 )));
             }
-            Some(mla) => Attn::Mla(Box::new(Mla::new(
-                b,
-                &attn_prefix,
-                model,
-                spec.heads,
-                mla,
-                init,
-                dtype,
-            )?)),
+            Some(mla) => {
+                let mut m = Mla::new(b, &attn_prefix, model, spec.heads, mla, init, dtype)?;
+                m.fp8 = spec.precision == GemmPrecision::Fp8Blockwise;
+                Attn::Mla(Box::new(m))
+            }
         };
         Ok(Block {
             attn_norm: RmsNorm::new(b, &format!("{prefix}.attn_norm"), d, model.norm_eps, dtype)?,

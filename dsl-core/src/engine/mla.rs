@@ -42,6 +42,7 @@ use foldmoe_kernels::{Backend, DType, HostData, Rope, Tensor};
 use super::activations::Slot;
 use super::attention::rope_of;
 use super::documents::DocTensors;
+use super::linear::LinearInput;
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
@@ -76,18 +77,21 @@ enum QuerySaved<B: Backend> {
 }
 
 impl<B: Backend> QueryProj<B> {
-    /// `x: [T, D] -> q: [T, H·Q]`.
-    fn forward(&self, b: &B, x_td: &Tensor<B>) -> Result<(Tensor<B>, QuerySaved<B>)> {
+    /// `x: [T, D] -> q: [T, H·Q]`; `x` is the layer input (in fp8 quantised
+    /// once for this and the key/value projection).
+    fn forward(
+        &self,
+        b: &B,
+        x: &LinearInput<'_, B>,
+        fp8: bool,
+    ) -> Result<(Tensor<B>, QuerySaved<B>)> {
         match self {
             QueryProj::LowRank { wq_a, q_norm, wq_b } => {
-                let (cq_tc, norm) =
-                    q_norm.forward(b, &b.matmul(x_td, &wq_a.value, false, false)?)?;
-                let q_thq = b.matmul(&cq_tc, &wq_b.value, false, false)?;
+                let (cq_tc, norm) = q_norm.forward(b, &x.project(b, &wq_a.value)?)?;
+                let q_thq = LinearInput::new(&cq_tc, fp8).project(b, &wq_b.value)?;
                 Ok((q_thq, QuerySaved::LowRank { norm, cq_tc }))
             }
-            QueryProj::Full { wq } => {
-                Ok((b.matmul(x_td, &wq.value, false, false)?, QuerySaved::Full))
-            }
+            QueryProj::Full { wq } => Ok((x.project(b, &wq.value)?, QuerySaved::Full)),
         }
     }
 
@@ -95,17 +99,18 @@ impl<B: Backend> QueryProj<B> {
     fn backward(
         &mut self,
         b: &B,
-        x_td: &Tensor<B>,
+        x: &LinearInput<'_, B>,
         dq_thq: &Tensor<B>,
         saved: QuerySaved<B>,
+        fp8: bool,
     ) -> Result<Tensor<B>> {
         match (self, saved) {
             (QueryProj::LowRank { wq_a, q_norm, wq_b }, QuerySaved::LowRank { norm, cq_tc }) => {
-                let dcq_tc = linear_backward(b, wq_b, &cq_tc, dq_thq)?;
+                let dcq_tc = LinearInput::new(&cq_tc, fp8).backward(b, wq_b, dq_thq)?;
                 let dcq_tc = q_norm.backward(b, &dcq_tc, norm)?;
-                linear_backward(b, wq_a, x_td, &dcq_tc)
+                x.backward(b, wq_a, &dcq_tc)
             }
-            (QueryProj::Full { wq }, QuerySaved::Full) => linear_backward(b, wq, x_td, dq_thq),
+            (QueryProj::Full { wq }, QuerySaved::Full) => x.backward(b, wq, dq_thq),
             _ => Err(EngineError::Invalid(
                 "mla backward: saved query state comes from a projection of another kind".into(),
             )),
@@ -213,6 +218,9 @@ pub struct Mla<B: Backend> {
     pub wkv_b: Param<B>,
     /// Output projection `[H·V, D]`.
     pub wo: Param<B>,
+    /// Whether the projections run as blockwise fp8 GEMMs (set by the block
+    /// from its `attention(precision = fp8_blockwise)`).
+    pub fp8: bool,
     maps: HeadMaps<B>,
     heads: usize,
     dims: MlaSpec,
@@ -331,6 +339,7 @@ impl<B: Backend> Mla<B> {
             kv_norm: RmsNorm::new(b, &format!("{prefix}.kv_norm"), l, eps, dtype)?,
             wkv_b: mk("wkv_b", &[l, h * (p + v)])?,
             wo: mk("wo", &[h * v, d])?,
+            fp8: false,
             maps,
             heads,
             dims: mla.clone(),
@@ -386,7 +395,8 @@ impl<B: Backend> Mla<B> {
         let m = &self.maps;
 
         // Query: each head's rotary tail is rotated; the head is rebuilt at width Hd.
-        let (q_thq, query) = self.query.forward(b, x_td)?;
+        let input = LinearInput::new(x_td, self.fp8);
+        let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
         let q_nq = q_thq.reshape(&[n, p + r])?;
         let qr_nr = self.rotate(
             b,
@@ -399,7 +409,7 @@ impl<B: Backend> Mla<B> {
 
         // Keys/values: the normed latent expands to every head's position-free
         // key and value; the one rotary key is rotated and copied to every head.
-        let kva_ta = b.matmul(x_td, &self.wkv_a.value, false, false)?;
+        let kva_ta = input.project(b, &self.wkv_a.value)?;
         let (ckv_tl, kv_norm) = self.kv_norm.forward(b, &m.kv_latent.apply(b, &kva_ta)?)?;
         let kr_tr = self.rotate(
             b,
@@ -408,8 +418,8 @@ impl<B: Backend> Mla<B> {
             false,
             docs,
         )?;
-        let kv_nk = b
-            .matmul(&ckv_tl, &self.wkv_b.value, false, false)?
+        let kv_nk = LinearInput::new(&ckv_tl, self.fp8)
+            .project(b, &self.wkv_b.value)?
             .reshape(&[n, p + v])?;
         let kr_nd = m.k_rope_out.apply(b, &kr_tr)?.reshape(&[n, hd])?;
         let k_nd = b.add(&m.k_nope.apply(b, &kv_nk)?, &kr_nd)?;
@@ -426,7 +436,7 @@ impl<B: Backend> Mla<B> {
         let o_nd = o_bshd.reshape(&[n, hd])?;
         // The padded value dims of o are exactly zero; drop them.
         let o_thv = m.o_slice.apply(b, &o_nd)?.reshape(&[tokens, h * v])?;
-        let y_td = b.matmul(&o_thv, &self.wo.value, false, false)?;
+        let y_td = LinearInput::new(&o_thv, self.fp8).project(b, &self.wo.value)?;
         let saved = MlaSaved {
             x_td: x_td.clone(),
             query,
@@ -468,7 +478,7 @@ impl<B: Backend> Mla<B> {
         // Output projection; o without its padding is recomputed, not kept.
         let m = &self.maps;
         let o_thv = m.o_slice.apply(b, &o_nd)?.reshape(&[tokens, h * v])?;
-        let do_thv = linear_backward(b, &mut self.wo, &o_thv, dy_td)?;
+        let do_thv = LinearInput::new(&o_thv, self.fp8).backward(b, &mut self.wo, dy_td)?;
         let bshd = [batch, seq_len, h, hd];
         let do_bshd = m
             .o_slice
@@ -495,11 +505,12 @@ impl<B: Backend> Mla<B> {
             .adjoint(b, &dk_nd.reshape(&[tokens, h * hd])?)?;
         let dkr_tr = self.rotate(b, dkr_tr, (batch, seq_len, 1), true, docs)?;
         let dkv_thk = dkv_nk.reshape(&[tokens, h * (p + v)])?;
-        let dckv_tl = linear_backward(b, &mut self.wkv_b, &ckv_tl, &dkv_thk)?;
+        let dckv_tl = LinearInput::new(&ckv_tl, self.fp8).backward(b, &mut self.wkv_b, &dkv_thk)?;
         let dlat_tl = self.kv_norm.backward(b, &dckv_tl, kv_norm)?;
         let mut dkva_ta = m.kv_latent.adjoint(b, &dlat_tl)?;
         b.axpy(&mut dkva_ta, 1.0, &m.k_rope_in.adjoint(b, &dkr_tr)?)?;
-        let mut dx_td = linear_backward(b, &mut self.wkv_a, &x_td, &dkva_ta)?;
+        let input = LinearInput::new(&x_td, self.fp8);
+        let mut dx_td = input.backward(b, &mut self.wkv_a, &dkva_ta)?;
 
         // Query in reverse: the rotary tail rotates back.
         let dq_nd = dq_bshd.reshape(&[n, hd])?;
@@ -508,21 +519,10 @@ impl<B: Backend> Mla<B> {
         let mut dq_nq = m.q_nope.adjoint(b, &dq_nd)?;
         b.axpy(&mut dq_nq, 1.0, &m.q_rope_in.adjoint(b, &dqr_nr)?)?;
         let dq_thq = dq_nq.reshape(&[tokens, h * (p + r)])?;
-        let dxq_td = self.query.backward(b, &x_td, &dq_thq, query)?;
+        let dxq_td = self.query.backward(b, &input, &dq_thq, query, self.fp8)?;
         b.axpy(&mut dx_td, 1.0, &dxq_td)?;
         Ok(dx_td)
     }
-}
-
-/// Backward of `y = x·w`: accumulates `xᵀ·dy` into `w` and returns `dy·wᵀ`.
-fn linear_backward<B: Backend>(
-    b: &B,
-    w: &mut Param<B>,
-    x: &Tensor<B>,
-    dy: &Tensor<B>,
-) -> Result<Tensor<B>> {
-    w.accumulate(b, &b.matmul(x, dy, true, false)?)?;
-    Ok(b.matmul(dy, &w.value, false, true)?)
 }
 
 impl<B: Backend> Module<B> for Mla<B> {
@@ -551,7 +551,8 @@ mod tests {
     use super::{Mla, QueryProj};
     use crate::engine::param::Module;
     use crate::engine::testutil::{
-        check_param_grads, dot, f64_tensor, one_rank, small_moe, small_spec, uniform, values,
+        assert_fp8_tracks, check_param_grads, dot, f64_tensor, one_rank, param_grads, small_moe,
+        small_spec, uniform, values,
     };
     use crate::engine::trainer::TrainConfig;
     use crate::spec::{FfnSpec, MlaSpec, ModelSpec, RopeScaling};
@@ -655,6 +656,32 @@ mod tests {
     #[test]
     fn mla_grad_full_rank_query() {
         check_grad(&FULL_RANK, None, "mla full-rank query");
+    }
+
+    /// `attention(precision = fp8_blockwise)` on MLA: the output, dx and
+    /// every projection's and norm's gradient track the exact layer's
+    /// (low- and full-rank queries), and differ from them.
+    #[test]
+    fn fp8_projections_track_the_exact_ones() {
+        let b = Cpu;
+        for (mla, what) in [(&LOW_RANK, "mla low-rank"), (&FULL_RANK, "mla full-rank")] {
+            let d = mla_spec(mla.clone(), FfnSpec::Dense { ffn: 4 }).hidden;
+            let (seq, t) = (5, 10);
+            let x_td = f64_tensor(uniform(1, t * d, 1.0), &[t, d]);
+            let dy_td = f64_tensor(uniform(2, t * d, 1.0), &[t, d]);
+            assert_fp8_tracks(what, |fp8| {
+                let (mut layer, _) = new_mla(mla);
+                layer.fp8 = fp8;
+                let (y, saved) = layer.forward(&b, &x_td, seq, None).unwrap();
+                let dx = layer.backward(&b, &dy_td, saved).unwrap();
+                let mut out = vec![
+                    ("y".to_string(), values(&y)),
+                    ("dx".to_string(), values(&dx)),
+                ];
+                out.extend(param_grads(&layer));
+                out
+            });
+        }
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod documents;
 pub mod embedding;
 pub mod group;
 pub mod hf;
+pub(crate) mod linear;
 pub mod mla;
 pub mod mlp;
 pub mod model;
@@ -228,5 +229,39 @@ pub(crate) mod testutil {
                 l
             });
         }
+    }
+
+    /// Asserts that an fp8 layer tracks its exact twin: `run(fp8)` returns
+    /// the layer's named outputs (its output, dx, every parameter's
+    /// gradient); each fp8 one lies within what e4m3's 3 mantissa bits allow
+    /// of the exact one and is not equal to it (relative Frobenius distance
+    /// above 1e-4: the fp8 products ran). One product of quantised operands
+    /// is off by about 3.6 % (`linear.rs`'s test); an attention output
+    /// passes through up to four of them (and a softmax), so the bound is
+    /// 0.15, where a wrongly wired operand (transposed, unscaled) lands near
+    /// 1.
+    pub fn assert_fp8_tracks(what: &str, run: impl Fn(bool) -> Vec<(String, Vec<f64>)>) {
+        let (exact, fp8) = (run(false), run(true));
+        assert_eq!(
+            exact.len(),
+            fp8.len(),
+            "{what}: the runs list different outputs"
+        );
+        for ((name, e), (_, q)) in exact.iter().zip(&fp8) {
+            let num: f64 = q.iter().zip(e).map(|(a, b)| (a - b).powi(2)).sum();
+            let den: f64 = e.iter().map(|b| b * b).sum();
+            let d = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+            assert!(
+                d < 0.15 && d > 1e-4,
+                "{what}: {name} at relative distance {d:e} from the exact one"
+            );
+        }
+    }
+
+    /// The named gradients of `m`'s parameters, in visit order.
+    pub fn param_grads<M: Module<Cpu>>(m: &M) -> Vec<(String, Vec<f64>)> {
+        let mut grads = Vec::new();
+        m.visit_params(&mut |p| grads.push((p.name.clone(), values(&p.grad))));
+        grads
     }
 }

@@ -16,8 +16,8 @@ use serde_json::{Map, Value};
 
 use crate::engine::{EngineError, Result};
 use crate::spec::{
-    keywords, AttentionSpec, BlockGroup, FfnSpec, LoadBalance, MlaSpec, ModelSpec, MoeSpec,
-    RopeScaling, RopeScalingType, RouterSpec, ScoreFunction,
+    keywords, AttentionSpec, BlockGroup, FfnSpec, GemmPrecision, LoadBalance, MlaSpec, ModelSpec,
+    MoeSpec, RopeScaling, RopeScalingType, RouterSpec, ScoreFunction,
 };
 
 /// The model families converted.
@@ -343,6 +343,7 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
                 head_dim: nope + rope,
                 mla: Some(mla),
                 qk_norm: false,
+                precision: GemmPrecision::Bf16,
             };
             let top_k = c.usize("num_experts_per_tok")?;
             let (groups, group_top_k) = (
@@ -856,6 +857,7 @@ impl Fields<'_> {
             head_dim,
             mla: None,
             qk_norm,
+            precision: GemmPrecision::Bf16,
         })
     }
 

@@ -1,0 +1,12 @@
+//! fp8 attention projections need every dim of theirs a multiple of 16.
+use foldmoe_macros::moe_model;
+
+#[moe_model(name = "ui", vocab = 32, hidden = 16, seq_len = 8,
+    layout(name = "cpu", world = 1))]
+pub struct Ui {
+    #[blocks(count = 2, attention(heads = 4, kv_heads = 2, head_dim = 8, precision = fp8_blockwise),
+        dense(ffn = 32))]
+    dense: Blocks,
+}
+
+fn main() {}
