@@ -129,6 +129,7 @@ mod tests {
     use foldmoe_kernels::{DType, Device};
 
     use super::*;
+    use crate::engine::testutil::relative_distance;
 
     fn tensor(b: &Cpu, values: Vec<f32>, shape: &[usize]) -> Tensor<Cpu> {
         b.upload(HostData::F32(values), shape).unwrap()
@@ -140,13 +141,6 @@ mod tests {
             HostData::F32(v) => v.into_iter().map(f64::from).collect(),
             _ => unreachable!(),
         }
-    }
-
-    /// Relative Frobenius distance of `a` from `b`.
-    fn rel(a: &[f64], b: &[f64]) -> f64 {
-        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
-        let den: f64 = b.iter().map(|y| y * y).sum();
-        (num / den).sqrt()
     }
 
     /// The fp8 projection, its weight gradient and its data gradient
@@ -190,7 +184,7 @@ mod tests {
             ("dx", &exact.1, &fp8.1),
             ("dw", &exact.2, &fp8.2),
         ] {
-            let d = rel(q, e);
+            let d = relative_distance(q, e);
             assert!(d < 0.05 && d > 1e-4, "{what}: relative distance {d:e}");
         }
     }

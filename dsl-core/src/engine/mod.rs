@@ -248,14 +248,19 @@ pub(crate) mod testutil {
             "{what}: the runs list different outputs"
         );
         for ((name, e), (_, q)) in exact.iter().zip(&fp8) {
-            let num: f64 = q.iter().zip(e).map(|(a, b)| (a - b).powi(2)).sum();
-            let den: f64 = e.iter().map(|b| b * b).sum();
-            let d = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+            let d = relative_distance(q, e);
             assert!(
                 d < 0.15 && d > 1e-4,
                 "{what}: {name} at relative distance {d:e} from the exact one"
             );
         }
+    }
+
+    /// Relative Frobenius distance `‖a − b‖ / ‖b‖`.
+    pub fn relative_distance(a: &[f64], b: &[f64]) -> f64 {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+        let den: f64 = b.iter().map(|y| y * y).sum();
+        (num / den.max(f64::MIN_POSITIVE)).sqrt()
     }
 
     /// The named gradients of `m`'s parameters, in visit order.

@@ -467,6 +467,7 @@ mod tests {
 
     use super::*;
     use crate::engine::moe::testutil::*;
+    use crate::engine::testutil::relative_distance;
 
     const D: usize = 3;
 
@@ -585,13 +586,6 @@ mod tests {
         check_experts("one group [0, 0, 4]", vec![0, 0, 4], 4);
     }
 
-    /// Norm-wise relative distance of `a` from `b`.
-    fn rel(a: &[f64], b: &[f64]) -> f64 {
-        let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
-        let n: f64 = b.iter().map(|y| y * y).sum();
-        (d / n).sqrt()
-    }
-
     /// The fp8 experts (quantised operands, f32 accumulation) against the
     /// same experts in f64: output, dx and each weight gradient within what
     /// e4m3's 3-bit mantissa allows (a few percent), yet not equal (the fp8
@@ -671,7 +665,7 @@ mod tests {
             ));
         }
         for (what, want, got) in pairs {
-            let r = rel(&got, &want);
+            let r = relative_distance(&got, &want);
             // dprobs = Σ dact · a multiplies two quantities that each carry
             // one fp8 product's error (the data gradient's and the forward
             // projections'): independent errors add in quadrature, √2 × the

@@ -406,7 +406,7 @@ mod tests {
     use crate::engine::attention::Attention;
     use crate::engine::parallel::run_local_layout;
     use crate::engine::param::{Module, Param};
-    use crate::engine::testutil::{f64_tensor, small_spec, uniform, values};
+    use crate::engine::testutil::{f64_tensor, relative_distance, small_spec, uniform, values};
     use crate::layout::{self, LayoutSpec};
     use crate::spec::{FfnSpec, GemmPrecision};
 
@@ -526,9 +526,7 @@ mod tests {
             }
             for (p, (s, want)) in g_sum.iter().zip(&g_ref).enumerate() {
                 if fp8 {
-                    let num: f64 = s.iter().zip(want).map(|(a, w)| (a - w).powi(2)).sum();
-                    let den: f64 = want.iter().map(|w| w * w).sum();
-                    let d = (num / den).sqrt();
+                    let d = relative_distance(s, want);
                     assert!(d < 0.08, "cp{cp} fp8 weight {p}: relative distance {d:e}");
                     continue;
                 }
