@@ -16,7 +16,7 @@
 use std::cell::OnceCell;
 
 use foldmoe_kernels::fp8::{Fp8Matrix, Fp8Tiles};
-use foldmoe_kernels::{Backend, HostData, Tensor};
+use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::param::Param;
 use super::Result;
@@ -99,16 +99,12 @@ impl<'a, B: Backend> LinearInput<'a, B> {
 }
 
 impl<B: Backend> Fp8Forms<B> {
-    /// `[T]` as the i32 group sizes of one group.
+    /// `[T]` as the i32 group sizes of one group, written on the device (no
+    /// host upload, so no host wait on CUDA).
     fn group_sizes(&self, b: &B, x_tk: &Tensor<B>) -> Result<&Tensor<B>> {
         get_or_try(&self.group_sizes, || {
             let (tokens, _) = x_tk.dims2("fp8 projection")?;
-            let tokens = i32::try_from(tokens).map_err(|_| {
-                super::EngineError::Invalid(format!(
-                    "fp8 projection: {tokens} tokens exceed the GEMMs' i32 group sizes"
-                ))
-            })?;
-            Ok(b.upload(HostData::I32(vec![tokens]), &[1])?)
+            Ok(b.fill(&[1], tokens as f64, DType::I32)?)
         })
     }
 }
@@ -126,7 +122,7 @@ fn get_or_try<T>(cell: &OnceCell<T>, make: impl FnOnce() -> Result<T>) -> Result
 #[cfg(test)]
 mod tests {
     use foldmoe_kernels::cpu::Cpu;
-    use foldmoe_kernels::{DType, Device};
+    use foldmoe_kernels::{Device, HostData};
 
     use super::*;
     use crate::engine::testutil::relative_distance;
