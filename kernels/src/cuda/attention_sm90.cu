@@ -426,19 +426,20 @@ FA3_FWD(192, 96, 2)
 // 1024 (the 128-byte swizzle's alignment); the stage's lse and delta (64 f32
 // each) sit in a ring of their own, so that no stage rounds up.
 #define FA3_BWD_STAGE(HD, HV) ((HD) * 128 + (HV) * 128)
-// Whether the warpgroups stage their dQ parts in shared memory and add them
-// with one bulk reduction each: at Hd 128 (322-327 -> 344-347 TFLOP/s on the
-// H200), not at 64 (322 -> 275: its 4 adds a thread held nothing up, and
-// the staging's fence and barrier sit on a step half as long) nor at MLA's
-// 192 (no room for the staging).
-#define FA3_BWD_STAGED_DQ(HD) ((HD) == 128)
+// Whether each warpgroup stages 64 columns of its dQ part in shared memory
+// and adds them with one bulk reduction: at Hd 128 (its whole part; 322-327
+// -> 344-347 TFLOP/s on the H200) and MLA's 192 (the 64-column half of its
+// 96; the 32-column rest stays on red.global, as the shared memory holds no
+// more), not at 64 (322 -> 275: its 4 adds a thread held nothing up, and the
+// staging's fence and barrier sit on a step half as long).
+#define FA3_BWD_STAGED_DQ(HD) ((HD) != 64)
 // Dynamic shared memory (attention_sm90.rs's bwd_smem): alignment slack, K
 // and V, NS stages, two buffers of dSᵀ (128 × 64 bf16), the dQ staging (64 ×
-// HD f32), the lse / delta ring, the mbarriers. 232000 bytes at Hd 128, of
-// the 232448 a block may have.
+// 64 f32 a warpgroup), the lse / delta ring, the mbarriers: 232000 bytes at
+// Hd 128 and 231488 at MLA's, of the 232448 a block may have.
 #define FA3_BWD_SMEM(HD, HV, NS)                                                                              \
     (1024 + FA3_BWD_KEYS * ((HD) + (HV)) * 2 + (NS) * FA3_BWD_STAGE(HD, HV) + 2 * 16384 +                    \
-     (FA3_BWD_STAGED_DQ(HD) ? 64 * (HD) * 4 : 0) + (NS) * 512 + 64)
+     (FA3_BWD_STAGED_DQ(HD) ? 2 * 16384 : 0) + (NS) * 512 + 64)
 
 __device__ __forceinline__ void fa3_bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
@@ -453,6 +454,22 @@ __device__ __forceinline__ void fa3_bulk_add_s2g(float* dst, unsigned src, unsig
                  "cp.async.bulk.commit_group;\n" ::"l"(dst),
                  "r"(src), "r"(bytes)
                  : "memory");
+}
+// Adds a warpgroup's 64 × 64 f32 block of dQ (d, 4 j + e of thread t being
+// element (j · 128 + t) · 4 + e of the accumulator tile's 16 KiB at dst) by
+// way of shared memory: conflict-free float4 stores to stg (address sa),
+// then one thread's bulk reduction. The registers are free at once, where
+// red.global's sources stay held until the LSU takes them (ncu at Hd 128:
+// 17 % of the stall samples, at the next step's first rewrite of them). The
+// caller frees stg for the next step (wait_group.read before a barrier).
+__device__ __forceinline__ void fa3_dq_stage_add(float* stg, unsigned sa, float* dst, const float (&d)[32], int t,
+                                                 int wg) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<float4*>(stg + (j * 128 + t) * 4) = make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(8 + wg) : "memory");
+    if (t == 0) fa3_bulk_add_s2g(dst, sa, 16384);
 }
 // dst[0..3] += (a, b, c, d) at the L2 (16-byte aligned, global).
 __device__ __forceinline__ void fa3_red_add_v4(float* dst, float a, float b, float c, float d) {
@@ -506,10 +523,8 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = fa3_smem + pad;
     constexpr bool STAGED = FA3_BWD_STAGED_DQ(HD);
-    // A warpgroup's dQ part: 64 queries × HD / 2 columns of f32.
-    constexpr unsigned DQW = 64 * HD * 2;
     unsigned sk = raw + pad, sv = sk + KB, st0 = sv + VB, sds = st0 + NS * ST;
-    unsigned sdq = sds + 2 * 16384, sld = sdq + (STAGED ? 2 * DQW : 0);
+    unsigned sdq = sds + 2 * 16384, sld = sdq + (STAGED ? 2 * 16384 : 0);
     unsigned bars = sld + NS * 512;
     // kv_full, then full[NS], empty[NS].
     unsigned kv_full = bars;
@@ -567,6 +582,9 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
 #pragma unroll
     for (int x = 0; x < HV / 2; ++x) dva[x] = 0.f;
     unsigned ka = sk + wg * 64 * 128, va = sv + wg * 64 * 128;
+    // This warpgroup's 64 × 64 f32 dQ staging (STAGED).
+    unsigned sdqw = sdq + wg * 16384;
+    float* stg = reinterpret_cast<float*>(base + (sdqw - (raw + pad)));
     if (wg == 1) fa3_named_arrive(4);  // warpgroup 0 issues first
     mbar_wait(kv_full, 0);
     for (int n = 0; n < G * per; ++n) {
@@ -698,7 +716,7 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
             wg_pin(d32);
             wg_pin(dva);
             wg_pin(dka);
-            fa3_dq_add<64>(dqt, d64, wg ? 128 : 0, t);
+            fa3_dq_stage_add(stg, sdqw, dqt + (wg ? 128 : 0) * 64, d64, t, wg);
             fa3_dq_add<32>(dqt, d32, wg ? 96 : 64, t);
         } else {
             // Warpgroup w: columns HD/2 · w .. (one chunk at 128, half of
@@ -716,21 +734,7 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
             // Q_i, dO_i, lse and delta are no longer read.
             mbar_arrive(FA3_BE(s));
             if constexpr (STAGED) {
-                // The part goes to shared memory in the accumulator tile's
-                // order (thread t's float4 j at (j · 128 + t) · 4:
-                // conflict-free) and one thread adds its 64 · HD / 2
-                // contiguous floats with a bulk reduction: the registers are
-                // free at once, where red.global's sources stayed held until
-                // the LSU took them (ncu at Hd 128: 17 % of the stall
-                // samples, at the next step's first use of them).
-                float* stg = reinterpret_cast<float*>(base + (sdq + wg * DQW - (raw + pad)));
-#pragma unroll
-                for (int j = 0; j < HD / 16; ++j)
-                    *reinterpret_cast<float4*>(stg + (j * 128 + t) * 4) =
-                        make_float4(dqa[4 * j], dqa[4 * j + 1], dqa[4 * j + 2], dqa[4 * j + 3]);
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                asm volatile("bar.sync %0, 128;\n" ::"r"(8 + wg) : "memory");
-                if (t == 0) fa3_bulk_add_s2g(dqt + wg * (HD / 2) * 64, sdq + wg * DQW, DQW);
+                fa3_dq_stage_add(stg, sdqw, dqt + wg * 64 * 64, dqa, t, wg);
             } else {
                 fa3_dq_add<HD / 2>(dqt, dqa, wg * (HD / 2), t);
             }

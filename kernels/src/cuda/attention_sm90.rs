@@ -69,13 +69,17 @@ fn bwd_kernel(hd: usize) -> (&'static str, usize, usize) {
 const MLA_VALUES: usize = 128;
 
 /// Dynamic shared memory of the backward (`FA3_BWD_SMEM`): alignment slack,
-/// K and V, the stages of Q and dO, two dSᵀ buffers, the dQ staging (64 × hd
-/// f32 at hd 128 only; the others add dQ from registers), the ring of lse and
-/// delta (512 bytes a stage), the mbarriers.
+/// K and V, the stages of Q and dO, two dSᵀ buffers, the dQ staging (64 × 64
+/// f32 a warpgroup, but none at hd 64, which adds dQ from registers), the
+/// ring of lse and delta (512 bytes a stage), the mbarriers.
 fn bwd_smem(hd: usize) -> u32 {
     let (_, hv, stages) = bwd_kernel(hd);
     let stage = BWD_QUERIES * (hd + hv) * 2;
-    let dq_staging = if hd == 128 { BWD_QUERIES * hd * 4 } else { 0 };
+    let dq_staging = if hd == 64 {
+        0
+    } else {
+        2 * BWD_QUERIES * 64 * 4
+    };
     (1024 + BWD_KEYS * (hd + hv) * 2 + stages * (stage + 512) + 2 * 16384 + dq_staging + 64) as u32
 }
 
