@@ -384,7 +384,7 @@ mod tests {
 
     use super::Attention;
     use crate::engine::testutil::{
-        assert_fp8_tracks, check_param_grads, dot, f64_tensor, param_grads, small_spec, uniform,
+        assert_fp8_tracks, check_param_grads, dot, f64_tensor, layer_outputs, small_spec, uniform,
         values,
     };
     use crate::spec::{FfnSpec, GemmPrecision, RopeScaling};
@@ -485,12 +485,7 @@ mod tests {
             assert_eq!(attn.fp8(), fp8);
             let (y, saved) = attn.forward(&b, &x_td, seq, None).unwrap();
             let dx = attn.backward(&b, &dy_td, saved).unwrap();
-            let mut out = vec![
-                ("y".to_string(), values(&y)),
-                ("dx".to_string(), values(&dx)),
-            ];
-            out.extend(param_grads(&attn));
-            out
+            layer_outputs(&y, &dx, &attn)
         });
     }
 

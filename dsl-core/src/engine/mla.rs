@@ -551,7 +551,7 @@ mod tests {
     use super::{Mla, QueryProj};
     use crate::engine::param::Module;
     use crate::engine::testutil::{
-        assert_fp8_tracks, check_param_grads, dot, f64_tensor, one_rank, param_grads, small_moe,
+        assert_fp8_tracks, check_param_grads, dot, f64_tensor, layer_outputs, one_rank, small_moe,
         small_spec, uniform, values,
     };
     use crate::engine::trainer::TrainConfig;
@@ -674,12 +674,7 @@ mod tests {
                 layer.fp8 = fp8;
                 let (y, saved) = layer.forward(&b, &x_td, seq, None).unwrap();
                 let dx = layer.backward(&b, &dy_td, saved).unwrap();
-                let mut out = vec![
-                    ("y".to_string(), values(&y)),
-                    ("dx".to_string(), values(&dx)),
-                ];
-                out.extend(param_grads(&layer));
-                out
+                layer_outputs(&y, &dx, &layer)
             });
         }
     }

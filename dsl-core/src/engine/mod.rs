@@ -263,10 +263,15 @@ pub(crate) mod testutil {
         (num / den.max(f64::MIN_POSITIVE)).sqrt()
     }
 
-    /// The named gradients of `m`'s parameters, in visit order.
-    pub fn param_grads<M: Module<Cpu>>(m: &M) -> Vec<(String, Vec<f64>)> {
-        let mut grads = Vec::new();
-        m.visit_params(&mut |p| grads.push((p.name.clone(), values(&p.grad))));
-        grads
+    /// A layer's outputs for [`assert_fp8_tracks`]: its output `y`, the
+    /// input gradient `dx` and every parameter's gradient (visit order).
+    pub fn layer_outputs<M: Module<Cpu>>(
+        y: &Tensor<Cpu>,
+        dx: &Tensor<Cpu>,
+        m: &M,
+    ) -> Vec<(String, Vec<f64>)> {
+        let mut out = vec![("y".to_string(), values(y)), ("dx".to_string(), values(dx))];
+        m.visit_params(&mut |p| out.push((p.name.clone(), values(&p.grad))));
+        out
     }
 }
