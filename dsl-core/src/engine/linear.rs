@@ -85,7 +85,9 @@ impl<'a, B: Backend> LinearInput<'a, B> {
         let columns = get_or_try(&q.columns, || {
             Ok(b.quantize_fp8(self.x_tk, Fp8Tiles::GroupColumns, Some(groups))?)
         })?;
-        let dy_columns = b.quantize_fp8(dy_tn, Fp8Tiles::GroupColumns, Some(groups))?;
+        // dy in both tilings from one pass: columns for the weight
+        // gradient, rows for the data gradient.
+        let (dy_rows, dy_columns) = b.quantize_fp8_rows_and_columns(dy_tn, groups)?;
         let dw = b.grouped_matmul_weight_grad_fp8(columns, &dy_columns, groups, dtype)?;
         w.accumulate(b, &dw.reshape(&[k, n])?)?;
         let w_blocks = b.quantize_fp8(
@@ -93,7 +95,6 @@ impl<'a, B: Backend> LinearInput<'a, B> {
             Fp8Tiles::Blocks { transposed: false },
             None,
         )?;
-        let dy_rows = b.quantize_fp8(dy_tn, Fp8Tiles::Rows, None)?;
         Ok(b.grouped_matmul_fp8(&dy_rows, &w_blocks, groups, true, dtype)?)
     }
 }

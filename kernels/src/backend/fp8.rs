@@ -25,6 +25,23 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
         quantize_via_host(self, x, tiles, group_sizes)
     }
 
+    /// `x: [M, K]` quantised both ways its GEMMs read it: in `Rows` tiles
+    /// (the forward's or data gradient's operand) and in `GroupColumns`
+    /// tiles of `group_sizes` (the weight gradient's, which the backward
+    /// keeps), equal to two [`Self::quantize_fp8`] calls. A backend with a
+    /// fused kernel reads `x` once, so one quantisation pass serves the GEMM
+    /// and the saved copy.
+    fn quantize_fp8_rows_and_columns(
+        &self,
+        x: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Fp8Matrix<Self>, Fp8Matrix<Self>)> {
+        Ok((
+            self.quantize_fp8(x, Fp8Tiles::Rows, None)?,
+            self.quantize_fp8(x, Fp8Tiles::GroupColumns, Some(group_sizes))?,
+        ))
+    }
+
     /// The matrix `q` was quantised from, as its codes and scales give it
     /// back: f32, in the logical shape (`group_sizes` as quantised).
     fn dequantize_fp8(

@@ -280,6 +280,120 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
     }
 }
 
+// Rows of the one-pass quantisation's block: group tile `tile` of the
+// per-group column tiling (both tilings, `cols` true), or, for a tile past
+// the groups' own, the q-th run of 128 rows past the groups (row tiles only:
+// the column codes there stay 0 and the tile's scales are 1). Enough spare
+// tiles exist: the groups' tiles number at most ceil(used / 128) + G - 1 of
+// the ceil(m / 128) + G, which leaves ceil((m - used) / 128).
+__device__ void rows_cols_span(const int* sizes, i64 groups, i64 m, i64 tile, i64* row0, i64* rows, int* cols) {
+    i64 start = 0, tile0 = 0;
+    for (i64 g = 0; g < groups; g++) {
+        const i64 end = min(start + max(sizes[g], 0), m);
+        const i64 tiles = end > start ? (end - 1) / 128 - start / 128 + 1 : 0;
+        if (tile < tile0 + tiles) {
+            const i64 q = tile - tile0;
+            *row0 = q == 0 ? start : (start / 128 + q) * 128;
+            *rows = min((*row0 / 128 + 1) * 128, end) - *row0;
+            *cols = 1;
+            return;
+        }
+        start = max(start, end);
+        tile0 += tiles;
+    }
+    // start is now the rows the groups cover.
+    *row0 = start + (tile - tile0) * 128;
+    *rows = max((i64)0, min((i64)128, m - *row0));
+    *cols = 0;
+}
+
+// Row tiles (1 x 128, fp8_compress's codes and scales) and per-group column
+// tiles (fp8_quant_group_cols's) of bf16 x [m, k] in one read of x: a block
+// of 256 threads per (tile, RC_COLS columns), in chunks of 128 columns (one
+// row tile's width, k a multiple of 8). Each thread loads 8 columns of one
+// row with a 16-byte load, the 16 lanes of a row reduce its amax by shuffles
+// and store its codes at once; the chunk is staged in shared memory for the
+// columns' amax and their transposed codes (a warp's 32 rows of one column).
+#define RC_COLS 512
+extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, unsigned char* rcodes, float* rscales,
+                                                   unsigned char* ccodes, float* cscales, const int* sizes,
+                                                   i64 m, i64 k, i64 groups) {
+    __shared__ __align__(16) bf16 tile_v[128 * QB_STRIDE];
+    __shared__ float part[2][128];
+    __shared__ float col_scale[128];
+    __shared__ i64 span[2];
+    __shared__ int span_cols;
+    const i64 tile = blockIdx.x;
+    if (threadIdx.x == 0) rows_cols_span(sizes, groups, m, tile, &span[0], &span[1], &span_cols);
+    __syncthreads();
+    const i64 row0 = span[0], rows = span[1], kb = (k + 127) / 128;
+    const bool cols = span_cols != 0;
+    const int tid = threadIdx.x, p = tid & 15;
+    const i64 cend = min(k, (i64)(blockIdx.y + 1) * RC_COLS);
+    for (i64 c0 = (i64)blockIdx.y * RC_COLS; c0 < cend; c0 += 128) {
+        const int nc = (int)min((i64)128, k - c0);
+#pragma unroll 2
+        for (int q = 0; q < 8; ++q) {
+            const int i = (tid >> 4) + 16 * q;
+            const bool live = i < rows && 8 * p < nc;
+            uint4 raw = make_uint4(0, 0, 0, 0);
+            if (live) raw = *reinterpret_cast<const uint4*>(x + (row0 + i) * k + c0 + 8 * p);
+            const bf16* h = reinterpret_cast<const bf16*>(&raw);
+            float v[8], a = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                v[e] = to_f32v(h[e]);
+                a = fmaxf(a, fabsf(v[e]));
+            }
+            // The row's 16 lanes (a half warp) hold its 128 columns.
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+            const float scale = a > 0.f ? a / 448.f : 1.f;
+            if (live) {
+                unsigned lo = 0, hi = 0;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    lo |= (unsigned)e4m3_of(v[e] / scale) << (8 * e);
+                    hi |= (unsigned)e4m3_of(v[e + 4] / scale) << (8 * e);
+                }
+                *reinterpret_cast<uint2*>(rcodes + (row0 + i) * k + c0 + 8 * p) = make_uint2(lo, hi);
+                if (p == 0) rscales[(row0 + i) * kb + c0 / 128] = scale;
+            }
+            if (cols) {
+                const unsigned* wd = reinterpret_cast<const unsigned*>(&raw);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) reinterpret_cast<unsigned*>(tile_v + i * QB_STRIDE + 8 * p)[e] = wd[e];
+            }
+        }
+        if (!cols) {
+            // A tile past the groups: its column scales are 1.
+            if (tid < nc) cscales[tile * k + c0 + tid] = 1.f;
+            continue;
+        }
+        __syncthreads();
+        {
+            const int j = tid & 127, hf = tid >> 7;
+            float a = 0.f;
+            for (int i = 64 * hf; i < 64 * hf + 64; ++i) a = fmaxf(a, fabsf(to_f32v(tile_v[i * QB_STRIDE + j])));
+            part[hf][j] = a;
+        }
+        __syncthreads();
+        if (tid < 128) {
+            const float a = fmaxf(part[0][tid], part[1][tid]);
+            const float sc = a > 0.f ? a / 448.f : 1.f;
+            col_scale[tid] = sc;
+            if (tid < nc) cscales[tile * k + c0 + tid] = sc;
+        }
+        __syncthreads();
+        for (int u = tid; u < 128 * 128; u += 256) {
+            const int j = u >> 7, i = u & 127;
+            if (i < rows && j < nc)
+                ccodes[(c0 + j) * m + row0 + i] = e4m3_of(to_f32v(tile_v[i * QB_STRIDE + j]) / col_scale[j]);
+        }
+        __syncthreads();  // the chunk's readers are done before the next one is staged
+    }
+}
+
 #define FP8_OPERANDS(sfx, T) \
     extern "C" __global__ void fp8_quant_blocks_##sfx(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) { \
         fp8_quant_blocks_impl<T>(w, codes, scales, r, c, transposed); } \

@@ -43,6 +43,22 @@ impl Cuda {
             .is_ok_and(|sm| sm >= MIN_FP8_CAPABILITY)
     }
 
+    /// The one-line error of an fp8 GEMM's first quantisation on a GPU
+    /// without fp8 tensor cores.
+    fn require_fp8_tensor_cores(&self) -> Result<()> {
+        if self.has_fp8_tensor_cores() {
+            return Ok(());
+        }
+        Err(KernelError::DeviceUnavailable {
+            device: "cuda",
+            reason: format!(
+                "fp8 GEMMs need fp8 tensor cores (sm_89 or newer), but {} is {}; train in bf16 (no --fp8, no precision = fp8_blockwise)",
+                self.name(),
+                self.arch()
+            ),
+        })
+    }
+
     /// The group sizes' count, checked to be an i32 vector.
     fn group_count(op: &'static str, sizes: Option<&Tensor<Self>>) -> Result<usize> {
         let Some(s) = sizes else { return Ok(0) };
@@ -84,6 +100,10 @@ fn f8_smem_bytes(g: usize) -> usize {
 /// Columns a block of the group-column quantisation takes (`fp8.cu`'s
 /// `GC_COLS`, in chunks of 64).
 const GC_COLS: usize = 512;
+
+/// Columns a block of the one-pass row and column quantisation takes
+/// (`fp8.cu`'s `RC_COLS`, in chunks of 128).
+const RC_COLS: usize = 512;
 
 /// Bytes of one stage of the weight-gradient kernel (`F8W_STAGE`): the
 /// codes of a stage of the forward's, then 128 row scales of A and 128
@@ -399,16 +419,7 @@ impl Fp8Ops for Cuda {
         group_sizes: Option<&Tensor<Self>>,
     ) -> Result<Fp8Matrix<Self>> {
         const OP: &str = "quantize_fp8";
-        if !self.has_fp8_tensor_cores() {
-            return Err(KernelError::DeviceUnavailable {
-                device: "cuda",
-                reason: format!(
-                    "fp8 GEMMs need fp8 tensor cores (sm_89 or newer), but {} is {}; train in bf16 (no --fp8, no precision = fp8_blockwise)",
-                    self.name(),
-                    self.arch()
-                ),
-            });
-        }
+        self.require_fp8_tensor_cores()?;
         check_quantize_input(OP, x, tiles, group_sizes.is_some())?;
         let sfx = float_sfx(OP, x.dtype())?;
         let groups = Self::group_count(OP, group_sizes)?;
@@ -484,6 +495,64 @@ impl Fp8Ops for Cuda {
             shape,
             tiles,
         })
+    }
+
+    fn quantize_fp8_rows_and_columns(
+        &self,
+        x: &Tensor<Self>,
+        group_sizes: &Tensor<Self>,
+    ) -> Result<(Fp8Matrix<Self>, Fp8Matrix<Self>)> {
+        const OP: &str = "quantize_fp8_rows_and_columns";
+        self.require_fp8_tensor_cores()?;
+        check_quantize_input(OP, x, Fp8Tiles::Rows, false)?;
+        let groups = Self::group_count(OP, Some(group_sizes))?;
+        let shape = x.shape().to_vec();
+        let &[m, k] = shape.as_slice() else {
+            unreachable!("check_quantize_input passed")
+        };
+        // The fused kernel's 16-byte loads take bf16 rows of a multiple of 8.
+        if x.dtype() != DType::BF16 || !k.is_multiple_of(8) || m == 0 || k == 0 {
+            return Ok((
+                self.quantize_fp8(x, Fp8Tiles::Rows, None)?,
+                self.quantize_fp8(x, Fp8Tiles::GroupColumns, Some(group_sizes))?,
+            ));
+        }
+        // Negative sizes or a sum past m are reported at the next read, as
+        // by the grouped GEMMs (the kernel clamps).
+        self.group_offsets(OP, group_sizes, groups, m)?;
+        let (n, t) = (m * k, column_tiles(m, groups));
+        let row_codes = self.alloc(OP, &[n.div_ceil(4)], DType::I32)?;
+        let row_scales = self.alloc(OP, &[m * k.div_ceil(128)], DType::F32)?;
+        // Rows past the groups are code 0 in the column tiling.
+        let col_codes = self.zeros(&[n.div_ceil(4)], DType::I32)?;
+        let col_scales = self.alloc(OP, &[k * t], DType::F32)?;
+        let f = self.func(FP8, "fp8_quant_rows_cols_bf16")?;
+        launch!(
+            self,
+            f,
+            // A block per (tile, RC_COLS columns); the tiles past the
+            // groups' own take the rows past the groups.
+            block_cfg((t as u32, k.div_ceil(RC_COLS) as u32, 1), 256, 0),
+            x.storage().ptr(),
+            row_codes.storage().ptr(),
+            row_scales.storage().ptr(),
+            col_codes.storage().ptr(),
+            col_scales.storage().ptr(),
+            group_sizes.storage().ptr(),
+            m as i64,
+            k as i64,
+            groups as i64
+        )?;
+        let matrix = |codes, scales, tiles| Fp8Matrix {
+            codes,
+            scales,
+            shape: shape.clone(),
+            tiles,
+        };
+        Ok((
+            matrix(row_codes, row_scales, Fp8Tiles::Rows),
+            matrix(col_codes, col_scales, Fp8Tiles::GroupColumns),
+        ))
     }
 
     fn dequantize_fp8(

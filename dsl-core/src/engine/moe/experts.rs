@@ -290,20 +290,21 @@ impl<B: Backend> Experts<B> {
         let dtype = x_nd.dtype();
         let fwd_weight =
             |w: &Param<B>| b.quantize_fp8(&w.value, Fp8Tiles::Blocks { transposed: true }, None);
-        let x_rows = b.quantize_fp8(x_nd, Fp8Tiles::Rows, None)?;
+        // One pass quantises each input for its GEMM and for the copy kept.
+        let (x_rows, x_cols) = b.quantize_fp8_rows_and_columns(x_nd, counts_e)?;
         let gate_nf =
             b.grouped_matmul_fp8(&x_rows, &fwd_weight(&self.w1)?, counts_e, false, dtype)?;
         let up_nf =
             b.grouped_matmul_fp8(&x_rows, &fwd_weight(&self.w3)?, counts_e, false, dtype)?;
+        drop(x_rows);
         let act_nf = b.swiglu_weighted(&gate_nf, &up_nf, probs_n)?;
-        let act_rows = b.quantize_fp8(&act_nf, Fp8Tiles::Rows, None)?;
+        let (act_rows, act_cols) = b.quantize_fp8_rows_and_columns(&act_nf, counts_e)?;
         let y_nd =
             b.grouped_matmul_fp8(&act_rows, &fwd_weight(&self.w2)?, counts_e, false, dtype)?;
-        let columns = |t: &Tensor<B>| b.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(counts_e));
         let saved = ExpertsSaved {
-            x_nd: SavedInput::Fp8(columns(x_nd)?),
+            x_nd: SavedInput::Fp8(x_cols),
             counts_e: counts_e.clone(),
-            act_nf: SavedInput::Fp8(columns(&act_nf)?),
+            act_nf: SavedInput::Fp8(act_cols),
             gate_nf,
             up_nf,
             probs_n: probs_n.clone(),
@@ -420,8 +421,9 @@ impl<B: Backend> Experts<B> {
         (x_cols, act_cols): (&Fp8Matrix<B>, &Fp8Matrix<B>),
     ) -> Result<(Tensor<B>, Tensor<B>)> {
         let dtype = dy_nd.dtype();
-        let rows = |t: &Tensor<B>| b.quantize_fp8(t, Fp8Tiles::Rows, None);
-        let columns = |t: &Tensor<B>| b.quantize_fp8(t, Fp8Tiles::GroupColumns, Some(counts_e));
+        // Each gradient in row tiles (its data gradient) and group column
+        // tiles (the weight gradients) from one pass.
+        let both = |t: &Tensor<B>| b.quantize_fp8_rows_and_columns(t, counts_e);
         // Data gradients read each weight with its output dimension summed.
         let bwd_weight =
             |w: &Param<B>| b.quantize_fp8(&w.value, Fp8Tiles::Blocks { transposed: false }, None);
@@ -431,17 +433,23 @@ impl<B: Backend> Experts<B> {
         let dgrad = |dy: &Fp8Matrix<B>, w: &Param<B>| -> Result<Tensor<B>> {
             Ok(b.grouped_matmul_fp8(dy, &bwd_weight(w)?, counts_e, true, dtype)?)
         };
-        let dy_cols = columns(dy_nd)?;
+        let (dy_rows, dy_cols) = both(dy_nd)?;
         let dw2 = wgrad(act_cols, &dy_cols)?;
         self.w2.accumulate(b, &dw2)?;
-        let dact_nf = dgrad(&rows(dy_nd)?, &self.w2)?;
+        drop(dy_cols);
+        let dact_nf = dgrad(&dy_rows, &self.w2)?;
+        drop(dy_rows);
         let (dgate_nf, dup_nf, dprobs_n) =
             b.swiglu_weighted_backward(gate_nf, up_nf, probs_n, &dact_nf)?;
-        let (dgate_cols, dup_cols) = (columns(&dgate_nf)?, columns(&dup_nf)?);
-        self.w1.accumulate(b, &wgrad(x_cols, &dgate_cols)?)?;
-        self.w3.accumulate(b, &wgrad(x_cols, &dup_cols)?)?;
-        let dx_gate = dgrad(&rows(&dgate_nf)?, &self.w1)?;
-        let dx_up = dgrad(&rows(&dup_nf)?, &self.w3)?;
+        // Gate, then up: one gradient's two quantised forms live at a time.
+        let gate_up = |w: &mut Param<B>, d_nf: &Tensor<B>| -> Result<Tensor<B>> {
+            let (d_rows, d_cols) = both(d_nf)?;
+            w.accumulate(b, &wgrad(x_cols, &d_cols)?)?;
+            drop(d_cols);
+            dgrad(&d_rows, w)
+        };
+        let dx_gate = gate_up(&mut self.w1, &dgate_nf)?;
+        let dx_up = gate_up(&mut self.w3, &dup_nf)?;
         Ok((b.add(&dx_gate, &dx_up)?, dprobs_n))
     }
 }
