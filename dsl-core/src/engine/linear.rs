@@ -87,7 +87,7 @@ impl<'a, B: Backend> LinearInput<'a, B> {
         })?;
         // dy in both tilings from one pass: columns for the weight
         // gradient, rows for the data gradient.
-        let (dy_rows, dy_columns) = b.quantize_fp8_rows_and_columns(dy_tn, groups)?;
+        let (dy_rows, dy_columns) = b.quantize_fp8_rows_and_columns(dy_tn, None, groups)?;
         let dw = b.grouped_matmul_weight_grad_fp8(columns, &dy_columns, groups, dtype)?;
         w.accumulate(b, &dw.reshape(&[k, n])?)?;
         let w_blocks = b.quantize_fp8(

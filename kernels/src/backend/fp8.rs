@@ -1,4 +1,4 @@
-use super::{Device, ElementwiseOps, LinalgOps};
+use super::{Device, ElementwiseOps, LinalgOps, RoutingOps};
 use crate::error::{arg_err, Result};
 use crate::fp8::{dequantize_via_host, quantize_via_host, Fp8Matrix, Fp8Tiles};
 use crate::tensor::{DType, Tensor};
@@ -12,7 +12,7 @@ use crate::tensor::{DType, Tensor};
 /// f32 and run the f32 grouped GEMM, whose sums differ from an fp8 kernel's
 /// (promoted every 128 of K, [`crate::fp8::blockwise_matmul_host`]) only in
 /// f32 rounding. The CPU uses them as they are.
-pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
+pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps + RoutingOps {
     /// `x` quantised under `tiles`: `[M, K]` activations (`Rows`, or
     /// `GroupColumns` with the row groups `group_sizes: [G]`, i32), or
     /// `[G, R, C]` weights (`Blocks`).
@@ -25,20 +25,27 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps {
         quantize_via_host(self, x, tiles, group_sizes)
     }
 
-    /// `x: [M, K]` quantised both ways its GEMMs read it: in `Rows` tiles
+    /// The rows `[M, K]` — `x` itself, or with `row_src: [M]` (i32) the
+    /// rows of `x: [T, K]` it names ([`RoutingOps::permute`]: `-1` a zero
+    /// row) — quantised both ways their GEMMs read them: in `Rows` tiles
     /// (the forward's or data gradient's operand) and in `GroupColumns`
     /// tiles of `group_sizes` (the weight gradient's, which the backward
-    /// keeps), equal to two [`Self::quantize_fp8`] calls. A backend with a
-    /// fused kernel reads `x` once, so one quantisation pass serves the GEMM
-    /// and the saved copy.
+    /// keeps); equal to a permute and two [`Self::quantize_fp8`] calls. A
+    /// backend with a fused kernel reads each row of `x` once and writes no
+    /// permuted copy, so one pass serves the GEMM and the saved copy.
     fn quantize_fp8_rows_and_columns(
         &self,
         x: &Tensor<Self>,
+        row_src: Option<&Tensor<Self>>,
         group_sizes: &Tensor<Self>,
     ) -> Result<(Fp8Matrix<Self>, Fp8Matrix<Self>)> {
+        let rows = match row_src {
+            Some(r) => self.permute(x, r)?,
+            None => x.clone(),
+        };
         Ok((
-            self.quantize_fp8(x, Fp8Tiles::Rows, None)?,
-            self.quantize_fp8(x, Fp8Tiles::GroupColumns, Some(group_sizes))?,
+            self.quantize_fp8(&rows, Fp8Tiles::Rows, None)?,
+            self.quantize_fp8(&rows, Fp8Tiles::GroupColumns, Some(group_sizes))?,
         ))
     }
 

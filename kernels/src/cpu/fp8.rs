@@ -432,34 +432,61 @@ mod tests {
         assert_eq!(scales_d, scales_h, "x group columns: scales");
     }
 
-    /// The one-pass row and column quantisation equals the two separate
-    /// ones bit for bit: bf16 (the CUDA kernel's case) over ragged, empty and
-    /// padded groups, rows the groups fill exactly, K past one block's 512
-    /// columns and not a multiple of 128, no rows in any group; f32 and K
-    /// not a multiple of 8 (the two passes).
+    /// The one-pass row and column quantisation equals a permute and the
+    /// two separate quantisations bit for bit: bf16 (the CUDA kernel's case)
+    /// over ragged, empty and padded groups, rows the groups fill exactly, K
+    /// past one block's 512 columns and not a multiple of 128, no rows in
+    /// any group, rows gathered through an index (repeats, zero rows); f32
+    /// and K not a multiple of 8 (the separate passes).
     fn fp8_rows_and_columns_in_one_pass_equal_two<B: TestOps>(d: &B) {
-        let cases: [(usize, usize, &[i32], DType); 6] = [
-            (700, 1096, &[70, 0, 300, 5, 197], DType::BF16),
-            (256, 2048, &[128, 128], DType::BF16),
-            (300, 136, &[0, 0], DType::BF16),
-            (129, 768, &[129], DType::BF16),
-            (200, 264, &[3, 150], DType::F32),
-            (90, 100, &[40, 50], DType::BF16),
+        let cases: [(usize, usize, &[i32], DType, bool); 8] = [
+            (700, 1096, &[70, 0, 300, 5, 197], DType::BF16, false),
+            (256, 2048, &[128, 128], DType::BF16, false),
+            (300, 136, &[0, 0], DType::BF16, false),
+            (129, 768, &[129], DType::BF16, false),
+            (200, 264, &[3, 150], DType::F32, false),
+            (90, 100, &[40, 50], DType::BF16, false),
+            (700, 1096, &[70, 0, 300, 5, 197], DType::BF16, true),
+            (200, 264, &[3, 150], DType::F32, true),
         ];
-        for (m, k, sizes, dtype) in cases {
-            let x = d.cast(&d.t32(&sample(m * k, 17), &[m, k]), dtype).unwrap();
+        for (m, k, sizes, dtype, gathered) in cases {
+            let case = format!("{m}x{k} {dtype:?} groups {sizes:?} gathered {gathered}");
+            // Gathered: m rows from 37 tokens, every 9th row a zero row.
+            let tokens = if gathered { 37 } else { m };
+            let x = d
+                .cast(&d.t32(&sample(tokens * k, 17), &[tokens, k]), dtype)
+                .unwrap();
+            let src: Vec<i32> = (0..m)
+                .map(|r| {
+                    if r % 9 == 4 {
+                        -1
+                    } else {
+                        ((r * 7) % tokens) as i32
+                    }
+                })
+                .collect();
+            let row_src = gathered.then(|| d.ti32(&src, &[m]));
             let gs = d.ti32(sizes, &[sizes.len()]);
-            let (rows, cols) = d.quantize_fp8_rows_and_columns(&x, &gs).unwrap();
-            let rows_2 = d.quantize_fp8(&x, Fp8Tiles::Rows, None).unwrap();
+            let (rows, cols) = d
+                .quantize_fp8_rows_and_columns(&x, row_src.as_ref(), &gs)
+                .unwrap();
+            let x_rows = match &row_src {
+                Some(r) => d.permute(&x, r).unwrap(),
+                None => x.clone(),
+            };
+            let rows_2 = d.quantize_fp8(&x_rows, Fp8Tiles::Rows, None).unwrap();
             let cols_2 = d
-                .quantize_fp8(&x, Fp8Tiles::GroupColumns, Some(&gs))
+                .quantize_fp8(&x_rows, Fp8Tiles::GroupColumns, Some(&gs))
                 .unwrap();
             for (name, one, two) in [("rows", &rows, &rows_2), ("columns", &cols, &cols_2)] {
-                let case = format!("{m}x{k} {dtype:?} groups {sizes:?}: {name}");
-                assert_eq!(one.tiles, two.tiles, "{case}: tiles");
-                assert_eq!(one.shape, two.shape, "{case}: shape");
-                assert_eq!(codes(d, one), codes(d, two), "{case}: codes");
-                assert_eq!(d.h64(&one.scales), d.h64(&two.scales), "{case}: scales");
+                assert_eq!(one.tiles, two.tiles, "{case}: {name} tiles");
+                assert_eq!(one.shape, two.shape, "{case}: {name} shape");
+                assert_eq!(codes(d, one), codes(d, two), "{case}: {name} codes");
+                assert_eq!(
+                    d.h64(&one.scales),
+                    d.h64(&two.scales),
+                    "{case}: {name} scales"
+                );
             }
         }
     }

@@ -308,14 +308,16 @@ __device__ void rows_cols_span(const int* sizes, i64 groups, i64 m, i64 tile, i6
 }
 
 // Row tiles (1 x 128, fp8_compress's codes and scales) and per-group column
-// tiles (fp8_quant_group_cols's) of bf16 x [m, k] in one read of x: a block
+// tiles (fp8_quant_group_cols's) of bf16 rows [m, k] in one read of them —
+// x's own, or with row_src the rows x[row_src[r]] (-1: a zero row), so no
+// permuted copy is written: a block
 // of 256 threads per (tile, RC_COLS columns), in chunks of 128 columns (one
 // row tile's width, k a multiple of 8). Each thread loads 8 columns of one
 // row with a 16-byte load, the 16 lanes of a row reduce its amax by shuffles
 // and store its codes at once; the chunk is staged in shared memory for the
 // columns' amax and their transposed codes (a warp's 32 rows of one column).
 #define RC_COLS 512
-extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, unsigned char* rcodes, float* rscales,
+extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* row_src, unsigned char* rcodes, float* rscales,
                                                    unsigned char* ccodes, float* cscales, const int* sizes,
                                                    i64 m, i64 k, i64 groups) {
     __shared__ __align__(16) bf16 tile_v[128 * QB_STRIDE];
@@ -337,7 +339,10 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, unsigned char
             const int i = (tid >> 4) + 16 * q;
             const bool live = i < rows && 8 * p < nc;
             uint4 raw = make_uint4(0, 0, 0, 0);
-            if (live) raw = *reinterpret_cast<const uint4*>(x + (row0 + i) * k + c0 + 8 * p);
+            if (live) {
+                const i64 src = row_src ? (i64)row_src[row0 + i] : row0 + i;
+                if (src >= 0) raw = *reinterpret_cast<const uint4*>(x + src * k + c0 + 8 * p);
+            }
             const bf16* h = reinterpret_cast<const bf16*>(&raw);
             float v[8], a = 0.f;
 #pragma unroll

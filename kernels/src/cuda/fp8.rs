@@ -18,12 +18,13 @@ use cudarc::driver::{sys, LaunchConfig};
 
 use super::compile::{FP8, FP8_SM90};
 use super::linalg::{tma_map_of, TmaMap};
+use super::routing::row_src_1d;
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
 use crate::backend::fp8::{
     check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
     grouped_wgrad_fp8_emulated,
 };
-use crate::backend::{Device, Fp8Ops, OffloadOps};
+use crate::backend::{Device, Fp8Ops, OffloadOps, RoutingOps};
 use crate::error::{arg_err, KernelError, Result};
 use crate::fp8::{
     check_quantize_input, check_tiles, column_tiles, Fp8Matrix, Fp8Tensor, Fp8Tiles,
@@ -500,23 +501,34 @@ impl Fp8Ops for Cuda {
     fn quantize_fp8_rows_and_columns(
         &self,
         x: &Tensor<Self>,
+        row_src: Option<&Tensor<Self>>,
         group_sizes: &Tensor<Self>,
     ) -> Result<(Fp8Matrix<Self>, Fp8Matrix<Self>)> {
         const OP: &str = "quantize_fp8_rows_and_columns";
         self.require_fp8_tensor_cores()?;
         check_quantize_input(OP, x, Fp8Tiles::Rows, false)?;
         let groups = Self::group_count(OP, Some(group_sizes))?;
-        let shape = x.shape().to_vec();
-        let &[m, k] = shape.as_slice() else {
-            unreachable!("check_quantize_input passed")
+        let (x_rows, k) = x.dims2(OP)?;
+        let m = match row_src {
+            Some(r) => row_src_1d(OP, r)?,
+            None => x_rows,
         };
         // The fused kernel's 16-byte loads take bf16 rows of a multiple of 8.
         if x.dtype() != DType::BF16 || !k.is_multiple_of(8) || m == 0 || k == 0 {
+            let rows = match row_src {
+                Some(r) => self.permute(x, r)?,
+                None => x.clone(),
+            };
             return Ok((
-                self.quantize_fp8(x, Fp8Tiles::Rows, None)?,
-                self.quantize_fp8(x, Fp8Tiles::GroupColumns, Some(group_sizes))?,
+                self.quantize_fp8(&rows, Fp8Tiles::Rows, None)?,
+                self.quantize_fp8(&rows, Fp8Tiles::GroupColumns, Some(group_sizes))?,
             ));
         }
+        if let Some(r) = row_src {
+            // An index past x's rows is reported at the next read.
+            self.check_range(OP, r, -1, x_rows as i64)?;
+        }
+        let shape = vec![m, k];
         // Negative sizes or a sum past m are reported at the next read, as
         // by the grouped GEMMs (the kernel clamps).
         self.group_offsets(OP, group_sizes, groups, m)?;
@@ -534,6 +546,7 @@ impl Fp8Ops for Cuda {
             // groups' own take the rows past the groups.
             block_cfg((t as u32, k.div_ceil(RC_COLS) as u32, 1), 256, 0),
             x.storage().ptr(),
+            row_src.map_or(0, |r| r.storage().ptr()),
             row_codes.storage().ptr(),
             row_scales.storage().ptr(),
             col_codes.storage().ptr(),

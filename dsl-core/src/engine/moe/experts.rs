@@ -91,6 +91,25 @@ impl<B: Backend> ExpertRows<B> {
         })
     }
 
+    /// The rows' dtype.
+    fn dtype(&self) -> DType {
+        match self {
+            ExpertRows::Dense(x) => x.dtype(),
+            ExpertRows::Gathered { source, .. } => source.dtype(),
+        }
+    }
+
+    /// The rows in fp8 row tiles and group column tiles of `counts_e`, read
+    /// where they lie (no permuted copy where the backend gathers).
+    fn quantize_fp8(&self, b: &B, counts_e: &Tensor<B>) -> Result<(Fp8Matrix<B>, Fp8Matrix<B>)> {
+        Ok(match self {
+            ExpertRows::Dense(x) => b.quantize_fp8_rows_and_columns(x, None, counts_e)?,
+            ExpertRows::Gathered {
+                source, row_src, ..
+            } => b.quantize_fp8_rows_and_columns(source, Some(row_src), counts_e)?,
+        })
+    }
+
     /// `grouped_matmul(rows, w, counts_e, trans_w)`.
     fn product(
         &self,
@@ -258,7 +277,7 @@ impl<B: Backend> Experts<B> {
         counts_e: &Tensor<B>,
     ) -> Result<(Tensor<B>, ExpertsSaved<B>)> {
         if self.fp8 {
-            return self.forward_fp8(b, &x_nd.materialize(b)?, probs_n, counts_e);
+            return self.forward_fp8(b, &x_nd, probs_n, counts_e);
         }
         let rows = x_nd.for_products(b)?;
         let gate_nf = rows.product(b, &self.w1.value, counts_e, false)?;
@@ -283,7 +302,7 @@ impl<B: Backend> Experts<B> {
     fn forward_fp8(
         &self,
         b: &B,
-        x_nd: &Tensor<B>,
+        x_nd: &ExpertRows<B>,
         probs_n: &Tensor<B>,
         counts_e: &Tensor<B>,
     ) -> Result<(Tensor<B>, ExpertsSaved<B>)> {
@@ -291,14 +310,14 @@ impl<B: Backend> Experts<B> {
         let fwd_weight =
             |w: &Param<B>| b.quantize_fp8(&w.value, Fp8Tiles::Blocks { transposed: true }, None);
         // One pass quantises each input for its GEMM and for the copy kept.
-        let (x_rows, x_cols) = b.quantize_fp8_rows_and_columns(x_nd, counts_e)?;
+        let (x_rows, x_cols) = x_nd.quantize_fp8(b, counts_e)?;
         let gate_nf =
             b.grouped_matmul_fp8(&x_rows, &fwd_weight(&self.w1)?, counts_e, false, dtype)?;
         let up_nf =
             b.grouped_matmul_fp8(&x_rows, &fwd_weight(&self.w3)?, counts_e, false, dtype)?;
         drop(x_rows);
         let act_nf = b.swiglu_weighted(&gate_nf, &up_nf, probs_n)?;
-        let (act_rows, act_cols) = b.quantize_fp8_rows_and_columns(&act_nf, counts_e)?;
+        let (act_rows, act_cols) = b.quantize_fp8_rows_and_columns(&act_nf, None, counts_e)?;
         let y_nd =
             b.grouped_matmul_fp8(&act_rows, &fwd_weight(&self.w2)?, counts_e, false, dtype)?;
         let saved = ExpertsSaved {
@@ -351,7 +370,7 @@ impl<B: Backend> Experts<B> {
             (SavedInput::Fp8(x), SavedInput::Fp8(act)) => {
                 let (dx_nd, dprobs_n) = self.backward_fp8(
                     b,
-                    &dy_nd.materialize(b)?,
+                    &dy_nd,
                     &counts_e,
                     (&gate_nf, &up_nf, &probs_n),
                     (&x, &act),
@@ -415,15 +434,15 @@ impl<B: Backend> Experts<B> {
     fn backward_fp8(
         &mut self,
         b: &B,
-        dy_nd: &Tensor<B>,
+        dy_nd: &ExpertRows<B>,
         counts_e: &Tensor<B>,
         (gate_nf, up_nf, probs_n): (&Tensor<B>, &Tensor<B>, &Tensor<B>),
         (x_cols, act_cols): (&Fp8Matrix<B>, &Fp8Matrix<B>),
     ) -> Result<(Tensor<B>, Tensor<B>)> {
-        let dtype = dy_nd.dtype();
+        let dtype = gate_nf.dtype();
         // Each gradient in row tiles (its data gradient) and group column
         // tiles (the weight gradients) from one pass.
-        let both = |t: &Tensor<B>| b.quantize_fp8_rows_and_columns(t, counts_e);
+        let both = |t: &Tensor<B>| b.quantize_fp8_rows_and_columns(t, None, counts_e);
         // Data gradients read each weight with its output dimension summed.
         let bwd_weight =
             |w: &Param<B>| b.quantize_fp8(&w.value, Fp8Tiles::Blocks { transposed: false }, None);
@@ -433,7 +452,7 @@ impl<B: Backend> Experts<B> {
         let dgrad = |dy: &Fp8Matrix<B>, w: &Param<B>| -> Result<Tensor<B>> {
             Ok(b.grouped_matmul_fp8(dy, &bwd_weight(w)?, counts_e, true, dtype)?)
         };
-        let (dy_rows, dy_cols) = both(dy_nd)?;
+        let (dy_rows, dy_cols) = dy_nd.quantize_fp8(b, counts_e)?;
         let dw2 = wgrad(act_cols, &dy_cols)?;
         self.w2.accumulate(b, &dw2)?;
         drop(dy_cols);
@@ -531,9 +550,10 @@ mod tests {
         ExpertRows::Dense(x)
     }
 
-    /// Rows gathered from their source tokens give the dense rows' output,
-    /// dx and weight gradients exactly, and the backward keeps only the
-    /// source (an alias of the layer input) and the map, not the rows.
+    /// Rows gathered from their source tokens (the input, and the output
+    /// gradient) give the dense rows' output, dx and weight gradients
+    /// exactly, exact and in fp8; the exact backward keeps only the source
+    /// (an alias of the layer input) and the map, not the rows.
     #[test]
     fn gathered_rows_match_dense_ones() {
         let (e, t, rows) = (3, 5, 8);
@@ -541,41 +561,49 @@ mod tests {
         let src = vec![4, 0, 0, 2, -1, 1, 3, -1];
         let row_src = ti32(src.clone(), &[rows]);
         let x_td = t64(uniform(51, t * D, 1.0), &[t, D]);
-        let dy = t64(uniform(52, rows * D, 1.0), &[rows, D]);
+        let dy_td = t64(uniform(52, t * D, 1.0), &[t, D]);
         let probs = t64(uniform(53, rows, 1.0), &[rows]);
-        let mk = || {
-            Experts::new(
-                &Cpu,
-                "x",
-                D,
-                &moe_spec(e, 1, 5, 0),
-                0.6,
-                crate::engine::Init::full(4),
-                DType::F64,
-            )
-            .unwrap()
-        };
-        let (mut a, mut g) = (mk(), mk());
-        let x_nd = Cpu.permute(&x_td, &row_src).unwrap();
-        let (ya, sa) = a.forward(&Cpu, dense(x_nd), &probs, &counts_e).unwrap();
-        let gathered = ExpertRows::Gathered {
-            source: x_td.clone(),
+        let gathered = |source: &Tensor<Cpu>, source_is_input| ExpertRows::Gathered {
+            source: source.clone(),
             row_src: row_src.clone(),
-            source_is_input: true,
+            source_is_input,
         };
-        let (yg, mut sg) = g.forward(&Cpu, gathered, &probs, &counts_e).unwrap();
-        let mut slots = Vec::new();
-        sg.visit_saved(&mut |s, t| slots.push((s, t.shape().to_vec())));
-        assert_eq!(slots[0], (Slot::NORM_OUT_ALIAS, vec![t, D]), "{slots:?}");
-        assert!(slots[1].0.alias && slots[1].1 == [rows], "{slots:?}");
-        assert!(slots[2..].iter().all(|(s, _)| !s.alias), "{slots:?}");
-        assert_eq!(host(&ya), host(&yg));
-        let (dxa, dpa) = a.backward(&Cpu, dense(dy.clone()), sa).unwrap();
-        let (dxg, dpg) = g.backward(&Cpu, dense(dy), sg).unwrap();
-        assert_eq!(host(&dxa), host(&dxg));
-        assert_eq!(host(&dpa), host(&dpg));
-        for ((name, _, ga), (_, _, gg)) in params(&a).into_iter().zip(params(&g)) {
-            assert_eq!(ga, gg, "{name}");
+        let permuted = |source: &Tensor<Cpu>| dense(Cpu.permute(source, &row_src).unwrap());
+        for fp8 in [false, true] {
+            let mk = || {
+                let mut m = Experts::new(
+                    &Cpu,
+                    "x",
+                    D,
+                    &moe_spec(e, 1, 5, 0),
+                    0.6,
+                    crate::engine::Init::full(4),
+                    DType::F64,
+                )
+                .unwrap();
+                m.fp8 = fp8;
+                m
+            };
+            let (mut a, mut g) = (mk(), mk());
+            let (ya, sa) = a.forward(&Cpu, permuted(&x_td), &probs, &counts_e).unwrap();
+            let (yg, mut sg) = g
+                .forward(&Cpu, gathered(&x_td, true), &probs, &counts_e)
+                .unwrap();
+            if !fp8 {
+                let mut slots = Vec::new();
+                sg.visit_saved(&mut |s, t| slots.push((s, t.shape().to_vec())));
+                assert_eq!(slots[0], (Slot::NORM_OUT_ALIAS, vec![t, D]), "{slots:?}");
+                assert!(slots[1].0.alias && slots[1].1 == [rows], "{slots:?}");
+                assert!(slots[2..].iter().all(|(s, _)| !s.alias), "{slots:?}");
+            }
+            assert_eq!(host(&ya), host(&yg), "fp8 {fp8}: y");
+            let (dxa, dpa) = a.backward(&Cpu, permuted(&dy_td), sa).unwrap();
+            let (dxg, dpg) = g.backward(&Cpu, gathered(&dy_td, false), sg).unwrap();
+            assert_eq!(host(&dxa), host(&dxg), "fp8 {fp8}: dx");
+            assert_eq!(host(&dpa), host(&dpg), "fp8 {fp8}: dprobs");
+            for ((name, _, ga), (_, _, gg)) in params(&a).into_iter().zip(params(&g)) {
+                assert_eq!(ga, gg, "fp8 {fp8}: {name}");
+            }
         }
     }
 
