@@ -408,7 +408,9 @@ mod tests {
             let host: Vec<f32> = d.h64(&t).iter().map(|&x| x as f32).collect();
             (t, host)
         };
-        for (g, r, c) in [(2, 256, 384), (1, 200, 136)] {
+        // 130 rows: a whole block whose transposed codes are stored a byte
+        // at a time (r not a multiple of 4).
+        for (g, r, c) in [(2, 256, 384), (1, 200, 136), (1, 130, 136)] {
             let (w, wh) = bf16_of(&sample(g * r * c, 11), &[g, r, c]);
             for transposed in [false, true] {
                 let tiles = Fp8Tiles::Blocks { transposed };

@@ -93,19 +93,31 @@ __device__ __forceinline__ float block_amax_256(float a) {
     return m;
 }
 
+// A 128 x 128 bf16 tile in shared memory, 64 words a row (a word holds
+// columns 2 cp and 2 cp + 1), the word of pair cp of row rho at rho * 64 +
+// (cp ^ (rho / 4 % 32)): the 32 lanes of a warp that each read rows 4 l ..
+// 4 l + 3 of one column (the transposed codes, four rows to a 4-byte store)
+// meet 32 banks, and so do lanes reading along a row.
+__device__ __forceinline__ int swz_word(int rho, int cp) { return rho * 64 + (cp ^ ((rho >> 2) & 31)); }
+// Column col of row rho of such a tile, as f32.
+__device__ __forceinline__ float swz_value(const unsigned* tw, int rho, int col) {
+    const unsigned w = tw[swz_word(rho, col >> 1)];
+    return __uint_as_float((col & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+
 // One block of 256 threads per 128x128 block (grid: column blocks, row
 // blocks, matrices) of w [g, r, c]: scale = amax / 448 (1 if all zero) at
 // scales[e][bi][bj] of the logical grid, codes at [e][i][j], or at [e][j][i]
-// when transposed. The block is staged once in shared memory (bf16 rows of
-// 130, an odd number of words, so a warp reading down a column hits 32
-// banks) with 16-byte loads where rows are a multiple of 8; codes along the
-// stored rows: 8 a thread from registers (plain), or a warp's 32 rows of one
-// column (transposed) — the earlier version read the transposed case down
-// the columns of global memory, one sector a value (~5× the memory time).
-#define QB_STRIDE 130
+// when transposed. The block is staged once in shared memory (swz_word's
+// layout) with 16-byte loads where rows are a multiple of 8; codes along the
+// stored rows: 8 a thread from registers (plain), or four rows of one column
+// a thread (transposed, a warp's 128 rows of a column in one store; single
+// bytes if r is not a multiple of 4) — the first version read the transposed
+// case down the columns of global memory, one sector a value (~5x the memory
+// time), the second stored a byte a thread.
 template <typename T>
 __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) {
-    __shared__ __align__(16) bf16 tile[128 * QB_STRIDE];
+    __shared__ __align__(16) unsigned tile_w[128 * 64];
     const i64 e = blockIdx.z, r0 = (i64)blockIdx.y * 128, c0 = (i64)blockIdx.x * 128;
     const i64 nr = min((i64)128, r - r0), nc = min((i64)128, c - c0);
     const T* src = w + e * r * c;
@@ -128,7 +140,7 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
                 }
                 if (transposed) {
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) reinterpret_cast<unsigned*>(tile + i * QB_STRIDE + 8 * p)[k] = wd[k];
+                    for (int k = 0; k < 4; ++k) tile_w[swz_word(i, 4 * p + k)] = wd[k];
                 }
             }
             const float amax = block_amax_256(a);
@@ -146,11 +158,19 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
                     }
                     *reinterpret_cast<uint2*>(dst + (r0 + i) * c + c0 + 8 * p) = make_uint2(lo, hi);
                 }
-            } else {
+            } else if (r % 4 == 0) {
                 // block_amax_256's barrier ordered the tile's writes before these reads.
+                for (int u = threadIdx.x; u < 128 * 32; u += 256) {
+                    const int j = u >> 5, l = u & 31;
+                    unsigned out = 0;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) / scale) << (8 * q);
+                    *reinterpret_cast<unsigned*>(dst + (c0 + j) * r + r0 + 4 * l) = out;
+                }
+            } else {
                 for (int u = threadIdx.x; u < 128 * 128; u += 256) {
                     const int j = u >> 7, i = u & 127;
-                    dst[(c0 + j) * r + r0 + i] = e4m3_of(to_f32v(tile[i * QB_STRIDE + j]) / scale);
+                    dst[(c0 + j) * r + r0 + i] = e4m3_of(swz_value(tile_w, i, j) / scale);
                 }
             }
             return;
@@ -314,13 +334,17 @@ __device__ void rows_cols_span(const int* sizes, i64 groups, i64 m, i64 tile, i6
 // of 256 threads per (tile, RC_COLS columns), in chunks of 128 columns (one
 // row tile's width, k a multiple of 8). Each thread loads 8 columns of one
 // row with a 16-byte load, the 16 lanes of a row reduce its amax by shuffles
-// and store its codes at once; the chunk is staged in shared memory for the
-// columns' amax and their transposed codes (a warp's 32 rows of one column).
+// and store its codes at once; the chunk is staged in shared memory
+// (swz_word's layout, each row at its place in the aligned 128-row block the
+// tile lies in) for the columns' amax and their transposed codes: four rows
+// of one column a thread, a warp's 128 rows in one 4-byte store each where
+// all four rows are the tile's (single bytes at its ends, or if m is not a
+// multiple of 4: the bytes around belong to other groups' tiles).
 #define RC_COLS 512
 extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* row_src, unsigned char* rcodes, float* rscales,
                                                    unsigned char* ccodes, float* cscales, const int* sizes,
                                                    i64 m, i64 k, i64 groups) {
-    __shared__ __align__(16) bf16 tile_v[128 * QB_STRIDE];
+    __shared__ __align__(16) unsigned tile_w[128 * 64];
     __shared__ float part[2][128];
     __shared__ float col_scale[128];
     __shared__ i64 span[2];
@@ -330,6 +354,9 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
     __syncthreads();
     const i64 row0 = span[0], rows = span[1], kb = (k + 127) / 128;
     const bool cols = span_cols != 0;
+    // The tile's rows are rows o .. o + rows - 1 of the aligned block at blk.
+    const int o = (int)(row0 & 127);
+    const i64 blk = row0 - o;
     const int tid = threadIdx.x, p = tid & 15;
     const i64 cend = min(k, (i64)(blockIdx.y + 1) * RC_COLS);
     for (i64 c0 = (i64)blockIdx.y * RC_COLS; c0 < cend; c0 += 128) {
@@ -364,10 +391,10 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
                 *reinterpret_cast<uint2*>(rcodes + (row0 + i) * k + c0 + 8 * p) = make_uint2(lo, hi);
                 if (p == 0) rscales[(row0 + i) * kb + c0 / 128] = scale;
             }
-            if (cols) {
+            if (cols && i < rows) {
                 const unsigned* wd = reinterpret_cast<const unsigned*>(&raw);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) reinterpret_cast<unsigned*>(tile_v + i * QB_STRIDE + 8 * p)[e] = wd[e];
+                for (int e = 0; e < 4; ++e) tile_w[swz_word(o + i, 4 * p + e)] = wd[e];
             }
         }
         if (!cols) {
@@ -379,7 +406,8 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
         {
             const int j = tid & 127, hf = tid >> 7;
             float a = 0.f;
-            for (int i = 64 * hf; i < 64 * hf + 64; ++i) a = fmaxf(a, fabsf(to_f32v(tile_v[i * QB_STRIDE + j])));
+            const int iend = (int)min((i64)(64 * hf + 64), rows);
+            for (int i = 64 * hf; i < iend; ++i) a = fmaxf(a, fabsf(swz_value(tile_w, o + i, j)));
             part[hf][j] = a;
         }
         __syncthreads();
@@ -390,10 +418,23 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
             if (tid < nc) cscales[tile * k + c0 + tid] = sc;
         }
         __syncthreads();
-        for (int u = tid; u < 128 * 128; u += 256) {
-            const int j = u >> 7, i = u & 127;
-            if (i < rows && j < nc)
-                ccodes[(c0 + j) * m + row0 + i] = e4m3_of(to_f32v(tile_v[i * QB_STRIDE + j]) / col_scale[j]);
+        for (int u = tid; u < 128 * 32; u += 256) {
+            const int j = u >> 5, l = u & 31;
+            if (j >= nc) continue;
+            unsigned char* dst = ccodes + (c0 + j) * m + blk + 4 * l;
+            const float sc = col_scale[j];
+            if (m % 4 == 0 && 4 * l >= o && 4 * l + 4 <= o + rows) {
+                unsigned out = 0;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) / sc) << (8 * q);
+                *reinterpret_cast<unsigned*>(dst) = out;
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int rho = 4 * l + q;
+                    if (rho >= o && rho < o + rows) dst[q] = e4m3_of(swz_value(tile_w, rho, j) / sc);
+                }
+            }
         }
         __syncthreads();  // the chunk's readers are done before the next one is staged
     }
