@@ -512,7 +512,7 @@ template <int N> __device__ __forceinline__ void fa3_dq_add(float* tile, const f
                          wgmma_desc(sdo + c * FA3_BWD_Q * 128 + kk * 32, 16, 1024), c + kk);           \
     } while (0)
 
-template <int HD, int HV, int NS, bool DEFER>
+template <int HD, int HV, int NS>
 __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv, const TmaMap* tdo,
                                              const float* __restrict__ lse2, const float* __restrict__ delta,
                                              float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv,
@@ -523,9 +523,6 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = fa3_smem + pad;
     constexpr bool STAGED = FA3_BWD_STAGED_DQ(HD);
-    // DEFER (Hd 128): step n's dQ part is staged and added at step n + 1,
-    // under that step's Sᵀ and dPᵀ products, not with the tensor cores idle.
-    static_assert(!DEFER || HD == 128, "the deferred dQ add is Hd 128's");
     unsigned sk = raw + pad, sv = sk + KB, st0 = sv + VB, sds = st0 + NS * ST;
     unsigned sdq = sds + 2 * 16384, sld = sdq + (STAGED ? 2 * 16384 : 0);
     unsigned bars = sld + NS * 512;
@@ -588,9 +585,6 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
     // This warpgroup's 64 × 64 f32 dQ staging (STAGED).
     unsigned sdqw = sdq + wg * 16384;
     float* stg = reinterpret_cast<float*>(base + (sdqw - (raw + pad)));
-    // DEFER: the last step's dQ part and where it goes.
-    float dqp[32];
-    float* dqt_prev = dq_acc;
     if (wg == 1) fa3_named_arrive(4);  // warpgroup 0 issues first
     mbar_wait(kv_full, 0);
     for (int n = 0; n < G * per; ++n) {
@@ -618,11 +612,6 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
         if constexpr (HD != 192) FA3_BWD_DP();
         wg_commit();
         fa3_named_arrive(4 + (1 - wg));
-        if constexpr (DEFER) {
-            // Step n - 1's bulk add has read the staging (wait_group.read
-            // before step n - 1's barrier 6, which its add preceded).
-            if (n > 0) fa3_dq_stage_add(stg, sdqw, dqt_prev + wg * 64 * 64, dqp, t, wg);
-        }
         wg_wait<0>();
         wg_pin(sacc);
         // Pᵀ: rows are keys, columns queries.
@@ -744,20 +733,13 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
             wg_pin(pds);
             // Q_i, dO_i, lse and delta are no longer read.
             mbar_arrive(FA3_BE(s));
-            if constexpr (DEFER) {
-#pragma unroll
-                for (int x = 0; x < 32; ++x) dqp[x] = dqa[x];
-                dqt_prev = dqt;
-            } else if constexpr (STAGED) {
+            if constexpr (STAGED) {
                 fa3_dq_stage_add(stg, sdqw, dqt + wg * 64 * 64, dqa, t, wg);
             } else {
                 fa3_dq_add<HD / 2>(dqt, dqa, wg * (HD / 2), t);
             }
         }
     }
-    // The last step's dQ part (its staging was freed before step n's barrier 6).
-    if constexpr (DEFER)
-        if (G * per > 0) fa3_dq_stage_add(stg, sdqw, dqt_prev + wg * 64 * 64, dqp, t, wg);
     // The bulk adds are complete before the block ends.
     if constexpr (STAGED)
         if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -782,20 +764,18 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
 }
 #undef FA3_BWD_DP
 
-#define FA3_BWD(NAME, HD, HV, NS, DEFER)                                                                             \
+#define FA3_BWD(NAME, HD, HV, NS)                                                                                \
     FA3_ENTRY fa3_bwd_bf16_##NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
                                   const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,         \
                                   const float* lse2, const float* delta, float* dq_acc, bf16* dk, bf16* dv,     \
                                   int S, int B, int HQ, int HKV, float scale, float scale_log2) {                \
-        fa3_bwd_body<HD, HV, NS, DEFER>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, B, HQ, HKV, scale,         \
+        fa3_bwd_body<HD, HV, NS>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, B, HQ, HKV, scale,         \
                                  scale_log2);                                                                    \
     }
 // Three stages of Q / dO at 64 and 128; two fit at MLA's 192 / 128.
-FA3_BWD(hd64, 64, 64, 3, false)
-FA3_BWD(hd128, 128, 128, 3, true)
-FA3_BWD(mla, 192, 128, 2, false)
-// Hd 128 with each step's dQ part added at the step's end (FOLDMOE_FA3_BWD=inline).
-FA3_BWD(hd128_inline, 128, 128, 3, false)
+FA3_BWD(hd64, 64, 64, 3)
+FA3_BWD(hd128, 128, 128, 3)
+FA3_BWD(mla, 192, 128, 2)
 
 // MLA's backward reads 128 of v's and dO's 192 columns: records an error
 // (code) at the first nonzero padding element of v ([B, S, Hkv, 192]) or dO

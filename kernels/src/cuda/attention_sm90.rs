@@ -55,17 +55,11 @@ fn fwd_smem(hd: usize) -> u32 {
 const BWD_KEYS: usize = 128;
 const BWD_QUERIES: usize = 64;
 /// The backward's kernel for head dim `hd`: its name suffix, the value
-/// columns it reads and its Q / dO stages (the `FA3_BWD(NAME, HD, HV, NS,
-/// DEFER)` instances of the `.cu` file). At Hd 128 each step's dQ part is
-/// added under the next step's products unless `FOLDMOE_FA3_BWD=inline`
-/// (the comparison build: added at the step's end).
+/// columns it reads and its Q / dO stages (the `FA3_BWD(NAME, HD, HV, NS)`
+/// instances of the `.cu` file).
 fn bwd_kernel(hd: usize) -> (&'static str, usize, usize) {
-    static INLINE: OnceLock<bool> = OnceLock::new();
-    let inline =
-        *INLINE.get_or_init(|| std::env::var("FOLDMOE_FA3_BWD").is_ok_and(|v| v == "inline"));
     match hd {
         64 => ("hd64", 64, 3),
-        128 if inline => ("hd128_inline", 128, 3),
         128 => ("hd128", 128, 3),
         _ => ("mla", MLA_VALUES, 2),
     }
