@@ -4,10 +4,12 @@
 //! backend reproduces bit for bit on the device.
 //!
 //! Every step is in f32, whatever the tensor's dtype: a block's scale is
-//! `amax / 448` (1 for an all-zero block), its codes are `e4m3(x / scale)`
-//! rounded to nearest even and saturated at ±448, and expansion is
-//! `decode(code) · scale`. f64 tensors go through f32 first (fp8 keeps far
-//! less than f32 anyway).
+//! `amax / 448`, its codes are `e4m3(x · (448 / amax))` (DeepSeek-V3's
+//! reference quantisation: one division a block, not one a value) rounded
+//! to nearest even and saturated at ±448, and expansion is `decode(code) ·
+//! scale`; a block where `448 / amax` is not a finite f32 (all zero, or amax
+//! below about 1.3e-36) has scale and factor 1, so its codes are 0. f64
+//! tensors go through f32 first (fp8 keeps far less than f32 anyway).
 
 use crate::backend::Device;
 use crate::error::{arg_err, Result};
@@ -110,13 +112,16 @@ pub fn compress_host(values: &[f32], row: usize) -> (Vec<u8>, Vec<f32>) {
 /// (activations use 1 × [`FP8_BLOCK`] tiles along their rows).
 pub const FP8_WEIGHT_BLOCK: usize = 128;
 
-/// The scale of a block of absolute maximum `amax`: `amax / 448`, or 1 for
-/// an all-zero block (so its codes are 0 and it expands to zeros).
-fn block_scale(amax: f32) -> f32 {
-    if amax > 0.0 {
-        amax / E4M3_MAX
+/// The scale of a block of absolute maximum `amax` and the factor its codes
+/// are made with: `(amax / 448, 448 / amax)`, or `(1, 1)` where `448 / amax`
+/// is not a finite f32 (an all-zero block, or one so small that its values
+/// all round to code 0 and expand to zeros). `fp8.cu`'s `fp8_scaling`.
+fn block_scaling(amax: f32) -> (f32, f32) {
+    let factor = E4M3_MAX / amax;
+    if factor.is_finite() {
+        (amax / E4M3_MAX, factor)
     } else {
-        1.0
+        (1.0, 1.0)
     }
 }
 
@@ -124,8 +129,8 @@ fn block_scale(amax: f32) -> f32 {
 /// matrix, one f32 scale per `br × bc` block (`1 × 128` for activations,
 /// `128 × 128` for weights; the blocks at the bottom and right edges may be
 /// smaller): the codes `[rows, cols]` and the scales `[⌈rows/br⌉,
-/// ⌈cols/bc⌉]`, both row-major. Each code is `e4m3(x / scale)`, rounded to
-/// nearest even and saturated.
+/// ⌈cols/bc⌉]`, both row-major. Each code is `e4m3(x · 448 / amax)` (the
+/// block's factor, [`block_scaling`]), rounded to nearest even and saturated.
 pub fn quantize_blocks_host(
     values: &[f32],
     rows: usize,
@@ -160,8 +165,8 @@ fn quantize_strided(
     let (br, bc) = (br.max(1), bc.max(1));
     let at = |i: usize, j: usize| values[i * rs + j * cs];
     let (grid_r, grid_c) = (rows.div_ceil(br), cols.div_ceil(bc));
-    let mut scales = vec![1.0f32; grid_r * grid_c];
-    for (g, scale) in scales.iter_mut().enumerate() {
+    let (mut scales, mut factors) = (vec![1.0f32; grid_r * grid_c], vec![1.0f32; grid_r * grid_c]);
+    for (g, (scale, factor)) in scales.iter_mut().zip(&mut factors).enumerate() {
         let (r0, c0) = ((g / grid_c) * br, (g % grid_c) * bc);
         let mut amax = 0f32;
         for i in r0..(r0 + br).min(rows) {
@@ -169,12 +174,12 @@ fn quantize_strided(
                 amax = amax.max(at(i, j).abs());
             }
         }
-        *scale = block_scale(amax);
+        (*scale, *factor) = block_scaling(amax);
     }
     let mut codes = Vec::with_capacity(rows * cols);
     for i in 0..rows {
         for j in 0..cols {
-            codes.push(e4m3_encode(at(i, j) / scales[(i / br) * grid_c + j / bc]));
+            codes.push(e4m3_encode(at(i, j) * factors[(i / br) * grid_c + j / bc]));
         }
     }
     (codes, scales)
@@ -316,10 +321,10 @@ pub fn quantize_group_columns_host(
     for (tile, &(row0, rows)) in group_column_tiles(sizes).iter().enumerate() {
         for j in 0..k {
             let amax = (row0..row0 + rows).fold(0f32, |a, i| a.max(values[i * k + j].abs()));
-            let scale = block_scale(amax);
+            let (scale, factor) = block_scaling(amax);
             scales[tile * k + j] = scale;
             for i in row0..row0 + rows {
-                codes[j * m + i] = e4m3_encode(values[i * k + j] / scale);
+                codes[j * m + i] = e4m3_encode(values[i * k + j] * factor);
             }
         }
     }
@@ -751,6 +756,29 @@ mod tests {
                 (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 20_001) as f32 / 10_000.0 - 1.0
             })
             .collect()
+    }
+
+    /// A block's codes are `e4m3(x · 448 / amax)`: its largest value maps
+    /// to 448 exactly; an all-zero block and one too small for `448 / amax`
+    /// to be a finite f32 have scale 1 and codes 0 (not NaN), and a small
+    /// block whose factor is finite keeps its resolution.
+    #[test]
+    fn block_scaling_uses_the_reciprocal_factor() {
+        let (codes, scales) = quantize_blocks_host(&[0.5, -2.0, 1.0, 0.0], 1, 4, (1, 4));
+        assert_eq!(scales, [2.0 / 448.0]);
+        assert_eq!(e4m3_decode(codes[1]), -448.0);
+        assert_eq!(codes[3], 0);
+        for tiny in [0.0f32, 1e-37, -1e-38] {
+            let (codes, scales) = quantize_blocks_host(&[tiny, 0.0], 1, 2, (1, 2));
+            assert_eq!(
+                (codes, scales),
+                (vec![if tiny < 0.0 { 0x80 } else { 0 }, 0], vec![1.0]),
+                "{tiny:e}"
+            );
+        }
+        let (codes, scales) = quantize_blocks_host(&[1e-30, 0.0], 1, 2, (1, 2));
+        assert_eq!(scales, [1e-30 / 448.0]);
+        assert_eq!(e4m3_decode(codes[0]), 448.0);
     }
 
     /// Weight blocks of 128 × 128 (ragged at the edges): each block's largest

@@ -5,6 +5,15 @@
 
 #define FP8_BLOCK 128
 
+// A block's scale (amax / 448) and the factor its codes are made with (448 /
+// amax: codes e4m3(x * factor), DeepSeek-V3's reference quantisation), as
+// kernels/src/fp8.rs's block_scaling: (1, 1) where 448 / amax is not a finite
+// f32 (an all-zero block, or amax below about 1.3e-36).
+__device__ __forceinline__ float2 fp8_scaling(float amax) {
+    const float f = 448.f / amax;
+    return f <= 3.40282347e38f ? make_float2(amax / 448.f, f) : make_float2(1.f, 1.f);
+}
+
 template <typename T> __device__ __forceinline__ float to_f32v(T x) { return (float)to_acc(x); }
 template <> __device__ __forceinline__ float to_f32v<double>(double x) { return __double2float_rn(x); }
 
@@ -31,13 +40,13 @@ __device__ void fp8_compress_impl(const T* x, unsigned char* codes, float* scale
                 amax = fmaxf(amax, fabsf(v[j]));
             }
             for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            const float scale = amax > 0.f ? amax / 448.f : 1.f;
-            if (lane == 0) scales[r * bpr + bi] = scale;
+            const float2 sf = fp8_scaling(amax);
+            if (lane == 0) scales[r * bpr + bi] = sf.x;
             unsigned char* dst = codes + r * cols + c0;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const int c = j * 32 + lane;
-                if (c < len) dst[c] = __nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3);
+                if (c < len) dst[c] = __nv_cvt_float_to_fp8(v[j] * sf.y, __NV_SATFINITE, __NV_E4M3);
             }
         }
     }
@@ -143,9 +152,9 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
                     for (int k = 0; k < 4; ++k) tile_w[swz_word(i, 4 * p + k)] = wd[k];
                 }
             }
-            const float amax = block_amax_256(a);
-            const float scale = amax > 0.f ? amax / 448.f : 1.f;
-            if (threadIdx.x == 0) scales[e * gr * gc + blockIdx.y * gc + blockIdx.x] = scale;
+            const float2 sf = fp8_scaling(block_amax_256(a));
+            const float f = sf.y;
+            if (threadIdx.x == 0) scales[e * gr * gc + blockIdx.y * gc + blockIdx.x] = sf.x;
             if (!transposed) {
 #pragma unroll
                 for (int q = 0; q < 8; ++q) {
@@ -153,8 +162,8 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
                     unsigned lo = 0, hi = 0;
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
-                        lo |= (unsigned)e4m3_of(v[q][k] / scale) << (8 * k);
-                        hi |= (unsigned)e4m3_of(v[q][k + 4] / scale) << (8 * k);
+                        lo |= (unsigned)e4m3_of(v[q][k] * f) << (8 * k);
+                        hi |= (unsigned)e4m3_of(v[q][k + 4] * f) << (8 * k);
                     }
                     *reinterpret_cast<uint2*>(dst + (r0 + i) * c + c0 + 8 * p) = make_uint2(lo, hi);
                 }
@@ -164,13 +173,13 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
                     const int j = u >> 5, l = u & 31;
                     unsigned out = 0;
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) / scale) << (8 * q);
+                    for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) * f) << (8 * q);
                     *reinterpret_cast<unsigned*>(dst + (c0 + j) * r + r0 + 4 * l) = out;
                 }
             } else {
                 for (int u = threadIdx.x; u < 128 * 128; u += 256) {
                     const int j = u >> 7, i = u & 127;
-                    dst[(c0 + j) * r + r0 + i] = e4m3_of(swz_value(tile_w, i, j) / scale);
+                    dst[(c0 + j) * r + r0 + i] = e4m3_of(swz_value(tile_w, i, j) * f);
                 }
             }
             return;
@@ -181,14 +190,13 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
         const int i = idx >> 7, j = idx & 127;
         if (i < nr && j < nc) a = fmaxf(a, fabsf(to_f32v(src[(r0 + i) * c + c0 + j])));
     }
-    const float amax = block_amax_256(a);
-    const float scale = amax > 0.f ? amax / 448.f : 1.f;
-    if (threadIdx.x == 0) scales[e * gr * gc + blockIdx.y * gc + blockIdx.x] = scale;
+    const float2 sf = fp8_scaling(block_amax_256(a));
+    if (threadIdx.x == 0) scales[e * gr * gc + blockIdx.y * gc + blockIdx.x] = sf.x;
     for (int idx = threadIdx.x; idx < 128 * 128; idx += 256) {
         // Stores run along the stored rows (the transpose's, if so).
         const int i = transposed ? (idx & 127) : (idx >> 7), j = transposed ? (idx >> 7) : (idx & 127);
         if (i < nr && j < nc) {
-            const unsigned char q = e4m3_of(to_f32v(src[(r0 + i) * c + c0 + j]) / scale);
+            const unsigned char q = e4m3_of(to_f32v(src[(r0 + i) * c + c0 + j]) * sf.y);
             if (transposed) dst[(c0 + j) * r + r0 + i] = q; else dst[(r0 + i) * c + c0 + j] = q;
         }
     }
@@ -250,7 +258,7 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
                                           i64 m, i64 k, i64 groups, i64 tiles) {
     __shared__ float tile_v[128][GC_CHUNK + 1];
     __shared__ float part[4][GC_CHUNK];
-    __shared__ float col_scale[GC_CHUNK];
+    __shared__ float col_factor[GC_CHUNK];
     __shared__ i64 span[2];
     const i64 tile = blockIdx.x;
     if (threadIdx.x == 0) group_tile(sizes, groups, m, tile, &span[0], &span[1]);
@@ -287,14 +295,14 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
         if (threadIdx.x < GC_CHUNK) {
             const int j = threadIdx.x;
             const float a = fmaxf(fmaxf(part[0][j], part[1][j]), fmaxf(part[2][j], part[3][j]));
-            const float sc = a > 0.f ? a / 448.f : 1.f;
-            col_scale[j] = sc;
-            if (j < nc) scales[tile * k + c0 + j] = sc;
+            const float2 sf = fp8_scaling(a);
+            col_factor[j] = sf.y;
+            if (j < nc) scales[tile * k + c0 + j] = sf.x;
         }
         __syncthreads();
         for (int u = threadIdx.x; u < 128 * GC_CHUNK; u += 256) {
             const int j = u >> 7, i = u & 127;
-            if (i < rows && j < nc) codes[(c0 + j) * m + row0 + i] = e4m3_of(tile_v[i][j] / col_scale[j]);
+            if (i < rows && j < nc) codes[(c0 + j) * m + row0 + i] = e4m3_of(tile_v[i][j] * col_factor[j]);
         }
         __syncthreads();  // the chunk's readers are done before the next one is staged
     }
@@ -346,7 +354,7 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
                                                    i64 m, i64 k, i64 groups) {
     __shared__ __align__(16) unsigned tile_w[128 * 64];
     __shared__ float part[2][128];
-    __shared__ float col_scale[128];
+    __shared__ float col_factor[128];
     __shared__ i64 span[2];
     __shared__ int span_cols;
     const i64 tile = blockIdx.x;
@@ -361,15 +369,23 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
     const i64 cend = min(k, (i64)(blockIdx.y + 1) * RC_COLS);
     for (i64 c0 = (i64)blockIdx.y * RC_COLS; c0 < cend; c0 += 128) {
         const int nc = (int)min((i64)128, k - c0);
-#pragma unroll 2
+        // All eight loads a thread issues before any store (the stores
+        // could alias x for all the compiler knows).
+        uint4 raws[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            const int i = (tid >> 4) + 16 * q;
+            raws[q] = make_uint4(0, 0, 0, 0);
+            if (i < rows && 8 * p < nc) {
+                const i64 src = row_src ? (i64)row_src[row0 + i] : row0 + i;
+                if (src >= 0) raws[q] = *reinterpret_cast<const uint4*>(x + src * k + c0 + 8 * p);
+            }
+        }
+#pragma unroll
         for (int q = 0; q < 8; ++q) {
             const int i = (tid >> 4) + 16 * q;
             const bool live = i < rows && 8 * p < nc;
-            uint4 raw = make_uint4(0, 0, 0, 0);
-            if (live) {
-                const i64 src = row_src ? (i64)row_src[row0 + i] : row0 + i;
-                if (src >= 0) raw = *reinterpret_cast<const uint4*>(x + src * k + c0 + 8 * p);
-            }
+            const uint4 raw = raws[q];
             const bf16* h = reinterpret_cast<const bf16*>(&raw);
             float v[8], a = 0.f;
 #pragma unroll
@@ -380,16 +396,16 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
             // The row's 16 lanes (a half warp) hold its 128 columns.
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-            const float scale = a > 0.f ? a / 448.f : 1.f;
+            const float2 sf = fp8_scaling(a);
             if (live) {
                 unsigned lo = 0, hi = 0;
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    lo |= (unsigned)e4m3_of(v[e] / scale) << (8 * e);
-                    hi |= (unsigned)e4m3_of(v[e + 4] / scale) << (8 * e);
+                    lo |= (unsigned)e4m3_of(v[e] * sf.y) << (8 * e);
+                    hi |= (unsigned)e4m3_of(v[e + 4] * sf.y) << (8 * e);
                 }
                 *reinterpret_cast<uint2*>(rcodes + (row0 + i) * k + c0 + 8 * p) = make_uint2(lo, hi);
-                if (p == 0) rscales[(row0 + i) * kb + c0 / 128] = scale;
+                if (p == 0) rscales[(row0 + i) * kb + c0 / 128] = sf.x;
             }
             if (cols && i < rows) {
                 const unsigned* wd = reinterpret_cast<const unsigned*>(&raw);
@@ -413,26 +429,26 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
         __syncthreads();
         if (tid < 128) {
             const float a = fmaxf(part[0][tid], part[1][tid]);
-            const float sc = a > 0.f ? a / 448.f : 1.f;
-            col_scale[tid] = sc;
-            if (tid < nc) cscales[tile * k + c0 + tid] = sc;
+            const float2 sf = fp8_scaling(a);
+            col_factor[tid] = sf.y;
+            if (tid < nc) cscales[tile * k + c0 + tid] = sf.x;
         }
         __syncthreads();
         for (int u = tid; u < 128 * 32; u += 256) {
             const int j = u >> 5, l = u & 31;
             if (j >= nc) continue;
             unsigned char* dst = ccodes + (c0 + j) * m + blk + 4 * l;
-            const float sc = col_scale[j];
+            const float f = col_factor[j];
             if (m % 4 == 0 && 4 * l >= o && 4 * l + 4 <= o + rows) {
                 unsigned out = 0;
 #pragma unroll
-                for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) / sc) << (8 * q);
+                for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) * f) << (8 * q);
                 *reinterpret_cast<unsigned*>(dst) = out;
             } else {
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const int rho = 4 * l + q;
-                    if (rho >= o && rho < o + rows) dst[q] = e4m3_of(swz_value(tile_w, rho, j) / sc);
+                    if (rho >= o && rho < o + rows) dst[q] = e4m3_of(swz_value(tile_w, rho, j) * f);
                 }
             }
         }
