@@ -348,16 +348,11 @@ __device__ void rows_cols_span(const int* sizes, i64 groups, i64 m, i64 tile, i6
 // of one column a thread, a warp's 128 rows in one 4-byte store each where
 // all four rows are the tile's (single bytes at its ends, or if m is not a
 // multiple of 4: the bytes around belong to other groups' tiles).
-// Variants measured against each other on the H200 (cuda/fp8.rs,
-// FOLDMOE_FP8_RC): HOIST issues a thread's eight loads before any store;
-// PACKED stages rows at their place in the aligned block (swz_word) and
-// stores four transposed codes a thread, else rows of 65 words and a byte a
-// thread; COLS columns a block (in chunks of 128).
-template <bool HOIST, bool PACKED, int COLS>
-__device__ void fp8_quant_rows_cols_impl(const bf16* x, const int* row_src, unsigned char* rcodes, float* rscales,
-                                         unsigned char* ccodes, float* cscales, const int* sizes, i64 m, i64 k,
-                                         i64 groups) {
-    __shared__ __align__(16) unsigned tile_w[128 * 65];
+#define RC_COLS 512
+extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* row_src, unsigned char* rcodes, float* rscales,
+                                                   unsigned char* ccodes, float* cscales, const int* sizes,
+                                                   i64 m, i64 k, i64 groups) {
+    __shared__ __align__(16) unsigned tile_w[128 * 64];
     __shared__ float part[2][128];
     __shared__ float col_factor[128];
     __shared__ i64 span[2];
@@ -370,30 +365,22 @@ __device__ void fp8_quant_rows_cols_impl(const bf16* x, const int* row_src, unsi
     // The tile's rows are rows o .. o + rows - 1 of the aligned block at blk.
     const int o = (int)(row0 & 127);
     const i64 blk = row0 - o;
-    // Shared row of tile row i, and the word of column pair cp there.
-    auto srow = [&](int i) { return PACKED ? o + i : i; };
-    auto sword = [&](int rho, int cp) { return PACKED ? swz_word(rho, cp) : rho * 65 + cp; };
-    auto sval = [&](int rho, int col) {
-        const unsigned w = tile_w[sword(rho, col >> 1)];
-        return __uint_as_float((col & 1) ? (w & 0xffff0000u) : (w << 16));
-    };
     const int tid = threadIdx.x, p = tid & 15;
-    const i64 cend = min(k, (i64)(blockIdx.y + 1) * COLS);
-    for (i64 c0 = (i64)blockIdx.y * COLS; c0 < cend; c0 += 128) {
+    const i64 cend = min(k, (i64)(blockIdx.y + 1) * RC_COLS);
+    for (i64 c0 = (i64)blockIdx.y * RC_COLS; c0 < cend; c0 += 128) {
         const int nc = (int)min((i64)128, k - c0);
-        auto load = [&](int q) {
+        // Two rows' loads in flight a thread: issuing all eight first (loads
+        // before any store) took 168 registers, one block an SM, and made
+        // the kernel 1.6x slower on the H200 (session 39, call 2).
+#pragma unroll 2
+        for (int q = 0; q < 8; ++q) {
             const int i = (tid >> 4) + 16 * q;
+            const bool live = i < rows && 8 * p < nc;
             uint4 raw = make_uint4(0, 0, 0, 0);
-            if (i < rows && 8 * p < nc) {
+            if (live) {
                 const i64 src = row_src ? (i64)row_src[row0 + i] : row0 + i;
                 if (src >= 0) raw = *reinterpret_cast<const uint4*>(x + src * k + c0 + 8 * p);
             }
-            return raw;
-        };
-        // The row tiles of 16 rows (q) from this thread's 8 columns of one.
-        auto row_codes = [&](int q, const uint4 raw) {
-            const int i = (tid >> 4) + 16 * q;
-            const bool live = i < rows && 8 * p < nc;
             const bf16* h = reinterpret_cast<const bf16*>(&raw);
             float v[8], a = 0.f;
 #pragma unroll
@@ -403,7 +390,7 @@ __device__ void fp8_quant_rows_cols_impl(const bf16* x, const int* row_src, unsi
             }
             // The row's 16 lanes (a half warp) hold its 128 columns.
 #pragma unroll
-            for (int d = 8; d > 0; d >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, d));
+            for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
             const float2 sf = fp8_scaling(a);
             if (live) {
                 unsigned lo = 0, hi = 0;
@@ -418,18 +405,8 @@ __device__ void fp8_quant_rows_cols_impl(const bf16* x, const int* row_src, unsi
             if (cols && i < rows) {
                 const unsigned* wd = reinterpret_cast<const unsigned*>(&raw);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) tile_w[sword(srow(i), 4 * p + e)] = wd[e];
+                for (int e = 0; e < 4; ++e) tile_w[swz_word(o + i, 4 * p + e)] = wd[e];
             }
-        };
-        if constexpr (HOIST) {
-            uint4 raws[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) raws[q] = load(q);
-#pragma unroll
-            for (int q = 0; q < 8; ++q) row_codes(q, raws[q]);
-        } else {
-#pragma unroll 2
-            for (int q = 0; q < 8; ++q) row_codes(q, load(q));
         }
         if (!cols) {
             // A tile past the groups: its column scales are 1.
@@ -439,59 +416,40 @@ __device__ void fp8_quant_rows_cols_impl(const bf16* x, const int* row_src, unsi
         __syncthreads();
         {
             const int j = tid & 127, hf = tid >> 7;
-            const int iend = (int)min((i64)(64 * hf + 64), rows);
             float a = 0.f;
-            for (int i = 64 * hf; i < iend; ++i) a = fmaxf(a, fabsf(sval(srow(i), j)));
+            const int iend = (int)min((i64)(64 * hf + 64), rows);
+            for (int i = 64 * hf; i < iend; ++i) a = fmaxf(a, fabsf(swz_value(tile_w, o + i, j)));
             part[hf][j] = a;
         }
         __syncthreads();
         if (tid < 128) {
-            const float2 sf = fp8_scaling(fmaxf(part[0][tid], part[1][tid]));
+            const float a = fmaxf(part[0][tid], part[1][tid]);
+            const float2 sf = fp8_scaling(a);
             col_factor[tid] = sf.y;
             if (tid < nc) cscales[tile * k + c0 + tid] = sf.x;
         }
         __syncthreads();
-        if constexpr (PACKED) {
-            for (int u = tid; u < 128 * 32; u += 256) {
-                const int j = u >> 5, l = u & 31;
-                if (j >= nc) continue;
-                unsigned char* dst = ccodes + (c0 + j) * m + blk + 4 * l;
-                const float f = col_factor[j];
-                if (m % 4 == 0 && 4 * l >= o && 4 * l + 4 <= o + rows) {
-                    unsigned out = 0;
+        for (int u = tid; u < 128 * 32; u += 256) {
+            const int j = u >> 5, l = u & 31;
+            if (j >= nc) continue;
+            unsigned char* dst = ccodes + (c0 + j) * m + blk + 4 * l;
+            const float f = col_factor[j];
+            if (m % 4 == 0 && 4 * l >= o && 4 * l + 4 <= o + rows) {
+                unsigned out = 0;
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(sval(4 * l + q, j) * f) << (8 * q);
-                    *reinterpret_cast<unsigned*>(dst) = out;
-                } else {
+                for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) * f) << (8 * q);
+                *reinterpret_cast<unsigned*>(dst) = out;
+            } else {
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const int rho = 4 * l + q;
-                        if (rho >= o && rho < o + rows) dst[q] = e4m3_of(sval(rho, j) * f);
-                    }
+                for (int q = 0; q < 4; ++q) {
+                    const int rho = 4 * l + q;
+                    if (rho >= o && rho < o + rows) dst[q] = e4m3_of(swz_value(tile_w, rho, j) * f);
                 }
-            }
-        } else {
-            for (int u = tid; u < 128 * 128; u += 256) {
-                const int j = u >> 7, i = u & 127;
-                if (i < rows && j < nc) ccodes[(c0 + j) * m + row0 + i] = e4m3_of(sval(i, j) * col_factor[j]);
             }
         }
         __syncthreads();  // the chunk's readers are done before the next one is staged
     }
 }
-
-#define FP8_ROWS_COLS(NAME, HOIST, PACKED, COLS)                                                                     \
-    extern "C" __global__ void fp8_quant_rows_cols_bf16_##NAME(const bf16* x, const int* row_src, unsigned char* rc, \
-                                                             float* rs, unsigned char* cc, float* cs,              \
-                                                             const int* sizes, i64 m, i64 k, i64 groups) {         \
-        fp8_quant_rows_cols_impl<HOIST, PACKED, COLS>(x, row_src, rc, rs, cc, cs, sizes, m, k, groups);          \
-    }
-FP8_ROWS_COLS(a, false, false, 512)
-FP8_ROWS_COLS(b, true, false, 512)
-FP8_ROWS_COLS(c, false, true, 512)
-FP8_ROWS_COLS(d, true, true, 512)
-FP8_ROWS_COLS(e, true, true, 128)
-FP8_ROWS_COLS(f, false, false, 128)
 
 #define FP8_OPERANDS(sfx, T) \
     extern "C" __global__ void fp8_quant_blocks_##sfx(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) { \

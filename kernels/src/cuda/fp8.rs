@@ -102,21 +102,9 @@ fn f8_smem_bytes(g: usize) -> usize {
 /// `GC_COLS`, in chunks of 64).
 const GC_COLS: usize = 512;
 
-/// The one-pass row and column quantisation's kernel variant (`fp8.cu`'s
-/// `FP8_ROWS_COLS` instances, being measured against each other):
-/// `FOLDMOE_FP8_RC=a..f`, `d` by default; its name suffix and the columns a
-/// block takes.
-fn rows_cols_variant() -> (&'static str, usize) {
-    static VARIANT: OnceLock<(&'static str, usize)> = OnceLock::new();
-    *VARIANT.get_or_init(|| match std::env::var("FOLDMOE_FP8_RC").as_deref() {
-        Ok("a") => ("a", 512),
-        Ok("b") => ("b", 512),
-        Ok("c") => ("c", 512),
-        Ok("e") => ("e", 128),
-        Ok("f") => ("f", 128),
-        _ => ("d", 512),
-    })
-}
+/// Columns a block of the one-pass row and column quantisation takes
+/// (`fp8.cu`'s `RC_COLS`, in chunks of 128).
+const RC_COLS: usize = 512;
 
 /// Bytes of one stage of the weight-gradient kernel (`F8W_STAGE`): the
 /// codes of a stage of the forward's, then 128 row scales of A and 128
@@ -550,14 +538,13 @@ impl Fp8Ops for Cuda {
         // Rows past the groups are code 0 in the column tiling.
         let col_codes = self.zeros(&[n.div_ceil(4)], DType::I32)?;
         let col_scales = self.alloc(OP, &[k * t], DType::F32)?;
-        let (variant, block_cols) = rows_cols_variant();
-        let f = self.func(FP8, &format!("fp8_quant_rows_cols_bf16_{variant}"))?;
+        let f = self.func(FP8, "fp8_quant_rows_cols_bf16")?;
         launch!(
             self,
             f,
-            // A block per (tile, block_cols columns); the tiles past the
+            // A block per (tile, RC_COLS columns); the tiles past the
             // groups' own take the rows past the groups.
-            block_cfg((t as u32, k.div_ceil(block_cols) as u32, 1), 256, 0),
+            block_cfg((t as u32, k.div_ceil(RC_COLS) as u32, 1), 256, 0),
             x.storage().ptr(),
             row_src.map_or(0, |r| r.storage().ptr()),
             row_codes.storage().ptr(),
