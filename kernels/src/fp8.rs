@@ -11,6 +11,8 @@
 //! below about 1.3e-36) has scale and factor 1, so its codes are 0. f64
 //! tensors go through f32 first (fp8 keeps far less than f32 anyway).
 
+use rayon::prelude::*;
+
 use crate::backend::Device;
 use crate::error::{arg_err, Result};
 use crate::tensor::{DType, HostData, Tensor};
@@ -45,19 +47,22 @@ pub fn e4m3_encode(v: f32) -> u8 {
 /// The smallest normal e4m3 value, 2⁻⁶.
 const E4M3_MIN_NORMAL: f32 = 1.0 / 64.0;
 
-/// The value of e4m3 code `c`.
+/// The value of e4m3 code `c`: `(1 + m/8) · 2^(e−7)`, or `m · 2⁻⁹` for
+/// exponent 0, built as the f32 bit pattern (exact, no `exp2` call: the
+/// CPU's fp8 emulation decodes every code it multiplies).
 pub fn e4m3_decode(c: u8) -> f32 {
     if c & 0x7f == 0x7f {
         return f32::NAN;
     }
-    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = (((c >> 3) & 0xf) as i32, f32::from(c & 7));
+    let sign = u32::from(c & 0x80) << 24;
+    let (e, m) = (u32::from((c >> 3) & 0xf), u32::from(c & 7));
     let mag = if e == 0 {
-        m * (-9f32).exp2()
+        // m · 2⁻⁹ (m < 8: exact in f32).
+        m as f32 * (1.0 / 512.0)
     } else {
-        (1.0 + m / 8.0) * ((e - 7) as f32).exp2()
+        f32::from_bits(((e + 120) << 23) | (m << 20))
     };
-    sign * mag
+    f32::from_bits(sign | mag.to_bits())
 }
 
 /// A tensor compressed to e4m3 with one f32 scale per [`FP8_BLOCK`]
@@ -165,23 +170,37 @@ fn quantize_strided(
     let (br, bc) = (br.max(1), bc.max(1));
     let at = |i: usize, j: usize| values[i * rs + j * cs];
     let (grid_r, grid_c) = (rows.div_ceil(br), cols.div_ceil(bc));
-    let (mut scales, mut factors) = (vec![1.0f32; grid_r * grid_c], vec![1.0f32; grid_r * grid_c]);
-    for (g, (scale, factor)) in scales.iter_mut().zip(&mut factors).enumerate() {
-        let (r0, c0) = ((g / grid_c) * br, (g % grid_c) * bc);
-        let mut amax = 0f32;
-        for i in r0..(r0 + br).min(rows) {
-            for j in c0..(c0 + bc).min(cols) {
-                amax = amax.max(at(i, j).abs());
+    let mut scales = vec![1.0f32; grid_r * grid_c];
+    let mut codes = vec![0u8; rows * cols];
+    if codes.is_empty() {
+        return (codes, scales);
+    }
+    // Bands of block rows (at least 64 matrix rows each) in parallel: a
+    // band's scales, then its codes (every step per element or per block,
+    // so the result does not depend on the split).
+    let band = 64usize.div_ceil(br);
+    scales
+        .par_chunks_mut(band * grid_c)
+        .zip(codes.par_chunks_mut(band * br * cols))
+        .enumerate()
+        .for_each(|(b, (band_scales, band_codes))| {
+            let (gr0, i0) = (b * band, b * band * br);
+            let mut factors = vec![1.0f32; band_scales.len()];
+            for (g, (scale, factor)) in band_scales.iter_mut().zip(&mut factors).enumerate() {
+                let (r0, c0) = ((gr0 + g / grid_c) * br, (g % grid_c) * bc);
+                let mut amax = 0f32;
+                for i in r0..(r0 + br).min(rows) {
+                    for j in c0..(c0 + bc).min(cols) {
+                        amax = amax.max(at(i, j).abs());
+                    }
+                }
+                (*scale, *factor) = block_scaling(amax);
             }
-        }
-        (*scale, *factor) = block_scaling(amax);
-    }
-    let mut codes = Vec::with_capacity(rows * cols);
-    for i in 0..rows {
-        for j in 0..cols {
-            codes.push(e4m3_encode(at(i, j) * factors[(i / br) * grid_c + j / bc]));
-        }
-    }
+            for (x, code) in band_codes.iter_mut().enumerate() {
+                let (i, j) = (i0 + x / cols, x % cols);
+                *code = e4m3_encode(at(i, j) * factors[(i / br - gr0) * grid_c + j / bc]);
+            }
+        });
     (codes, scales)
 }
 
@@ -318,14 +337,33 @@ pub fn quantize_group_columns_host(
 ) -> (Vec<u8>, Vec<f32>) {
     let t = column_tiles(m, sizes.len());
     let (mut codes, mut scales) = (vec![0u8; k * m], vec![1f32; t * k]);
-    for (tile, &(row0, rows)) in group_column_tiles(sizes).iter().enumerate() {
-        for j in 0..k {
-            let amax = (row0..row0 + rows).fold(0f32, |a, i| a.max(values[i * k + j].abs()));
-            let (scale, factor) = block_scaling(amax);
+    if codes.is_empty() {
+        return (codes, scales);
+    }
+    let tiles = group_column_tiles(sizes);
+    // Columns in parallel (a column's codes are one stored row); each
+    // column's tile scales, placed after.
+    let column_scales: Vec<Vec<f32>> = codes
+        .par_chunks_mut(m)
+        .enumerate()
+        .map(|(j, column)| {
+            tiles
+                .iter()
+                .map(|&(row0, rows)| {
+                    let amax =
+                        (row0..row0 + rows).fold(0f32, |a, i| a.max(values[i * k + j].abs()));
+                    let (scale, factor) = block_scaling(amax);
+                    for i in row0..row0 + rows {
+                        column[i] = e4m3_encode(values[i * k + j] * factor);
+                    }
+                    scale
+                })
+                .collect()
+        })
+        .collect();
+    for (j, col) in column_scales.iter().enumerate() {
+        for (tile, &scale) in col.iter().enumerate() {
             scales[tile * k + j] = scale;
-            for i in row0..row0 + rows {
-                codes[j * m + i] = e4m3_encode(values[i * k + j] * factor);
-            }
         }
     }
     (codes, scales)
@@ -380,38 +418,47 @@ pub fn dequantize_host(
         (Fp8Tiles::Rows, &[m, k]) => {
             let kb = k.div_ceil(FP8_BLOCK);
             (0..m * k)
+                .into_par_iter()
                 .map(|x| dec(codes[x]) * scales[(x / k) * kb + (x % k) / FP8_BLOCK])
                 .collect()
         }
         (Fp8Tiles::GroupColumns, &[m, k]) => {
             let mut out = vec![0f32; m * k];
+            // Each row's tile (rows past the groups have none and stay 0).
+            let mut tile_of = vec![None; m];
             for (tile, &(row0, rows)) in group_column_tiles(sizes).iter().enumerate() {
-                for i in row0..row0 + rows {
-                    for j in 0..k {
-                        out[i * k + j] = dec(codes[j * m + i]) * scales[tile * k + j];
-                    }
-                }
+                tile_of[row0..row0 + rows].fill(Some(tile));
+            }
+            if k > 0 {
+                out.par_chunks_mut(k)
+                    .zip(&tile_of)
+                    .enumerate()
+                    .for_each(|(i, (row, tile))| {
+                        if let Some(tile) = tile {
+                            for (j, v) in row.iter_mut().enumerate() {
+                                *v = dec(codes[j * m + i]) * scales[tile * k + j];
+                            }
+                        }
+                    });
             }
             out
         }
         (Fp8Tiles::Blocks { transposed }, &[g, r, c]) => {
             let (gr, gc) = (r.div_ceil(FP8_WEIGHT_BLOCK), c.div_ceil(FP8_WEIGHT_BLOCK));
-            let mut out = Vec::with_capacity(g * r * c);
-            for e in 0..g {
-                for i in 0..r {
-                    for j in 0..c {
-                        let code = if transposed {
-                            codes[e * r * c + j * r + i]
-                        } else {
-                            codes[e * r * c + i * c + j]
-                        };
-                        let s = scales
-                            [e * gr * gc + (i / FP8_WEIGHT_BLOCK) * gc + j / FP8_WEIGHT_BLOCK];
-                        out.push(dec(code) * s);
-                    }
-                }
-            }
-            out
+            (0..g * r * c)
+                .into_par_iter()
+                .map(|x| {
+                    let (e, i, j) = (x / (r * c), (x / c) % r, x % c);
+                    let code = if transposed {
+                        codes[e * r * c + j * r + i]
+                    } else {
+                        codes[x]
+                    };
+                    let s =
+                        scales[e * gr * gc + (i / FP8_WEIGHT_BLOCK) * gc + j / FP8_WEIGHT_BLOCK];
+                    dec(code) * s
+                })
+                .collect()
         }
         _ => Vec::new(),
     }
@@ -692,6 +739,22 @@ mod tests {
         }
         assert!(checked > 100_000);
         assert_eq!((e4m3_encode(0.0), e4m3_encode(-0.0)), (0, 0x80));
+        // Decoding: every code against the format's formula, in f64.
+        for c in 0u8..=255 {
+            let (e, m) = (i32::from((c >> 3) & 0xf), f64::from(c & 7));
+            let mag = if e == 0 {
+                m * (-9f64).exp2()
+            } else {
+                (1.0 + m / 8.0) * f64::from(e - 7).exp2()
+            };
+            let want = if c & 0x80 != 0 { -mag } else { mag };
+            let got = e4m3_decode(c);
+            if c & 0x7f == 0x7f {
+                assert!(got.is_nan(), "{c:#04x}");
+            } else {
+                assert_eq!(got.to_bits(), (want as f32).to_bits(), "{c:#04x}");
+            }
+        }
     }
 
     #[test]
