@@ -39,14 +39,7 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps + RoutingOps {
         row_src: Option<&Tensor<Self>>,
         group_sizes: &Tensor<Self>,
     ) -> Result<(Fp8Matrix<Self>, Fp8Matrix<Self>)> {
-        let rows = match row_src {
-            Some(r) => self.permute(x, r)?,
-            None => x.clone(),
-        };
-        Ok((
-            self.quantize_fp8(&rows, Fp8Tiles::Rows, None)?,
-            self.quantize_fp8(&rows, Fp8Tiles::GroupColumns, Some(group_sizes))?,
-        ))
+        rows_and_columns_in_two_passes(self, x, row_src, group_sizes)
     }
 
     /// The matrix `q` was quantised from, as its codes and scales give it
@@ -86,6 +79,25 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps + RoutingOps {
     ) -> Result<Tensor<Self>> {
         grouped_wgrad_fp8_emulated(self, x, dy, group_sizes, dtype)
     }
+}
+
+/// [`Fp8Ops::quantize_fp8_rows_and_columns`] as a permute (with `row_src`)
+/// and two quantisations: what the trait provides, and a backend's path
+/// where its fused kernel does not fit.
+pub(crate) fn rows_and_columns_in_two_passes<B: Fp8Ops>(
+    b: &B,
+    x: &Tensor<B>,
+    row_src: Option<&Tensor<B>>,
+    group_sizes: &Tensor<B>,
+) -> Result<(Fp8Matrix<B>, Fp8Matrix<B>)> {
+    let rows = match row_src {
+        Some(r) => b.permute(x, r)?,
+        None => x.clone(),
+    };
+    Ok((
+        b.quantize_fp8(&rows, Fp8Tiles::Rows, None)?,
+        b.quantize_fp8(&rows, Fp8Tiles::GroupColumns, Some(group_sizes))?,
+    ))
 }
 
 /// [`Fp8Ops::grouped_matmul_weight_grad_fp8`] emulated: the operands

@@ -204,12 +204,15 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
 
 // Tile `tile` of the per-group column tiling of m rows in `groups` groups
 // (kernels/src/fp8.rs: group_column_tiles): a group's rows cut at the
-// multiples of 128; its first row and row count (0 rows for a tile past the
-// groups' own). Rows are clamped to m, so sizes summing past m stay in bounds.
-__device__ void group_tile(const int* sizes, i64 groups, i64 m, i64 tile, i64* row0, i64* rows) {
+// multiples of 128; its first row and row count, `cols` true. Rows are
+// clamped to m, so sizes summing past m stay in bounds. For a tile past the
+// groups' own, `cols` false and the q-th run of 128 rows past the groups
+// (the one-pass quantisation gives those rows their row tiles; their column
+// codes stay 0 and the tile's scales are 1). Enough spare tiles exist: the
+// groups' tiles number at most ceil(used / 128) + G - 1 of the
+// ceil(m / 128) + G, which leaves ceil((m - used) / 128).
+__device__ void rows_cols_span(const int* sizes, i64 groups, i64 m, i64 tile, i64* row0, i64* rows, int* cols) {
     i64 start = 0, tile0 = 0;
-    *row0 = 0;
-    *rows = 0;
     for (i64 g = 0; g < groups; g++) {
         const i64 end = min(start + max(sizes[g], 0), m);
         const i64 tiles = end > start ? (end - 1) / 128 - start / 128 + 1 : 0;
@@ -219,11 +222,24 @@ __device__ void group_tile(const int* sizes, i64 groups, i64 m, i64 tile, i64* r
             // a multiple of 128; each ends at the next multiple or the group's end.
             *row0 = q == 0 ? start : (start / 128 + q) * 128;
             *rows = min((*row0 / 128 + 1) * 128, end) - *row0;
+            *cols = 1;
             return;
         }
         start = max(start, end);
         tile0 += tiles;
     }
+    // start is now the rows the groups cover.
+    *row0 = start + (tile - tile0) * 128;
+    *rows = max((i64)0, min((i64)128, m - *row0));
+    *cols = 0;
+}
+
+// Tile `tile` of the per-group column tiling: its first row and row count
+// (0 rows for a tile past the groups' own).
+__device__ void group_tile(const int* sizes, i64 groups, i64 m, i64 tile, i64* row0, i64* rows) {
+    int cols;
+    rows_cols_span(sizes, groups, m, tile, row0, rows, &cols);
+    if (!cols) *row0 = *rows = 0;
 }
 
 // The block's share of a per-group column tiling: tile blockIdx.x (its
@@ -308,32 +324,6 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
     }
 }
 
-// Rows of the one-pass quantisation's block: group tile `tile` of the
-// per-group column tiling (both tilings, `cols` true), or, for a tile past
-// the groups' own, the q-th run of 128 rows past the groups (row tiles only:
-// the column codes there stay 0 and the tile's scales are 1). Enough spare
-// tiles exist: the groups' tiles number at most ceil(used / 128) + G - 1 of
-// the ceil(m / 128) + G, which leaves ceil((m - used) / 128).
-__device__ void rows_cols_span(const int* sizes, i64 groups, i64 m, i64 tile, i64* row0, i64* rows, int* cols) {
-    i64 start = 0, tile0 = 0;
-    for (i64 g = 0; g < groups; g++) {
-        const i64 end = min(start + max(sizes[g], 0), m);
-        const i64 tiles = end > start ? (end - 1) / 128 - start / 128 + 1 : 0;
-        if (tile < tile0 + tiles) {
-            const i64 q = tile - tile0;
-            *row0 = q == 0 ? start : (start / 128 + q) * 128;
-            *rows = min((*row0 / 128 + 1) * 128, end) - *row0;
-            *cols = 1;
-            return;
-        }
-        start = max(start, end);
-        tile0 += tiles;
-    }
-    // start is now the rows the groups cover.
-    *row0 = start + (tile - tile0) * 128;
-    *rows = max((i64)0, min((i64)128, m - *row0));
-    *cols = 0;
-}
 
 // Row tiles (1 x 128, fp8_compress's codes and scales) and per-group column
 // tiles (fp8_quant_group_cols's) of bf16 rows [m, k] in one read of them —

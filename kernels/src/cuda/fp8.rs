@@ -22,7 +22,7 @@ use super::routing::row_src_1d;
 use super::{block_cfg, float_sfx, grid_for, launch, Cuda};
 use crate::backend::fp8::{
     check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
-    grouped_wgrad_fp8_emulated,
+    grouped_wgrad_fp8_emulated, rows_and_columns_in_two_passes,
 };
 use crate::backend::{Device, Fp8Ops, OffloadOps, RoutingOps};
 use crate::error::{arg_err, KernelError, Result};
@@ -515,14 +515,7 @@ impl Fp8Ops for Cuda {
         };
         // The fused kernel's 16-byte loads take bf16 rows of a multiple of 8.
         if x.dtype() != DType::BF16 || !k.is_multiple_of(8) || m == 0 || k == 0 {
-            let rows = match row_src {
-                Some(r) => self.permute(x, r)?,
-                None => x.clone(),
-            };
-            return Ok((
-                self.quantize_fp8(&rows, Fp8Tiles::Rows, None)?,
-                self.quantize_fp8(&rows, Fp8Tiles::GroupColumns, Some(group_sizes))?,
-            ));
+            return rows_and_columns_in_two_passes(self, x, row_src, group_sizes);
         }
         if let Some(r) = row_src {
             // An index past x's rows is reported at the next read.
