@@ -24,7 +24,7 @@ use crate::backend::fp8::{
     check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
     grouped_wgrad_fp8_emulated, rows_and_columns_in_two_passes,
 };
-use crate::backend::{Device, Fp8Ops, OffloadOps, RoutingOps};
+use crate::backend::{Device, Fp8Ops, OffloadOps};
 use crate::error::{arg_err, KernelError, Result};
 use crate::fp8::{
     check_quantize_input, check_tiles, column_tiles, Fp8Matrix, Fp8Tensor, Fp8Tiles,
