@@ -114,6 +114,26 @@ __device__ __forceinline__ float swz_value(const unsigned* tw, int rho, int col)
     return __uint_as_float((col & 1) ? (w & 0xffff0000u) : (w << 16));
 }
 
+// The codes of eight consecutive values times `f`, packed in element order
+// (one 8-byte store).
+__device__ __forceinline__ uint2 e4m3_pack8(const float (&v)[8], float f) {
+    unsigned lo = 0, hi = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        lo |= (unsigned)e4m3_of(v[e] * f) << (8 * e);
+        hi |= (unsigned)e4m3_of(v[e + 4] * f) << (8 * e);
+    }
+    return make_uint2(lo, hi);
+}
+// The codes of rows rho0 .. rho0 + 3 of column col of a swz_word tile times
+// `f`, packed in row order (one 4-byte store of the transposed codes).
+__device__ __forceinline__ unsigned e4m3_pack4_down(const unsigned* tw, int rho0, int col, float f) {
+    unsigned out = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tw, rho0 + q, col) * f) << (8 * q);
+    return out;
+}
+
 // One block of 256 threads per 128x128 block (grid: column blocks, row
 // blocks, matrices) of w [g, r, c]: scale = amax / 448 (1 if all zero) at
 // scales[e][bi][bj] of the logical grid, codes at [e][i][j], or at [e][j][i]
@@ -159,22 +179,13 @@ __device__ void fp8_quant_blocks_impl(const T* w, unsigned char* codes, float* s
 #pragma unroll
                 for (int q = 0; q < 8; ++q) {
                     const int u = threadIdx.x + 256 * q, i = u >> 4, p = u & 15;
-                    unsigned lo = 0, hi = 0;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        lo |= (unsigned)e4m3_of(v[q][k] * f) << (8 * k);
-                        hi |= (unsigned)e4m3_of(v[q][k + 4] * f) << (8 * k);
-                    }
-                    *reinterpret_cast<uint2*>(dst + (r0 + i) * c + c0 + 8 * p) = make_uint2(lo, hi);
+                    *reinterpret_cast<uint2*>(dst + (r0 + i) * c + c0 + 8 * p) = e4m3_pack8(v[q], f);
                 }
             } else if (r % 4 == 0) {
                 // block_amax_256's barrier ordered the tile's writes before these reads.
                 for (int u = threadIdx.x; u < 128 * 32; u += 256) {
                     const int j = u >> 5, l = u & 31;
-                    unsigned out = 0;
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) * f) << (8 * q);
-                    *reinterpret_cast<unsigned*>(dst + (c0 + j) * r + r0 + 4 * l) = out;
+                    *reinterpret_cast<unsigned*>(dst + (c0 + j) * r + r0 + 4 * l) = e4m3_pack4_down(tile_w, 4 * l, j, f);
                 }
             } else {
                 for (int u = threadIdx.x; u < 128 * 128; u += 256) {
@@ -383,13 +394,7 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
             for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
             const float2 sf = fp8_scaling(a);
             if (live) {
-                unsigned lo = 0, hi = 0;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    lo |= (unsigned)e4m3_of(v[e] * sf.y) << (8 * e);
-                    hi |= (unsigned)e4m3_of(v[e + 4] * sf.y) << (8 * e);
-                }
-                *reinterpret_cast<uint2*>(rcodes + (row0 + i) * k + c0 + 8 * p) = make_uint2(lo, hi);
+                *reinterpret_cast<uint2*>(rcodes + (row0 + i) * k + c0 + 8 * p) = e4m3_pack8(v, sf.y);
                 if (p == 0) rscales[(row0 + i) * kb + c0 / 128] = sf.x;
             }
             if (cols && i < rows) {
@@ -425,10 +430,7 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
             unsigned char* dst = ccodes + (c0 + j) * m + blk + 4 * l;
             const float f = col_factor[j];
             if (m % 4 == 0 && 4 * l >= o && 4 * l + 4 <= o + rows) {
-                unsigned out = 0;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) out |= (unsigned)e4m3_of(swz_value(tile_w, 4 * l + q, j) * f) << (8 * q);
-                *reinterpret_cast<unsigned*>(dst) = out;
+                *reinterpret_cast<unsigned*>(dst) = e4m3_pack4_down(tile_w, 4 * l, j, f);
             } else {
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
