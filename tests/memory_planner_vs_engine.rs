@@ -106,6 +106,66 @@ fn planner_predicts_the_engines_activation_peak_within_10_percent() {
     }
 }
 
+/// Attention projections in fp8 keep their inputs' column tiles (a byte a
+/// value and f32 scales) instead of the rows: GQA's input on `tiny`, MLA's
+/// input and normed latents on `deepseek-v3-small`, kept and under `norm`
+/// recompute (which drops the attention input's tiles with the norm output).
+/// On `tiny` the planner's whole figure must be within 1%; on
+/// `deepseek-v3-small` (no MTP module, which the planner does not count)
+/// the planner's figure is short of the ledger's in the model dtype already
+/// (3%, outside the attention: NOTES.md), so there the change fp8 makes is
+/// checked: the bytes it saves, predicted against measured.
+#[test]
+fn planner_counts_the_fp8_projections_inputs_within_1_percent() {
+    use foldmoe::core::spec::GemmPrecision;
+    let close = |p: u64, m: u64| (p as f64 - m as f64).abs() <= 0.01 * m.max(1) as f64;
+    for model in ["tiny", "deepseek-v3-small"] {
+        for recompute in ["none", "norm"] {
+            let mut spec = foldmoe::models::by_name(model).unwrap();
+            spec.mtp_layers = 0;
+            PolicyOverride::parse(Some(recompute), Some("none"), Some("none"))
+                .unwrap()
+                .apply(&mut spec);
+            let (bf16_dev, _) = measured(&spec, 1);
+            let (bf16_p_dev, _) = predicted(&spec, 1);
+            for g in &mut spec.groups {
+                g.attention.precision = GemmPrecision::Fp8Blockwise;
+            }
+            spec.check().unwrap();
+            let (dev, host) = measured(&spec, 1);
+            let (p_dev, p_host) = predicted(&spec, 1);
+            let label = format!("{model} fp8 attention, recompute {recompute}");
+            eprintln!(
+                "{label}: device predicted {p_dev} measured {dev} (model dtype: predicted \
+                 {bf16_p_dev} measured {bf16_dev})"
+            );
+            assert_eq!((p_host, host), (0, 0), "{label}");
+            if model == "tiny" {
+                assert!(
+                    close(p_dev, dev),
+                    "{label}: device predicted {p_dev}, measured {dev}"
+                );
+            }
+            let (saved, p_saved) = (bf16_dev - dev, bf16_p_dev - p_dev);
+            assert!(
+                close(p_saved, saved),
+                "{label}: fp8 saves {saved} bytes, the planner says {p_saved}"
+            );
+            // `norm` recompute drops GQA's input either way; MLA's latents
+            // stay.
+            let fewer = if recompute == "none" || model != "tiny" {
+                saved > 0
+            } else {
+                saved == 0
+            };
+            assert!(
+                fewer,
+                "{label}: keeps {dev} bytes, the model dtype {bf16_dev}"
+            );
+        }
+    }
+}
+
 /// Qwen3's per-head q/k norms save their inputs and rstd with the attention:
 /// the planner counts them, also when `norm` recompute drops the rstd and
 /// when `qkv` is offloaded.

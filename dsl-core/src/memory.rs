@@ -249,6 +249,19 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
         kind,
         elems_per_token,
     };
+    let a = &g.attention;
+    // fp8 projections keep a kept input's column tiles (codes and their
+    // scales) instead of its rows.
+    let attn_fp8 = a.precision == GemmPrecision::Fp8Blockwise;
+    let projection_input = |v: &mut Vec<Saved>, part, recompute, cols: f64| {
+        if attn_fp8 {
+            v.push(s(part, recompute, None, Kind::Fp8, cols));
+            let scales = column_tile_scales(cols, 1.0, 1.0, tokens);
+            v.push(s(part, recompute, None, Fp32, scales));
+        } else {
+            v.push(s(part, recompute, None, Act, cols));
+        }
+    };
     let mut v = vec![
         // The block's input, kept even under `block` recompute (first in
         // the list: see `placed`), and its norm's rstd.
@@ -260,12 +273,14 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             Fp32,
             1.0 / sp,
         ),
-        s(Part::Norms, Some(R::Norm), None, Act, h / sp),
+    ];
+    // The attention norm's output, the projections' input.
+    projection_input(&mut v, Part::Norms, Some(R::Norm), h / sp);
+    v.extend([
         s(Part::Norms, None, Some(O::MlpNorm), Act, h / sp),
         s(Part::Norms, Some(R::Norm), Some(O::MlpNorm), Fp32, 1.0 / sp),
         s(Part::Norms, Some(R::Norm), None, Act, h / sp),
-    ];
-    let a = &g.attention;
+    ]);
     let heads = a.heads as f64;
     let v_dim = match &a.mla {
         None => {
@@ -282,14 +297,19 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             a.head_dim as f64
         }
         Some(m) => {
-            // The latents before and after their norms (with the norms'
-            // rstd) are the up-projections' inputs, computed over the
-            // gathered sequence on every tp rank; `mla_up_proj` recomputes
-            // Q, K and V from them. The kernel's q, k and v are padded to
-            // one head dim, max(P + R, V).
+            // The latents before their norms (the norms' inputs, with
+            // their rstd) and after them (the up-projections' inputs),
+            // computed over the gathered sequence on every tp rank;
+            // `mla_up_proj` recomputes Q, K and V from them. The kernel's q,
+            // k and v are padded to one head dim, max(P + R, V).
             let latents = (m.q_lora_rank + m.kv_lora_rank) as f64;
             let norms = if m.q_lora_rank > 0 { 2.0 } else { 1.0 };
-            v.push(s(Part::Attention, None, None, Act, 2.0 * latents));
+            v.push(s(Part::Attention, None, None, Act, latents));
+            for latent in [m.q_lora_rank, m.kv_lora_rank] {
+                if latent > 0 {
+                    projection_input(&mut v, Part::Attention, None, latent as f64);
+                }
+            }
             v.push(s(Part::Attention, Some(R::Norm), None, Fp32, norms));
             let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
             let hd = qk.max(m.v_head_dim as f64);
@@ -364,13 +384,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             let fp8 = g.policy.precision == GemmPrecision::Fp8Blockwise;
             let operand = if fp8 { Kind::Fp8 } else { Act };
             let local_experts = m.experts as f64 / layout.ep as f64;
-            let scales = |cols: f64| {
-                if tokens > 0.0 {
-                    cols * ((rows * tokens / 128.0).ceil() + local_experts) / tokens
-                } else {
-                    0.0
-                }
-            };
+            let scales = |cols: f64| column_tile_scales(cols, rows, local_experts, tokens);
             // The permutation (source token and slot of each row).
             v.push(s(Part::RoutedExperts, None, None, Int, 2.0 * rows));
             // The experts' input rows: on one expert rank the products
@@ -424,6 +438,19 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
         }
     }
     v
+}
+
+/// Elements per token of the f32 scales of a matrix of `cols` columns and
+/// `rows` rows a token, kept in fp8 column tiles over `groups` groups:
+/// `⌈rows·tokens / 128⌉ + groups` scale rows (`kernels::fp8::column_tiles`,
+/// what the engine allocates without reading the group sizes), spread over
+/// the `tokens` of the shard's micro-batch.
+fn column_tile_scales(cols: f64, rows: f64, groups: f64, tokens: f64) -> f64 {
+    if tokens > 0.0 {
+        cols * ((rows * tokens / 128.0).ceil() + groups) / tokens
+    } else {
+        0.0
+    }
 }
 
 /// Bytes of `tensor` kept on the device and moved to the host under

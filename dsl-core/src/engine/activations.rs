@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use foldmoe_kernels::fp8::Fp8Tensor;
+use foldmoe_kernels::fp8::{Fp8Matrix, Fp8Tensor};
 use foldmoe_kernels::{Backend, DType, Tensor};
 use serde::Serialize;
 
@@ -82,6 +82,17 @@ impl Slot {
     pub const NORM_OUT: Slot = Slot::kept(Part::Norms).recompute(RecomputePart::Norm);
     /// Another layer's copy of [`Slot::NORM_OUT`].
     pub const NORM_OUT_ALIAS: Slot = Slot::NORM_OUT.alias();
+}
+
+/// Lists an fp8 matrix kept for a backward (a weight gradient's column
+/// tiles): its codes and its scales, both under `slot`.
+pub(crate) fn visit_fp8<B: Backend>(
+    slot: Slot,
+    q: &mut Fp8Matrix<B>,
+    f: &mut dyn FnMut(Slot, &mut Tensor<B>),
+) {
+    f(slot, &mut q.codes);
+    f(slot, &mut q.scales);
 }
 
 /// Bytes of one element of `dtype`.
@@ -707,6 +718,46 @@ mod tests {
                     keep.peak_device
                 );
             }
+        }
+    }
+
+    /// With the attention projections in fp8, whose inputs are kept as
+    /// their column tiles (and dropped with the norm output under `norm`
+    /// recompute), every recompute part still reruns to the same bits.
+    #[test]
+    fn recompute_is_bit_identical_to_keep_with_fp8_projections() {
+        // spec()'s blocks at the widths fp8 projections take (16s).
+        let mut exact = spec();
+        exact.hidden = 16;
+        for g in &mut exact.groups {
+            g.attention.head_dim = 16;
+            if let Some(m) = &mut g.attention.mla {
+                *m = MlaSpec {
+                    q_lora_rank: 16,
+                    kv_lora_rank: 16,
+                    qk_nope_head_dim: 16,
+                    qk_rope_head_dim: 16,
+                    v_head_dim: 16,
+                };
+            }
+        }
+        let mut fp8 = exact.clone();
+        for g in &mut fp8.groups {
+            g.attention.precision = crate::spec::GemmPrecision::Fp8Blockwise;
+        }
+        let keep = run(&fp8, &Policy::default(), DType::F32);
+        let exact = run(&exact, &Policy::default(), DType::F32);
+        assert_ne!(keep.loss, exact.loss, "the fp8 projections ran");
+        assert!(
+            keep.peak_device < exact.peak_device,
+            "fp8 inputs kept: peak {} against {}",
+            keep.peak_device,
+            exact.peak_device
+        );
+        for part in keywords_recompute() {
+            let r = run(&fp8, &policy(&[part], &[], &[]), DType::F32);
+            assert_eq!(r.loss, keep.loss, "{part:?}: losses");
+            assert!(r.grads == keep.grads, "{part:?}: gradients differ");
         }
     }
 

@@ -15,7 +15,7 @@ use foldmoe_kernels::{Backend, DType, Rope, Tensor, Yarn};
 
 use super::activations::Slot;
 use super::documents::DocTensors;
-use super::linear::LinearInput;
+use super::linear::{LinearInput, LinearSaved};
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
@@ -47,10 +47,10 @@ pub struct Attention<B: Backend> {
     fp8: bool,
 }
 
-/// What the attention's backward needs: the input, the rotated q and k, v, the
-/// attention output and its log-sum-exp.
+/// What the attention's backward needs: the input (under fp8 its column
+/// tiles), the rotated q and k, v, the attention output and its log-sum-exp.
 pub struct AttentionSaved<B: Backend> {
-    x_td: Tensor<B>,
+    x: LinearSaved<B>,
     q_bshd: Tensor<B>,
     k_bshd: Tensor<B>,
     v_bshd: Tensor<B>,
@@ -65,12 +65,12 @@ pub struct AttentionSaved<B: Backend> {
 
 impl<B: Backend> AttentionSaved<B> {
     /// Lists the saved tensors with their slots: the input (the norm's
-    /// output), q, k, v (`qkv`), the output (the projection's input,
+    /// output, under fp8 its column tiles), q, k, v (`qkv`), the output (the projection's input,
     /// `attn_proj`) and the log-sum-exp (`core_attn`: flash attention keeps
     /// it rather than the S×S probabilities).
     pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         let qkv = Slot::kept(Part::Attention).offload(OffloadPart::Qkv);
-        f(Slot::NORM_OUT, &mut self.x_td);
+        self.x.visit(Slot::NORM_OUT, f);
         f(qkv, &mut self.q_bshd);
         f(qkv, &mut self.k_bshd);
         f(qkv, &mut self.v_bshd);
@@ -210,8 +210,9 @@ impl<B: Backend> Attention<B> {
         }
         let batch = tokens / seq_len;
         let (hq, hkv, hd) = (self.heads, self.kv_heads, self.head_dim);
-        // One quantisation of x serves q, k and v in fp8.
-        let input = LinearInput::new(x_td, self.fp8);
+        // One quantisation of x serves q, k and v in fp8, and the backward
+        // keeps its column tiles.
+        let input = LinearInput::kept(x_td, self.fp8);
         let project = |w: &Param<B>, heads: usize| -> Result<Tensor<B>> {
             Ok(input
                 .project(b, &w.value)?
@@ -241,7 +242,7 @@ impl<B: Backend> Attention<B> {
         let o_td = o_bshd.reshape(&[tokens, hq * hd])?;
         let y_td = LinearInput::new(&o_td, self.fp8).project(b, &self.wo.value)?;
         let saved = AttentionSaved {
-            x_td: x_td.clone(),
+            x: input.into_saved(b)?,
             q_bshd,
             k_bshd,
             v_bshd,
@@ -261,7 +262,7 @@ impl<B: Backend> Attention<B> {
         saved: AttentionSaved<B>,
     ) -> Result<Tensor<B>> {
         let AttentionSaved {
-            x_td,
+            x,
             q_bshd,
             k_bshd,
             v_bshd,
@@ -285,7 +286,7 @@ impl<B: Backend> Attention<B> {
         let (dq_bshd, dk_bshd) = match (&mut self.qk_norm, qk_norm) {
             (Some([q_norm, k_norm]), Some(saved)) => {
                 let [qs, ks] = *saved;
-                let tokens = x_td.dims2("attention backward")?.0;
+                let tokens = batch * seq_len;
                 let per_head = |norm: &mut RmsNorm<B>, d: Tensor<B>, s, heads: usize| {
                     let d = norm.backward(b, &d.reshape(&[tokens * heads, hd])?, s)?;
                     d.reshape(&[batch, seq_len, heads, hd])
@@ -304,7 +305,7 @@ impl<B: Backend> Attention<B> {
                 ))
             }
         };
-        let input = LinearInput::new(&x_td, self.fp8);
+        let input = LinearInput::from_saved(x, self.fp8)?;
         let mut dx_td = project_backward(b, &mut self.wq, &input, dq_bshd)?;
         b.axpy(
             &mut dx_td,
@@ -347,7 +348,7 @@ pub(crate) fn rope_of(model: &ModelSpec, dim: usize) -> Rope {
 pub(crate) fn project_backward<B: Backend>(
     b: &B,
     w: &mut Param<B>,
-    x: &LinearInput<'_, B>,
+    x: &LinearInput<B>,
     d_heads: Tensor<B>,
 ) -> Result<Tensor<B>> {
     let tokens = x.tokens()?;

@@ -42,7 +42,7 @@ use foldmoe_kernels::{Backend, DType, HostData, Rope, Tensor};
 use super::activations::Slot;
 use super::attention::rope_of;
 use super::documents::DocTensors;
-use super::linear::LinearInput;
+use super::linear::{LinearInput, LinearSaved};
 use super::norm::{NormSaved, RmsNorm};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
@@ -71,7 +71,8 @@ pub enum QueryProj<B: Backend> {
 enum QuerySaved<B: Backend> {
     LowRank {
         norm: NormSaved<B>,
-        cq_tc: Tensor<B>,
+        /// The normed latent, `wq_b`'s input (under fp8 its column tiles).
+        cq: LinearSaved<B>,
     },
     Full,
 }
@@ -79,17 +80,14 @@ enum QuerySaved<B: Backend> {
 impl<B: Backend> QueryProj<B> {
     /// `x: [T, D] -> q: [T, H·Q]`; `x` is the layer input (in fp8 quantised
     /// once for this and the key/value projection).
-    fn forward(
-        &self,
-        b: &B,
-        x: &LinearInput<'_, B>,
-        fp8: bool,
-    ) -> Result<(Tensor<B>, QuerySaved<B>)> {
+    fn forward(&self, b: &B, x: &LinearInput<B>, fp8: bool) -> Result<(Tensor<B>, QuerySaved<B>)> {
         match self {
             QueryProj::LowRank { wq_a, q_norm, wq_b } => {
                 let (cq_tc, norm) = q_norm.forward(b, &x.project(b, &wq_a.value)?)?;
-                let q_thq = LinearInput::new(&cq_tc, fp8).project(b, &wq_b.value)?;
-                Ok((q_thq, QuerySaved::LowRank { norm, cq_tc }))
+                let cq = LinearInput::kept(&cq_tc, fp8);
+                let q_thq = cq.project(b, &wq_b.value)?;
+                let cq = cq.into_saved(b)?;
+                Ok((q_thq, QuerySaved::LowRank { norm, cq }))
             }
             QueryProj::Full { wq } => Ok((x.project(b, &wq.value)?, QuerySaved::Full)),
         }
@@ -99,14 +97,14 @@ impl<B: Backend> QueryProj<B> {
     fn backward(
         &mut self,
         b: &B,
-        x: &LinearInput<'_, B>,
+        x: &LinearInput<B>,
         dq_thq: &Tensor<B>,
         saved: QuerySaved<B>,
         fp8: bool,
     ) -> Result<Tensor<B>> {
         match (self, saved) {
-            (QueryProj::LowRank { wq_a, q_norm, wq_b }, QuerySaved::LowRank { norm, cq_tc }) => {
-                let dcq_tc = LinearInput::new(&cq_tc, fp8).backward(b, wq_b, dq_thq)?;
+            (QueryProj::LowRank { wq_a, q_norm, wq_b }, QuerySaved::LowRank { norm, cq }) => {
+                let dcq_tc = LinearInput::from_saved(cq, fp8)?.backward(b, wq_b, dq_thq)?;
                 let dcq_tc = q_norm.backward(b, &dcq_tc, norm)?;
                 x.backward(b, wq_a, &dcq_tc)
             }
@@ -227,13 +225,14 @@ pub struct Mla<B: Backend> {
     rope: Rope,
 }
 
-/// What MLA's backward needs: the input, the latents after their norms, the
-/// kernel's q, k, v, its output and log-sum-exp.
+/// What MLA's backward needs: the input and the latents after their norms
+/// (the projections' inputs: under fp8 their column tiles), the kernel's q,
+/// k, v, its output and log-sum-exp.
 pub struct MlaSaved<B: Backend> {
-    x_td: Tensor<B>,
+    x: LinearSaved<B>,
     query: QuerySaved<B>,
     kv_norm: NormSaved<B>,
-    ckv_tl: Tensor<B>,
+    ckv: LinearSaved<B>,
     q_bshd: Tensor<B>,
     k_bshd: Tensor<B>,
     v_bshd: Tensor<B>,
@@ -253,13 +252,13 @@ impl<B: Backend> MlaSaved<B> {
         let qkv = Slot::kept(Part::Attention)
             .recompute(RecomputePart::MlaUpProj)
             .offload(OffloadPart::Qkv);
-        f(Slot::NORM_OUT, &mut self.x_td);
-        if let QuerySaved::LowRank { norm, cq_tc } = &mut self.query {
+        self.x.visit(Slot::NORM_OUT, f);
+        if let QuerySaved::LowRank { norm, cq } = &mut self.query {
             norm.visit_saved(latent, f);
-            f(latent, cq_tc);
+            cq.visit(latent, f);
         }
         self.kv_norm.visit_saved(latent, f);
-        f(latent, &mut self.ckv_tl);
+        self.ckv.visit(latent, f);
         f(qkv, &mut self.q_bshd);
         f(qkv, &mut self.k_bshd);
         f(qkv, &mut self.v_bshd);
@@ -395,7 +394,7 @@ impl<B: Backend> Mla<B> {
         let m = &self.maps;
 
         // Query: each head's rotary tail is rotated; the head is rebuilt at width Hd.
-        let input = LinearInput::new(x_td, self.fp8);
+        let input = LinearInput::kept(x_td, self.fp8);
         let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
         let q_nq = q_thq.reshape(&[n, p + r])?;
         let qr_nr = self.rotate(
@@ -418,9 +417,8 @@ impl<B: Backend> Mla<B> {
             false,
             docs,
         )?;
-        let kv_nk = LinearInput::new(&ckv_tl, self.fp8)
-            .project(b, &self.wkv_b.value)?
-            .reshape(&[n, p + v])?;
+        let ckv = LinearInput::kept(&ckv_tl, self.fp8);
+        let kv_nk = ckv.project(b, &self.wkv_b.value)?.reshape(&[n, p + v])?;
         let kr_nd = m.k_rope_out.apply(b, &kr_tr)?.reshape(&[n, hd])?;
         let k_nd = b.add(&m.k_nope.apply(b, &kv_nk)?, &kr_nd)?;
         let v_nd = m.v_pad.apply(b, &kv_nk)?;
@@ -438,10 +436,10 @@ impl<B: Backend> Mla<B> {
         let o_thv = m.o_slice.apply(b, &o_nd)?.reshape(&[tokens, h * v])?;
         let y_td = LinearInput::new(&o_thv, self.fp8).project(b, &self.wo.value)?;
         let saved = MlaSaved {
-            x_td: x_td.clone(),
+            x: input.into_saved(b)?,
             query,
             kv_norm,
-            ckv_tl,
+            ckv: ckv.into_saved(b)?,
             q_bshd,
             k_bshd,
             v_bshd,
@@ -455,10 +453,10 @@ impl<B: Backend> Mla<B> {
     /// Accumulates every projection's and norm's gradient and returns `dx: [T, D]`.
     pub fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: MlaSaved<B>) -> Result<Tensor<B>> {
         let MlaSaved {
-            x_td,
+            x,
             query,
             kv_norm,
-            ckv_tl,
+            ckv,
             q_bshd,
             k_bshd,
             v_bshd,
@@ -505,11 +503,12 @@ impl<B: Backend> Mla<B> {
             .adjoint(b, &dk_nd.reshape(&[tokens, h * hd])?)?;
         let dkr_tr = self.rotate(b, dkr_tr, (batch, seq_len, 1), true, docs)?;
         let dkv_thk = dkv_nk.reshape(&[tokens, h * (p + v)])?;
-        let dckv_tl = LinearInput::new(&ckv_tl, self.fp8).backward(b, &mut self.wkv_b, &dkv_thk)?;
+        let dckv_tl =
+            LinearInput::from_saved(ckv, self.fp8)?.backward(b, &mut self.wkv_b, &dkv_thk)?;
         let dlat_tl = self.kv_norm.backward(b, &dckv_tl, kv_norm)?;
         let mut dkva_ta = m.kv_latent.adjoint(b, &dlat_tl)?;
         b.axpy(&mut dkva_ta, 1.0, &m.k_rope_in.adjoint(b, &dkr_tr)?)?;
-        let input = LinearInput::new(&x_td, self.fp8);
+        let input = LinearInput::from_saved(x, self.fp8)?;
         let mut dx_td = input.backward(b, &mut self.wkv_a, &dkva_ta)?;
 
         // Query in reverse: the rotary tail rotates back.

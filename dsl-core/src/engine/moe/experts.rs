@@ -12,7 +12,7 @@
 use foldmoe_kernels::fp8::{Fp8Matrix, Fp8Tiles};
 use foldmoe_kernels::{Backend, DType, Tensor};
 
-use crate::engine::activations::Slot;
+use crate::engine::activations::{visit_fp8, Slot};
 use crate::engine::{Init, Module, Param, Result};
 use crate::memory::Part;
 use crate::spec::{MoeSpec, OffloadPart, RecomputePart};
@@ -190,10 +190,7 @@ impl<B: Backend> SavedInput<B> {
                 f(source_slot, source);
                 f(slot.alias(), row_src);
             }
-            SavedInput::Fp8(q) => {
-                f(slot, &mut q.codes);
-                f(slot, &mut q.scales);
-            }
+            SavedInput::Fp8(q) => visit_fp8(slot, q, f),
         }
     }
 }

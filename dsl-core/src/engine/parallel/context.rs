@@ -32,7 +32,7 @@ use foldmoe_kernels::{Backend, HostData, Tensor};
 use super::{Exec, LayerGroups};
 use crate::engine::attention::{project_backward, Attention};
 use crate::engine::documents::DocTensors;
-use crate::engine::linear::LinearInput;
+use crate::engine::linear::{LinearInput, LinearSaved};
 use crate::engine::{EngineError, Result};
 use crate::layout::{cp_chunks, cp_positions};
 
@@ -169,7 +169,8 @@ impl<B: Backend> CpIndex<B> {
 
 /// What [`backward`] needs from [`forward`].
 pub struct CpAttentionSaved<B: Backend> {
-    x_td: Tensor<B>,
+    /// The projections' input (under fp8 its column tiles).
+    x: LinearSaved<B>,
     /// Rotated keys and values of the whole micro-batch, natural order `[B·S, Hkv·Hd]`.
     k_rot: Tensor<B>,
     v_nat: Tensor<B>,
@@ -199,7 +200,7 @@ impl<B: Backend> CpAttentionSaved<B> {
         let core = S::kept(Part::Attention)
             .recompute(R::CoreAttn)
             .offload(O::CoreAttn);
-        f(S::NORM_OUT, &mut self.x_td);
+        self.x.visit(S::NORM_OUT, f);
         f(qkv, &mut self.k_rot);
         f(qkv, &mut self.v_nat);
         for (q, o, lse) in &mut self.slots {
@@ -258,7 +259,7 @@ pub fn forward<B: Backend>(
         (_, Some(p), Some(i)) => p[i].positions.as_ref(),
         _ => None,
     };
-    let input = LinearInput::new(x_td, attn.fp8());
+    let input = LinearInput::kept(x_td, attn.fp8());
     let q_td = input.project(b, &attn.wq.value)?;
     let k_td = input.project(b, &attn.wk.value)?;
     let v_td = input.project(b, &attn.wv.value)?;
@@ -299,7 +300,7 @@ pub fn forward<B: Backend>(
     Ok((
         y_td,
         CpAttentionSaved {
-            x_td: x_td.clone(),
+            x: input.into_saved(b)?,
             k_rot,
             v_nat,
             slots,
@@ -322,7 +323,7 @@ pub fn backward<B: Backend>(
 ) -> Result<Tensor<B>> {
     let b = ctx.b;
     let CpAttentionSaved {
-        x_td,
+        x,
         k_rot,
         v_nat,
         slots,
@@ -380,7 +381,7 @@ pub fn backward<B: Backend>(
     };
     let dk_td = owned(&dk_nat)?;
     let dv_td = owned(&dv_nat)?;
-    let input = LinearInput::new(&x_td, attn.fp8());
+    let input = LinearInput::from_saved(x, attn.fp8())?;
     let mut dx_td = project_backward(b, &mut attn.wq, &input, dq_td)?;
     b.axpy(
         &mut dx_td,
