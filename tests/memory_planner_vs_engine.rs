@@ -4,8 +4,10 @@
 //! policies. The engine's ledger peak (device and host) must be within 1%
 //! of the planner's prediction with 4-byte activations.
 
+use std::time::Duration;
+
 use foldmoe::core::engine::model::{Batch, Model};
-use foldmoe::core::engine::parallel::Exec;
+use foldmoe::core::engine::parallel::{run_local_layout, Exec, RankLayout};
 use foldmoe::core::layout::{check, LayoutSpec};
 use foldmoe::core::memory::{plan_memory, MemoryOptions};
 use foldmoe::core::spec::{ModelSpec, PolicyOverride};
@@ -35,6 +37,42 @@ fn measured(spec: &ModelSpec, seqs: usize) -> (u64, u64) {
     model.backward(&exec, out.saved, 1.0).unwrap();
     let c = model.ledger.counts();
     (c.peak_device, c.peak_host)
+}
+
+/// One forward and backward of `seqs` sequences on every rank of `layout`
+/// (threads): each rank's ledger peak of the norms part, which holds the
+/// norms' inputs and outputs.
+fn measured_norms_under(spec: &ModelSpec, layout_text: &str, seqs: usize) -> Vec<u64> {
+    let layout = check(&LayoutSpec::parse(layout_text).unwrap(), spec).unwrap();
+    let t = seqs * spec.seq_len;
+    let ids: Vec<i32> = (0..t)
+        .map(|i| ((i * 37 + 11) % spec.vocab) as i32)
+        .collect();
+    let targets: Vec<i32> = (0..t).map(|i| ((i * 53 + 5) % spec.vocab) as i32).collect();
+    run_local_layout(&Cpu, &layout, Duration::from_secs(60), |ctx| {
+        let rank = RankLayout::new(&layout, ctx.rank.rank)?;
+        let mut model = Model::new(ctx.b, spec, rank, 7, DType::F32)?;
+        let upload = |v: &[i32]| {
+            ctx.b
+                .upload(HostData::I32(v.to_vec()), &[seqs, spec.seq_len])
+        };
+        let (tokens, targets) = (upload(&ids)?, upload(&targets)?);
+        let exec = ctx.exec();
+        let batch = Batch::Device {
+            tokens: &tokens,
+            targets: &targets,
+        };
+        let out = model.forward(&exec, batch, spec.seq_len)?;
+        model.backward(&exec, out.saved, 1.0)?;
+        let norms = foldmoe::core::memory::Part::ALL
+            .iter()
+            .position(|p| *p == foldmoe::core::memory::Part::Norms)
+            .unwrap();
+        Ok(model.ledger.counts().peak_by_part[norms])
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{layout_text}: {e}")))
+    .collect()
 }
 
 /// `(device, host)` bytes the planner predicts for one rank holding every
@@ -161,6 +199,45 @@ fn planner_counts_the_fp8_projections_inputs_within_1_percent() {
             assert!(
                 fewer,
                 "{label}: keeps {dev} bytes, the model dtype {bf16_dev}"
+            );
+        }
+    }
+}
+
+/// Under tp (with sequence parallelism) the attention, the dense MLP and the
+/// shared experts gather their input over tp; each rank keeps only its
+/// sequence shard of it and gathers it again in the backward, as the
+/// planner counts (Megatron-Core's sequence-parallel linears): every rank's
+/// norms part at its peak within 1% of the plan, in the model dtype and with
+/// fp8 attention projections (which keep the shard too, not fp8 tiles of
+/// the gathered rows).
+#[test]
+fn under_tp_each_rank_keeps_its_shard_of_the_gathered_inputs() {
+    use foldmoe::core::spec::GemmPrecision;
+    let base = foldmoe::models::by_name("tiny").unwrap();
+    let mut fp8 = base.clone();
+    for g in &mut fp8.groups {
+        g.attention.precision = GemmPrecision::Fp8Blockwise;
+    }
+    let layout_text = "world=2,tp=2";
+    for (spec, what) in [(base, "model dtype"), (fp8, "fp8 attention")] {
+        let layout = check(&LayoutSpec::parse(layout_text).unwrap(), &spec).unwrap();
+        let measured = measured_norms_under(&spec, layout_text, 2);
+        for (rank, m) in measured.into_iter().enumerate() {
+            let opts = MemoryOptions {
+                activation_bytes: 4.0,
+                ..MemoryOptions::new(rank, 2, 1)
+            };
+            let plan = plan_memory(&spec, &layout, &opts);
+            let p = plan
+                .parts
+                .iter()
+                .find(|p| p.part == "norms")
+                .unwrap()
+                .activations;
+            assert!(
+                (p as f64 - m as f64).abs() <= 0.01 * m as f64,
+                "{what}, rank {rank}: norms predicted {p}, measured {m}"
             );
         }
     }

@@ -397,8 +397,9 @@ pub struct Layout {
     /// Expert data-parallel size.
     pub edp: usize,
     /// Hidden states between blocks are split along the sequence over the tp
-    /// group: on exactly when the model has MoE layers and `tp > 1` (docs/ARCHITECTURE.md
-    /// §3; Megatron-Core requires it for MoE with tp).
+    /// group: on exactly when `tp > 1` (docs/ARCHITECTURE.md §3; the engine
+    /// always runs tp with it, and Megatron-Core requires it for MoE with
+    /// tp).
     pub sequence_parallel: bool,
     /// Rank order, fastest-varying first.
     pub order: [Axis; 5],
@@ -845,7 +846,7 @@ pub fn check(layout: &LayoutSpec, model: &ModelSpec) -> Result<Layout, Vec<Layou
     check_model_dims(s, model, &mut r);
     check_fp8_shards(s, model, &mut r);
     check_stages(s, model, &mut r);
-    let sequence_parallel = has_moe(model) && s.tp > 1;
+    let sequence_parallel = s.tp > 1;
     check_sequence(s, model, sequence_parallel, &mut r);
     let (Some(order), Some(dp), Some(edp)) = (order, dp, edp) else {
         return Err(r.errors);
@@ -873,7 +874,7 @@ pub fn check(layout: &LayoutSpec, model: &ModelSpec) -> Result<Layout, Vec<Layou
     }
     if sequence_parallel {
         r.note(format!(
-            "sequence parallelism is on (MoE with tp = {}): hidden states between blocks are split along the sequence over the tp group",
+            "sequence parallelism is on (tp = {}): hidden states between blocks are split along the sequence over the tp group",
             s.tp
         ));
     }
@@ -1309,7 +1310,7 @@ fn check_sequence(s: &LayoutSpec, model: &ModelSpec, sp: bool, r: &mut Report) {
         r.err(
             "tp",
             format!(
-                "{what} is not a multiple of tp = {tp} (sequence parallelism, on with MoE and tp > 1, splits each sequence over the tp group); choose tp in {}",
+                "{what} is not a multiple of tp = {tp} (sequence parallelism, on with tp > 1, splits each sequence over the tp group); choose tp in {}",
                 choices(w, local, |d| local.is_multiple_of(d))
             ),
         );
@@ -2031,13 +2032,13 @@ mod tests {
         );
         assert_eq!(
             one("world=8,tp=8", &m),
-            ("tp", "seq_len = 36 is not a multiple of tp = 8 (sequence parallelism, on with MoE and tp > 1, splits each sequence over the tp group); choose tp in {1, 2, 4}".into())
+            ("tp", "seq_len = 36 is not a multiple of tp = 8 (sequence parallelism, on with tp > 1, splits each sequence over the tp group); choose tp in {1, 2, 4}".into())
         );
         assert_eq!(
             one("world=8,tp=4,cp=2", &m).1,
-            "seq_len / cp = 18 is not a multiple of tp = 4 (sequence parallelism, on with MoE and tp > 1, splits each sequence over the tp group); choose tp in {1, 2}"
+            "seq_len / cp = 18 is not a multiple of tp = 4 (sequence parallelism, on with tp > 1, splits each sequence over the tp group); choose tp in {1, 2}"
         );
-        // A dense model keeps sequence parallelism off, so no rule applies.
+        // A dense model runs tp with sequence parallelism too.
         let dense = model(
             64,
             36,
@@ -2047,7 +2048,8 @@ mod tests {
                 FfnSpec::Dense { ffn: 32 },
             )],
         );
-        assert!(!ok("world=8,tp=8", &dense).sequence_parallel);
+        assert_eq!(one("world=8,tp=8", &dense).0, "tp");
+        assert!(ok("world=8,tp=4", &dense).sequence_parallel);
     }
 
     #[test]

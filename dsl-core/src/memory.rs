@@ -250,11 +250,12 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
         elems_per_token,
     };
     let a = &g.attention;
-    // fp8 projections keep a kept input's column tiles (codes and their
-    // scales) instead of its rows.
+    // fp8 projections keep an input's column tiles (codes and their scales)
+    // instead of its rows, unless the input is gathered over tp: then the
+    // rank's sequence shard is kept, as in the model's dtype.
     let attn_fp8 = a.precision == GemmPrecision::Fp8Blockwise;
-    let projection_input = |v: &mut Vec<Saved>, part, recompute, cols: f64| {
-        if attn_fp8 {
+    let projection_input = |v: &mut Vec<Saved>, part, recompute, cols: f64, gathered: bool| {
+        if attn_fp8 && !gathered {
             v.push(s(part, recompute, None, Kind::Fp8, cols));
             let scales = column_tile_scales(cols, 1.0, 1.0, tokens);
             v.push(s(part, recompute, None, Fp32, scales));
@@ -274,8 +275,9 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             1.0 / sp,
         ),
     ];
-    // The attention norm's output, the projections' input.
-    projection_input(&mut v, Part::Norms, Some(R::Norm), h / sp);
+    // The attention norm's output, the projections' input (this rank's
+    // sequence shard: a tp-gathered input is gathered again in the backward).
+    projection_input(&mut v, Part::Norms, Some(R::Norm), h / sp, layout.tp > 1);
     v.extend([
         s(Part::Norms, None, Some(O::MlpNorm), Act, h / sp),
         s(Part::Norms, Some(R::Norm), Some(O::MlpNorm), Fp32, 1.0 / sp),
@@ -307,7 +309,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             v.push(s(Part::Attention, None, None, Act, latents));
             for latent in [m.q_lora_rank, m.kv_lora_rank] {
                 if latent > 0 {
-                    projection_input(&mut v, Part::Attention, None, latent as f64);
+                    projection_input(&mut v, Part::Attention, None, latent as f64, false);
                 }
             }
             v.push(s(Part::Attention, Some(R::Norm), None, Fp32, norms));

@@ -45,6 +45,11 @@ pub struct Attention<B: Backend> {
     /// Whether the projections run as blockwise fp8 GEMMs
     /// (`attention(precision = fp8_blockwise)`).
     fp8: bool,
+    /// Whether the input is gathered over tp from sequence shards (set by
+    /// [`Self::take_heads`]): the block then keeps the rank's shard for the
+    /// backward ([`AttentionSaved::input_mut`]), so the layer makes no fp8
+    /// column tiles of it.
+    input_gathered: bool,
 }
 
 /// What the attention's backward needs: the input (under fp8 its column
@@ -89,6 +94,11 @@ impl<B: Backend> AttentionSaved<B> {
                 .offload(OffloadPart::CoreAttn),
             &mut self.lse_bhs,
         );
+    }
+
+    /// The kept input (the block swaps in the rank's sequence shard).
+    pub(crate) fn input_mut(&mut self) -> &mut LinearSaved<B> {
+        &mut self.x
     }
 }
 
@@ -135,6 +145,7 @@ impl<B: Backend> Attention<B> {
             head_dim: spec.head_dim,
             rope: rope_of(model, spec.head_dim),
             fp8: spec.precision == GemmPrecision::Fp8Blockwise,
+            input_gathered: false,
         })
     }
 
@@ -164,6 +175,7 @@ impl<B: Backend> Attention<B> {
         }
         self.heads /= parts;
         self.kv_heads /= parts;
+        self.input_gathered = true;
         Ok(())
     }
 
@@ -192,6 +204,17 @@ impl<B: Backend> Attention<B> {
         self.fp8
     }
 
+    /// The projections' input `x`, to be kept by [`LinearInput::into_saved`]:
+    /// its fp8 column tiles made in the forward unless the block keeps the
+    /// rank's shard of it (a tp-gathered input).
+    pub(crate) fn input(&self, x_td: &Tensor<B>) -> LinearInput<B> {
+        if self.input_gathered {
+            LinearInput::new(x_td, self.fp8)
+        } else {
+            LinearInput::kept(x_td, self.fp8)
+        }
+    }
+
     /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of
     /// `seq_len`; `docs` restarts positions and masks attention at
     /// documents.
@@ -212,7 +235,7 @@ impl<B: Backend> Attention<B> {
         let (hq, hkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         // One quantisation of x serves q, k and v in fp8, and the backward
         // keeps its column tiles.
-        let input = LinearInput::kept(x_td, self.fp8);
+        let input = self.input(x_td);
         let project = |w: &Param<B>, heads: usize| -> Result<Tensor<B>> {
             Ok(input
                 .project(b, &w.value)?

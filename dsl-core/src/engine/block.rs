@@ -20,6 +20,7 @@ use foldmoe_kernels::{Backend, DType, Tensor};
 use super::activations::{Held, Ledger, Slot, Stash};
 use super::attention::{Attention, AttentionSaved};
 use super::documents::DocTensors;
+use super::linear::LinearSaved;
 use super::mla::{Mla, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
 use super::moe::{MoeBackward, MoeForward, MoeLayer, MoeOut, MoeSaved, MoeStats};
@@ -53,6 +54,14 @@ impl<B: Backend> AttnSaved<B> {
         match self {
             AttnSaved::Gqa(s) => s.visit_saved(f),
             AttnSaved::Mla(s) => s.visit_saved(f),
+        }
+    }
+
+    /// The kept input of the projections.
+    fn input_mut(&mut self) -> &mut LinearSaved<B> {
+        match self {
+            AttnSaved::Gqa(s) => s.input_mut(),
+            AttnSaved::Mla(s) => s.input_mut(),
         }
     }
 }
@@ -224,6 +233,14 @@ impl<B: Backend> BlockAttnSaved<B> {
         match self {
             BlockAttnSaved::Local(s) => s.visit_saved(f),
             BlockAttnSaved::Cp(s) => s.visit_saved(f),
+        }
+    }
+
+    /// The kept input of the projections.
+    fn input_mut(&mut self) -> &mut LinearSaved<B> {
+        match self {
+            BlockAttnSaved::Local(s) => s.input_mut(),
+            BlockAttnSaved::Cp(s) => s.input_mut(),
         }
     }
 }
@@ -457,9 +474,7 @@ impl<B: Backend> Block<B> {
                     // Only the saved state is wanted: the dense MLP's output
                     // need not be scattered over tp.
                     let mut ffn = match &self.ffn {
-                        Ffn::Dense(mlp) => {
-                            FfnSaved::Dense(mlp.forward(b, &ctx.gather(&self.groups.tp, h)?)?.1)
-                        }
+                        Ffn::Dense(mlp) => FfnSaved::Dense(self.dense_forward(ctx, mlp, h)?.1),
                         Ffn::Moe(moe) => {
                             FfnSaved::Moe(Box::new(moe.forward(ctx, h, seq_len, tokens)?.1))
                         }
@@ -476,7 +491,9 @@ impl<B: Backend> Block<B> {
 
     /// Attention from this rank's sequence shard `h` of the normed input:
     /// gathered over tp, then the local layer or, under cp, its
-    /// context-parallel form. Returns the tp-full output and the state.
+    /// context-parallel form. Returns the tp-full output and the state,
+    /// which keeps `h` rather than the gathered input (gathered again in
+    /// the backward, as Megatron-Core's sequence-parallel linears do).
     fn attn_forward(
         &self,
         ctx: &Exec<B>,
@@ -484,7 +501,7 @@ impl<B: Backend> Block<B> {
         seq_len: usize,
     ) -> Result<(Tensor<B>, BlockAttnSaved<B>)> {
         let h_full = ctx.gather(&self.groups.tp, h)?;
-        Ok(match &self.attn {
+        let (y, mut saved) = match &self.attn {
             Attn::Gqa(a) if self.groups.cp.size() > 1 => {
                 let (y, saved) = context::forward(ctx, &self.groups, a, &h_full, seq_len)?;
                 (y, BlockAttnSaved::Cp(Box::new(saved)))
@@ -493,7 +510,28 @@ impl<B: Backend> Block<B> {
                 let (y, saved) = self.attn.forward(ctx.b, &h_full, seq_len, ctx.docs)?;
                 (y, BlockAttnSaved::Local(saved))
             }
-        })
+        };
+        if self.groups.tp.size() > 1 {
+            saved.input_mut().keep_shard(h);
+        }
+        Ok((y, saved))
+    }
+
+    /// The dense feed-forward of this rank's sequence shard `h` of the
+    /// normed input, gathered over tp: the tp-full output (partial sums
+    /// over tp) and the state, which keeps `h` rather than the gathered
+    /// input, as [`Self::attn_forward`] does.
+    fn dense_forward(
+        &self,
+        ctx: &Exec<B>,
+        mlp: &SwiGluMlp<B>,
+        h: &Tensor<B>,
+    ) -> Result<(Tensor<B>, MlpSaved<B>)> {
+        let (y_full, mut saved) = mlp.forward(ctx.b, &ctx.gather(&self.groups.tp, h)?)?;
+        if self.groups.tp.size() > 1 {
+            saved.input_mut().keep_shard(h);
+        }
+        Ok((y_full, saved))
     }
 
     /// The forward with every saved tensor kept and nothing counted: the
@@ -550,7 +588,7 @@ impl<B: Backend> Block<B> {
         };
         match &self.ffn {
             Ffn::Dense(mlp) => {
-                let (m_full, saved) = mlp.forward(b, &ctx.gather(&self.groups.tp, &h2)?)?;
+                let (m_full, saved) = self.dense_forward(ctx, mlp, &h2)?;
                 let y = ctx.scatter(&self.groups.tp, &m_full)?;
                 let out = self.forward_finish(ctx, head, y, FfnSaved::Dense(saved), None)?;
                 Ok(Step::Done(out))
@@ -668,8 +706,10 @@ impl<B: Backend> Block<B> {
             _held: held,
         };
         match (&mut self.ffn, ffn) {
-            (Ffn::Dense(mlp), FfnSaved::Dense(s)) => {
-                let d_full = mlp.backward(b, &ctx.gather(&self.groups.tp, dy_td)?, s)?;
+            (Ffn::Dense(mlp), FfnSaved::Dense(mut s)) => {
+                let tp = &self.groups.tp;
+                s.input_mut().gather_shard(|h| ctx.gather(tp, h))?;
+                let d_full = mlp.backward(b, &ctx.gather(tp, dy_td)?, s)?;
                 let dh2 = ctx.scatter(&self.groups.tp, &d_full)?;
                 Ok(Step::Done(self.backward_finish(ctx, tail, dh2)?))
             }
@@ -723,10 +763,12 @@ impl<B: Backend> Block<B> {
         let BackwardTail {
             dy_td,
             attn_norm,
-            attn,
+            mut attn,
             ffn_norm,
             ..
         } = tail;
+        attn.input_mut()
+            .gather_shard(|h| ctx.gather(&self.groups.tp, h))?;
         let mut dx1 = self.ffn_norm.backward(b, &dh2, ffn_norm)?;
         b.axpy(&mut dx1, 1.0, &dy_td)?;
         let dx1_full = ctx.gather(&self.groups.tp, &dx1)?;

@@ -15,6 +15,10 @@
 //! MLA's normed latents) is kept as a [`LinearSaved`]: under fp8 only its
 //! column tiles, all its weight gradients read, made by the same pass that
 //! makes the forward's row tiles (a byte a value instead of the dtype's).
+//! An input gathered over tp from sequence shards is kept as the rank's
+//! shard instead and gathered again for the backward
+//! ([`LinearSaved::keep_shard`], as Megatron-Core's sequence-parallel
+//! linear layers do): `1/tp` of the rows, less than fp8's byte a value.
 //!
 //! Shapes: T tokens, K the summed (input) dim, N the output dim.
 
@@ -53,6 +57,9 @@ struct Fp8Forms<B: Backend> {
 pub(crate) enum LinearSaved<B: Backend> {
     /// The rows `[T, K]`, in the model's dtype.
     Rows(Tensor<B>),
+    /// This rank's sequence shard `[T/tp, K]` of rows gathered over tp,
+    /// gathered again before the backward ([`Self::gather_shard`]).
+    Shard(Tensor<B>),
     /// Under fp8, the rows' [`Fp8Tiles::GroupColumns`] codes and scales
     /// (one group of all T rows) and the input's dtype.
     Fp8 {
@@ -67,8 +74,39 @@ impl<B: Backend> LinearSaved<B> {
     /// Lists the kept tensors under `slot`.
     pub(crate) fn visit(&mut self, slot: Slot, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         match self {
-            LinearSaved::Rows(x) => f(slot, x),
+            LinearSaved::Rows(x) | LinearSaved::Shard(x) => f(slot, x),
             LinearSaved::Fp8 { columns, .. } => visit_fp8(slot, columns, f),
+        }
+    }
+
+    /// Keeps `shard`, this rank's sequence shard of the input that was
+    /// gathered over tp for the forward, in place of what the layer kept.
+    pub(crate) fn keep_shard(&mut self, shard: &Tensor<B>) {
+        *self = LinearSaved::Shard(shard.clone());
+    }
+
+    /// Before the backward: a kept shard becomes the rows again through
+    /// `gather` (the tp all-gather the forward ran); anything else stays.
+    pub(crate) fn gather_shard(
+        &mut self,
+        gather: impl FnOnce(&Tensor<B>) -> Result<Tensor<B>>,
+    ) -> Result<()> {
+        if let LinearSaved::Shard(shard) = self {
+            *self = LinearSaved::Rows(gather(shard)?);
+        }
+        Ok(())
+    }
+
+    /// The kept rows (an input only a model-dtype backward reads).
+    pub(crate) fn into_rows(self, what: &str) -> Result<Tensor<B>> {
+        match self {
+            LinearSaved::Rows(x) => Ok(x),
+            LinearSaved::Shard(_) => Err(EngineError::Invalid(format!(
+                "{what}: the input's sequence shard was not gathered over tp before the backward"
+            ))),
+            LinearSaved::Fp8 { .. } => Err(EngineError::Invalid(format!(
+                "{what}: the input was kept as fp8 column tiles, not rows"
+            ))),
         }
     }
 }
@@ -99,10 +137,10 @@ impl<B: Backend> LinearInput<B> {
         }
     }
 
-    /// What the backward keeps: the rows, or under fp8 their column tiles
-    /// (made now if no projection made them).
+    /// What the backward keeps: the rows, or for a [`Self::kept`] input
+    /// under fp8 their column tiles (made now if no projection made them).
     pub(crate) fn into_saved(self, b: &B) -> Result<LinearSaved<B>> {
-        let Some(q) = &self.fp8 else {
+        let Some(q) = self.fp8.as_ref().filter(|q| q.keep_columns) else {
             return Ok(LinearSaved::Rows(
                 self.rows_for("projection input")?.clone(),
             ));
@@ -120,6 +158,9 @@ impl<B: Backend> LinearInput<B> {
     pub(crate) fn from_saved(saved: LinearSaved<B>, fp8: bool) -> Result<Self> {
         match (saved, fp8) {
             (LinearSaved::Rows(x), _) => Ok(Self::with(&x, fp8, false)),
+            (LinearSaved::Shard(_), _) => Err(EngineError::Invalid(
+                "projection backward: the input's sequence shard was not gathered over tp".into(),
+            )),
             (LinearSaved::Fp8 { columns, dtype }, true) => Ok(LinearInput {
                 x_tk: None,
                 dtype,

@@ -270,6 +270,11 @@ impl<B: Backend> MlaSaved<B> {
             &mut self.lse_bhs,
         );
     }
+
+    /// The kept input (the block swaps in the rank's sequence shard).
+    pub(crate) fn input_mut(&mut self) -> &mut LinearSaved<B> {
+        &mut self.x
+    }
 }
 
 impl<B: Backend> Mla<B> {

@@ -6,6 +6,7 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use super::activations::Slot;
+use super::linear::LinearSaved;
 use super::param::{Init, Module, Param};
 use super::Result;
 use crate::memory::Part;
@@ -23,7 +24,9 @@ pub struct SwiGluMlp<B: Backend> {
 
 /// What the MLP's backward needs from its forward.
 pub struct MlpSaved<B: Backend> {
-    x_td: Tensor<B>,
+    /// The input's rows (under tp the rank's shard, which the caller kept
+    /// and gathers again before the backward).
+    x: LinearSaved<B>,
     gate_tf: Tensor<B>,
     up_tf: Tensor<B>,
     act_tf: Tensor<B>,
@@ -41,7 +44,7 @@ impl<B: Backend> MlpSaved<B> {
         act: Slot,
         f: &mut dyn FnMut(Slot, &mut Tensor<B>),
     ) {
-        f(input, &mut self.x_td);
+        self.x.visit(input, f);
         f(inner, &mut self.gate_tf);
         f(inner, &mut self.up_tf);
         f(act, &mut self.act_tf);
@@ -58,6 +61,12 @@ impl<B: Backend> MlpSaved<B> {
             inner.recompute(RecomputePart::MlpAct),
             f,
         )
+    }
+
+    /// The kept input (a caller that gathered it over tp swaps in the
+    /// rank's sequence shard).
+    pub(crate) fn input_mut(&mut self) -> &mut LinearSaved<B> {
+        &mut self.x
     }
 }
 
@@ -89,7 +98,7 @@ impl<B: Backend> SwiGluMlp<B> {
         let act_tf = b.swiglu(&gate_tf, &up_tf)?;
         let y_td = b.matmul(&act_tf, &self.w2.value, false, false)?;
         let saved = MlpSaved {
-            x_td: x_td.clone(),
+            x: LinearSaved::Rows(x_td.clone()),
             gate_tf,
             up_tf,
             act_tf,
@@ -100,11 +109,12 @@ impl<B: Backend> SwiGluMlp<B> {
     /// Accumulates weight gradients and returns `dx: [T, D]`.
     pub fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: MlpSaved<B>) -> Result<Tensor<B>> {
         let MlpSaved {
-            x_td,
+            x,
             gate_tf,
             up_tf,
             act_tf,
         } = saved;
+        let x_td = x.into_rows("mlp backward")?;
         self.w2
             .accumulate(b, &b.matmul(&act_tf, dy_td, true, false)?)?;
         let dact_tf = b.matmul(dy_td, &self.w2.value, false, true)?;

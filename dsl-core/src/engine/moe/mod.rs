@@ -507,6 +507,9 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// The shared experts' output (this rank's rows) and state, if any.
+    /// Their input is gathered over tp; the state keeps this rank's shard
+    /// `x` instead (the layer input, which the router keeps already) and
+    /// the backward gathers it again.
     fn shared_forward(
         &self,
         ctx: &Exec<B>,
@@ -516,7 +519,12 @@ impl<B: Backend> MoeLayer<B> {
         let Some(s) = &self.shared else {
             return Ok(None);
         };
-        let (ys_full, saved) = s.forward(ctx.b, &ctx.gather(&g.tp, x_td)?)?;
+        let (ys_full, mut saved) = s.forward(ctx.b, &ctx.gather(&g.tp, x_td)?)?;
+        if g.tp.size() > 1 {
+            for input in saved.inputs_mut() {
+                input.keep_shard(x_td);
+            }
+        }
         Ok(Some((ctx.scatter(&g.tp, &ys_full)?, saved)))
     }
 
@@ -588,7 +596,15 @@ impl<B: Backend> MoeLayer<B> {
             shared,
         } = saved;
         let dx_shared = match (shared, self.shared.as_mut()) {
-            (Some(saved), Some(s)) => {
+            (Some(mut saved), Some(s)) => {
+                // The MLP and the gate kept the same shard: one gather.
+                let mut x_full = None;
+                for input in saved.inputs_mut() {
+                    input.gather_shard(|x| match &x_full {
+                        Some(full) => Ok(Tensor::clone(full)),
+                        None => Ok(x_full.insert(ctx.gather(&g.tp, x)?).clone()),
+                    })?;
+                }
                 let d_full = s.backward(b, &ctx.gather(&g.tp, dy_td)?, saved)?;
                 Some(ctx.scatter(&g.tp, &d_full)?)
             }

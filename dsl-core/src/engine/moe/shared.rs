@@ -7,6 +7,7 @@
 use foldmoe_kernels::{Backend, DType, Tensor};
 
 use crate::engine::activations::Slot;
+use crate::engine::linear::LinearSaved;
 use crate::engine::mlp::{MlpSaved, SwiGluMlp};
 use crate::engine::{Init, Module, Param, Result};
 use crate::memory::Part;
@@ -22,7 +23,8 @@ pub struct SharedExperts<B: Backend> {
 
 /// The gate's forward values, kept for its backward.
 struct GateSaved<B: Backend> {
-    x_td: Tensor<B>,
+    /// The input's rows (under tp the rank's shard until gathered again).
+    x: LinearSaved<B>,
     /// `sigmoid(x·w_gate)`: `[T]`.
     g_t: Tensor<B>,
     /// The MLP output before gating.
@@ -42,10 +44,16 @@ impl<B: Backend> SharedSaved<B> {
         let s = Slot::kept(Part::SharedExperts).recompute(RecomputePart::SharedExperts);
         self.mlp.visit_saved(Slot::NORM_OUT_ALIAS, s, s, f);
         if let Some(g) = &mut self.gate {
-            f(Slot::NORM_OUT_ALIAS, &mut g.x_td);
+            g.x.visit(Slot::NORM_OUT_ALIAS, f);
             f(s, &mut g.g_t);
             f(s, &mut g.mlp_td);
         }
+    }
+
+    /// The kept inputs, the MLP's and the gate's (the MoE layer, which
+    /// gathered them over tp, swaps in the rank's sequence shard).
+    pub(crate) fn inputs_mut(&mut self) -> impl Iterator<Item = &mut LinearSaved<B>> {
+        std::iter::once(self.mlp.input_mut()).chain(self.gate.as_mut().map(|g| &mut g.x))
     }
 }
 
@@ -83,7 +91,7 @@ impl<B: Backend> SharedExperts<B> {
         let g_t = b.sigmoid(&z_t)?;
         let y_td = b.mul_rows(&mlp_td, &g_t)?;
         let gate = GateSaved {
-            x_td: x_td.clone(),
+            x: LinearSaved::Rows(x_td.clone()),
             g_t,
             mlp_td,
         };
@@ -110,7 +118,8 @@ impl<B: Backend> SharedExperts<B> {
         let (t, _) = dy_td.dims2("SharedExperts::backward")?;
         let dg_t = b.dot_rows(dy_td, &gs.mlp_td)?;
         let dz_t1 = b.sigmoid_backward(&gs.g_t, &dg_t)?.reshape(&[t, 1])?;
-        w_gate.accumulate(b, &b.matmul(&gs.x_td, &dz_t1, true, false)?)?;
+        let x_td = gs.x.into_rows("shared experts' gate backward")?;
+        w_gate.accumulate(b, &b.matmul(&x_td, &dz_t1, true, false)?)?;
         let dx_gate_td = b.matmul(&dz_t1, &w_gate.value, false, true)?;
         let dmlp_td = b.mul_rows(dy_td, &gs.g_t)?;
         let mut dx_td = self.mlp.backward(b, &dmlp_td, mlp)?;

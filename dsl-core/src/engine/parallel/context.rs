@@ -214,6 +214,11 @@ impl<B: Backend> CpAttentionSaved<B> {
         f(index, &mut self.index.gathered_src);
         f(index, &mut self.index.assemble_src);
     }
+
+    /// The kept input (the block swaps in the rank's sequence shard).
+    pub(crate) fn input_mut(&mut self) -> &mut LinearSaved<B> {
+        &mut self.x
+    }
 }
 
 /// Rows of `x` with a zero row appended (the padding source of `permute`).
@@ -259,7 +264,7 @@ pub fn forward<B: Backend>(
         (_, Some(p), Some(i)) => p[i].positions.as_ref(),
         _ => None,
     };
-    let input = LinearInput::kept(x_td, attn.fp8());
+    let input = attn.input(x_td);
     let q_td = input.project(b, &attn.wq.value)?;
     let k_td = input.project(b, &attn.wk.value)?;
     let v_td = input.project(b, &attn.wv.value)?;
