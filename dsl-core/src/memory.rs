@@ -17,7 +17,9 @@
 //!   attention (softmax statistics rather than the s×s matrix) and no dropout
 //!   masks (foldmoe has no dropout); tp divides what it splits (heads,
 //!   ffn, vocabulary, and with sequence parallelism the tensors between
-//!   blocks), cp divides the sequence. MTP modules are not counted;
+//!   blocks), cp divides the sequence. MTP modules (on the last stage)
+//!   count as blocks of the last group, plus their norms, projection,
+//!   a copy of the embedding table and one more loss state each;
 //! - the tensors are those the engine saves (`engine::activations` counts
 //!   the same list, tagged the same way, and a test holds the two within
 //!   10% of each other); bf16 unless [`MemoryOptions::activation_bytes`]
@@ -322,7 +324,10 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                 Act,
                 3.0 * heads * hd / t,
             ));
-            m.v_head_dim as f64
+            // The kernel's output is kept at the padded width too (the
+            // output projection's input, `o` without its padding, is sliced
+            // from it in the backward).
+            hd
         }
     };
     // Flash attention saves fp32 log-sum-exp per head; its output is the
@@ -562,6 +567,12 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     let mut params = [0u64; 7];
     let mut expert_params = 0u64;
     let (first, last) = (stage == 0, stage + 1 == layout.pp);
+    // MTP modules live on the last stage, each with a block of the last
+    // group (split as that group's are), counted with the blocks.
+    let mtp = if last { spec.mtp_layers } else { 0 };
+    if let Some(n) = blocks.last_mut() {
+        *n += mtp;
+    }
     let table = layout.padded_vocab as u64 / t * d;
     if first {
         params[0] += table;
@@ -572,6 +583,17 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         } else {
             table
         };
+    }
+    if mtp > 0 {
+        // Each module's input norms and final norm, and its projection
+        // `[2D, D]` (replicated over tp); the stage embeds the tokens ahead
+        // with a copy of the table unless it holds it already (the first
+        // stage's, or the tied head's).
+        params[1] += mtp as u64 * 3 * d;
+        params[0] += mtp as u64 * 2 * d * d;
+        if !first && !spec.tied_embeddings {
+            params[0] += table;
+        }
     }
     for (g, &n) in spec.groups.iter().zip(&blocks) {
         let p = g.params(spec.hidden);
@@ -619,26 +641,37 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         }
     }
     let sp = if layout.sequence_parallel { t } else { 1 } as f64;
+    // An MTP module's own state: its two input norms' inputs, outputs (the
+    // projection's inputs) and rstd.
+    act[part_index(Part::Norms)] +=
+        mtp as f64 * tokens * (4.0 * act_bytes * d as f64 / sp + 2.0 * 4.0 / sp);
     // The final norm's input, rstd and output (the head's input), the fp32
     // logits of the vocabulary-parallel cross-entropy and their
     // log-sum-exp: one micro-batch's at a time (its loss backward follows
-    // its forward and frees them before any block's backward).
-    let head = if last {
+    // its forward and frees them before any block's backward), and as much
+    // again for each MTP module's loss.
+    let one_loss = if last {
         tokens
             * (2.0 * act_bytes * d as f64 / sp
                 + 4.0 * (2.0 + layout.padded_vocab as f64 / t as f64))
     } else {
         0.0
     };
+    let head = (1 + mtp) as f64 * one_loss;
     act[0] += head;
-    // The peak beyond the blocks' in-flight tensors: the head's state at the
+    // The peak beyond the blocks' in-flight tensors: the loss states at the
     // end of a forward, or one block's rematerialised tensors during its
-    // backward, whichever is larger.
+    // backward, whichever is larger. The backward runs the main loss's, then
+    // the MTP modules' from the last, each module's block right after its
+    // loss: while the last module's block runs, the other modules' losses
+    // (all but two of the states) are still held.
     let mut extra = [0f64; 7];
-    if head >= remat.iter().sum::<f64>() {
+    let held_losses = mtp.saturating_sub(1) as f64 * one_loss;
+    if head >= held_losses + remat.iter().sum::<f64>() {
         extra[0] = head;
     } else {
         extra = remat;
+        extra[0] += held_losses;
     }
     let flight = in_flight(layout, stage, opts.micro_batches, opts.overlap_moe_comm);
     let dense_shard = (layout.dp * layout.cp) as u64;

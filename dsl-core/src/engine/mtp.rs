@@ -25,12 +25,14 @@
 
 use foldmoe_kernels::{Backend, DType, Tensor};
 
+use super::activations::{hold_all, Held, Slot};
 use super::block::{Block, BlockSaved};
 use super::moe::MoeStats;
 use super::norm::{NormSaved, RmsNorm};
 use super::parallel::{Exec, LayerGroups};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
+use crate::memory::Part;
 use crate::spec::ModelSpec;
 
 /// What [`MtpModule::forward`] returns: the block's output `[T, D]`, the
@@ -60,6 +62,9 @@ pub struct MtpSaved<B: Backend> {
     e_td: Tensor<B>,
     h_td: Tensor<B>,
     block: BlockSaved<B>,
+    /// Ledger bytes of the norms' state and the projection's inputs (the
+    /// block counts its own), under `norms`, until the backward.
+    _held: Held,
 }
 
 impl<B: Backend> MtpModule<B> {
@@ -122,12 +127,21 @@ impl<B: Backend> MtpModule<B> {
         let mut x_td = b.matmul(&en_td, &w_e, false, false)?;
         b.axpy(&mut x_td, 1.0, &b.matmul(&hn_td, &w_h, false, false)?)?;
         let (y_td, block, stats) = self.block.forward(ctx, &x_td, seq_len, tokens)?;
+        let (mut enorm, mut hnorm, mut e_td, mut h_td) = (enorm, hnorm, en_td, hn_td);
+        let norms = Slot::kept(Part::Norms);
+        let held = hold_all(&self.block.ledger, &self.block.name, |f| {
+            enorm.visit_saved(norms, f);
+            hnorm.visit_saved(norms, f);
+            f(norms, &mut e_td);
+            f(norms, &mut h_td);
+        });
         let saved = MtpSaved {
             enorm,
             hnorm,
-            e_td: en_td,
-            h_td: hn_td,
+            e_td,
+            h_td,
             block,
+            _held: held,
         };
         Ok((y_td, saved, stats))
     }
@@ -149,6 +163,7 @@ impl<B: Backend> MtpModule<B> {
             e_td,
             h_td,
             block,
+            ..
         } = saved;
         let dx_td = self.block.backward(ctx, dy_td, block, loss_scale)?;
         let (w_e, w_h) = self.weights(b)?;
