@@ -324,10 +324,9 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                 Act,
                 3.0 * heads * hd / t,
             ));
-            // The kernel's output is kept at the padded width too (the
-            // output projection's input, `o` without its padding, is sliced
-            // from it in the backward).
-            hd
+            // The kernel's output is kept without its padding (the output
+            // projection's input; padded again for the kernel's backward).
+            m.v_head_dim as f64
         }
     };
     // Flash attention saves fp32 log-sum-exp per head; its output is the

@@ -236,7 +236,9 @@ pub struct MlaSaved<B: Backend> {
     q_bshd: Tensor<B>,
     k_bshd: Tensor<B>,
     v_bshd: Tensor<B>,
-    o_nd: Tensor<B>,
+    /// The kernel's output without its padding `[T, H·V]` (the output
+    /// projection's input; padded again for the kernel's backward).
+    o_thv: Tensor<B>,
     lse_bhs: Tensor<B>,
     /// The micro-batch's positions and documents, if any (not counted).
     docs: Option<DocTensors<B>>,
@@ -262,7 +264,7 @@ impl<B: Backend> MlaSaved<B> {
         f(qkv, &mut self.q_bshd);
         f(qkv, &mut self.k_bshd);
         f(qkv, &mut self.v_bshd);
-        f(latent.offload(OffloadPart::AttnProj), &mut self.o_nd);
+        f(latent.offload(OffloadPart::AttnProj), &mut self.o_thv);
         f(
             latent
                 .recompute(RecomputePart::CoreAttn)
@@ -437,8 +439,10 @@ impl<B: Backend> Mla<B> {
         let mask = docs.and_then(|d| d.docs.as_ref());
         let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd, mask)?;
         let o_nd = o_bshd.reshape(&[n, hd])?;
-        // The padded value dims of o are exactly zero; drop them.
+        // The padded value dims of o are exactly zero; drop them (and keep
+        // o without them: V / max(P + R, V) of the padded bytes).
         let o_thv = m.o_slice.apply(b, &o_nd)?.reshape(&[tokens, h * v])?;
+        drop(o_nd);
         let y_td = LinearInput::new(&o_thv, self.fp8).project(b, &self.wo.value)?;
         let saved = MlaSaved {
             x: input.into_saved(b)?,
@@ -448,7 +452,7 @@ impl<B: Backend> Mla<B> {
             q_bshd,
             k_bshd,
             v_bshd,
-            o_nd,
+            o_thv,
             lse_bhs,
             docs: docs.cloned(),
         };
@@ -465,7 +469,7 @@ impl<B: Backend> Mla<B> {
             q_bshd,
             k_bshd,
             v_bshd,
-            o_nd,
+            o_thv,
             lse_bhs,
             docs,
         } = saved;
@@ -478,16 +482,19 @@ impl<B: Backend> Mla<B> {
             self.dims.v_head_dim,
         );
 
-        // Output projection; o without its padding is recomputed, not kept.
+        // Output projection; the kernel's padded o is rebuilt from the kept
+        // one (its padding is zero).
         let m = &self.maps;
-        let o_thv = m.o_slice.apply(b, &o_nd)?.reshape(&[tokens, h * v])?;
         let do_thv = LinearInput::new(&o_thv, self.fp8).backward(b, &mut self.wo, dy_td)?;
         let bshd = [batch, seq_len, h, hd];
         let do_bshd = m
             .o_slice
             .adjoint(b, &do_thv.reshape(&[n, v])?)?
             .reshape(&bshd)?;
-        let o_bshd = o_nd.reshape(&bshd)?;
+        let o_bshd = m
+            .o_slice
+            .adjoint(b, &o_thv.reshape(&[n, v])?)?
+            .reshape(&bshd)?;
         let mask = docs.and_then(|d| d.docs.as_ref());
         // v and dO are zero past the value width `v`: MLA's backward may
         // read only those columns.
