@@ -205,7 +205,9 @@ impl MemoryPlan {
 enum Kind {
     /// In the activation dtype ([`MemoryOptions::activation_bytes`]).
     Act,
-    /// fp32 statistics and routing state (log-sum-exp, rstd, router probabilities).
+    /// fp32 statistics: the attention's and the loss's log-sum-exp, fp8
+    /// scales. (Norms' rstd and the router's state are in the activation
+    /// dtype, as the engine keeps them.)
     Fp32,
     /// int32 indices (chosen experts, permutation).
     Int,
@@ -269,20 +271,14 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
         // The block's input, kept even under `block` recompute (first in
         // the list: see `placed`), and its norm's rstd.
         s(Part::Norms, None, Some(O::AttnNorm), Act, h / sp),
-        s(
-            Part::Norms,
-            Some(R::Norm),
-            Some(O::AttnNorm),
-            Fp32,
-            1.0 / sp,
-        ),
+        s(Part::Norms, Some(R::Norm), Some(O::AttnNorm), Act, 1.0 / sp),
     ];
     // The attention norm's output, the projections' input (this rank's
     // sequence shard: a tp-gathered input is gathered again in the backward).
     projection_input(&mut v, Part::Norms, Some(R::Norm), h / sp, layout.tp > 1);
     v.extend([
         s(Part::Norms, None, Some(O::MlpNorm), Act, h / sp),
-        s(Part::Norms, Some(R::Norm), Some(O::MlpNorm), Fp32, 1.0 / sp),
+        s(Part::Norms, Some(R::Norm), Some(O::MlpNorm), Act, 1.0 / sp),
         s(Part::Norms, Some(R::Norm), None, Act, h / sp),
     ]);
     let heads = a.heads as f64;
@@ -296,7 +292,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                 // The per-head norms' inputs and fp32 rstd (one per head).
                 let (hq, hkv) = (heads / t, (a.kv_heads as f64 / t).max(1.0));
                 v.push(s(Part::Attention, None, None, Act, q + kv));
-                v.push(s(Part::Attention, Some(R::Norm), None, Fp32, hq + hkv));
+                v.push(s(Part::Attention, Some(R::Norm), None, Act, hq + hkv));
             }
             a.head_dim as f64
         }
@@ -314,7 +310,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                     projection_input(&mut v, Part::Attention, None, latent as f64, false);
                 }
             }
-            v.push(s(Part::Attention, Some(R::Norm), None, Fp32, norms));
+            v.push(s(Part::Attention, Some(R::Norm), None, Act, norms));
             let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
             let hd = qk.max(m.v_head_dim as f64);
             v.push(s(
@@ -377,7 +373,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                 router += e + 1.0;
             }
             v.push(s(Part::Router, None, None, Int, k / sp));
-            v.push(s(Part::Router, Some(R::Router), None, Fp32, router / sp));
+            v.push(s(Part::Router, Some(R::Router), None, Act, router / sp));
             // Each token of the shard is dispatched top_k times; on average
             // a rank receives as many rows as it sends, gathered over etp
             // (which splits F).
@@ -642,17 +638,16 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     let sp = if layout.sequence_parallel { t } else { 1 } as f64;
     // An MTP module's own state: its two input norms' inputs, outputs (the
     // projection's inputs) and rstd.
-    act[part_index(Part::Norms)] +=
-        mtp as f64 * tokens * (4.0 * act_bytes * d as f64 / sp + 2.0 * 4.0 / sp);
-    // The final norm's input, rstd and output (the head's input), the fp32
-    // logits of the vocabulary-parallel cross-entropy and their
+    act[part_index(Part::Norms)] += mtp as f64 * tokens * act_bytes * (4.0 * d as f64 + 2.0) / sp;
+    // The final norm's input, rstd and output (the head's input), the
+    // logits of the vocabulary-parallel cross-entropy and their fp32
     // log-sum-exp: one micro-batch's at a time (its loss backward follows
     // its forward and frees them before any block's backward), and as much
     // again for each MTP module's loss.
     let one_loss = if last {
         tokens
-            * (2.0 * act_bytes * d as f64 / sp
-                + 4.0 * (2.0 + layout.padded_vocab as f64 / t as f64))
+            * (act_bytes * ((2.0 * d as f64 + 1.0) / sp + layout.padded_vocab as f64 / t as f64)
+                + 4.0)
     } else {
         0.0
     };

@@ -82,7 +82,9 @@ pub struct LmHead<B: Backend> {
 
 /// What the head's backward needs: its input.
 pub struct HeadSaved<B: Backend> {
-    x_td: Tensor<B>,
+    /// The input's rows (under tp the rank's sequence shard, which the
+    /// model keeps in place of the gathered rows and gathers again).
+    x: super::linear::LinearSaved<B>,
 }
 
 impl<B: Backend> HeadSaved<B> {
@@ -92,7 +94,12 @@ impl<B: Backend> HeadSaved<B> {
         slot: super::activations::Slot,
         f: &mut dyn FnMut(super::activations::Slot, &mut Tensor<B>),
     ) {
-        f(slot, &mut self.x_td);
+        self.x.visit(slot, f);
+    }
+
+    /// The kept input (the model swaps in the rank's sequence shard).
+    pub(crate) fn input_mut(&mut self) -> &mut super::linear::LinearSaved<B> {
+        &mut self.x
     }
 }
 
@@ -127,7 +134,8 @@ impl<B: Backend> LmHead<B> {
     ) -> Result<(Tensor<B>, HeadSaved<B>)> {
         let w_vd = self.weight.as_ref().unwrap_or(&embedding.table);
         let logits_tv = b.matmul(x_td, &w_vd.value, false, true)?;
-        Ok((logits_tv, HeadSaved { x_td: x_td.clone() }))
+        let x = super::linear::LinearSaved::Rows(x_td.clone());
+        Ok((logits_tv, HeadSaved { x }))
     }
 
     /// Accumulates the weight's gradient (into the embedding's table when tied)
@@ -139,8 +147,9 @@ impl<B: Backend> LmHead<B> {
         dlogits_tv: &Tensor<B>,
         saved: HeadSaved<B>,
     ) -> Result<Tensor<B>> {
+        let x_td = saved.x.into_rows("head backward")?;
         let w_vd = self.weight.as_mut().unwrap_or(&mut embedding.table);
-        w_vd.accumulate(b, &b.matmul(dlogits_tv, &saved.x_td, true, false)?)?;
+        w_vd.accumulate(b, &b.matmul(dlogits_tv, &x_td, true, false)?)?;
         Ok(b.matmul(dlogits_tv, &w_vd.value, false, false)?)
     }
 }

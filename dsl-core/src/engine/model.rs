@@ -1085,6 +1085,11 @@ impl<B: Backend> Model<B> {
         let (h_td, mut final_norm) = norm.forward(b, x_td)?;
         let h_full = ctx.gather(&self.rank.tp, &h_td)?;
         let (logits_tv, mut head) = self.head.forward(b, &self.embed, &h_full)?;
+        if self.rank.tp.size() > 1 {
+            // Keep the rank's rows of the head's input; the backward
+            // gathers them again.
+            head.input_mut().keep_shard(&h_td);
+        }
         // The per-token loss comes in the accumulation type (f32 for bf16,
         // as Megatron-Core's fp32 cross-entropy), and so do the mean and its
         // gradient.
@@ -1460,12 +1465,14 @@ impl<B: Backend> Model<B> {
         let b = ctx.b;
         let LossSaved {
             final_norm,
-            head,
+            mut head,
             logits_tv,
             ce,
             dloss_t,
             _held,
         } = saved;
+        head.input_mut()
+            .gather_shard(|h| ctx.gather(&self.rank.tp, h))?;
         let dloss_t = b.scale(&dloss_t, loss_scale)?;
         let dlogits_tv = match ce {
             CeSaved::Whole { targets_t, lse_t } => {
