@@ -215,27 +215,34 @@ fn planner_counts_the_fp8_projections_inputs_within_1_percent() {
 /// shared experts gather their input over tp; each rank keeps only its
 /// sequence shard of it and gathers it again in the backward, as the
 /// planner counts (Megatron-Core's sequence-parallel linears), and so does
-/// the head: every rank's peak and its norms part within 1% of the plan, in
-/// the model dtype and with fp8 attention projections (which keep the shard
-/// too, not fp8 tiles of the gathered rows).
+/// the head. Under cp the attention keeps this rank's q, k and v, not the
+/// gathered keys and values nor the padded queries and outputs. Every
+/// rank's peak and its norms part within 1% of the plan, under tp, cp and
+/// both, in the model dtype and with fp8 attention projections (which keep
+/// the shard too, not fp8 tiles of the gathered rows).
 #[test]
-fn under_tp_each_rank_keeps_its_shard_of_the_gathered_inputs() {
+fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
     use foldmoe::core::spec::GemmPrecision;
     let base = foldmoe::models::by_name("tiny").unwrap();
     let mut fp8 = base.clone();
     for g in &mut fp8.groups {
         g.attention.precision = GemmPrecision::Fp8Blockwise;
     }
-    let layout_text = "world=2,tp=2";
-    for (spec, what) in [(base, "model dtype"), (fp8, "fp8 attention")] {
-        let layout = check(&LayoutSpec::parse(layout_text).unwrap(), &spec).unwrap();
-        let measured = measured_under(&spec, layout_text, 2);
+    for (spec, what, layout_text) in [
+        (&base, "model dtype", "world=2,tp=2"),
+        (&fp8, "fp8 attention", "world=2,tp=2"),
+        (&base, "model dtype", "world=2,cp=2"),
+        (&fp8, "fp8 attention", "world=4,tp=2,cp=2"),
+    ] {
+        let what = format!("{what} under {layout_text}");
+        let layout = check(&LayoutSpec::parse(layout_text).unwrap(), spec).unwrap();
+        let measured = measured_under(spec, layout_text, 2);
         for (rank, (peak, m)) in measured.into_iter().enumerate() {
             let opts = MemoryOptions {
                 activation_bytes: 4.0,
                 ..MemoryOptions::new(rank, 2, 1)
             };
-            let plan = plan_memory(&spec, &layout, &opts);
+            let plan = plan_memory(spec, &layout, &opts);
             let p = plan
                 .parts
                 .iter()

@@ -326,14 +326,26 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
         }
     };
     // Flash attention saves fp32 log-sum-exp per head; its output is the
-    // output projection's input.
+    // output projection's input. Under cp each held chunk's queries run
+    // padded to their key prefix (chunks i and 2cp − 1 − i: 2cp + 1 chunks
+    // of rows for 2 held), each padded row with its log-sum-exp, and the
+    // exchange keeps its int32 row maps (2cp + 1 a held token).
+    let cp = layout.cp as f64;
+    let padded_rows = if layout.cp > 1 {
+        (2.0 * cp + 1.0) / 2.0
+    } else {
+        1.0
+    };
     v.push(s(
         Part::Attention,
         Some(R::CoreAttn),
         Some(O::CoreAttn),
         Fp32,
-        heads / t,
+        heads / t * padded_rows,
     ));
+    if layout.cp > 1 {
+        v.push(s(Part::Attention, None, None, Int, 2.0 * cp + 1.0));
+    }
     v.push(s(
         Part::Attention,
         None,
@@ -980,9 +992,10 @@ mod tests {
     fn activations_by_hand_scale_with_seq_and_halve_with_tp() {
         let spec = tiny();
         let p = plan(&spec, "world=1", 0, 1);
-        // Per token per block: norms 4·2·8 + two fp32 rstd = 72 B; attention
-        // qkv 2·24 + lse 4·4 + output 2·8 = 80 B; over 16 tokens and 3 blocks.
-        assert_eq!(part(&p, "norms").activations_per_micro_batch, 16 * 3 * 72);
+        // Per token per block: norms 4·2·8 + two rstd (in the activation
+        // dtype, as the engine keeps them) 2·2 = 68 B; attention qkv 2·24 +
+        // fp32 lse 4·4 + output 2·8 = 80 B; over 16 tokens and 3 blocks.
+        assert_eq!(part(&p, "norms").activations_per_micro_batch, 16 * 3 * 68);
         assert_eq!(
             part(&p, "attention").activations_per_micro_batch,
             16 * 3 * 80

@@ -5,9 +5,12 @@
 //! tokens; attention needs every earlier key.
 //!
 //! **Exchange: all-gather of K and V** over the cp group (not a ring): the
-//! simplest exact scheme, one collective each way, at the cost of holding the
-//! whole sequence's keys and values. Its backward sums every rank's key and
-//! value gradients and gives each owner its rows: a reduce-scatter.
+//! simplest exact scheme, one collective each way. The whole sequence's keys
+//! and values are held only while the attention runs: the backward keeps
+//! this rank's q, k and v and gathers the keys and values again (as
+//! Megatron-Core's all-gather context parallelism does). Its backward sums
+//! every rank's key and value gradients and gives each owner its rows: a
+//! reduce-scatter.
 //!
 //! The backend's attention is causal over a whole `[B, S, H, Hd]` sequence,
 //! so a query chunk `g` (positions `g·c .. (g+1)·c`, `c = S / 2cp`) is run
@@ -15,7 +18,10 @@
 //! a zero-padded query block: the diagonal block is then causal and the
 //! earlier blocks fully visible, exactly as in the one-rank attention, and
 //! RoPE sees each token's original position. Padding rows get a zero output
-//! gradient, which makes their contribution to every gradient exactly zero.
+//! gradient, which makes their contribution to every gradient exactly zero,
+//! whatever their output: the backward rebuilds the padded queries and
+//! outputs from this rank's rows (zeros in the padding) instead of keeping
+//! them.
 //!
 //! Documents (reset positions and attention at end-of-document) carry over
 //! unchanged: every tensor here is in natural order, so the keys take the
@@ -27,7 +33,7 @@
 //! a sequence held here, c = S / 2cp chunk, T = B·L tokens held, D hidden,
 //! Hq / Hkv heads held (under tp), Hd head dim, P = (g+1)·c a key prefix.
 
-use foldmoe_kernels::{Backend, HostData, Tensor};
+use foldmoe_kernels::{Backend, HostData, Rope, Tensor};
 
 use super::{Exec, LayerGroups};
 use crate::engine::attention::{project_backward, Attention};
@@ -171,11 +177,14 @@ impl<B: Backend> CpIndex<B> {
 pub struct CpAttentionSaved<B: Backend> {
     /// The projections' input (under fp8 its column tiles).
     x: LinearSaved<B>,
-    /// Rotated keys and values of the whole micro-batch, natural order `[B·S, Hkv·Hd]`.
-    k_rot: Tensor<B>,
-    v_nat: Tensor<B>,
-    /// Per held chunk: the rotated padded queries, their output and log-sum-exp.
-    slots: Vec<(Tensor<B>, Tensor<B>, Tensor<B>)>,
+    /// This rank's queries, keys and values `[T, H·Hd]`, before the
+    /// rotation: the backward pads the queries and gathers the keys and
+    /// values again.
+    q_td: Tensor<B>,
+    k_td: Tensor<B>,
+    v_td: Tensor<B>,
+    /// Per held chunk: its padded queries' log-sum-exp `[B, Hq, P]`.
+    lse: Vec<Tensor<B>>,
     /// The micro-batch's documents (natural order) and each held chunk's
     /// prefix of them (not counted: a few ints per token).
     docs: Option<(DocTensors<B>, Vec<DocTensors<B>>)>,
@@ -185,9 +194,9 @@ pub struct CpAttentionSaved<B: Backend> {
 
 impl<B: Backend> CpAttentionSaved<B> {
     /// Lists the saved tensors with the slots of the plain attention's:
-    /// the input, the gathered keys and values (`qkv`), each held chunk's
-    /// queries (`qkv`), output (`attn_proj`) and log-sum-exp (`core_attn`),
-    /// the assembled output, and the int32 row maps.
+    /// the input, this rank's q, k and v (`qkv`), each held chunk's
+    /// log-sum-exp (`core_attn`), the output (`attn_proj`), and the int32
+    /// row maps.
     pub(crate) fn visit_saved(
         &mut self,
         f: &mut dyn FnMut(crate::engine::activations::Slot, &mut Tensor<B>),
@@ -201,11 +210,10 @@ impl<B: Backend> CpAttentionSaved<B> {
             .recompute(R::CoreAttn)
             .offload(O::CoreAttn);
         self.x.visit(S::NORM_OUT, f);
-        f(qkv, &mut self.k_rot);
-        f(qkv, &mut self.v_nat);
-        for (q, o, lse) in &mut self.slots {
-            f(qkv, q);
-            f(out, o);
+        f(qkv, &mut self.q_td);
+        f(qkv, &mut self.k_td);
+        f(qkv, &mut self.v_td);
+        for lse in &mut self.lse {
             f(core, lse);
         }
         f(out, &mut self.o_td);
@@ -225,6 +233,50 @@ impl<B: Backend> CpAttentionSaved<B> {
 fn with_zero_row<B: Backend>(b: &B, x: &Tensor<B>) -> Result<Tensor<B>> {
     let zero = b.zeros(&[1, x.shape()[1]], x.dtype())?;
     Ok(b.concat(&[x, &zero])?)
+}
+
+/// The whole micro-batch's rotated keys and its values, natural order
+/// `[B·S, Hkv·Hd]`, from every cp rank's `k, v: [T, Hkv·Hd]` (the forward
+/// and, again, the backward).
+#[allow(clippy::too_many_arguments)]
+fn whole_keys_values<B: Backend>(
+    ctx: &Exec<B>,
+    groups: &LayerGroups,
+    index: &CpIndex<B>,
+    k_td: &Tensor<B>,
+    v_td: &Tensor<B>,
+    (hkv, hd): (usize, usize),
+    rope: Rope,
+    positions: Option<&Tensor<B>>,
+) -> Result<(Tensor<B>, Tensor<B>)> {
+    let b = ctx.b;
+    let (batch, seq) = (index.batch, index.seq);
+    let natural = |x: &Tensor<B>| -> Result<Tensor<B>> {
+        let all = ctx.comm.all_gather(b, &groups.cp, x)?;
+        Ok(b.permute(&all, &index.natural_src)?)
+    };
+    let k_rot = b
+        .rope(
+            &natural(k_td)?.reshape(&[batch, seq, hkv, hd])?,
+            rope,
+            false,
+            positions,
+        )?
+        .reshape(&[batch * seq, hkv * hd])?;
+    Ok((k_rot, natural(v_td)?))
+}
+
+/// Rows `src: [T + 1, H·Hd]` (this rank's, a zero row last) placed as a
+/// held chunk's padded queries (or their outputs) `[B, P, H, Hd]`.
+fn padded<B: Backend>(
+    b: &B,
+    src: &Tensor<B>,
+    slot: &Slot<B>,
+    batch: usize,
+    (h, hd): (usize, usize),
+) -> Result<Tensor<B>> {
+    Ok(b.permute(src, &slot.q_pad_src)?
+        .reshape(&[batch, slot.prefix, h, hd])?)
 }
 
 /// `x: [T, D]` (this rank's tokens of `T / (S/cp)` sequences of `seq_len` S)
@@ -268,27 +320,23 @@ pub fn forward<B: Backend>(
     let q_td = input.project(b, &attn.wq.value)?;
     let k_td = input.project(b, &attn.wk.value)?;
     let v_td = input.project(b, &attn.wv.value)?;
-    let natural = |x: &Tensor<B>| -> Result<Tensor<B>> {
-        let all = ctx.comm.all_gather(b, &groups.cp, x)?;
-        Ok(b.permute(&all, &index.natural_src)?)
-    };
-    let k_rot = b
-        .rope(
-            &natural(&k_td)?.reshape(&[batch, seq_len, hkv, hd])?,
-            rope,
-            false,
-            positions(None),
-        )?
-        .reshape(&[batch * seq_len, hkv * hd])?;
-    let v_nat = natural(&v_td)?;
+    let (k_rot, v_nat) = whole_keys_values(
+        ctx,
+        groups,
+        &index,
+        &k_td,
+        &v_td,
+        (hkv, hd),
+        rope,
+        positions(None),
+    )?;
     let q_src = with_zero_row(b, &q_td)?;
-    let mut slots = Vec::with_capacity(2);
+    let mut lses = Vec::with_capacity(2);
     let mut chunks = Vec::with_capacity(2);
     for (i, s) in index.slots.iter().enumerate() {
         let p = s.prefix;
         let q_pad = b.rope(
-            &b.permute(&q_src, &s.q_pad_src)?
-                .reshape(&[batch, p, hq, hd])?,
+            &padded(b, &q_src, s, batch, (hq, hd))?,
             rope,
             false,
             positions(Some(i)),
@@ -297,8 +345,8 @@ pub fn forward<B: Backend>(
         let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
         let mask = prefixes.as_ref().and_then(|p| p[i].docs.as_ref());
         let (o_pad, lse) = b.attention(&q_pad, &k, &v, mask)?;
-        chunks.push(b.permute(&o_pad.clone().reshape(&[batch * p, hq * hd])?, &s.chunk_src)?);
-        slots.push((q_pad, o_pad, lse));
+        chunks.push(b.permute(&o_pad.reshape(&[batch * p, hq * hd])?, &s.chunk_src)?);
+        lses.push(lse);
     }
     let o_td = b.permute(&b.concat(&[&chunks[0], &chunks[1]])?, &index.assemble_src)?;
     let y_td = LinearInput::new(&o_td, attn.fp8()).project(b, &attn.wo.value)?;
@@ -306,9 +354,10 @@ pub fn forward<B: Backend>(
         y_td,
         CpAttentionSaved {
             x: input.into_saved(b)?,
-            k_rot,
-            v_nat,
-            slots,
+            q_td,
+            k_td,
+            v_td,
+            lse: lses,
             docs: docs.cloned().zip(prefixes),
             o_td,
             index,
@@ -329,9 +378,10 @@ pub fn backward<B: Backend>(
     let b = ctx.b;
     let CpAttentionSaved {
         x,
-        k_rot,
-        v_nat,
-        slots,
+        q_td,
+        k_td,
+        v_td,
+        lse,
         docs,
         o_td,
         index,
@@ -342,19 +392,45 @@ pub fn backward<B: Backend>(
     let prefix = |i: usize| docs.as_ref().map(|(_, p)| &p[i]);
     let do_td = LinearInput::new(&o_td, attn.fp8()).backward(b, &mut attn.wo, dy_td)?;
     let do_src = with_zero_row(b, &do_td)?;
+    // The forward's keys and values and padded queries again; the padded
+    // outputs from this rank's rows, zero where the queries are padding
+    // (whose zero output gradient makes their outputs irrelevant).
+    let (k_rot, v_nat) = whole_keys_values(
+        ctx,
+        groups,
+        &index,
+        &k_td,
+        &v_td,
+        (hkv, hd),
+        rope,
+        whole_positions,
+    )?;
+    let (q_src, o_src) = (with_zero_row(b, &q_td)?, with_zero_row(b, &o_td)?);
     let rows = batch * seq;
     let mut dk_rot = b.zeros(&[rows, hkv * hd], k_rot.dtype())?;
     let mut dv_nat = b.zeros(&[rows, hkv * hd], v_nat.dtype())?;
     let mut dq_chunks = Vec::with_capacity(2);
-    for (i, (s, (q_pad, o_pad, lse))) in index.slots.iter().zip(slots).enumerate() {
+    if lse.len() != index.slots.len() {
+        return Err(EngineError::Invalid(format!(
+            "cp attention backward: {} log-sum-exps kept for {} held chunks",
+            lse.len(),
+            index.slots.len()
+        )));
+    }
+    for (i, (s, lse)) in index.slots.iter().zip(lse).enumerate() {
         let p = s.prefix;
         let (mask, positions) = (
             prefix(i).and_then(|d| d.docs.as_ref()),
             prefix(i).and_then(|d| d.positions.as_ref()),
         );
-        let do_pad = b
-            .permute(&do_src, &s.q_pad_src)?
-            .reshape(&[batch, p, hq, hd])?;
+        let q_pad = b.rope(
+            &padded(b, &q_src, s, batch, (hq, hd))?,
+            rope,
+            false,
+            positions,
+        )?;
+        let o_pad = padded(b, &o_src, s, batch, (hq, hd))?;
+        let do_pad = padded(b, &do_src, s, batch, (hq, hd))?;
         let k = s.prefix(b, &k_rot, batch, hkv, hd)?;
         let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
         let (dq_pad, dk, dv) = b.attention_backward(&do_pad, &q_pad, &k, &v, &o_pad, &lse, mask)?;
