@@ -619,38 +619,36 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     let act_bytes = opts.activation_bytes;
     let mut act = [0f64; 7];
     let mut host = [0f64; 7];
-    // One block's rematerialised tensors (the largest over the rank's
-    // groups), beside everything kept, while it runs its backward.
-    let mut remat = [0f64; 7];
     let part_index = |part: Part| Part::ALL.iter().position(|p| *p == part).unwrap_or(0);
-    for (gi, &n) in blocks.iter().enumerate() {
-        if n == 0 {
-            continue;
-        }
-        let r = rematerialised(spec, gi, layout, act_bytes, tokens);
-        if r.iter().map(|(_, b)| b).sum::<f64>() * tokens > remat.iter().sum::<f64>() {
-            remat = [0.0; 7];
-            for (part, b) in r {
-                remat[part_index(part)] += tokens * b;
+    // Per group, per token of one block: the bytes kept on the device and
+    // on the host by part, and those its recompute drops and its backward
+    // rematerialises.
+    let per_group: Vec<[[f64; 7]; 3]> = (0..spec.groups.len())
+        .map(|gi| {
+            let policy = &spec.groups[gi].policy;
+            let mut g = [[0f64; 7]; 3];
+            for (i, tensor) in saved_tensors(spec, gi, layout, tokens).iter().enumerate() {
+                let (dev, off) = placed(tensor, policy, i == 0, act_bytes);
+                g[0][part_index(tensor.part)] += dev;
+                g[1][part_index(tensor.part)] += off;
             }
-        }
-    }
+            for (part, b) in rematerialised(spec, gi, layout, act_bytes, tokens) {
+                g[2][part_index(part)] += b;
+            }
+            g
+        })
+        .collect();
     for (gi, &n) in blocks.iter().enumerate() {
-        let policy = &spec.groups[gi].policy;
-        for (i, tensor) in saved_tensors(spec, gi, layout, tokens).iter().enumerate() {
-            let (dev, off) = placed(tensor, policy, i == 0, act_bytes);
-            let k = Part::ALL
-                .iter()
-                .position(|p| *p == tensor.part)
-                .unwrap_or(0);
-            act[k] += n as f64 * tokens * dev;
-            host[k] += n as f64 * tokens * off;
+        for k in 0..7 {
+            act[k] += n as f64 * tokens * per_group[gi][0][k];
+            host[k] += n as f64 * tokens * per_group[gi][1][k];
         }
     }
     let sp = if layout.sequence_parallel { t } else { 1 } as f64;
     // An MTP module's own state: its two input norms' inputs, outputs (the
     // projection's inputs) and rstd.
-    act[part_index(Part::Norms)] += mtp as f64 * tokens * act_bytes * (4.0 * d as f64 + 2.0) / sp;
+    let mtp_own = act_bytes * (4.0 * d as f64 + 2.0) / sp;
+    act[part_index(Part::Norms)] += mtp as f64 * tokens * mtp_own;
     // The final norm's input, rstd and output (the head's input), the
     // logits of the vocabulary-parallel cross-entropy and their fp32
     // log-sum-exp: one micro-batch's at a time (its loss backward follows
@@ -666,18 +664,40 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     let head = (1 + mtp) as f64 * one_loss;
     act[0] += head;
     // The peak beyond the blocks' in-flight tensors: the loss states at the
-    // end of a forward, or one block's rematerialised tensors during its
-    // backward, whichever is larger. The backward runs the main loss's, then
-    // the MTP modules' from the last, each module's block right after its
-    // loss: while the last module's block runs, the other modules' losses
-    // (all but two of the states) are still held.
+    // end of a forward, or a block's rematerialised tensors during its
+    // backward, whichever is larger. A chunk's blocks run their backward
+    // last first, each freeing what it kept, so block i's rerun sits beside
+    // the chunk's earlier blocks only: its rematerialised bytes less what
+    // the later blocks kept. The last chunk's MTP modules come after its
+    // blocks; the backward runs the main loss's, then the modules' from the
+    // last, each module's block right after its loss, so module k's block
+    // runs beside the loss states of modules 0..k.
     let mut extra = [0f64; 7];
-    let held_losses = mtp.saturating_sub(1) as f64 * one_loss;
-    if head >= held_losses + remat.iter().sum::<f64>() {
-        extra[0] = head;
-    } else {
-        extra = remat;
-        extra[0] += held_losses;
+    extra[0] = head;
+    for (ci, range) in ranges.iter().enumerate() {
+        // (group, the MTP module's own state a token, loss states held) of
+        // each block of the chunk, in forward order.
+        let mut chain: Vec<(usize, f64, f64)> =
+            range.clone().map(|l| (group_of[l], 0.0, 0.0)).collect();
+        if ci + 1 == ranges.len() {
+            let last_group = spec.groups.len() - 1;
+            chain.extend((0..mtp).map(|k| (last_group, mtp_own, k as f64 * one_loss)));
+        }
+        let mut later = [0f64; 7];
+        for &(gi, own, losses) in chain.iter().rev() {
+            let mut candidate = [0f64; 7];
+            for k in 0..7 {
+                candidate[k] = tokens * (per_group[gi][2][k] - later[k]);
+            }
+            candidate[0] += losses;
+            if candidate.iter().sum::<f64>() > extra.iter().sum::<f64>() {
+                extra = candidate;
+            }
+            for k in 0..7 {
+                later[k] += per_group[gi][0][k];
+            }
+            later[part_index(Part::Norms)] += own;
+        }
     }
     let flight = in_flight(layout, stage, opts.micro_batches, opts.overlap_moe_comm);
     let dense_shard = (layout.dp * layout.cp) as u64;
