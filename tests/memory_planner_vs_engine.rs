@@ -98,21 +98,26 @@ fn predicted_in(spec: &ModelSpec, seqs: usize, activation_bytes: f64) -> (u64, u
     (plan.sum(|p| p.activations), plan.sum(|p| p.offloaded))
 }
 
+/// `(recompute, offload, store_fp8)` policies the planner is checked under:
+/// none, selective recompute, block recompute, offload, fp8 storage, and
+/// mixes of them.
+const POLICIES: [(&str, &str, &str); 7] = [
+    ("none", "none", "none"),
+    (
+        "norm,core_attn,mlp_act,moe_act,router,shared_experts",
+        "none",
+        "none",
+    ),
+    ("block", "none", "none"),
+    ("none", "qkv,expert_fc1", "none"),
+    ("none", "none", "expert_fc1,moe_act,attn_proj"),
+    ("moe_act,norm", "attn_norm,mlp_norm", "qkv"),
+    ("block", "attn_norm", "attn_norm"),
+];
+
 #[test]
 fn planner_predicts_the_engines_activation_peak_within_10_percent() {
-    let policies: [(&str, &str, &str); 7] = [
-        ("none", "none", "none"),
-        (
-            "norm,core_attn,mlp_act,moe_act,router,shared_experts",
-            "none",
-            "none",
-        ),
-        ("block", "none", "none"),
-        ("none", "qkv,expert_fc1", "none"),
-        ("none", "none", "expert_fc1,moe_act,attn_proj"),
-        ("moe_act,norm", "attn_norm,mlp_norm", "qkv"),
-        ("block", "attn_norm", "attn_norm"),
-    ];
+    let policies = POLICIES;
     let seqs = 1;
     let mut rows = Vec::new();
     // The first two again with the experts' GEMMs in fp8 (`train --fp8`),
@@ -311,22 +316,9 @@ fn planner_counts_the_mtp_modules_within_1_percent() {
 /// test.
 #[test]
 fn planner_matches_the_ledger_in_bf16() {
-    let policies: [(&str, &str, &str); 7] = [
-        ("none", "none", "none"),
-        (
-            "norm,core_attn,moe_act,router,shared_experts",
-            "none",
-            "none",
-        ),
-        ("block", "none", "none"),
-        ("block", "attn_norm", "attn_norm"),
-        ("none", "qkv,expert_fc1", "none"),
-        ("none", "none", "expert_fc1,moe_act,attn_proj"),
-        ("moe_act,norm", "attn_norm,mlp_norm", "qkv"),
-    ];
     let close = |p: u64, m: u64| (p as f64 - m as f64).abs() <= 0.01 * m.max(1) as f64;
     for model in ["tiny", "deepseek-v3-small"] {
-        for &(recompute, offload, fp8) in &policies {
+        for &(recompute, offload, fp8) in &POLICIES {
             let mut spec = foldmoe::models::by_name(model).unwrap();
             PolicyOverride::parse(Some(recompute), Some(offload), Some(fp8))
                 .unwrap()
