@@ -224,11 +224,13 @@ fn planner_counts_the_fp8_projections_inputs_within_1_percent() {
 /// gathered keys and values nor the padded queries and outputs. Every
 /// rank's peak and its norms part within 1% of the plan, under tp, cp and
 /// both, in the model dtype and with fp8 attention projections (which keep
-/// the shard too, not fp8 tiles of the gathered rows).
+/// the shard too, not fp8 tiles of the gathered rows), and for MLA under tp
+/// (whose latents every tp rank computes and keeps whole).
 #[test]
 fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
     use foldmoe::core::spec::GemmPrecision;
     let base = foldmoe::models::by_name("tiny").unwrap();
+    let mla = foldmoe::models::by_name("deepseek-v3-small").unwrap();
     let mut fp8 = base.clone();
     for g in &mut fp8.groups {
         g.attention.precision = GemmPrecision::Fp8Blockwise;
@@ -238,6 +240,7 @@ fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
         (&fp8, "fp8 attention", "world=2,tp=2"),
         (&base, "model dtype", "world=2,cp=2"),
         (&fp8, "fp8 attention", "world=4,tp=2,cp=2"),
+        (&mla, "MLA with its MTP module", "world=2,tp=2"),
     ] {
         let what = format!("{what} under {layout_text}");
         let layout = check(&LayoutSpec::parse(layout_text).unwrap(), spec).unwrap();

@@ -24,8 +24,8 @@ use foldmoe_core::engine::{EngineError, Module};
 use foldmoe_core::layout::{self, LayoutSpec};
 use foldmoe_core::memory::{self, MemoryOptions};
 use foldmoe_core::spec::{
-    AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, LoadBalance, ModelSpec,
-    MoeSpec, RecomputePart, RouterSpec, ScoreFunction,
+    AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, LoadBalance, MlaSpec,
+    ModelSpec, MoeSpec, RecomputePart, RouterSpec, ScoreFunction,
 };
 use foldmoe_kernels::comm::tcp::{run_loopback, TcpComm};
 use foldmoe_kernels::cpu::Cpu;
@@ -719,6 +719,54 @@ fn qk_norm_layouts_match_one_rank() {
     check_layouts_of(
         &spec,
         &["world=2,tp=2", "world=4,tp=2,ep=4", "world=4,tp=4,ep=2"],
+    );
+}
+
+/// [`spec`] with MLA attention: a full-rank query in the dense block, a
+/// low-rank one in the MoE block (8 heads).
+fn mla_spec() -> ModelSpec {
+    let mut spec = spec(None);
+    for (i, g) in spec.groups.iter_mut().enumerate() {
+        g.attention.mla = Some(MlaSpec {
+            q_lora_rank: if i == 0 { 0 } else { 12 },
+            kv_lora_rank: 8,
+            qk_nope_head_dim: 4,
+            qk_rope_head_dim: 2,
+            v_head_dim: 3,
+        });
+    }
+    spec
+}
+
+/// MLA (DeepSeek-V3's attention) under tp: each rank computes its heads' up
+/// projections and output rows, the down projections and latent norms
+/// replicated with their gradients summed over tp; with experts folded over
+/// tp and with pipeline stages.
+#[test]
+fn mla_layouts_match_one_rank() {
+    check_layouts_of(
+        &mla_spec(),
+        &[
+            "world=2,tp=2",
+            "world=4,tp=4",
+            "world=4,tp=2,ep=4",
+            "world=4,tp=2,pp=2",
+        ],
+    );
+}
+
+/// An MLA model's checkpoint written under tp = 4 resumes on one rank and
+/// under tp = 2 (its up and output projections resharded by heads).
+#[test]
+fn mla_checkpoint_reshards_over_tp() {
+    resume_across(
+        config(),
+        &mla_spec(),
+        &[
+            ("world=4,tp=4", 0..2),
+            ("world=1", 2..3),
+            ("world=2,tp=2", 3..5),
+        ],
     );
 }
 

@@ -1076,12 +1076,12 @@ fn check_model_dims(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
                 );
             }
         }
-        if a.mla.is_some() && (tp > 1 || s.cp > 1) {
-            let (key, size) = if tp > 1 { ("tp", tp) } else { ("cp", s.cp) };
+        if a.mla.is_some() && s.cp > 1 {
             r.err(
-                key,
+                "cp",
                 format!(
-                    "{key} = {size}: MLA attention runs with tp = cp = 1 only (its heads are not split over tp nor its sequence over cp yet); set {key} = 1 and use dp, pp, ep or etp"
+                    "cp = {}: MLA attention runs with cp = 1 only (its sequence is not split over cp yet); set cp = 1 and use tp, dp, pp, ep or etp",
+                    s.cp
                 ),
             );
         }
@@ -1858,13 +1858,14 @@ mod tests {
             v_head_dim: 8,
         });
         let m = model(64, 32, vec![BlockGroup::new(2, att, moe(8, 2, 32, 0))]);
-        // kv_heads = 1 means nothing for MLA: no replication error at dp or ep.
+        // kv_heads = 1 means nothing for MLA: no replication error at dp,
+        // ep or tp (its heads split over tp, its latent is replicated).
         ok("world=4,ep=4", &m);
+        ok("world=4,tp=4", &m);
         assert_eq!(
-            one("world=4,tp=4", &m),
-            ("tp", "tp = 4: MLA attention runs with tp = cp = 1 only (its heads are not split over tp nor its sequence over cp yet); set tp = 1 and use dp, pp, ep or etp".into())
+            one("world=2,cp=2", &m),
+            ("cp", "cp = 2: MLA attention runs with cp = 1 only (its sequence is not split over cp yet); set cp = 1 and use tp, dp, pp, ep or etp".into())
         );
-        assert_eq!(one("world=2,cp=2", &m).0, "cp");
         let errs = messages("world=16,tp=16", &m);
         assert!(
             errs.iter()
@@ -2187,9 +2188,11 @@ mod tests {
         assert_eq!(l.groups(GroupKind::Ep).len(), 16);
         assert_eq!(l.groups(GroupKind::Embedding)[0], [0, 15 * 64]);
         assert_consistent(&l);
-        // MLA under tp is refused (the runtime does not split its heads yet).
+        // MLA splits its heads over tp (dp 32, the tokens between blocks
+        // split over tp).
         let tp2 = format!("name=dsv3,world=1024,tp=2,pp=16,ep=64,pp_layers={split}");
-        assert_eq!(one(&tp2, &m).0, "tp");
+        let l = ok(&tp2, &m);
+        assert!(l.dp == 32 && l.sequence_parallel);
         // Without the declared split, 61 layers do not divide over 16 stages.
         assert_eq!(one("world=1024,pp=16,ep=64", &m).0, "pp");
     }

@@ -346,15 +346,16 @@ impl<B: Backend> Block<B> {
                 a.take_heads(tp)?;
                 Attn::Gqa(Box::new(a))
             }
-            Some(_) if tp > 1 || cp > 1 => {
+            Some(_) if cp > 1 => {
                 return Err(EngineError::Invalid(format!(
-                    "model {}: MLA attention under tp = {tp}, cp = {cp} is not supported \
-                     by the runtime yet; use tp = cp = 1 (ep, etp, dp work)",
+                    "model {}: MLA attention under cp = {cp} is not supported by the runtime \
+                     yet; use cp = 1 (tp, ep, etp, dp and pp work)",
                     model.name
                 )));
             }
             Some(mla) => {
                 let mut m = Mla::new(b, &attn_prefix, model, spec.heads, mla, init, dtype)?;
+                m.take_heads(b, tp)?;
                 m.fp8 = spec.precision == GemmPrecision::Fp8Blockwise;
                 Attn::Mla(Box::new(m))
             }

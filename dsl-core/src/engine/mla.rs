@@ -204,6 +204,40 @@ struct HeadMaps<B: Backend> {
     o_slice: ColMap<B>,
 }
 
+impl<B: Backend> HeadMaps<B> {
+    /// The maps of `h` heads of `mla`'s dims, queries scaled by `q_scale`.
+    fn new(b: &B, h: usize, mla: &MlaSpec, q_scale: f64, dtype: DType) -> Result<Self> {
+        let (l, p, r, v) = (
+            mla.kv_lora_rank,
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.v_head_dim,
+        );
+        let (q, hd) = (p + r, (p + r).max(v));
+        let map = |cols_in, cols_out, pairs: Vec<(usize, usize)>, value| {
+            ColMap::new(b, cols_in, cols_out, pairs, value, dtype)
+        };
+        Ok(HeadMaps {
+            q_nope: map(q, hd, (0..p).map(|i| (i, i)).collect(), q_scale)?,
+            q_rope_in: map(q, r, (0..r).map(|i| (p + i, i)).collect(), 1.0)?,
+            q_rope_out: map(r, hd, (0..r).map(|i| (i, p + i)).collect(), q_scale)?,
+            kv_latent: map(l + r, l, (0..l).map(|i| (i, i)).collect(), 1.0)?,
+            k_rope_in: map(l + r, r, (0..r).map(|i| (l + i, i)).collect(), 1.0)?,
+            k_rope_out: map(
+                r,
+                h * hd,
+                (0..h)
+                    .flat_map(|head| (0..r).map(move |i| (i, head * hd + p + i)))
+                    .collect(),
+                1.0,
+            )?,
+            k_nope: map(p + v, hd, (0..p).map(|i| (i, i)).collect(), 1.0)?,
+            v_pad: map(p + v, hd, (0..v).map(|i| (p + i, i)).collect(), 1.0)?,
+            o_slice: map(hd, v, (0..v).map(|i| (i, i)).collect(), 1.0)?,
+        })
+    }
+}
+
 /// Multi-head latent attention with its projections and norms.
 pub struct Mla<B: Backend> {
     /// Query projection (low-rank with its norm, or full rank).
@@ -223,6 +257,12 @@ pub struct Mla<B: Backend> {
     heads: usize,
     dims: MlaSpec,
     rope: Rope,
+    /// The queries' scale in the kernel's dims (`q_nope`, `q_rope_out`).
+    q_scale: f64,
+    /// Whether the input is gathered over tp from sequence shards (set by
+    /// [`Self::take_heads`]): the block then keeps the rank's shard for the
+    /// backward, so the layer makes no fp8 column tiles of it.
+    input_gathered: bool,
 }
 
 /// What MLA's backward needs: the input and the latents after their norms
@@ -318,27 +358,7 @@ impl<B: Backend> Mla<B> {
             .as_ref()
             .map_or(1.0, |s| s.softmax_scale_factor());
         let q_scale = (hd as f64 / q as f64).sqrt() * yarn_softmax;
-        let map = |cols_in, cols_out, pairs: Vec<(usize, usize)>, value| {
-            ColMap::new(b, cols_in, cols_out, pairs, value, dtype)
-        };
-        let maps = HeadMaps {
-            q_nope: map(q, hd, (0..p).map(|i| (i, i)).collect(), q_scale)?,
-            q_rope_in: map(q, r, (0..r).map(|i| (p + i, i)).collect(), 1.0)?,
-            q_rope_out: map(r, hd, (0..r).map(|i| (i, p + i)).collect(), q_scale)?,
-            kv_latent: map(l + r, l, (0..l).map(|i| (i, i)).collect(), 1.0)?,
-            k_rope_in: map(l + r, r, (0..r).map(|i| (l + i, i)).collect(), 1.0)?,
-            k_rope_out: map(
-                r,
-                h * hd,
-                (0..h)
-                    .flat_map(|head| (0..r).map(move |i| (i, head * hd + p + i)))
-                    .collect(),
-                1.0,
-            )?,
-            k_nope: map(p + v, hd, (0..p).map(|i| (i, i)).collect(), 1.0)?,
-            v_pad: map(p + v, hd, (0..v).map(|i| (p + i, i)).collect(), 1.0)?,
-            o_slice: map(hd, v, (0..v).map(|i| (i, i)).collect(), 1.0)?,
-        };
+        let maps = HeadMaps::new(b, h, mla, q_scale, dtype)?;
         Ok(Mla {
             query,
             wkv_a: mk("wkv_a", &[d, l + r])?,
@@ -350,7 +370,51 @@ impl<B: Backend> Mla<B> {
             heads,
             dims: mla.clone(),
             rope: rope_of(model, r),
+            q_scale,
+            input_gathered: false,
         })
+    }
+
+    /// Makes the layer one rank's of `parts` tensor-parallel ranks: its up
+    /// projections are already that rank's columns of heads and its output
+    /// projection its rows (drawn by the shard plan); the down projections
+    /// and latent norms stay whole (replicated, their gradients summed over
+    /// tp), so only the heads it computes with change.
+    pub fn take_heads(&mut self, b: &B, parts: usize) -> Result<()> {
+        if parts == 1 {
+            return Ok(());
+        }
+        if !self.heads.is_multiple_of(parts) {
+            return Err(EngineError::Invalid(format!(
+                "mla {}: {} heads do not split over tp = {parts}",
+                self.wo.name, self.heads
+            )));
+        }
+        let m = &self.dims;
+        let rows = self.heads / parts * m.v_head_dim;
+        if self.wo.value.shape()[0] != rows {
+            return Err(EngineError::Invalid(format!(
+                "mla {}: holds {} output rows, a tp = {parts} shard has {rows}; build the \
+                 layer under the rank's shard plan",
+                self.wo.name,
+                self.wo.value.shape()[0]
+            )));
+        }
+        self.heads /= parts;
+        self.maps = HeadMaps::new(b, self.heads, m, self.q_scale, self.wo.value.dtype())?;
+        self.input_gathered = true;
+        Ok(())
+    }
+
+    /// The input `x` of the down projections (or the full-rank query), to
+    /// be kept by [`LinearInput::into_saved`]: its fp8 column tiles made in
+    /// the forward unless the block keeps the rank's shard of it.
+    fn input(&self, x_td: &Tensor<B>) -> LinearInput<B> {
+        if self.input_gathered {
+            LinearInput::new(x_td, self.fp8)
+        } else {
+            LinearInput::kept(x_td, self.fp8)
+        }
     }
 
     /// The head dim given to the attention kernel: `max(P + R, V)`.
@@ -401,7 +465,7 @@ impl<B: Backend> Mla<B> {
         let m = &self.maps;
 
         // Query: each head's rotary tail is rotated; the head is rebuilt at width Hd.
-        let input = LinearInput::kept(x_td, self.fp8);
+        let input = self.input(x_td);
         let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
         let q_nq = q_thq.reshape(&[n, p + r])?;
         let qr_nr = self.rotate(

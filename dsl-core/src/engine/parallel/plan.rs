@@ -11,12 +11,13 @@
 //! |---|---|
 //! | `embed.weight`, `head.weight` `[V, D]` | rows over tp (balanced: the first `V % tp` ranks hold one row more) |
 //! | GQA `attn.wq`, `wk`, `wv` `[D, H·hd]` | columns over tp (whole heads) |
-//! | GQA `attn.wo` `[H·hd, D]` | rows over tp |
+//! | MLA `attn.wq_b` `[C, H·Q]`, `wkv_b` `[L, H·(P+V)]` (or full-rank `wq` `[D, H·Q]`) | columns over tp (whole heads) |
+//! | `attn.wo` `[H·hd, D]` (MLA `[H·V, D]`) | rows over tp |
 //! | dense `mlp.w1`, `w3` and `moe.shared_experts.w1`, `w3` `[D, F]` | columns over tp |
 //! | dense `mlp.w2`, `moe.shared_experts.w2` `[F, D]` | rows over tp |
 //! | `moe.experts.w1`, `w3` `[E, D, F]` | experts over ep, F over etp |
 //! | `moe.experts.w2` `[E, F, D]` | experts over ep, F over etp |
-//! | norms, router, shared-expert gate, MLA | replicated |
+//! | norms, router, shared-expert gate, MLA `wq_a`, `wkv_a` and latent norms | replicated |
 //! | MTP `mtp.{k}.block.*` | as a block of the last group |
 //! | MTP `mtp.{k}.enorm`, `hnorm`, `eh_proj`, `norm` | replicated |
 //!
@@ -109,7 +110,10 @@ impl ShardPlan {
         let gqa = group.attention.mla.is_none();
         match part {
             "attn.wq" | "attn.wk" | "attn.wv" if gqa => vec![(Tp, 1)],
-            "attn.wo" if gqa => vec![(Tp, 0)],
+            // MLA's up projections (each head's columns contiguous); its
+            // down projections and latent norms are replicated.
+            "attn.wq" | "attn.wq_b" | "attn.wkv_b" if !gqa => vec![(Tp, 1)],
+            "attn.wo" => vec![(Tp, 0)],
             "mlp.w1" | "mlp.w3" | "moe.shared_experts.w1" | "moe.shared_experts.w3" => {
                 vec![(Tp, 1)]
             }
