@@ -30,6 +30,10 @@ use crate::spec::{LoadBalance, MoeSpec, RecomputePart, RouterSpec, ScoreFunction
 pub struct Router<B: Backend> {
     /// Router weight `Wr: [D, E]`, named `{prefix}.weight`.
     pub weight: Param<B>,
+    /// The aux-loss-free expert bias `[E]`, in the accumulation type (f32
+    /// for a bf16 model, as Megatron-Core keeps it): bf16's spacing passes
+    /// 2·rate = 2e-3 at |bias| = 0.5, past which a ±rate step would round
+    /// away and the bias stop moving.
     expert_bias_e: Option<Tensor<B>>,
     /// The expert bias's global name, `{prefix}.expert_bias` (a buffer: state
     /// the checkpoint keeps, not a parameter).
@@ -134,7 +138,7 @@ impl<B: Backend> Router<B> {
         let name = format!("{prefix}.weight");
         let weight = init.normal(b, name, &[hidden, experts], init_std, dtype)?;
         let expert_bias_e = match spec.expert_bias_rate {
-            Some(_) => Some(b.zeros(&[experts], dtype)?),
+            Some(_) => Some(b.zeros(&[experts], dtype.acc())?),
             None => None,
         };
         Ok(Router {
@@ -160,7 +164,8 @@ impl<B: Backend> Router<B> {
             .map(|t| (self.bias_name.as_str(), t))
     }
 
-    /// Replaces the expert bias (checkpoint loading); `[E]` in the router's dtype.
+    /// Replaces the expert bias (checkpoint loading); `[E]` in the router
+    /// dtype's accumulation type.
     pub fn set_expert_bias(&mut self, bias_e: Tensor<B>) -> Result<()> {
         if self.expert_bias_e.is_none() {
             return Err(EngineError::Invalid(
@@ -180,9 +185,9 @@ impl<B: Backend> Router<B> {
         let (Some(rate), Some(_)) = (self.spec.expert_bias_rate, &self.expert_bias_e) else {
             return Ok(());
         };
-        let dtype = self.weight.value.dtype();
+        let dtype = self.weight.value.dtype().acc();
         // The comparison runs on the counts as they come (f32 counts of a
-        // bf16 model stay exact); only the ±1 step takes the bias's dtype.
+        // bf16 model stay exact); the ±1 step takes the bias's dtype.
         let load_e = if load_e.dtype() == DType::I32 {
             b.cast(load_e, dtype.acc())?
         } else {
@@ -216,7 +221,7 @@ impl<B: Backend> Router<B> {
     }
 
     fn check_e_vector(&self, op: &str, what: &str, t: &Tensor<B>) -> Result<()> {
-        let dtype = self.weight.value.dtype();
+        let dtype = self.weight.value.dtype().acc();
         if t.shape() != [self.experts] || t.dtype() != dtype {
             return Err(EngineError::Invalid(format!(
                 "{op}: {what} is {:?} {:?}, expected [{}] (one per expert) {dtype:?}",
@@ -305,7 +310,15 @@ impl<B: Backend> Router<B> {
             (ScoreFunction::Sigmoid, _) => {
                 let scores_te = b.sigmoid(&logits_te)?;
                 let idx_tk = match &self.expert_bias_e {
-                    Some(bias_e) => self.select(b, &b.add_cols(&scores_te, bias_e)?)?,
+                    // Selection scores in the bias's (accumulation) type.
+                    Some(bias_e) => {
+                        let scores = if scores_te.dtype() == bias_e.dtype() {
+                            scores_te.clone()
+                        } else {
+                            b.cast(&scores_te, bias_e.dtype())?
+                        };
+                        self.select(b, &b.add_cols(&scores, bias_e)?)?
+                    }
                     None => self.select(b, &scores_te)?,
                 };
                 if k > 1 {
@@ -705,11 +718,64 @@ mod tests {
         let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
         assert_eq!(out.load_e.dtype(), DType::F32);
         assert_eq!(host(&out.load_e), vec![1001.0, 0.0]);
-        // The bias update compares exact counts and steps the bf16 bias.
+        // The bias update compares exact counts and steps the (f32) bias.
         r.spec.expert_bias_rate = Some(0.5);
-        r.expert_bias_e = Some(Cpu.zeros(&[2], DType::BF16).unwrap());
+        r.expert_bias_e = Some(Cpu.zeros(&[2], DType::F32).unwrap());
         r.update_expert_bias(&Cpu, &out.load_e).unwrap();
         assert_eq!(host(r.expert_bias().unwrap()), vec![-0.5, 0.5]);
+    }
+
+    /// A bf16 model's expert bias keeps moving by the rate where bf16 could
+    /// not hold the step (spacing 2^-8 = 3.9e-3 in [0.5, 1): a 1e-3 step
+    /// would round away): it is kept in f32, a bf16 bias is refused, and
+    /// sigmoid scores select against it.
+    #[test]
+    fn bf16_router_expert_bias_is_f32_and_keeps_moving() {
+        use foldmoe_kernels::Device as _;
+        let mut spec = MoeSpec {
+            experts: 2,
+            top_k: 1,
+            expert_ffn: 4,
+            shared_ffn: 0,
+            shared_gate: false,
+            router: RouterSpec {
+                score: ScoreFunction::Sigmoid,
+                expert_bias_rate: Some(1e-3),
+                ..RouterSpec::default()
+            },
+            capacity: None,
+        };
+        spec.router.load_balance = LoadBalance::None;
+        let mut r = Router::new(
+            &Cpu,
+            "r",
+            2,
+            &spec,
+            0.1,
+            crate::engine::Init::full(3),
+            DType::BF16,
+        )
+        .unwrap();
+        assert_eq!(r.expert_bias().unwrap().dtype(), DType::F32);
+        let bf16_bias = Cpu.zeros(&[2], DType::BF16).unwrap();
+        assert!(r.set_expert_bias(bf16_bias).is_err());
+        let f32_of = |v: Vec<f64>| Cpu.cast(&t64(v, &[2]), DType::F32).unwrap();
+        r.set_expert_bias(f32_of(vec![0.75, -0.75])).unwrap();
+        // Expert 1 under-loaded: +1e-3 to it, -1e-3 to expert 0.
+        r.update_expert_bias(&Cpu, &f32_of(vec![3.0, 1.0])).unwrap();
+        let got = host(r.expert_bias().unwrap());
+        close_f32(got[0], 0.749);
+        close_f32(got[1], -0.749);
+        // bf16 scores against the f32 bias: expert 0 wins by its bias.
+        let x = Cpu
+            .cast(&t64(vec![0.0, 0.0], &[1, 2]), DType::BF16)
+            .unwrap();
+        let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
+        assert_eq!(host_i32(&out.idx_tk), vec![0]);
+    }
+
+    fn close_f32(got: f64, want: f64) {
+        assert!((got - want).abs() < 1e-6, "got {got}, want {want}");
     }
 
     #[test]
