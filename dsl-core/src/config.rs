@@ -895,6 +895,9 @@ fn read_moe(cx: &mut Cx, s: &Section) -> MoeSpec {
             .unwrap_or(d.load_balance),
         aux_coef: s.float(cx, "aux_coef").unwrap_or(d.aux_coef),
         z_loss_coef: s.float(cx, "z_loss").unwrap_or(d.z_loss_coef),
+        dtype: s
+            .keyword(cx, "router_dtype", keywords::ROUTER_DTYPE)
+            .unwrap_or(d.dtype),
     };
     let capacity = s
         .section(cx, "capacity", keywords::CAPACITY_KEYS)
@@ -1095,6 +1098,29 @@ capacity = { factor = 1.25, drop = "position", pad = true }
         );
     }
 
+    /// `router_dtype` (Megatron-Core's `--moe-router-dtype`): `fp32` is read
+    /// onto the router, the default is the model's dtype, and another value
+    /// is a problem naming the choices.
+    #[test]
+    fn router_dtype_is_read_and_checked() {
+        use crate::spec::RouterDtype;
+        let router = |text: &str| {
+            let c = ModelConfig::from_toml_str(text).unwrap();
+            match &c.spec.groups[1].ffn {
+                FfnSpec::Moe(m) => m.router.dtype,
+                FfnSpec::Dense { .. } => panic!("group 1 is MoE"),
+            }
+        };
+        assert_eq!(router(SMALL), RouterDtype::Model);
+        let fp32 = edit("z_loss = 1e-3", "z_loss = 1e-3\nrouter_dtype = \"fp32\"");
+        assert_eq!(router(&fp32), RouterDtype::Fp32);
+        let fp16 = edit("z_loss = 1e-3", "z_loss = 1e-3\nrouter_dtype = \"fp16\"");
+        assert_eq!(
+            problems(&fp16),
+            ["blocks[1].moe.router_dtype = \"fp16\": unknown `router_dtype` value `fp16`; choose one of model, fp32"]
+        );
+    }
+
     #[test]
     fn every_parse_problem_is_reported_at_once() {
         let text = edit("z_loss = 1e-3", "z_los = 1e-3")
@@ -1107,7 +1133,7 @@ capacity = { factor = 1.25, drop = "position", pad = true }
             got,
             [
                 "vocab = \"32\": `vocab` expects an integer, like `vocab = 8`; found the string \"32\"",
-                "blocks[1].moe.z_los = 0.001: unknown key `z_los` in `blocks[1].moe`; did you mean `z_loss`? expected one of: experts, top_k, expert_ffn, shared_experts, shared_ffn, shared_gate, score, pre_softmax, scaling_factor, groups, group_top_k, expert_bias, load_balance, aux_coef, z_loss, capacity",
+                "blocks[1].moe.z_los = 0.001: unknown key `z_los` in `blocks[1].moe`; did you mean `z_loss`? expected one of: experts, top_k, expert_ffn, shared_experts, shared_ffn, shared_gate, score, pre_softmax, scaling_factor, groups, group_top_k, expert_bias, load_balance, aux_coef, z_loss, router_dtype, capacity",
                 "blocks[1].moe.experts = -8: `experts` cannot be negative; found -8, expected an integer, like `experts = 8`",
                 "blocks[1].moe.score = \"relu\": unknown `score` value `relu`; choose one of softmax, sigmoid",
                 "layout[1].tp_size = 2: unknown key `tp_size` in `layout[1]`; did you mean `tp`? expected one of: name, world, tp, cp, dp, pp, vpp, ep, etp, edp, order, pp_layers",

@@ -33,7 +33,7 @@
 use crate::layout::Layout;
 use crate::spec::{
     FfnSpec, GemmPrecision, LoadBalance, ModelSpec, OffloadPart, Policy, RecomputePart,
-    ScoreFunction,
+    RouterDtype, ScoreFunction,
 };
 use serde::Serialize;
 
@@ -385,7 +385,13 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                 router += e + 1.0;
             }
             v.push(s(Part::Router, None, None, Int, k / sp));
-            v.push(s(Part::Router, Some(R::Router), None, Act, router / sp));
+            // In f32 under `router_dtype = fp32`.
+            let state = if r.dtype == RouterDtype::Fp32 {
+                Fp32
+            } else {
+                Act
+            };
+            v.push(s(Part::Router, Some(R::Router), None, state, router / sp));
             // Each token of the shard is dispatched top_k times; on average
             // a rank receives as many rows as it sends, gathered over etp
             // (which splits F).

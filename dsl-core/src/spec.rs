@@ -349,7 +349,7 @@ impl GemmPrecision {
 pub mod keywords {
     use super::{
         DropPolicySpec, GemmPrecision, LoadBalance, OffloadPart, RecomputePart, RopeScalingType,
-        ScoreFunction,
+        RouterDtype, ScoreFunction,
     };
 
     /// Keys of the model (`#[moe_model(...)]`, a config file's top level).
@@ -429,6 +429,7 @@ pub mod keywords {
         ("load_balance", "router.load_balance"),
         ("aux_coef", "router.aux_coef"),
         ("z_loss", "router.z_loss_coef"),
+        ("router_dtype", "router.dtype"),
         ("capacity", "capacity"),
     ];
     /// Keys of `rope_scaling` (Hugging Face's names).
@@ -464,6 +465,9 @@ pub mod keywords {
         ("softmax", ScoreFunction::Softmax),
         ("sigmoid", ScoreFunction::Sigmoid),
     ];
+    /// Values of `router_dtype`.
+    pub const ROUTER_DTYPE: &[(&str, RouterDtype)] =
+        &[("model", RouterDtype::Model), ("fp32", RouterDtype::Fp32)];
     /// Values of `load_balance`.
     pub const LOAD_BALANCE: &[(&str, LoadBalance)] = &[
         ("none", LoadBalance::None),
@@ -654,6 +658,19 @@ pub enum ScoreFunction {
     Sigmoid,
 }
 
+/// The number format the router computes in (Megatron-Core's
+/// `--moe-router-dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RouterDtype {
+    /// The model's dtype.
+    #[default]
+    Model,
+    /// f32: the logits' product, scores, top-k and the routing losses of a
+    /// bf16 model in f32 (DeepSeek-V3's gating, as its Hugging Face code
+    /// computes it).
+    Fp32,
+}
+
 /// Load-balancing loss kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LoadBalance {
@@ -704,6 +721,9 @@ pub struct RouterSpec {
     pub aux_coef: f64,
     /// Coefficient of the z-loss (0: off).
     pub z_loss_coef: f64,
+    /// The number format the router computes in.
+    #[serde(default)]
+    pub dtype: RouterDtype,
 }
 
 impl Default for RouterSpec {
@@ -718,6 +738,7 @@ impl Default for RouterSpec {
             load_balance: LoadBalance::Aux,
             aux_coef: 1e-2,
             z_loss_coef: 0.0,
+            dtype: RouterDtype::Model,
         }
     }
 }

@@ -27,7 +27,7 @@ use crate::ctxt::Ctxt;
 pub mod kw {
     use foldmoe_core::spec::keywords;
 
-    pub use keywords::{DROP, LOAD_BALANCE, SCORE};
+    pub use keywords::{DROP, LOAD_BALANCE, ROUTER_DTYPE, SCORE};
 
     /// The field attribute naming a group's settings.
     pub const BLOCKS: &str = "blocks";
@@ -829,6 +829,9 @@ fn parse_moe(spans: &mut Spans, s: &Section) -> MoeSpec {
             .unwrap_or(d.load_balance),
         aux_coef: s.float("aux_coef").unwrap_or(d.aux_coef),
         z_loss_coef: s.float("z_loss").unwrap_or(d.z_loss_coef),
+        dtype: s
+            .keyword("router_dtype", kw::ROUTER_DTYPE)
+            .unwrap_or(d.dtype),
     };
     let capacity = s.section(spans, "capacity", kw::CAPACITY).map(|c| {
         let factor = match c.get("factor") {

@@ -9,7 +9,8 @@
 use foldmoe_core::layout::LayoutSpec;
 use foldmoe_core::spec::{
     AttentionSpec, BlockGroup, CapacitySpec, DropPolicySpec, FfnSpec, GemmPrecision, LoadBalance,
-    MlaSpec, ModelSpec, MoeSpec, OffloadPart, Policy, RecomputePart, RouterSpec, ScoreFunction,
+    MlaSpec, ModelSpec, MoeSpec, OffloadPart, Policy, RecomputePart, RouterDtype, RouterSpec,
+    ScoreFunction,
 };
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
@@ -496,7 +497,12 @@ fn moe_tokens(p: &TokenStream, m: &MoeSpec) -> TokenStream {
         load_balance,
         aux_coef,
         z_loss_coef,
+        dtype,
     } = router;
+    let router_dtype = match dtype {
+        RouterDtype::Model => quote!(#p::RouterDtype::Model),
+        RouterDtype::Fp32 => quote!(#p::RouterDtype::Fp32),
+    };
     let score = match score {
         ScoreFunction::Softmax => quote!(#p::ScoreFunction::Softmax),
         ScoreFunction::Sigmoid => quote!(#p::ScoreFunction::Sigmoid),
@@ -557,6 +563,7 @@ fn moe_tokens(p: &TokenStream, m: &MoeSpec) -> TokenStream {
                 load_balance: #load_balance,
                 aux_coef: #aux_coef,
                 z_loss_coef: #z_loss_coef,
+                dtype: #router_dtype,
             },
             capacity: #capacity,
         }

@@ -51,8 +51,8 @@ use proc_macro::TokenStream;
 /// of `dense(ffn)` and `moe(experts, top_k, expert_ffn, shared_experts |
 /// shared_ffn, shared_gate, score = softmax | sigmoid, pre_softmax,
 /// scaling_factor, groups, group_top_k, expert_bias = rate, load_balance =
-/// none | aux | seq_aux | global_aux, aux_coef, z_loss, capacity(factor, drop =
-/// probs | position, pad))`; `recompute(..)`, `offload(..)`, `store_fp8(..)`
+/// none | aux | seq_aux | global_aux, aux_coef, z_loss, router_dtype = model |
+/// fp32, capacity(factor, drop = probs | position, pad))`; `recompute(..)`, `offload(..)`, `store_fp8(..)`
 /// and `precision = fp32 | bf16 | fp8 | fp8_blockwise` (the routed experts'
 /// GEMMs: `bf16`, the default, or `fp8_blockwise` on an MoE group; the others
 /// are an error saying so). A bool key written alone (`shared_gate`) means

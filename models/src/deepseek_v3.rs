@@ -56,7 +56,7 @@ pub struct DeepSeekV3 {
             qk_nope_head_dim = 128, qk_rope_head_dim = 64, v_head_dim = 128)),
         moe(experts = 256, top_k = 8, expert_ffn = 2048, shared_experts = 1,
             score = sigmoid, expert_bias = 1e-3, groups = 8, group_top_k = 4,
-            scaling_factor = 2.5, load_balance = seq_aux, aux_coef = 1e-4),
+            scaling_factor = 2.5, load_balance = seq_aux, aux_coef = 1e-4, router_dtype = fp32),
         recompute(mla_up_proj, moe_act), store_fp8(moe_act))]
     pub moe: Blocks,
 }
@@ -97,6 +97,6 @@ pub struct DeepSeekV3Small {
             qk_nope_head_dim = 16, qk_rope_head_dim = 16, v_head_dim = 16)),
         moe(experts = 16, top_k = 4, expert_ffn = 32, shared_experts = 1,
             score = sigmoid, expert_bias = 1e-3, groups = 4, group_top_k = 2,
-            scaling_factor = 2.5, load_balance = seq_aux, aux_coef = 1e-4))]
+            scaling_factor = 2.5, load_balance = seq_aux, aux_coef = 1e-4, router_dtype = fp32))]
     pub moe: Blocks,
 }

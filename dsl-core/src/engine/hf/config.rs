@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 use crate::engine::{EngineError, Result};
 use crate::spec::{
     keywords, AttentionSpec, BlockGroup, FfnSpec, GemmPrecision, LoadBalance, MlaSpec, ModelSpec,
-    MoeSpec, RopeScaling, RopeScalingType, RouterSpec, ScoreFunction,
+    MoeSpec, RopeScaling, RopeScalingType, RouterDtype, RouterSpec, ScoreFunction,
 };
 
 /// The model families converted.
@@ -388,6 +388,8 @@ pub fn parse(text: &str, what: &str) -> Result<HfConfig> {
                     load_balance: LoadBalance::SeqAux,
                     aux_coef: 1e-4,
                     z_loss_coef: 0.0,
+                    // Its gate computes in f32 (`DeepseekV3TopkRouter`).
+                    dtype: RouterDtype::Fp32,
                 },
                 capacity: None,
             };

@@ -23,7 +23,7 @@ use super::ops::log_sigmoid_backward;
 use crate::engine::activations::Slot;
 use crate::engine::{EngineError, Init, Module, Param, Result};
 use crate::memory::Part;
-use crate::spec::{LoadBalance, MoeSpec, RecomputePart, RouterSpec, ScoreFunction};
+use crate::spec::{LoadBalance, MoeSpec, RecomputePart, RouterDtype, RouterSpec, ScoreFunction};
 
 /// The router: a linear map `Wr: [D, E]` to logits, plus the optional
 /// aux-loss-free expert bias (a buffer, not trained by gradients).
@@ -41,6 +41,11 @@ pub struct Router<B: Backend> {
     spec: RouterSpec,
     experts: usize,
     top_k: usize,
+    /// The dtype it computes in when not the model's (`router_dtype =
+    /// fp32` in a bf16 model): input and weight are cast for the logits'
+    /// product, scores, top-k and losses run in it, and the routing weights,
+    /// losses and gradients go back in the model's dtype.
+    compute: Option<DType>,
 }
 
 /// What the router decided for a batch of tokens.
@@ -141,6 +146,8 @@ impl<B: Backend> Router<B> {
             Some(_) => Some(b.zeros(&[experts], dtype.acc())?),
             None => None,
         };
+        let compute =
+            (spec.dtype == RouterDtype::Fp32 && dtype == DType::BF16).then_some(DType::F32);
         Ok(Router {
             weight,
             expert_bias_e,
@@ -148,6 +155,7 @@ impl<B: Backend> Router<B> {
             spec: spec.clone(),
             experts,
             top_k,
+            compute,
         })
     }
 
@@ -233,6 +241,23 @@ impl<B: Backend> Router<B> {
         Ok(())
     }
 
+    /// `t` in the router's compute dtype.
+    fn computing(&self, b: &B, t: &Tensor<B>) -> Result<Tensor<B>> {
+        match self.compute {
+            Some(d) if t.dtype() != d => Ok(b.cast(t, d)?),
+            _ => Ok(t.clone()),
+        }
+    }
+
+    /// `t` (computed in the router's dtype) in `dtype`.
+    fn returned(&self, b: &B, t: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
+        if t.dtype() == dtype {
+            Ok(t)
+        } else {
+            Ok(b.cast(&t, dtype)?)
+        }
+    }
+
     /// Top-k, group-limited when the spec has groups.
     fn select(&self, b: &B, scores_te: &Tensor<B>) -> Result<Tensor<B>> {
         let (groups, group_top_k) = if self.spec.groups > 1 {
@@ -289,8 +314,14 @@ impl<B: Backend> Router<B> {
             )));
         }
         let (e, k) = (self.experts, self.top_k);
-        let dtype = x_td.dtype();
-        let logits_te = b.matmul(x_td, &self.weight.value, false, false)?;
+        let model_dtype = x_td.dtype();
+        let logits_te = b.matmul(
+            &self.computing(b, x_td)?,
+            &self.computing(b, &self.weight.value)?,
+            false,
+            false,
+        )?;
+        let dtype = logits_te.dtype();
 
         let (idx_tk, probs_tk, score) = match (self.spec.score, self.spec.pre_softmax) {
             (ScoreFunction::Softmax, false) => {
@@ -340,6 +371,7 @@ impl<B: Backend> Router<B> {
             }
         };
         let weights_tk = b.scale(&probs_tk, self.spec.scaling_factor)?;
+        let weights_tk = self.returned(b, weights_tk, model_dtype)?;
 
         // Counts in the accumulation type: in bf16 a count past 256 would
         // round (loads, the balancing shares and the expert-bias update all
@@ -395,8 +427,8 @@ impl<B: Backend> Router<B> {
         let routing = Routing {
             idx_tk: idx_tk.clone(),
             weights_tk,
-            aux_loss,
-            z_loss,
+            aux_loss: self.returned(b, aux_loss, model_dtype)?,
+            z_loss: self.returned(b, z_loss, model_dtype)?,
             load_e,
         };
         let saved = RouterSaved {
@@ -426,7 +458,7 @@ impl<B: Backend> Router<B> {
             z,
         } = saved;
         let e = self.experts;
-        let dprobs_tk = b.scale(dweights_tk, self.spec.scaling_factor)?;
+        let dprobs_tk = b.scale(&self.computing(b, dweights_tk)?, self.spec.scaling_factor)?;
         let mut dlogits_te = match score {
             ScoreSaved::PostSoftmax { probs_tk } => {
                 b.scatter_cols(&b.softmax_backward(&probs_tk, &dprobs_tk)?, &idx_tk, e)?
@@ -459,9 +491,16 @@ impl<B: Backend> Router<B> {
         if let (Some(z), true) = (z, loss_scale != 0.0) {
             b.axpy(&mut dlogits_te, 1.0, &loss::z_backward(b, z, loss_scale)?)?;
         }
-        self.weight
-            .accumulate(b, &b.matmul(&x_td, &dlogits_te, true, false)?)?;
-        Ok(b.matmul(&dlogits_te, &self.weight.value, false, true)?)
+        let dw = b.matmul(&self.computing(b, &x_td)?, &dlogits_te, true, false)?;
+        let dw = self.returned(b, dw, self.weight.value.dtype())?;
+        self.weight.accumulate(b, &dw)?;
+        let dx = b.matmul(
+            &dlogits_te,
+            &self.computing(b, &self.weight.value)?,
+            false,
+            true,
+        )?;
+        self.returned(b, dx, x_td.dtype())
     }
 }
 
@@ -772,6 +811,70 @@ mod tests {
             .unwrap();
         let (out, _) = r.forward(&Cpu, &x, 1).unwrap();
         assert_eq!(host_i32(&out.idx_tk), vec![0]);
+    }
+
+    /// `router_dtype = fp32` in a bf16 model (DeepSeek-V3's gating): the
+    /// routing, losses and gradients are the f32 router's on the same
+    /// (bf16-valued) input and weight, each cast to bf16 once at the end;
+    /// the model-dtype router rounds its logits and scores and differs.
+    #[test]
+    fn fp32_router_in_a_bf16_model_is_the_f32_router_cast_once() {
+        use foldmoe_kernels::Device as _;
+        let (t, d, e) = (24, 8, 6);
+        let bf = |t: &Tensor<Cpu>| Cpu.cast(t, DType::BF16).unwrap();
+        let f32_of = |t: &Tensor<Cpu>| Cpu.cast(t, DType::F32).unwrap();
+        let noise = |seed: u64, n: usize| -> Vec<f64> {
+            (0..n)
+                .map(|i| (i as f64 * 0.7 + seed as f64).sin() * 1.3)
+                .collect()
+        };
+        let x_bf = bf(&t64(noise(1, t * d), &[t, d]));
+        let w_bf = bf(&t64(noise(2, d * e), &[d, e]));
+        let dw_bf = bf(&t64(noise(3, t * 2), &[t, 2]));
+        let mut moe = moe_spec(e, 2, 4, 0);
+        moe.router.score = ScoreFunction::Sigmoid;
+        moe.router.expert_bias_rate = Some(1e-3);
+        moe.router.load_balance = LoadBalance::SeqAux;
+        moe.router.aux_coef = 0.1;
+        moe.router.z_loss_coef = 0.01;
+        let run = |dtype: DType, router_dtype: RouterDtype| {
+            let mut spec = moe.clone();
+            spec.router.dtype = router_dtype;
+            let init = crate::engine::Init::full(5);
+            let mut r = Router::new(&Cpu, "r", d, &spec, 0.1, init, dtype).unwrap();
+            let (x, w, dw) = if dtype == DType::F32 {
+                (f32_of(&x_bf), f32_of(&w_bf), f32_of(&dw_bf))
+            } else {
+                (x_bf.clone(), w_bf.clone(), dw_bf.clone())
+            };
+            r.weight.value = w;
+            let (out, saved) = r.forward(&Cpu, &x, 2).unwrap();
+            let dx = r.backward(&Cpu, &dw, saved, 1.0).unwrap();
+            let as_bf = |t: &Tensor<Cpu>| host(&bf(t));
+            (
+                host_i32(&out.idx_tk),
+                [
+                    as_bf(&out.weights_tk),
+                    as_bf(&out.aux_loss),
+                    as_bf(&out.z_loss),
+                    as_bf(&dx),
+                    as_bf(&r.weight.grad),
+                ],
+                out.weights_tk.dtype(),
+            )
+        };
+        let reference = run(DType::F32, RouterDtype::Model);
+        let fp32 = run(DType::BF16, RouterDtype::Fp32);
+        let model = run(DType::BF16, RouterDtype::Model);
+        assert_eq!(fp32.2, DType::BF16, "routing weights in the model's dtype");
+        assert_eq!(fp32.0, reference.0, "chosen experts");
+        for (what, (got, want)) in ["weights", "aux loss", "z loss", "dx", "dW"]
+            .iter()
+            .zip(fp32.1.iter().zip(&reference.1))
+        {
+            assert_eq!(got, want, "{what}");
+        }
+        assert_ne!(model.1, reference.1, "the bf16 router rounds differently");
     }
 
     fn close_f32(got: f64, want: f64) {
