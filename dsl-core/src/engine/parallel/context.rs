@@ -33,14 +33,17 @@
 //! a sequence held here, c = S / 2cp chunk, T = B·L tokens held, D hidden,
 //! Hq / Hkv heads held (under tp), Hd head dim, P = (g+1)·c a key prefix.
 
-use foldmoe_kernels::{Backend, HostData, Rope, Tensor};
+use foldmoe_kernels::{Backend, HostData, Tensor};
 
 use super::{Exec, LayerGroups};
+use crate::engine::activations::Slot as Slot_;
 use crate::engine::attention::{project_backward, Attention};
 use crate::engine::documents::DocTensors;
 use crate::engine::linear::{LinearInput, LinearSaved};
 use crate::engine::{EngineError, Result};
 use crate::layout::{cp_chunks, cp_positions};
+use crate::memory::Part;
+use crate::spec::{OffloadPart, RecomputePart};
 
 /// This cp rank's part of `x` (one value per token of sequences of
 /// `seq_len`): its two chunks of every sequence, in its local order.
@@ -173,6 +176,203 @@ impl<B: Backend> CpIndex<B> {
     }
 }
 
+/// One micro-batch's cp exchange: the row maps, and the documents of the
+/// whole sequences and of each held chunk's key prefix. Built by a forward,
+/// kept for its backward; the attention core of GQA and MLA alike.
+pub(crate) struct CpExchange<B: Backend> {
+    index: CpIndex<B>,
+    /// The micro-batch's documents (natural order) and each held chunk's
+    /// prefix of them (not counted: a few ints per token).
+    docs: Option<(DocTensors<B>, Vec<DocTensors<B>>)>,
+}
+
+impl<B: Backend> CpExchange<B> {
+    /// The exchange of this rank's `t` tokens (whole sequences of
+    /// `seq_len` / cp), with the forward's documents (`ctx.docs`).
+    pub(crate) fn new(
+        ctx: &Exec<B>,
+        groups: &LayerGroups,
+        t: usize,
+        seq_len: usize,
+    ) -> Result<Self> {
+        let b = ctx.b;
+        let (cp, cp_i) = (groups.cp.size(), groups.cp_index);
+        let local = seq_len / cp.max(1);
+        if !seq_len.is_multiple_of(2 * cp) || local == 0 || !t.is_multiple_of(local) {
+            return Err(EngineError::Invalid(format!(
+                "cp attention: {t} tokens are not whole sequences of {seq_len} / cp = {local}"
+            )));
+        }
+        let index = CpIndex::new(b, t / local, seq_len, cp, cp_i)?;
+        let docs = ctx
+            .docs
+            .map(|d| {
+                let prefixes = index
+                    .slots
+                    .iter()
+                    .map(|s| d.prefix(b, s.prefix))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok::<_, EngineError>((d.clone(), prefixes))
+            })
+            .transpose()?;
+        Ok(CpExchange { index, docs })
+    }
+
+    /// Sequences of the micro-batch.
+    pub(crate) fn batch(&self) -> usize {
+        self.index.batch
+    }
+
+    /// The sequence length.
+    pub(crate) fn seq(&self) -> usize {
+        self.index.seq
+    }
+
+    /// The whole sequences' documents, if any.
+    pub(crate) fn whole_docs(&self) -> Option<&DocTensors<B>> {
+        self.docs.as_ref().map(|(d, _)| d)
+    }
+
+    /// Held chunk `i`'s key prefix of the documents, if any.
+    pub(crate) fn chunk_docs(&self, i: usize) -> Option<&DocTensors<B>> {
+        self.docs.as_ref().map(|(_, p)| &p[i])
+    }
+
+    /// Every cp rank's rows `[T, W]` of the micro-batch, in natural order
+    /// `[B·S, W]` (an all-gather over cp).
+    pub(crate) fn natural(
+        &self,
+        ctx: &Exec<B>,
+        groups: &LayerGroups,
+        x: &Tensor<B>,
+    ) -> Result<Tensor<B>> {
+        let all = ctx.comm.all_gather(ctx.b, &groups.cp, x)?;
+        Ok(ctx.b.permute(&all, &self.index.natural_src)?)
+    }
+
+    /// The backward of [`Self::natural`]: every rank's gradient of the
+    /// natural rows summed, this rank's rows `[T, W]` kept (a
+    /// reduce-scatter over cp).
+    pub(crate) fn owned(
+        &self,
+        ctx: &Exec<B>,
+        groups: &LayerGroups,
+        d: &Tensor<B>,
+    ) -> Result<Tensor<B>> {
+        let gathered = ctx.b.permute(d, &self.index.gathered_src)?;
+        Ok(ctx.comm.reduce_scatter(ctx.b, &groups.cp, &gathered)?)
+    }
+
+    /// Attention of this rank's queries over the whole sequence's keys. For
+    /// each held chunk `i`, `queries(i, rows)` makes the kernel's queries
+    /// `[B, P, Hq, Hd]` from this rank's query rows `q: [T, W]` placed in the
+    /// chunk's padded prefix (`rows: [B·P, W]`, zero rows in the padding);
+    /// `k, v: [B·S, Hk·Hd]` in natural order. Returns this rank's output
+    /// rows `[T, Hq·Hd]` and each chunk's log-sum-exp.
+    pub(crate) fn attend(
+        &self,
+        b: &B,
+        q_td: &Tensor<B>,
+        queries: &dyn Fn(usize, Tensor<B>) -> Result<Tensor<B>>,
+        k_nat: &Tensor<B>,
+        v_nat: &Tensor<B>,
+        hk: usize,
+    ) -> Result<(Tensor<B>, Vec<Tensor<B>>)> {
+        let batch = self.index.batch;
+        let q_src = with_zero_row(b, q_td)?;
+        let (mut chunks, mut lses) = (Vec::with_capacity(2), Vec::with_capacity(2));
+        for (i, s) in self.index.slots.iter().enumerate() {
+            let q_pad = queries(i, b.permute(&q_src, &s.q_pad_src)?)?;
+            let (_, p, hq, hd) = q_pad.dims4("cp attention")?;
+            let k = s.prefix(b, k_nat, batch, hk, hd)?;
+            let v = s.prefix(b, v_nat, batch, hk, hd)?;
+            let mask = self.chunk_docs(i).and_then(|d| d.docs.as_ref());
+            let (o_pad, lse) = b.attention(&q_pad, &k, &v, mask)?;
+            chunks.push(b.permute(&o_pad.reshape(&[batch * p, hq * hd])?, &s.chunk_src)?);
+            lses.push(lse);
+        }
+        Ok((self.assemble(b, &chunks)?, lses))
+    }
+
+    /// The backward of [`Self::attend`] from this rank's output gradient
+    /// `do: [T, Hq·Hd]`, with the forward's `q` rows, output rows `o` and
+    /// log-sum-exps; `queries_backward(i, dq)` takes chunk `i`'s gradient of
+    /// the kernel's queries back to padded rows `[B·P, W]`. The padded
+    /// queries are made again and the padded outputs rebuilt from `o` (zero
+    /// in the padding, whose zero output gradient makes its outputs
+    /// irrelevant). `value_width`: values zero past it (MLA's padding).
+    /// Returns this rank's `dq: [T, W]` and the natural-order `dk, dv`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attend_backward(
+        &self,
+        b: &B,
+        (q_td, o_td, do_td): (&Tensor<B>, &Tensor<B>, &Tensor<B>),
+        lses: Vec<Tensor<B>>,
+        queries: &dyn Fn(usize, Tensor<B>) -> Result<Tensor<B>>,
+        queries_backward: &dyn Fn(usize, Tensor<B>) -> Result<Tensor<B>>,
+        (k_nat, v_nat): (&Tensor<B>, &Tensor<B>),
+        hk: usize,
+        value_width: Option<usize>,
+    ) -> Result<(Tensor<B>, Tensor<B>, Tensor<B>)> {
+        let (batch, rows) = (self.index.batch, self.index.batch * self.index.seq);
+        if lses.len() != self.index.slots.len() {
+            return Err(EngineError::Invalid(format!(
+                "cp attention backward: {} log-sum-exps kept for {} held chunks",
+                lses.len(),
+                self.index.slots.len()
+            )));
+        }
+        let (q_src, o_src, do_src) = (
+            with_zero_row(b, q_td)?,
+            with_zero_row(b, o_td)?,
+            with_zero_row(b, do_td)?,
+        );
+        let width = k_nat.shape()[1];
+        let mut dk_nat = b.zeros(&[rows, width], k_nat.dtype())?;
+        let mut dv_nat = b.zeros(&[rows, width], v_nat.dtype())?;
+        let mut dq_chunks = Vec::with_capacity(2);
+        for (i, (s, lse)) in self.index.slots.iter().zip(lses).enumerate() {
+            let q_pad = queries(i, b.permute(&q_src, &s.q_pad_src)?)?;
+            let (_, p, hq, hd) = q_pad.dims4("cp attention backward")?;
+            let pad = |src: &Tensor<B>| -> Result<Tensor<B>> {
+                Ok(b.permute(src, &s.q_pad_src)?.reshape(&[batch, p, hq, hd])?)
+            };
+            let (o_pad, do_pad) = (pad(&o_src)?, pad(&do_src)?);
+            let k = s.prefix(b, k_nat, batch, hk, hd)?;
+            let v = s.prefix(b, v_nat, batch, hk, hd)?;
+            let mask = self.chunk_docs(i).and_then(|d| d.docs.as_ref());
+            let (dq_pad, dk, dv) = match value_width {
+                None => b.attention_backward(&do_pad, &q_pad, &k, &v, &o_pad, &lse, mask)?,
+                Some(w) => b.attention_backward_padded_values(
+                    &do_pad, &q_pad, &k, &v, &o_pad, &lse, mask, w,
+                )?,
+            };
+            dq_chunks.push(b.permute(&queries_backward(i, dq_pad)?, &s.chunk_src)?);
+            let scatter = |d: Tensor<B>| -> Result<Tensor<B>> {
+                Ok(b.permute_backward(&d.reshape(&[batch * p, width])?, &s.prefix_src, rows)?)
+            };
+            b.axpy(&mut dk_nat, 1.0, &scatter(dk)?)?;
+            b.axpy(&mut dv_nat, 1.0, &scatter(dv)?)?;
+        }
+        Ok((self.assemble(b, &dq_chunks)?, dk_nat, dv_nat))
+    }
+
+    /// This rank's rows `[T, W]` from its two held chunks' rows.
+    fn assemble(&self, b: &B, chunks: &[Tensor<B>]) -> Result<Tensor<B>> {
+        Ok(b.permute(
+            &b.concat(&[&chunks[0], &chunks[1]])?,
+            &self.index.assemble_src,
+        )?)
+    }
+
+    /// Lists the int32 row maps under `slot`.
+    pub(crate) fn visit_saved(&mut self, slot: Slot_, f: &mut dyn FnMut(Slot_, &mut Tensor<B>)) {
+        f(slot, &mut self.index.natural_src);
+        f(slot, &mut self.index.gathered_src);
+        f(slot, &mut self.index.assemble_src);
+    }
+}
+
 /// What [`backward`] needs from [`forward`].
 pub struct CpAttentionSaved<B: Backend> {
     /// The projections' input (under fp8 its column tiles).
@@ -185,11 +385,8 @@ pub struct CpAttentionSaved<B: Backend> {
     v_td: Tensor<B>,
     /// Per held chunk: its padded queries' log-sum-exp `[B, Hq, P]`.
     lse: Vec<Tensor<B>>,
-    /// The micro-batch's documents (natural order) and each held chunk's
-    /// prefix of them (not counted: a few ints per token).
-    docs: Option<(DocTensors<B>, Vec<DocTensors<B>>)>,
     o_td: Tensor<B>,
-    index: CpIndex<B>,
+    exchange: CpExchange<B>,
 }
 
 impl<B: Backend> CpAttentionSaved<B> {
@@ -197,19 +394,13 @@ impl<B: Backend> CpAttentionSaved<B> {
     /// the input, this rank's q, k and v (`qkv`), each held chunk's
     /// log-sum-exp (`core_attn`), the output (`attn_proj`), and the int32
     /// row maps.
-    pub(crate) fn visit_saved(
-        &mut self,
-        f: &mut dyn FnMut(crate::engine::activations::Slot, &mut Tensor<B>),
-    ) {
-        use crate::engine::activations::Slot as S;
-        use crate::memory::Part;
-        use crate::spec::{OffloadPart as O, RecomputePart as R};
-        let qkv = S::kept(Part::Attention).offload(O::Qkv);
-        let out = S::kept(Part::Attention).offload(O::AttnProj);
-        let core = S::kept(Part::Attention)
-            .recompute(R::CoreAttn)
-            .offload(O::CoreAttn);
-        self.x.visit(S::NORM_OUT, f);
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot_, &mut Tensor<B>)) {
+        let qkv = Slot_::kept(Part::Attention).offload(OffloadPart::Qkv);
+        let out = Slot_::kept(Part::Attention).offload(OffloadPart::AttnProj);
+        let core = Slot_::kept(Part::Attention)
+            .recompute(RecomputePart::CoreAttn)
+            .offload(OffloadPart::CoreAttn);
+        self.x.visit(Slot_::NORM_OUT, f);
         f(qkv, &mut self.q_td);
         f(qkv, &mut self.k_td);
         f(qkv, &mut self.v_td);
@@ -217,10 +408,7 @@ impl<B: Backend> CpAttentionSaved<B> {
             f(core, lse);
         }
         f(out, &mut self.o_td);
-        let index = S::kept(Part::Attention);
-        f(index, &mut self.index.natural_src);
-        f(index, &mut self.index.gathered_src);
-        f(index, &mut self.index.assemble_src);
+        self.exchange.visit_saved(Slot_::kept(Part::Attention), f);
     }
 
     /// The kept input (the block swaps in the rank's sequence shard).
@@ -235,50 +423,6 @@ fn with_zero_row<B: Backend>(b: &B, x: &Tensor<B>) -> Result<Tensor<B>> {
     Ok(b.concat(&[x, &zero])?)
 }
 
-/// The whole micro-batch's rotated keys and its values, natural order
-/// `[B·S, Hkv·Hd]`, from every cp rank's `k, v: [T, Hkv·Hd]` (the forward
-/// and, again, the backward).
-#[allow(clippy::too_many_arguments)]
-fn whole_keys_values<B: Backend>(
-    ctx: &Exec<B>,
-    groups: &LayerGroups,
-    index: &CpIndex<B>,
-    k_td: &Tensor<B>,
-    v_td: &Tensor<B>,
-    (hkv, hd): (usize, usize),
-    rope: Rope,
-    positions: Option<&Tensor<B>>,
-) -> Result<(Tensor<B>, Tensor<B>)> {
-    let b = ctx.b;
-    let (batch, seq) = (index.batch, index.seq);
-    let natural = |x: &Tensor<B>| -> Result<Tensor<B>> {
-        let all = ctx.comm.all_gather(b, &groups.cp, x)?;
-        Ok(b.permute(&all, &index.natural_src)?)
-    };
-    let k_rot = b
-        .rope(
-            &natural(k_td)?.reshape(&[batch, seq, hkv, hd])?,
-            rope,
-            false,
-            positions,
-        )?
-        .reshape(&[batch * seq, hkv * hd])?;
-    Ok((k_rot, natural(v_td)?))
-}
-
-/// Rows `src: [T + 1, H·Hd]` (this rank's, a zero row last) placed as a
-/// held chunk's padded queries (or their outputs) `[B, P, H, Hd]`.
-fn padded<B: Backend>(
-    b: &B,
-    src: &Tensor<B>,
-    slot: &Slot<B>,
-    batch: usize,
-    (h, hd): (usize, usize),
-) -> Result<Tensor<B>> {
-    Ok(b.permute(src, &slot.q_pad_src)?
-        .reshape(&[batch, slot.prefix, h, hd])?)
-}
-
 /// `x: [T, D]` (this rank's tokens of `T / (S/cp)` sequences of `seq_len` S)
 /// → `[T, D]`: `attn`'s projections on the rank's tokens, the core attention
 /// over the whole sequence's keys.
@@ -290,65 +434,18 @@ pub fn forward<B: Backend>(
     seq_len: usize,
 ) -> Result<(Tensor<B>, CpAttentionSaved<B>)> {
     let b = ctx.b;
-    let (cp, cp_i) = (groups.cp.size(), groups.cp_index);
     let (t, _) = x_td.dims2("cp attention")?;
-    let local = seq_len / cp;
-    if !seq_len.is_multiple_of(2 * cp) || !t.is_multiple_of(local) {
-        return Err(EngineError::Invalid(format!(
-            "cp attention: {t} tokens are not whole sequences of {seq_len} / cp = {local}"
-        )));
-    }
-    let batch = t / local;
-    let index = CpIndex::new(b, batch, seq_len, cp, cp_i)?;
-    let (hq, hkv, hd, rope) = (attn.heads(), attn.kv_heads(), attn.head_dim(), attn.rope());
-    let docs = ctx.docs;
-    let prefixes = docs
-        .map(|d| {
-            index
-                .slots
-                .iter()
-                .map(|s| d.prefix(b, s.prefix))
-                .collect::<Result<Vec<_>>>()
-        })
-        .transpose()?;
-    let positions = |i: Option<usize>| match (docs, &prefixes, i) {
-        (Some(d), _, None) => d.positions.as_ref(),
-        (_, Some(p), Some(i)) => p[i].positions.as_ref(),
-        _ => None,
-    };
+    let exchange = CpExchange::new(ctx, groups, t, seq_len)?;
+    let (hq, hkv, hd) = (attn.heads(), attn.kv_heads(), attn.head_dim());
     let input = attn.input(x_td);
     let q_td = input.project(b, &attn.wq.value)?;
     let k_td = input.project(b, &attn.wk.value)?;
     let v_td = input.project(b, &attn.wv.value)?;
-    let (k_rot, v_nat) = whole_keys_values(
-        ctx,
-        groups,
-        &index,
-        &k_td,
-        &v_td,
-        (hkv, hd),
-        rope,
-        positions(None),
-    )?;
-    let q_src = with_zero_row(b, &q_td)?;
-    let mut lses = Vec::with_capacity(2);
-    let mut chunks = Vec::with_capacity(2);
-    for (i, s) in index.slots.iter().enumerate() {
-        let p = s.prefix;
-        let q_pad = b.rope(
-            &padded(b, &q_src, s, batch, (hq, hd))?,
-            rope,
-            false,
-            positions(Some(i)),
-        )?;
-        let k = s.prefix(b, &k_rot, batch, hkv, hd)?;
-        let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
-        let mask = prefixes.as_ref().and_then(|p| p[i].docs.as_ref());
-        let (o_pad, lse) = b.attention(&q_pad, &k, &v, mask)?;
-        chunks.push(b.permute(&o_pad.reshape(&[batch * p, hq * hd])?, &s.chunk_src)?);
-        lses.push(lse);
-    }
-    let o_td = b.permute(&b.concat(&[&chunks[0], &chunks[1]])?, &index.assemble_src)?;
+    let (k_rot, v_nat) = gqa_keys_values(ctx, groups, &exchange, attn, &k_td, &v_td)?;
+    let (o_td, lse) = {
+        let queries = gqa_queries(b, &exchange, attn, hq, hd);
+        exchange.attend(b, &q_td, &queries, &k_rot, &v_nat, hkv)?
+    };
     let y_td = LinearInput::new(&o_td, attn.fp8()).project(b, &attn.wo.value)?;
     Ok((
         y_td,
@@ -357,12 +454,60 @@ pub fn forward<B: Backend>(
             q_td,
             k_td,
             v_td,
-            lse: lses,
-            docs: docs.cloned().zip(prefixes),
+            lse,
             o_td,
-            index,
+            exchange,
         },
     ))
+}
+
+/// The whole micro-batch's rotated keys and its values, natural order
+/// `[B·S, Hkv·Hd]`, from every cp rank's `k, v: [T, Hkv·Hd]` (the forward
+/// and, again, the backward).
+fn gqa_keys_values<B: Backend>(
+    ctx: &Exec<B>,
+    groups: &LayerGroups,
+    exchange: &CpExchange<B>,
+    attn: &Attention<B>,
+    k_td: &Tensor<B>,
+    v_td: &Tensor<B>,
+) -> Result<(Tensor<B>, Tensor<B>)> {
+    let b = ctx.b;
+    let (batch, seq) = (exchange.batch(), exchange.seq());
+    let (hkv, hd) = (attn.kv_heads(), attn.head_dim());
+    let positions = exchange.whole_docs().and_then(|d| d.positions.as_ref());
+    let k_rot = b
+        .rope(
+            &exchange
+                .natural(ctx, groups, k_td)?
+                .reshape(&[batch, seq, hkv, hd])?,
+            attn.rope(),
+            false,
+            positions,
+        )?
+        .reshape(&[batch * seq, hkv * hd])?;
+    Ok((k_rot, exchange.natural(ctx, groups, v_td)?))
+}
+
+/// GQA's kernel queries of a held chunk: its padded query rows rotated at
+/// the prefix's positions.
+fn gqa_queries<'a, B: Backend>(
+    b: &'a B,
+    exchange: &'a CpExchange<B>,
+    attn: &'a Attention<B>,
+    hq: usize,
+    hd: usize,
+) -> impl Fn(usize, Tensor<B>) -> Result<Tensor<B>> + 'a {
+    move |i, rows: Tensor<B>| {
+        let p = rows.shape()[0] / exchange.batch();
+        let positions = exchange.chunk_docs(i).and_then(|d| d.positions.as_ref());
+        Ok(b.rope(
+            &rows.reshape(&[exchange.batch(), p, hq, hd])?,
+            attn.rope(),
+            false,
+            positions,
+        )?)
+    }
 }
 
 /// Accumulates `attn`'s projection gradients and returns `dx: [T, D]`; the
@@ -382,72 +527,35 @@ pub fn backward<B: Backend>(
         k_td,
         v_td,
         lse,
-        docs,
         o_td,
-        index,
+        exchange,
     } = saved;
-    let (batch, seq) = (index.batch, index.seq);
+    let (batch, seq) = (exchange.batch(), exchange.seq());
     let (hq, hkv, hd, rope) = (attn.heads(), attn.kv_heads(), attn.head_dim(), attn.rope());
-    let whole_positions = docs.as_ref().and_then(|(d, _)| d.positions.as_ref());
-    let prefix = |i: usize| docs.as_ref().map(|(_, p)| &p[i]);
     let do_td = LinearInput::new(&o_td, attn.fp8()).backward(b, &mut attn.wo, dy_td)?;
-    let do_src = with_zero_row(b, &do_td)?;
-    // The forward's keys and values and padded queries again; the padded
-    // outputs from this rank's rows, zero where the queries are padding
-    // (whose zero output gradient makes their outputs irrelevant).
-    let (k_rot, v_nat) = whole_keys_values(
-        ctx,
-        groups,
-        &index,
-        &k_td,
-        &v_td,
-        (hkv, hd),
-        rope,
-        whole_positions,
-    )?;
-    let (q_src, o_src) = (with_zero_row(b, &q_td)?, with_zero_row(b, &o_td)?);
-    let rows = batch * seq;
-    let mut dk_rot = b.zeros(&[rows, hkv * hd], k_rot.dtype())?;
-    let mut dv_nat = b.zeros(&[rows, hkv * hd], v_nat.dtype())?;
-    let mut dq_chunks = Vec::with_capacity(2);
-    if lse.len() != index.slots.len() {
-        return Err(EngineError::Invalid(format!(
-            "cp attention backward: {} log-sum-exps kept for {} held chunks",
-            lse.len(),
-            index.slots.len()
-        )));
-    }
-    for (i, (s, lse)) in index.slots.iter().zip(lse).enumerate() {
-        let p = s.prefix;
-        let (mask, positions) = (
-            prefix(i).and_then(|d| d.docs.as_ref()),
-            prefix(i).and_then(|d| d.positions.as_ref()),
-        );
-        let q_pad = b.rope(
-            &padded(b, &q_src, s, batch, (hq, hd))?,
-            rope,
-            false,
-            positions,
-        )?;
-        let o_pad = padded(b, &o_src, s, batch, (hq, hd))?;
-        let do_pad = padded(b, &do_src, s, batch, (hq, hd))?;
-        let k = s.prefix(b, &k_rot, batch, hkv, hd)?;
-        let v = s.prefix(b, &v_nat, batch, hkv, hd)?;
-        let (dq_pad, dk, dv) = b.attention_backward(&do_pad, &q_pad, &k, &v, &o_pad, &lse, mask)?;
-        let dq = b
-            .rope(&dq_pad, rope, true, positions)?
-            .reshape(&[batch * p, hq * hd])?;
-        dq_chunks.push(b.permute(&dq, &s.chunk_src)?);
-        let scatter = |d: Tensor<B>| -> Result<Tensor<B>> {
-            Ok(b.permute_backward(&d.reshape(&[batch * p, hkv * hd])?, &s.prefix_src, rows)?)
+    // The forward's keys and values again.
+    let (k_rot, v_nat) = gqa_keys_values(ctx, groups, &exchange, attn, &k_td, &v_td)?;
+    let (dq_td, dk_rot, dv_nat) = {
+        let queries = gqa_queries(b, &exchange, attn, hq, hd);
+        // The rotation's backward is its transpose: it rotates back.
+        let queries_backward = |i: usize, dq_pad: Tensor<B>| -> Result<Tensor<B>> {
+            let positions = exchange.chunk_docs(i).and_then(|d| d.positions.as_ref());
+            let p = dq_pad.shape()[1];
+            Ok(b.rope(&dq_pad, rope, true, positions)?
+                .reshape(&[batch * p, hq * hd])?)
         };
-        b.axpy(&mut dk_rot, 1.0, &scatter(dk)?)?;
-        b.axpy(&mut dv_nat, 1.0, &scatter(dv)?)?;
-    }
-    let dq_td = b.permute(
-        &b.concat(&[&dq_chunks[0], &dq_chunks[1]])?,
-        &index.assemble_src,
-    )?;
+        exchange.attend_backward(
+            b,
+            (&q_td, &o_td, &do_td),
+            lse,
+            &queries,
+            &queries_backward,
+            (&k_rot, &v_nat),
+            hkv,
+            None,
+        )?
+    };
+    let whole_positions = exchange.whole_docs().and_then(|d| d.positions.as_ref());
     let dk_nat = b
         .rope(
             &dk_rot.reshape(&[batch, seq, hkv, hd])?,
@@ -455,13 +563,9 @@ pub fn backward<B: Backend>(
             true,
             whole_positions,
         )?
-        .reshape(&[rows, hkv * hd])?;
-    let owned = |d: &Tensor<B>| -> Result<Tensor<B>> {
-        let gathered = b.permute(d, &index.gathered_src)?;
-        Ok(ctx.comm.reduce_scatter(b, &groups.cp, &gathered)?)
-    };
-    let dk_td = owned(&dk_nat)?;
-    let dv_td = owned(&dv_nat)?;
+        .reshape(&[batch * seq, hkv * hd])?;
+    let dk_td = exchange.owned(ctx, groups, &dk_nat)?;
+    let dv_td = exchange.owned(ctx, groups, &dv_nat)?;
     let input = LinearInput::from_saved(x, attn.fp8())?;
     let mut dx_td = project_backward(b, &mut attn.wq, &input, dq_td)?;
     b.axpy(
