@@ -67,6 +67,21 @@ pub enum QueryProj<B: Backend> {
     },
 }
 
+/// What the keys' and values' backward needs: the latent norm's state and
+/// its output (`wkv_b`'s input, under fp8 its column tiles).
+struct KvSaved<B: Backend> {
+    norm: NormSaved<B>,
+    ckv: LinearSaved<B>,
+}
+
+impl<B: Backend> KvSaved<B> {
+    /// Lists the norm's input and rstd, then the normed latent, under `slot`.
+    fn visit_saved(&mut self, slot: Slot, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        self.norm.visit_saved(slot, f);
+        self.ckv.visit(slot, f);
+    }
+}
+
 /// What the query projection's backward needs besides the layer input.
 enum QuerySaved<B: Backend> {
     LowRank {
@@ -271,8 +286,7 @@ pub struct Mla<B: Backend> {
 pub struct MlaSaved<B: Backend> {
     x: LinearSaved<B>,
     query: QuerySaved<B>,
-    kv_norm: NormSaved<B>,
-    ckv: LinearSaved<B>,
+    kv: KvSaved<B>,
     q_bshd: Tensor<B>,
     k_bshd: Tensor<B>,
     v_bshd: Tensor<B>,
@@ -299,8 +313,7 @@ impl<B: Backend> MlaSaved<B> {
             norm.visit_saved(latent, f);
             cq.visit(latent, f);
         }
-        self.kv_norm.visit_saved(latent, f);
-        self.ckv.visit(latent, f);
+        self.kv.visit_saved(latent, f);
         f(qkv, &mut self.q_bshd);
         f(qkv, &mut self.k_bshd);
         f(qkv, &mut self.v_bshd);
@@ -457,42 +470,14 @@ impl<B: Backend> Mla<B> {
         }
         let (batch, h, hd) = (tokens / seq_len, self.heads, self.kernel_head_dim());
         let n = tokens * h;
-        let (p, r, v) = (
-            self.dims.qk_nope_head_dim,
-            self.dims.qk_rope_head_dim,
-            self.dims.v_head_dim,
-        );
+        let v = self.dims.v_head_dim;
         let m = &self.maps;
 
-        // Query: each head's rotary tail is rotated; the head is rebuilt at width Hd.
         let input = self.input(x_td);
         let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
-        let q_nq = q_thq.reshape(&[n, p + r])?;
-        let qr_nr = self.rotate(
-            b,
-            m.q_rope_in.apply(b, &q_nq)?,
-            (batch, seq_len, h),
-            false,
-            docs,
-        )?;
-        let q_nd = b.add(&m.q_nope.apply(b, &q_nq)?, &m.q_rope_out.apply(b, &qr_nr)?)?;
-
-        // Keys/values: the normed latent expands to every head's position-free
-        // key and value; the one rotary key is rotated and copied to every head.
+        let q_nd = self.kernel_queries(b, &q_thq, (batch, seq_len), docs)?;
         let kva_ta = input.project(b, &self.wkv_a.value)?;
-        let (ckv_tl, kv_norm) = self.kv_norm.forward(b, &m.kv_latent.apply(b, &kva_ta)?)?;
-        let kr_tr = self.rotate(
-            b,
-            m.k_rope_in.apply(b, &kva_ta)?,
-            (batch, seq_len, 1),
-            false,
-            docs,
-        )?;
-        let ckv = LinearInput::kept(&ckv_tl, self.fp8);
-        let kv_nk = ckv.project(b, &self.wkv_b.value)?.reshape(&[n, p + v])?;
-        let kr_nd = m.k_rope_out.apply(b, &kr_tr)?.reshape(&[n, hd])?;
-        let k_nd = b.add(&m.k_nope.apply(b, &kv_nk)?, &kr_nd)?;
-        let v_nd = m.v_pad.apply(b, &kv_nk)?;
+        let (k_nd, v_nd, kv) = self.kernel_keys_values(b, &kva_ta, (batch, seq_len), docs)?;
 
         let bshd = [batch, seq_len, h, hd];
         let (q_bshd, k_bshd, v_bshd) = (
@@ -511,8 +496,7 @@ impl<B: Backend> Mla<B> {
         let saved = MlaSaved {
             x: input.into_saved(b)?,
             query,
-            kv_norm,
-            ckv: ckv.into_saved(b)?,
+            kv,
             q_bshd,
             k_bshd,
             v_bshd,
@@ -528,8 +512,7 @@ impl<B: Backend> Mla<B> {
         let MlaSaved {
             x,
             query,
-            kv_norm,
-            ckv,
+            kv,
             q_bshd,
             k_bshd,
             v_bshd,
@@ -539,12 +522,8 @@ impl<B: Backend> Mla<B> {
         } = saved;
         let docs = docs.as_ref();
         let (batch, seq_len, h, hd) = q_bshd.dims4("mla backward")?;
-        let (tokens, n) = (batch * seq_len, batch * seq_len * h);
-        let (p, r, v) = (
-            self.dims.qk_nope_head_dim,
-            self.dims.qk_rope_head_dim,
-            self.dims.v_head_dim,
-        );
+        let n = batch * seq_len * h;
+        let v = self.dims.v_head_dim;
 
         // Output projection; the kernel's padded o is rebuilt from the kept
         // one (its padding is zero).
@@ -566,37 +545,128 @@ impl<B: Backend> Mla<B> {
             &do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs, mask, v,
         )?;
 
-        // Keys/values in reverse; the shared rotary key sums its heads' gradients.
-        let dk_nd = dk_bshd.reshape(&[n, hd])?;
-        let mut dkv_nk = m.k_nope.adjoint(b, &dk_nd)?;
-        b.axpy(
-            &mut dkv_nk,
-            1.0,
-            &m.v_pad.adjoint(b, &dv_bshd.reshape(&[n, hd])?)?,
+        let dkva_ta = self.kernel_keys_values_backward(
+            b,
+            (&dk_bshd.reshape(&[n, hd])?, &dv_bshd.reshape(&[n, hd])?),
+            kv,
+            (batch, seq_len),
+            docs,
         )?;
-        let dkr_tr = m
-            .k_rope_out
-            .adjoint(b, &dk_nd.reshape(&[tokens, h * hd])?)?;
-        let dkr_tr = self.rotate(b, dkr_tr, (batch, seq_len, 1), true, docs)?;
-        let dkv_thk = dkv_nk.reshape(&[tokens, h * (p + v)])?;
-        let dckv_tl =
-            LinearInput::from_saved(ckv, self.fp8)?.backward(b, &mut self.wkv_b, &dkv_thk)?;
-        let dlat_tl = self.kv_norm.backward(b, &dckv_tl, kv_norm)?;
-        let mut dkva_ta = m.kv_latent.adjoint(b, &dlat_tl)?;
-        b.axpy(&mut dkva_ta, 1.0, &m.k_rope_in.adjoint(b, &dkr_tr)?)?;
         let input = LinearInput::from_saved(x, self.fp8)?;
         let mut dx_td = input.backward(b, &mut self.wkv_a, &dkva_ta)?;
-
-        // Query in reverse: the rotary tail rotates back.
-        let dq_nd = dq_bshd.reshape(&[n, hd])?;
-        let dqr_nr = m.q_rope_out.adjoint(b, &dq_nd)?;
-        let dqr_nr = self.rotate(b, dqr_nr, (batch, seq_len, h), true, docs)?;
-        let mut dq_nq = m.q_nope.adjoint(b, &dq_nd)?;
-        b.axpy(&mut dq_nq, 1.0, &m.q_rope_in.adjoint(b, &dqr_nr)?)?;
-        let dq_thq = dq_nq.reshape(&[tokens, h * (p + r)])?;
+        let dq_thq =
+            self.kernel_queries_backward(b, &dq_bshd.reshape(&[n, hd])?, (batch, seq_len), docs)?;
         let dxq_td = self.query.backward(b, &input, &dq_thq, query, self.fp8)?;
         b.axpy(&mut dx_td, 1.0, &dxq_td)?;
         Ok(dx_td)
+    }
+
+    /// The kernel's queries `[B·S·H, Hd]` from the query projection's
+    /// `q: [B·S, H·Q]` (rows in (sequence, position) order): each head's
+    /// rotary tail rotated at `docs`' positions, the head rebuilt at width
+    /// Hd (times the query scale). Zero rows give zero queries.
+    fn kernel_queries(
+        &self,
+        b: &B,
+        q_thq: &Tensor<B>,
+        (batch, seq_len): (usize, usize),
+        docs: Option<&DocTensors<B>>,
+    ) -> Result<Tensor<B>> {
+        let (m, h) = (&self.maps, self.heads);
+        let q = self.dims.qk_nope_head_dim + self.dims.qk_rope_head_dim;
+        let q_nq = q_thq.clone().reshape(&[batch * seq_len * h, q])?;
+        let qr_nr = self.rotate(
+            b,
+            m.q_rope_in.apply(b, &q_nq)?,
+            (batch, seq_len, h),
+            false,
+            docs,
+        )?;
+        Ok(b.add(&m.q_nope.apply(b, &q_nq)?, &m.q_rope_out.apply(b, &qr_nr)?)?)
+    }
+
+    /// The backward of [`Self::kernel_queries`]: `dq: [B·S·H, Hd]` to the
+    /// projection's `[B·S, H·Q]` (the rotary tail rotates back).
+    fn kernel_queries_backward(
+        &self,
+        b: &B,
+        dq_nd: &Tensor<B>,
+        (batch, seq_len): (usize, usize),
+        docs: Option<&DocTensors<B>>,
+    ) -> Result<Tensor<B>> {
+        let (m, h) = (&self.maps, self.heads);
+        let q = self.dims.qk_nope_head_dim + self.dims.qk_rope_head_dim;
+        let dqr_nr = m.q_rope_out.adjoint(b, dq_nd)?;
+        let dqr_nr = self.rotate(b, dqr_nr, (batch, seq_len, h), true, docs)?;
+        let mut dq_nq = m.q_nope.adjoint(b, dq_nd)?;
+        b.axpy(&mut dq_nq, 1.0, &m.q_rope_in.adjoint(b, &dqr_nr)?)?;
+        Ok(dq_nq.reshape(&[batch * seq_len, h * q])?)
+    }
+
+    /// The kernel's keys and values `[B·S·H, Hd]` from the down
+    /// projection's `kva: [B·S, L + R]`: the normed latent expands to every
+    /// head's position-free key and value, the one rotary key is rotated at
+    /// `docs`' positions and copied to every head; with what their backward
+    /// needs.
+    fn kernel_keys_values(
+        &self,
+        b: &B,
+        kva_ta: &Tensor<B>,
+        (batch, seq_len): (usize, usize),
+        docs: Option<&DocTensors<B>>,
+    ) -> Result<(Tensor<B>, Tensor<B>, KvSaved<B>)> {
+        let (m, h, hd) = (&self.maps, self.heads, self.kernel_head_dim());
+        let (p, v) = (self.dims.qk_nope_head_dim, self.dims.v_head_dim);
+        let n = batch * seq_len * h;
+        let (ckv_tl, kv_norm) = self.kv_norm.forward(b, &m.kv_latent.apply(b, kva_ta)?)?;
+        let kr_tr = self.rotate(
+            b,
+            m.k_rope_in.apply(b, kva_ta)?,
+            (batch, seq_len, 1),
+            false,
+            docs,
+        )?;
+        let ckv = LinearInput::kept(&ckv_tl, self.fp8);
+        let kv_nk = ckv.project(b, &self.wkv_b.value)?.reshape(&[n, p + v])?;
+        let kr_nd = m.k_rope_out.apply(b, &kr_tr)?.reshape(&[n, hd])?;
+        let k_nd = b.add(&m.k_nope.apply(b, &kv_nk)?, &kr_nd)?;
+        let v_nd = m.v_pad.apply(b, &kv_nk)?;
+        let kv = KvSaved {
+            norm: kv_norm,
+            ckv: ckv.into_saved(b)?,
+        };
+        Ok((k_nd, v_nd, kv))
+    }
+
+    /// The backward of [`Self::kernel_keys_values`] from `dk, dv: [B·S·H,
+    /// Hd]`: accumulates `wkv_b`'s and the latent norm's gradients and
+    /// returns `dkva: [B·S, L + R]` (the shared rotary key sums its heads').
+    fn kernel_keys_values_backward(
+        &mut self,
+        b: &B,
+        (dk_nd, dv_nd): (&Tensor<B>, &Tensor<B>),
+        kv: KvSaved<B>,
+        (batch, seq_len): (usize, usize),
+        docs: Option<&DocTensors<B>>,
+    ) -> Result<Tensor<B>> {
+        let (h, hd) = (self.heads, self.kernel_head_dim());
+        let (p, v) = (self.dims.qk_nope_head_dim, self.dims.v_head_dim);
+        let tokens = batch * seq_len;
+        let m = &self.maps;
+        let mut dkv_nk = m.k_nope.adjoint(b, dk_nd)?;
+        b.axpy(&mut dkv_nk, 1.0, &m.v_pad.adjoint(b, dv_nd)?)?;
+        let dkr_tr = m
+            .k_rope_out
+            .adjoint(b, &dk_nd.clone().reshape(&[tokens, h * hd])?)?;
+        let dkr_tr = self.rotate(b, dkr_tr, (batch, seq_len, 1), true, docs)?;
+        let dkv_thk = dkv_nk.reshape(&[tokens, h * (p + v)])?;
+        let dckv_tl =
+            LinearInput::from_saved(kv.ckv, self.fp8)?.backward(b, &mut self.wkv_b, &dkv_thk)?;
+        let dlat_tl = self.kv_norm.backward(b, &dckv_tl, kv.norm)?;
+        let m = &self.maps;
+        let mut dkva_ta = m.kv_latent.adjoint(b, &dlat_tl)?;
+        b.axpy(&mut dkva_ta, 1.0, &m.k_rope_in.adjoint(b, &dkr_tr)?)?;
+        Ok(dkva_ta)
     }
 }
 
