@@ -225,7 +225,8 @@ fn planner_counts_the_fp8_projections_inputs_within_1_percent() {
 /// rank's peak and its norms part within 1% of the plan, under tp, cp and
 /// both, in the model dtype and with fp8 attention projections (which keep
 /// the shard too, not fp8 tiles of the gathered rows), and for MLA under tp
-/// (whose latents every tp rank computes and keeps whole).
+/// (whose latents every tp rank computes and keeps whole), cp (this rank's
+/// query rows and down projection) and both.
 #[test]
 fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
     use foldmoe::core::spec::GemmPrecision;
@@ -241,6 +242,8 @@ fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
         (&base, "model dtype", "world=2,cp=2"),
         (&fp8, "fp8 attention", "world=4,tp=2,cp=2"),
         (&mla, "MLA with its MTP module", "world=2,tp=2"),
+        (&mla, "MLA with its MTP module", "world=2,cp=2"),
+        (&mla, "MLA with its MTP module", "world=4,tp=2,cp=2"),
     ] {
         let what = format!("{what} under {layout_text}");
         let layout = check(&LayoutSpec::parse(layout_text).unwrap(), spec).unwrap();

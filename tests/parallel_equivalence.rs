@@ -741,7 +741,9 @@ fn mla_spec() -> ModelSpec {
 /// MLA (DeepSeek-V3's attention) under tp: each rank computes its heads' up
 /// projections and output rows, the down projections and latent norms
 /// replicated with their gradients summed over tp; with experts folded over
-/// tp and with pipeline stages.
+/// tp and with pipeline stages. Under cp: the latents gathered over cp, the
+/// keys and values expanded from them on every rank; with tp, ep and
+/// documents.
 #[test]
 fn mla_layouts_match_one_rank() {
     check_layouts_of(
@@ -751,8 +753,13 @@ fn mla_layouts_match_one_rank() {
             "world=4,tp=4",
             "world=4,tp=2,ep=4",
             "world=4,tp=2,pp=2",
+            "world=2,cp=2",
+            "world=4,cp=4",
+            "world=4,tp=2,cp=2",
+            "world=4,cp=2,ep=4",
         ],
     );
+    check_layouts_with_documents(&mla_spec(), &["world=2,cp=2", "world=4,tp=2,cp=2"]);
 }
 
 /// An MLA model's checkpoint written under tp = 4 resumes on one rank and

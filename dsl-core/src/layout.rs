@@ -1076,15 +1076,7 @@ fn check_model_dims(s: &LayoutSpec, model: &ModelSpec, r: &mut Report) {
                 );
             }
         }
-        if a.mla.is_some() && s.cp > 1 {
-            r.err(
-                "cp",
-                format!(
-                    "cp = {}: MLA attention runs with cp = 1 only (its sequence is not split over cp yet); set cp = 1 and use tp, dp, pp, ep or etp",
-                    s.cp
-                ),
-            );
-        }
+
         match &g.ffn {
             FfnSpec::Dense { ffn } => {
                 if !ffn.is_multiple_of(tp) {
@@ -1862,10 +1854,7 @@ mod tests {
         // ep or tp (its heads split over tp, its latent is replicated).
         ok("world=4,ep=4", &m);
         ok("world=4,tp=4", &m);
-        assert_eq!(
-            one("world=2,cp=2", &m),
-            ("cp", "cp = 2: MLA attention runs with cp = 1 only (its sequence is not split over cp yet); set cp = 1 and use tp, dp, pp, ep or etp".into())
-        );
+        ok("world=2,cp=2", &m);
         let errs = messages("world=16,tp=16", &m);
         assert!(
             errs.iter()

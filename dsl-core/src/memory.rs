@@ -296,6 +296,29 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             }
             a.head_dim as f64
         }
+        Some(m) if layout.cp > 1 => {
+            // Under cp: the query latent before and after its norm (with
+            // its rstd), this rank's query rows (`mla_up_proj` drops them)
+            // and its down projection's latent and rotary key, which the
+            // backward gathers again to expand the keys and values.
+            let c = m.q_lora_rank as f64;
+            if m.q_lora_rank > 0 {
+                v.push(s(Part::Attention, None, None, Act, c));
+                projection_input(&mut v, Part::Attention, None, c, false);
+                v.push(s(Part::Attention, Some(R::Norm), None, Act, 1.0));
+            }
+            let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
+            v.push(s(
+                Part::Attention,
+                Some(R::MlaUpProj),
+                Some(O::Qkv),
+                Act,
+                heads * qk / t,
+            ));
+            let kva = (m.kv_lora_rank + m.qk_rope_head_dim) as f64;
+            v.push(s(Part::Attention, None, None, Act, kva));
+            m.v_head_dim as f64
+        }
         Some(m) => {
             // The latents before their norms (the norms' inputs, with
             // their rstd) and after them (the up-projections' inputs),

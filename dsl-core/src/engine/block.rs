@@ -21,7 +21,7 @@ use super::activations::{Held, Ledger, Slot, Stash};
 use super::attention::{Attention, AttentionSaved};
 use super::documents::DocTensors;
 use super::linear::LinearSaved;
-use super::mla::{Mla, MlaSaved};
+use super::mla::{Mla, MlaCpSaved, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
 use super::moe::{MoeBackward, MoeForward, MoeLayer, MoeOut, MoeSaved, MoeStats};
 use super::norm::{NormSaved, RmsNorm};
@@ -141,6 +141,7 @@ enum FfnSaved<B: Backend> {
 enum BlockAttnSaved<B: Backend> {
     Local(AttnSaved<B>),
     Cp(Box<CpAttentionSaved<B>>),
+    MlaCp(Box<MlaCpSaved<B>>),
 }
 
 /// A pre-norm transformer block of one rank.
@@ -233,6 +234,7 @@ impl<B: Backend> BlockAttnSaved<B> {
         match self {
             BlockAttnSaved::Local(s) => s.visit_saved(f),
             BlockAttnSaved::Cp(s) => s.visit_saved(f),
+            BlockAttnSaved::MlaCp(s) => s.visit_saved(f),
         }
     }
 
@@ -241,6 +243,7 @@ impl<B: Backend> BlockAttnSaved<B> {
         match self {
             BlockAttnSaved::Local(s) => s.input_mut(),
             BlockAttnSaved::Cp(s) => s.input_mut(),
+            BlockAttnSaved::MlaCp(s) => s.input_mut(),
         }
     }
 }
@@ -311,7 +314,7 @@ impl<B: Backend> Block<B> {
         groups: LayerGroups,
     ) -> Result<Self> {
         let d = model.hidden;
-        let (tp, cp) = (groups.tp.size(), groups.cp.size());
+        let tp = groups.tp.size();
         let ffn = match &group.ffn {
             FfnSpec::Dense { ffn } => Ffn::Dense(Box::new(SwiGluMlp::new(
                 b,
@@ -345,13 +348,6 @@ impl<B: Backend> Block<B> {
                 let mut a = Attention::new(b, &attn_prefix, model, spec, init, dtype)?;
                 a.take_heads(tp)?;
                 Attn::Gqa(Box::new(a))
-            }
-            Some(_) if cp > 1 => {
-                return Err(EngineError::Invalid(format!(
-                    "model {}: MLA attention under cp = {cp} is not supported by the runtime \
-                     yet; use cp = 1 (tp, ep, etp, dp and pp work)",
-                    model.name
-                )));
             }
             Some(mla) => {
                 let mut m = Mla::new(b, &attn_prefix, model, spec.heads, mla, init, dtype)?;
@@ -506,6 +502,10 @@ impl<B: Backend> Block<B> {
             Attn::Gqa(a) if self.groups.cp.size() > 1 => {
                 let (y, saved) = context::forward(ctx, &self.groups, a, &h_full, seq_len)?;
                 (y, BlockAttnSaved::Cp(Box::new(saved)))
+            }
+            Attn::Mla(m) if self.groups.cp.size() > 1 => {
+                let (y, saved) = m.forward_cp(ctx, &self.groups, &h_full, seq_len)?;
+                (y, BlockAttnSaved::MlaCp(Box::new(saved)))
             }
             _ => {
                 let (y, saved) = self.attn.forward(ctx.b, &h_full, seq_len, ctx.docs)?;
@@ -776,6 +776,9 @@ impl<B: Backend> Block<B> {
         let da_full = match (&mut self.attn, attn) {
             (Attn::Gqa(a), BlockAttnSaved::Cp(s)) => {
                 context::backward(ctx, &self.groups, a, &dx1_full, *s)?
+            }
+            (Attn::Mla(m), BlockAttnSaved::MlaCp(s)) => {
+                m.backward_cp(ctx, &self.groups, &dx1_full, *s)?
             }
             (_, BlockAttnSaved::Local(s)) => self.attn.backward(b, &dx1_full, s)?,
             _ => {

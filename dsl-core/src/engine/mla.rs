@@ -44,6 +44,8 @@ use super::attention::rope_of;
 use super::documents::DocTensors;
 use super::linear::{LinearInput, LinearSaved};
 use super::norm::{NormSaved, RmsNorm};
+use super::parallel::context::CpExchange;
+use super::parallel::{Exec, LayerGroups};
 use super::param::{Init, Module, Param};
 use super::{EngineError, Result};
 use crate::memory::Part;
@@ -278,6 +280,61 @@ pub struct Mla<B: Backend> {
     /// [`Self::take_heads`]): the block then keeps the rank's shard for the
     /// backward, so the layer makes no fp8 column tiles of it.
     input_gathered: bool,
+}
+
+/// What MLA's context-parallel backward needs ([`Mla::forward_cp`]): the
+/// input, the query state, this rank's query rows and down projection (the
+/// backward pads the queries and gathers the latents again, so the whole
+/// sequence's keys and values are never kept), each held chunk's
+/// log-sum-exp and the output without its padding.
+pub struct MlaCpSaved<B: Backend> {
+    x: LinearSaved<B>,
+    query: QuerySaved<B>,
+    /// `[T, H·Q]`, this rank's rows.
+    q_thq: Tensor<B>,
+    /// `[T, L + R]`, this rank's rows.
+    kva_ta: Tensor<B>,
+    lse: Vec<Tensor<B>>,
+    /// `[T, H·V]`.
+    o_thv: Tensor<B>,
+    exchange: CpExchange<B>,
+}
+
+impl<B: Backend> MlaCpSaved<B> {
+    /// Lists the saved tensors with the slots of [`MlaSaved`]'s: the input,
+    /// the query latents (kept), the query rows (`qkv`, dropped by
+    /// `mla_up_proj`), the down projection (kept), the log-sum-exps
+    /// (`core_attn`), the output (`attn_proj`) and the int32 row maps.
+    pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
+        let latent = Slot::kept(Part::Attention);
+        self.x.visit(Slot::NORM_OUT, f);
+        if let QuerySaved::LowRank { norm, cq } = &mut self.query {
+            norm.visit_saved(latent, f);
+            cq.visit(latent, f);
+        }
+        f(
+            latent
+                .recompute(RecomputePart::MlaUpProj)
+                .offload(OffloadPart::Qkv),
+            &mut self.q_thq,
+        );
+        f(latent, &mut self.kva_ta);
+        for lse in &mut self.lse {
+            f(
+                latent
+                    .recompute(RecomputePart::CoreAttn)
+                    .offload(OffloadPart::CoreAttn),
+                lse,
+            );
+        }
+        f(latent.offload(OffloadPart::AttnProj), &mut self.o_thv);
+        self.exchange.visit_saved(latent, f);
+    }
+
+    /// The kept input (the block swaps in the rank's sequence shard).
+    pub(crate) fn input_mut(&mut self) -> &mut LinearSaved<B> {
+        &mut self.x
+    }
 }
 
 /// What MLA's backward needs: the input and the latents after their norms
@@ -667,6 +724,164 @@ impl<B: Backend> Mla<B> {
         let mut dkva_ta = m.kv_latent.adjoint(b, &dlat_tl)?;
         b.axpy(&mut dkva_ta, 1.0, &m.k_rope_in.adjoint(b, &dkr_tr)?)?;
         Ok(dkva_ta)
+    }
+
+    /// Context parallelism: `x: [T, D]`, this rank's tokens of `T / (S/cp)`
+    /// sequences of `seq_len` S → `[T, D]`. The queries are this rank's;
+    /// the down projection's latent and rotary key (`L + R` a token, far
+    /// fewer than the heads' keys and values) are all-gathered over cp and
+    /// every rank expands the whole sequence's keys and values from them
+    /// (the latent norm's and `wkv_b`'s gradients then sum over dp × cp like
+    /// any dense parameter's).
+    pub(crate) fn forward_cp(
+        &self,
+        ctx: &Exec<B>,
+        groups: &LayerGroups,
+        x_td: &Tensor<B>,
+        seq_len: usize,
+    ) -> Result<(Tensor<B>, MlaCpSaved<B>)> {
+        let b = ctx.b;
+        let (t, _) = x_td.dims2("mla cp")?;
+        let exchange = CpExchange::new(ctx, groups, t, seq_len)?;
+        let (batch, seq, h, hd) = (
+            exchange.batch(),
+            exchange.seq(),
+            self.heads,
+            self.kernel_head_dim(),
+        );
+        let v = self.dims.v_head_dim;
+        let input = self.input(x_td);
+        let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
+        let kva_ta = input.project(b, &self.wkv_a.value)?;
+        let kva_nat = exchange.natural(ctx, groups, &kva_ta)?;
+        let (k_nd, v_nd, _) =
+            self.kernel_keys_values(b, &kva_nat, (batch, seq), exchange.whole_docs())?;
+        let whole = [batch * seq, h * hd];
+        let (o_td, lse) = {
+            let queries = self.cp_queries(b, &exchange);
+            exchange.attend(
+                b,
+                &q_thq,
+                &queries,
+                &k_nd.reshape(&whole)?,
+                &v_nd.reshape(&whole)?,
+                h,
+            )?
+        };
+        // The padded value dims of o are exactly zero; keep o without them.
+        let o_thv = self
+            .maps
+            .o_slice
+            .apply(b, &o_td.reshape(&[t * h, hd])?)?
+            .reshape(&[t, h * v])?;
+        let y_td = LinearInput::new(&o_thv, self.fp8).project(b, &self.wo.value)?;
+        let saved = MlaCpSaved {
+            x: input.into_saved(b)?,
+            query,
+            q_thq,
+            kva_ta,
+            lse,
+            o_thv,
+            exchange,
+        };
+        Ok((y_td, saved))
+    }
+
+    /// The backward of [`Self::forward_cp`]: accumulates every projection's
+    /// and norm's gradient and returns `dx: [T, D]`; the latents' gradients
+    /// of every rank's queries are reduce-scattered back to their tokens'
+    /// ranks.
+    pub(crate) fn backward_cp(
+        &mut self,
+        ctx: &Exec<B>,
+        groups: &LayerGroups,
+        dy_td: &Tensor<B>,
+        saved: MlaCpSaved<B>,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let MlaCpSaved {
+            x,
+            query,
+            q_thq,
+            kva_ta,
+            lse,
+            o_thv,
+            exchange,
+        } = saved;
+        let (batch, seq, h, hd) = (
+            exchange.batch(),
+            exchange.seq(),
+            self.heads,
+            self.kernel_head_dim(),
+        );
+        let v = self.dims.v_head_dim;
+        let (t, _) = o_thv.dims2("mla cp backward")?;
+        let do_thv = LinearInput::new(&o_thv, self.fp8).backward(b, &mut self.wo, dy_td)?;
+        // The kernel's padded o and dO (zero past the value width).
+        let pad = |d: &Tensor<B>| -> Result<Tensor<B>> {
+            Ok(self
+                .maps
+                .o_slice
+                .adjoint(b, &d.clone().reshape(&[t * h, v])?)?
+                .reshape(&[t, h * hd])?)
+        };
+        let (o_td, do_td) = (pad(&o_thv)?, pad(&do_thv)?);
+        // The forward's keys and values again, from the gathered latents.
+        let whole_docs = exchange.whole_docs();
+        let kva_nat = exchange.natural(ctx, groups, &kva_ta)?;
+        let (k_nd, v_nd, kv) = self.kernel_keys_values(b, &kva_nat, (batch, seq), whole_docs)?;
+        let whole = [batch * seq, h * hd];
+        let (dq_thq, dk_nat, dv_nat) = {
+            let queries = self.cp_queries(b, &exchange);
+            let queries_backward = |i: usize, dq_pad: Tensor<B>| -> Result<Tensor<B>> {
+                let p = dq_pad.shape()[1];
+                self.kernel_queries_backward(
+                    b,
+                    &dq_pad.reshape(&[batch * p * h, hd])?,
+                    (batch, p),
+                    exchange.chunk_docs(i),
+                )
+            };
+            exchange.attend_backward(
+                b,
+                (&q_thq, &o_td, &do_td),
+                lse,
+                &queries,
+                &queries_backward,
+                (&k_nd.reshape(&whole)?, &v_nd.reshape(&whole)?),
+                h,
+                Some(v),
+            )?
+        };
+        let n = batch * seq * h;
+        let dkva_nat = self.kernel_keys_values_backward(
+            b,
+            (&dk_nat.reshape(&[n, hd])?, &dv_nat.reshape(&[n, hd])?),
+            kv,
+            (batch, seq),
+            whole_docs,
+        )?;
+        let dkva_ta = exchange.owned(ctx, groups, &dkva_nat)?;
+        let input = LinearInput::from_saved(x, self.fp8)?;
+        let mut dx_td = input.backward(b, &mut self.wkv_a, &dkva_ta)?;
+        let dxq_td = self.query.backward(b, &input, &dq_thq, query, self.fp8)?;
+        b.axpy(&mut dx_td, 1.0, &dxq_td)?;
+        Ok(dx_td)
+    }
+
+    /// The kernel's queries of a held chunk from its padded query rows
+    /// `[B·P, H·Q]`, rotated at the prefix's positions: `[B, P, H, Hd]`.
+    fn cp_queries<'a>(
+        &'a self,
+        b: &'a B,
+        exchange: &'a CpExchange<B>,
+    ) -> impl Fn(usize, Tensor<B>) -> Result<Tensor<B>> + 'a {
+        move |i, rows: Tensor<B>| {
+            let batch = exchange.batch();
+            let p = rows.shape()[0] / batch;
+            let q_nd = self.kernel_queries(b, &rows, (batch, p), exchange.chunk_docs(i))?;
+            Ok(q_nd.reshape(&[batch, p, self.heads, self.kernel_head_dim()])?)
+        }
     }
 }
 
