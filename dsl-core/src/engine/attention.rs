@@ -208,11 +208,7 @@ impl<B: Backend> Attention<B> {
     /// its fp8 column tiles made in the forward unless the block keeps the
     /// rank's shard of it (a tp-gathered input).
     pub(crate) fn input(&self, x_td: &Tensor<B>) -> LinearInput<B> {
-        if self.input_gathered {
-            LinearInput::new(x_td, self.fp8)
-        } else {
-            LinearInput::kept(x_td, self.fp8)
-        }
+        LinearInput::layer_input(x_td, self.fp8, self.input_gathered)
     }
 
     /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of

@@ -124,6 +124,13 @@ impl<B: Backend> LinearInput<B> {
         Self::with(x_tk, fp8, true)
     }
 
+    /// A layer's input `x`: [`Self::kept`], unless `gathered` (the caller
+    /// keeps its own shard of it, or does not keep it at all), then
+    /// [`Self::new`], so no column tiles are made for nothing.
+    pub(crate) fn layer_input(x_tk: &Tensor<B>, fp8: bool, gathered: bool) -> Self {
+        Self::with(x_tk, fp8, !gathered)
+    }
+
     fn with(x_tk: &Tensor<B>, fp8: bool, keep_columns: bool) -> Self {
         LinearInput {
             x_tk: Some(x_tk.clone()),

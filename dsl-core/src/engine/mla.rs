@@ -476,17 +476,6 @@ impl<B: Backend> Mla<B> {
         Ok(())
     }
 
-    /// The input `x` of the down projections (or the full-rank query), to
-    /// be kept by [`LinearInput::into_saved`]: its fp8 column tiles made in
-    /// the forward unless the block keeps the rank's shard of it.
-    fn input(&self, x_td: &Tensor<B>) -> LinearInput<B> {
-        if self.input_gathered {
-            LinearInput::new(x_td, self.fp8)
-        } else {
-            LinearInput::kept(x_td, self.fp8)
-        }
-    }
-
     /// The head dim given to the attention kernel: `max(P + R, V)`.
     fn kernel_head_dim(&self) -> usize {
         let m = &self.dims;
@@ -526,15 +515,11 @@ impl<B: Backend> Mla<B> {
             )));
         }
         let (batch, h, hd) = (tokens / seq_len, self.heads, self.kernel_head_dim());
-        let n = tokens * h;
-        let v = self.dims.v_head_dim;
-        let m = &self.maps;
-
-        let input = self.input(x_td);
+        let input = LinearInput::layer_input(x_td, self.fp8, self.input_gathered);
         let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
         let q_nd = self.kernel_queries(b, &q_thq, (batch, seq_len), docs)?;
         let kva_ta = input.project(b, &self.wkv_a.value)?;
-        let (k_nd, v_nd, kv) = self.kernel_keys_values(b, &kva_ta, (batch, seq_len), docs)?;
+        let (k_nd, v_nd, kv) = self.kernel_keys_values(b, &kva_ta, (batch, seq_len), docs, true)?;
 
         let bshd = [batch, seq_len, h, hd];
         let (q_bshd, k_bshd, v_bshd) = (
@@ -544,11 +529,7 @@ impl<B: Backend> Mla<B> {
         );
         let mask = docs.and_then(|d| d.docs.as_ref());
         let (o_bshd, lse_bhs) = b.attention(&q_bshd, &k_bshd, &v_bshd, mask)?;
-        let o_nd = o_bshd.reshape(&[n, hd])?;
-        // The padded value dims of o are exactly zero; drop them (and keep
-        // o without them: V / max(P + R, V) of the padded bytes).
-        let o_thv = m.o_slice.apply(b, &o_nd)?.reshape(&[tokens, h * v])?;
-        drop(o_nd);
+        let o_thv = self.unpadded_values(b, o_bshd, tokens)?;
         let y_td = LinearInput::new(&o_thv, self.fp8).project(b, &self.wo.value)?;
         let saved = MlaSaved {
             x: input.into_saved(b)?,
@@ -584,17 +565,10 @@ impl<B: Backend> Mla<B> {
 
         // Output projection; the kernel's padded o is rebuilt from the kept
         // one (its padding is zero).
-        let m = &self.maps;
         let do_thv = LinearInput::new(&o_thv, self.fp8).backward(b, &mut self.wo, dy_td)?;
         let bshd = [batch, seq_len, h, hd];
-        let do_bshd = m
-            .o_slice
-            .adjoint(b, &do_thv.reshape(&[n, v])?)?
-            .reshape(&bshd)?;
-        let o_bshd = m
-            .o_slice
-            .adjoint(b, &o_thv.reshape(&[n, v])?)?
-            .reshape(&bshd)?;
+        let do_bshd = self.padded_values(b, &do_thv)?.reshape(&bshd)?;
+        let o_bshd = self.padded_values(b, &o_thv)?.reshape(&bshd)?;
         let mask = docs.and_then(|d| d.docs.as_ref());
         // v and dO are zero past the value width `v`: MLA's backward may
         // read only those columns.
@@ -616,6 +590,28 @@ impl<B: Backend> Mla<B> {
         let dxq_td = self.query.backward(b, &input, &dq_thq, query, self.fp8)?;
         b.axpy(&mut dx_td, 1.0, &dxq_td)?;
         Ok(dx_td)
+    }
+
+    /// The kernel's output `o: [T, H, Hd]` (any shape of `T·H·Hd`) without
+    /// its value padding, which is exactly zero: `[T, H·V]`, what the output
+    /// projection reads and the backward keeps.
+    fn unpadded_values(&self, b: &B, o: Tensor<B>, tokens: usize) -> Result<Tensor<B>> {
+        let (h, hd, v) = (self.heads, self.kernel_head_dim(), self.dims.v_head_dim);
+        Ok(self
+            .maps
+            .o_slice
+            .apply(b, &o.reshape(&[tokens * h, hd])?)?
+            .reshape(&[tokens, h * v])?)
+    }
+
+    /// `x: [T, H·V]` (an output or its gradient) at the kernel's head width
+    /// again: `[T·H, Hd]`, zero past V.
+    fn padded_values(&self, b: &B, x_thv: &Tensor<B>) -> Result<Tensor<B>> {
+        let (t, _) = x_thv.dims2("mla values")?;
+        let (h, v) = (self.heads, self.dims.v_head_dim);
+        self.maps
+            .o_slice
+            .adjoint(b, &x_thv.clone().reshape(&[t * h, v])?)
     }
 
     /// The kernel's queries `[B·S·H, Hd]` from the query projection's
@@ -664,13 +660,15 @@ impl<B: Backend> Mla<B> {
     /// projection's `kva: [B·S, L + R]`: the normed latent expands to every
     /// head's position-free key and value, the one rotary key is rotated at
     /// `docs`' positions and copied to every head; with what their backward
-    /// needs.
+    /// needs (`keep`: whether it will be kept, so fp8 makes the normed
+    /// latent's column tiles with its row tiles).
     fn kernel_keys_values(
         &self,
         b: &B,
         kva_ta: &Tensor<B>,
         (batch, seq_len): (usize, usize),
         docs: Option<&DocTensors<B>>,
+        keep: bool,
     ) -> Result<(Tensor<B>, Tensor<B>, KvSaved<B>)> {
         let (m, h, hd) = (&self.maps, self.heads, self.kernel_head_dim());
         let (p, v) = (self.dims.qk_nope_head_dim, self.dims.v_head_dim);
@@ -683,7 +681,7 @@ impl<B: Backend> Mla<B> {
             false,
             docs,
         )?;
-        let ckv = LinearInput::kept(&ckv_tl, self.fp8);
+        let ckv = LinearInput::layer_input(&ckv_tl, self.fp8, !keep);
         let kv_nk = ckv.project(b, &self.wkv_b.value)?.reshape(&[n, p + v])?;
         let kr_nd = m.k_rope_out.apply(b, &kr_tr)?.reshape(&[n, hd])?;
         let k_nd = b.add(&m.k_nope.apply(b, &kv_nk)?, &kr_nd)?;
@@ -749,13 +747,13 @@ impl<B: Backend> Mla<B> {
             self.heads,
             self.kernel_head_dim(),
         );
-        let v = self.dims.v_head_dim;
-        let input = self.input(x_td);
+        let input = LinearInput::layer_input(x_td, self.fp8, self.input_gathered);
         let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
         let kva_ta = input.project(b, &self.wkv_a.value)?;
         let kva_nat = exchange.natural(ctx, groups, &kva_ta)?;
+        // The latent is kept by no one here (the backward expands it again).
         let (k_nd, v_nd, _) =
-            self.kernel_keys_values(b, &kva_nat, (batch, seq), exchange.whole_docs())?;
+            self.kernel_keys_values(b, &kva_nat, (batch, seq), exchange.whole_docs(), false)?;
         let whole = [batch * seq, h * hd];
         let (o_td, lse) = {
             let queries = self.cp_queries(b, &exchange);
@@ -768,12 +766,7 @@ impl<B: Backend> Mla<B> {
                 h,
             )?
         };
-        // The padded value dims of o are exactly zero; keep o without them.
-        let o_thv = self
-            .maps
-            .o_slice
-            .apply(b, &o_td.reshape(&[t * h, hd])?)?
-            .reshape(&[t, h * v])?;
+        let o_thv = self.unpadded_values(b, o_td, t)?;
         let y_td = LinearInput::new(&o_thv, self.fp8).project(b, &self.wo.value)?;
         let saved = MlaCpSaved {
             x: input.into_saved(b)?,
@@ -819,17 +812,14 @@ impl<B: Backend> Mla<B> {
         let do_thv = LinearInput::new(&o_thv, self.fp8).backward(b, &mut self.wo, dy_td)?;
         // The kernel's padded o and dO (zero past the value width).
         let pad = |d: &Tensor<B>| -> Result<Tensor<B>> {
-            Ok(self
-                .maps
-                .o_slice
-                .adjoint(b, &d.clone().reshape(&[t * h, v])?)?
-                .reshape(&[t, h * hd])?)
+            Ok(self.padded_values(b, d)?.reshape(&[t, h * hd])?)
         };
         let (o_td, do_td) = (pad(&o_thv)?, pad(&do_thv)?);
         // The forward's keys and values again, from the gathered latents.
         let whole_docs = exchange.whole_docs();
         let kva_nat = exchange.natural(ctx, groups, &kva_ta)?;
-        let (k_nd, v_nd, kv) = self.kernel_keys_values(b, &kva_nat, (batch, seq), whole_docs)?;
+        let (k_nd, v_nd, kv) =
+            self.kernel_keys_values(b, &kva_nat, (batch, seq), whole_docs, true)?;
         let whole = [batch * seq, h * hd];
         let (dq_thq, dk_nat, dv_nat) = {
             let queries = self.cp_queries(b, &exchange);
