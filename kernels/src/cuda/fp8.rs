@@ -131,6 +131,9 @@ pub(crate) enum Fp8Kernel {
     /// first promoted while the second runs), stores staged in shared
     /// memory; 1.2–1.4× V1 on the H200.
     WgmmaV2,
+    /// V2 with tiles of 6 or 16 blocks of K as one unrolled chain (only the
+    /// tile's last block drains the tensor cores); the same sums as V2.
+    WgmmaV3,
 }
 
 /// `FOLDMOE_FP8_GEMM=emulate` keeps the emulated fp8 products (forward, data
@@ -141,6 +144,7 @@ fn fp8_kernel_default() -> Fp8Kernel {
     *KERNEL.get_or_init(|| match std::env::var("FOLDMOE_FP8_GEMM").as_deref() {
         Ok("emulate") => Fp8Kernel::Emulated,
         Ok("v1") => Fp8Kernel::WgmmaV1,
+        Ok("v3") => Fp8Kernel::WgmmaV3,
         _ => Fp8Kernel::WgmmaV2,
     })
 }
@@ -242,11 +246,13 @@ impl Cuda {
         let tb = fp8_map(OP, wp, &[k64, n64, g64], &[128, 128, 1])?;
         let smem = f8_smem_bytes(g) as u32;
         self.bind()?;
-        let name = match (dtype == DType::F32, kernel == Fp8Kernel::WgmmaV1) {
-            (true, false) => "grouped_mm_fp8_wgmma_f32",
-            (false, false) => "grouped_mm_fp8_wgmma_bf16",
-            (true, true) => "grouped_mm_fp8_wgmma_f32_v1",
-            (false, true) => "grouped_mm_fp8_wgmma_bf16_v1",
+        let name = match (dtype == DType::F32, kernel) {
+            (true, Fp8Kernel::WgmmaV1) => "grouped_mm_fp8_wgmma_f32_v1",
+            (false, Fp8Kernel::WgmmaV1) => "grouped_mm_fp8_wgmma_bf16_v1",
+            (true, Fp8Kernel::WgmmaV3) => "grouped_mm_fp8_wgmma_f32_v3",
+            (false, Fp8Kernel::WgmmaV3) => "grouped_mm_fp8_wgmma_bf16_v3",
+            (true, _) => "grouped_mm_fp8_wgmma_f32",
+            (false, _) => "grouped_mm_fp8_wgmma_bf16",
         };
         let f = self.func_smem(FP8_SM90, name, smem)?;
         // At most M / 128 + G + 1 row tiles (the last for the rows past
@@ -862,8 +868,9 @@ mod tests {
     /// The fp8 wgmma products at the Qwen3-30B-A3B expert shapes (131072
     /// rows, the last 40 past the groups, in 128 uneven groups; hidden 2048,
     /// ffn 768): fc1's forward (K 2048 → N 768) and data gradient (K 768 → N
-    /// 2048), fc2's likewise, each on both wgmma versions, against the
-    /// emulation (dequantise, f32 grouped GEMM) on the same operands: relative Frobenius difference within 2⁻⁹
+    /// 2048), fc2's likewise, each on the three wgmma versions, against the
+    /// emulation (dequantise, f32 grouped GEMM) on the same operands (V3
+    /// bit-equal to V2): relative Frobenius difference within 2⁻⁹
     /// (the tensor cores' narrower accumulation inside each 128-block, see
     /// `fp8_gemms_at_tensor_core_shapes`), padding rows zero, the bf16
     /// output the f32 one rounded. Prints each product's time (host clock,
@@ -914,12 +921,22 @@ mod tests {
             let t16 = time(&|| {
                 d.grouped_matmul(ab, wb, &gs, trans).unwrap();
             });
-            for kernel in [Fp8Kernel::WgmmaV2, Fp8Kernel::WgmmaV1] {
+            let mut v2_out = None;
+            for kernel in [Fp8Kernel::WgmmaV2, Fp8Kernel::WgmmaV3, Fp8Kernel::WgmmaV1] {
                 let run = |dtype| {
                     d.grouped_matmul_fp8_on(a, w, &gs, trans, dtype, kernel)
                         .unwrap()
                 };
                 let g32 = host(&d, &run(DType::F32));
+                // V3 promotes the same products in the same order as V2.
+                match (kernel, &v2_out) {
+                    (Fp8Kernel::WgmmaV2, _) => v2_out = Some(g32.clone()),
+                    (Fp8Kernel::WgmmaV3, Some(v2)) => assert!(
+                        g32.iter().zip(v2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name}: V3 differs from V2"
+                    ),
+                    _ => {}
+                }
                 let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
                 for (&p, &r) in g32.iter().zip(&w32) {
                     let diff = f64::from(p) - f64::from(r);

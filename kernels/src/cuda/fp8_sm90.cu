@@ -278,6 +278,34 @@ __device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], floa
     }
 }
 
+// V3's tile of NKC blocks of K as one unrolled chain: block kb's wgmmas are
+// issued before block kb - 1 is waited for and promoted, so only the tile's
+// last block drains the tensor cores (V2 drains every pair: with a runtime
+// count, in-flight wgmmas at a loop's back edge make ptxas serialise them).
+template <int NKC>
+__device__ __forceinline__ void f8_chain(float (&acc)[64], float (&t0)[64], float (&t1)[64], const float* sa0,
+                                         const float* sa1, const float* sbt, i64 sbk, unsigned stage0, unsigned bar0,
+                                         int wg, int lane, F8Pipe& pp) {
+    f8_step<false>(acc, t0, t1, 0, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+#pragma unroll
+    for (int kb = 1; kb < NKC; ++kb) {
+        if (kb & 1)
+            f8_step<true>(acc, t1, t0, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+        else
+            f8_step<true>(acc, t0, t1, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+    }
+    wg_wait<0>();
+    if ((NKC - 1) & 1) {
+        wg_pin(t1);
+        if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + pp.ps));
+        f8_promote(acc, t1, pp.q0, pp.q1);
+    } else {
+        wg_pin(t0);
+        if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + pp.ps));
+        f8_promote(acc, t0, pp.q0, pp.q1);
+    }
+}
+
 // The kernel (see the top of the file). Grid: min(tiles, SMs) blocks of
 // F8_THREADS; ta maps x codes [M, K] (box 128 × 128), tb w codes [G, N, K]
 // (box 128 × 128 × 1); offs / tiles: group_offsets' outputs; out [M, N].
@@ -285,8 +313,10 @@ __device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], floa
 // issued before block kb - 1 is promoted (the tensor cores stay busy during
 // the promotion; 192 accumulator registers), and the output is staged per
 // warp in shared memory and written in whole 16-byte pieces. V1: one
-// temporary, wait then promote, stores straight from registers.
-template <bool OUTF, bool V2>
+// temporary, wait then promote, stores straight from registers. V3 (VER
+// 3): V2 with the tiles of 6 and 16 blocks of K (the experts' K 768 and
+// 2048) as one unrolled chain each (f8_chain).
+template <bool OUTF, int VER>
 __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, const float* __restrict__ sa,
                                         const float* __restrict__ sb, i64 sbg, i64 sbk, i64 sbn,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
@@ -360,7 +390,15 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             const float* sa0 = sa + (r0 < m ? r0 : 0) * nk;
             const float* sa1 = sa + (r0 + 8 < m ? r0 + 8 : 0) * nk;
             const float* sbt = sb + (i64)tl.grp * sbg + (tl.col0 / F8_BN) * sbn;
-            if (V2) {
+            if (VER == 3 && (tl.nk == 16 || tl.nk == 6)) {
+                F8Pipe pp{s, ph, 0, 0.0f, 0.0f};
+                if (tl.nk == 16)
+                    f8_chain<16>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                else
+                    f8_chain<6>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                s = pp.s;
+                ph = pp.ph;
+            } else if (VER >= 2) {
                 // Blocks in pairs: kb's wgmmas into tmp, kb + 1's into tmp2;
                 // kb is waited for (wait_group 1), released and promoted while
                 // kb + 1's run; then kb + 1. Nothing stays in flight from one
@@ -410,7 +448,7 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                 }
             }
             bool in0 = r0 < tl.row_end, in1 = r0 + 8 < tl.row_end;
-            if (!V2) {
+            if (VER == 1) {
                 // Register 4 j + e is column col0 + 8 j + 2 (lane % 4) + e % 2.
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
@@ -685,17 +723,24 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
         i64 sbk, i64 sbn, const i64 *offs, const i64 *tiles
 #define F8_ENTRY extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
 F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<false, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+    f8_body<false, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<true, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+    f8_body<true, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+// V3 (FOLDMOE_FP8_GEMM=v3): the unrolled chains.
+F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<false, 3>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_mm_fp8_wgmma_f32_v3(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<true, 3>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 // The first version (V1; FOLDMOE_FP8_GEMM=v1), kept for comparisons.
 F8_ENTRY grouped_mm_fp8_wgmma_bf16_v1(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<false, false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+    f8_body<false, 1>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 F8_ENTRY grouped_mm_fp8_wgmma_f32_v1(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<true, false>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+    f8_body<true, 1>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 
 // dw [G, K, N] = x_gᵀ dy_g of GroupColumns codes: ta maps x's [K, M], tb
