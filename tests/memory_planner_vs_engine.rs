@@ -225,17 +225,22 @@ fn planner_counts_the_fp8_projections_inputs_within_1_percent() {
 /// rank's peak and its norms part within 1% of the plan, under tp, cp and
 /// both, in the model dtype and with fp8 attention projections (which keep
 /// the shard too, not fp8 tiles of the gathered rows), and for MLA under tp
-/// (whose latents every tp rank computes and keeps whole), cp (this rank's
-/// query rows and down projection) and both.
+/// (whose down projections read the shard, kept as fp8 column tiles under
+/// fp8 projections, and whose gathered latents every tp rank keeps whole),
+/// cp (this rank's query rows and down projection) and both.
 #[test]
 fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
     use foldmoe::core::spec::GemmPrecision;
     let base = foldmoe::models::by_name("tiny").unwrap();
     let mla = foldmoe::models::by_name("deepseek-v3-small").unwrap();
-    let mut fp8 = base.clone();
-    for g in &mut fp8.groups {
-        g.attention.precision = GemmPrecision::Fp8Blockwise;
-    }
+    let with_fp8 = |spec: &foldmoe::core::spec::ModelSpec| {
+        let mut spec = spec.clone();
+        for g in &mut spec.groups {
+            g.attention.precision = GemmPrecision::Fp8Blockwise;
+        }
+        spec
+    };
+    let (fp8, mla_fp8) = (with_fp8(&base), with_fp8(&mla));
     for (spec, what, layout_text) in [
         (&base, "model dtype", "world=2,tp=2"),
         (&fp8, "fp8 attention", "world=2,tp=2"),
@@ -244,6 +249,8 @@ fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
         (&mla, "MLA with its MTP module", "world=2,tp=2"),
         (&mla, "MLA with its MTP module", "world=2,cp=2"),
         (&mla, "MLA with its MTP module", "world=4,tp=2,cp=2"),
+        (&mla_fp8, "MLA with fp8 projections", "world=2,tp=2"),
+        (&mla_fp8, "MLA with fp8 projections", "world=4,tp=2,cp=2"),
     ] {
         let what = format!("{what} under {layout_text}");
         let layout = check(&LayoutSpec::parse(layout_text).unwrap(), spec).unwrap();

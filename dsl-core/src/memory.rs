@@ -256,26 +256,31 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
     let a = &g.attention;
     // fp8 projections keep an input's column tiles (codes and their scales)
     // instead of its rows, unless the input is gathered over tp: then the
-    // rank's sequence shard is kept, as in the model's dtype.
+    // rank's sequence shard is kept, as in the model's dtype. An input of
+    // `cols` columns and `rows` rows a token (1 / sp for a sequence shard).
     let attn_fp8 = a.precision == GemmPrecision::Fp8Blockwise;
-    let projection_input = |v: &mut Vec<Saved>, part, recompute, cols: f64, gathered: bool| {
-        if attn_fp8 && !gathered {
-            v.push(s(part, recompute, None, Kind::Fp8, cols));
-            let scales = column_tile_scales(cols, 1.0, 1.0, tokens);
-            v.push(s(part, recompute, None, Fp32, scales));
-        } else {
-            v.push(s(part, recompute, None, Act, cols));
-        }
-    };
+    let projection_input =
+        |v: &mut Vec<Saved>, part, recompute, (cols, rows): (f64, f64), gathered: bool| {
+            if attn_fp8 && !gathered {
+                v.push(s(part, recompute, None, Kind::Fp8, cols * rows));
+                let scales = column_tile_scales(cols, rows, 1.0, tokens);
+                v.push(s(part, recompute, None, Fp32, scales));
+            } else {
+                v.push(s(part, recompute, None, Act, cols * rows));
+            }
+        };
     let mut v = vec![
         // The block's input, kept even under `block` recompute (first in
         // the list: see `placed`), and its norm's rstd.
         s(Part::Norms, None, Some(O::AttnNorm), Act, h / sp),
         s(Part::Norms, Some(R::Norm), Some(O::AttnNorm), Act, 1.0 / sp),
     ];
-    // The attention norm's output, the projections' input (this rank's
-    // sequence shard: a tp-gathered input is gathered again in the backward).
-    projection_input(&mut v, Part::Norms, Some(R::Norm), h / sp, layout.tp > 1);
+    // The attention norm's output, the projections' input: this rank's
+    // sequence shard. GQA's projections (and a full-rank MLA query) read it
+    // gathered over tp, and the backward gathers it again; MLA's down
+    // projections read the shard itself.
+    let gathered = layout.tp > 1 && a.mla.as_ref().is_none_or(|m| m.q_lora_rank == 0);
+    projection_input(&mut v, Part::Norms, Some(R::Norm), (h, 1.0 / sp), gathered);
     v.extend([
         s(Part::Norms, None, Some(O::MlpNorm), Act, h / sp),
         s(Part::Norms, Some(R::Norm), Some(O::MlpNorm), Act, 1.0 / sp),
@@ -304,7 +309,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             let c = m.q_lora_rank as f64;
             if m.q_lora_rank > 0 {
                 v.push(s(Part::Attention, None, None, Act, c));
-                projection_input(&mut v, Part::Attention, None, c, false);
+                projection_input(&mut v, Part::Attention, None, (c, 1.0), false);
                 v.push(s(Part::Attention, Some(R::Norm), None, Act, 1.0));
             }
             let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
@@ -330,7 +335,7 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
             v.push(s(Part::Attention, None, None, Act, latents));
             for latent in [m.q_lora_rank, m.kv_lora_rank] {
                 if latent > 0 {
-                    projection_input(&mut v, Part::Attention, None, latent as f64, false);
+                    projection_input(&mut v, Part::Attention, None, (latent as f64, 1.0), false);
                 }
             }
             v.push(s(Part::Attention, Some(R::Norm), None, Act, norms));
@@ -807,8 +812,12 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
 /// Bytes each group carries per step from this rank (ring algorithms): tp
 /// all-gathers and reduce-scatters activations 4 times forward and 4
 /// backward per block (sequence parallel; the all-reduces without it carry
-/// the same); cp all-gathers K/V forward and reduce-scatters their
-/// gradients backward; ep exchanges top_k copies of each token 4 times per
+/// the same), except that MLA gathers its down projections' latents (`C +
+/// L + R` a token; a full-rank query reads the gathered input) instead of
+/// the attention's input and reduce-scatters their gradients; cp
+/// all-gathers K/V forward and reduce-scatters their gradients backward
+/// (MLA: its latent and rotary key, `L + R` a token, gathered forward and
+/// again backward, their gradients reduce-scattered); ep exchanges top_k copies of each token 4 times per
 /// MoE block (dispatch, combine, and both backward); pp sends activations
 /// and receives gradients at each chunk boundary; dp·cp and edp
 /// reduce-scatter bf16 gradients and all-gather bf16 weights once a step.
@@ -828,7 +837,6 @@ fn comm_volumes(
     } else {
         1
     } as f64;
-    let n_blocks: usize = blocks.iter().sum();
     let mut out = Vec::new();
     let mut push = |group, size: usize, bytes: f64, what| {
         if size > 1 && bytes > 0.0 {
@@ -840,31 +848,53 @@ fn comm_volumes(
             });
         }
     };
-    let act = tokens * 2.0 * d;
+    // Elements a token each block moves over tp: the feed-forward's 4
+    // hidden-wide passes, and the attention's (MLA: the output's reduce-
+    // scatter and its gradient's gather, plus its latents both ways).
+    let tp_width: f64 = spec
+        .groups
+        .iter()
+        .zip(blocks)
+        .map(|(g, &n)| {
+            let attn = match &g.attention.mla {
+                None => 4.0 * d,
+                Some(ml) => {
+                    let kva = (ml.kv_lora_rank + ml.qk_rope_head_dim) as f64;
+                    if ml.q_lora_rank > 0 {
+                        2.0 * d + 2.0 * (ml.q_lora_rank as f64 + kva)
+                    } else {
+                        4.0 * d + 2.0 * kva
+                    }
+                }
+            };
+            n as f64 * (4.0 * d + attn)
+        })
+        .sum();
     push(
         "tp",
         layout.tp,
-        m * n_blocks as f64 * 8.0 * ring(act, layout.tp),
-        "activation all-gather / reduce-scatter, 8 per block",
+        m * ring(tokens * 2.0 * tp_width, layout.tp),
+        "activation all-gather / reduce-scatter, 8 per block (MLA: its latents)",
     );
+    // Bytes a token each block moves over cp, all passes.
     let kv: f64 = spec
         .groups
         .iter()
         .zip(blocks)
         .map(|(g, &n)| {
             let a = &g.attention;
-            let width = match &a.mla {
-                None => 2 * a.kv_heads * a.head_dim,
-                Some(ml) => a.heads * (ml.qk_nope_head_dim + ml.qk_rope_head_dim + ml.v_head_dim),
+            let bytes = match &a.mla {
+                None => 2.0 * 2.0 * (2 * a.kv_heads * a.head_dim) as f64 / layout.tp as f64,
+                Some(ml) => 3.0 * 2.0 * (ml.kv_lora_rank + ml.qk_rope_head_dim) as f64,
             };
-            n as f64 * 2.0 * width as f64 / layout.tp as f64
+            n as f64 * bytes
         })
         .sum();
     push(
         "cp",
         layout.cp,
-        m * 2.0 * (layout.cp - 1) as f64 * tokens * kv,
-        "K/V all-gather forward, reduce-scatter backward",
+        m * (layout.cp - 1) as f64 * tokens * kv,
+        "K/V all-gather forward, reduce-scatter backward (MLA: latents, gathered twice)",
     );
     let routed: f64 = spec
         .groups

@@ -15,12 +15,11 @@
 //!
 //! Shapes: T tokens, D hidden, E experts.
 
-use foldmoe_kernels::{Backend, DType, Tensor};
+use foldmoe_kernels::{Backend, DType, Group, Tensor};
 
 use super::activations::{Held, Ledger, Slot, Stash};
 use super::attention::{Attention, AttentionSaved};
 use super::documents::DocTensors;
-use super::linear::LinearSaved;
 use super::mla::{Mla, MlaCpSaved, MlaSaved};
 use super::mlp::{MlpSaved, SwiGluMlp};
 use super::moe::{MoeBackward, MoeForward, MoeLayer, MoeOut, MoeSaved, MoeStats};
@@ -56,48 +55,55 @@ impl<B: Backend> AttnSaved<B> {
             AttnSaved::Mla(s) => s.visit_saved(f),
         }
     }
-
-    /// The kept input of the projections.
-    fn input_mut(&mut self) -> &mut LinearSaved<B> {
-        match self {
-            AttnSaved::Gqa(s) => s.input_mut(),
-            AttnSaved::Mla(s) => s.input_mut(),
-        }
-    }
 }
 
 impl<B: Backend> Attn<B> {
-    /// `x: [T, D] -> [T, D]` over sequences of `seq_len`, with the
-    /// micro-batch's documents if any.
+    /// This rank's sequence shard `h: [T/tp, D]` of the normed input (all T
+    /// tokens without tp) → the output projection's `[T, D]` over the
+    /// tp-gathered sequence (under tp this rank's heads' partial sum), over
+    /// sequences of `seq_len`, with `ctx`'s documents. GQA reads the gathered
+    /// input and keeps only `h` (gathered again in the backward, as
+    /// Megatron-Core's sequence-parallel linears do); MLA runs its down
+    /// projections on `h` and gathers their latents ([`Mla::forward`]).
     pub(crate) fn forward(
         &self,
-        b: &B,
-        x_td: &Tensor<B>,
+        ctx: &Exec<B>,
+        tp: &Group,
+        h: &Tensor<B>,
         seq_len: usize,
-        docs: Option<&DocTensors<B>>,
     ) -> Result<(Tensor<B>, AttnSaved<B>)> {
         Ok(match self {
             Attn::Gqa(a) => {
-                let (y_td, saved) = a.forward(b, x_td, seq_len, docs)?;
+                let h_full = ctx.gather(tp, h)?;
+                let (y_td, mut saved) = a.forward(ctx.b, &h_full, seq_len, ctx.docs)?;
+                if tp.size() > 1 {
+                    saved.input_mut().keep_shard(h);
+                }
                 (y_td, AttnSaved::Gqa(Box::new(saved)))
             }
             Attn::Mla(a) => {
-                let (y_td, saved) = a.forward(b, x_td, seq_len, docs)?;
+                let (y_td, saved) = a.forward(ctx, tp, h, seq_len)?;
                 (y_td, AttnSaved::Mla(Box::new(saved)))
             }
         })
     }
 
-    /// Accumulates the attention's parameter gradients and returns `dx: [T, D]`.
+    /// Accumulates the attention's parameter gradients and returns `dh` of
+    /// this rank's shard from `dy` of the gathered sequence (GQA's gradient
+    /// of the gathered input is reduce-scattered over tp).
     pub(crate) fn backward(
         &mut self,
-        b: &B,
+        ctx: &Exec<B>,
+        tp: &Group,
         dy_td: &Tensor<B>,
         saved: AttnSaved<B>,
     ) -> Result<Tensor<B>> {
         match (self, saved) {
-            (Attn::Gqa(a), AttnSaved::Gqa(s)) => a.backward(b, dy_td, *s),
-            (Attn::Mla(a), AttnSaved::Mla(s)) => a.backward(b, dy_td, *s),
+            (Attn::Gqa(a), AttnSaved::Gqa(mut s)) => {
+                s.input_mut().gather_shard(|h| ctx.gather(tp, h))?;
+                ctx.scatter(tp, &a.backward(ctx.b, dy_td, *s)?)
+            }
+            (Attn::Mla(a), AttnSaved::Mla(s)) => a.backward(ctx, tp, dy_td, *s),
             _ => Err(EngineError::Invalid(
                 "block backward: saved attention state comes from attention of another kind".into(),
             )),
@@ -235,15 +241,6 @@ impl<B: Backend> BlockAttnSaved<B> {
             BlockAttnSaved::Local(s) => s.visit_saved(f),
             BlockAttnSaved::Cp(s) => s.visit_saved(f),
             BlockAttnSaved::MlaCp(s) => s.visit_saved(f),
-        }
-    }
-
-    /// The kept input of the projections.
-    fn input_mut(&mut self) -> &mut LinearSaved<B> {
-        match self {
-            BlockAttnSaved::Local(s) => s.input_mut(),
-            BlockAttnSaved::Cp(s) => s.input_mut(),
-            BlockAttnSaved::MlaCp(s) => s.input_mut(),
         }
     }
 }
@@ -487,35 +484,34 @@ impl<B: Backend> Block<B> {
     }
 
     /// Attention from this rank's sequence shard `h` of the normed input:
-    /// gathered over tp, then the local layer or, under cp, its
+    /// the local layer ([`Attn::forward`]) or, under cp, its
     /// context-parallel form. Returns the tp-full output and the state,
-    /// which keeps `h` rather than the gathered input (gathered again in
-    /// the backward, as Megatron-Core's sequence-parallel linears do).
+    /// which keeps `h` rather than the tp-gathered input.
     fn attn_forward(
         &self,
         ctx: &Exec<B>,
         h: &Tensor<B>,
         seq_len: usize,
     ) -> Result<(Tensor<B>, BlockAttnSaved<B>)> {
-        let h_full = ctx.gather(&self.groups.tp, h)?;
-        let (y, mut saved) = match &self.attn {
-            Attn::Gqa(a) if self.groups.cp.size() > 1 => {
-                let (y, saved) = context::forward(ctx, &self.groups, a, &h_full, seq_len)?;
+        let tp = &self.groups.tp;
+        if self.groups.cp.size() == 1 {
+            let (y, saved) = self.attn.forward(ctx, tp, h, seq_len)?;
+            return Ok((y, BlockAttnSaved::Local(saved)));
+        }
+        Ok(match &self.attn {
+            Attn::Gqa(a) => {
+                let h_full = ctx.gather(tp, h)?;
+                let (y, mut saved) = context::forward(ctx, &self.groups, a, &h_full, seq_len)?;
+                if tp.size() > 1 {
+                    saved.input_mut().keep_shard(h);
+                }
                 (y, BlockAttnSaved::Cp(Box::new(saved)))
             }
-            Attn::Mla(m) if self.groups.cp.size() > 1 => {
-                let (y, saved) = m.forward_cp(ctx, &self.groups, &h_full, seq_len)?;
+            Attn::Mla(m) => {
+                let (y, saved) = m.forward_cp(ctx, &self.groups, h, seq_len)?;
                 (y, BlockAttnSaved::MlaCp(Box::new(saved)))
             }
-            _ => {
-                let (y, saved) = self.attn.forward(ctx.b, &h_full, seq_len, ctx.docs)?;
-                (y, BlockAttnSaved::Local(saved))
-            }
-        };
-        if self.groups.tp.size() > 1 {
-            saved.input_mut().keep_shard(h);
-        }
-        Ok((y, saved))
+        })
     }
 
     /// The dense feed-forward of this rank's sequence shard `h` of the
@@ -764,30 +760,29 @@ impl<B: Backend> Block<B> {
         let BackwardTail {
             dy_td,
             attn_norm,
-            mut attn,
+            attn,
             ffn_norm,
             ..
         } = tail;
-        attn.input_mut()
-            .gather_shard(|h| ctx.gather(&self.groups.tp, h))?;
+        let tp = &self.groups.tp;
         let mut dx1 = self.ffn_norm.backward(b, &dh2, ffn_norm)?;
         b.axpy(&mut dx1, 1.0, &dy_td)?;
-        let dx1_full = ctx.gather(&self.groups.tp, &dx1)?;
-        let da_full = match (&mut self.attn, attn) {
-            (Attn::Gqa(a), BlockAttnSaved::Cp(s)) => {
-                context::backward(ctx, &self.groups, a, &dx1_full, *s)?
+        let dx1_full = ctx.gather(tp, &dx1)?;
+        let dh = match (&mut self.attn, attn) {
+            (Attn::Gqa(a), BlockAttnSaved::Cp(mut s)) => {
+                s.input_mut().gather_shard(|h| ctx.gather(tp, h))?;
+                ctx.scatter(tp, &context::backward(ctx, &self.groups, a, &dx1_full, *s)?)?
             }
             (Attn::Mla(m), BlockAttnSaved::MlaCp(s)) => {
                 m.backward_cp(ctx, &self.groups, &dx1_full, *s)?
             }
-            (_, BlockAttnSaved::Local(s)) => self.attn.backward(b, &dx1_full, s)?,
+            (attn, BlockAttnSaved::Local(s)) => attn.backward(ctx, tp, &dx1_full, s)?,
             _ => {
                 return Err(EngineError::Invalid(
                     "parallel block backward: context-parallel state of another attention".into(),
                 ))
             }
         };
-        let dh = ctx.scatter(&self.groups.tp, &da_full)?;
         let mut dx = self.attn_norm.backward(b, &dh, attn_norm)?;
         b.axpy(&mut dx, 1.0, &dx1)?;
         Ok(dx)

@@ -199,7 +199,7 @@ impl<B: Backend> LinearInput<B> {
 
     /// The rows, which `what` needs (absent in a backward from fp8 column
     /// tiles, which only weight gradients read).
-    fn rows_for(&self, what: &str) -> Result<&Tensor<B>> {
+    pub(crate) fn rows_for(&self, what: &str) -> Result<&Tensor<B>> {
         self.x_tk.as_ref().ok_or_else(|| {
             EngineError::Invalid(format!(
                 "{what}: the input's rows were not kept (only its fp8 column tiles)"

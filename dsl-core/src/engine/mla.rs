@@ -37,7 +37,7 @@
 //! and q is scaled by `sqrt(Hd / Q)` (folded into its maps) so the kernel's
 //! `1/sqrt(Hd)` becomes the paper's `1/sqrt(Q)`.
 
-use foldmoe_kernels::{Backend, DType, HostData, Rope, Tensor};
+use foldmoe_kernels::{Backend, DType, Group, HostData, Rope, Tensor};
 
 use super::activations::Slot;
 use super::attention::rope_of;
@@ -95,26 +95,43 @@ enum QuerySaved<B: Backend> {
 }
 
 impl<B: Backend> QueryProj<B> {
-    /// `x: [T, D] -> q: [T, H·Q]`; `x` is the layer input (in fp8 quantised
-    /// once for this and the key/value projection).
-    fn forward(&self, b: &B, x: &LinearInput<B>, fp8: bool) -> Result<(Tensor<B>, QuerySaved<B>)> {
+    /// `x: [T/tp, D]`, this rank's tokens (its sequence shard under tp), to
+    /// `q: [T, H·Q]` over the tp-gathered sequence (this rank's heads): the
+    /// down projection runs on the shard and its latent is gathered; a
+    /// full-rank projection reads the gathered input instead. Under fp8 the
+    /// down projection shares `x`'s quantisation with the key/value one.
+    fn forward(
+        &self,
+        b: &B,
+        x: &LinearInput<B>,
+        tp: &SeqShards<'_, B>,
+        fp8: bool,
+    ) -> Result<(Tensor<B>, QuerySaved<B>)> {
         match self {
             QueryProj::LowRank { wq_a, q_norm, wq_b } => {
-                let (cq_tc, norm) = q_norm.forward(b, &x.project(b, &wq_a.value)?)?;
+                let cq_pre_tc = tp.gather(&x.project(b, &wq_a.value)?)?;
+                let (cq_tc, norm) = q_norm.forward(b, &cq_pre_tc)?;
                 let cq = LinearInput::kept(&cq_tc, fp8);
                 let q_thq = cq.project(b, &wq_b.value)?;
                 let cq = cq.into_saved(b)?;
                 Ok((q_thq, QuerySaved::LowRank { norm, cq }))
             }
+            QueryProj::Full { wq } if tp.sharded() => {
+                let x_full = LinearInput::new(&tp.gather(x.rows_for("mla query")?)?, fp8);
+                Ok((x_full.project(b, &wq.value)?, QuerySaved::Full))
+            }
             QueryProj::Full { wq } => Ok((x.project(b, &wq.value)?, QuerySaved::Full)),
         }
     }
 
-    /// Accumulates the query weights' gradients and returns this path's `dx`.
+    /// Accumulates the query weights' gradients and returns this path's `dx`
+    /// for this rank's tokens: `dq` covers the gathered sequence, and the
+    /// gradient of what was gathered is reduce-scattered back over tp.
     fn backward(
         &mut self,
         b: &B,
         x: &LinearInput<B>,
+        tp: &SeqShards<'_, B>,
         dq_thq: &Tensor<B>,
         saved: QuerySaved<B>,
         fp8: bool,
@@ -123,13 +140,41 @@ impl<B: Backend> QueryProj<B> {
             (QueryProj::LowRank { wq_a, q_norm, wq_b }, QuerySaved::LowRank { norm, cq }) => {
                 let dcq_tc = LinearInput::from_saved(cq, fp8)?.backward(b, wq_b, dq_thq)?;
                 let dcq_tc = q_norm.backward(b, &dcq_tc, norm)?;
-                x.backward(b, wq_a, &dcq_tc)
+                x.backward(b, wq_a, &tp.scatter(&dcq_tc)?)
+            }
+            (QueryProj::Full { wq }, QuerySaved::Full) if tp.sharded() => {
+                let x_full = LinearInput::new(&tp.gather(x.rows_for("mla query backward")?)?, fp8);
+                tp.scatter(&x_full.backward(b, wq, dq_thq)?)
             }
             (QueryProj::Full { wq }, QuerySaved::Full) => x.backward(b, wq, dq_thq),
             _ => Err(EngineError::Invalid(
                 "mla backward: saved query state comes from a projection of another kind".into(),
             )),
         }
+    }
+}
+
+/// The tensor-parallel group MLA's input is sharded over by sequence, as
+/// Megatron-Core's sequence-parallel MLA runs it: the down projections read
+/// this rank's shard and their latents (`C + L + R` a token, a fraction of
+/// the hidden size) are all-gathered, their gradients reduce-scattered.
+/// Without tp both are identities.
+struct SeqShards<'a, B: Backend> {
+    ctx: &'a Exec<'a, B>,
+    tp: &'a Group,
+}
+
+impl<B: Backend> SeqShards<'_, B> {
+    fn sharded(&self) -> bool {
+        self.tp.size() > 1
+    }
+
+    fn gather(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
+        self.ctx.gather(self.tp, x)
+    }
+
+    fn scatter(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
+        self.ctx.scatter(self.tp, x)
     }
 }
 
@@ -276,10 +321,6 @@ pub struct Mla<B: Backend> {
     rope: Rope,
     /// The queries' scale in the kernel's dims (`q_nope`, `q_rope_out`).
     q_scale: f64,
-    /// Whether the input is gathered over tp from sequence shards (set by
-    /// [`Self::take_heads`]): the block then keeps the rank's shard for the
-    /// backward, so the layer makes no fp8 column tiles of it.
-    input_gathered: bool,
 }
 
 /// What MLA's context-parallel backward needs ([`Mla::forward_cp`]): the
@@ -330,11 +371,6 @@ impl<B: Backend> MlaCpSaved<B> {
         f(latent.offload(OffloadPart::AttnProj), &mut self.o_thv);
         self.exchange.visit_saved(latent, f);
     }
-
-    /// The kept input (the block swaps in the rank's sequence shard).
-    pub(crate) fn input_mut(&mut self) -> &mut LinearSaved<B> {
-        &mut self.x
-    }
 }
 
 /// What MLA's backward needs: the input and the latents after their norms
@@ -381,11 +417,6 @@ impl<B: Backend> MlaSaved<B> {
                 .offload(OffloadPart::CoreAttn),
             &mut self.lse_bhs,
         );
-    }
-
-    /// The kept input (the block swaps in the rank's sequence shard).
-    pub(crate) fn input_mut(&mut self) -> &mut LinearSaved<B> {
-        &mut self.x
     }
 }
 
@@ -441,7 +472,6 @@ impl<B: Backend> Mla<B> {
             dims: mla.clone(),
             rope: rope_of(model, r),
             q_scale,
-            input_gathered: false,
         })
     }
 
@@ -449,7 +479,8 @@ impl<B: Backend> Mla<B> {
     /// projections are already that rank's columns of heads and its output
     /// projection its rows (drawn by the shard plan); the down projections
     /// and latent norms stay whole (replicated, their gradients summed over
-    /// tp), so only the heads it computes with change.
+    /// tp: the down projections run on the rank's sequence shard, the norms
+    /// on the gathered latents), so only the heads it computes with change.
     pub fn take_heads(&mut self, b: &B, parts: usize) -> Result<()> {
         if parts == 1 {
             return Ok(());
@@ -472,7 +503,6 @@ impl<B: Backend> Mla<B> {
         }
         self.heads /= parts;
         self.maps = HeadMaps::new(b, self.heads, m, self.q_scale, self.wo.value.dtype())?;
-        self.input_gathered = true;
         Ok(())
     }
 
@@ -499,26 +529,41 @@ impl<B: Backend> Mla<B> {
             .reshape(&[batch * seq_len * heads, r])?)
     }
 
-    /// `x: [T, D] -> [T, D]`, the T tokens being `T / seq_len` sequences of
-    /// `seq_len`; `docs` restarts positions and masks attention at documents.
-    pub fn forward(
+    /// The layer's input `x` as its projections read it: kept by the layer
+    /// (under fp8 as column tiles, made with the first projection's row
+    /// tiles), except for a full-rank query under tp, whose backward gathers
+    /// the rows again.
+    fn layer_input(&self, x_td: &Tensor<B>, tp: &SeqShards<'_, B>) -> LinearInput<B> {
+        let full_query = matches!(self.query, QueryProj::Full { .. });
+        LinearInput::layer_input(x_td, self.fp8, full_query && tp.sharded())
+    }
+
+    /// `x: [T/tp, D]`, this rank's sequence shard under `tp` (all T tokens
+    /// without tp), to the output projection's `[T, D]` over the gathered
+    /// sequence (under tp this rank's heads' partial sum, which the block
+    /// reduce-scatters); the T tokens are `T / seq_len` sequences of
+    /// `seq_len`, and `ctx.docs` restarts positions and masks attention at
+    /// documents.
+    pub(crate) fn forward(
         &self,
-        b: &B,
+        ctx: &Exec<B>,
+        tp: &Group,
         x_td: &Tensor<B>,
         seq_len: usize,
-        docs: Option<&DocTensors<B>>,
     ) -> Result<(Tensor<B>, MlaSaved<B>)> {
-        let (tokens, _) = x_td.dims2("mla")?;
+        let (b, docs) = (ctx.b, ctx.docs);
+        let tp = SeqShards { ctx, tp };
+        let tokens = x_td.dims2("mla")?.0 * tp.tp.size();
         if seq_len == 0 || !tokens.is_multiple_of(seq_len) {
             return Err(EngineError::Invalid(format!(
                 "mla: {tokens} tokens do not split into sequences of length {seq_len}"
             )));
         }
         let (batch, h, hd) = (tokens / seq_len, self.heads, self.kernel_head_dim());
-        let input = LinearInput::layer_input(x_td, self.fp8, self.input_gathered);
-        let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
+        let input = self.layer_input(x_td, &tp);
+        let (q_thq, query) = self.query.forward(b, &input, &tp, self.fp8)?;
         let q_nd = self.kernel_queries(b, &q_thq, (batch, seq_len), docs)?;
-        let kva_ta = input.project(b, &self.wkv_a.value)?;
+        let kva_ta = tp.gather(&input.project(b, &self.wkv_a.value)?)?;
         let (k_nd, v_nd, kv) = self.kernel_keys_values(b, &kva_ta, (batch, seq_len), docs, true)?;
 
         let bshd = [batch, seq_len, h, hd];
@@ -545,8 +590,19 @@ impl<B: Backend> Mla<B> {
         Ok((y_td, saved))
     }
 
-    /// Accumulates every projection's and norm's gradient and returns `dx: [T, D]`.
-    pub fn backward(&mut self, b: &B, dy_td: &Tensor<B>, saved: MlaSaved<B>) -> Result<Tensor<B>> {
+    /// Accumulates every projection's and norm's gradient and returns `dx:
+    /// [T/tp, D]` of this rank's tokens (complete: the latents' gradients are
+    /// reduce-scattered over tp before the down projections), from `dy` of
+    /// the gathered sequence.
+    pub(crate) fn backward(
+        &mut self,
+        ctx: &Exec<B>,
+        tp: &Group,
+        dy_td: &Tensor<B>,
+        saved: MlaSaved<B>,
+    ) -> Result<Tensor<B>> {
+        let b = ctx.b;
+        let tp = SeqShards { ctx, tp };
         let MlaSaved {
             x,
             query,
@@ -583,11 +639,29 @@ impl<B: Backend> Mla<B> {
             (batch, seq_len),
             docs,
         )?;
-        let input = LinearInput::from_saved(x, self.fp8)?;
-        let mut dx_td = input.backward(b, &mut self.wkv_a, &dkva_ta)?;
         let dq_thq =
             self.kernel_queries_backward(b, &dq_bshd.reshape(&[n, hd])?, (batch, seq_len), docs)?;
-        let dxq_td = self.query.backward(b, &input, &dq_thq, query, self.fp8)?;
+        self.down_backward(b, &tp, x, &dkva_ta, &dq_thq, query)
+    }
+
+    /// The down projections' backward from the gathered sequence's
+    /// gradients of the key/value latent `dkva: [T, L + R]` and of the
+    /// queries `dq: [T, H·Q]`: accumulates the query path's and `wkv_a`'s
+    /// gradients and returns `dx` of this rank's tokens `x`.
+    fn down_backward(
+        &mut self,
+        b: &B,
+        tp: &SeqShards<'_, B>,
+        x: LinearSaved<B>,
+        dkva_ta: &Tensor<B>,
+        dq_thq: &Tensor<B>,
+        query: QuerySaved<B>,
+    ) -> Result<Tensor<B>> {
+        let input = LinearInput::from_saved(x, self.fp8)?;
+        let mut dx_td = input.backward(b, &mut self.wkv_a, &tp.scatter(dkva_ta)?)?;
+        let dxq_td = self
+            .query
+            .backward(b, &input, tp, dq_thq, query, self.fp8)?;
         b.axpy(&mut dx_td, 1.0, &dxq_td)?;
         Ok(dx_td)
     }
@@ -724,13 +798,14 @@ impl<B: Backend> Mla<B> {
         Ok(dkva_ta)
     }
 
-    /// Context parallelism: `x: [T, D]`, this rank's tokens of `T / (S/cp)`
-    /// sequences of `seq_len` S → `[T, D]`. The queries are this rank's;
+    /// Context parallelism: `x: [T/tp, D]`, this rank's sequence shard (under
+    /// tp, as in [`Self::forward`]) of the cp rank's T tokens of `T / (S/cp)`
+    /// sequences of `seq_len` S → `[T, D]`. The queries are this cp rank's;
     /// the down projection's latent and rotary key (`L + R` a token, far
-    /// fewer than the heads' keys and values) are all-gathered over cp and
-    /// every rank expands the whole sequence's keys and values from them
-    /// (the latent norm's and `wkv_b`'s gradients then sum over dp × cp like
-    /// any dense parameter's).
+    /// fewer than the heads' keys and values) are all-gathered over tp and
+    /// cp, and every rank expands the whole sequence's keys and values from
+    /// them (the latent norm's and `wkv_b`'s gradients then sum over dp × cp
+    /// like any dense parameter's).
     pub(crate) fn forward_cp(
         &self,
         ctx: &Exec<B>,
@@ -739,7 +814,11 @@ impl<B: Backend> Mla<B> {
         seq_len: usize,
     ) -> Result<(Tensor<B>, MlaCpSaved<B>)> {
         let b = ctx.b;
-        let (t, _) = x_td.dims2("mla cp")?;
+        let tp = SeqShards {
+            ctx,
+            tp: &groups.tp,
+        };
+        let t = x_td.dims2("mla cp")?.0 * groups.tp.size();
         let exchange = CpExchange::new(ctx, groups, t, seq_len)?;
         let (batch, seq, h, hd) = (
             exchange.batch(),
@@ -747,9 +826,9 @@ impl<B: Backend> Mla<B> {
             self.heads,
             self.kernel_head_dim(),
         );
-        let input = LinearInput::layer_input(x_td, self.fp8, self.input_gathered);
-        let (q_thq, query) = self.query.forward(b, &input, self.fp8)?;
-        let kva_ta = input.project(b, &self.wkv_a.value)?;
+        let input = self.layer_input(x_td, &tp);
+        let (q_thq, query) = self.query.forward(b, &input, &tp, self.fp8)?;
+        let kva_ta = tp.gather(&input.project(b, &self.wkv_a.value)?)?;
         let kva_nat = exchange.natural(ctx, groups, &kva_ta)?;
         // The latent is kept by no one here (the backward expands it again).
         let (k_nd, v_nd, _) =
@@ -781,9 +860,9 @@ impl<B: Backend> Mla<B> {
     }
 
     /// The backward of [`Self::forward_cp`]: accumulates every projection's
-    /// and norm's gradient and returns `dx: [T, D]`; the latents' gradients
-    /// of every rank's queries are reduce-scattered back to their tokens'
-    /// ranks.
+    /// and norm's gradient and returns `dx: [T/tp, D]` of this rank's
+    /// tokens; the latents' gradients of every rank's queries are
+    /// reduce-scattered back to their tokens' ranks (over cp, then tp).
     pub(crate) fn backward_cp(
         &mut self,
         ctx: &Exec<B>,
@@ -852,11 +931,11 @@ impl<B: Backend> Mla<B> {
             whole_docs,
         )?;
         let dkva_ta = exchange.owned(ctx, groups, &dkva_nat)?;
-        let input = LinearInput::from_saved(x, self.fp8)?;
-        let mut dx_td = input.backward(b, &mut self.wkv_a, &dkva_ta)?;
-        let dxq_td = self.query.backward(b, &input, &dq_thq, query, self.fp8)?;
-        b.axpy(&mut dx_td, 1.0, &dxq_td)?;
-        Ok(dx_td)
+        let tp = SeqShards {
+            ctx,
+            tp: &groups.tp,
+        };
+        self.down_backward(b, &tp, x, &dkva_ta, &dq_thq, query)
     }
 
     /// The kernel's queries of a held chunk from its padded query rows
@@ -899,6 +978,7 @@ mod tests {
     use foldmoe_kernels::DType;
 
     use super::{Mla, QueryProj};
+    use crate::engine::parallel::Exec;
     use crate::engine::param::Module;
     use crate::engine::testutil::{
         assert_fp8_tracks, check_param_grads, dot, f64_tensor, layer_outputs, one_rank, small_moe,
@@ -906,6 +986,12 @@ mod tests {
     };
     use crate::engine::trainer::TrainConfig;
     use crate::spec::{FfnSpec, MlaSpec, ModelSpec, RopeScaling};
+    use foldmoe_kernels::Group;
+
+    /// The tp group of one rank (the layer sees all tokens).
+    fn one() -> Group {
+        Group::new(vec![0])
+    }
 
     /// YaRN over the test model (base 100, an original context of 2 below
     /// the tests' sequences of 3 and 4): with LOW_RANK's rotary dim 4 the
@@ -978,18 +1064,31 @@ mod tests {
         let x = uniform(1, t * d, 1.0);
         let r = uniform(2, t * d, 1.0);
         let x_td = f64_tensor(x.clone(), &[t, d]);
-        let (_, saved) = layer.forward(&b, &x_td, seq, None).unwrap();
+        let (_, saved) = layer.forward(&Exec::solo(&b), &one(), &x_td, seq).unwrap();
         let dx = layer
-            .backward(&b, &f64_tensor(r.clone(), &[t, d]), saved)
+            .backward(
+                &Exec::solo(&b),
+                &one(),
+                &f64_tensor(r.clone(), &[t, d]),
+                saved,
+            )
             .unwrap();
         assert_grad(&format!("{what} dx"), &x, &values(&dx), 1e-6, |xs| {
             let (y, _) = layer
-                .forward(&b, &f64_tensor(xs.to_vec(), &[t, d]), seq, None)
+                .forward(
+                    &Exec::solo(&b),
+                    &one(),
+                    &f64_tensor(xs.to_vec(), &[t, d]),
+                    seq,
+                )
                 .unwrap();
             dot(&y, &r)
         });
         check_param_grads(what, &mut layer, 24, 1e-6, |l| {
-            dot(&l.forward(&b, &x_td, seq, None).unwrap().0, &r)
+            dot(
+                &l.forward(&Exec::solo(&b), &one(), &x_td, seq).unwrap().0,
+                &r,
+            )
         });
     }
 
@@ -1022,8 +1121,10 @@ mod tests {
             assert_fp8_tracks(what, |fp8| {
                 let (mut layer, _) = new_mla(mla);
                 layer.fp8 = fp8;
-                let (y, saved) = layer.forward(&b, &x_td, seq, None).unwrap();
-                let dx = layer.backward(&b, &dy_td, saved).unwrap();
+                let (y, saved) = layer.forward(&Exec::solo(&b), &one(), &x_td, seq).unwrap();
+                let dx = layer
+                    .backward(&Exec::solo(&b), &one(), &dy_td, saved)
+                    .unwrap();
                 layer_outputs(&y, &dx, &layer)
             });
         }
@@ -1206,7 +1307,12 @@ mod tests {
             let t = 2 * seq;
             let x = uniform(3, t * d, 1.0);
             let (y, _) = layer
-                .forward(&Cpu, &f64_tensor(x.clone(), &[t, d]), seq, None)
+                .forward(
+                    &Exec::solo(&Cpu),
+                    &one(),
+                    &f64_tensor(x.clone(), &[t, d]),
+                    seq,
+                )
                 .unwrap();
             let got = values(&y);
             let want = reference(&layer, &spec, &x, seq);
@@ -1226,7 +1332,12 @@ mod tests {
         let mut x = uniform(1, seq * d, 1.0);
         let run = |x: &[f64]| {
             let x_td = f64_tensor(x.to_vec(), &[seq, d]);
-            values(&layer.forward(&Cpu, &x_td, seq, None).unwrap().0)
+            values(
+                &layer
+                    .forward(&Exec::solo(&Cpu), &one(), &x_td, seq)
+                    .unwrap()
+                    .0,
+            )
         };
         let y1 = run(&x);
         for v in &mut x[(seq - 1) * d..] {
@@ -1242,7 +1353,7 @@ mod tests {
         let (layer, spec) = new_mla(&FULL_RANK);
         let x = f64_tensor(vec![0.0; 5 * spec.hidden], &[5, spec.hidden]);
         let err = layer
-            .forward(&Cpu, &x, 2, None)
+            .forward(&Exec::solo(&Cpu), &one(), &x, 2)
             .err()
             .expect("5 in sequences of 2");
         assert!(err.to_string().contains("5 tokens"), "{err}");
