@@ -225,9 +225,9 @@ fn planner_counts_the_fp8_projections_inputs_within_1_percent() {
 /// rank's peak and its norms part within 1% of the plan, under tp, cp and
 /// both, in the model dtype and with fp8 attention projections (which keep
 /// the shard too, not fp8 tiles of the gathered rows), and for MLA under tp
-/// (whose down projections read the shard, kept as fp8 column tiles under
-/// fp8 projections, and whose gathered latents every tp rank keeps whole),
-/// cp (this rank's query rows and down projection) and both.
+/// (whose down projections and latent norms read the shard, the input kept
+/// as fp8 column tiles under fp8 projections, the latents as the shard),
+/// cp (this cp rank's query rows, this rank's latents) and both.
 #[test]
 fn under_tp_and_cp_each_rank_keeps_its_own_rows() {
     use foldmoe::core::spec::GemmPrecision;

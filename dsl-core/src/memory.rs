@@ -303,14 +303,16 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
         }
         Some(m) if layout.cp > 1 => {
             // Under cp: the query latent before and after its norm (with
-            // its rstd), this rank's query rows (`mla_up_proj` drops them)
-            // and its down projection's latent and rotary key, which the
-            // backward gathers again to expand the keys and values.
-            let c = m.q_lora_rank as f64;
+            // its rstd; under tp this rank's sequence shard of each), this
+            // cp rank's query rows (`mla_up_proj` drops them), and the
+            // key/value latent before and after its norm (with its rstd)
+            // and the rotary key of this rank's tokens, which the backward
+            // gathers again to expand the keys and values.
+            let (c, l) = (m.q_lora_rank as f64, m.kv_lora_rank as f64);
             if m.q_lora_rank > 0 {
-                v.push(s(Part::Attention, None, None, Act, c));
-                projection_input(&mut v, Part::Attention, None, (c, 1.0), false);
-                v.push(s(Part::Attention, Some(R::Norm), None, Act, 1.0));
+                v.push(s(Part::Attention, None, None, Act, c / sp));
+                projection_input(&mut v, Part::Attention, None, (c, 1.0 / sp), layout.tp > 1);
+                v.push(s(Part::Attention, Some(R::Norm), None, Act, 1.0 / sp));
             }
             let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
             v.push(s(
@@ -320,25 +322,29 @@ fn saved_tensors(spec: &ModelSpec, gi: usize, layout: &Layout, tokens: f64) -> V
                 Act,
                 heads * qk / t,
             ));
-            let kva = (m.kv_lora_rank + m.qk_rope_head_dim) as f64;
-            v.push(s(Part::Attention, None, None, Act, kva));
+            let r = m.qk_rope_head_dim as f64;
+            v.push(s(Part::Attention, None, None, Act, (2.0 * l + r) / sp));
+            v.push(s(Part::Attention, Some(R::Norm), None, Act, 1.0 / sp));
             m.v_head_dim as f64
         }
         Some(m) => {
             // The latents before their norms (the norms' inputs, with
-            // their rstd) and after them (the up-projections' inputs),
-            // computed over the gathered sequence on every tp rank;
-            // `mla_up_proj` recomputes Q, K and V from them. The kernel's q,
-            // k and v are padded to one head dim, max(P + R, V).
+            // their rstd) and after them (the up-projections' inputs), of
+            // this rank's tokens (its sequence shard under tp: the normed
+            // latents are gathered for the up projections and gathered
+            // again in the backward); `mla_up_proj` recomputes Q, K and V
+            // from them. The kernel's q, k and v are padded to one head dim,
+            // max(P + R, V).
             let latents = (m.q_lora_rank + m.kv_lora_rank) as f64;
             let norms = if m.q_lora_rank > 0 { 2.0 } else { 1.0 };
-            v.push(s(Part::Attention, None, None, Act, latents));
+            v.push(s(Part::Attention, None, None, Act, latents / sp));
             for latent in [m.q_lora_rank, m.kv_lora_rank] {
                 if latent > 0 {
-                    projection_input(&mut v, Part::Attention, None, (latent as f64, 1.0), false);
+                    let shard = (latent as f64, 1.0 / sp);
+                    projection_input(&mut v, Part::Attention, None, shard, layout.tp > 1);
                 }
             }
-            v.push(s(Part::Attention, Some(R::Norm), None, Act, norms));
+            v.push(s(Part::Attention, Some(R::Norm), None, Act, norms / sp));
             let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
             let hd = qk.max(m.v_head_dim as f64);
             v.push(s(

@@ -97,9 +97,10 @@ enum QuerySaved<B: Backend> {
 impl<B: Backend> QueryProj<B> {
     /// `x: [T/tp, D]`, this rank's tokens (its sequence shard under tp), to
     /// `q: [T, H·Q]` over the tp-gathered sequence (this rank's heads): the
-    /// down projection runs on the shard and its latent is gathered; a
-    /// full-rank projection reads the gathered input instead. Under fp8 the
-    /// down projection shares `x`'s quantisation with the key/value one.
+    /// down projection and the latent's norm run on the shard and the normed
+    /// latent is gathered; a full-rank projection reads the gathered input
+    /// instead. Under fp8 the down projection shares `x`'s quantisation with
+    /// the key/value one.
     fn forward(
         &self,
         b: &B,
@@ -109,11 +110,8 @@ impl<B: Backend> QueryProj<B> {
     ) -> Result<(Tensor<B>, QuerySaved<B>)> {
         match self {
             QueryProj::LowRank { wq_a, q_norm, wq_b } => {
-                let cq_pre_tc = tp.gather(&x.project(b, &wq_a.value)?)?;
-                let (cq_tc, norm) = q_norm.forward(b, &cq_pre_tc)?;
-                let cq = LinearInput::kept(&cq_tc, fp8);
-                let q_thq = cq.project(b, &wq_b.value)?;
-                let cq = cq.into_saved(b)?;
+                let (cq_tc, norm) = q_norm.forward(b, &x.project(b, &wq_a.value)?)?;
+                let (q_thq, cq) = tp.project_gathered(b, &cq_tc, &wq_b.value, fp8)?;
                 Ok((q_thq, QuerySaved::LowRank { norm, cq }))
             }
             QueryProj::Full { wq } if tp.sharded() => {
@@ -138,9 +136,9 @@ impl<B: Backend> QueryProj<B> {
     ) -> Result<Tensor<B>> {
         match (self, saved) {
             (QueryProj::LowRank { wq_a, q_norm, wq_b }, QuerySaved::LowRank { norm, cq }) => {
-                let dcq_tc = LinearInput::from_saved(cq, fp8)?.backward(b, wq_b, dq_thq)?;
-                let dcq_tc = q_norm.backward(b, &dcq_tc, norm)?;
-                x.backward(b, wq_a, &tp.scatter(&dcq_tc)?)
+                let dcq_tc = tp.input_of(cq, fp8)?.backward(b, wq_b, dq_thq)?;
+                let dcq_tc = q_norm.backward(b, &tp.scatter(&dcq_tc)?, norm)?;
+                x.backward(b, wq_a, &dcq_tc)
             }
             (QueryProj::Full { wq }, QuerySaved::Full) if tp.sharded() => {
                 let x_full = LinearInput::new(&tp.gather(x.rows_for("mla query backward")?)?, fp8);
@@ -175,6 +173,35 @@ impl<B: Backend> SeqShards<'_, B> {
 
     fn scatter(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
         self.ctx.scatter(self.tp, x)
+    }
+
+    /// `l: [T/tp, K]` of this rank's tokens gathered over tp, times `w: [K,
+    /// N]`, and what the projection's backward keeps of its input: this
+    /// rank's shard under tp (gathered again, as Megatron-Core's
+    /// sequence-parallel column-parallel linears do), else the input's own
+    /// saved form (under fp8 its column tiles).
+    fn project_gathered(
+        &self,
+        b: &B,
+        l_tk: &Tensor<B>,
+        w_kn: &Tensor<B>,
+        fp8: bool,
+    ) -> Result<(Tensor<B>, LinearSaved<B>)> {
+        let input = LinearInput::layer_input(&self.gather(l_tk)?, fp8, self.sharded());
+        let y = input.project(b, w_kn)?;
+        let kept = if self.sharded() {
+            LinearSaved::Shard(l_tk.clone())
+        } else {
+            input.into_saved(b)?
+        };
+        Ok((y, kept))
+    }
+
+    /// The projection's input for its backward from what
+    /// [`Self::project_gathered`] kept.
+    fn input_of(&self, mut kept: LinearSaved<B>, fp8: bool) -> Result<LinearInput<B>> {
+        kept.gather_shard(|l| self.gather(l))?;
+        LinearInput::from_saved(kept, fp8)
     }
 }
 
@@ -324,17 +351,22 @@ pub struct Mla<B: Backend> {
 }
 
 /// What MLA's context-parallel backward needs ([`Mla::forward_cp`]): the
-/// input, the query state, this rank's query rows and down projection (the
-/// backward pads the queries and gathers the latents again, so the whole
-/// sequence's keys and values are never kept), each held chunk's
-/// log-sum-exp and the output without its padding.
+/// input, the query state, this cp rank's query rows, and this rank's
+/// key/value latent norm's state, normed latent and rotary key (the backward
+/// pads the queries and gathers the latents again, so the whole sequence's
+/// keys and values are never kept), each held chunk's log-sum-exp and the
+/// output without its padding.
 pub struct MlaCpSaved<B: Backend> {
     x: LinearSaved<B>,
     query: QuerySaved<B>,
-    /// `[T, H·Q]`, this rank's rows.
+    /// `[T, H·Q]`, this cp rank's rows.
     q_thq: Tensor<B>,
-    /// `[T, L + R]`, this rank's rows.
-    kva_ta: Tensor<B>,
+    /// The key/value latent norm's state, this rank's tokens.
+    kv_norm: NormSaved<B>,
+    /// `[T/tp, L]`: the normed latent of this rank's tokens.
+    ckv_tl: Tensor<B>,
+    /// `[T/tp, R]`: the rotary key of this rank's tokens, unrotated.
+    kr_tr: Tensor<B>,
     lse: Vec<Tensor<B>>,
     /// `[T, H·V]`.
     o_thv: Tensor<B>,
@@ -344,7 +376,7 @@ pub struct MlaCpSaved<B: Backend> {
 impl<B: Backend> MlaCpSaved<B> {
     /// Lists the saved tensors with the slots of [`MlaSaved`]'s: the input,
     /// the query latents (kept), the query rows (`qkv`, dropped by
-    /// `mla_up_proj`), the down projection (kept), the log-sum-exps
+    /// `mla_up_proj`), the key/value latents (kept), the log-sum-exps
     /// (`core_attn`), the output (`attn_proj`) and the int32 row maps.
     pub(crate) fn visit_saved(&mut self, f: &mut dyn FnMut(Slot, &mut Tensor<B>)) {
         let latent = Slot::kept(Part::Attention);
@@ -359,7 +391,9 @@ impl<B: Backend> MlaCpSaved<B> {
                 .offload(OffloadPart::Qkv),
             &mut self.q_thq,
         );
-        f(latent, &mut self.kva_ta);
+        self.kv_norm.visit_saved(latent, f);
+        f(latent, &mut self.ckv_tl);
+        f(latent, &mut self.kr_tr);
         for lse in &mut self.lse {
             f(
                 latent
@@ -563,8 +597,11 @@ impl<B: Backend> Mla<B> {
         let input = self.layer_input(x_td, &tp);
         let (q_thq, query) = self.query.forward(b, &input, &tp, self.fp8)?;
         let q_nd = self.kernel_queries(b, &q_thq, (batch, seq_len), docs)?;
-        let kva_ta = tp.gather(&input.project(b, &self.wkv_a.value)?)?;
-        let (k_nd, v_nd, kv) = self.kernel_keys_values(b, &kva_ta, (batch, seq_len), docs, true)?;
+        let (ckv_tl, kr_tr, norm) = self.kv_latents(b, &input.project(b, &self.wkv_a.value)?)?;
+        let (kv_thk, ckv) = tp.project_gathered(b, &ckv_tl, &self.wkv_b.value, self.fp8)?;
+        let kr_tr = tp.gather(&kr_tr)?;
+        let (k_nd, v_nd) = self.kernel_keys_values(b, &kv_thk, &kr_tr, (batch, seq_len), docs)?;
+        let kv = KvSaved { norm, ckv };
 
         let bshd = [batch, seq_len, h, hd];
         let (q_bshd, k_bshd, v_bshd) = (
@@ -632,22 +669,27 @@ impl<B: Backend> Mla<B> {
             &do_bshd, &q_bshd, &k_bshd, &v_bshd, &o_bshd, &lse_bhs, mask, v,
         )?;
 
-        let dkva_ta = self.kernel_keys_values_backward(
+        let (dkv_thk, dkr_tr) = self.kernel_keys_values_backward(
             b,
             (&dk_bshd.reshape(&[n, hd])?, &dv_bshd.reshape(&[n, hd])?),
-            kv,
             (batch, seq_len),
             docs,
         )?;
+        let dckv_tl = tp
+            .input_of(kv.ckv, self.fp8)?
+            .backward(b, &mut self.wkv_b, &dkv_thk)?;
+        let dkva_ta =
+            self.kv_latents_backward(b, &tp.scatter(&dckv_tl)?, &tp.scatter(&dkr_tr)?, kv.norm)?;
         let dq_thq =
             self.kernel_queries_backward(b, &dq_bshd.reshape(&[n, hd])?, (batch, seq_len), docs)?;
         self.down_backward(b, &tp, x, &dkva_ta, &dq_thq, query)
     }
 
-    /// The down projections' backward from the gathered sequence's
-    /// gradients of the key/value latent `dkva: [T, L + R]` and of the
-    /// queries `dq: [T, H·Q]`: accumulates the query path's and `wkv_a`'s
-    /// gradients and returns `dx` of this rank's tokens `x`.
+    /// The down projections' backward from this rank's tokens' gradient of
+    /// the key/value down projection `dkva: [T/tp, L + R]` and the gathered
+    /// sequence's of the queries `dq: [T, H·Q]`: accumulates the query
+    /// path's and `wkv_a`'s gradients and returns `dx` of this rank's
+    /// tokens `x`.
     fn down_backward(
         &mut self,
         b: &B,
@@ -658,7 +700,7 @@ impl<B: Backend> Mla<B> {
         query: QuerySaved<B>,
     ) -> Result<Tensor<B>> {
         let input = LinearInput::from_saved(x, self.fp8)?;
-        let mut dx_td = input.backward(b, &mut self.wkv_a, &tp.scatter(dkva_ta)?)?;
+        let mut dx_td = input.backward(b, &mut self.wkv_a, dkva_ta)?;
         let dxq_td = self
             .query
             .backward(b, &input, tp, dq_thq, query, self.fp8)?;
@@ -730,54 +772,69 @@ impl<B: Backend> Mla<B> {
         Ok(dq_nq.reshape(&[batch * seq_len, h * q])?)
     }
 
-    /// The kernel's keys and values `[B·S·H, Hd]` from the down
-    /// projection's `kva: [B·S, L + R]`: the normed latent expands to every
-    /// head's position-free key and value, the one rotary key is rotated at
-    /// `docs`' positions and copied to every head; with what their backward
-    /// needs (`keep`: whether it will be kept, so fp8 makes the normed
-    /// latent's column tiles with its row tiles).
-    fn kernel_keys_values(
+    /// This rank's tokens' key/value latent after its norm (`[T, L]`, `wkv_b`'s
+    /// input) and shared rotary key before its rotation (`[T, R]`), from the
+    /// down projection's `kva: [T, L + R]`, with the norm's state.
+    fn kv_latents(
         &self,
         b: &B,
         kva_ta: &Tensor<B>,
+    ) -> Result<(Tensor<B>, Tensor<B>, NormSaved<B>)> {
+        let m = &self.maps;
+        let (ckv_tl, norm) = self.kv_norm.forward(b, &m.kv_latent.apply(b, kva_ta)?)?;
+        Ok((ckv_tl, m.k_rope_in.apply(b, kva_ta)?, norm))
+    }
+
+    /// The backward of [`Self::kv_latents`] from this rank's tokens'
+    /// gradients of the normed latent and the rotary key: accumulates the
+    /// norm's gradient and returns `dkva: [T, L + R]`.
+    fn kv_latents_backward(
+        &mut self,
+        b: &B,
+        dckv_tl: &Tensor<B>,
+        dkr_tr: &Tensor<B>,
+        norm: NormSaved<B>,
+    ) -> Result<Tensor<B>> {
+        let dlat_tl = self.kv_norm.backward(b, dckv_tl, norm)?;
+        let m = &self.maps;
+        let mut dkva_ta = m.kv_latent.adjoint(b, &dlat_tl)?;
+        b.axpy(&mut dkva_ta, 1.0, &m.k_rope_in.adjoint(b, dkr_tr)?)?;
+        Ok(dkva_ta)
+    }
+
+    /// The kernel's keys and values `[B·S·H, Hd]` from the up projection of
+    /// the normed latent, `kv: [B·S, H·(P + V)]` (each head's position-free
+    /// key and value), and the unrotated rotary key `kr: [B·S, R]`, rotated
+    /// at `docs`' positions and copied to every head.
+    fn kernel_keys_values(
+        &self,
+        b: &B,
+        kv_thk: &Tensor<B>,
+        kr_tr: &Tensor<B>,
         (batch, seq_len): (usize, usize),
         docs: Option<&DocTensors<B>>,
-        keep: bool,
-    ) -> Result<(Tensor<B>, Tensor<B>, KvSaved<B>)> {
+    ) -> Result<(Tensor<B>, Tensor<B>)> {
         let (m, h, hd) = (&self.maps, self.heads, self.kernel_head_dim());
         let (p, v) = (self.dims.qk_nope_head_dim, self.dims.v_head_dim);
         let n = batch * seq_len * h;
-        let (ckv_tl, kv_norm) = self.kv_norm.forward(b, &m.kv_latent.apply(b, kva_ta)?)?;
-        let kr_tr = self.rotate(
-            b,
-            m.k_rope_in.apply(b, kva_ta)?,
-            (batch, seq_len, 1),
-            false,
-            docs,
-        )?;
-        let ckv = LinearInput::layer_input(&ckv_tl, self.fp8, !keep);
-        let kv_nk = ckv.project(b, &self.wkv_b.value)?.reshape(&[n, p + v])?;
+        let kr_tr = self.rotate(b, kr_tr.clone(), (batch, seq_len, 1), false, docs)?;
+        let kv_nk = kv_thk.clone().reshape(&[n, p + v])?;
         let kr_nd = m.k_rope_out.apply(b, &kr_tr)?.reshape(&[n, hd])?;
         let k_nd = b.add(&m.k_nope.apply(b, &kv_nk)?, &kr_nd)?;
         let v_nd = m.v_pad.apply(b, &kv_nk)?;
-        let kv = KvSaved {
-            norm: kv_norm,
-            ckv: ckv.into_saved(b)?,
-        };
-        Ok((k_nd, v_nd, kv))
+        Ok((k_nd, v_nd))
     }
 
     /// The backward of [`Self::kernel_keys_values`] from `dk, dv: [B·S·H,
-    /// Hd]`: accumulates `wkv_b`'s and the latent norm's gradients and
-    /// returns `dkva: [B·S, L + R]` (the shared rotary key sums its heads').
+    /// Hd]`: `dkv: [B·S, H·(P + V)]` and the rotary key's `dkr: [B·S, R]`
+    /// (rotated back; the shared key sums its heads').
     fn kernel_keys_values_backward(
-        &mut self,
+        &self,
         b: &B,
         (dk_nd, dv_nd): (&Tensor<B>, &Tensor<B>),
-        kv: KvSaved<B>,
         (batch, seq_len): (usize, usize),
         docs: Option<&DocTensors<B>>,
-    ) -> Result<Tensor<B>> {
+    ) -> Result<(Tensor<B>, Tensor<B>)> {
         let (h, hd) = (self.heads, self.kernel_head_dim());
         let (p, v) = (self.dims.qk_nope_head_dim, self.dims.v_head_dim);
         let tokens = batch * seq_len;
@@ -788,14 +845,7 @@ impl<B: Backend> Mla<B> {
             .k_rope_out
             .adjoint(b, &dk_nd.clone().reshape(&[tokens, h * hd])?)?;
         let dkr_tr = self.rotate(b, dkr_tr, (batch, seq_len, 1), true, docs)?;
-        let dkv_thk = dkv_nk.reshape(&[tokens, h * (p + v)])?;
-        let dckv_tl =
-            LinearInput::from_saved(kv.ckv, self.fp8)?.backward(b, &mut self.wkv_b, &dkv_thk)?;
-        let dlat_tl = self.kv_norm.backward(b, &dckv_tl, kv.norm)?;
-        let m = &self.maps;
-        let mut dkva_ta = m.kv_latent.adjoint(b, &dlat_tl)?;
-        b.axpy(&mut dkva_ta, 1.0, &m.k_rope_in.adjoint(b, &dkr_tr)?)?;
-        Ok(dkva_ta)
+        Ok((dkv_nk.reshape(&[tokens, h * (p + v)])?, dkr_tr))
     }
 
     /// Context parallelism: `x: [T/tp, D]`, this rank's sequence shard (under
@@ -828,11 +878,13 @@ impl<B: Backend> Mla<B> {
         );
         let input = self.layer_input(x_td, &tp);
         let (q_thq, query) = self.query.forward(b, &input, &tp, self.fp8)?;
-        let kva_ta = tp.gather(&input.project(b, &self.wkv_a.value)?)?;
-        let kva_nat = exchange.natural(ctx, groups, &kva_ta)?;
-        // The latent is kept by no one here (the backward expands it again).
-        let (k_nd, v_nd, _) =
-            self.kernel_keys_values(b, &kva_nat, (batch, seq), exchange.whole_docs(), false)?;
+        let (ckv_tl, kr_tr, kv_norm) = self.kv_latents(b, &input.project(b, &self.wkv_a.value)?)?;
+        // The whole sequence's latents expand to its keys and values; only
+        // this rank's are kept (the backward gathers and expands them again).
+        let (ckv_nat, kr_nat) = self.whole_kv_latents(ctx, groups, &exchange, &ckv_tl, &kr_tr)?;
+        let kv_thk = LinearInput::new(&ckv_nat, self.fp8).project(b, &self.wkv_b.value)?;
+        let (k_nd, v_nd) =
+            self.kernel_keys_values(b, &kv_thk, &kr_nat, (batch, seq), exchange.whole_docs())?;
         let whole = [batch * seq, h * hd];
         let (o_td, lse) = {
             let queries = self.cp_queries(b, &exchange);
@@ -851,7 +903,9 @@ impl<B: Backend> Mla<B> {
             x: input.into_saved(b)?,
             query,
             q_thq,
-            kva_ta,
+            kv_norm,
+            ckv_tl,
+            kr_tr,
             lse,
             o_thv,
             exchange,
@@ -875,7 +929,9 @@ impl<B: Backend> Mla<B> {
             x,
             query,
             q_thq,
-            kva_ta,
+            kv_norm,
+            ckv_tl,
+            kr_tr,
             lse,
             o_thv,
             exchange,
@@ -896,9 +952,11 @@ impl<B: Backend> Mla<B> {
         let (o_td, do_td) = (pad(&o_thv)?, pad(&do_thv)?);
         // The forward's keys and values again, from the gathered latents.
         let whole_docs = exchange.whole_docs();
-        let kva_nat = exchange.natural(ctx, groups, &kva_ta)?;
-        let (k_nd, v_nd, kv) =
-            self.kernel_keys_values(b, &kva_nat, (batch, seq), whole_docs, true)?;
+        let (ckv_nat, kr_nat) = self.whole_kv_latents(ctx, groups, &exchange, &ckv_tl, &kr_tr)?;
+        let ckv = LinearInput::kept(&ckv_nat, self.fp8);
+        let kv_thk = ckv.project(b, &self.wkv_b.value)?;
+        let (k_nd, v_nd) =
+            self.kernel_keys_values(b, &kv_thk, &kr_nat, (batch, seq), whole_docs)?;
         let whole = [batch * seq, h * hd];
         let (dq_thq, dk_nat, dv_nat) = {
             let queries = self.cp_queries(b, &exchange);
@@ -923,19 +981,36 @@ impl<B: Backend> Mla<B> {
             )?
         };
         let n = batch * seq * h;
-        let dkva_nat = self.kernel_keys_values_backward(
+        let (dkv_thk, dkr_nat) = self.kernel_keys_values_backward(
             b,
             (&dk_nat.reshape(&[n, hd])?, &dv_nat.reshape(&[n, hd])?),
-            kv,
             (batch, seq),
             whole_docs,
         )?;
-        let dkva_ta = exchange.owned(ctx, groups, &dkva_nat)?;
+        let dckv_nat = ckv.backward(b, &mut self.wkv_b, &dkv_thk)?;
         let tp = SeqShards {
             ctx,
             tp: &groups.tp,
         };
+        // Every rank's gradients of this rank's latents, summed over cp, then tp.
+        let own = |d: &Tensor<B>| tp.scatter(&exchange.owned(ctx, groups, d)?);
+        let dkva_ta = self.kv_latents_backward(b, &own(&dckv_nat)?, &own(&dkr_nat)?, kv_norm)?;
         self.down_backward(b, &tp, x, &dkva_ta, &dq_thq, query)
+    }
+
+    /// The whole sequence's normed key/value latent `[B·S, L]` and unrotated
+    /// rotary key `[B·S, R]` in natural order, from this rank's tokens'
+    /// (gathered over tp, then over cp).
+    fn whole_kv_latents(
+        &self,
+        ctx: &Exec<B>,
+        groups: &LayerGroups,
+        exchange: &CpExchange<B>,
+        ckv_tl: &Tensor<B>,
+        kr_tr: &Tensor<B>,
+    ) -> Result<(Tensor<B>, Tensor<B>)> {
+        let whole = |x: &Tensor<B>| exchange.natural(ctx, groups, &ctx.gather(&groups.tp, x)?);
+        Ok((whole(ckv_tl)?, whole(kr_tr)?))
     }
 
     /// The kernel's queries of a held chunk from its padded query rows
