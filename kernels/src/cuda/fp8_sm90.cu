@@ -722,18 +722,19 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
     const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const float *sa, const float *sb, i64 sbg, \
         i64 sbk, i64 sbn, const i64 *offs, const i64 *tiles
 #define F8_ENTRY extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
-F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<false, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
-}
-F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
-    f8_body<true, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
-}
-// V3 (FOLDMOE_FP8_GEMM=v3): the unrolled chains.
+// The default, V3: V2 with the unrolled chains.
 F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
     f8_body<false, 3>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 F8_ENTRY grouped_mm_fp8_wgmma_f32_v3(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
     f8_body<true, 3>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+// V2 (FOLDMOE_FP8_GEMM=v2), kept for comparisons.
+F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<false, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<true, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 // The first version (V1; FOLDMOE_FP8_GEMM=v1), kept for comparisons.
 F8_ENTRY grouped_mm_fp8_wgmma_bf16_v1(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
