@@ -343,9 +343,10 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
 // of 256 threads per (tile, RC_COLS columns), in chunks of 128 columns (one
 // row tile's width, k a multiple of 8). Each thread loads 8 columns of one
 // row with a 16-byte load, the 16 lanes of a row reduce its amax by shuffles
-// and store its codes at once; the chunk is staged in shared memory
-// (swz_word's layout, each row at its place in the aligned 128-row block the
-// tile lies in) for the columns' amax and their transposed codes: four rows
+// and store its codes at once, and keeps its 8 columns' amax over its
+// rows; the chunk is staged in shared memory (swz_word's layout, each row at
+// its place in the aligned 128-row block the tile lies in) for the columns'
+// transposed codes: four rows
 // of one column a thread, a warp's 128 rows in one 4-byte store each where
 // all four rows are the tile's (single bytes at its ends, or if m is not a
 // multiple of 4: the bytes around belong to other groups' tiles).
@@ -354,7 +355,7 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
                                                    unsigned char* ccodes, float* cscales, const int* sizes,
                                                    i64 m, i64 k, i64 groups) {
     __shared__ __align__(16) unsigned tile_w[128 * 64];
-    __shared__ float part[2][128];
+    __shared__ float part[16][128];
     __shared__ float col_factor[128];
     __shared__ i64 span[2];
     __shared__ int span_cols;
@@ -370,6 +371,8 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
     const i64 cend = min(k, (i64)(blockIdx.y + 1) * RC_COLS);
     for (i64 c0 = (i64)blockIdx.y * RC_COLS; c0 < cend; c0 += 128) {
         const int nc = (int)min((i64)128, k - c0);
+        // This thread's columns' amax over its rows of the tile.
+        float cm[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         // Two rows' loads in flight a thread: issuing all eight first (loads
         // before any store) took 168 registers, one block an SM, and made
         // the kernel 1.6x slower on the H200 (session 39, call 2).
@@ -401,6 +404,8 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
                 const unsigned* wd = reinterpret_cast<const unsigned*>(&raw);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) tile_w[swz_word(o + i, 4 * p + e)] = wd[e];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) cm[e] = fmaxf(cm[e], fabsf(v[e]));
             }
         }
         if (!cols) {
@@ -408,17 +413,16 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
             if (tid < nc) cscales[tile * k + c0 + tid] = 1.f;
             continue;
         }
-        __syncthreads();
-        {
-            const int j = tid & 127, hf = tid >> 7;
-            float a = 0.f;
-            const int iend = (int)min((i64)(64 * hf + 64), rows);
-            for (int i = 64 * hf; i < iend; ++i) a = fmaxf(a, fabsf(swz_value(tile_w, o + i, j)));
-            part[hf][j] = a;
-        }
+        // The columns' amax from the 16 row sets' (each thread's, taken
+        // during its loads; a scan of the staged tile, two threads a column,
+        // had held the block up for 64 dependent shared loads a chunk).
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part[tid >> 4][8 * p + e] = cm[e];
         __syncthreads();
         if (tid < 128) {
-            const float a = fmaxf(part[0][tid], part[1][tid]);
+            float a = 0.f;
+#pragma unroll
+            for (int r = 0; r < 16; ++r) a = fmaxf(a, part[r][tid]);
             const float2 sf = fp8_scaling(a);
             col_factor[tid] = sf.y;
             if (tid < nc) cscales[tile * k + c0 + tid] = sf.x;
