@@ -764,6 +764,26 @@ fn mla_layouts_match_one_rank() {
     check_layouts_with_documents(&mla_spec(), &["world=2,cp=2", "world=4,tp=2,cp=2"]);
 }
 
+/// MLA's recompute reruns under tp and cp (each rerun gathers the latents
+/// again over tp, and over cp, as the forward did): `norm` and
+/// `mla_up_proj` (DeepSeek-V3's declared part), then `block`.
+#[test]
+fn mla_recompute_matches_one_rank_under_tp_and_cp() {
+    for parts in [
+        vec![RecomputePart::Norm, RecomputePart::MlaUpProj],
+        vec![RecomputePart::Block],
+    ] {
+        let mut spec = mla_spec();
+        for g in &mut spec.groups {
+            g.policy.recompute = parts.clone();
+        }
+        check_layouts_of(
+            &spec,
+            &["world=2,tp=2", "world=2,cp=2", "world=4,tp=2,cp=2"],
+        );
+    }
+}
+
 /// MLA with fp8 projections (`attention(precision = fp8_blockwise)`) under
 /// tp and cp track one rank as separate fp8 products do, not to f32's
 /// precision: the down projections run on each rank's tokens (under tp its
