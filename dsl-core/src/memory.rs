@@ -184,6 +184,9 @@ pub struct MemoryPlan {
     /// for the update (Megatron-Core keeps persistent contiguous buffers
     /// instead; foldmoe does not yet).
     pub step_buffers: u64,
+    /// The fp8 experts' weights a step of several micro-batches keeps in
+    /// fp8, both layouts (Transformer Engine's fp8 weight caching).
+    pub fp8_weight_cache: u64,
     /// Weights, gradients, optimizer state, device activations and buffers.
     pub total: u64,
     /// Communication per step, one entry per group with traffic.
@@ -613,6 +616,9 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     let (t, d) = (layout.tp as u64, spec.hidden as u64);
     let mut params = [0u64; 7];
     let mut expert_params = 0u64;
+    // Routed-expert parameters of fp8 groups, whose weights a step of
+    // several micro-batches keeps in fp8.
+    let mut fp8_expert_params = 0u64;
     let (first, last) = (stage == 0, stage + 1 == layout.pp);
     // MTP modules live on the last stage, each with a block of the last
     // group (split as that group's are), counted with the blocks.
@@ -653,6 +659,9 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         params[5] += routed;
         params[6] += n * p.shared_experts / t;
         expert_params += routed;
+        if g.policy.precision == GemmPrecision::Fp8Blockwise && matches!(g.ffn, FfnSpec::Moe(_)) {
+            fp8_expert_params += routed;
+        }
     }
     // Activations per micro-batch: tokens of the rank's cp shard.
     let tokens = (spec.seq_len * opts.micro_batch_size) as f64 / layout.cp as f64;
@@ -787,6 +796,13 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
     let dense_params = params.iter().sum::<u64>() - expert_params;
     let step_buffers =
         (2.0 * opts.weight_bytes * expert_params.max(dense_params) as f64).round() as u64;
+    // The fp8 experts' weights kept for a step of several micro-batches:
+    // two layouts of a byte a weight, an f32 scale a 128 × 128 block each.
+    let fp8_weight_cache = if opts.micro_batches > 1 {
+        (2.0 * fp8_expert_params as f64 * (1.0 + 4.0 / 16384.0)).round() as u64
+    } else {
+        0
+    };
     let mut plan = MemoryPlan {
         rank: opts.rank,
         pp_stage: stage,
@@ -798,6 +814,7 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
         parts,
         comm_buffers,
         step_buffers,
+        fp8_weight_cache,
         total: 0,
         comm,
     };
@@ -811,7 +828,8 @@ pub fn plan_memory(spec: &ModelSpec, layout: &Layout, opts: &MemoryOptions) -> M
                 .saturating_add(p.activations)
         })
         .saturating_add(comm_buffers)
-        .saturating_add(step_buffers);
+        .saturating_add(step_buffers)
+        .saturating_add(fp8_weight_cache);
     plan
 }
 
@@ -995,6 +1013,32 @@ mod tests {
 
     fn part<'a>(p: &'a MemoryPlan, name: &str) -> &'a PartMemory {
         p.parts.iter().find(|x| x.part == name).unwrap()
+    }
+
+    /// A step of several micro-batches keeps the fp8 experts' weights in
+    /// fp8, both layouts, and the total counts them; bf16 experts, or one
+    /// micro-batch a step, keep none.
+    #[test]
+    fn fp8_experts_weights_are_kept_for_a_step_of_several_micro_batches() {
+        let mut spec = tiny();
+        let layout = check(&LayoutSpec::parse("world=2,ep=2").unwrap(), &spec).unwrap();
+        let plan_of =
+            |spec: &ModelSpec, m| plan_memory(spec, &layout, &MemoryOptions::new(0, 1, m));
+        assert_eq!(plan_of(&spec, 8).fp8_weight_cache, 0);
+        for g in &mut spec.groups {
+            if matches!(g.ffn, FfnSpec::Moe(_)) {
+                g.policy.precision = GemmPrecision::Fp8Blockwise;
+            }
+        }
+        let p = plan_of(&spec, 8);
+        // 384 routed weights on the rank (768 over ep 2), two layouts.
+        let want = (2.0 * 384.0 * (1.0 + 4.0 / 16384.0_f64)).round() as u64;
+        assert_eq!(p.fp8_weight_cache, want);
+        let rest = p.sum(|x| x.weights + x.grads + x.optimizer + x.activations)
+            + p.comm_buffers
+            + p.step_buffers;
+        assert_eq!(p.total, rest + want);
+        assert_eq!(plan_of(&spec, 1).fp8_weight_cache, 0);
     }
 
     #[test]

@@ -278,6 +278,12 @@ fn memory_table(plan: &Plan, spec: &ModelSpec) -> String {
         "    step buffers {} (the optimizer step's flat copies of the largest bucket: gradients, then values)\n",
         gib(m.step_buffers)
     ));
+    if m.fp8_weight_cache > 0 {
+        out.push_str(&format!(
+            "    fp8 weight cache {} (the fp8 experts' weights in both layouts, kept for the step's micro-batches)\n",
+            gib(m.fp8_weight_cache)
+        ));
+    }
     let fits: Vec<String> = DEVICES
         .iter()
         .map(|(name, gib_avail)| {

@@ -534,11 +534,22 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// Starts an optimizer step: state the layers keep across a step's
-    /// micro-batches (`global_aux`'s running loads) starts empty.
-    pub fn begin_step(&self) {
+    /// Starts an optimizer step of `micro_batches` on this rank: state the
+    /// layers keep across a step's micro-batches (`global_aux`'s running
+    /// loads; with several micro-batches, the fp8 experts' weights) starts
+    /// empty.
+    pub fn begin_step(&self, micro_batches: usize) {
         for moe in self.moe_iter() {
-            moe.begin_step();
+            moe.begin_step(micro_batches);
+        }
+    }
+
+    /// Ends the step's forward and backward passes: what the layers kept
+    /// for the step only (the fp8 experts' weights) is freed, before the
+    /// update changes the weights.
+    pub fn end_step(&self) {
+        for moe in self.moe_iter() {
+            moe.end_step();
         }
     }
 

@@ -298,11 +298,19 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// Forgets the loads `global_aux` kept from the previous step's
-    /// micro-batches; the trainer calls it before a step's first forward.
-    pub fn begin_step(&self) {
+    /// micro-batches, and starts the experts' step of `micro_batches`; the
+    /// trainer calls it before a step's first forward.
+    pub fn begin_step(&self, micro_batches: usize) {
         if let Ok(mut loads) = self.step_loads.lock() {
             loads.clear();
         }
+        self.experts.begin_step(micro_batches);
+    }
+
+    /// Ends a step's backward passes: what the experts kept for the step
+    /// (their fp8 weights) goes before the update.
+    pub fn end_step(&self) {
+        self.experts.end_step();
     }
 
     /// `global_aux`'s routed-copy counts `[1, E]` for micro-batch `micro`
@@ -417,9 +425,13 @@ impl<B: Backend> MoeLayer<B> {
             shared: None,
         };
         if g.ep.size() == 1 && g.etp.size() == 1 {
-            let (y_nd, experts) =
-                self.experts
-                    .forward(b, x_nd, &probs_n, fwd.dispatch.counts_e())?;
+            let (y_nd, experts) = self.experts.forward(
+                b,
+                x_nd,
+                &probs_n,
+                fwd.dispatch.counts_e(),
+                ctx.micro.is_some(),
+            )?;
             // After the routed experts: nothing to overlap, and their
             // output is not held through the experts' peak.
             fwd.shared = self.shared_forward(ctx, x_td)?;
@@ -619,7 +631,9 @@ impl<B: Backend> MoeLayer<B> {
             loss_scale,
         };
         let Some(exchange) = exchange else {
-            let (dx_nd, dprobs_n) = self.experts.backward(b, dy_nd, experts)?;
+            let (dx_nd, dprobs_n) =
+                self.experts
+                    .backward(b, dy_nd, experts, ctx.micro.is_some())?;
             return Ok(Step::Done(self.backward_finish(ctx, bw, dx_nd, dprobs_n)?));
         };
         let dy_nd = dy_nd.materialize(b)?;
@@ -929,7 +943,9 @@ impl<B: Backend> MoeLayer<B> {
             source_is_input: false,
         };
         let p_sorted = b.embedding(&p_block, &order)?.reshape(&[offset])?;
-        let (y_sorted, experts) = self.experts.forward(b, x_sorted, &p_sorted, &groups)?;
+        let (y_sorted, experts) =
+            self.experts
+                .forward(b, x_sorted, &p_sorted, &groups, ctx.micro.is_some())?;
         let mut y_block = b.embedding_backward(&y_sorted, &order, offset)?;
         let exchange = Exchange {
             send_rows,
@@ -974,7 +990,9 @@ impl<B: Backend> MoeLayer<B> {
             row_src: ex.order.clone(),
             source_is_input: false,
         };
-        let (dx_sorted, dp_sorted, weights) = self.experts.backward_data(b, dy_sorted, saved)?;
+        let (dx_sorted, dp_sorted, weights) =
+            self.experts
+                .backward_data(b, dy_sorted, saved, ctx.micro.is_some())?;
         let sorted = dp_sorted.numel();
         let mut dx_block = b.embedding_backward(&dx_sorted, &ex.order, rows)?;
         let mut dp_block =

@@ -787,7 +787,7 @@ impl<B: Backend> Trainer<B> {
         )?;
         let mut saved = HashMap::new();
         self.pipeline_wait = std::time::Duration::ZERO;
-        self.model.begin_step();
+        self.model.begin_step(micro_batches.len());
         let overlap = self.cfg.ddp.overlap_grad_reduce;
         self.in_flight = (0..self.buckets.len()).map(|_| None).collect();
         // Backward passes run per chunk, and this rank's blocks whose last
@@ -1111,9 +1111,9 @@ impl<B: Backend> Trainer<B> {
             }
             other => other,
         };
-        let (loss, aux, mut loads) = self
-            .accumulate(ctx, micro_batches, seq_len)
-            .map_err(non_finite)?;
+        let accumulated = self.accumulate(ctx, micro_batches, seq_len);
+        self.model.end_step();
+        let (loss, aux, mut loads) = accumulated.map_err(non_finite)?;
         let rank = ctx.rank;
         // The last stage's loss, summed over dp, reaches every stage
         // (the others add zeros), so every rank reports it.
