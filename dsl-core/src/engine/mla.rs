@@ -513,8 +513,8 @@ impl<B: Backend> Mla<B> {
     /// projections are already that rank's columns of heads and its output
     /// projection its rows (drawn by the shard plan); the down projections
     /// and latent norms stay whole (replicated, their gradients summed over
-    /// tp: the down projections run on the rank's sequence shard, the norms
-    /// on the gathered latents), so only the heads it computes with change.
+    /// tp: they run on the rank's sequence shard), so only the heads it
+    /// computes with change.
     pub fn take_heads(&mut self, b: &B, parts: usize) -> Result<()> {
         if parts == 1 {
             return Ok(());
