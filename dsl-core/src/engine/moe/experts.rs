@@ -749,7 +749,7 @@ mod tests {
         .unwrap();
         m.fp8 = true;
         let probs = t64(uniform(33, rows, 1.0), &[rows]);
-        let mut pass = |m: &mut Experts<Cpu>, seed: u64, in_step: bool| {
+        let pass = |m: &mut Experts<Cpu>, seed: u64, in_step: bool| {
             let x = t64(uniform(seed, rows * d, 1.0), &[rows, d]);
             let dy = t64(uniform(seed + 1, rows * d, 1.0), &[rows, d]);
             let (y, saved) = m
