@@ -67,6 +67,23 @@ pub trait Fp8Ops: Device + LinalgOps + ElementwiseOps + RoutingOps {
         grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype)
     }
 
+    /// `y += x · op(w)` in place ([`Self::grouped_matmul_fp8`] into `y:
+    /// [M, N]`'s dtype, then added as [`ElementwiseOps::axpy`] with alpha 1
+    /// adds: the same bits). A backend with a fused kernel adds in the
+    /// GEMM's stores, so no product is written and read back (the fc1 data
+    /// gradient's two halves, gate and up, summed).
+    fn grouped_matmul_fp8_accumulate(
+        &self,
+        y: &mut Tensor<Self>,
+        x: &Fp8Matrix<Self>,
+        w: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+    ) -> Result<()> {
+        let p = self.grouped_matmul_fp8(x, w, group_sizes, trans_w, y.dtype())?;
+        self.axpy(y, 1.0, &p)
+    }
+
     /// [`LinalgOps::grouped_matmul_weight_grad`] of fp8 operands: `x: [M,
     /// K]` and `dy: [M, N]`, both in `GroupColumns` tiles of the same
     /// `group_sizes` → `[G, K, N]` in `dtype`.

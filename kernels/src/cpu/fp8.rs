@@ -10,7 +10,7 @@ impl Fp8Ops for Cpu {}
 mod tests {
     use crate::cpu::test_util::*;
     use crate::fp8::*;
-    use crate::tensor::{DType, HostData};
+    use crate::tensor::{DType, HostData, Tensor};
 
     fn sample(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -493,7 +493,70 @@ mod tests {
         }
     }
 
+    /// `grouped_matmul_fp8_accumulate` gives the bits of the product added
+    /// to the tensor (`grouped_matmul_fp8`, then `add`) in f32 and bf16, for
+    /// the forward and the data gradient, over ragged, empty and padded
+    /// groups, N a multiple of 8 and not; a tensor sharing the accumulated
+    /// one's storage keeps its values.
+    fn fp8_accumulate_adds_the_product_bit_for_bit<B: TestOps>(d: &B) {
+        let bits = |t: &Tensor<B>| -> Vec<u64> { d.h64(t).iter().map(|v| v.to_bits()).collect() };
+        for (case, (m, k, n, sizes)) in [
+            (304usize, 400usize, 144usize, vec![70usize, 0, 150, 64]),
+            (200, 256, 100, vec![0, 33, 128, 19]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let g = sizes.len();
+            let gs = d.ti32(&sizes.iter().map(|&s| s as i32).collect::<Vec<_>>(), &[g]);
+            let seed = 40 + 10 * case as u32;
+            let q = |v: Vec<f32>, shape: &[usize], tiles| {
+                d.quantize_fp8(&d.t32(&v, shape), tiles, None).unwrap()
+            };
+            let x_rows = q(sample(m * k, seed), &[m, k], Fp8Tiles::Rows);
+            let dy_rows = q(sample(m * n, seed + 1), &[m, n], Fp8Tiles::Rows);
+            let w = sample(g * k * n, seed + 2);
+            let w_fwd = q(w.clone(), &[g, k, n], Fp8Tiles::Blocks { transposed: true });
+            let w_bwd = q(w, &[g, k, n], Fp8Tiles::Blocks { transposed: false });
+            for dtype in [DType::F32, DType::BF16] {
+                for (what, a, wq, trans_w, cols) in [
+                    ("forward", &x_rows, &w_fwd, false, n),
+                    ("data gradient", &dy_rows, &w_bwd, true, k),
+                ] {
+                    let y0 = d
+                        .cast(&d.t32(&sample(m * cols, seed + 3), &[m, cols]), dtype)
+                        .unwrap();
+                    let before = bits(&y0);
+                    let p = d.grouped_matmul_fp8(a, wq, &gs, trans_w, dtype).unwrap();
+                    let want = bits(&d.add(&y0, &p).unwrap());
+                    let mut y = y0.clone();
+                    d.grouped_matmul_fp8_accumulate(&mut y, a, wq, &gs, trans_w)
+                        .unwrap();
+                    assert_eq!((y.shape(), y.dtype()), (&[m, cols][..], dtype));
+                    let got = bits(&y);
+                    let diff = got.iter().zip(&want).position(|(a, b)| a != b);
+                    assert!(
+                        diff.is_none(),
+                        "case {case} {what} {dtype:?}: element {diff:?} differs from product + add"
+                    );
+                    assert_eq!(
+                        bits(&y0),
+                        before,
+                        "case {case} {what}: the shared tensor changed"
+                    );
+                }
+            }
+            let mut wrong = d.t32(&sample(m * (n + 1), 1), &[m, n + 1]);
+            let err = d
+                .grouped_matmul_fp8_accumulate(&mut wrong, &x_rows, &w_fwd, &gs, false)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("{}", n + 1)), "{err}");
+        }
+    }
+
     device_tests!(
+        fp8_accumulate_adds_the_product_bit_for_bit,
         fp8_bf16_operands_quantise_as_the_host,
         fp8_rows_and_columns_in_one_pass_equal_two,
         fp8_gemms_match_their_dequantised_operands,

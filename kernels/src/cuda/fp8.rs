@@ -24,8 +24,8 @@ use crate::backend::fp8::{
     check_gemm_operands, check_wgrad_operands, grouped_matmul_fp8_emulated,
     grouped_wgrad_fp8_emulated, rows_and_columns_in_two_passes,
 };
-use crate::backend::{Device, Fp8Ops, OffloadOps};
-use crate::error::{arg_err, KernelError, Result};
+use crate::backend::{Device, ElementwiseOps, Fp8Ops, OffloadOps};
+use crate::error::{arg_err, shape_err, KernelError, Result};
 use crate::fp8::{
     check_quantize_input, check_tiles, column_tiles, Fp8Matrix, Fp8Tensor, Fp8Tiles,
     FP8_WEIGHT_BLOCK,
@@ -218,7 +218,56 @@ impl Cuda {
         dtype: DType,
         kernel: Fp8Kernel,
     ) -> Result<Tensor<Self>> {
+        self.fp8_product(x, w, group_sizes, trans_w, Fp8Out::New(dtype), kernel)?
+            .ok_or_else(|| arg_err("grouped_matmul_fp8", "the product was added, not returned"))
+    }
+
+    /// [`Fp8Ops::grouped_matmul_fp8_accumulate`] on `kernel`: V3's adding
+    /// kernel where it fits; elsewhere (V1, V2, the emulation, shapes it
+    /// does not take) the product, then `axpy`.
+    pub(crate) fn grouped_matmul_fp8_accumulate_on(
+        &self,
+        y: &mut Tensor<Self>,
+        x: &Fp8Matrix<Self>,
+        w: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+        kernel: Fp8Kernel,
+    ) -> Result<()> {
+        if kernel == Fp8Kernel::WgmmaV3 {
+            self.fp8_product(x, w, group_sizes, trans_w, Fp8Out::Add(y), kernel)?;
+            return Ok(());
+        }
+        let p = self.grouped_matmul_fp8_on(x, w, group_sizes, trans_w, y.dtype(), kernel)?;
+        self.axpy(y, 1.0, &p)
+    }
+
+    /// The product of [`Self::grouped_matmul_fp8_on`] into `out`: a new
+    /// tensor (returned), or added to one (V3 only: V1 and V2 have no
+    /// adding kernel; the emulation's product is added with `axpy`).
+    fn fp8_product(
+        &self,
+        x: &Fp8Matrix<Self>,
+        w: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+        out: Fp8Out<'_>,
+        kernel: Fp8Kernel,
+    ) -> Result<Option<Tensor<Self>>> {
         const OP: &str = "grouped_matmul_fp8";
+        let dtype = match &out {
+            Fp8Out::New(dtype) => *dtype,
+            Fp8Out::Add(y) => y.dtype(),
+        };
+        // Where the kernel cannot run: the emulation's product, added to
+        // the output with axpy when there is one.
+        let emulated = |out: Fp8Out<'_>| -> Result<Option<Tensor<Self>>> {
+            let p = grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype)?;
+            match out {
+                Fp8Out::New(_) => Ok(Some(p)),
+                Fp8Out::Add(y) => self.axpy(y, 1.0, &p).map(|()| None),
+            }
+        };
         check_gemm_operands(x, w, trans_w)?;
         let dims = match (x.shape.as_slice(), w.shape.as_slice()) {
             (&[m, k], &[g, wr, wc]) if k == if trans_w { wc } else { wr } => {
@@ -228,17 +277,33 @@ impl Cuda {
         };
         // Shapes that disagree are reported by the emulation's checks.
         let Some((m, k, n, g)) = dims else {
-            return grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype);
+            return emulated(out);
         };
         check_parts(OP, x, 0)?;
         check_parts(OP, w, 0)?;
         let (xp, wp) = (x.codes.storage().ptr(), w.codes.storage().ptr());
         if kernel == Fp8Kernel::Emulated || !self.fp8_wgmma_fits((m, k, n, g), dtype, &[xp, wp]) {
-            return grouped_matmul_fp8_emulated(self, x, w, group_sizes, trans_w, dtype);
+            return emulated(out);
         }
         let (offs, tiles) = self.group_offsets(OP, group_sizes, g, m)?;
-        // Every row is written: tiles past the last group store zeros.
-        let out = self.alloc(OP, &[m, n], dtype)?;
+        // Every row is written (or added to): tiles past the last group
+        // store (add) zeros.
+        let (y, add) = match out {
+            Fp8Out::New(dtype) => (self.alloc(OP, &[m, n], dtype)?, None),
+            Fp8Out::Add(y) => {
+                if y.shape() != [m, n] {
+                    return Err(shape_err(
+                        OP,
+                        format!(
+                            "the accumulated output has shape {:?}, the product [{m}, {n}]",
+                            y.shape()
+                        ),
+                    ));
+                }
+                self.make_unique(OP, y)?;
+                (y.clone(), Some(()))
+            }
+        };
         let (kb, nb) = (k.div_ceil(F8_TILE), n.div_ceil(F8_TILE));
         // Strides of w's scale grid (group, block of K, block of N): the
         // logical matrix is [G, K, N], or [G, N, K] with trans_w.
@@ -249,6 +314,14 @@ impl Cuda {
         let smem = f8_smem_bytes(g) as u32;
         self.bind()?;
         let name = match (dtype == DType::F32, kernel) {
+            (true, Fp8Kernel::WgmmaV3) if add.is_some() => "grouped_mm_fp8_wgmma_f32_v3_add",
+            (false, Fp8Kernel::WgmmaV3) if add.is_some() => "grouped_mm_fp8_wgmma_bf16_v3_add",
+            (_, kernel) if add.is_some() => {
+                return Err(arg_err(
+                    OP,
+                    format!("{kernel:?} has no adding kernel (only V3)"),
+                ));
+            }
             (true, Fp8Kernel::WgmmaV1) => "grouped_mm_fp8_wgmma_f32_v1",
             (false, Fp8Kernel::WgmmaV1) => "grouped_mm_fp8_wgmma_bf16_v1",
             (true, Fp8Kernel::WgmmaV3) => "grouped_mm_fp8_wgmma_f32_v3",
@@ -281,14 +354,22 @@ impl Cuda {
             sbn as i64,
             offs.ptr(),
             tiles.ptr(),
-            out.storage().ptr(),
+            y.storage().ptr(),
             m as i64,
             k as i64,
             n as i64,
             g as i32
         )?;
-        Ok(out)
+        Ok(add.is_none().then_some(y))
     }
+}
+
+/// Where [`Cuda::fp8_product`] puts its product.
+enum Fp8Out<'a> {
+    /// A new `[M, N]` tensor of this dtype.
+    New(DType),
+    /// Added to this `[M, N]` tensor (its dtype the product's).
+    Add(&'a mut Tensor<Cuda>),
 }
 
 impl Cuda {
@@ -419,6 +500,19 @@ impl Fp8Ops for Cuda {
         dtype: DType,
     ) -> Result<Tensor<Self>> {
         self.grouped_matmul_fp8_on(x, w, group_sizes, trans_w, dtype, fp8_kernel_default())
+    }
+
+    /// On sm_90a V3's adding kernel (the product added in its stores),
+    /// where it fits; else the product, then `axpy`.
+    fn grouped_matmul_fp8_accumulate(
+        &self,
+        y: &mut Tensor<Self>,
+        x: &Fp8Matrix<Self>,
+        w: &Fp8Matrix<Self>,
+        group_sizes: &Tensor<Self>,
+        trans_w: bool,
+    ) -> Result<()> {
+        self.grouped_matmul_fp8_accumulate_on(y, x, w, group_sizes, trans_w, fp8_kernel_default())
     }
 
     fn quantize_fp8(

@@ -187,12 +187,34 @@ __device__ __forceinline__ void f8_promote(float (&acc)[64], float (&t)[64], flo
     }
 }
 
+// Eight (bf16) or four (f32) stored values of f8_store_staged's ADD: old +
+// v per element in f32, rounded to the dtype.
+template <bool OUTF>
+__device__ __forceinline__ uint4 f8_add_piece(uint4 old, uint4 v) {
+    unsigned* o = reinterpret_cast<unsigned*>(&old);
+    unsigned* p = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (OUTF) {
+            p[i] = __float_as_uint(__uint_as_float(o[i]) + __uint_as_float(p[i]));
+        } else {
+            float lo = __uint_as_float(o[i] << 16) + __uint_as_float(p[i] << 16);
+            float hi = __uint_as_float(o[i] & 0xffff0000u) + __uint_as_float(p[i] & 0xffff0000u);
+            p[i] = pack_bf16(lo, hi);
+        }
+    }
+    return v;
+}
+
 // The staged store of V2 (and the weight gradient): a warp's 16 rows of an
 // output tile, rows rw .. rw + 15 of out (those below row_end), columns
 // col0 .. col0 + 127 (those below n), from acc (register 4 j + e: row
 // lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2) through
 // the warp's buffer sw (16 rows, 144 bytes apart).
-template <bool OUTF>
+// With ADD each stored value is added to the one already there, in f32 and
+// rounded once more (the product rounded to the output's dtype first): what
+// storing the product and adding it to the tensor would give, bit for bit.
+template <bool OUTF, bool ADD = false>
 __device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const float (&acc)[64], unsigned char* sw,
                                                 i64 rw, i64 row_end, i64 col0, i64 n, int lane) {
     // Each warp writes its 16 rows, 128 bytes of columns at a
@@ -204,9 +226,24 @@ __device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const fl
     constexpr int EB = OUTF ? 4 : 2;      // bytes per element
     constexpr int CP = 128 / EB;          // columns per pass
     constexpr int PE = 16 / EB;           // elements per piece
+    constexpr int NP = F8_BN / CP;        // passes
 #pragma unroll
-    for (int c = 0; c < F8_BN / CP; ++c) {
+    for (int c = 0; c < NP; ++c) {
         if (col0 + c * CP >= n) break;
+        // ADD's old values: the pass's four pieces loaded before any of
+        // them is stored (one global round trip a pass, not one a piece,
+        // which each store before the next load would serialise).
+        uint4 old[4];
+        if (ADD && n % PE == 0) {
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq) {
+                int i = lane + 32 * qq, row = i >> 3, ch = i & 7;
+                i64 gr = rw + row, gc = col0 + c * CP + ch * PE;
+                if (gr < row_end && gc < n)
+                    old[qq] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(out) +
+                                                              (gr * n + gc) * EB);
+            }
+        }
 #pragma unroll
         for (int jj = 0; jj < CP / 8; ++jj) {
             int j = c * (CP / 8) + jj;
@@ -228,13 +265,22 @@ __device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const fl
                 const unsigned char* src = sw + row * 144 + ch * 16;
                 unsigned char* dst = reinterpret_cast<unsigned char*>(out) + (gr * n + gc) * EB;
                 if (n % PE == 0) {
-                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+                    uint4 v = *reinterpret_cast<const uint4*>(src);
+                    if (ADD) v = f8_add_piece<OUTF>(old[qq], v);
+                    *reinterpret_cast<uint4*>(dst) = v;
                 } else {
                     for (int e = 0; e < PE && gc + e < n; ++e) {
-                        if (OUTF)
-                            reinterpret_cast<float*>(dst)[e] = reinterpret_cast<const float*>(src)[e];
-                        else
-                            reinterpret_cast<bf16*>(dst)[e] = reinterpret_cast<const bf16*>(src)[e];
+                        if (OUTF) {
+                            float v = reinterpret_cast<const float*>(src)[e];
+                            if (ADD) v += reinterpret_cast<const float*>(dst)[e];
+                            reinterpret_cast<float*>(dst)[e] = v;
+                        } else {
+                            bf16 v = reinterpret_cast<const bf16*>(src)[e];
+                            if (ADD)
+                                v = __float2bfloat16_rn(__bfloat162float(reinterpret_cast<const bf16*>(dst)[e]) +
+                                                        __bfloat162float(v));
+                            reinterpret_cast<bf16*>(dst)[e] = v;
+                        }
                     }
                 }
             }
@@ -316,11 +362,12 @@ __device__ __forceinline__ void f8_chain(float (&acc)[64], float (&t0)[64], floa
 // temporary, wait then promote, stores straight from registers. V3 (VER
 // 3): V2 with the tiles of 6 and 16 blocks of K (the experts' K 768 and
 // 2048) as one unrolled chain each (f8_chain).
-template <bool OUTF, int VER>
+template <bool OUTF, int VER, bool ADD = false>
 __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, const float* __restrict__ sa,
                                         const float* __restrict__ sb, i64 sbg, i64 sbk, i64 sbn,
                                         const i64* __restrict__ offs, const i64* __restrict__ tiles,
                                         void* __restrict__ out, i64 m, i64 k, i64 n, int g) {
+    static_assert(!ADD || VER >= 2, "V1's stores from registers do not add");
     unsigned raw = smem_u32(f8_smem);
     unsigned pad = (1024u - (raw & 1023u)) & 1023u;
     unsigned char* base = f8_smem + pad;
@@ -458,8 +505,8 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                 }
                 continue;
             }
-            f8_store_staged<OUTF>(out, acc, base + F8_STG + (tid >> 5) * F8_STG_WARP, tl.row0 + wg * 64 + warp * 16,
-                                  tl.row_end, tl.col0, n, lane);
+            f8_store_staged<OUTF, ADD>(out, acc, base + F8_STG + (tid >> 5) * F8_STG_WARP,
+                                       tl.row0 + wg * 64 + warp * 16, tl.row_end, tl.col0, n, lane);
             (void)in0;
             (void)in1;
         }
@@ -728,6 +775,15 @@ F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, i
 }
 F8_ENTRY grouped_mm_fp8_wgmma_f32_v3(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
     f8_body<true, 3>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+// V3 adding its product to out (grouped_matmul_fp8_accumulate: the fc1 data
+// gradient's up half onto its gate half, with no product written and read
+// back by an add).
+F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3_add(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<false, 3, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
+}
+F8_ENTRY grouped_mm_fp8_wgmma_f32_v3_add(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+    f8_body<true, 3, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 // V2 (FOLDMOE_FP8_GEMM=v2), kept for comparisons.
 F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {

@@ -557,16 +557,20 @@ impl<B: Backend> Experts<B> {
         drop(dy_rows);
         let (dgate_nf, dup_nf, dprobs_n) =
             b.swiglu_weighted_backward(gate_nf, up_nf, probs_n, &dact_nf)?;
-        // Gate, then up: one gradient's two quantised forms live at a time.
-        let gate_up = |i: usize, w: &mut Param<B>, d_nf: &Tensor<B>| -> Result<Tensor<B>> {
+        // Gate, then up: one gradient's two quantised forms live at a time;
+        // up's data gradient is added onto gate's in the GEMM's stores.
+        let gate_up = |w: &mut Param<B>, d_nf: &Tensor<B>| -> Result<Fp8Matrix<B>> {
             let (d_rows, d_cols) = both(d_nf)?;
             w.accumulate(b, &wgrad(x_cols, &d_cols)?)?;
-            drop(d_cols);
-            dgrad(&d_rows, i, w)
+            Ok(d_rows)
         };
-        let dx_gate = gate_up(0, &mut self.w1, &dgate_nf)?;
-        let dx_up = gate_up(1, &mut self.w3, &dup_nf)?;
-        Ok((b.add(&dx_gate, &dx_up)?, dprobs_n))
+        let dgate_rows = gate_up(&mut self.w1, &dgate_nf)?;
+        let mut dx_nd = dgrad(&dgate_rows, 0, &self.w1)?;
+        drop(dgate_rows);
+        let dup_rows = gate_up(&mut self.w3, &dup_nf)?;
+        let w3 = cache.weight(b, 1, &self.w3, false, in_step)?;
+        b.grouped_matmul_fp8_accumulate(&mut dx_nd, &dup_rows, &w3, counts_e, true)?;
+        Ok((dx_nd, dprobs_n))
     }
 }
 
