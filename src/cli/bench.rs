@@ -160,6 +160,12 @@ pub trait BenchDevice: Backend {
     fn host_waits(&self) -> Option<u64> {
         None
     }
+    /// `(driver allocations, allocation retries)` of the device's caching
+    /// allocator so far (CUDA): an iteration that needs either is not
+    /// served from the cache.
+    fn allocator_counts(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Forgets the peak of device memory in use.
     fn reset_peak(&self) {}
     /// Peak device memory in use since [`BenchDevice::reset_peak`], in bytes.
@@ -205,6 +211,9 @@ impl BenchDevice for Cuda {
     }
     fn host_waits(&self) -> Option<u64> {
         Some(self.host_syncs())
+    }
+    fn allocator_counts(&self) -> Option<(u64, u64)> {
+        Some(Cuda::allocator_counts(self))
     }
     fn reset_peak(&self) {
         self.reset_peak_memory()
@@ -367,6 +376,18 @@ fn time_iters(
     step: &mut dyn FnMut() -> Result<(), CliError>,
     settle: &dyn Fn() -> Result<(), CliError>,
 ) -> Result<Vec<f64>, CliError> {
+    time_iters_counting(o, step, settle, &|| None).map(|(times, _)| times)
+}
+
+/// [`time_iters`], with the allocator's `counts` (see
+/// [`BenchDevice::allocator_counts`]) over the timed iterations, as a JSON
+/// object of per-iteration means (null where the device keeps none).
+fn time_iters_counting(
+    o: &BenchOptions,
+    step: &mut dyn FnMut() -> Result<(), CliError>,
+    settle: &dyn Fn() -> Result<(), CliError>,
+    counts: &dyn Fn() -> Option<(u64, u64)>,
+) -> Result<(Vec<f64>, Value), CliError> {
     // Progress goes to stderr (stdout is the report): a slow first step
     // (kernel compilation, allocator warm-up) is told apart from a hang.
     for i in 0..o.warmup {
@@ -381,6 +402,7 @@ fn time_iters(
         );
     }
     settle()?;
+    let before = counts();
     let mut times = Vec::with_capacity(o.iters);
     for i in 0..o.iters {
         let t0 = Instant::now();
@@ -394,7 +416,15 @@ fn time_iters(
             times[i] * 1e3
         );
     }
-    Ok(times)
+    let per_iter = |n: u64| n as f64 / o.iters.max(1) as f64;
+    let allocator = match (before, counts()) {
+        (Some((a0, r0)), Some((a1, r1))) => json!({
+            "driver_allocs_per_iter": per_iter(a1 - a0),
+            "alloc_retries_per_iter": per_iter(r1 - r0),
+        }),
+        _ => Value::Null,
+    };
+    Ok((times, allocator))
 }
 
 /// `(median, min)` of `times`.
@@ -503,7 +533,8 @@ fn moe_layer<B: BenchDevice>(
     let queue_ms = t0.elapsed().as_secs_f64() * 1e3;
     let waits = b.host_waits().zip(waits_before).map(|(a, z)| a - z);
     b.reset_peak();
-    let times = time_iters(o, &mut step, &|| b.finish())?;
+    let (times, allocator) =
+        time_iters_counting(o, &mut step, &|| b.finish(), &|| b.allocator_counts())?;
     let (median, min) = median_min(&times);
     let flops = moe_flops_per_token(d, &moe) * t as f64;
     // The eager iterations' peak (a graph's held memory comes on top).
@@ -538,6 +569,7 @@ fn moe_layer<B: BenchDevice>(
         "host_waits_per_iter": waits,
         "host_queue_ms": queue_ms,
         "peak_mem_gib": peak.map(|p| p as f64 / (1u64 << 30) as f64),
+        "allocator": allocator,
         "iters": o.iters,
         "graph": graph,
     }))
@@ -911,7 +943,7 @@ fn rank_step<B: BenchDevice>(
         device_waits.borrow_mut().push(waited);
         Ok(())
     };
-    let times = time_iters(o, &mut step, &settle)?;
+    let (times, allocator) = time_iters_counting(o, &mut step, &settle, &|| b.allocator_counts())?;
     if rank.rank != 0 {
         return Ok(None);
     }
@@ -963,6 +995,7 @@ fn rank_step<B: BenchDevice>(
         "comm_blocked_host_ms": per_step_ms(host_exposed),
         "comm_total_ms": per_step_ms(total),
         "peak_mem_gib": b.peak_bytes().map(|p| p as f64 / (1u64 << 30) as f64),
+        "allocator": allocator,
         "last_loss": last_loss,
         "iters": o.iters,
     })))

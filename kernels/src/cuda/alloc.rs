@@ -49,6 +49,13 @@ struct Cache {
     /// While a graph is being captured: the blocks freed since it began, by
     /// rounded size. They stay counted in `in_use` (the graph's memory).
     capture: Option<HashMap<usize, Vec<sys::CUdeviceptr>>>,
+    /// Blocks asked of the driver so far (none once a step's sizes are
+    /// cached).
+    driver_allocs: u64,
+    /// Driver allocations that failed for memory, after which the cache
+    /// was emptied (a stream wait and a free of every cached block) and the
+    /// allocation tried again: PyTorch's `num_alloc_retries`.
+    alloc_retries: u64,
 }
 
 impl Cache {
@@ -168,6 +175,10 @@ impl Pool {
                 });
             }
         }
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .driver_allocs += 1;
         let ptr = match self.driver_alloc(size) {
             Ok(p) => p,
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -178,6 +189,10 @@ impl Pool {
                 if self.capturing() {
                     return Err(self.oom_error(bytes, size, what, cached));
                 }
+                self.cache
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .alloc_retries += 1;
                 self.release_cached()?;
                 self.driver_alloc(size)
                     .map_err(|_| self.oom_error(bytes, size, what, cached))?
@@ -232,6 +247,13 @@ impl Pool {
     pub(crate) fn usage(&self) -> (usize, usize) {
         let c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         (c.in_use, c.peak_in_use)
+    }
+
+    /// `(driver allocations, allocation retries)` so far: see
+    /// [`Cache::driver_allocs`] and [`Cache::alloc_retries`].
+    pub(crate) fn driver_counts(&self) -> (u64, u64) {
+        let c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        (c.driver_allocs, c.alloc_retries)
     }
 
     /// Holds the blocks freed from now on for a graph being captured; an

@@ -356,6 +356,15 @@ impl Cuda {
         self.inner.syncs.load(Ordering::Relaxed)
     }
 
+    /// `(driver allocations, allocation retries)` of this handle's caching
+    /// allocator so far: blocks asked of the driver, and those asked again
+    /// after an out-of-memory answer emptied the cache (each retry waits
+    /// for the stream and frees every cached block: a step that needs one
+    /// runs near the device's memory with sizes the cache cannot reuse).
+    pub fn allocator_counts(&self) -> (u64, u64) {
+        self.inner.pool.driver_counts()
+    }
+
     /// Bytes this handle's pool holds for reuse.
     pub fn cached_bytes(&self) -> usize {
         self.inner.pool.cached_bytes()
