@@ -868,16 +868,26 @@ mod tests {
     )]
     fn pool_reuses_freed_blocks() {
         let d = require_test_device();
-        let a = d.zeros(&[1000], DType::F32).unwrap();
-        let p = a.storage().ptr();
-        drop(a);
-        assert!(d.cached_bytes() >= 4000);
-        let b = d.zeros(&[1000], DType::F32).unwrap();
-        assert_eq!(
-            b.storage().ptr(),
-            p,
-            "the same size class must come back from the cache"
-        );
+        for elems in [1000usize, 3 << 20, 8 << 20] {
+            let a = d.zeros(&[elems], DType::F32).unwrap();
+            drop(a);
+            assert!(d.cached_bytes() >= 4 * elems);
+            let (allocs, _) = d.allocator_counts();
+            let b = d.zeros(&[elems], DType::F32).unwrap();
+            assert_eq!(
+                d.allocator_counts().0,
+                allocs,
+                "{elems} elements again must come from the cache"
+            );
+            // Two halves fit where the whole was freed.
+            drop(b);
+            let halves = [
+                d.zeros(&[elems / 2], DType::F32).unwrap(),
+                d.zeros(&[elems / 2], DType::F32).unwrap(),
+            ];
+            assert_eq!(d.allocator_counts().0, allocs, "{elems} / 2, twice");
+            drop(halves);
+        }
     }
 
     #[test]
