@@ -188,9 +188,9 @@ struct Cache {
     /// Blocks asked of the driver so far (none once a step's sizes are
     /// cached).
     driver_allocs: u64,
-    /// Driver allocations that failed for memory, after which the cache
-    /// was emptied (a stream wait and a free of every cached block) and the
-    /// allocation tried again: PyTorch's `num_alloc_retries`.
+    /// Driver allocations that failed for memory, after which the cache's
+    /// wholly free segments were given back (a stream wait and a free of
+    /// each) and the allocation tried again: PyTorch's `num_alloc_retries`.
     alloc_retries: u64,
 }
 
@@ -328,7 +328,7 @@ impl Pool {
         }
         // A new segment: a small request's 2 MiB, a mid-sized one's 20
         // MiB, a large one's own size; when the segment does not fit even
-        // after the cache is emptied, the request's own size.
+        // after the free segments are given back, the request's own size.
         let segment = if size <= SMALL_LIMIT {
             SMALL_SEGMENT
         } else if size < MID_LIMIT {
@@ -366,23 +366,27 @@ impl Pool {
         bytes: usize,
         what: &str,
     ) -> Result<(u64, usize)> {
-        let count = |retry: bool| {
-            let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            c.driver_allocs += 1;
-            c.alloc_retries += u64::from(retry);
+        // One driver allocation, counted: Ok(None) if it ran out of memory.
+        let attempt = |want: usize, retry: bool| -> Result<Option<u64>> {
+            {
+                let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+                c.driver_allocs += 1;
+                c.alloc_retries += u64::from(retry);
+            }
+            match self.driver_alloc(want) {
+                Ok(p) => Ok(Some(p)),
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Ok(None),
+                Err(e) => Err(driver_err(what, e)),
+            }
         };
-        let oom = |e: &drv::DriverError| e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY;
         let tries = if segment > size {
             vec![segment, size]
         } else {
             vec![size]
         };
         for want in tries {
-            count(false);
-            match self.driver_alloc(want) {
-                Ok(p) => return Ok((p, want)),
-                Err(e) if oom(&e) => {}
-                Err(e) => return Err(driver_err(what, e)),
+            if let Some(p) = attempt(want, false)? {
+                return Ok((p, want));
             }
             // Free segments may be what is missing: give them back to the
             // driver and try once more (not during a graph capture, where
@@ -390,11 +394,8 @@ impl Pool {
             if self.capturing() || self.release_cached()? == 0 {
                 continue;
             }
-            count(true);
-            match self.driver_alloc(want) {
-                Ok(p) => return Ok((p, want)),
-                Err(e) if oom(&e) => {}
-                Err(e) => return Err(driver_err(what, e)),
+            if let Some(p) = attempt(want, true)? {
+                return Ok((p, want));
             }
         }
         Err(self.oom_error(bytes, size, what, self.cached_bytes()))

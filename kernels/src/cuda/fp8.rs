@@ -234,17 +234,13 @@ impl Cuda {
         trans_w: bool,
         kernel: Fp8Kernel,
     ) -> Result<()> {
-        if kernel == Fp8Kernel::WgmmaV3 {
-            self.fp8_product(x, w, group_sizes, trans_w, Fp8Out::Add(y), kernel)?;
-            return Ok(());
-        }
-        let p = self.grouped_matmul_fp8_on(x, w, group_sizes, trans_w, y.dtype(), kernel)?;
-        self.axpy(y, 1.0, &p)
+        self.fp8_product(x, w, group_sizes, trans_w, Fp8Out::Add(y), kernel)
+            .map(|_| ())
     }
 
     /// The product of [`Self::grouped_matmul_fp8_on`] into `out`: a new
-    /// tensor (returned), or added to one (V3 only: V1 and V2 have no
-    /// adding kernel; the emulation's product is added with `axpy`).
+    /// tensor (returned), or added to one (by V3's adding kernel; V1, V2
+    /// and the emulation's product are added with `axpy`).
     fn fp8_product(
         &self,
         x: &Fp8Matrix<Self>,
@@ -255,6 +251,14 @@ impl Cuda {
         kernel: Fp8Kernel,
     ) -> Result<Option<Tensor<Self>>> {
         const OP: &str = "grouped_matmul_fp8";
+        let out = match out {
+            Fp8Out::Add(y) if kernel != Fp8Kernel::WgmmaV3 => {
+                let p =
+                    self.grouped_matmul_fp8_on(x, w, group_sizes, trans_w, y.dtype(), kernel)?;
+                return self.axpy(y, 1.0, &p).map(|()| None);
+            }
+            out => out,
+        };
         let dtype = match &out {
             Fp8Out::New(dtype) => *dtype,
             Fp8Out::Add(y) => y.dtype(),
@@ -316,6 +320,7 @@ impl Cuda {
         let name = match (dtype == DType::F32, kernel) {
             (true, Fp8Kernel::WgmmaV3) if add.is_some() => "grouped_mm_fp8_wgmma_f32_v3_add",
             (false, Fp8Kernel::WgmmaV3) if add.is_some() => "grouped_mm_fp8_wgmma_bf16_v3_add",
+            // Unreachable: other kernels' adds were turned into axpy above.
             (_, kernel) if add.is_some() => {
                 return Err(arg_err(
                     OP,
