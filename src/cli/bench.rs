@@ -3,9 +3,13 @@
 //! stdout, so that runs can be compared with the PyTorch
 //! peer in `benchmarks/` on the same GPU.
 //!
-//! Times are wall-clock around work the device has finished (the backend is
-//! synchronised before and after each iteration), medians over `--iters`
-//! after `--warmup` untimed iterations. FLOPs follow Megatron-LM's
+//! Times are medians over `--iters` after `--warmup` untimed iterations.
+//! `moe-layer`, `gemm` and `attention` on CUDA time each iteration between
+//! two events on the device's queue, the iterations queued back to back with
+//! no host wait between them: the PyTorch peer's method (`torch.cuda.Event`
+//! pairs), so that both sides are timed alike. `moe-layer` also reports the
+//! wall clock of iterations synchronised one by one (`wall_time_ms`), and
+//! `model` and the CPU time only that way. FLOPs follow Megatron-LM's
 //! throughput formula ([`ModelSpec::flops_per_token`]): the reported TFLOP/s
 //! are the model's useful work, not what the kernels happen to execute.
 //!
@@ -166,6 +170,18 @@ pub trait BenchDevice: Backend {
     fn allocator_counts(&self) -> Option<(u64, u64)> {
         None
     }
+    /// Seconds of each of `iters` runs of `step` queued back to back, each
+    /// between two timing events on the device's queue, with no host wait
+    /// until the last: the PyTorch peer's timing. `None` where the device
+    /// keeps no such timeline (the CPU: time it by the wall clock).
+    fn queued_times(
+        &self,
+        iters: usize,
+        step: &mut dyn FnMut() -> Result<(), CliError>,
+    ) -> Result<Option<Vec<f64>>, CliError> {
+        let _ = (iters, step);
+        Ok(None)
+    }
     /// Forgets the peak of device memory in use.
     fn reset_peak(&self) {}
     /// Peak device memory in use since [`BenchDevice::reset_peak`], in bytes.
@@ -214,6 +230,26 @@ impl BenchDevice for Cuda {
     }
     fn allocator_counts(&self) -> Option<(u64, u64)> {
         Some(Cuda::allocator_counts(self))
+    }
+    fn queued_times(
+        &self,
+        iters: usize,
+        step: &mut dyn FnMut() -> Result<(), CliError>,
+    ) -> Result<Option<Vec<f64>>, CliError> {
+        self.synchronize()?;
+        let mut marks = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let start = self.mark()?;
+            step()?;
+            marks.push((start, self.mark()?));
+        }
+        // Kernel errors surface here, before any interval is read.
+        self.synchronize()?;
+        let times = marks
+            .iter()
+            .map(|(start, end)| Ok(start.ms_until(end)? / 1e3))
+            .collect::<Result<Vec<_>, CliError>>()?;
+        Ok(Some(times))
     }
     fn reset_peak(&self) {
         self.reset_peak_memory()
@@ -533,9 +569,11 @@ fn moe_layer<B: BenchDevice>(
     let queue_ms = t0.elapsed().as_secs_f64() * 1e3;
     let waits = b.host_waits().zip(waits_before).map(|(a, z)| a - z);
     b.reset_peak();
-    let (times, allocator) =
+    let (wall_times, allocator) =
         time_iters_counting(o, &mut step, &|| b.finish(), &|| b.allocator_counts())?;
-    let (median, min) = median_min(&times);
+    let (wall_median, wall_min) = median_min(&wall_times);
+    let queued = b.queued_times(o.iters, &mut step)?;
+    let (median, min) = median_min(queued.as_deref().unwrap_or(&wall_times));
     let flops = moe_flops_per_token(d, &moe) * t as f64;
     // The eager iterations' peak (a graph's held memory comes on top).
     let peak = b.peak_bytes();
@@ -563,9 +601,12 @@ fn moe_layer<B: BenchDevice>(
             "expert_ffn": moe.expert_ffn, "shared_ffn": moe.shared_ffn, "seq_len": seq_len,
         },
         "flops": flops,
+        "timing": timing_method(queued.is_some()),
         "time_ms": median * 1e3,
         "time_ms_min": min * 1e3,
         "tflops": flops / median / 1e12,
+        "wall_time_ms": wall_median * 1e3,
+        "wall_time_ms_min": wall_min * 1e3,
         "host_waits_per_iter": waits,
         "host_queue_ms": queue_ms,
         "peak_mem_gib": peak.map(|p| p as f64 / (1u64 << 30) as f64),
@@ -610,8 +651,10 @@ fn first_moe(o: &BenchOptions, spec: &ModelSpec, what: &str) -> Result<MoeSpec, 
         })
 }
 
-/// Median seconds of `f` over `--iters` after `--warmup` (each call
-/// synchronised), as `time_iters` does for whole steps.
+/// Median seconds of `f` over `--iters` after `--warmup`: timed on the
+/// device with the calls queued back to back where it can
+/// ([`BenchDevice::queued_times`]), else by the wall clock around each
+/// synchronised call.
 fn time_op(
     b: &impl BenchDevice,
     o: &BenchOptions,
@@ -622,7 +665,23 @@ fn time_op(
         warmup: o.warmup.max(1),
         ..o.clone()
     };
-    Ok(median_min(&time_iters(&opts, f, &|| b.finish())?).0)
+    let wall = time_iters(&opts, f, &|| b.finish())?;
+    let times = b.queued_times(o.iters, f)?.unwrap_or(wall);
+    Ok(median_min(&times).0)
+}
+
+/// How `b`'s op times are taken ([`time_op`]), for the report.
+fn op_timing(b: &impl BenchDevice) -> Result<&'static str, CliError> {
+    Ok(timing_method(b.queued_times(0, &mut || Ok(()))?.is_some()))
+}
+
+/// What a report's times are: see the module docs.
+fn timing_method(queued: bool) -> &'static str {
+    if queued {
+        "device events, iterations queued back to back"
+    } else {
+        "wall clock, each iteration synchronised"
+    }
 }
 
 /// `bench gemm`: the grouped GEMMs of the first MoE block on
@@ -716,7 +775,7 @@ fn gemm<B: BenchDevice>(
             }
         }
     }
-    Ok(json!({ "bench": "gemm", "results": rows, "iters": o.iters }))
+    Ok(json!({ "bench": "gemm", "timing": op_timing(b)?, "results": rows, "iters": o.iters }))
 }
 
 /// `bench attention`: causal grouped-query attention of the model's heads
@@ -775,6 +834,7 @@ fn attention<B: BenchDevice>(
     let fwd_flops = (batch * hq * s * s * (hd + hv)) as f64;
     Ok(json!({
         "bench": "attention",
+        "timing": op_timing(b)?,
         "dims": { "batch": batch, "seq_len": s, "heads": hq, "kv_heads": hkv,
                   "head_dim": hd, "value_dim": hv, "causal": true },
         "forward_ms": fwd * 1e3,

@@ -40,7 +40,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use cudarc::driver::{
+    result as drv, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig,
+};
 
 use crate::backend::Device;
 use crate::error::{KernelError, Result};
@@ -63,6 +65,20 @@ pub struct Cuda {
 impl std::fmt::Debug for Cuda {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Cuda({}, {})", self.inner.name, self.inner.arch)
+    }
+}
+
+/// A point on the compute stream's timeline ([`Cuda::mark`]).
+pub struct StreamMark(CudaEvent);
+
+impl StreamMark {
+    /// Milliseconds of device time from this mark to `later`, waiting until
+    /// `later` has been reached.
+    pub fn ms_until(&self, later: &StreamMark) -> Result<f64> {
+        self.0
+            .elapsed_ms(&later.0)
+            .map(f64::from)
+            .map_err(|e| driver_err("reading a timing interval", e))
     }
 }
 
@@ -375,6 +391,24 @@ impl Cuda {
     /// [`Cuda::reset_peak_memory`] (the caching allocator's cache excluded).
     pub fn memory_in_use(&self) -> (usize, usize) {
         self.inner.pool.usage()
+    }
+
+    /// Records a timing event on the compute stream: it completes once
+    /// everything queued before it has, without the host waiting. Two marks
+    /// around queued work time it on the device's own clock (what
+    /// `torch.cuda.Event` pairs measure).
+    pub fn mark(&self) -> Result<StreamMark> {
+        self.bind()?;
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let event = self
+            .inner
+            .ctx
+            .new_event(timing)
+            .map_err(|e| driver_err("creating a timing event", e))?;
+        event
+            .record(&self.inner.stream)
+            .map_err(|e| driver_err("recording a timing event", e))?;
+        Ok(StreamMark(event))
     }
 
     /// Starts a new peak-memory measurement from the current use.
