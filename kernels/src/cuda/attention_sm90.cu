@@ -805,10 +805,16 @@ extern "C" __global__ void fa3_pad_check(const bf16* __restrict__ v, const bf16*
 // fastest), HV / 8 lanes a row with 16-byte loads, 32 / (HV / 8) rows a
 // warp where that divides (64, 128), else one (192), two such row groups
 // loaded before either is reduced; the rows past S are zeroed after. A grid
-// of a few blocks per SM strides over the rows (attention_sm90.rs).
+// of a few blocks per SM strides over the rows (attention_sm90.rs). It also
+// zeroes the dQ accumulator (dq_acc, n4 float4s), which the main kernel
+// adds into: its stores leave while the rows' loads are in flight, and no
+// memset runs before this kernel.
 extern "C" __global__ void fa3_bwd_prep(const bf16* __restrict__ d_o, const bf16* __restrict__ o,
                                         const float* __restrict__ lse, float* __restrict__ lse2,
-                                        float* __restrict__ delta, int B, int S, int Sp, int HQ, int HD, int HV) {
+                                        float* __restrict__ delta, float4* __restrict__ dq_acc, i64 n4, int B,
+                                        int S, int Sp, int HQ, int HD, int HV) {
+    for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < n4; x += (i64)gridDim.x * blockDim.x)
+        dq_acc[x] = make_float4(0.f, 0.f, 0.f, 0.f);
     int lane = threadIdx.x & 31, lpr = HV / 8, rpw = 32 % lpr == 0 ? 32 / lpr : 1;
     int seg = lane / lpr, sl = lane % lpr;
     bool on = seg < rpw;

@@ -22,7 +22,6 @@ use std::sync::OnceLock;
 use super::compile::ATTENTION_SM90;
 use super::linalg::tma_map;
 use super::{block_cfg, grid_for, launch, warp_rows_cfg, Cuda};
-use crate::backend::Device as _;
 use crate::error::{KernelError, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -194,8 +193,9 @@ impl Cuda {
         let rows = b * hq * sp;
         let lse2 = self.scratch(OP, rows * 4)?;
         let delta = self.scratch(OP, rows * 4)?;
-        // The dQ accumulator, tile by tile (zeroed: the blocks add into it).
-        let dq_acc = self.zeros(&[rows * hd], DType::F32)?;
+        // The dQ accumulator, tile by tile: fa3_bwd_prep zeroes it (the
+        // blocks add into it).
+        let dq_acc = self.scratch(OP, rows * hd * 4)?;
         self.bind()?;
         // The multiprocessor count (a grid of one block per SM).
         let sms = self.persistent_grid(usize::MAX)? as usize;
@@ -211,6 +211,9 @@ impl Cuda {
             lse.storage().ptr(),
             lse2.ptr(),
             delta.ptr(),
+            dq_acc.ptr(),
+            // rows · hd is a multiple of 4 (hd is 64, 128 or 192).
+            (rows * hd / 4) as i64,
             b as i32,
             s as i32,
             sp as i32,
@@ -250,7 +253,7 @@ impl Cuda {
             tdo,
             lse2.ptr(),
             delta.ptr(),
-            dq_acc.storage().ptr(),
+            dq_acc.ptr(),
             dk.storage().ptr(),
             dv.storage().ptr(),
             s as i32,
@@ -271,7 +274,7 @@ impl Cuda {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             },
-            dq_acc.storage().ptr(),
+            dq_acc.ptr(),
             dq.storage().ptr(),
             b as i32,
             s as i32,

@@ -271,6 +271,44 @@ template <int N> __device__ __forceinline__ void wg_pin(unsigned (&p)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[i][e])::"memory");
 }
 
+// Skewed consumers of a warp-specialised GEMM (grouped_sm90.cu,
+// fp8_sm90.cu): the two consumer warpgroups split each output tile's rows
+// and read the same pipeline stages, so started together they reach their
+// epilogues together and the tensor cores idle while both store. Warpgroup 1
+// instead waits (named barrier BAR, 256 threads) until warpgroup 0 has
+// issued its first `steps` pipeline steps, and nothing re-aligns them after:
+// each one's epilogue then runs while the other's wgmmas have the tensor
+// cores to themselves. `steps` must not exceed the ring's stages (warpgroup
+// 0 issues that many without warpgroup 1 releasing any); 0 turns it off.
+// Every member is called warp-uniformly by a whole consumer warpgroup.
+template <int BAR> struct WgSkew {
+    // Warpgroup 0: steps still to issue before it arrives (0 once it has).
+    int left;
+    __device__ __forceinline__ void begin(int wg, int steps) {
+        left = wg == 0 ? steps : 0;
+        if (wg == 1 && steps > 0) asm volatile("bar.sync %0, 256;\n" ::"n"(BAR) : "memory");
+    }
+    // After each step's wgmmas are issued.
+    __device__ __forceinline__ void issued() {
+        if (left > 0 && --left == 0) asm volatile("bar.arrive %0, 256;\n" ::"n"(BAR) : "memory");
+    }
+    // After the last tile: warpgroup 0 arrives if it had fewer steps.
+    __device__ __forceinline__ void end() {
+        if (left > 0) {
+            left = 0;
+            asm volatile("bar.arrive %0, 256;\n" ::"n"(BAR) : "memory");
+        }
+    }
+};
+// The skew in pipeline steps of the bf16 grouped GEMMs and of the fp8 ones
+// (compile.rs sets them from FOLDMOE_GEMM_SKEW for comparisons).
+#ifndef FOLDMOE_GW_SKEW
+#define FOLDMOE_GW_SKEW 2
+#endif
+#ifndef FOLDMOE_F8_SKEW
+#define FOLDMOE_F8_SKEW 3
+#endif
+
 // A wgmma shared-memory descriptor with the 128-byte swizzle.
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo, unsigned sbo) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |

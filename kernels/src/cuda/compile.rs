@@ -167,6 +167,30 @@ fn cuda_include_dir() -> String {
     format!("{root}/include")
 }
 
+/// `FOLDMOE_GEMM_SKEW=B[,F]`: the consumer warpgroups' skew, in pipeline
+/// steps, of the bf16 grouped GEMMs (B) and the fp8 ones (F, else B), as
+/// `-D` options (common.cuh's `WgSkew`; unset: the sources' defaults; for
+/// comparisons). Steps past a kernel's ring are clamped there.
+fn skew_defines() -> std::result::Result<Vec<String>, String> {
+    let Ok(v) = std::env::var("FOLDMOE_GEMM_SKEW") else {
+        return Ok(Vec::new());
+    };
+    let steps: Vec<u32> = v
+        .split(',')
+        .map(|x| x.trim().parse::<u32>())
+        .collect::<std::result::Result<_, _>>()
+        .ok()
+        .filter(|s: &Vec<u32>| (1..=2).contains(&s.len()) && s.iter().all(|&x| x <= 16))
+        .ok_or_else(|| {
+            format!("FOLDMOE_GEMM_SKEW={v:?}: expected B or B,F, each 0..=16 pipeline steps")
+        })?;
+    let fp8 = *steps.last().unwrap_or(&0);
+    Ok(vec![
+        format!("-DFOLDMOE_GW_SKEW={}", steps[0]),
+        format!("-DFOLDMOE_F8_SKEW={fp8}"),
+    ])
+}
+
 /// Compiles `m` to a CUBIN for `arch` (`sm_90a`, ...).
 fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
     let fail = |what: String| KernelError::DeviceUnavailable {
@@ -177,7 +201,7 @@ fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
         .map_err(|_| fail("the source holds a NUL byte".into()))?;
     let name = CString::new(m.name).map_err(|_| fail("bad module name".into()))?;
     let include = cuda_include_dir();
-    let opts = vec![
+    let mut opts = vec![
         format!("--gpu-architecture={arch}"),
         format!("--include-path={include}"),
         "--std=c++17".to_string(),
@@ -187,6 +211,7 @@ fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
         "--prec-div=true".to_string(),
         "--prec-sqrt=true".to_string(),
     ];
+    opts.extend(skew_defines().map_err(fail)?);
     let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
     let out = (|| {
         if let Err(e) = unsafe { nvrtc::compile_program(prog, &opts) } {

@@ -289,14 +289,17 @@ __device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const fl
     }
 }
 
-// V2's pipeline state: the ring position, and the last issued block's
-// stage (ps) and scales (q0, q1: rows r0, r0 + 8).
+// V2's pipeline state: the ring position, the last issued block's stage
+// (ps) and scales (q0, q1: rows r0, r0 + 8), and the consumers' skew.
 struct F8Pipe {
     int s;
     unsigned ph;
     int ps;
     float q0, q1;
+    WgSkew<3> skew;
 };
+// The skew in blocks of K, at most the ring's stages (WgSkew).
+#define F8_SKEW_STEPS (FOLDMOE_F8_SKEW < F8_ST ? FOLDMOE_F8_SKEW : F8_ST)
 
 // One V2 step: block kb's wgmmas into cur, its stage and scales noted in
 // pp; then (RETIRE) the previous block's, in prev, waited for (wait_group
@@ -309,6 +312,7 @@ __device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], floa
     mbar_wait(bar0 + 8 * pp.s, pp.ph);
     unsigned a = stage0 + pp.s * F8_STAGE_BYTES;
     f8_issue(cur, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+    pp.skew.issued();
     if (RETIRE) {
         wg_wait<1>();
         wg_pin(prev);
@@ -427,6 +431,8 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             tmp[i] = 0.0f;
             tmp2[i] = 0.0f;
         }
+        WgSkew<3> skew;
+        skew.begin(wg, F8_SKEW_STEPS);
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
 #pragma unroll
@@ -438,20 +444,21 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             const float* sa1 = sa + (r0 + 8 < m ? r0 + 8 : 0) * nk;
             const float* sbt = sb + (i64)tl.grp * sbg + (tl.col0 / F8_BN) * sbn;
             if (VER == 3 && (tl.nk == 16 || tl.nk == 6)) {
-                F8Pipe pp{s, ph, 0, 0.0f, 0.0f};
+                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, skew};
                 if (tl.nk == 16)
                     f8_chain<16>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
                 else
                     f8_chain<6>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
                 s = pp.s;
                 ph = pp.ph;
+                skew = pp.skew;
             } else if (VER >= 2) {
                 // Blocks in pairs: kb's wgmmas into tmp, kb + 1's into tmp2;
                 // kb is waited for (wait_group 1), released and promoted while
                 // kb + 1's run; then kb + 1. Nothing stays in flight from one
                 // pair to the next: ptxas serialises the wgmmas of a loop whose
                 // back edge carries in-flight accumulators (it moves them).
-                F8Pipe pp{s, ph, 0, 0.0f, 0.0f};
+                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, skew};
                 int kb = 0;
                 for (; kb + 1 < tl.nk; kb += 2) {
                     f8_step<false>(acc, tmp, tmp2, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
@@ -476,6 +483,7 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                 }
                 s = pp.s;
                 ph = pp.ph;
+                skew = pp.skew;
             } else {
                 for (int kb = 0; kb < tl.nk; ++kb) {
                     // The scales' loads are in flight during the wait and the wgmmas.
@@ -483,6 +491,7 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                     mbar_wait(bar0 + 8 * s, ph);
                     unsigned a = stage0 + s * F8_STAGE_BYTES;
                     f8_issue(tmp, a + wg * (64 * F8_BK), a + F8_A_BYTES);
+                    skew.issued();
                     wg_wait<0>();
                     wg_pin(tmp);
                     // The stage is read: the producer may refill it.
@@ -510,6 +519,7 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             (void)in0;
             (void)in1;
         }
+        skew.end();
     }
 }
 
@@ -723,6 +733,8 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
             tmp[i] = 0.0f;
             tmp2[i] = 0.0f;
         }
+        WgSkew<3> skew;
+        skew.begin(wg, FOLDMOE_F8_SKEW < F8W_ST ? FOLDMOE_F8_SKEW : F8W_ST);
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             int grp;
             i64 row0, col0;
@@ -736,6 +748,7 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
             int kb = 0;
             if (nk & 1) {
                 int s0 = f8w_issue(tmp, b0, gs, ge, stage0, bar0, wg, s, ph);
+                skew.issued();
                 wg_wait<0>();
                 wg_pin(tmp);
                 f8w_promote(acc, tmp, base + s0 * F8W_STAGE, ra, lane);
@@ -745,7 +758,9 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
             }
             for (; kb < nk; kb += 2) {
                 int s0 = f8w_issue(tmp, b0 + kb, gs, ge, stage0, bar0, wg, s, ph);
+                skew.issued();
                 int s1 = f8w_issue(tmp2, b0 + kb + 1, gs, ge, stage0, bar0, wg, s, ph);
+                skew.issued();
                 wg_wait<1>();
                 wg_pin(tmp);
                 f8w_promote(acc, tmp, base + s0 * F8W_STAGE, ra, lane);
@@ -762,6 +777,7 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
             f8_store_staged<OUTF>(o, acc, base + F8W_STG + (tid >> 5) * F8_STG_WARP, row0 + wg * 64 + warp * 16, k,
                                   col0, n, lane);
         }
+        skew.end();
     }
 }
 

@@ -454,6 +454,8 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         int s = 0;
         unsigned ph = 0, oph = 0;
         float d[128];
+        WgSkew<2> skew;
+        skew.begin(wg, FOLDMOE_GW_SKEW < ST ? FOLDMOE_GW_SKEW : ST);
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             GwTile tl = gw_tile<KIND, TN>(t, so, st, m, nkt, n, g);
 #pragma unroll
@@ -479,6 +481,8 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                             *reinterpret_cast<uint4*>(p + (v + (rem >> 3)) * 128 + (rem & 7) * 16) = make_uint4(0, 0, 0, 0);
                         }
                         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        // Warpgroup 1 may still wait for warpgroup 0's skew.
+                        skew.end();
                         asm volatile("bar.sync 1, 256;\n" ::: "memory");
                     }
                 }
@@ -495,6 +499,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                                      1);
                 }
                 wg_commit();
+                skew.issued();
                 wg_pin(d);
                 // The group of step ks - 1 is done: its stage can be refilled.
                 wg_wait<1>();
@@ -509,6 +514,9 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
             wg_wait<0>();
             wg_pin(d);
             if (tl.nk > 0 && lane == 0) mbar_arrive(bar0 + 8 * (ST + prev));
+            // The skew is set within the first tile: the epilogue's waits
+            // (DEFER) may depend on warpgroup 1.
+            skew.end();
             // Accumulator layout: register 4 j + e holds row 16 warp + lane / 4
             // (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
             if (DEFER) {
@@ -563,6 +571,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
                 __syncwarp();
             }
         }
+        skew.end();
     }
 }
 
