@@ -300,13 +300,17 @@ template <int BAR> struct WgSkew {
         }
     }
 };
-// The skew in pipeline steps of the bf16 grouped GEMMs and of the fp8 ones
-// (compile.rs sets them from FOLDMOE_GEMM_SKEW for comparisons).
+// The skew in pipeline steps of the bf16 grouped GEMMs, of the fp8 forward
+// and data gradient, and of the fp8 weight gradient (compile.rs sets them
+// from FOLDMOE_GEMM_SKEW for comparisons).
 #ifndef FOLDMOE_GW_SKEW
-#define FOLDMOE_GW_SKEW 2
+#define FOLDMOE_GW_SKEW 0
 #endif
 #ifndef FOLDMOE_F8_SKEW
-#define FOLDMOE_F8_SKEW 3
+#define FOLDMOE_F8_SKEW 0
+#endif
+#ifndef FOLDMOE_F8W_SKEW
+#define FOLDMOE_F8W_SKEW 6
 #endif
 
 // A wgmma shared-memory descriptor with the 128-byte swizzle.

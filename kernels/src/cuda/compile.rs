@@ -167,9 +167,10 @@ fn cuda_include_dir() -> String {
     format!("{root}/include")
 }
 
-/// `FOLDMOE_GEMM_SKEW=B[,F]`: the consumer warpgroups' skew, in pipeline
-/// steps, of the bf16 grouped GEMMs (B) and the fp8 ones (F, else B), as
-/// `-D` options (common.cuh's `WgSkew`; unset: the sources' defaults; for
+/// `FOLDMOE_GEMM_SKEW=B[,F[,W]]`: the consumer warpgroups' skew, in
+/// pipeline steps, of the bf16 grouped GEMMs (B), the fp8 forward and data
+/// gradient (F, else B) and the fp8 weight gradient (W, else F), as `-D`
+/// options (common.cuh's `WgSkew`; unset: the sources' defaults; for
 /// comparisons). Steps past a kernel's ring are clamped there.
 fn skew_defines() -> std::result::Result<Vec<String>, String> {
     let Ok(v) = std::env::var("FOLDMOE_GEMM_SKEW") else {
@@ -180,14 +181,15 @@ fn skew_defines() -> std::result::Result<Vec<String>, String> {
         .map(|x| x.trim().parse::<u32>())
         .collect::<std::result::Result<_, _>>()
         .ok()
-        .filter(|s: &Vec<u32>| (1..=2).contains(&s.len()) && s.iter().all(|&x| x <= 16))
+        .filter(|s: &Vec<u32>| (1..=3).contains(&s.len()) && s.iter().all(|&x| x <= 16))
         .ok_or_else(|| {
-            format!("FOLDMOE_GEMM_SKEW={v:?}: expected B or B,F, each 0..=16 pipeline steps")
+            format!("FOLDMOE_GEMM_SKEW={v:?}: expected B, B,F or B,F,W, each 0..=16 pipeline steps")
         })?;
-    let fp8 = *steps.last().unwrap_or(&0);
+    let at = |i: usize| steps[i.min(steps.len() - 1)];
     Ok(vec![
-        format!("-DFOLDMOE_GW_SKEW={}", steps[0]),
-        format!("-DFOLDMOE_F8_SKEW={fp8}"),
+        format!("-DFOLDMOE_GW_SKEW={}", at(0)),
+        format!("-DFOLDMOE_F8_SKEW={}", at(1)),
+        format!("-DFOLDMOE_F8W_SKEW={}", at(2)),
     ])
 }
 

@@ -734,7 +734,7 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
             tmp2[i] = 0.0f;
         }
         WgSkew<3> skew;
-        skew.begin(wg, FOLDMOE_F8_SKEW < F8W_ST ? FOLDMOE_F8_SKEW : F8W_ST);
+        skew.begin(wg, FOLDMOE_F8W_SKEW < F8W_ST ? FOLDMOE_F8W_SKEW : F8W_ST);
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             int grp;
             i64 row0, col0;
