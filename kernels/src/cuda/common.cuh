@@ -278,27 +278,32 @@ template <int N> __device__ __forceinline__ void wg_pin(unsigned (&p)[N][4]) {
 // instead waits (named barrier BAR, 256 threads) until warpgroup 0 has
 // issued its first `steps` pipeline steps, and nothing re-aligns them after:
 // each one's epilogue then runs while the other's wgmmas have the tensor
-// cores to themselves. `steps` must not exceed the ring's stages (warpgroup
-// 0 issues that many without warpgroup 1 releasing any); 0 turns it off.
-// Every member is called warp-uniformly by a whole consumer warpgroup.
+// cores to themselves (measured in NOTES.md, session 47: it pays only in
+// the fp8 weight gradient). `steps` is clamped to the ring's `stages`
+// (warpgroup 0 issues that many without warpgroup 1 releasing any); 0 turns
+// it off. Every member is called warp-uniformly by a whole consumer
+// warpgroup.
 template <int BAR> struct WgSkew {
     // Warpgroup 0: steps still to issue before it arrives (0 once it has).
     int left;
-    __device__ __forceinline__ void begin(int wg, int steps) {
+    __device__ __forceinline__ void begin(int wg, int steps, int stages) {
+        steps = steps < stages ? steps : stages;
         left = wg == 0 ? steps : 0;
         if (wg == 1 && steps > 0) asm volatile("bar.sync %0, 256;\n" ::"n"(BAR) : "memory");
     }
     // After each step's wgmmas are issued.
     __device__ __forceinline__ void issued() {
-        if (left > 0 && --left == 0) asm volatile("bar.arrive %0, 256;\n" ::"n"(BAR) : "memory");
+        if (left > 0 && --left == 0) arrive();
     }
-    // After the last tile: warpgroup 0 arrives if it had fewer steps.
+    // Warpgroup 0 arrives now if it has not yet (fewer steps, or a wait
+    // ahead that needs warpgroup 1).
     __device__ __forceinline__ void end() {
         if (left > 0) {
             left = 0;
-            asm volatile("bar.arrive %0, 256;\n" ::"n"(BAR) : "memory");
+            arrive();
         }
     }
+    __device__ __forceinline__ void arrive() { asm volatile("bar.arrive %0, 256;\n" ::"n"(BAR) : "memory"); }
 };
 // The skew in pipeline steps of the bf16 grouped GEMMs, of the fp8 forward
 // and data gradient, and of the fp8 weight gradient (compile.rs sets them

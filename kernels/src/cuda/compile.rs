@@ -173,9 +173,11 @@ fn cuda_include_dir() -> String {
 /// options (common.cuh's `WgSkew`; unset: the sources' defaults; for
 /// comparisons). Steps past a kernel's ring are clamped there.
 fn skew_defines() -> std::result::Result<Vec<String>, String> {
-    let Ok(v) = std::env::var("FOLDMOE_GEMM_SKEW") else {
-        return Ok(Vec::new());
-    };
+    std::env::var("FOLDMOE_GEMM_SKEW").map_or(Ok(Vec::new()), |v| skew_defines_of(&v))
+}
+
+/// [`skew_defines`] of the variable's value `v`.
+fn skew_defines_of(v: &str) -> std::result::Result<Vec<String>, String> {
     let steps: Vec<u32> = v
         .split(',')
         .map(|x| x.trim().parse::<u32>())
@@ -250,6 +252,29 @@ fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `FOLDMOE_GEMM_SKEW`: a missing field repeats the one before it; bad
+    /// values are errors naming the value.
+    #[test]
+    fn skew_values_fill_and_reject() {
+        let d = |v| skew_defines_of(v).unwrap().join(" ");
+        assert_eq!(
+            d("2"),
+            "-DFOLDMOE_GW_SKEW=2 -DFOLDMOE_F8_SKEW=2 -DFOLDMOE_F8W_SKEW=2"
+        );
+        assert_eq!(
+            d("0, 4"),
+            "-DFOLDMOE_GW_SKEW=0 -DFOLDMOE_F8_SKEW=4 -DFOLDMOE_F8W_SKEW=4"
+        );
+        assert_eq!(
+            d("1,2,6"),
+            "-DFOLDMOE_GW_SKEW=1 -DFOLDMOE_F8_SKEW=2 -DFOLDMOE_F8W_SKEW=6"
+        );
+        for bad in ["", "x", "1,2,3,4", "17", "-1", "1,,2"] {
+            let e = skew_defines_of(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+    }
 
     /// NVRTC needs no GPU: wherever the library is found, every module must
     /// compile for Hopper and Ampere, so a CUDA C error shows up before a GPU

@@ -298,8 +298,6 @@ struct F8Pipe {
     float q0, q1;
     WgSkew<3> skew;
 };
-// The skew in blocks of K, at most the ring's stages (WgSkew).
-#define F8_SKEW_STEPS (FOLDMOE_F8_SKEW < F8_ST ? FOLDMOE_F8_SKEW : F8_ST)
 
 // One V2 step: block kb's wgmmas into cur, its stage and scales noted in
 // pp; then (RETIRE) the previous block's, in prev, waited for (wait_group
@@ -432,7 +430,7 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             tmp2[i] = 0.0f;
         }
         WgSkew<3> skew;
-        skew.begin(wg, F8_SKEW_STEPS);
+        skew.begin(wg, FOLDMOE_F8_SKEW, F8_ST);
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
 #pragma unroll
@@ -734,7 +732,7 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
             tmp2[i] = 0.0f;
         }
         WgSkew<3> skew;
-        skew.begin(wg, FOLDMOE_F8W_SKEW < F8W_ST ? FOLDMOE_F8W_SKEW : F8W_ST);
+        skew.begin(wg, FOLDMOE_F8W_SKEW, F8W_ST);
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             int grp;
             i64 row0, col0;

@@ -455,7 +455,7 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
         unsigned ph = 0, oph = 0;
         float d[128];
         WgSkew<2> skew;
-        skew.begin(wg, FOLDMOE_GW_SKEW < ST ? FOLDMOE_GW_SKEW : ST);
+        skew.begin(wg, FOLDMOE_GW_SKEW, ST);
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             GwTile tl = gw_tile<KIND, TN>(t, so, st, m, nkt, n, g);
 #pragma unroll
