@@ -195,6 +195,21 @@ fn skew_defines_of(v: &str) -> std::result::Result<Vec<String>, String> {
     ])
 }
 
+/// `FOLDMOE_F8_PREFETCH=0|1`: whether the fp8 GEMM's steps load the next
+/// block's scales (1, fp8_sm90.cu's default) or their own (0), as a `-D`
+/// option (unset: the source's default; for comparisons).
+fn prefetch_defines() -> std::result::Result<Vec<String>, String> {
+    std::env::var("FOLDMOE_F8_PREFETCH").map_or(Ok(Vec::new()), |v| prefetch_defines_of(&v))
+}
+
+/// [`prefetch_defines`] of the variable's value `v`.
+fn prefetch_defines_of(v: &str) -> std::result::Result<Vec<String>, String> {
+    match v.trim() {
+        b @ ("0" | "1") => Ok(vec![format!("-DFOLDMOE_F8_PREFETCH={b}")]),
+        _ => Err(format!("FOLDMOE_F8_PREFETCH={v:?}: expected 0 or 1")),
+    }
+}
+
 /// Compiles `m` to a CUBIN for `arch` (`sm_90a`, ...).
 fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
     let fail = |what: String| KernelError::DeviceUnavailable {
@@ -216,6 +231,7 @@ fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
         "--prec-sqrt=true".to_string(),
     ];
     opts.extend(skew_defines().map_err(fail)?);
+    opts.extend(prefetch_defines().map_err(fail)?);
     let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
     let out = (|| {
         if let Err(e) = unsafe { nvrtc::compile_program(prog, &opts) } {
@@ -272,6 +288,24 @@ mod tests {
         );
         for bad in ["", "x", "1,2,3,4", "17", "-1", "1,,2"] {
             let e = skew_defines_of(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+    }
+
+    /// `FOLDMOE_F8_PREFETCH` takes 0 or 1; anything else is an error naming
+    /// the value.
+    #[test]
+    fn prefetch_values_parse_and_reject() {
+        assert_eq!(
+            prefetch_defines_of("0").unwrap(),
+            ["-DFOLDMOE_F8_PREFETCH=0"]
+        );
+        assert_eq!(
+            prefetch_defines_of(" 1").unwrap(),
+            ["-DFOLDMOE_F8_PREFETCH=1"]
+        );
+        for bad in ["", "2", "yes", "-1"] {
+            let e = prefetch_defines_of(bad).unwrap_err();
             assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
         }
     }

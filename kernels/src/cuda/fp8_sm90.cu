@@ -290,23 +290,50 @@ __device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const fl
 }
 
 // V2's pipeline state: the ring position, the last issued block's stage
-// (ps) and scales (q0, q1: rows r0, r0 + 8), and the consumers' skew.
+// (ps) and scales (q0, q1: rows r0, r0 + 8), the next block's three scales
+// as loaded (n0, n1: A's rows r0, r0 + 8; nw: B's block), and the
+// consumers' skew.
 struct F8Pipe {
     int s;
     unsigned ph;
     int ps;
     float q0, q1;
+    float n0, n1, nw;
     WgSkew<3> skew;
 };
+
+// Whether each step loads the next block's scales (a step ahead of their
+// use, so their L2 latency hides under a whole step) rather than its own
+// (used at the end of the same step); compile.rs sets it from
+// FOLDMOE_F8_PREFETCH for comparisons.
+#ifndef FOLDMOE_F8_PREFETCH
+#define FOLDMOE_F8_PREFETCH 1
+#endif
+
+// Block kb's scales into pp.n0, pp.n1, pp.nw.
+__device__ __forceinline__ void f8_load_scales(F8Pipe& pp, int kb, const float* sa0, const float* sa1,
+                                               const float* sbt, i64 sbk) {
+    pp.n0 = __ldg(sa0 + kb);
+    pp.n1 = __ldg(sa1 + kb);
+    pp.nw = __ldg(sbt + kb * sbk);
+}
 
 // One V2 step: block kb's wgmmas into cur, its stage and scales noted in
 // pp; then (RETIRE) the previous block's, in prev, waited for (wait_group
 // 1: cur's stay in flight), its stage released and prev promoted.
+// With FOLDMOE_F8_PREFETCH block kb's scales were loaded by the step before
+// (f8_load_scales before a tile's first) and this one loads block kb + 1's (of nk).
 template <bool RETIRE>
-__device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], float (&prev)[64], int kb,
+__device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], float (&prev)[64], int kb, int nk,
                                         const float* sa0, const float* sa1, const float* sbt, i64 sbk, unsigned stage0,
                                         unsigned bar0, int wg, int lane, F8Pipe& pp) {
+#if FOLDMOE_F8_PREFETCH
+    float s0 = pp.n0, s1 = pp.n1, sw = pp.nw;
+    if (kb + 1 < nk) f8_load_scales(pp, kb + 1, sa0, sa1, sbt, sbk);
+#else
+    (void)nk;
     float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
+#endif
     mbar_wait(bar0 + 8 * pp.s, pp.ph);
     unsigned a = stage0 + pp.s * F8_STAGE_BYTES;
     f8_issue(cur, a + wg * (64 * F8_BK), a + F8_A_BYTES);
@@ -334,13 +361,13 @@ template <int NKC>
 __device__ __forceinline__ void f8_chain(float (&acc)[64], float (&t0)[64], float (&t1)[64], const float* sa0,
                                          const float* sa1, const float* sbt, i64 sbk, unsigned stage0, unsigned bar0,
                                          int wg, int lane, F8Pipe& pp) {
-    f8_step<false>(acc, t0, t1, 0, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+    f8_step<false>(acc, t0, t1, 0, NKC, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
 #pragma unroll
     for (int kb = 1; kb < NKC; ++kb) {
         if (kb & 1)
-            f8_step<true>(acc, t1, t0, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+            f8_step<true>(acc, t1, t0, kb, NKC, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
         else
-            f8_step<true>(acc, t0, t1, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+            f8_step<true>(acc, t0, t1, kb, NKC, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
     }
     wg_wait<0>();
     if ((NKC - 1) & 1) {
@@ -442,7 +469,8 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             const float* sa1 = sa + (r0 + 8 < m ? r0 + 8 : 0) * nk;
             const float* sbt = sb + (i64)tl.grp * sbg + (tl.col0 / F8_BN) * sbn;
             if (VER == 3 && (tl.nk == 16 || tl.nk == 6)) {
-                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, skew};
+                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, skew};
+                if (FOLDMOE_F8_PREFETCH && tl.nk > 0) f8_load_scales(pp, 0, sa0, sa1, sbt, sbk);
                 if (tl.nk == 16)
                     f8_chain<16>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
                 else
@@ -456,13 +484,14 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                 // kb + 1's run; then kb + 1. Nothing stays in flight from one
                 // pair to the next: ptxas serialises the wgmmas of a loop whose
                 // back edge carries in-flight accumulators (it moves them).
-                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, skew};
+                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, skew};
+                if (FOLDMOE_F8_PREFETCH && tl.nk > 0) f8_load_scales(pp, 0, sa0, sa1, sbt, sbk);
                 int kb = 0;
                 for (; kb + 1 < tl.nk; kb += 2) {
-                    f8_step<false>(acc, tmp, tmp2, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    f8_step<false>(acc, tmp, tmp2, kb, tl.nk, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
                     float p0 = pp.q0, p1 = pp.q1;
                     int s0 = pp.ps;
-                    f8_step<false>(acc, tmp2, tmp, kb + 1, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    f8_step<false>(acc, tmp2, tmp, kb + 1, tl.nk, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
                     wg_wait<1>();
                     wg_pin(tmp);
                     if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + s0));
@@ -473,7 +502,7 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                     f8_promote(acc, tmp2, pp.q0, pp.q1);
                 }
                 if (kb < tl.nk) {
-                    f8_step<false>(acc, tmp, tmp2, kb, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    f8_step<false>(acc, tmp, tmp2, kb, tl.nk, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
                     wg_wait<0>();
                     wg_pin(tmp);
                     if (lane == 0) mbar_arrive(bar0 + 8 * (F8_ST + pp.ps));
