@@ -196,7 +196,7 @@ fn skew_defines_of(v: &str) -> std::result::Result<Vec<String>, String> {
 }
 
 /// `FOLDMOE_F8_PREFETCH=0|1`: whether the fp8 GEMM's steps load the next
-/// block's scales (1, fp8_sm90.cu's default) or their own (0), as a `-D`
+/// block's scales (1) or their own (0, fp8_sm90.cu's default), as a `-D`
 /// option (unset: the source's default; for comparisons).
 fn prefetch_defines() -> std::result::Result<Vec<String>, String> {
     std::env::var("FOLDMOE_F8_PREFETCH").map_or(Ok(Vec::new()), |v| prefetch_defines_of(&v))

@@ -305,9 +305,10 @@ struct F8Pipe {
 // Whether each step loads the next block's scales (a step ahead of their
 // use, so their L2 latency hides under a whole step) rather than its own
 // (used at the end of the same step); compile.rs sets it from
-// FOLDMOE_F8_PREFETCH for comparisons.
+// FOLDMOE_F8_PREFETCH for comparisons. Off by default until it has run on a
+// GPU (ptxas: with it V3 spills nothing, without it 64 / 12 / 80 / 84 bytes).
 #ifndef FOLDMOE_F8_PREFETCH
-#define FOLDMOE_F8_PREFETCH 1
+#define FOLDMOE_F8_PREFETCH 0
 #endif
 
 // Block kb's scales into pp.n0, pp.n1, pp.nw.
