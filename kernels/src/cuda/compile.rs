@@ -173,7 +173,16 @@ fn cuda_include_dir() -> String {
 /// options (common.cuh's `WgSkew`; unset: the sources' defaults; for
 /// comparisons). Steps past a kernel's ring are clamped there.
 fn skew_defines() -> std::result::Result<Vec<String>, String> {
-    std::env::var("FOLDMOE_GEMM_SKEW").map_or(Ok(Vec::new()), |v| skew_defines_of(&v))
+    env_defines("FOLDMOE_GEMM_SKEW", skew_defines_of)
+}
+
+/// The `-D` options `parse` makes of environment variable `var` (none when
+/// it is unset).
+fn env_defines(
+    var: &str,
+    parse: fn(&str) -> std::result::Result<Vec<String>, String>,
+) -> std::result::Result<Vec<String>, String> {
+    std::env::var(var).map_or(Ok(Vec::new()), |v| parse(&v))
 }
 
 /// [`skew_defines`] of the variable's value `v`.
@@ -199,7 +208,7 @@ fn skew_defines_of(v: &str) -> std::result::Result<Vec<String>, String> {
 /// block's scales (1) or their own (0, fp8_sm90.cu's default), as a `-D`
 /// option (unset: the source's default; for comparisons).
 fn prefetch_defines() -> std::result::Result<Vec<String>, String> {
-    std::env::var("FOLDMOE_F8_PREFETCH").map_or(Ok(Vec::new()), |v| prefetch_defines_of(&v))
+    env_defines("FOLDMOE_F8_PREFETCH", prefetch_defines_of)
 }
 
 /// [`prefetch_defines`] of the variable's value `v`.

@@ -328,13 +328,9 @@ template <bool RETIRE>
 __device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], float (&prev)[64], int kb, int nk,
                                         const float* sa0, const float* sa1, const float* sbt, i64 sbk, unsigned stage0,
                                         unsigned bar0, int wg, int lane, F8Pipe& pp) {
-#if FOLDMOE_F8_PREFETCH
+    if (!FOLDMOE_F8_PREFETCH) f8_load_scales(pp, kb, sa0, sa1, sbt, sbk);
     float s0 = pp.n0, s1 = pp.n1, sw = pp.nw;
-    if (kb + 1 < nk) f8_load_scales(pp, kb + 1, sa0, sa1, sbt, sbk);
-#else
-    (void)nk;
-    float s0 = __ldg(sa0 + kb), s1 = __ldg(sa1 + kb), sw = __ldg(sbt + kb * sbk);
-#endif
+    if (FOLDMOE_F8_PREFETCH && kb + 1 < nk) f8_load_scales(pp, kb + 1, sa0, sa1, sbt, sbk);
     mbar_wait(bar0 + 8 * pp.s, pp.ph);
     unsigned a = stage0 + pp.s * F8_STAGE_BYTES;
     f8_issue(cur, a + wg * (64 * F8_BK), a + F8_A_BYTES);
@@ -469,9 +465,11 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             const float* sa0 = sa + (r0 < m ? r0 : 0) * nk;
             const float* sa1 = sa + (r0 + 8 < m ? r0 + 8 : 0) * nk;
             const float* sbt = sb + (i64)tl.grp * sbg + (tl.col0 / F8_BN) * sbn;
+            // V2 and V3's pipeline state over this tile (V1 keeps s, ph and
+            // skew itself).
+            F8Pipe pp{s, ph, 0, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, skew};
+            if (VER >= 2 && FOLDMOE_F8_PREFETCH && tl.nk > 0) f8_load_scales(pp, 0, sa0, sa1, sbt, sbk);
             if (VER == 3 && (tl.nk == 16 || tl.nk == 6)) {
-                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, skew};
-                if (FOLDMOE_F8_PREFETCH && tl.nk > 0) f8_load_scales(pp, 0, sa0, sa1, sbt, sbk);
                 if (tl.nk == 16)
                     f8_chain<16>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
                 else
@@ -485,8 +483,6 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                 // kb + 1's run; then kb + 1. Nothing stays in flight from one
                 // pair to the next: ptxas serialises the wgmmas of a loop whose
                 // back edge carries in-flight accumulators (it moves them).
-                F8Pipe pp{s, ph, 0, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, skew};
-                if (FOLDMOE_F8_PREFETCH && tl.nk > 0) f8_load_scales(pp, 0, sa0, sa1, sbt, sbk);
                 int kb = 0;
                 for (; kb + 1 < tl.nk; kb += 2) {
                     f8_step<false>(acc, tmp, tmp2, kb, tl.nk, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
