@@ -180,7 +180,7 @@ fn skew_defines() -> std::result::Result<Vec<String>, String> {
 /// it is unset).
 fn env_defines(
     var: &str,
-    parse: fn(&str) -> std::result::Result<Vec<String>, String>,
+    parse: impl Fn(&str) -> std::result::Result<Vec<String>, String>,
 ) -> std::result::Result<Vec<String>, String> {
     std::env::var(var).map_or(Ok(Vec::new()), |v| parse(&v))
 }
@@ -204,18 +204,26 @@ fn skew_defines_of(v: &str) -> std::result::Result<Vec<String>, String> {
     ])
 }
 
-/// `FOLDMOE_F8_PREFETCH=0|1`: whether the fp8 GEMM's steps load the next
-/// block's scales (1) or their own (0, fp8_sm90.cu's default), as a `-D`
-/// option (unset: the source's default; for comparisons).
-fn prefetch_defines() -> std::result::Result<Vec<String>, String> {
-    env_defines("FOLDMOE_F8_PREFETCH", prefetch_defines_of)
+/// The fp8 GEMM's switches (fp8_sm90.cu; unset: the source's defaults; for
+/// comparisons): `FOLDMOE_F8_PREFETCH`, whether each step loads the next
+/// block's scales rather than its own, and `FOLDMOE_F8_OVERLAP`, whether a
+/// tile's store runs under the next tile's first wgmmas.
+const F8_SWITCHES: [&str; 2] = ["FOLDMOE_F8_PREFETCH", "FOLDMOE_F8_OVERLAP"];
+
+/// Each of [`F8_SWITCHES`] that is set, `VAR=0|1`, as `-DVAR=0|1`.
+fn switch_defines() -> std::result::Result<Vec<String>, String> {
+    let mut defines = Vec::new();
+    for var in F8_SWITCHES {
+        defines.extend(env_defines(var, |v| switch_defines_of(var, v))?);
+    }
+    Ok(defines)
 }
 
-/// [`prefetch_defines`] of the variable's value `v`.
-fn prefetch_defines_of(v: &str) -> std::result::Result<Vec<String>, String> {
+/// [`switch_defines`] of switch `var`'s value `v`.
+fn switch_defines_of(var: &str, v: &str) -> std::result::Result<Vec<String>, String> {
     match v.trim() {
-        b @ ("0" | "1") => Ok(vec![format!("-DFOLDMOE_F8_PREFETCH={b}")]),
-        _ => Err(format!("FOLDMOE_F8_PREFETCH={v:?}: expected 0 or 1")),
+        b @ ("0" | "1") => Ok(vec![format!("-D{var}={b}")]),
+        _ => Err(format!("{var}={v:?}: expected 0 or 1")),
     }
 }
 
@@ -240,7 +248,7 @@ fn compile(m: Module, arch: &str) -> Result<Vec<u8>> {
         "--prec-sqrt=true".to_string(),
     ];
     opts.extend(skew_defines().map_err(fail)?);
-    opts.extend(prefetch_defines().map_err(fail)?);
+    opts.extend(switch_defines().map_err(fail)?);
     let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
     let out = (|| {
         if let Err(e) = unsafe { nvrtc::compile_program(prog, &opts) } {
@@ -301,21 +309,23 @@ mod tests {
         }
     }
 
-    /// `FOLDMOE_F8_PREFETCH` takes 0 or 1; anything else is an error naming
-    /// the value.
+    /// Each fp8 switch takes 0 or 1; anything else is an error naming the
+    /// variable and the value.
     #[test]
-    fn prefetch_values_parse_and_reject() {
-        assert_eq!(
-            prefetch_defines_of("0").unwrap(),
-            ["-DFOLDMOE_F8_PREFETCH=0"]
-        );
-        assert_eq!(
-            prefetch_defines_of(" 1").unwrap(),
-            ["-DFOLDMOE_F8_PREFETCH=1"]
-        );
-        for bad in ["", "2", "yes", "-1"] {
-            let e = prefetch_defines_of(bad).unwrap_err();
-            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+    fn switch_values_parse_and_reject() {
+        for var in F8_SWITCHES {
+            assert_eq!(switch_defines_of(var, "0").unwrap(), [format!("-D{var}=0")]);
+            assert_eq!(
+                switch_defines_of(var, " 1").unwrap(),
+                [format!("-D{var}=1")]
+            );
+            for bad in ["", "2", "yes", "-1"] {
+                let e = switch_defines_of(var, bad).unwrap_err();
+                assert!(
+                    e.contains(var) && e.contains(&format!("{bad:?}")),
+                    "{bad}: {e}"
+                );
+            }
         }
     }
 

@@ -874,6 +874,74 @@ mod tests {
         }
     }
 
+    /// V3's chained tiles (K 768 and 2048: 6 and 16 blocks) with more tiles
+    /// than blocks (each block takes several in turn, so a tile's store can
+    /// run after the next tile's first wgmmas, `FOLDMOE_F8_OVERLAP`), uneven
+    /// groups and padding rows: the bf16 output is the f32 one rounded to
+    /// nearest even, bit for bit, and the adding kernel gives
+    /// `bf16(y + bf16(product))` on every element (what storing the product
+    /// and adding it would give).
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn fp8_v3_chained_tiles_store_and_add_exactly() {
+        let Some(d) = crate::cuda::require_sm90_test_device() else {
+            return;
+        };
+        let (rows, n, g) = (8192usize, 512usize, 7usize);
+        let used = rows - 40;
+        let gs = d
+            .upload(HostData::I32(uneven_sizes(g, used)), &[g])
+            .unwrap();
+        let round = |v: f32| crate::cpu::Bf16::round(v).to_f32();
+        for (case, k) in [768usize, 2048].into_iter().enumerate() {
+            let seed = 300 + 10 * case as u64;
+            let x = d
+                .upload(HostData::F32(values(rows * k, seed)), &[rows, k])
+                .unwrap();
+            let w = d
+                .upload(HostData::F32(values(g * k * n, seed + 1)), &[g, k, n])
+                .unwrap();
+            let xq = d.quantize_fp8(&x, Fp8Tiles::Rows, None).unwrap();
+            let wq = d
+                .quantize_fp8(&w, Fp8Tiles::Blocks { transposed: true }, None)
+                .unwrap();
+            let run = |dtype| {
+                d.grouped_matmul_fp8_on(&xq, &wq, &gs, false, dtype, Fp8Kernel::WgmmaV3)
+                    .unwrap()
+            };
+            let y32 = host(&d, &run(DType::F32));
+            let yb = host(&d, &run(DType::BF16));
+            assert!(
+                y32[used * n..].iter().all(|&v| v == 0.0),
+                "K {k}: padding rows"
+            );
+            for (i, (&b, &v)) in yb.iter().zip(&y32).enumerate() {
+                assert_eq!(
+                    b.to_bits(),
+                    round(v).to_bits(),
+                    "K {k}: bf16 out [{i}] {b} vs f32 out {v}"
+                );
+            }
+            let base: Vec<f32> = values(rows * n, seed + 2).into_iter().map(round).collect();
+            let mut y = d.upload(HostData::F32(base.clone()), &[rows, n]).unwrap();
+            y = d.cast(&y, DType::BF16).unwrap();
+            d.grouped_matmul_fp8_accumulate_on(&mut y, &xq, &wq, &gs, false, Fp8Kernel::WgmmaV3)
+                .unwrap();
+            let got = host(&d, &y);
+            for (i, ((&a, &o), &v)) in got.iter().zip(&base).zip(&y32).enumerate() {
+                let want = round(o + round(v));
+                assert_eq!(
+                    a.to_bits(),
+                    want.to_bits(),
+                    "K {k}: added out [{i}] {a} vs {want}"
+                );
+            }
+        }
+    }
+
     /// The fp8 weight gradient on wgmma at the Qwen3-30B-A3B expert shapes
     /// (131072 rows = 16384 tokens × top-8, the last 40 past the groups, in
     /// 128 uneven groups; hidden D 2048, ffn F 768): fc1's (x [M, D] with

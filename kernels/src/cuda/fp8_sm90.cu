@@ -214,9 +214,11 @@ __device__ __forceinline__ uint4 f8_add_piece(uint4 old, uint4 v) {
 // With ADD each stored value is added to the one already there, in f32 and
 // rounded once more (the product rounded to the output's dtype first): what
 // storing the product and adding it to the tensor would give, bit for bit.
-template <bool OUTF, bool ADD = false>
-__device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const float (&acc)[64], unsigned char* sw,
-                                                i64 rw, i64 row_end, i64 col0, i64 n, int lane) {
+// `put(q, j)` writes register group j's values (registers 4 j .. 4 j + 3)
+// at q (row lane / 4) and q + 8 · 144 (row lane / 4 + 8) of the buffer.
+template <bool OUTF, bool ADD, typename Put>
+__device__ __forceinline__ void f8_store_passes(void* __restrict__ out, Put&& put, unsigned char* sw, i64 rw,
+                                                i64 row_end, i64 col0, i64 n, int lane) {
     // Each warp writes its 16 rows, 128 bytes of columns at a
     // time (bf16: 64 columns, f32: 32), into its buffer (rows 144
     // bytes apart: a warp's 4-byte writes hit 32 banks), then stores
@@ -247,14 +249,7 @@ __device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const fl
 #pragma unroll
         for (int jj = 0; jj < CP / 8; ++jj) {
             int j = c * (CP / 8) + jj;
-            unsigned char* q = sw + (lane >> 2) * 144 + (jj * 8 + 2 * (lane & 3)) * EB;
-            if (OUTF) {
-                *reinterpret_cast<float2*>(q) = make_float2(acc[4 * j], acc[4 * j + 1]);
-                *reinterpret_cast<float2*>(q + 8 * 144) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-            } else {
-                *reinterpret_cast<unsigned*>(q) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
-                *reinterpret_cast<unsigned*>(q + 8 * 144) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
-            }
+            put(sw + (lane >> 2) * 144 + (jj * 8 + 2 * (lane & 3)) * EB, j);
         }
         __syncwarp();
 #pragma unroll
@@ -289,6 +284,44 @@ __device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const fl
     }
 }
 
+// f8_store_passes of acc.
+template <bool OUTF, bool ADD = false>
+__device__ __forceinline__ void f8_store_staged(void* __restrict__ out, const float (&acc)[64], unsigned char* sw,
+                                                i64 rw, i64 row_end, i64 col0, i64 n, int lane) {
+    f8_store_passes<OUTF, ADD>(
+        out,
+        [&](unsigned char* q, int j) {
+            if (OUTF) {
+                *reinterpret_cast<float2*>(q) = make_float2(acc[4 * j], acc[4 * j + 1]);
+                *reinterpret_cast<float2*>(q + 8 * 144) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+            } else {
+                *reinterpret_cast<unsigned*>(q) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
+                *reinterpret_cast<unsigned*>(q + 8 * 144) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        },
+        sw, rw, row_end, col0, n, lane);
+}
+
+// acc rounded to bf16 pairs as f8_store_staged stores them: word 2 j + h
+// holds registers 4 j + 2 h and 4 j + 2 h + 1.
+__device__ __forceinline__ void f8_pack(unsigned (&pk)[32], const float (&acc)[64]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) pk[i] = pack_bf16(acc[2 * i], acc[2 * i + 1]);
+}
+
+// f8_store_staged's bf16 store of f8_pack's words.
+template <bool ADD>
+__device__ __forceinline__ void f8_store_packed(void* __restrict__ out, const unsigned (&pk)[32], unsigned char* sw,
+                                                i64 rw, i64 row_end, i64 col0, i64 n, int lane) {
+    f8_store_passes<false, ADD>(
+        out,
+        [&](unsigned char* q, int j) {
+            *reinterpret_cast<unsigned*>(q) = pk[2 * j];
+            *reinterpret_cast<unsigned*>(q + 8 * 144) = pk[2 * j + 1];
+        },
+        sw, rw, row_end, col0, n, lane);
+}
+
 // V2's pipeline state: the ring position, the last issued block's stage
 // (ps) and scales (q0, q1: rows r0, r0 + 8), the next block's three scales
 // as loaded (n0, n1: A's rows r0, r0 + 8; nw: B's block), and the
@@ -309,6 +342,15 @@ struct F8Pipe {
 // GPU (ptxas: with it V3 spills nothing, without it 64 / 12 / 80 / 84 bytes).
 #ifndef FOLDMOE_F8_PREFETCH
 #define FOLDMOE_F8_PREFETCH 0
+#endif
+
+// Whether V3 defers a chained tile's store (f8_chain's tiles of 6 and 16
+// blocks) until the next tile's first block is issued, so that the store's
+// latency runs under those wgmmas instead of with the tensor cores idle;
+// compile.rs sets it from FOLDMOE_F8_OVERLAP for comparisons. Off by
+// default until it has been measured on a GPU.
+#ifndef FOLDMOE_F8_OVERLAP
+#define FOLDMOE_F8_OVERLAP 0
 #endif
 
 // Block kb's scales into pp.n0, pp.n1, pp.nw.
@@ -354,11 +396,16 @@ __device__ __forceinline__ void f8_step(float (&acc)[64], float (&cur)[64], floa
 // issued before block kb - 1 is waited for and promoted, so only the tile's
 // last block drains the tensor cores (V2 drains every pair: with a runtime
 // count, in-flight wgmmas at a loop's back edge make ptxas serialise them).
-template <int NKC>
+// `before` runs ahead of block 0's wgmmas, `between` once they are issued,
+// before anything is promoted into acc (FOLDMOE_F8_OVERLAP: the previous
+// tile's acc packed to bf16, then stored under those wgmmas).
+template <int NKC, typename Before, typename Between>
 __device__ __forceinline__ void f8_chain(float (&acc)[64], float (&t0)[64], float (&t1)[64], const float* sa0,
                                          const float* sa1, const float* sbt, i64 sbk, unsigned stage0, unsigned bar0,
-                                         int wg, int lane, F8Pipe& pp) {
+                                         int wg, int lane, F8Pipe& pp, Before&& before, Between&& between) {
+    before();
     f8_step<false>(acc, t0, t1, 0, NKC, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+    between();
 #pragma unroll
     for (int kb = 1; kb < NKC; ++kb) {
         if (kb & 1)
@@ -455,10 +502,26 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
         }
         WgSkew<3> skew;
         skew.begin(wg, FOLDMOE_F8_SKEW, F8_ST);
+        // With FOLDMOE_F8_OVERLAP (V3, bf16 out) a chained tile's acc waits
+        // for its store until the next chained tile has issued its first
+        // block: it is packed to bf16 before that issue and stored after
+        // (64 f32 registers live beside the wgmmas' in flight make ptxas
+        // spill about 1.2 KiB; 32 packed words do not).
+        constexpr bool OVERLAP = FOLDMOE_F8_OVERLAP && VER == 3 && !OUTF;
+        F8Tile pend{0, 0, 0, 0, 0};
+        bool pending = false;
+        unsigned pk[32];
+        unsigned char* sw = base + F8_STG + (tid >> 5) * F8_STG_WARP;
+        auto rows = [&](const F8Tile& d) { return d.row0 + wg * 64 + warp * 16; };
         for (i64 t = blockIdx.x; t < total; t += gridDim.x) {
             F8Tile tl = f8_tile(t, so, st, m, nk, n, g);
+            bool chained = VER == 3 && (tl.nk == 16 || tl.nk == 6);
+            if (!(OVERLAP && chained)) {
+                if (pending) f8_store_staged<OUTF, ADD>(out, acc, sw, rows(pend), pend.row_end, pend.col0, n, lane);
+                pending = false;
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+                for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            }
             // This thread's two rows (r0, r0 + 8) and their scale rows
             // (rows past M read row 0's: never stored).
             i64 r0 = tl.row0 + wg * 64 + warp * 16 + (lane >> 2);
@@ -469,11 +532,21 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
             // skew itself).
             F8Pipe pp{s, ph, 0, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, skew};
             if (VER >= 2 && FOLDMOE_F8_PREFETCH && tl.nk > 0) f8_load_scales(pp, 0, sa0, sa1, sbt, sbk);
-            if (VER == 3 && (tl.nk == 16 || tl.nk == 6)) {
+            if (chained) {
+                auto before = [&]() {
+                    if (OVERLAP) f8_pack(pk, acc);
+                };
+                auto between = [&]() {
+                    if (!OVERLAP) return;
+                    if (pending) f8_store_packed<ADD>(out, pk, sw, rows(pend), pend.row_end, pend.col0, n, lane);
+                    pending = false;
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+                };
                 if (tl.nk == 16)
-                    f8_chain<16>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    f8_chain<16>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp, before, between);
                 else
-                    f8_chain<6>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp);
+                    f8_chain<6>(acc, tmp, tmp2, sa0, sa1, sbt, sbk, stage0, bar0, wg, lane, pp, before, between);
                 s = pp.s;
                 ph = pp.ph;
                 skew = pp.skew;
@@ -538,11 +611,17 @@ __device__ __forceinline__ void f8_body(const TmaMap* ta, const TmaMap* tb, cons
                 }
                 continue;
             }
-            f8_store_staged<OUTF, ADD>(out, acc, base + F8_STG + (tid >> 5) * F8_STG_WARP,
-                                       tl.row0 + wg * 64 + warp * 16, tl.row_end, tl.col0, n, lane);
+            if (OVERLAP && chained) {
+                pend = tl;
+                pending = true;
+            } else {
+                f8_store_staged<OUTF, ADD>(out, acc, sw, rows(tl), tl.row_end, tl.col0, n, lane);
+            }
             (void)in0;
             (void)in1;
         }
+        // The last chained tile's store.
+        if (pending) f8_store_staged<OUTF, ADD>(out, acc, sw, rows(pend), pend.row_end, pend.col0, n, lane);
         skew.end();
     }
 }
