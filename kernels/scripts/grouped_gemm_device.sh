@@ -3,8 +3,11 @@
 # sanitizer on the small wgmma case, the timings and the PyTorch peer.
 # Usage (repo root, on the GPU machine):
 #   kernels/scripts/grouped_gemm_device.sh <test binary> [steps] [foldmoe binary]
-# steps: any of tests,all,san,time,peer,layer,prof (default tests,san,time,peer);
-# layer and prof need the foldmoe binary.
+# steps: any of tests,all,san,time,peer,layer,prof,f8overlap (default
+# tests,san,time,peer); layer, prof and f8overlap need the foldmoe binary.
+# f8overlap: the fp8 tests and a memcheck of V3's chained tiles with
+# FOLDMOE_F8_OVERLAP=1, then bench gemm --fp8 and bench moe-layer --fp8 at
+# OVERLAP 0 / 1 alternated (with `all`: the tests at the default too).
 # Logs go to /tmp/gg, packed into $OUT/logs.tgz at the end; the tables are
 # printed last.
 set -u
@@ -54,8 +57,21 @@ if has prof; then
   unset FOLDMOE_GROUPED_GEMM
   echo "prof done" >> "$O/summary.txt"
 fi
+if has f8overlap; then
+  FOLDMOE_F8_OVERLAP=1 timeout -s KILL 90 "$BIN" --test-threads=1 fp8 > "$O/tests_f8overlap.log" 2>&1; echo "fp8 tests, OVERLAP=1 rc=$?" >> "$O/summary.txt"
+  CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  FOLDMOE_F8_OVERLAP=1 timeout -s KILL 120 "$CS" --tool memcheck "$BIN" --test-threads=1 fp8_v3_chained > "$O/san_f8overlap.log" 2>&1
+  echo "memcheck, OVERLAP=1 rc=$? $(grep 'ERROR SUMMARY' "$O/san_f8overlap.log" | tr '\n' ' ')" >> "$O/summary.txt"
+  for r in 1 2; do for v in 0 1; do
+    FOLDMOE_F8_OVERLAP=$v timeout -s KILL 60 "$FM" bench gemm --device cuda --fp8 --iters 10 --warmup 2 > "$O/gemm_f8overlap${v}_$r.json" 2>/dev/null
+    FOLDMOE_F8_OVERLAP=$v timeout -s KILL 60 "$FM" bench moe-layer --device cuda --fp8 --iters 20 > "$O/layer_f8overlap${v}_$r.json" 2>&1
+  done; done
+  for f in "$O"/gemm_f8overlap*.json; do
+    echo "$(basename $f): $(python3 -c 'import json,sys; print(*(r["shape"] + "/" + r["product"] + "=" + str(round(r["tflops"])) for r in json.load(open(sys.argv[1]))["results"]))' "$f" 2>&1)"
+  done
+fi
 cat "$O/gpu.txt"
-grep -E "test result|FAILED|panicked" "$O/tests.log" "$O/tests_all.log" 2>/dev/null | tail -12
+grep -E "test result|FAILED|panicked" "$O/tests.log" "$O/tests_all.log" "$O/tests_f8overlap.log" 2>/dev/null | tail -12
 grep "^|" "$O/timings.log" 2>/dev/null
 grep -v "^|" "$O/timings.log" 2>/dev/null | tail -5
 cat "$O/peer.log" 2>/dev/null | tail -30
