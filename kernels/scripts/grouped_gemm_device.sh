@@ -3,11 +3,13 @@
 # sanitizer on the small wgmma case, the timings and the PyTorch peer.
 # Usage (repo root, on the GPU machine):
 #   kernels/scripts/grouped_gemm_device.sh <test binary> [steps] [foldmoe binary]
-# steps: any of tests,all,san,time,peer,layer,prof,f8overlap (default
-# tests,san,time,peer); layer, prof and f8overlap need the foldmoe binary.
+# steps: any of tests,all,san,time,peer,layer,prof,f8overlap,pdl (default
+# tests,san,time,peer); layer, prof, f8overlap and pdl need the foldmoe binary.
 # f8overlap: the fp8 tests and a memcheck of V3's chained tiles with
 # FOLDMOE_F8_OVERLAP=1, then bench gemm --fp8 and bench moe-layer --fp8 at
 # OVERLAP 0 / 1 alternated (with `all`: the tests at the default too).
+# pdl: every CUDA test with FOLDMOE_PDL=1 (programmatic dependent launches),
+# then bench moe-layer, attention (alternated twice) and model at PDL 0 / 1.
 # Logs go to /tmp/gg, packed into $OUT/logs.tgz at the end; the tables are
 # printed last.
 set -u
@@ -70,8 +72,21 @@ if has f8overlap; then
     echo "$(basename $f): $(python3 -c 'import json,sys; print(*(r["shape"] + "/" + r["product"] + "=" + str(round(r["tflops"])) for r in json.load(open(sys.argv[1]))["results"]))' "$f" 2>&1)"
   done
 fi
+if has pdl; then
+  FOLDMOE_PDL=1 timeout -s KILL 400 "$BIN" --test-threads=1 cuda > "$O/tests_pdl.log" 2>&1; echo "all cuda tests, PDL=1 rc=$?" >> "$O/summary.txt"
+  for r in 1 2; do for v in 0 1; do
+    FOLDMOE_PDL=$v timeout -s KILL 60 "$FM" bench moe-layer --device cuda --iters 20 > "$O/layer_pdl${v}_$r.json" 2>/dev/null
+    FOLDMOE_PDL=$v timeout -s KILL 60 "$FM" bench attention --device cuda --iters 20 > "$O/attn_pdl${v}_$r.json" 2>/dev/null
+  done; done
+  for v in 0 1; do
+    FOLDMOE_PDL=$v timeout -s KILL 120 "$FM" bench model --device cuda > "$O/model_pdl${v}.json" 2>/dev/null
+  done
+  for f in "$O"/attn_pdl*.json "$O"/model_pdl*.json; do
+    echo "$(basename $f): $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k in ("forward_ms","forward_tflops","backward_ms","backward_tflops","time_ms","time_ms_min","mfu")})' "$f" 2>&1)"
+  done
+fi
 cat "$O/gpu.txt"
-grep -E "test result|FAILED|panicked" "$O/tests.log" "$O/tests_all.log" "$O/tests_f8overlap.log" 2>/dev/null | tail -12
+grep -E "test result|FAILED|panicked" "$O/tests.log" "$O/tests_all.log" "$O/tests_f8overlap.log" "$O/tests_pdl.log" 2>/dev/null | tail -12
 grep "^|" "$O/timings.log" 2>/dev/null
 grep -v "^|" "$O/timings.log" 2>/dev/null | tail -5
 cat "$O/peer.log" 2>/dev/null | tail -30

@@ -34,7 +34,7 @@ __device__ void attn_heads_impl(const T* src, T* dst, i64 B, i64 S, i64 H, i64 D
     }
 }
 #define ATTN_HEADS(sfx, T) \
-    extern "C" __global__ void attn_heads_##sfx(const T* src, T* dst, i64 B, i64 S, i64 H, i64 D, int to_heads) { \
+    extern "C" __global__ void attn_heads_##sfx(const T* src, T* dst, i64 B, i64 S, i64 H, i64 D, int to_heads) { pdl_enter(); \
         attn_heads_impl<T>(src, dst, B, S, H, D, to_heads); }
 FOR_FLOATS(ATTN_HEADS)
 
@@ -68,7 +68,7 @@ __device__ void attn_softmax_impl(const acc_t<T>* scores, T* p, acc_t<T>* lse, i
 }
 #define ATTN_SOFTMAX(sfx, T) \
     extern "C" __global__ void attn_softmax_##sfx(const acc_t<T>* scores, T* p, acc_t<T>* lse, i64 rows, i64 S, double scale, \
-                                                  const int* docs, i64 u0, i64 unit_rows, i64 HKV) { \
+                                                  const int* docs, i64 u0, i64 unit_rows, i64 HKV) { pdl_enter(); \
         attn_softmax_impl<T>(scores, p, lse, rows, S, scale, docs, u0, unit_rows, HKV); }
 FOR_FLOATS(ATTN_SOFTMAX)
 
@@ -85,7 +85,7 @@ __device__ void attn_probs_impl(const acc_t<T>* scores, T* p, const acc_t<T>* ls
 }
 #define ATTN_PROBS(sfx, T) \
     extern "C" __global__ void attn_probs_##sfx(const acc_t<T>* scores, T* p, const acc_t<T>* lse, i64 rows, i64 S, double scale, \
-                                                const int* docs, i64 u0, i64 unit_rows, i64 HKV) { \
+                                                const int* docs, i64 u0, i64 unit_rows, i64 HKV) { pdl_enter(); \
         attn_probs_impl<T>(scores, p, lse, rows, S, scale, docs, u0, unit_rows, HKV); }
 FOR_FLOATS(ATTN_PROBS)
 
@@ -102,7 +102,7 @@ __device__ void attn_dscores_impl(const acc_t<T>* dp, T* p_ds, const acc_t<T>* d
     }
 }
 #define ATTN_DSCORES(sfx, T) \
-    extern "C" __global__ void attn_dscores_##sfx(const acc_t<T>* dp, T* p_ds, const acc_t<T>* delta, i64 rows, i64 S, double scale) { \
+    extern "C" __global__ void attn_dscores_##sfx(const acc_t<T>* dp, T* p_ds, const acc_t<T>* delta, i64 rows, i64 S, double scale) { pdl_enter(); \
         attn_dscores_impl<T>(dp, p_ds, delta, rows, S, scale); }
 FOR_FLOATS(ATTN_DSCORES)
 
@@ -119,7 +119,7 @@ __device__ void attn_delta_impl(const T* d_o, const T* o, acc_t<T>* delta, i64 B
     }
 }
 #define ATTN_DELTA(sfx, T) \
-    extern "C" __global__ void attn_delta_##sfx(const T* d_o, const T* o, acc_t<T>* delta, i64 B, i64 S, i64 HQ, i64 HD) { \
+    extern "C" __global__ void attn_delta_##sfx(const T* d_o, const T* o, acc_t<T>* delta, i64 B, i64 S, i64 HQ, i64 HD) { pdl_enter(); \
         attn_delta_impl<T>(d_o, o, delta, B, S, HQ, HD); }
 FOR_FLOATS(ATTN_DELTA)
 
@@ -316,7 +316,7 @@ __device__ void flash_fwd_impl(const bf16* __restrict__ q, const bf16* __restric
 #define FLASH_FWD(HD) \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_fwd_bf16_hd##HD( \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, i64 S, int HQ, int HKV, float scale_log2, \
-        const int* docs) { \
+        const int* docs) { pdl_enter(); \
         flash_fwd_impl<HD>(q, k, v, o, lse, S, HQ, HKV, scale_log2, docs); }
 FLASH_FWD(64)
 FLASH_FWD(128)
@@ -324,7 +324,7 @@ FLASH_FWD(128)
 // delta[b, h, i] = dO_i · O_i in f32, one warp per row; also zeroes the f32
 // dQ accumulator rows of the same (b, i, h).
 extern "C" __global__ void flash_delta_bf16(const bf16* d_o, const bf16* o, float* delta, float* dq_acc, i64 B, i64 S,
-                                            i64 HQ, i64 HD) {
+                                            i64 HQ, i64 HD) { pdl_enter();
     int lane = threadIdx.x & 31;
     i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * HQ * S; row += warps) {
@@ -341,7 +341,7 @@ extern "C" __global__ void flash_delta_bf16(const bf16* d_o, const bf16* o, floa
 }
 
 // dq = scale · dq_acc, rounded to bf16.
-extern "C" __global__ void flash_dq_bf16(const float* dq_acc, bf16* dq, i64 n, float scale) {
+extern "C" __global__ void flash_dq_bf16(const float* dq_acc, bf16* dq, i64 n, float scale) { pdl_enter();
     GRID_LOOP(i, n) dq[i] = __float2bfloat16_rn(dq_acc[i] * scale);
 }
 
@@ -526,7 +526,7 @@ __device__ void flash_bwd_impl(const bf16* __restrict__ q, const bf16* __restric
 #define FLASH_BWD(HD) \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_bf16_hd##HD( \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* delta, \
-        float* dq_acc, bf16* dk, bf16* dv, i64 S, int HQ, int HKV, float scale, const int* docs) { \
+        float* dq_acc, bf16* dk, bf16* dv, i64 S, int HQ, int HKV, float scale, const int* docs) { pdl_enter(); \
         flash_bwd_impl<HD>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, S, HQ, HKV, scale, docs); }
 FLASH_BWD(64)
 FLASH_BWD(128)

@@ -375,7 +375,7 @@ _Pragma("unroll")                                                               
 #define FA3_FWD(HD, BN, STAGES)                                                                                  \
     FA3_ENTRY fa3_fwd_bf16_hd##HD(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
                                   const __grid_constant__ TmaMap tv, bf16* o, float* lse, int S, int B, int HQ, int HKV, \
-                                  float scale_log2) {                                                            \
+                                  float scale_log2) { pdl_enter();                                               \
         fa3_fwd_body<HD, BN, STAGES>(&tq, &tk, &tv, o, lse, S, B, HQ, HKV, scale_log2);                             \
     }
 // Key tiles: 128 keys (hd 64, 128); 96 at hd 192 so that two stages fit.
@@ -768,7 +768,7 @@ __device__ __forceinline__ void fa3_bwd_body(const TmaMap* tq, const TmaMap* tk,
     FA3_ENTRY fa3_bwd_bf16_##NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
                                   const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,         \
                                   const float* lse2, const float* delta, float* dq_acc, bf16* dk, bf16* dv,     \
-                                  int S, int B, int HQ, int HKV, float scale, float scale_log2) {                \
+                                  int S, int B, int HQ, int HKV, float scale, float scale_log2) { pdl_enter();   \
         fa3_bwd_body<HD, HV, NS>(&tq, &tk, &tv, &tdo, lse2, delta, dq_acc, dk, dv, S, B, HQ, HKV, scale,         \
                                  scale_log2);                                                                    \
     }
@@ -781,7 +781,7 @@ FA3_BWD(mla, 192, 128, 2)
 // (code) at the first nonzero padding element of v ([B, S, Hkv, 192]) or dO
 // ([B, S, Hq, 192]), whose value the kernel would otherwise drop.
 extern "C" __global__ void fa3_pad_check(const bf16* __restrict__ v, const bf16* __restrict__ d_o, i64 nv, i64 ndo,
-                                         ErrRec* err, unsigned code_v, unsigned code_do) {
+                                         ErrRec* err, unsigned code_v, unsigned code_do) { pdl_enter();
     for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < (nv + ndo) * 8; x += (i64)gridDim.x * blockDim.x) {
         // 8 bf16 (16 bytes) per thread: columns 128..191 of row x / 8.
         i64 row = x >> 3;
@@ -812,7 +812,7 @@ extern "C" __global__ void fa3_pad_check(const bf16* __restrict__ v, const bf16*
 extern "C" __global__ void fa3_bwd_prep(const bf16* __restrict__ d_o, const bf16* __restrict__ o,
                                         const float* __restrict__ lse, float* __restrict__ lse2,
                                         float* __restrict__ delta, float4* __restrict__ dq_acc, i64 n4, int B,
-                                        int S, int Sp, int HQ, int HD, int HV) {
+                                        int S, int Sp, int HQ, int HD, int HV) { pdl_enter();
     for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < n4; x += (i64)gridDim.x * blockDim.x)
         dq_acc[x] = make_float4(0.f, 0.f, 0.f, 0.f);
     int lane = threadIdx.x & 31, lpr = HV / 8, rpw = 32 % lpr == 0 ? 32 / lpr : 1;
@@ -899,7 +899,7 @@ extern "C" __global__ void fa3_bwd_prep(const bf16* __restrict__ d_o, const bf16
 // and it writes 16 bytes to each row. (One thread per output element, with
 // 64-bit divisions and half-used sectors, took ~3× the memory time.)
 extern "C" __global__ void fa3_dq_convert(const float* __restrict__ acc, bf16* __restrict__ dq, int B, int S, int HQ,
-                                          int HD, float scale) {
+                                          int HD, float scale) { pdl_enter();
     unsigned nqt = (S + FA3_BWD_Q - 1) / FA3_BWD_Q, nj = HD / 8, tiles = (unsigned)B * HQ * nqt;
     for (unsigned tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         unsigned i = tile % nqt, bh = tile / nqt, h = bh % HQ, b = bh / HQ;

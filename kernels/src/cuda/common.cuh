@@ -26,6 +26,21 @@ struct ErrRec {
     double value;
 };
 
+// The first statement of every kernel (a CPU test checks each entry point):
+// under programmatic dependent launch (mod.rs, `FOLDMOE_PDL=1`, sm_90+) a
+// kernel's blocks may start while the kernel before it in the stream still
+// runs, so each waits here until that kernel has completed and its writes are
+// visible — before any global read or write — and then lets the next
+// kernel's blocks be scheduled into the SMs its own finished blocks free.
+// What is saved is the launch latency between kernels, not their work. Both
+// instructions are no-ops in a kernel launched the ordinary way.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Records an error unless one is already recorded (the first one wins).
 __device__ __forceinline__ void report_err(ErrRec* e, unsigned int code, i64 index, double value) {
     if (atomicCAS(&e->code, 0u, code) == 0u) {

@@ -221,10 +221,21 @@ fn switch_defines() -> std::result::Result<Vec<String>, String> {
 
 /// [`switch_defines`] of switch `var`'s value `v`.
 fn switch_defines_of(var: &str, v: &str) -> std::result::Result<Vec<String>, String> {
+    switch_value(var, v).map(|on| vec![format!("-D{var}={}", on as u8)])
+}
+
+/// A 0|1 switch's value `v` (of variable `var`, named in the error).
+fn switch_value(var: &str, v: &str) -> std::result::Result<bool, String> {
     match v.trim() {
-        b @ ("0" | "1") => Ok(vec![format!("-D{var}={b}")]),
+        "0" => Ok(false),
+        "1" => Ok(true),
         _ => Err(format!("{var}={v:?}: expected 0 or 1")),
     }
+}
+
+/// A 0|1 switch read from the environment: `None` when `var` is unset.
+pub(super) fn env_switch(var: &str) -> std::result::Result<Option<bool>, String> {
+    std::env::var(var).map_or(Ok(None), |v| switch_value(var, &v).map(Some))
 }
 
 /// Compiles `m` to a CUBIN for `arch` (`sm_90a`, ...).
@@ -307,6 +318,103 @@ mod tests {
             let e = skew_defines_of(bad).unwrap_err();
             assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
         }
+    }
+
+    /// Where each kernel entry point of `src` opens its body: after
+    /// `extern "C" __global__` or an `*_ENTRY` macro standing for it (not the
+    /// macro's own `#define`), past an optional `__launch_bounds__(..)`, the
+    /// name and the balanced parameter list, at the `{`. Yields the entry's
+    /// first 80 characters (for messages) and the body's text after `{`.
+    fn entry_bodies(src: &str) -> Vec<(String, &str)> {
+        let closing = |from: usize| -> usize {
+            let mut depth = 0;
+            for (i, c) in src[from..].char_indices() {
+                match c {
+                    '(' => depth += 1,
+                    ')' if depth == 1 => return from + i + 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+            }
+            panic!(
+                "unbalanced parentheses after {}",
+                &src[from..(from + 60).min(src.len())]
+            );
+        };
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some((pos, len)) = [
+            "extern \"C\" __global__",
+            "F8_ENTRY",
+            "GW_ENTRY",
+            "FA3_ENTRY",
+        ]
+        .iter()
+        .filter_map(|m| src[at..].find(m).map(|p| (at + p, m.len())))
+        .min()
+        {
+            at = pos + len;
+            let line_start = src[..pos].rfind('\n').map_or(0, |i| i + 1);
+            let line = src[line_start..].trim_start();
+            if line.starts_with("#define")
+                && line
+                    .split_whitespace()
+                    .nth(1)
+                    .is_some_and(|n| n.ends_with("_ENTRY"))
+            {
+                continue;
+            }
+            let mut open = src[at..].find('(').expect("an entry's parameters") + at;
+            if let Some(lb) = src[at..open].find("__launch_bounds__") {
+                let after = closing(at + lb);
+                open = src[after..].find('(').expect("an entry's parameters") + after;
+            }
+            let end = closing(open);
+            let rest = src[end..].trim_start_matches([' ', '\t', '\n', '\\']);
+            assert!(rest.starts_with('{'), "no body after {}", &src[pos..end]);
+            out.push((src[pos..(pos + 80).min(src.len())].to_string(), &rest[1..]));
+        }
+        out
+    }
+
+    /// Programmatic dependent launches (`FOLDMOE_PDL=1`) are only safe if
+    /// every kernel waits for the one before it before touching memory:
+    /// each entry point of every module opens with `pdl_enter();`.
+    #[test]
+    fn every_kernel_opens_with_pdl_enter() {
+        let mut entries = 0;
+        for m in ALL {
+            let bodies = entry_bodies(m.src);
+            assert!(
+                !bodies.is_empty(),
+                "{}: no kernel entry point found",
+                m.name
+            );
+            for (entry, body) in bodies {
+                assert!(
+                    body.trim_start_matches([' ', '\t', '\n', '\\'])
+                        .starts_with("pdl_enter();"),
+                    "{}: this kernel does not open with pdl_enter(): {entry}",
+                    m.name
+                );
+                entries += 1;
+            }
+        }
+        assert!(entries >= 100, "only {entries} kernel entry points found");
+        // The scanner itself: plain, macro-stamped and *_ENTRY kernels, with
+        // and without __launch_bounds__, and one that forgets.
+        let src = "#define GW_ENTRY extern \"C\" __global__ void __launch_bounds__(T, 1)\n\
+                   extern \"C\" __global__ void a(int x) { pdl_enter(); }\n\
+                   #define M(s) extern \"C\" __global__ void __launch_bounds__(256) b_##s(f(int) x) { \\\n  pdl_enter(); }\n\
+                   GW_ENTRY c(int y,\n int z)\n{ g(); }\n";
+        let found: Vec<bool> = entry_bodies(src)
+            .iter()
+            .map(|(_, b)| {
+                b.trim_start_matches([' ', '\t', '\n', '\\'])
+                    .starts_with("pdl_enter();")
+            })
+            .collect();
+        assert_eq!(found, [true, true, false]);
     }
 
     /// Each fp8 switch takes 0 or 1; anything else is an error naming the

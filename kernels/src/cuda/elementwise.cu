@@ -23,10 +23,10 @@ template <typename S, typename D> __device__ void cast_impl(const S* in, D* out,
     GRID_LOOP(i, n) out[i] = from_f64<D>(to_f64(in[i]));
 }
 #define CAST_TO(sfx_s, S) \
-    extern "C" __global__ void cast_##sfx_s##_f32(const S* in, float* out, i64 n) { cast_impl<S, float>(in, out, n); } \
-    extern "C" __global__ void cast_##sfx_s##_f64(const S* in, double* out, i64 n) { cast_impl<S, double>(in, out, n); } \
-    extern "C" __global__ void cast_##sfx_s##_bf16(const S* in, bf16* out, i64 n) { cast_impl<S, bf16>(in, out, n); } \
-    extern "C" __global__ void cast_##sfx_s##_i32(const S* in, int* out, i64 n) { cast_impl<S, int>(in, out, n); }
+    extern "C" __global__ void cast_##sfx_s##_f32(const S* in, float* out, i64 n) { pdl_enter(); cast_impl<S, float>(in, out, n); } \
+    extern "C" __global__ void cast_##sfx_s##_f64(const S* in, double* out, i64 n) { pdl_enter(); cast_impl<S, double>(in, out, n); } \
+    extern "C" __global__ void cast_##sfx_s##_bf16(const S* in, bf16* out, i64 n) { pdl_enter(); cast_impl<S, bf16>(in, out, n); } \
+    extern "C" __global__ void cast_##sfx_s##_i32(const S* in, int* out, i64 n) { pdl_enter(); cast_impl<S, int>(in, out, n); }
 CAST_TO(f32, float)
 CAST_TO(f64, double)
 CAST_TO(bf16, bf16)
@@ -37,7 +37,7 @@ template <typename T> __device__ void fill_impl(T* out, i64 n, double v) {
     GRID_LOOP(i, n) out[i] = x;
 }
 #define FILL(sfx, T) \
-    extern "C" __global__ void fill_##sfx(T* out, i64 n, double v) { fill_impl<T>(out, n, v); }
+    extern "C" __global__ void fill_##sfx(T* out, i64 n, double v) { pdl_enter(); fill_impl<T>(out, n, v); }
 FOR_FLOATS(FILL)
 FILL(i32, int)
 
@@ -103,7 +103,7 @@ __device__ void unary_impl(const T* x, T* out, i64 n, int op, double s, ErrRec* 
     }
 }
 #define UNARY(sfx, T) \
-    extern "C" __global__ void unary_##sfx(const T* x, T* out, i64 n, int op, double s, ErrRec* err, unsigned int code) { \
+    extern "C" __global__ void unary_##sfx(const T* x, T* out, i64 n, int op, double s, ErrRec* err, unsigned int code) { pdl_enter(); \
         unary_impl<T>(x, out, n, op, s, err, code); }
 FOR_FLOATS(UNARY)
 
@@ -156,7 +156,7 @@ template <typename T> __device__ void binary_impl(const T* a, const T* b, T* out
     GRID_LOOP_FROM(i, start, n) out[i] = from_acc<T>(binary_apply<A>(to_acc(a[i]), to_acc(b[i]), op));
 }
 #define BINARY(sfx, T) \
-    extern "C" __global__ void binary_##sfx(const T* a, const T* b, T* out, i64 n, int op) { binary_impl<T>(a, b, out, n, op); }
+    extern "C" __global__ void binary_##sfx(const T* a, const T* b, T* out, i64 n, int op) { pdl_enter(); binary_impl<T>(a, b, out, n, op); }
 FOR_FLOATS(BINARY)
 
 // One sigmoid serves both gradients (its exp and IEEE division are most of
@@ -194,7 +194,7 @@ __device__ void swiglu_bwd_impl(const T* g, const T* u, const T* dy, T* dg, T* d
     }
 }
 #define SWIGLU_BWD(sfx, T) \
-    extern "C" __global__ void swiglu_bwd_##sfx(const T* g, const T* u, const T* dy, T* dg, T* du, i64 n) { \
+    extern "C" __global__ void swiglu_bwd_##sfx(const T* g, const T* u, const T* dy, T* dg, T* du, i64 n) { pdl_enter(); \
         swiglu_bwd_impl<T>(g, u, dy, dg, du, n); }
 FOR_FLOATS(SWIGLU_BWD)
 
@@ -251,7 +251,7 @@ __device__ void swiglu_w_impl(const T* __restrict__ g, const T* __restrict__ u, 
     }
 }
 #define SWIGLU_W(sfx, T) \
-    extern "C" __global__ void swiglu_w_##sfx(const T* g, const T* u, const T* p, T* out, i64 n, i64 f) { \
+    extern "C" __global__ void swiglu_w_##sfx(const T* g, const T* u, const T* p, T* out, i64 n, i64 f) { pdl_enter(); \
         swiglu_w_impl<T>(g, u, p, out, n, f); }
 FOR_FLOATS(SWIGLU_W)
 
@@ -326,7 +326,7 @@ __device__ void swiglu_w_bwd_impl(const T* __restrict__ g, const T* __restrict__
 }
 #define SWIGLU_W_BWD(sfx, T) \
     extern "C" __global__ void swiglu_w_bwd_##sfx(const T* g, const T* u, const T* p, const T* dy, T* dg, T* du, T* dp, \
-                                                  i64 n, i64 f) { \
+                                                  i64 n, i64 f) { pdl_enter(); \
         swiglu_w_bwd_impl<T>(g, u, p, dy, dg, du, dp, n, f); }
 FOR_FLOATS(SWIGLU_W_BWD)
 
@@ -351,7 +351,7 @@ template <typename T> __device__ void axpy_impl(T* y, const T* x, i64 n, double 
     GRID_LOOP_FROM(i, start, n) y[i] = from_acc<T>(to_acc(y[i]) + a * to_acc(x[i]));
 }
 #define AXPY(sfx, T) \
-    extern "C" __global__ void axpy_##sfx(T* y, const T* x, i64 n, double alpha) { axpy_impl<T>(y, x, n, alpha); }
+    extern "C" __global__ void axpy_##sfx(T* y, const T* x, i64 n, double alpha) { pdl_enter(); axpy_impl<T>(y, x, n, alpha); }
 FOR_FLOATS(AXPY)
 
 // Row/column broadcasts: 0 = x * s[row], 1 = x * s[col], 2 = x + s[col].
@@ -367,7 +367,7 @@ template <typename T> __device__ void bcast_impl(const T* x, const T* s, T* out,
     }
 }
 #define BCAST(sfx, T) \
-    extern "C" __global__ void bcast_##sfx(const T* x, const T* s, T* out, i64 n, i64 c, int op) { bcast_impl<T>(x, s, out, n, c, op); }
+    extern "C" __global__ void bcast_##sfx(const T* x, const T* s, T* out, i64 n, i64 c, int op) { pdl_enter(); bcast_impl<T>(x, s, out, n, c, op); }
 FOR_FLOATS(BCAST)
 
 // ---- row kernels: one block per row -----------------------------------------
@@ -389,7 +389,7 @@ template <typename T> __device__ void softmax_impl(const T* x, T* out, i64 r, i6
     }
 }
 #define SOFTMAX(sfx, T) \
-    extern "C" __global__ void softmax_##sfx(const T* x, T* out, i64 r, i64 c) { softmax_impl<T>(x, out, r, c); }
+    extern "C" __global__ void softmax_##sfx(const T* x, T* out, i64 r, i64 c) { pdl_enter(); softmax_impl<T>(x, out, r, c); }
 FOR_FLOATS(SOFTMAX)
 
 template <typename T> __device__ void softmax_bwd_impl(const T* y, const T* dy, T* out, i64 r, i64 c) {
@@ -406,7 +406,7 @@ template <typename T> __device__ void softmax_bwd_impl(const T* y, const T* dy, 
     }
 }
 #define SOFTMAX_BWD(sfx, T) \
-    extern "C" __global__ void softmax_bwd_##sfx(const T* y, const T* dy, T* out, i64 r, i64 c) { softmax_bwd_impl<T>(y, dy, out, r, c); }
+    extern "C" __global__ void softmax_bwd_##sfx(const T* y, const T* dy, T* out, i64 r, i64 c) { pdl_enter(); softmax_bwd_impl<T>(y, dy, out, r, c); }
 FOR_FLOATS(SOFTMAX_BWD)
 
 // Row reductions: 0 = logsumexp, 1 = sum, 2 = dot with `b`.
@@ -438,7 +438,7 @@ template <typename T> __device__ void reduce_rows_impl(const T* a, const T* b, T
     }
 }
 #define REDUCE_ROWS(sfx, T) \
-    extern "C" __global__ void reduce_rows_##sfx(const T* a, const T* b, T* out, i64 r, i64 c, int op) { reduce_rows_impl<T>(a, b, out, r, c, op); }
+    extern "C" __global__ void reduce_rows_##sfx(const T* a, const T* b, T* out, i64 r, i64 c, int op) { pdl_enter(); reduce_rows_impl<T>(a, b, out, r, c, op); }
 FOR_FLOATS(REDUCE_ROWS)
 
 // Column sums `[R, C] -> [C]` in two deterministic passes. First: block
@@ -471,9 +471,9 @@ template <typename T> __device__ void sum_cols_fin_impl(const acc_t<T>* part, T*
     }
 }
 #define SUM_COLS(sfx, T) \
-    extern "C" __global__ void sum_cols_part_##sfx(const T* x, acc_t<T>* part, i64 r, i64 c, i64 per) { \
+    extern "C" __global__ void sum_cols_part_##sfx(const T* x, acc_t<T>* part, i64 r, i64 c, i64 per) { pdl_enter(); \
         sum_cols_part_impl<T>(x, part, r, c, per); } \
-    extern "C" __global__ void sum_cols_fin_##sfx(const acc_t<T>* part, T* out, i64 runs, i64 c) { \
+    extern "C" __global__ void sum_cols_fin_##sfx(const acc_t<T>* part, T* out, i64 runs, i64 c) { pdl_enter(); \
         sum_cols_fin_impl<T>(part, out, runs, c); }
 FOR_FLOATS(SUM_COLS)
 
@@ -503,7 +503,7 @@ template <typename T> __device__ void total_impl(const T* x, double* partials, i
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 #define TOTAL(sfx, T) \
-    extern "C" __global__ void total_##sfx(const T* x, double* partials, i64 n, int squares) { total_impl<T>(x, partials, n, squares); }
+    extern "C" __global__ void total_##sfx(const T* x, double* partials, i64 n, int squares) { pdl_enter(); total_impl<T>(x, partials, n, squares); }
 FOR_FLOATS(TOTAL)
 
 // One block adds the partials, each thread a fixed stride of them, then the
@@ -516,5 +516,5 @@ template <typename T> __device__ void total_finish_impl(const double* partials, 
     if (threadIdx.x == 0) out[0] = from_f64<T>(s);
 }
 #define TOTAL_FINISH(sfx, T) \
-    extern "C" __global__ void total_finish_##sfx(const double* partials, T* out, int np) { total_finish_impl<T>(partials, out, np); }
+    extern "C" __global__ void total_finish_##sfx(const double* partials, T* out, int np) { pdl_enter(); total_finish_impl<T>(partials, out, np); }
 FOR_FLOATS(TOTAL_FINISH)

@@ -72,9 +72,9 @@ __device__ void fp8_expand_impl(const unsigned char* codes, const float* scales,
 }
 
 #define FP8(sfx, T) \
-    extern "C" __global__ void fp8_compress_##sfx(const T* x, unsigned char* codes, float* scales, i64 rows, i64 cols) { \
+    extern "C" __global__ void fp8_compress_##sfx(const T* x, unsigned char* codes, float* scales, i64 rows, i64 cols) { pdl_enter(); \
         fp8_compress_impl<T>(x, codes, scales, rows, cols); } \
-    extern "C" __global__ void fp8_expand_##sfx(const unsigned char* codes, const float* scales, T* out, i64 rows, i64 cols) { \
+    extern "C" __global__ void fp8_expand_##sfx(const unsigned char* codes, const float* scales, T* out, i64 rows, i64 cols) { pdl_enter(); \
         fp8_expand_impl<T>(codes, scales, out, rows, cols); }
 FOR_FLOATS(FP8)
 
@@ -353,7 +353,7 @@ __device__ void fp8_quant_group_cols_impl(const T* x, unsigned char* codes, floa
 #define RC_COLS 512
 extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* row_src, unsigned char* rcodes, float* rscales,
                                                    unsigned char* ccodes, float* cscales, const int* sizes,
-                                                   i64 m, i64 k, i64 groups) {
+                                                   i64 m, i64 k, i64 groups) { pdl_enter();
     __shared__ __align__(16) unsigned tile_w[128 * 64];
     __shared__ float part[16][128];
     __shared__ float col_factor[128];
@@ -448,16 +448,16 @@ extern "C" __global__ void fp8_quant_rows_cols_bf16(const bf16* x, const int* ro
 }
 
 #define FP8_OPERANDS(sfx, T) \
-    extern "C" __global__ void fp8_quant_blocks_##sfx(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) { \
+    extern "C" __global__ void fp8_quant_blocks_##sfx(const T* w, unsigned char* codes, float* scales, i64 r, i64 c, int transposed) { pdl_enter(); \
         fp8_quant_blocks_impl<T>(w, codes, scales, r, c, transposed); } \
     extern "C" __global__ void fp8_quant_group_cols_##sfx(const T* x, unsigned char* codes, float* scales, const int* sizes, \
-                                                         i64 m, i64 k, i64 groups, i64 tiles) { \
+                                                         i64 m, i64 k, i64 groups, i64 tiles) { pdl_enter(); \
         fp8_quant_group_cols_impl<T>(x, codes, scales, sizes, m, k, groups, tiles); }
 FOR_FLOATS(FP8_OPERANDS)
 
 // The logical f32 values of 128x128-block codes (stored transposed or not).
 extern "C" __global__ void fp8_dequant_blocks(const unsigned char* codes, const float* scales, float* out,
-                                              i64 g, i64 r, i64 c, int transposed) {
+                                              i64 g, i64 r, i64 c, int transposed) { pdl_enter();
     const i64 n = g * r * c, gr = (r + 127) / 128, gc = (c + 127) / 128;
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (i64)gridDim.x * blockDim.x) {
         const i64 e = idx / (r * c), i = (idx / c) % r, j = idx % c;
@@ -469,7 +469,7 @@ extern "C" __global__ void fp8_dequant_blocks(const unsigned char* codes, const 
 // The [m, k] f32 values of per-group column-tile codes ([k, m]); rows past
 // the groups keep the zeros `out` starts with. Grid as the quantisation's.
 extern "C" __global__ void fp8_dequant_group_cols(const unsigned char* codes, const float* scales, const int* sizes,
-                                                  float* out, i64 m, i64 k, i64 groups, i64 tiles) {
+                                                  float* out, i64 m, i64 k, i64 groups, i64 tiles) { pdl_enter();
     const ColTile t = block_col_tile(sizes, groups, m, k);
     const i64 tile = t.tile, row0 = t.row0, rows = t.rows, c0 = t.c0, nc = t.nc;
     for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {

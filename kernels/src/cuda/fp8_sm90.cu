@@ -889,33 +889,33 @@ __device__ __forceinline__ void f8w_body(const TmaMap* ta, const TmaMap* tb, con
         i64 sbk, i64 sbn, const i64 *offs, const i64 *tiles
 #define F8_ENTRY extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
 // The default, V3: V2 with the unrolled chains.
-F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<false, 3>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
-F8_ENTRY grouped_mm_fp8_wgmma_f32_v3(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_f32_v3(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<true, 3>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 // V3 adding its product to out (grouped_matmul_fp8_accumulate: the fc1 data
 // gradient's up half onto its gate half, with no product written and read
 // back by an add).
-F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3_add(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_bf16_v3_add(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<false, 3, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
-F8_ENTRY grouped_mm_fp8_wgmma_f32_v3_add(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_f32_v3_add(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<true, 3, true>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 // V2 (FOLDMOE_FP8_GEMM=v2), kept for comparisons.
-F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_bf16(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<false, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
-F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_f32(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<true, 2>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 // The first version (V1; FOLDMOE_FP8_GEMM=v1), kept for comparisons.
-F8_ENTRY grouped_mm_fp8_wgmma_bf16_v1(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_bf16_v1(F8_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<false, 1>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
-F8_ENTRY grouped_mm_fp8_wgmma_f32_v1(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_mm_fp8_wgmma_f32_v1(F8_ARGS, float* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8_body<true, 1>(&ta, &tb, sa, sb, sbg, sbk, sbn, offs, tiles, out, m, k, n, g);
 }
 
@@ -923,10 +923,10 @@ F8_ENTRY grouped_mm_fp8_wgmma_f32_v1(F8_ARGS, float* out, i64 m, i64 k, i64 n, i
 // dy's [N, M] (boxes 128 × 128); sa [T, K], sb [T, N]; offs [G + 1].
 #define F8W_ARGS \
     const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb, const float *sa, const float *sb, const i64 *offs
-F8_ENTRY grouped_wgrad_fp8_wgmma_bf16(F8W_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_wgrad_fp8_wgmma_bf16(F8W_ARGS, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8w_body<false>(&ta, &tb, sa, sb, offs, out, m, k, n, g);
 }
-F8_ENTRY grouped_wgrad_fp8_wgmma_f32(F8W_ARGS, float* out, i64 m, i64 k, i64 n, int g) {
+F8_ENTRY grouped_wgrad_fp8_wgmma_f32(F8W_ARGS, float* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     f8w_body<true>(&ta, &tb, sa, sb, offs, out, m, k, n, g);
 }
 

@@ -579,66 +579,66 @@ __device__ __forceinline__ void gw_body(const TmaMap* ta, const TmaMap* tb, cons
 // A and B (linalg.rs); offs / tiles: group_offsets' outputs.
 #define GW_ARGS const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb
 #define GW_ENTRY extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)
-GW_ENTRY grouped_mm_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+GW_ENTRY grouped_mm_wgmma_bf16_nn(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<0>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
-GW_ENTRY grouped_mm_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+GW_ENTRY grouped_mm_wgmma_bf16_nt(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<1>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
-GW_ENTRY grouped_wgrad_wgmma_bf16(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+GW_ENTRY grouped_wgrad_wgmma_bf16(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<2>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g);
 }
 // out = x1 · op(w1[g]) + x2 · op(w2[g]); (ta2, tb2) map x2 [M, K2] and w2.
 GW_ENTRY grouped_mm2_wgmma_bf16_nn(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
-                                   const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+                                   const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) { pdl_enter();
     gw_body<0, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
 GW_ENTRY grouped_mm2_wgmma_bf16_nt(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
-                                   const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+                                   const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) { pdl_enter();
     gw_body<1, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
 // The plain products with the deferred epilogue (FOLDMOE_GEMM_EPILOGUE=deferred):
 // the consumers hand each tile to warps 9-11 and go on to the next tile.
-GW_ENTRY grouped_mm_wgmma_bf16_nn_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+GW_ENTRY grouped_mm_wgmma_bf16_nn_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<0, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
-GW_ENTRY grouped_mm_wgmma_bf16_nt_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+GW_ENTRY grouped_mm_wgmma_bf16_nt_defer(GW_ARGS, const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<1, false, true>(&ta, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g);
 }
-GW_ENTRY grouped_wgrad_wgmma_bf16_defer(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+GW_ENTRY grouped_wgrad_wgmma_bf16_defer(GW_ARGS, const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<2, false, true>(&ta, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g);
 }
 GW_ENTRY grouped_mm2_wgmma_bf16_nn_defer(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
-                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) { pdl_enter();
     gw_body<0, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
 GW_ENTRY grouped_mm2_wgmma_bf16_nt_defer(GW_ARGS, const __grid_constant__ TmaMap ta2, const __grid_constant__ TmaMap tb2,
-                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) {
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 k2, i64 n, int g) { pdl_enter();
     gw_body<1, true, true>(&ta, &tb, &ta2, &tb2, offs, tiles, out, nullptr, m, k, k2, n, g);
 }
 // grouped_mm_wgmma_bf16_nn over the rows xs[rsrc[r]] (zeros where
 // rsrc[r] = -1): xs [T, K], rsrc [M]; tb maps w as in the plain kernel.
 GW_ENTRY grouped_mm_gather_wgmma_bf16_nn(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
-                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<0, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g, xs, rsrc);
 }
 // grouped_mm_wgmma_bf16_nt over the rows xs[rsrc[r]] (the experts' down
 // projection's data gradient over the gathered output gradient).
 GW_ENTRY grouped_mm_gather_wgmma_bf16_nt(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
-                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) {
+                                         const i64* offs, const i64* tiles, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<1, false, false, true>(&tb, &tb, nullptr, nullptr, offs, tiles, out, nullptr, m, k, 0, n, g, xs, rsrc);
 }
 // grouped_wgrad_wgmma_bf16 with dy's rows dys[rsrc[r]]: ta maps x [M, K],
 // dys [T, N], rsrc [M] (the down projection's weight gradient over the
 // gathered output gradient).
 GW_ENTRY grouped_wgrad_gatherb_wgmma_bf16(const __grid_constant__ TmaMap ta, const bf16* dys, const int* rsrc,
-                                          const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+                                          const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<2, false, false, true, false, true>(&ta, &ta, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g, dys, rsrc);
 }
 // grouped_wgrad_wgmma_bf16 with x's rows xs[rsrc[r]]: xs [T, K], rsrc [M]
 // (M permuted rows), tb maps dy [M, N].
 GW_ENTRY grouped_wgrad_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, const bf16* xs, const int* rsrc,
-                                         const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) {
+                                         const i64* offs, bf16* out, i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<2, false, false, true>(&tb, &tb, nullptr, nullptr, offs, nullptr, out, nullptr, m, k, 0, n, g, xs, rsrc);
 }
 
@@ -646,7 +646,7 @@ GW_ENTRY grouped_wgrad_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, cons
 // x's rows xs[rsrc[r]].
 GW_ENTRY grouped_wgrad_pair_gather_wgmma_bf16(const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2,
                                               const bf16* xs, const int* rsrc, const i64* offs, bf16* out, bf16* out2,
-                                              i64 m, i64 k, i64 n, int g) {
+                                              i64 m, i64 k, i64 n, int g) { pdl_enter();
     gw_body<2, false, false, true, true>(&tb, &tb, nullptr, &tb2, offs, nullptr, out, out2, m, k, 0, n, g, xs, rsrc);
 }
 

@@ -24,7 +24,7 @@ __device__ __forceinline__ i64 warp_incl_scan(i64 v, int lane) {
     return v;
 }
 extern "C" __global__ void group_offsets(const int* sizes, int g, i64 m, i64* offs, ErrRec* err,
-                                         unsigned int code_negative, unsigned int code_total, i64* tiles, i64 tile_rows) {
+                                         unsigned int code_negative, unsigned int code_total, i64* tiles, i64 tile_rows) { pdl_enter();
     if (blockIdx.x != 0 || threadIdx.x >= 32) return;
     int lane = threadIdx.x;
     i64 carry = 0;
@@ -105,7 +105,7 @@ __device__ void grouped_mm_impl(const T* x, const T* w, const i64* offs, T* out,
     out[row * n + col] = from_acc<T>(acc);
 }
 #define GROUPED_MM(sfx, T) \
-    extern "C" __global__ void grouped_mm_##sfx(const T* x, const T* w, const i64* offs, T* out, i64 m, i64 k, i64 n, int g, int trans_w) { \
+    extern "C" __global__ void grouped_mm_##sfx(const T* x, const T* w, const i64* offs, T* out, i64 m, i64 k, i64 n, int g, int trans_w) { pdl_enter(); \
         grouped_mm_impl<T>(x, w, offs, out, m, k, n, g, trans_w); }
 FOR_FLOATS(GROUPED_MM)
 
@@ -122,7 +122,7 @@ __device__ void grouped_wgrad_impl(const T* x, const T* dy, const i64* offs, T* 
     dw[(g * k + kk) * n + nn] = from_acc<T>(acc);
 }
 #define GROUPED_WGRAD(sfx, T) \
-    extern "C" __global__ void grouped_wgrad_##sfx(const T* x, const T* dy, const i64* offs, T* dw, i64 k, i64 n) { \
+    extern "C" __global__ void grouped_wgrad_##sfx(const T* x, const T* dy, const i64* offs, T* dw, i64 k, i64 n) { pdl_enter(); \
         grouped_wgrad_impl<T>(x, dy, offs, dw, k, n); }
 FOR_FLOATS(GROUPED_WGRAD)
 
@@ -389,11 +389,11 @@ __device__ __forceinline__ void tc_grouped_mm(const bf16* __restrict__ x, const 
 // Two entry points: each inlines one layout. Dynamic shared memory
 // TC_SMEM_BYTES; grid ((M / 128 + G) · ceil(N / 256)), block 256.
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_mm_tc_bf16_nn(
-    const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) {
+    const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) { pdl_enter();
     tc_grouped_mm<false>(x, w, offs, tiles, out, k, n, g);
 }
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_mm_tc_bf16_nt(
-    const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) {
+    const bf16* x, const bf16* w, const i64* offs, const i64* tiles, bf16* out, i64 k, i64 n, int g) { pdl_enter();
     tc_grouped_mm<true>(x, w, offs, tiles, out, k, n, g);
 }
 
@@ -408,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_mm_tc_bf16_n
 // rows (group sizes are rarely multiples of 64 after routing).
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) grouped_wgrad_tc_bf16(
     const bf16* __restrict__ x, const bf16* __restrict__ dy, const i64* __restrict__ offs, bf16* __restrict__ dw,
-    i64 k, i64 n) {
+    i64 k, i64 n) { pdl_enter();
     int grp = blockIdx.z;
     i64 k0 = (i64)blockIdx.y * TC_BM, col0 = (i64)blockIdx.x * TC_BN;
     i64 row_beg = offs[grp], row_end = offs[grp + 1];

@@ -109,7 +109,7 @@ __device__ void ce_fwd_impl(const T* x, const int* tg, acc_t<T>* loss, acc_t<T>*
 }
 #define CE_FWD(sfx, T) \
     extern "C" __global__ void ce_fwd_##sfx(const T* x, const int* tg, acc_t<T>* loss, acc_t<T>* lse, i64 t, i64 v, \
-                                            ErrRec* err, unsigned int code_target, unsigned int code_nonfinite) { \
+                                            ErrRec* err, unsigned int code_target, unsigned int code_nonfinite) { pdl_enter(); \
         ce_fwd_impl<T>(x, tg, loss, lse, t, v, err, code_target, code_nonfinite); }
 FOR_FLOATS(CE_FWD)
 
@@ -159,7 +159,7 @@ __device__ void ce_bwd_impl(const T* x, const int* tg, const acc_t<T>* lse, cons
 }
 #define CE_BWD(sfx, T) \
     extern "C" __global__ void ce_bwd_##sfx(const T* x, const int* tg, const acc_t<T>* lse, const acc_t<T>* dloss, T* dx, \
-                                            i64 t, i64 v, ErrRec* err, unsigned int code_target) { \
+                                            i64 t, i64 v, ErrRec* err, unsigned int code_target) { pdl_enter(); \
         ce_bwd_impl<T>(x, tg, lse, dloss, dx, t, v, err, code_target); }
 FOR_FLOATS(CE_BWD)
 
@@ -173,6 +173,6 @@ __device__ void valid_mask_impl(const int* tg, T* out, i64 n, ErrRec* err, unsig
     }
 }
 #define VALID_MASK(sfx, T) \
-    extern "C" __global__ void valid_mask_##sfx(const int* tg, T* out, i64 n, ErrRec* err, unsigned int code) { \
+    extern "C" __global__ void valid_mask_##sfx(const int* tg, T* out, i64 n, ErrRec* err, unsigned int code) { pdl_enter(); \
         valid_mask_impl<T>(tg, out, n, err, code); }
 FOR_FLOATS(VALID_MASK)

@@ -103,6 +103,9 @@ struct Inner {
     pool: Arc<Pool>,
     /// `sm_90a`-style target for NVRTC.
     arch: String,
+    /// Whether kernels are launched programmatically dependent
+    /// (`FOLDMOE_PDL=1` on sm_90+; see [`Cuda::launch_params`]).
+    programmatic: bool,
     name: String,
     /// The device's `ErrRec` (see common.cuh): code, pad, index, value.
     err: Block,
@@ -222,23 +225,32 @@ pub(crate) fn block_cfg(grid: (u32, u32, u32), threads: u32, smem: u32) -> Launc
 }
 
 /// Launches `$func` on the handle's stream with `cfg` and the arguments
-/// (device addresses as `u64`, sizes as `i64`, scalars as `f64`/`i32`/`u32`).
-/// Each argument is bound to a local so its address lives until the launch.
+/// (device addresses as `u64`, sizes as `i64`, scalars as `f64`/`i32`/`u32`;
+/// any [`cudarc::driver::DeviceRepr`] value, never a `CudaSlice`).
+/// Each argument is bound to a local so its address lives until the launch
+/// ([`Cuda::launch_params`] queues it).
 macro_rules! launch {
     ($dev:expr, $func:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let func: cudarc::driver::CudaFunction = $func;
-        let stream = $dev.stream();
-        let mut b = stream.launch_builder(&func);
+        let mut params: Vec<*mut std::ffi::c_void> = Vec::new();
         $(
             let a = $arg;
-            cudarc::driver::PushKernelArg::arg(&mut b, &a);
+            params.push($crate::cuda::kernel_param(&a));
         )*
-        unsafe { b.launch($cfg) }
-            .map(|_| ())
-            .map_err(|e| $crate::cuda::launch_err(&func, e))
+        $dev.launch_params(&func, $cfg, &mut params)
     }};
 }
 pub(crate) use launch;
+
+/// The switch of programmatic dependent launches (0|1, default 0): read
+/// when a device opens.
+const PDL_SWITCH: &str = "FOLDMOE_PDL";
+
+/// A kernel argument's address, as `cuLaunchKernelEx` takes it: only plain
+/// device representations (a `CudaSlice` would pass its own address).
+pub(crate) fn kernel_param<T: cudarc::driver::DeviceRepr>(a: &T) -> *mut std::ffi::c_void {
+    a as *const T as *mut std::ffi::c_void
+}
 
 /// A failed launch, as the crate's error.
 pub(crate) fn launch_err(f: &CudaFunction, e: drv::DriverError) -> KernelError {
@@ -310,6 +322,10 @@ impl Cuda {
             } else {
                 format!("sm_{major}{minor}")
             };
+            let programmatic = compile::env_switch(PDL_SWITCH)
+                .map_err(unavailable)?
+                .unwrap_or(false)
+                && major >= 9;
             let stream = ctx
                 .new_stream()
                 .map_err(|e| unavailable(format!("creating a stream: {e:?}")))?;
@@ -322,6 +338,7 @@ impl Cuda {
                 stream,
                 pool,
                 arch,
+                programmatic,
                 name,
                 err,
                 checks: Mutex::new(Checks::default()),
@@ -351,6 +368,50 @@ impl Cuda {
     /// The GPU's name, as the driver reports it.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// Queues `func` on the handle's stream with `cfg` and `params` (the
+    /// arguments' addresses, [`launch!`]). With `FOLDMOE_PDL=1` on sm_90+
+    /// the launch is programmatically dependent: its blocks may be scheduled
+    /// while the kernel before it still runs, each waiting in `pdl_enter`
+    /// (common.cuh, every kernel's first statement) until that kernel has
+    /// completed, which hides the launch latency between kernels.
+    pub(crate) fn launch_params(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: an all-zero attribute is a valid (ignored) value; the id
+        // and the union field are set together below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream().cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.inner.programmatic as u32,
+        };
+        // SAFETY: `params` holds one valid address per kernel parameter, in
+        // order, alive until this returns (the driver copies them).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| launch_err(func, e))
     }
 
     /// The architecture kernels are compiled for (`sm_90a` on Hopper).

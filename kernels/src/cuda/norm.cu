@@ -23,7 +23,7 @@ __device__ void rmsnorm_fwd_impl(const T* x, const T* w, T* y, T* rstd, i64 r, i
     }
 }
 #define RMSNORM_FWD(sfx, T) \
-    extern "C" __global__ void rmsnorm_fwd_##sfx(const T* x, const T* w, T* y, T* rstd, i64 r, i64 d, double eps) { \
+    extern "C" __global__ void rmsnorm_fwd_##sfx(const T* x, const T* w, T* y, T* rstd, i64 r, i64 d, double eps) { pdl_enter(); \
         rmsnorm_fwd_impl<T>(x, w, y, rstd, r, d, eps); }
 FOR_FLOATS(RMSNORM_FWD)
 
@@ -45,7 +45,7 @@ __device__ void rmsnorm_dx_impl(const T* dy, const T* x, const T* w, const T* rs
     }
 }
 #define RMSNORM_DX(sfx, T) \
-    extern "C" __global__ void rmsnorm_dx_##sfx(const T* dy, const T* x, const T* w, const T* rstd, T* dx, i64 r, i64 d) { \
+    extern "C" __global__ void rmsnorm_dx_##sfx(const T* dy, const T* x, const T* w, const T* rstd, T* dx, i64 r, i64 d) { pdl_enter(); \
         rmsnorm_dx_impl<T>(dy, x, w, rstd, dx, r, d); }
 FOR_FLOATS(RMSNORM_DX)
 
@@ -58,7 +58,7 @@ FOR_FLOATS(RMSNORM_DX)
 // then a butterfly).
 
 extern "C" __global__ void rmsnorm_fwd_rows8_bf16(const bf16* x, const bf16* w, bf16* y, bf16* rstd, i64 r, i64 d,
-                                                   double eps) {
+                                                   double eps) { pdl_enter();
     int lane = threadIdx.x & 31;
     i64 chunks = d >> 3;
     for (i64 row = warp_row0(); row < r; row += warp_count()) {
@@ -85,7 +85,7 @@ extern "C" __global__ void rmsnorm_fwd_rows8_bf16(const bf16* x, const bf16* w, 
 }
 
 extern "C" __global__ void rmsnorm_dx_rows8_bf16(const bf16* dy, const bf16* x, const bf16* w, const bf16* rstd,
-                                                  bf16* dx, i64 r, i64 d) {
+                                                  bf16* dx, i64 r, i64 d) { pdl_enter();
     int lane = threadIdx.x & 31;
     i64 chunks = d >> 3;
     for (i64 row = warp_row0(); row < r; row += warp_count()) {
@@ -137,7 +137,7 @@ __device__ void rmsnorm_dw_part_impl(const T* dy, const T* x, const T* rstd, acc
     }
 }
 #define RMSNORM_DW_PART(sfx, T) \
-    extern "C" __global__ void rmsnorm_dw_part_##sfx(const T* dy, const T* x, const T* rstd, acc_t<T>* part, i64 r, i64 d, i64 per) { \
+    extern "C" __global__ void rmsnorm_dw_part_##sfx(const T* dy, const T* x, const T* rstd, acc_t<T>* part, i64 r, i64 d, i64 per) { pdl_enter(); \
         rmsnorm_dw_part_impl<T>(dy, x, rstd, part, r, d, per); }
 FOR_FLOATS(RMSNORM_DW_PART)
 
@@ -162,7 +162,7 @@ template <typename T> __device__ void rmsnorm_dw_finish_impl(const acc_t<T>* par
     }
 }
 #define RMSNORM_DW_FINISH(sfx, T) \
-    extern "C" __global__ void rmsnorm_dw_finish_##sfx(const acc_t<T>* part, T* dw, i64 chunks, i64 d) { \
+    extern "C" __global__ void rmsnorm_dw_finish_##sfx(const acc_t<T>* part, T* dw, i64 chunks, i64 d) { pdl_enter(); \
         rmsnorm_dw_finish_impl<T>(part, dw, chunks, d); }
 FOR_FLOATS(RMSNORM_DW_FINISH)
 
@@ -225,6 +225,6 @@ __device__ void rope_impl(const T* x, T* out, const int* positions, i64 s, i64 h
 }
 #define ROPE(sfx, T) \
     extern "C" __global__ void rope_##sfx(const T* x, T* out, const int* positions, i64 s, i64 h, i64 hd, double theta, \
-                                          double sign, double factor, double low, double high, double amp, i64 pairs) { \
+                                          double sign, double factor, double low, double high, double amp, i64 pairs) { pdl_enter(); \
         rope_impl<T>(x, out, positions, s, h, hd, theta, sign, factor, low, high, amp, pairs); }
 FOR_FLOATS(ROPE)

@@ -53,7 +53,7 @@ __device__ void adamw_impl(T* p, const T* g, T* m, T* v, i64 n, AdamwCoeffs<acc_
     }
 }
 #define ADAMW(sfx, T) \
-    extern "C" __global__ void adamw_##sfx(T* p, const T* g, T* m, T* v, i64 n, AdamwScalars s) { \
+    extern "C" __global__ void adamw_##sfx(T* p, const T* g, T* m, T* v, i64 n, AdamwScalars s) { pdl_enter(); \
         adamw_impl<T>(p, g, m, v, n, adamw_coeffs<acc_t<T> >(s)); }
 FOR_FLOATS(ADAMW)
 
@@ -110,7 +110,7 @@ __device__ void adamw_master_impl(T* p, const T* g, float* w, float* m, float* v
     }
 }
 #define ADAMW_MASTER(sfx, T) \
-    extern "C" __global__ void adamw_master_##sfx(T* p, const T* g, float* w, float* m, float* v, i64 n, AdamwScalars s) { \
+    extern "C" __global__ void adamw_master_##sfx(T* p, const T* g, float* w, float* m, float* v, i64 n, AdamwScalars s) { pdl_enter(); \
         adamw_master_impl<T>(p, g, w, m, v, n, adamw_coeffs<float>(s)); }
 ADAMW_MASTER(f32, float)
 ADAMW_MASTER(bf16, bf16)

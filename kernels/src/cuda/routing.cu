@@ -9,7 +9,7 @@
 
 // Reports the first entry of idx outside [lo, hi); the consumers skip such
 // entries, so nothing is read or written out of bounds.
-extern "C" __global__ void check_range(const int* idx, i64 n, i64 lo, i64 hi, ErrRec* err, unsigned int code) {
+extern "C" __global__ void check_range(const int* idx, i64 n, i64 lo, i64 hi, ErrRec* err, unsigned int code) { pdl_enter();
     GRID_LOOP(i, n) {
         i64 c = idx[i];
         if (c < lo || c >= hi) report_err(err, code, i, (double)c);
@@ -24,7 +24,7 @@ template <typename T> __device__ void check_nan_impl(const T* x, i64 n, ErrRec* 
     }
 }
 #define CHECK_NAN(sfx, T) \
-    extern "C" __global__ void check_nan_##sfx(const T* x, i64 n, ErrRec* err, unsigned int code) { check_nan_impl<T>(x, n, err, code); }
+    extern "C" __global__ void check_nan_##sfx(const T* x, i64 n, ErrRec* err, unsigned int code) { pdl_enter(); check_nan_impl<T>(x, n, err, code); }
 FOR_FLOATS(CHECK_NAN)
 
 // ---- top-k ----------------------------------------------------------------------
@@ -149,7 +149,7 @@ __device__ void topk_impl(const T* x, int* out, i64 t, i64 e, i64 k, i64 groups,
 }
 #define TOPK(sfx, T) \
     extern "C" __global__ void topk_##sfx(const T* x, int* out, i64 t, i64 e, i64 k, i64 groups, i64 per_group, i64 keep_groups, \
-                                          i64 score_top, ErrRec* err, unsigned int code_nan) { \
+                                          i64 score_top, ErrRec* err, unsigned int code_nan) { pdl_enter(); \
         topk_impl<T>(x, out, t, e, k, groups, per_group, keep_groups, score_top, err, code_nan); }
 FOR_FLOATS(TOPK)
 
@@ -163,7 +163,7 @@ template <typename T> __device__ void gather_cols_impl(const T* x, const int* id
     }
 }
 #define GATHER_COLS(sfx, T) \
-    extern "C" __global__ void gather_cols_##sfx(const T* x, const int* idx, T* out, i64 t, i64 e, i64 k) { gather_cols_impl<T>(x, idx, out, t, e, k); }
+    extern "C" __global__ void gather_cols_##sfx(const T* x, const int* idx, T* out, i64 t, i64 e, i64 k) { pdl_enter(); gather_cols_impl<T>(x, idx, out, t, e, k); }
 FOR_FLOATS(GATHER_COLS)
 
 // out[t, idx[t, j]] += v[t, j] over a zeroed out; one thread per row adds its
@@ -179,7 +179,7 @@ template <typename T> __device__ void scatter_cols_impl(const T* v, const int* i
     }
 }
 #define SCATTER_COLS(sfx, T) \
-    extern "C" __global__ void scatter_cols_##sfx(const T* v, const int* idx, T* out, i64 t, i64 k, i64 cols) { scatter_cols_impl<T>(v, idx, out, t, k, cols); }
+    extern "C" __global__ void scatter_cols_##sfx(const T* v, const int* idx, T* out, i64 t, i64 k, i64 cols) { pdl_enter(); scatter_cols_impl<T>(v, idx, out, t, k, cols); }
 FOR_FLOATS(SCATTER_COLS)
 
 // out[n] = x[src[n]] row by row; 0 where src[n] is -1 (or invalid).
@@ -201,12 +201,12 @@ template <typename T> __device__ void gather_rows_impl(const T* x, const int* sr
     }
 }
 #define GATHER_ROWS(sfx, T) \
-    extern "C" __global__ void gather_rows_##sfx(const T* x, const int* src, T* out, i64 n, i64 rows, i64 d) { gather_rows_impl<T>(x, src, out, n, rows, d); }
+    extern "C" __global__ void gather_rows_##sfx(const T* x, const int* src, T* out, i64 n, i64 rows, i64 d) { pdl_enter(); gather_rows_impl<T>(x, src, out, n, rows, d); }
 FOR_FLOATS(GATHER_ROWS)
 
 // ---- inverting an index map --------------------------------------------------------
 
-extern "C" __global__ void inv_count(const int* src, i64 n, i64 targets, int* counts) {
+extern "C" __global__ void inv_count(const int* src, i64 n, i64 targets, int* counts) { pdl_enter();
     GRID_LOOP(r, n) {
         i64 s = src[r];
         if (s >= 0 && s < targets) atomicAdd(&counts[s], 1);
@@ -230,7 +230,7 @@ __device__ __forceinline__ int4 inv_load4(const int* p, i64 i, i64 hi, bool vec)
     if (i + 3 < hi) v.w = p[i + 3];
     return v;
 }
-extern "C" __global__ void __launch_bounds__(1024) inv_scan(const int* counts, i64 targets, int* offsets) {
+extern "C" __global__ void __launch_bounds__(1024) inv_scan(const int* counts, i64 targets, int* offsets) { pdl_enter();
     __shared__ int warp_base[32];
     unsigned lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     bool vec = ((reinterpret_cast<size_t>(counts) | reinterpret_cast<size_t>(offsets)) & 15) == 0;
@@ -289,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(1024) inv_scan(const int* counts, i
 // warp per chunk places its sources 32 rows at a time (inv_chunk_place): the
 // lanes of a group that share a target rank themselves by lane, then the
 // lowest of them advances the target's start.
-extern "C" __global__ void inv_chunk_count(const int* src, i64 n, i64 targets, i64 ch, int* cc) {
+extern "C" __global__ void inv_chunk_count(const int* src, i64 n, i64 targets, i64 ch, int* cc) { pdl_enter();
     GRID_LOOP(r, n) {
         i64 s = src[r];
         if (s >= 0 && s < targets) atomicAdd(&cc[(r / ch) * targets + s], 1);
@@ -300,7 +300,7 @@ extern "C" __global__ void inv_chunk_count(const int* src, i64 n, i64 targets, i
 // them is overwritten: one dependent load after another (the store before
 // the next load keeps the compiler from hoisting it) took ~1 µs a chunk.
 #define INV_BASE_BATCH 16
-extern "C" __global__ void inv_chunk_base(const int* offsets, i64 targets, i64 chunks, int* cc) {
+extern "C" __global__ void inv_chunk_base(const int* offsets, i64 targets, i64 chunks, int* cc) { pdl_enter();
     GRID_LOOP(t, targets) {
         int run = offsets[t];
         for (i64 c0 = 0; c0 < chunks; c0 += INV_BASE_BATCH) {
@@ -317,7 +317,7 @@ extern "C" __global__ void inv_chunk_base(const int* offsets, i64 targets, i64 c
 }
 
 extern "C" __global__ void inv_chunk_place(const int* src, i64 n, i64 targets, i64 ch, i64 chunks, int* cc,
-                                           int* items) {
+                                           int* items) { pdl_enter();
     unsigned lane = threadIdx.x & 31, below = (1u << lane) - 1;
     for (i64 c = warp_row0(); c < chunks; c += warp_count()) {
         i64 lo = c * ch, hi = lo + ch < n ? lo + ch : n;
@@ -391,7 +391,7 @@ __device__ void seg_sum_impl(const T* src, const T* w, const int* offsets, const
     }
 }
 #define SEG_SUM(sfx, T) \
-    extern "C" __global__ void seg_sum_##sfx(const T* src, const T* w, const int* offsets, const int* items, T* out, i64 targets, i64 d, i64 kdiv) { \
+    extern "C" __global__ void seg_sum_##sfx(const T* src, const T* w, const int* offsets, const int* items, T* out, i64 targets, i64 d, i64 kdiv) { pdl_enter(); \
         seg_sum_impl<T>(src, w, offsets, items, out, targets, d, kdiv); }
 FOR_FLOATS(SEG_SUM)
 
@@ -400,7 +400,7 @@ FOR_FLOATS(SEG_SUM)
 // Dropless: row `row` of the expert-major order takes copy items[row]; rows
 // past the placed total (only if idx held invalid experts, reported) get -1,
 // as do those copies' slots (slot arrives filled with -1).
-extern "C" __global__ void plan_fill(const int* offsets, const int* items, i64 n, i64 k, i64 experts, int* row_src, int* slot, int* counts) {
+extern "C" __global__ void plan_fill(const int* offsets, const int* items, i64 n, i64 k, i64 experts, int* row_src, int* slot, int* counts) { pdl_enter();
     i64 total = offsets[experts];
     GRID_LOOP(p, n > experts ? n : experts) {
         if (p < n) {
@@ -471,7 +471,7 @@ __device__ void cap_place_impl(const T* probs, const int* offsets, const int* it
 }
 #define CAP_PLACE(sfx, T) \
     extern "C" __global__ void cap_place_##sfx(const T* probs, const int* offsets, const int* items, i64 experts, i64 k, i64 capacity, \
-                                               int by_probs, int pad, int* row_src, int* slot, int* counts) { \
+                                               int by_probs, int pad, int* row_src, int* slot, int* counts) { pdl_enter(); \
         cap_place_impl<T>(probs, offsets, items, experts, k, capacity, by_probs, pad, row_src, slot, counts); }
 FOR_FLOATS(CAP_PLACE)
 
@@ -509,7 +509,7 @@ template <typename T> __device__ void unpermute_impl(const T* y, const int* slot
     }
 }
 #define UNPERMUTE(sfx, T) \
-    extern "C" __global__ void unpermute_##sfx(const T* y, const int* slot, T* out, i64 t, i64 k, i64 n, i64 d) { \
+    extern "C" __global__ void unpermute_##sfx(const T* y, const int* slot, T* out, i64 t, i64 k, i64 n, i64 d) { pdl_enter(); \
         unpermute_impl<T>(y, slot, out, t, k, n, d); }
 FOR_FLOATS(UNPERMUTE)
 
@@ -530,8 +530,8 @@ template <typename T> __device__ void permute_w_bwd_impl(const T* dp, const int*
     }
 }
 #define PERMUTE_W(sfx, T) \
-    extern "C" __global__ void permute_w_##sfx(const T* w, const int* slot, i64 copies, i64 n, T* p) { \
+    extern "C" __global__ void permute_w_##sfx(const T* w, const int* slot, i64 copies, i64 n, T* p) { pdl_enter(); \
         permute_w_impl<T>(w, slot, copies, n, p); } \
-    extern "C" __global__ void permute_w_bwd_##sfx(const T* dp, const int* slot, i64 copies, i64 n, T* dw) { \
+    extern "C" __global__ void permute_w_bwd_##sfx(const T* dp, const int* slot, i64 copies, i64 n, T* dw) { pdl_enter(); \
         permute_w_bwd_impl<T>(dp, slot, copies, n, dw); }
 FOR_FLOATS(PERMUTE_W)
