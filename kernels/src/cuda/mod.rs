@@ -37,7 +37,7 @@ mod optim;
 mod routing;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
@@ -105,7 +105,10 @@ struct Inner {
     arch: String,
     /// Whether kernels are launched programmatically dependent
     /// (`FOLDMOE_PDL=1` on sm_90+; see [`Cuda::launch_params`]).
-    programmatic: bool,
+    programmatic: AtomicBool,
+    /// Whether the device can (sm_90+; read by the tests' toggle).
+    #[cfg_attr(not(test), allow(dead_code))]
+    programmatic_capable: bool,
     name: String,
     /// The device's `ErrRec` (see common.cuh): code, pad, index, value.
     err: Block,
@@ -322,10 +325,13 @@ impl Cuda {
             } else {
                 format!("sm_{major}{minor}")
             };
-            let programmatic = compile::env_switch(PDL_SWITCH)
-                .map_err(unavailable)?
-                .unwrap_or(false)
-                && major >= 9;
+            let programmatic_capable = major >= 9;
+            let programmatic = AtomicBool::new(
+                compile::env_switch(PDL_SWITCH)
+                    .map_err(unavailable)?
+                    .unwrap_or(false)
+                    && programmatic_capable,
+            );
             let stream = ctx
                 .new_stream()
                 .map_err(|e| unavailable(format!("creating a stream: {e:?}")))?;
@@ -339,6 +345,7 @@ impl Cuda {
                 pool,
                 arch,
                 programmatic,
+                programmatic_capable,
                 name,
                 err,
                 checks: Mutex::new(Checks::default()),
@@ -398,7 +405,7 @@ impl Cuda {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream().cu_stream(),
             attrs: &mut attr,
-            numAttrs: self.inner.programmatic as u32,
+            numAttrs: self.inner.programmatic.load(Ordering::Relaxed) as u32,
         };
         // SAFETY: `params` holds one valid address per kernel parameter, in
         // order, alive until this returns (the driver copies them).
@@ -412,6 +419,16 @@ impl Cuda {
         }
         .result()
         .map_err(|e| launch_err(func, e))
+    }
+
+    /// Turns programmatic dependent launches on or off for this handle's
+    /// later launches (on only where the device is sm_90+), whatever
+    /// `FOLDMOE_PDL` said: tests compare both in one process.
+    #[cfg(test)]
+    pub(crate) fn set_programmatic(&self, on: bool) {
+        self.inner
+            .programmatic
+            .store(on && self.inner.programmatic_capable, Ordering::Relaxed);
     }
 
     /// The architecture kernels are compiled for (`sm_90a` on Hopper).
@@ -850,6 +867,78 @@ mod tests {
                 )
             }
             Err(e) => panic!("{e:?}"),
+        }
+    }
+
+    /// Programmatic dependent launches change when a kernel's blocks start,
+    /// never what they read or overwrite: a chain of dependent kernels
+    /// (in-place updates, each reading the last one's output; a wgmma
+    /// grouped GEMM between small kernels, its input rewritten right after)
+    /// gives the same bits with them as without.
+    #[test]
+    #[cfg_attr(
+        not(foldmoe_gpu_tests),
+        ignore = "needs a CUDA GPU: RUSTFLAGS='--cfg foldmoe_gpu_tests' cargo test"
+    )]
+    fn programmatic_launches_keep_every_dependency() {
+        use crate::backend::{ElementwiseOps, LinalgOps};
+        let probe = require_test_device();
+        if !probe.inner.programmatic_capable {
+            eprintln!(
+                "skipping: {} has no programmatic launches (sm_90+)",
+                probe.arch()
+            );
+            return;
+        }
+        let (m, k, g, n) = (1000, 256, 5, 384);
+        let values = |len: usize, seed: u32| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 20) as f32 / 4096.0
+                        - 0.5
+                })
+                .collect()
+        };
+        let run = |programmatic: bool| -> Vec<HostData> {
+            let d = require_test_device();
+            d.set_programmatic(programmatic);
+            let x = d.upload(HostData::F32(values(m * k, 1)), &[m, k]).unwrap();
+            let mut y = d.upload(HostData::F32(values(m * k, 2)), &[m, k]).unwrap();
+            for _ in 0..200 {
+                y = d.add(&y, &x).unwrap();
+                d.axpy(&mut y, -0.5, &x).unwrap();
+                y = d.scale(&y, 0.999).unwrap();
+            }
+            let sizes = d
+                .upload(HostData::I32(vec![300, 0, 17, 600, 83]), &[g])
+                .unwrap();
+            let w = d
+                .cast(
+                    &d.upload(HostData::F32(values(g * k * n, 3)), &[g, k, n])
+                        .unwrap(),
+                    DType::BF16,
+                )
+                .unwrap();
+            let mut a = d.cast(&y, DType::BF16).unwrap();
+            let xb = d.cast(&x, DType::BF16).unwrap();
+            let mut outs = Vec::new();
+            for _ in 0..4 {
+                let o = d.grouped_matmul(&a, &w, &sizes, false).unwrap();
+                // The product's input is rewritten at once (its last reader
+                // must be done) and its output read at once.
+                d.axpy(&mut a, 0.25, &xb).unwrap();
+                outs.push(d.add(&o, &o).unwrap());
+            }
+            let mut host: Vec<HostData> = outs.iter().map(|o| d.download(o).unwrap()).collect();
+            host.push(d.download(&y).unwrap());
+            host.push(d.download(&a).unwrap());
+            host
+        };
+        let ordinary = run(false);
+        let programmatic = run(true);
+        assert_eq!(ordinary.len(), programmatic.len());
+        for (i, (a, b)) in ordinary.iter().zip(&programmatic).enumerate() {
+            assert!(a == b, "output {i} differs under programmatic launches");
         }
     }
 
