@@ -320,12 +320,23 @@ mod tests {
         }
     }
 
-    /// Where each kernel entry point of `src` opens its body: after
-    /// `extern "C" __global__` or an `*_ENTRY` macro standing for it (not the
-    /// macro's own `#define`), past an optional `__launch_bounds__(..)`, the
-    /// name and the balanced parameter list, at the `{`. Yields the entry's
-    /// first 80 characters (for messages) and the body's text after `{`.
+    /// The body of each kernel entry point of `src`, from its first
+    /// statement on (blanks and line continuations skipped): entries are
+    /// `extern "C" __global__` or an object-like macro defined as it (a
+    /// `#define NAME extern "C" __global__` line; not that line itself), then an
+    /// optional `__launch_bounds__(..)`, the name and the balanced parameter
+    /// list up to the `{`. Each comes with its first 80 characters (for
+    /// messages).
     fn entry_bodies(src: &str) -> Vec<(String, &str)> {
+        const GLOBAL: &str = "extern \"C\" __global__";
+        let defines = |line: &str| -> Option<String> {
+            let rest = line.trim_start().strip_prefix("#define")?;
+            let (name, body) = rest.trim_start().split_once(char::is_whitespace)?;
+            // Object-like only: a function-like macro stamps out entries.
+            (!name.contains('(') && body.trim_start().starts_with(GLOBAL)).then(|| name.to_string())
+        };
+        let mut markers = vec![GLOBAL.to_string()];
+        markers.extend(src.lines().filter_map(defines));
         let closing = |from: usize| -> usize {
             let mut depth = 0;
             for (i, c) in src[from..].char_indices() {
@@ -341,27 +352,18 @@ mod tests {
                 &src[from..(from + 60).min(src.len())]
             );
         };
+        let blanks = [' ', '\t', '\n', '\\'];
         let mut out = Vec::new();
         let mut at = 0;
-        while let Some((pos, len)) = [
-            "extern \"C\" __global__",
-            "F8_ENTRY",
-            "GW_ENTRY",
-            "FA3_ENTRY",
-        ]
-        .iter()
-        .filter_map(|m| src[at..].find(m).map(|p| (at + p, m.len())))
-        .min()
+        while let Some((pos, len)) = markers
+            .iter()
+            .filter_map(|m| src[at..].find(m.as_str()).map(|p| (at + p, m.len())))
+            .min()
         {
             at = pos + len;
             let line_start = src[..pos].rfind('\n').map_or(0, |i| i + 1);
-            let line = src[line_start..].trim_start();
-            if line.starts_with("#define")
-                && line
-                    .split_whitespace()
-                    .nth(1)
-                    .is_some_and(|n| n.ends_with("_ENTRY"))
-            {
+            let line_end = src[pos..].find('\n').map_or(src.len(), |i| pos + i);
+            if defines(&src[line_start..line_end]).is_some() {
                 continue;
             }
             let mut open = src[at..].find('(').expect("an entry's parameters") + at;
@@ -370,9 +372,12 @@ mod tests {
                 open = src[after..].find('(').expect("an entry's parameters") + after;
             }
             let end = closing(open);
-            let rest = src[end..].trim_start_matches([' ', '\t', '\n', '\\']);
+            let rest = src[end..].trim_start_matches(blanks);
             assert!(rest.starts_with('{'), "no body after {}", &src[pos..end]);
-            out.push((src[pos..(pos + 80).min(src.len())].to_string(), &rest[1..]));
+            out.push((
+                src[pos..(pos + 80).min(src.len())].to_string(),
+                rest[1..].trim_start_matches(blanks),
+            ));
         }
         out
     }
@@ -392,8 +397,7 @@ mod tests {
             );
             for (entry, body) in bodies {
                 assert!(
-                    body.trim_start_matches([' ', '\t', '\n', '\\'])
-                        .starts_with("pdl_enter();"),
+                    body.starts_with("pdl_enter();"),
                     "{}: this kernel does not open with pdl_enter(): {entry}",
                     m.name
                 );
@@ -403,16 +407,13 @@ mod tests {
         assert!(entries >= 100, "only {entries} kernel entry points found");
         // The scanner itself: plain, macro-stamped and *_ENTRY kernels, with
         // and without __launch_bounds__, and one that forgets.
-        let src = "#define GW_ENTRY extern \"C\" __global__ void __launch_bounds__(T, 1)\n\
+        let src = "#define MY_ENTRY extern \"C\" __global__ void __launch_bounds__(T, 1)\n\
                    extern \"C\" __global__ void a(int x) { pdl_enter(); }\n\
                    #define M(s) extern \"C\" __global__ void __launch_bounds__(256) b_##s(f(int) x) { \\\n  pdl_enter(); }\n\
-                   GW_ENTRY c(int y,\n int z)\n{ g(); }\n";
+                   MY_ENTRY c(int y,\n int z)\n{ g(); }\n";
         let found: Vec<bool> = entry_bodies(src)
             .iter()
-            .map(|(_, b)| {
-                b.trim_start_matches([' ', '\t', '\n', '\\'])
-                    .starts_with("pdl_enter();")
-            })
+            .map(|(_, b)| b.starts_with("pdl_enter();"))
             .collect();
         assert_eq!(found, [true, true, false]);
     }
